@@ -1,0 +1,128 @@
+"""Shared fixtures: the embedded tokenizer, a tiny model that has learned the answer format, and a
+reference server process. Run with: bash scripts/test.sh (or python -m pytest tests)."""
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+SHARED_GSM8K = os.path.join(ROOT, "..", "shared", "gsm8k")
+
+import grpo_ref_split as grpo  # noqa: E402
+import ref_server  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def embedded_path():
+    """The embedded SmolLM2 converted to a transformers folder (done once per machine)."""
+    return ref_server.resolve_model_path("")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(embedded_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(embedded_path)
+
+
+def tiny_config(tokenizer, **overrides):
+    from transformers import LlamaConfig
+
+    kw = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
+              bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+              pad_token_id=tokenizer.pad_token_id)
+    kw.update(overrides)
+    return LlamaConfig(**kw)
+
+
+def sft_target(rng, a, b):
+    """What the tiny model learns to write after the <think> prefill: the tag format most of the
+    time with a right or a random sum, sometimes a bare number. Its samples then differ in both
+    rewards, like a weak real model's, so GRPO groups carry signal."""
+    x = a + b if rng.random() < 0.5 else rng.randint(2, 40)
+    return f" {a} + {b} </think><answer>{x}</answer>" if rng.random() < 0.7 else f" {x}"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tokenizer, tmp_path_factory):
+    """A 2-layer Llama on the SmolLM2 vocabulary, taught the answer format by 150 SFT steps (~30 s)."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    model = LlamaForCausalLM(tiny_config(tokenizer))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    problems = grpo.make_arithmetic(2400, 20, seed=1)
+    for i in range(150):
+        rows = problems[i * 16 : (i + 1) * 16]
+        prompts = [grpo.build_prompt(tokenizer, r["question"]) for r in rows]
+        targets = []
+        for r in rows:
+            a, b = (int(s) for s in r["answer"].split("=")[0].split("+"))
+            targets.append(tokenizer.encode(sft_target(rng, a, b), add_special_tokens=False) + [tokenizer.eos_token_id])
+        ids, attn, Tc = pack(tokenizer, prompts, targets)
+        logps = ref_server.completion_logps(model, ids, attn, Tc, 1.0)  # (B, Tc)
+        mask = attn[:, -Tc:].bool()  # (B, Tc)
+        loss = -grpo.masked_mean(logps, mask).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 2.0, f"tiny SFT did not converge (loss {loss.item():.2f})"
+    folder = tmp_path_factory.mktemp("tiny_model")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def pack(tokenizer, prompts, targets):
+    """Left-padded prompts followed by right-padded target ids: (ids, attention_mask, Tc)."""
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    Tc = max(len(t) for t in targets)
+    tgt = torch.full((len(targets), Tc), tokenizer.pad_token_id)
+    tgt_attn = torch.zeros(len(targets), Tc, dtype=torch.long)
+    for i, t in enumerate(targets):
+        tgt[i, : len(t)] = torch.tensor(t)
+        tgt_attn[i, : len(t)] = 1
+    return torch.cat([enc.input_ids, tgt], 1), torch.cat([enc.attention_mask, tgt_attn], 1), Tc
+
+
+class ServerProcess:
+    """`python ref_server.py` as a child process, for the end-to-end and fault tests."""
+
+    def __init__(self, model_dir, port, log_path, **env):
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = open(log_path, "w")
+        full_env = {**os.environ, "MODEL_PATH": model_dir, "PORT": str(port), **{k: str(v) for k, v in env.items()}}
+        self.proc = subprocess.Popen([sys.executable, "ref_server.py"], cwd=ROOT, env=full_env,
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            assert self.proc.poll() is None, f"ref_server.py exited early: {open(log_path).read()[-2000:]}"
+            try:
+                self.health()
+                return
+            except requests.ConnectionError:
+                time.sleep(0.3)
+        raise TimeoutError("ref_server.py did not come up in 120 s")
+
+    def health(self):
+        return requests.get(self.url + "/health", timeout=5).json()
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+        self.log.close()

@@ -1,0 +1,72 @@
+"""End to end: `python ref_server.py` as a process, `deepspeed grpo_ref_split.py` on 1 and 2 CPU ranks."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, ServerProcess, free_port, tiny_config
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    s = ServerProcess(tiny_model_dir, free_port(), tmp_path_factory.mktemp("srv") / "server.log")
+    yield s
+    s.stop()
+
+
+def train(model_dir, url, out, ranks, **env):
+    full_env = {**os.environ, "MODEL_PATH": model_dir, "REF_SERVER": url, "OUTPUT_DIR": str(out), "ALL_STEPS": "2",
+                "SAVE_STEPS": "1", "Q_BATCH_SIZE": "2", "NUM_PRE_Q": "4", "MAX_NEW_TOKENS": "16", "LR": "1e-3",
+                "SERVER_TIMEOUT": "120", **env}
+    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(ranks),
+           "--master_port", str(free_port()), "grpo_ref_split.py"]
+    return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=600)
+
+
+def params(folder):
+    from transformers import AutoModelForCausalLM
+
+    return {k: v.clone() for k, v in AutoModelForCausalLM.from_pretrained(folder).state_dict().items()}
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_training_steps_end_to_end(server, tiny_model_dir, tmp_path, ranks):
+    before = server.health()
+    run = train(tiny_model_dir, server.url, tmp_path, ranks)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "step    1 | loss" in run.stdout + run.stderr and "step    2 | loss" in run.stdout + run.stderr
+
+    lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [m["step"] for m in lines] == [1, 2]  # rank 0 alone writes
+    for m in lines:
+        assert all(math.isfinite(m[k]) for k in ("loss", "reward", "kl", "clip_frac", "length"))
+        assert 0 <= m["format"] <= 1 and 0 <= m["accuracy"] <= 1 and m["length"] > 0
+    assert lines[0]["kl"] < 1e-6  # step 1: the policy is still the reference model
+    assert lines[1]["kl"] > 0  # after one update it has moved away
+
+    start, step1, step2 = params(tiny_model_dir), params(tmp_path / "step_1"), params(tmp_path / "step_2")
+    assert start.keys() == step2.keys()
+    assert any(not torch.equal(start[k], step1[k]) for k in start), "step 1 changed no parameter"
+    assert any(not torch.equal(step1[k], step2[k]) for k in start), "step 2 changed no parameter"
+    assert not any(p.name.endswith(".tmp") for p in tmp_path.iterdir())  # no half-written checkpoint
+
+    after = server.health()
+    trained = after["served"] - before["served"]
+    assert trained >= ranks * 2 and after["uploaded"] - before["uploaded"] == trained  # each group once
+    assert after["ref_errors"] == 0 and after["pending"] == 0 and after["ready"] == 0
+
+
+def test_trainer_stops_when_the_server_holds_another_vocabulary(server, tokenizer, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    other = tmp_path / "other_vocab"
+    LlamaForCausalLM(tiny_config(tokenizer, vocab_size=len(tokenizer) + 64)).save_pretrained(other)
+    tokenizer.save_pretrained(other)
+    run = train(str(other), server.url, tmp_path / "out", 1)
+    assert run.returncode != 0
+    assert "holds" in run.stderr and "vocab 49152" in run.stderr and "policy has vocab 49216" in run.stderr
+    assert not (tmp_path / "out" / "metrics.jsonl").exists() or not open(tmp_path / "out" / "metrics.jsonl").read()

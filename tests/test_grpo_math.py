@@ -1,0 +1,180 @@
+"""The GRPO math: advantages, the completion mask, log-probs and the clipped loss."""
+import math
+
+import pytest
+import torch
+
+from grpo_ref_split import collate, completion_mask, group_advantages, grpo_loss, k3, masked_mean
+from ref_server import decode_batch, encode_batch, per_token_logps
+
+
+# ----------------------------------------------------------------------------- advantages
+def test_group_advantages_by_hand():
+    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0]), 4)
+    std = math.sqrt(1 / 3)  # unbiased std of [1, 0, 0, 1]: sum of squares 1 over n - 1 = 3
+    expected = [0.5 / (std + 1e-4), -0.5 / (std + 1e-4)] * 2
+    assert adv[:4].tolist() == pytest.approx([expected[0], expected[1], expected[1], expected[0]], rel=1e-6)
+    assert adv[4:].tolist() == [0.0] * 4  # an all-equal group carries no signal
+
+
+def test_group_advantages_are_per_group():
+    r = torch.tensor([0.0, 10.0, 100.0, 110.0])
+    adv = group_advantages(r, 2)
+    assert adv.tolist() == pytest.approx(group_advantages(r[:2], 2).tolist() * 2, rel=1e-6)
+
+
+@pytest.mark.parametrize("n, g", [(6, 4), (4, 1), (0, 2)])
+def test_group_advantages_rejects_bad_groups(n, g):
+    with pytest.raises(ValueError, match="groups of"):
+        group_advantages(torch.ones(n), g) if n else group_advantages(torch.ones(3), g)
+
+
+# ----------------------------------------------------------------------------- completion mask
+def test_completion_mask_keeps_the_eos_when_pad_equals_eos():
+    eos = 2  # SmolLM2: pad == eos == <|im_end|> == 2
+    ids = torch.tensor([
+        [5, 6, 2, 2, 2],  # stopped at position 2, then padded with the same token
+        [5, 6, 7, 8, 9],  # never stopped: every token counts
+        [2, 2, 2, 2, 2],  # stopped at once: the EOS alone is trained
+        [5, 2, 7, 2, 2],  # only the first EOS ends it
+    ])
+    assert completion_mask(ids, eos).int().tolist() == [
+        [1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 1],
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+    ]
+    assert (completion_mask(ids, eos) != (ids != eos)).any()  # the wrong test would differ
+
+
+def test_completion_mask_with_several_eos_ids():
+    ids = torch.tensor([[5, 9, 1, 1], [5, 1, 9, 1]])
+    assert completion_mask(ids, [9, 1]).int().tolist() == [[1, 1, 0, 0], [1, 1, 0, 0]]
+
+
+# ----------------------------------------------------------------------------- per-token log-probs
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.3])
+def test_per_token_logps_value_and_gradient_match_log_softmax(temperature):
+    torch.manual_seed(0)
+    full = torch.randn(3, 9, 37, dtype=torch.float64).float().requires_grad_()  # (B, L, V)
+    ids = torch.randint(0, 37, (3, 6))  # (B, T)
+    view = full[:, 2:-1]  # a strided view, as the trainer slices completion logits
+    got = per_token_logps(view, ids, temperature)
+    want = torch.log_softmax(view / temperature, -1).gather(-1, ids[..., None]).squeeze(-1)
+    assert torch.allclose(got, want, atol=1e-6)
+    w = torch.randn(3, 6)
+    (g_got,) = torch.autograd.grad((got * w).sum(), full)
+    (g_want,) = torch.autograd.grad((want * w).sum(), full)
+    assert torch.allclose(g_got, g_want, atol=1e-6)
+    assert g_got[:, :2].abs().max() == 0 and g_got[:, -1].abs().max() == 0  # outside the view
+
+
+def test_per_token_logps_rejects_mismatched_shapes():
+    with pytest.raises(ValueError, match="do not match"):
+        per_token_logps(torch.zeros(2, 5, 7), torch.zeros(2, 4, dtype=torch.long))
+
+
+# ----------------------------------------------------------------------------- the loss
+def naive_loss(logps, ref, gen, adv, mask, beta, eps):
+    """The same formula written token by token in plain Python floats."""
+    total = 0.0
+    for b in range(len(logps)):
+        num = den = 0.0
+        for t in range(len(logps[b])):
+            if not mask[b][t]:
+                continue
+            r = math.exp(logps[b][t] - gen[b][t])
+            surr = min(r * adv[b], min(max(r, 1 - eps), 1 + eps) * adv[b])
+            d = ref[b][t] - logps[b][t]
+            num += -(surr - beta * (math.exp(d) - d - 1))
+            den += 1
+        total += num / max(den, 1)
+    return total / len(logps)
+
+
+def test_grpo_loss_by_hand_single_token():
+    # ratio e^0.5 = 1.6487 > 1.2 with A = +1: clipped to 1.2; KL with d = -0.2: e^-0.2 + 0.2 - 1
+    logps, gen, ref = torch.tensor([[-1.0]]), torch.tensor([[-1.5]]), torch.tensor([[-1.2]])
+    loss = grpo_loss(logps, ref, gen, torch.tensor([1.0]), torch.ones(1, 1, dtype=torch.bool), 0.1, 0.2)
+    assert loss.item() == pytest.approx(-(1.2 - 0.1 * (math.exp(-0.2) + 0.2 - 1)), rel=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_grpo_loss_matches_naive_formula_in_all_clip_cases(seed):
+    torch.manual_seed(seed)
+    B, T = 6, 7
+    logps = -torch.rand(B, T) * 3  # (B, T)
+    gen = logps + torch.randn(B, T) * 0.4  # ratios on both sides of the clip band
+    ref = logps + torch.randn(B, T) * 0.3
+    adv = torch.tensor([1.5, -1.5, 0.7, -0.2, 0.0, 2.0])  # positive and negative
+    mask = torch.rand(B, T) > 0.3
+    mask[:, 0] = True
+    got = grpo_loss(logps, ref, gen, adv, mask, 0.04, 0.2).item()
+    want = naive_loss(logps.tolist(), ref.tolist(), gen.tolist(), adv.tolist(), mask.tolist(), 0.04, 0.2)
+    assert got == pytest.approx(want, rel=1e-5)
+    ratio = torch.exp(logps - gen)
+    assert ((ratio > 1.2) & (adv[:, None] > 0)).any() and ((ratio < 0.8) & (adv[:, None] < 0)).any()
+
+
+def test_grpo_loss_gradient_matches_autograd_of_the_formula():
+    torch.manual_seed(1)
+    B, T = 4, 5
+    logps = (-torch.rand(B, T) * 2).double().requires_grad_()
+    gen, ref = (logps.detach() + torch.randn(B, T) * 0.3), (logps.detach() + torch.randn(B, T) * 0.3)
+    adv, mask = torch.randn(B).double(), torch.rand(B, T) > 0.2
+    (g,) = torch.autograd.grad(grpo_loss(logps, ref, gen, adv, mask, 0.04, 0.2), logps)
+    # Clipped tokens pass no policy gradient, only the KL term's: check that by finite differences.
+    eps = 1e-6
+    num = torch.zeros_like(g)
+    for b in range(B):
+        for t in range(T):
+            plus, minus = logps.detach().clone(), logps.detach().clone()
+            plus[b, t] += eps
+            minus[b, t] -= eps
+            num[b, t] = (grpo_loss(plus, ref, gen, adv, mask, 0.04, 0.2) - grpo_loss(minus, ref, gen, adv, mask, 0.04, 0.2)) / (2 * eps)
+    assert torch.allclose(g, num, atol=1e-6)
+    assert (g[~mask] == 0).all()  # masked tokens get no gradient
+
+
+def test_gen_logps_none_is_the_on_policy_gradient():
+    torch.manual_seed(2)
+    logps = (-torch.rand(3, 4)).requires_grad_()
+    adv = torch.tensor([1.0, -2.0, 0.5])
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    loss = grpo_loss(logps, logps.detach(), None, adv, mask, 0.0, 0.2)
+    assert loss.item() == pytest.approx(-adv.mean().item(), rel=1e-6)  # ratio 1: loss = -mean(A)
+    (g,) = torch.autograd.grad(loss, logps)
+    assert torch.allclose(g, -adv[:, None].expand(3, 4) / (4 * 3))  # d/dlogp of -A r / (T B), r = 1
+
+
+def test_k3_is_zero_at_the_reference_and_positive_elsewhere():
+    x = torch.linspace(-3, 0, 7)
+    assert k3(x, x).abs().max() == 0
+    assert (k3(x, x + 0.3) > 0).all() and (k3(x, x - 0.3) > 0).all()
+    assert masked_mean(torch.ones(2, 3), torch.zeros(2, 3)).tolist() == [0.0, 0.0]  # empty row: no NaN
+
+
+# ----------------------------------------------------------------------------- wire format and batching
+def test_encode_decode_round_trip_is_exact():
+    tensors = dict(input_ids=torch.randint(0, 100, (3, 7)), completion_mask=torch.rand(3, 4) > 0.5,
+                   advantages=torch.randn(3), gen_logps=torch.randn(3, 4))
+    meta = {"plen": 3, "temperature": 0.7, "note": "ünïcode"}
+    back, back_meta = decode_batch(encode_batch(tensors, meta))
+    assert back_meta == meta
+    assert back.keys() == tensors.keys()
+    for k in tensors:
+        assert back[k].dtype == tensors[k].dtype and torch.equal(back[k], tensors[k])
+
+
+def test_collate_aligns_groups_of_different_lengths():
+    g1 = dict(input_ids=torch.tensor([[1, 2, 3, 10, 11], [1, 2, 3, 12, 13]]), completion_mask=torch.ones(2, 2, dtype=torch.bool),
+              advantages=torch.tensor([1.0, -1.0]), ref_logps=torch.full((2, 2), -1.0), gen_logps=torch.full((2, 2), -2.0))
+    g2 = dict(input_ids=torch.tensor([[4, 20, 21, 22]]), completion_mask=torch.tensor([[True, True, False]]),
+              advantages=torch.tensor([0.5]), ref_logps=torch.full((1, 3), -3.0))
+    b = collate([(g1, {"plen": 3}), (g2, {"plen": 1})], pad_id=0)
+    assert b["input_ids"].tolist() == [[1, 2, 3, 10, 11, 0], [1, 2, 3, 12, 13, 0], [0, 0, 4, 20, 21, 22]]
+    assert b["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]]
+    assert b["mask"].int().tolist() == [[1, 1, 0], [1, 1, 0], [1, 1, 0]]
+    assert b["ref_logps"][2].tolist() == [-3.0] * 3 and b["gen_logps"][0].tolist() == [-2.0, -2.0, 0.0]
+    assert torch.isnan(b["gen_logps"][2]).all()  # no gen_logps uploaded: the trainer uses ratio 1
+    assert b["advantages"].tolist() == [1.0, -1.0, 0.5]

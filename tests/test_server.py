@@ -1,0 +1,301 @@
+"""The reference server over real HTTP on loopback, with a tiny random model in this process."""
+import json
+import os
+import pickle
+import struct
+import time
+
+import pytest
+import requests
+import torch
+
+import ref_server
+from conftest import free_port, tiny_config
+from grpo_ref_split import collate
+from ref_server import RefServer, ServerError, completion_logps, decode_batch, encode_batch, request_with_retry, serve
+
+VOCAB = 49152
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(tiny_config(tokenizer)).eval()
+
+
+def start(model, **kw):
+    server = RefServer(model, "tiny", **kw)
+    port = free_port()
+    httpd = serve(server, "127.0.0.1", port)
+    return server, httpd, f"http://127.0.0.1:{port}"
+
+
+def stop(server, httpd):
+    server.stopping.set()
+    httpd.shutdown()
+    httpd.server_close()
+    server.worker.join(timeout=10)
+    assert not server.worker.is_alive()
+
+
+@pytest.fixture(scope="module")
+def live(model):
+    server, httpd, url = start(model, queue_size=8, max_body=200_000, max_rows=16)
+    yield server, url
+    stop(server, httpd)
+
+
+def group(G=3, plen=5, tc=4, seed=0, **meta):
+    g = torch.Generator().manual_seed(seed)
+    tensors = dict(
+        input_ids=torch.randint(0, VOCAB, (G, plen + tc), generator=g),
+        completion_mask=torch.ones(G, tc, dtype=torch.bool),
+        advantages=torch.randn(G, generator=g),
+        rewards=torch.rand(G, generator=g),
+        gen_logps=-torch.rand(G, tc, generator=g),
+    )
+    tensors["input_ids"][:, :plen] = tensors["input_ids"][0, :plen]  # one prompt per group
+    return tensors, {"plen": plen, "temperature": 1.0, **meta}
+
+
+def pull(url, timeout=30):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        r = requests.get(url + "/get", timeout=10)
+        if r.status_code == 200:
+            return decode_batch(r.content)
+        assert r.status_code == 204
+        time.sleep(0.02)
+    raise TimeoutError("no batch came back")
+
+
+def upload_and_pull(url, tensors, meta):
+    r = requests.post(url + "/upload", data=encode_batch(tensors, meta), timeout=10)
+    assert r.status_code == 200, r.text
+    return pull(url)
+
+
+# ----------------------------------------------------------------------------- correct results
+def test_health(live):
+    server, url = live
+    h = requests.get(url + "/health", timeout=5).json()
+    assert h["vocab_size"] == VOCAB and h["device"] == "cpu" and h["model"] == "tiny"
+    assert {"pending", "ready", "uploaded", "served", "rejected", "busy", "ref_errors"} <= h.keys()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_reference_logps_equal_a_direct_computation(live, model, temperature):
+    server, url = live
+    tensors, meta = group(G=5, plen=6, tc=7, seed=3, temperature=temperature, group_id="abc")
+    back, back_meta = upload_and_pull(url, tensors, meta)
+    assert back_meta == meta  # free metadata fields travel through untouched
+    for k in tensors:
+        assert torch.equal(back[k], tensors[k])
+    with torch.no_grad():
+        logits = model(tensors["input_ids"]).logits[:, 5:-1] / temperature  # (G, 7, V) predicts completion
+        want = torch.log_softmax(logits, -1).gather(-1, tensors["input_ids"][:, 6:, None]).squeeze(-1)
+    assert back["ref_logps"].shape == (5, 7)
+    assert torch.allclose(back["ref_logps"], want, atol=1e-5)
+
+
+def test_trainer_batch_of_padded_groups_gets_the_servers_logps(live, model):
+    """The trainer left-pads prompts and right-pads completions; positions must not shift."""
+    server, url = live
+    batches = [upload_and_pull(url, *group(G=2, plen=p, tc=t, seed=p)) for p, t in [(3, 6), (8, 2)]]
+    b = collate(batches, pad_id=0)
+    with torch.no_grad():
+        got = completion_logps(model, b["input_ids"], b["attention_mask"], b["mask"].shape[1], 1.0)
+    assert torch.allclose(got[:2], batches[0][0]["ref_logps"], atol=1e-5)
+    assert torch.allclose(got[2:, :2], batches[1][0]["ref_logps"], atol=1e-5)
+
+
+def test_micro_batches_give_the_same_logps(model):
+    tensors, meta = group(G=7, plen=4, tc=5, seed=9)
+    whole = RefServer(model, "t", micro_batch=0).reference_logps(tensors["input_ids"], 4, 1.0)
+    parts = RefServer(model, "t", micro_batch=2).reference_logps(tensors["input_ids"], 4, 1.0)
+    assert torch.allclose(whole, parts, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- bad input
+def safetensors_with_header(header: dict, payload=b"") -> bytes:
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + payload
+
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, (f"touch {MARKER}",))
+
+
+MARKER = "/tmp/grpo_ref_server_pwned"
+
+
+def mutate(**changes):
+    """A valid group with some tensors replaced (None removes one) or metadata changed."""
+    tensors, meta = group()
+    for k, v in changes.items():
+        if k.startswith("meta_"):
+            meta[k[5:]] = v
+        elif v is None:
+            del tensors[k]
+        else:
+            tensors[k] = v(tensors[k]) if callable(v) else v
+    return encode_batch(tensors, meta)
+
+
+BAD = {
+    "empty body": (b"", 400, "no header"),
+    "random bytes": (os.urandom(64), 400, "not safetensors"),
+    "truncated safetensors": (encode_batch(*group())[:-10], 400, "not safetensors"),
+    "pickle payload": (pickle.dumps(Evil()), 400, "not safetensors"),
+    "torch.save payload": (None, 400, "not safetensors"),  # filled in below
+    "metadata not JSON": (safetensors_with_header({"__metadata__": {"json": "{plen: 3"}}), 400, "metadata is not JSON"),
+    "metadata not an object": (safetensors_with_header({"__metadata__": {"json": "[1, 2]"}}), 400, "JSON object"),
+    "missing input_ids": (mutate(input_ids=None), 400, "missing tensors: ['input_ids']"),
+    "missing advantages": (mutate(advantages=None), 400, "missing tensors: ['advantages']"),
+    "unexpected tensor": (mutate(extra=torch.zeros(2)), 400, "unexpected tensors: ['extra']"),
+    "int32 ids": (mutate(input_ids=lambda t: t.int()), 400, "input_ids must be 2-D int64"),
+    "1-D ids": (mutate(input_ids=lambda t: t.flatten()), 400, "input_ids must be 2-D int64"),
+    "float64 advantages": (mutate(advantages=lambda t: t.double()), 400, "advantages must be torch.float32"),
+    "int mask": (mutate(completion_mask=lambda t: t.long()), 400, "completion_mask must be torch.bool"),
+    "negative id": (mutate(input_ids=lambda t: t.index_fill(1, torch.tensor([6]), -1)), 400, "outside the vocabulary"),
+    "id = vocab": (mutate(input_ids=lambda t: t.index_fill(1, torch.tensor([6]), VOCAB)), 400, "outside the vocabulary"),
+    "mask length mismatch": (mutate(completion_mask=lambda t: t[:, :-1]), 400, "completion_mask must be"),
+    "gen_logps rows mismatch": (mutate(gen_logps=lambda t: t[:-1]), 400, "gen_logps must be"),
+    "advantages rows mismatch": (mutate(advantages=lambda t: t[:-1]), 400, "advantages must be"),
+    "plen 0": (mutate(meta_plen=0), 400, "plen must be an int in 1..8"),
+    "plen = sequence length": (mutate(meta_plen=9), 400, "plen must be"),
+    "plen missing": (mutate(meta_plen=None), 400, "plen must be"),
+    "plen a string": (mutate(meta_plen="5"), 400, "plen must be"),
+    "temperature 0": (mutate(meta_temperature=0), 400, "temperature must be a positive number"),
+    "NaN advantages": (mutate(advantages=lambda t: t.index_fill(0, torch.tensor([1]), float("nan"))), 400, "advantages has NaN or inf"),
+    "inf gen_logps": (mutate(gen_logps=lambda t: t.index_fill(1, torch.tensor([0]), float("-inf"))), 400, "gen_logps has NaN or inf"),
+    "too many rows": (encode_batch(*group(G=17)), 400, "17 rows; 1 to 16 allowed"),
+    "body over the limit": (b"\0" * 200_001, 413, "over the limit of 200000"),
+}
+
+
+@pytest.fixture(scope="module")
+def torch_save_bytes(tmp_path_factory):
+    path = tmp_path_factory.mktemp("p") / "x.pt"
+    torch.save({"input_ids": torch.zeros(2, 3, dtype=torch.long)}, path)
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_upload_gets_its_4xx_and_the_server_still_serves(live, name, torch_save_bytes):
+    server, url = live
+    body, status, message = BAD[name]
+    body = torch_save_bytes if body is None else body
+    if os.path.exists(MARKER):
+        os.remove(MARKER)
+    rejected = server.counters["rejected"]
+    r = requests.post(url + "/upload", data=body, timeout=10)
+    assert r.status_code == status, r.text
+    assert message in r.json()["error"]
+    assert server.counters["rejected"] == rejected + 1
+    assert not os.path.exists(MARKER), "a payload ran code on the server"
+    back, _ = upload_and_pull(url, *group(seed=5))  # still serving valid requests
+    assert back["ref_logps"].shape == (3, 4)
+
+
+def test_chunked_body_without_length_is_refused(live):
+    server, url = live
+    r = requests.post(url + "/upload", data=iter([b"abc", b"def"]), timeout=10)
+    assert r.status_code == 411 and "Content-Length" in r.json()["error"]
+
+
+@pytest.mark.parametrize("method, path, status", [("GET", "/nope", 404), ("DELETE", "/get", 405), ("GET", "/upload", 405)])
+def test_unknown_route_and_wrong_method_answer_json(live, method, path, status):
+    server, url = live
+    r = requests.request(method, url + path, timeout=10)
+    assert r.status_code == status and "error" in r.json()
+
+
+# ----------------------------------------------------------------------------- token, backpressure, errors
+def test_token_is_required_when_set(model):
+    server, httpd, url = start(model, token="s3cret")
+    try:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            for method, path in (("GET", "/health"), ("GET", "/get"), ("POST", "/upload")):
+                r = requests.request(method, url + path, headers=headers, timeout=5)
+                assert r.status_code == 401 and "token" in r.json()["error"]
+        assert request_with_retry("GET", url + "/health", token="s3cret").json()["vocab_size"] == VOCAB
+        with pytest.raises(ServerError, match="401"):
+            request_with_retry("GET", url + "/health", token="nope")
+    finally:
+        stop(server, httpd)
+
+
+def wait_for(cond, timeout=20):
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+def test_full_queues_answer_503_and_the_client_retries_until_there_is_room(model):
+    server, httpd, url = start(model, queue_size=1)
+    try:
+        bodies = [encode_batch(*group(seed=i, n=i)) for i in range(4)]
+        assert requests.post(url + "/upload", data=bodies[0]).status_code == 200
+        wait_for(lambda: server.ready.qsize() == 1)  # group 0 ready, nobody pulling
+        assert requests.post(url + "/upload", data=bodies[1]).status_code == 200
+        wait_for(lambda: server.pending.qsize() == 0)  # worker holds group 1, blocked on the full ready queue
+        assert requests.post(url + "/upload", data=bodies[2]).status_code == 200  # waits in pending
+        r = requests.post(url + "/upload", data=bodies[3])
+        assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+        assert server.counters["busy"] == 1
+        import threading
+
+        threading.Timer(1.0, lambda: [pull(url) for _ in range(2)]).start()  # a trainer catches up later
+        request_with_retry("POST", url + "/upload", data=bodies[3], give_up_after=30)  # retried, then accepted
+        got = sorted(pull(url)[1]["n"] for _ in range(2))
+        assert got == [2, 3] and server.counters["uploaded"] == 4 and server.counters["served"] == 4
+    finally:
+        stop(server, httpd)
+
+
+def test_a_failing_reference_forward_drops_that_group_and_keeps_serving(model, capfd):
+    server, httpd, url = start(model)
+    real = server.reference_logps
+    calls = []
+
+    def flaky(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("simulated CUDA out of memory")
+        return real(*args)
+
+    server.reference_logps = flaky
+    try:
+        assert requests.post(url + "/upload", data=encode_batch(*group(seed=1, n=1))).status_code == 200
+        wait_for(lambda: server.counters["ref_errors"] == 1)
+        assert requests.get(url + "/health").json()["ref_errors"] == 1
+        assert requests.get(url + "/get").status_code == 204  # the failed group is gone, not half-served
+        back, meta = upload_and_pull(url, *group(seed=2, n=2))
+        assert meta["n"] == 2 and server.worker.is_alive()
+        assert "simulated CUDA out of memory" in capfd.readouterr().err
+    finally:
+        stop(server, httpd)
+
+
+def test_client_gives_up_with_a_clear_message_when_nothing_listens():
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(TimeoutError, match="is `python ref_server.py` running"):
+        request_with_retry("GET", url + "/health", give_up_after=1.0)
+
+
+def test_env_overrides_cast_to_the_constants_type(monkeypatch):
+    ns = {"PORT": 1, "HOST": "a", "FLAG": False, "RATE": 0.5, "lower": 1}
+    monkeypatch.setenv("PORT", "6000")
+    monkeypatch.setenv("FLAG", "true")
+    monkeypatch.setenv("RATE", "1e-3")
+    monkeypatch.setenv("lower", "9")
+    ref_server.apply_env_overrides(ns)
+    assert ns == {"PORT": 6000, "HOST": "a", "FLAG": True, "RATE": 1e-3, "lower": 1}
+    monkeypatch.setenv("PORT", "sixty")
+    with pytest.raises(SystemExit, match="PORT='sixty': not a valid int"):
+        ref_server.apply_env_overrides(ns)
