@@ -23,9 +23,11 @@ import torch
 import rewards
 from ref_server import (
     apply_env_overrides,
+    completion_logits,
     completion_logps,
     decode_batch,
     encode_batch,
+    per_token_logps,
     request_with_retry,
     resolve_model_path,
 )
@@ -56,7 +58,7 @@ FORMAT_WEIGHT = 0.5  # ... and for the tag format: kept small so format alone ca
 # Optimisation
 LR = 1e-5  # AdamW learning rate (replaces the one in DS_CONFIG)
 ALL_STEPS = 30  # training steps
-GRADIENT_CHECKPOINTING = False  # recompute activations in backward: ~1/3 slower, far less memory for long answers
+GRADIENT_CHECKPOINTING = False  # recompute activations in backward: one more forward of compute, far less memory for long answers
 USE_TRITON = False  # True = fused Triton loss (grpo_loss_triton.py, GPU); the PyTorch path is the reference
 # Bookkeeping
 SAVE_STEPS = 10  # save a transformers checkpoint every this many steps (and at the end)
@@ -262,6 +264,7 @@ def collate(groups, pad_id):
     attention_mask = torch.zeros(B, P + Tc, dtype=torch.long)  # (B, P+Tc)
     mask = torch.zeros(B, Tc, dtype=torch.bool)  # (B, Tc)
     ref_logps, gen_logps = torch.zeros(B, Tc), torch.zeros(B, Tc)  # (B, Tc)
+    has_gen = all("gen_logps" in t for t, _ in groups)
     advantages = torch.cat([t["advantages"] for t, _ in groups])  # (B,)
     row = 0
     for t, meta in groups:
@@ -271,11 +274,12 @@ def collate(groups, pad_id):
         attention_mask[row : row + g, P - plen : P + tc] = 1
         mask[row : row + g, :tc] = t["completion_mask"]
         ref_logps[row : row + g, :tc] = t["ref_logps"]
-        # No gen_logps (a generator that skipped them): ratio = 1, exactly on-policy.
-        gen_logps[row : row + g, :tc] = t["gen_logps"] if "gen_logps" in t else t["ref_logps"].new_full((g, tc), float("nan"))
+        if has_gen:
+            gen_logps[row : row + g, :tc] = t["gen_logps"]
         row += g
+    # A generator that sent no old log-probs: the whole batch trains on-policy (ratio = 1).
     return dict(input_ids=input_ids, attention_mask=attention_mask, mask=mask, ref_logps=ref_logps,
-                gen_logps=gen_logps, advantages=advantages)
+                gen_logps=gen_logps if has_gen else None, advantages=advantages)
 
 
 # ----------------------------------------------------------------------------- step 7: the update
@@ -283,23 +287,27 @@ def collate(groups, pad_id):
 
 def train_step(engine, batch):
     """One clipped GRPO update on a collated batch; returns (loss, kl, clip fraction)."""
-    device = engine.device
-    batch = {k: v.to(device) for k, v in batch.items()}
+    b = {k: None if v is None else v.to(engine.device) for k, v in batch.items()}
     engine.train()
-    Tc = batch["mask"].shape[1]
-    if USE_TRITON:
-        raise NotImplementedError("USE_TRITON: grpo_loss_triton.py is not part of the toolkit yet")
-    logps = completion_logps(engine, batch["input_ids"], batch["attention_mask"], Tc, TEMPERATURE)  # (B, Tc)
-    gen = batch["gen_logps"]
-    gen = torch.where(torch.isnan(gen), logps.detach(), gen)  # (B, Tc)
-    loss = grpo_loss(logps, batch["ref_logps"], gen, batch["advantages"], batch["mask"], BETA, CLIP_EPS)
+    Tc = b["mask"].shape[1]
+    completion = b["input_ids"][:, -Tc:]  # (B, Tc)
+    logits = completion_logits(engine, b["input_ids"], b["attention_mask"], Tc)  # (B, Tc, V)
+    if USE_TRITON:  # one fused pass; d(logits) overwrites the logits, which nothing reads afterwards
+        from grpo_loss_triton import grpo_loss_triton
+
+        loss, logps = grpo_loss_triton(logits, completion, b["ref_logps"], b["gen_logps"], b["advantages"], b["mask"],
+                                       BETA, CLIP_EPS, TEMPERATURE, return_logps=True, inplace_backward=True)
+    else:
+        logps = per_token_logps(logits, completion, TEMPERATURE)  # (B, Tc)
+        loss = grpo_loss(logps, b["ref_logps"], b["gen_logps"], b["advantages"], b["mask"], BETA, CLIP_EPS)
     engine.backward(loss)
     engine.step()
     with torch.no_grad():
+        gen = logps if b["gen_logps"] is None else b["gen_logps"]  # (B, Tc)
         ratio = torch.exp(logps - gen)  # (B, Tc)
         clipped = ((ratio - 1).abs() > CLIP_EPS).float()  # (B, Tc)
-        kl = masked_mean(k3(batch["ref_logps"], logps), batch["mask"]).mean()
-        clip_frac = masked_mean(clipped, batch["mask"]).mean()
+        kl = masked_mean(k3(b["ref_logps"], logps), b["mask"]).mean()
+        clip_frac = masked_mean(clipped, b["mask"]).mean()
     return loss.item(), kl.item(), clip_frac.item()
 
 

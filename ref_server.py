@@ -162,19 +162,22 @@ def completion_logps(model, input_ids, attention_mask, n_completion: int, temper
 
     Rows may be left-padded (attention_mask 0): positions then count from each row's first real
     token, so a padded row gets exactly the log-probs of the same row unpadded.
-    `logits_to_keep` skips the LM head on prompt positions: only n_completion + 1 rows of logits.
     """
     outs = []
     step = micro_batch or input_ids.shape[0]
     for start in range(0, input_ids.shape[0], step):
         ids = input_ids[start : start + step]  # (b, L)
-        attn = attention_mask[start : start + step]  # (b, L)
-        position_ids = (attn.cumsum(-1) - 1).clamp(min=0)  # (b, L)
-        logits = model(
-            input_ids=ids, attention_mask=attn, position_ids=position_ids, logits_to_keep=n_completion + 1
-        ).logits[:, :-1]  # (b, Tc, V)
+        logits = completion_logits(model, ids, attention_mask[start : start + step], n_completion)  # (b, Tc, V)
         outs.append(per_token_logps(logits, ids[:, -n_completion:], temperature))  # (b, Tc)
     return torch.cat(outs)  # (B, Tc)
+
+
+def completion_logits(model, input_ids, attention_mask, n_completion: int) -> torch.Tensor:
+    """(B, n_completion, V) logits where [:, t] predicts input_ids[:, -n_completion + t]."""
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, L) count from the first real token
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                logits_to_keep=n_completion + 1)  # the LM head skips the prompt positions
+    return out.logits[:, :-1]  # (B, Tc, V) a view: the last position predicts nothing we have
 
 
 # ----------------------------------------------------------------------------- wire format

@@ -36,7 +36,8 @@ def params(folder):
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_training_steps_end_to_end(server, tiny_model_dir, tmp_path, ranks):
     before = server.health()
-    run = train(tiny_model_dir, server.url, tmp_path, ranks)
+    extra = {"GRADIENT_CHECKPOINTING": "1"} if ranks == 2 else {}  # covered here at no extra run
+    run = train(tiny_model_dir, server.url, tmp_path, ranks, **extra)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "step    1 | loss" in run.stdout + run.stderr and "step    2 | loss" in run.stdout + run.stderr
 
@@ -70,3 +71,24 @@ def test_trainer_stops_when_the_server_holds_another_vocabulary(server, tokenize
     assert run.returncode != 0
     assert "holds" in run.stderr and "vocab 49152" in run.stderr and "policy has vocab 49216" in run.stderr
     assert not (tmp_path / "out" / "metrics.jsonl").exists() or not open(tmp_path / "out" / "metrics.jsonl").read()
+
+
+def test_use_triton_trains_one_step_like_the_pytorch_path(server, tiny_model_dir, tmp_path):
+    """USE_TRITON=1 under the interpreter: same rollout (same seed), so the same loss and update."""
+    runs = {}
+    for name, env in (("torch", {}), ("triton", {"USE_TRITON": "1", "TRITON_INTERPRET": "1"})):
+        run = train(tiny_model_dir, server.url, tmp_path / name, 1, ALL_STEPS="1", **env)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        runs[name] = json.loads(open(tmp_path / name / "metrics.jsonl").readline())
+    assert math.isfinite(runs["triton"]["loss"])
+    assert runs["triton"]["reward"] == runs["torch"]["reward"]  # the very same rollout
+    assert abs(runs["triton"]["loss"] - runs["torch"]["loss"]) < 1e-5
+    start = params(tiny_model_dir)
+    d_torch = {k: v - start[k] for k, v in params(tmp_path / "torch" / "step_1").items()}
+    d_triton = {k: v - start[k] for k, v in params(tmp_path / "triton" / "step_1").items()}
+    moved = agree = 0
+    for k in start:  # Adam's first step moves each weight by about +-LR in the gradient's sign
+        big = d_torch[k].abs() > 5e-4
+        moved += int(big.sum())
+        agree += int((torch.sign(d_torch[k]) == torch.sign(d_triton[k]))[big].sum())
+    assert moved > 1000 and agree / moved > 0.99, (moved, agree)

@@ -1,0 +1,149 @@
+"""Fused GRPO loss in Triton: from the policy logits to the loss and back in one pass each way.
+
+The PyTorch path (grpo_ref_split.grpo_loss on ref_server.per_token_logps) is the reference; this
+kernel computes the same value and gradient but reads each row of logits once with an online
+logsumexp and fuses the ratio, clip, k3 KL and loss per token into that program. Its backward
+recomputes the softmax from the saved per-row logsumexp and writes d(logits) directly (into the
+logits' own storage with inplace_backward=True), so no (B, T, V) fp32 buffer is ever made.
+
+Used by the trainer when USE_TRITON = True (a GPU). On CPU it runs under Triton's interpreter:
+
+    TRITON_INTERPRET=1 python -m pytest tests/test_triton.py      # set before this module is imported
+"""
+import os
+
+# Triton 3.9 warns at every compile unless this is set; "1" keeps its current default (fused FMAs).
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+BLOCK_V = 1024  # vocabulary columns per inner-loop iteration (a multiple of 32; V need not be)
+
+
+@triton.jit
+def _grpo_fwd_kernel(
+    logits_ptr, stride_lb, stride_lt, stride_lv,  # (B, T, V) any strides, fp32 or bf16
+    ids_ptr, ref_ptr, gen_ptr, adv_ptr, weight_ptr,  # ids, ref, gen, weight: contiguous (B, T); adv (B,)
+    loss_ptr, logp_ptr, lse_ptr, dcoef_ptr,  # outputs, contiguous fp32 (B, T)
+    T, V, beta, clip_eps, inv_temperature,
+    HAS_GEN: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # int64 before any stride product: B*T*V passes 2^31
+    b = row // T
+    t = row % T
+    weight = tl.load(weight_ptr + row)
+    if weight != 0.0:  # padding after the EOS costs nothing
+        base = logits_ptr + b * stride_lb + t * stride_lt
+        m = -float("inf")  # running max, a float from the start (the compiler rejects an int start)
+        s = 0.0  # running sum of exp(x - m)
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(base + cols * stride_lv, mask=cols < V, other=-float("inf")).to(tl.float32) * inv_temperature
+            m_new = tl.maximum(m, tl.max(x, 0))
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+            m = m_new
+        lse = m + tl.log(s)
+        token = tl.load(ids_ptr + row)
+        logp = tl.load(base + token * stride_lv).to(tl.float32) * inv_temperature - lse
+        if HAS_GEN:
+            ratio = tl.exp(logp - tl.load(gen_ptr + row))
+        else:
+            ratio = 1.0 + 0.0 * logp  # exp(logp - logp.detach()): 1, with gradient logp's
+        adv = tl.load(adv_ptr + b)
+        unclipped = ratio * adv
+        clipped = tl.minimum(tl.maximum(ratio, 1.0 - clip_eps), 1.0 + clip_eps) * adv
+        d = tl.load(ref_ptr + row) - logp
+        kl = tl.exp(d) - d - 1.0
+        loss = -(tl.minimum(unclipped, clipped) - beta * kl)
+        # d loss / d logp: the surrogate passes ratio * A unless the clipped branch is the smaller
+        # one (then the clamp is flat there); the KL term adds beta * (1 - exp(d)).
+        dsurr = tl.where(unclipped <= clipped, unclipped, 0.0)
+        tl.store(loss_ptr + row, loss)
+        tl.store(logp_ptr + row, logp)
+        tl.store(lse_ptr + row, lse)
+        tl.store(dcoef_ptr + row, -dsurr + beta * (1.0 - tl.exp(d)))
+    else:
+        tl.store(loss_ptr + row, 0.0)
+        tl.store(logp_ptr + row, 0.0)
+        tl.store(lse_ptr + row, 0.0)
+        tl.store(dcoef_ptr + row, 0.0)
+
+
+@triton.jit
+def _grpo_bwd_kernel(
+    logits_ptr, stride_lb, stride_lt, stride_lv,  # (B, T, V) as in forward
+    grad_ptr, stride_gb, stride_gt, stride_gv,  # (B, T, V) output; may be the logits' own storage
+    ids_ptr, lse_ptr, dlogp_ptr,  # contiguous (B, T)
+    T, V, inv_temperature,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    b = row // T
+    t = row % T
+    base = logits_ptr + b * stride_lb + t * stride_lt
+    gbase = grad_ptr + b * stride_gb + t * stride_gt
+    dlogp = tl.load(dlogp_ptr + row)
+    if dlogp != 0.0:
+        lse = tl.load(lse_ptr + row)
+        token = tl.load(ids_ptr + row)
+        scale = dlogp * inv_temperature
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(base + cols * stride_lv, mask=cols < V, other=0.0).to(tl.float32) * inv_temperature
+            p = tl.exp(x - lse)  # softmax, recomputed: nothing of size V was saved
+            g = (tl.where(cols == token, 1.0, 0.0) - p) * scale
+            tl.store(gbase + cols * stride_gv, g.to(grad_ptr.dtype.element_ty), mask=cols < V)
+    else:  # masked row: exact zeros (its lse is 0, and exp(x - 0) * 0 could be inf * 0 = NaN)
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            tl.store(gbase + cols * stride_gv, tl.zeros([BLOCK], dtype=grad_ptr.dtype.element_ty), mask=cols < V)
+
+
+class _GRPOLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, ids, ref_logps, gen_logps, advantages, mask, beta, clip_eps, temperature, inplace):
+        B, T, V = logits.shape
+        mask = mask.float()  # (B, T)
+        weight = mask / mask.sum(-1, keepdim=True).clamp(min=1) / B  # (B, T) each token's share of the loss
+        ids, ref = ids.contiguous(), ref_logps.float().contiguous()  # (B, T)
+        gen = ref if gen_logps is None else gen_logps.float().contiguous()  # (B, T) unread when None
+        loss_tok, logp, lse, dcoef = (torch.empty(B, T, dtype=torch.float32, device=logits.device) for _ in range(4))
+        _grpo_fwd_kernel[(B * T,)](
+            logits, *logits.stride(), ids, ref, gen, advantages.float().contiguous(), weight.contiguous(),
+            loss_tok, logp, lse, dcoef, T, V, float(beta), float(clip_eps), 1.0 / float(temperature),
+            HAS_GEN=gen_logps is not None, BLOCK=BLOCK_V,
+        )
+        ctx.save_for_backward(logits, ids, lse, dcoef * weight)
+        ctx.inv_temperature, ctx.inplace = 1.0 / float(temperature), inplace
+        ctx.mark_non_differentiable(logp)
+        return (loss_tok * weight).sum(), logp
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_logp):
+        logits, ids, lse, dcoef = ctx.saved_tensors
+        B, T, V = logits.shape
+        dlogp = (dcoef * grad_loss).contiguous()  # (B, T)
+        grad = logits if ctx.inplace else torch.empty_like(logits)  # (B, T, V)
+        _grpo_bwd_kernel[(B * T,)](
+            logits, *logits.stride(), grad, *grad.stride(), ids, lse, dlogp, T, V, ctx.inv_temperature, BLOCK=BLOCK_V,
+        )
+        return grad, None, None, None, None, None, None, None, None, None
+
+
+def grpo_loss_triton(logits, completion_ids, ref_logps, gen_logps, advantages, mask, beta, clip_eps,
+                     temperature=1.0, return_logps=False, inplace_backward=False):
+    """The GRPO loss of grpo_ref_split.grpo_loss, computed from logits (B, T, V) in one kernel.
+
+    logits[:, t] predicts completion_ids[:, t] (a strided view such as full[:, plen-1:-1] is read
+    in place, never copied); ref_logps, gen_logps, mask (B, T); advantages (B,); gen_logps=None
+    means ratio = 1 (on-policy). return_logps=True also returns the per-token log-probs (B, T),
+    detached, for logging KL and clip fraction. inplace_backward=True writes d(logits) over the
+    logits: saves a (B, T, V) buffer, and the caller must not read those logits afterwards.
+    """
+    if logits.dim() != 3 or logits.shape[:2] != completion_ids.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} do not match completion_ids {tuple(completion_ids.shape)}")
+    loss, logps = _GRPOLoss.apply(logits, completion_ids, ref_logps, gen_logps, advantages, mask,
+                                  beta, clip_eps, temperature, inplace_backward)
+    return (loss, logps) if return_logps else loss

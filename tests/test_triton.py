@@ -1,0 +1,141 @@
+"""The fused Triton GRPO loss against the PyTorch path, under Triton's CPU interpreter, plus an
+ahead-of-time compile for Hopper (sm_90) that catches the type errors the interpreter skips."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # must be set before the kernel module is imported
+
+import pytest  # noqa: E402
+
+from conftest import ROOT  # noqa: E402
+from grpo_loss_triton import BLOCK_V, grpo_loss_triton  # noqa: E402
+from grpo_ref_split import grpo_loss  # noqa: E402
+from ref_server import per_token_logps  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("error")
+
+
+def case(B, T, V, dtype=torch.float32, seed=0, scale=3.0):
+    """Logits as a strided view of a bigger tensor (as the trainer slices them), and data that puts
+    tokens in every clip case: ratio above and below the band, with positive and negative A."""
+    g = torch.Generator().manual_seed(seed)
+    full = (torch.randn(B, T + 3, V, generator=g) * scale).to(dtype).requires_grad_()
+    logits = full[:, 2:-1]  # (B, T, V) non-contiguous
+    ids = torch.randint(0, V, (B, T), generator=g)
+    with torch.no_grad():
+        lp = per_token_logps(logits, ids, 1.0)
+    gen = lp + torch.randn(B, T, generator=g) * 0.5
+    ref = lp + torch.randn(B, T, generator=g) * 0.3
+    adv = torch.randn(B, generator=g) * 2
+    adv[0], adv[-1] = 1.5, -1.5
+    mask = torch.rand(B, T, generator=g) > 0.25
+    mask[:, 0] = True
+    return full, logits, ids, ref, gen, adv, mask
+
+
+def both(full, logits, ids, ref, gen, adv, mask, temperature, beta=0.04, eps=0.2):
+    loss_t, logps_t = grpo_loss_triton(logits, ids, ref, gen, adv, mask, beta, eps, temperature, return_logps=True)
+    (grad_t,) = torch.autograd.grad(loss_t, full)
+    logps = per_token_logps(logits, ids, temperature)
+    loss_p = grpo_loss(logps, ref, gen, adv, mask, beta, eps)
+    (grad_p,) = torch.autograd.grad(loss_p, full)
+    return (loss_t, logps_t, grad_t), (loss_p, logps.detach(), grad_p)
+
+
+@pytest.mark.parametrize("B, T, V", [(2, 3, 37), (3, 5, 2500), (2, 4, BLOCK_V), (1, 6, 2 * BLOCK_V + 1)])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("with_gen", [True, False])
+def test_fp32_value_and_gradient_equal_the_pytorch_path(B, T, V, temperature, with_gen):
+    full, logits, ids, ref, gen, adv, mask = case(B, T, V, seed=V + B)
+    gen = gen if with_gen else None
+    (lt, lpt, gt), (lp, lpp, gp) = both(full, logits, ids, ref, gen, adv, mask, temperature)
+    assert abs(lt.item() - lp.item()) <= 1e-5 * max(1.0, abs(lp.item()))
+    assert torch.allclose(lpt[mask], lpp[mask], atol=1e-5)
+    assert torch.allclose(gt, gp, atol=1e-5, rtol=1e-5)
+    assert gt[:, :2].abs().max() == 0 and gt[:, -1].abs().max() == 0  # outside the view: untouched
+
+
+def test_all_four_clip_cases_occur_and_match():
+    full, logits, ids, ref, gen, adv, mask = case(4, 16, 300, seed=11)
+    ratio = torch.exp(per_token_logps(logits, ids).detach() - gen)
+    pos, neg = (adv > 0)[:, None], (adv < 0)[:, None]
+    for region in ((ratio > 1.2) & pos, (ratio > 1.2) & neg, (ratio < 0.8) & pos, (ratio < 0.8) & neg):
+        assert (region & mask).any()
+    (lt, _, gt), (lp, _, gp) = both(full, logits, ids, ref, gen, adv, mask, 1.0)
+    assert torch.allclose(gt, gp, atol=1e-5, rtol=1e-5) and abs(lt.item() - lp.item()) < 1e-5
+
+
+def test_bf16_logits():
+    full, logits, ids, ref, gen, adv, mask = case(2, 5, 1500, dtype=torch.bfloat16, seed=3)
+    (lt, lpt, gt), (lp, lpp, gp) = both(full, logits, ids, ref, gen, adv, mask, 0.7)
+    assert gt.dtype == torch.bfloat16
+    assert abs(lt.item() - lp.item()) < 1e-5  # both read the same bf16 values into fp32
+    assert torch.allclose(lpt[mask], lpp[mask], atol=1e-5)
+    assert torch.allclose(gt.float(), gp.float(), atol=1e-4, rtol=1e-2)  # bf16 rounding of the stored gradient
+
+
+def test_masked_rows_get_exact_zero_gradient_even_with_huge_logits():
+    full, logits, ids, ref, gen, adv, mask = case(2, 4, 600, seed=5)
+    mask[1, 2:] = False
+    with torch.no_grad():
+        full[1, 2 + 2 :] = 1e4  # a skipped row's stored lse is 0: exp(1e4 - 0) would be inf, inf * 0 = NaN
+    loss, _ = grpo_loss_triton(logits, ids, ref, gen, adv, mask, 0.04, 0.2, return_logps=True)
+    (g,) = torch.autograd.grad(loss, full)
+    assert torch.isfinite(loss) and torch.isfinite(g).all()
+    assert (g[1, 4:5] == 0).all() and (g[1, 2 + 2 : -1] == 0).all()
+    assert g[0].abs().sum() > 0
+
+
+def test_inplace_backward_writes_the_gradient_over_the_logits():
+    full, logits, ids, ref, gen, adv, mask = case(2, 5, 700, seed=7)
+    (_, _, want), _ = both(full, logits, ids, ref, gen, adv, mask, 1.0)
+    leaf = full.detach().clone()[:, 2:-1].requires_grad_()  # its own storage, to watch it being overwritten
+    loss = grpo_loss_triton(leaf, ids, ref, gen, adv, mask, 0.04, 0.2, inplace_backward=True)
+    loss.backward()
+    assert torch.allclose(leaf.grad, want[:, 2:-1], atol=1e-5)
+    # The kernel wrote d(logits) into the logits' own storage (no (B, T, V) buffer of its own):
+    assert torch.allclose(leaf.detach(), want[:, 2:-1], atol=1e-5)
+
+
+def test_rejects_mismatched_shapes():
+    with pytest.raises(ValueError, match="do not match"):
+        grpo_loss_triton(torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.long), None, None, None, None, 0.0, 0.2)
+
+
+AOT = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {root!r})
+    import warnings
+    warnings.simplefilter("error")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    import grpo_loss_triton as K
+
+    target = GPUTarget("cuda", 90, 32)  # Hopper: what the real compiler checks, no GPU needed
+    for dt in ("fp32", "bf16"):
+        common = dict(logits_ptr="*" + dt, stride_lb="i64", stride_lt="i64", stride_lv="i64", ids_ptr="*i64")
+        fwd = dict(common, ref_ptr="*fp32", gen_ptr="*fp32", adv_ptr="*fp32", weight_ptr="*fp32", loss_ptr="*fp32",
+                   logp_ptr="*fp32", lse_ptr="*fp32", dcoef_ptr="*fp32", T="i32", V="i32", beta="fp32",
+                   clip_eps="fp32", inv_temperature="fp32", HAS_GEN="constexpr", BLOCK="constexpr")
+        for has_gen in (True, False):
+            k = triton.compile(ASTSource(K._grpo_fwd_kernel, fwd, {{"HAS_GEN": has_gen, "BLOCK": K.BLOCK_V}}), target=target)
+            assert "cubin" in k.asm and k.asm["cubin"], "no cubin"
+        bwd = dict(common, grad_ptr="*" + dt, stride_gb="i64", stride_gt="i64", stride_gv="i64", ids_ptr="*i64",
+                   lse_ptr="*fp32", dlogp_ptr="*fp32", T="i32", V="i32", inv_temperature="fp32", BLOCK="constexpr")
+        k = triton.compile(ASTSource(K._grpo_bwd_kernel, bwd, {{"BLOCK": K.BLOCK_V}}), target=target)
+        assert k.asm["cubin"]
+    print("compiled 6 kernels for sm_90")
+""")
+
+
+def test_kernels_compile_ahead_of_time_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", AOT.format(root=ROOT)], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "compiled 6 kernels for sm_90" in run.stdout
