@@ -237,19 +237,27 @@ def rollout(model, tokenizer, questions, gen_config, eos_ids):
 def exchange(groups, step, rank):
     """Upload our groups, then take back as many ready groups (anyone's) as we uploaded.
 
-    Every rank takes what it gave, so no rank can starve. A group lost by the server (restart,
-    failed forward) makes us return short after SERVER_TIMEOUT; the caller regenerates.
+    Every rank takes what it gave, so no rank can starve. If the server restarted meanwhile (a
+    new instance id), the groups it held are gone: we return short at once and the caller
+    regenerates, so nothing is trained twice and nothing waits forever. A group dropped by a
+    failed reference forward makes us return short after SERVER_TIMEOUT.
     """
+    instance = None
     for tensors, meta in groups:
         body = encode_batch(tensors, {**meta, "step": step, "rank": rank})
-        request_with_retry("POST", f"{REF_SERVER}/upload", REF_TOKEN, body, SERVER_TIMEOUT)
+        r = request_with_retry("POST", f"{REF_SERVER}/upload", REF_TOKEN, body, SERVER_TIMEOUT)
+        instance = r.json()["instance"]
     got, deadline, delay = [], time.time() + SERVER_TIMEOUT, 0.02
     while len(got) < len(groups) and time.time() < deadline:
         r = request_with_retry("GET", f"{REF_SERVER}/get", REF_TOKEN, give_up_after=SERVER_TIMEOUT)
         if r.status_code == 200:
             got.append(decode_batch(r.content))
             delay = 0.02
-        else:  # 204: the reference forward is still running
+        if r.headers.get("X-Ref-Instance") != instance:
+            print(f"[rank {rank}] the reference server restarted: {len(groups) - len(got)} uploaded groups "
+                  "were lost with it; regenerating", file=sys.stderr, flush=True)
+            break
+        if r.status_code == 204:  # the reference forward is still running
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
     return got

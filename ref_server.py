@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 import traceback
+import uuid
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import bottle
@@ -301,6 +302,7 @@ class RefServer:
         self.counters = dict(uploaded=0, served=0, rejected=0, busy=0, ref_errors=0)
         self.lock = threading.Lock()
         self.started = time.time()
+        self.instance = uuid.uuid4().hex  # changes on restart: clients learn their queued groups are gone
         self.stopping = threading.Event()
         self.worker = threading.Thread(target=self._work, name="ref-forward", daemon=True)
         self.app = self._build_app()
@@ -375,22 +377,23 @@ class RefServer:
                 raise bottle.HTTPResponse(json.dumps({"error": "queue full, retry later"}), status=503,
                                           headers={"Content-Type": "application/json", "Retry-After": "1"})
             self.count("uploaded")
-            return {"ok": True, "pending": self.pending.qsize()}
+            return {"ok": True, "pending": self.pending.qsize(), "instance": self.instance}
 
         @app.get("/get")
         def get():
+            headers = {"X-Ref-Instance": self.instance}
             try:
                 batch = self.ready.get_nowait()
             except queue.Empty:
-                return bottle.HTTPResponse(status=204)
+                return bottle.HTTPResponse(status=204, headers=headers)
             self.count("served")
-            return bottle.HTTPResponse(batch, status=200, headers={"Content-Type": "application/octet-stream"})
+            return bottle.HTTPResponse(batch, status=200, headers={"Content-Type": "application/octet-stream", **headers})
 
         @app.get("/health")
         def health():
             with self.lock:
                 counters = dict(self.counters)
-            return dict(model=self.model_name, vocab_size=self.vocab_size, device=str(self.device),
+            return dict(model=self.model_name, vocab_size=self.vocab_size, device=str(self.device), instance=self.instance,
                         pending=self.pending.qsize(), ready=self.ready.qsize(),
                         uptime_s=round(time.time() - self.started, 1), **counters)
 
@@ -422,6 +425,13 @@ def serve(server: RefServer, host: str, port: int):
     return httpd
 
 
+def exposure_warning(host: str, token: str) -> str | None:
+    """A warning when the server is reachable beyond this machine with no token to guard it."""
+    if host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.") or token:
+        return None
+    return f"WARNING: serving on {host} without REF_TOKEN: anyone who reaches this port can upload and read batches"
+
+
 def main():
     from transformers import AutoModelForCausalLM
 
@@ -430,9 +440,9 @@ def main():
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     model.requires_grad_(False)
-    if HOST not in ("127.0.0.1", "localhost", "::1") and not REF_TOKEN:
-        print(f"WARNING: serving on {HOST} without REF_TOKEN: anyone who reaches this port can use it",
-              file=sys.stderr)
+    warning = exposure_warning(HOST, REF_TOKEN)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     server = RefServer(model, MODEL_PATH or "SmolLM2-135M-Instruct (embedded)", token=REF_TOKEN)
     httpd = serve(server, HOST, PORT)
     done = threading.Event()

@@ -126,3 +126,71 @@ class ServerProcess:
         self.proc.terminate()
         self.proc.wait(timeout=30)
         self.log.close()
+
+
+# ----------------------------------------------------------------------------- in-process server helpers
+VOCAB = 49152  # the SmolLM2 tokenizer's
+
+
+@pytest.fixture(scope="session")
+def model(tokenizer):
+    """A tiny random Llama on the SmolLM2 vocabulary, for servers run inside the test process."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(tiny_config(tokenizer)).eval()
+
+
+def start(model, port=None, **kw):
+    """A RefServer on loopback in this process: (server, httpd, url)."""
+    server = ref_server.RefServer(model, "tiny", **kw)
+    port = port or free_port()
+    httpd = ref_server.serve(server, "127.0.0.1", port)
+    return server, httpd, f"http://127.0.0.1:{port}"
+
+
+def stop(server, httpd):
+    server.stopping.set()
+    httpd.shutdown()
+    httpd.server_close()
+    server.worker.join(timeout=10)
+    assert not server.worker.is_alive()
+
+
+def group(G=3, plen=5, tc=4, seed=0, **meta):
+    g = torch.Generator().manual_seed(seed)
+    tensors = dict(
+        input_ids=torch.randint(0, VOCAB, (G, plen + tc), generator=g),
+        completion_mask=torch.ones(G, tc, dtype=torch.bool),
+        advantages=torch.randn(G, generator=g),
+        rewards=torch.rand(G, generator=g),
+        gen_logps=-torch.rand(G, tc, generator=g),
+    )
+    tensors["input_ids"][:, :plen] = tensors["input_ids"][0, :plen]  # one prompt per group
+    return tensors, {"plen": plen, "temperature": 1.0, **meta}
+
+
+def pull(url, timeout=30):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        r = requests.get(url + "/get", timeout=10)
+        if r.status_code == 200:
+            return ref_server.decode_batch(r.content)
+        assert r.status_code == 204
+        time.sleep(0.02)
+    raise TimeoutError("no batch came back")
+
+
+def upload_and_pull(url, tensors, meta):
+    r = requests.post(url + "/upload", data=ref_server.encode_batch(tensors, meta), timeout=10)
+    assert r.status_code == 200, r.text
+    return pull(url)
+
+
+def wait_for(cond, timeout=20):
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+

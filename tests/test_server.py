@@ -10,34 +10,9 @@ import requests
 import torch
 
 import ref_server
-from conftest import free_port, tiny_config
+from conftest import VOCAB, free_port, group, pull, start, stop, upload_and_pull, wait_for
 from grpo_ref_split import collate
-from ref_server import RefServer, ServerError, completion_logps, decode_batch, encode_batch, request_with_retry, serve
-
-VOCAB = 49152
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(tiny_config(tokenizer)).eval()
-
-
-def start(model, **kw):
-    server = RefServer(model, "tiny", **kw)
-    port = free_port()
-    httpd = serve(server, "127.0.0.1", port)
-    return server, httpd, f"http://127.0.0.1:{port}"
-
-
-def stop(server, httpd):
-    server.stopping.set()
-    httpd.shutdown()
-    httpd.server_close()
-    server.worker.join(timeout=10)
-    assert not server.worker.is_alive()
+from ref_server import RefServer, ServerError, completion_logps, decode_batch, encode_batch, request_with_retry
 
 
 @pytest.fixture(scope="module")
@@ -45,36 +20,6 @@ def live(model):
     server, httpd, url = start(model, queue_size=8, max_body=200_000, max_rows=16)
     yield server, url
     stop(server, httpd)
-
-
-def group(G=3, plen=5, tc=4, seed=0, **meta):
-    g = torch.Generator().manual_seed(seed)
-    tensors = dict(
-        input_ids=torch.randint(0, VOCAB, (G, plen + tc), generator=g),
-        completion_mask=torch.ones(G, tc, dtype=torch.bool),
-        advantages=torch.randn(G, generator=g),
-        rewards=torch.rand(G, generator=g),
-        gen_logps=-torch.rand(G, tc, generator=g),
-    )
-    tensors["input_ids"][:, :plen] = tensors["input_ids"][0, :plen]  # one prompt per group
-    return tensors, {"plen": plen, "temperature": 1.0, **meta}
-
-
-def pull(url, timeout=30):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        r = requests.get(url + "/get", timeout=10)
-        if r.status_code == 200:
-            return decode_batch(r.content)
-        assert r.status_code == 204
-        time.sleep(0.02)
-    raise TimeoutError("no batch came back")
-
-
-def upload_and_pull(url, tensors, meta):
-    r = requests.post(url + "/upload", data=encode_batch(tensors, meta), timeout=10)
-    assert r.status_code == 200, r.text
-    return pull(url)
 
 
 # ----------------------------------------------------------------------------- correct results
@@ -227,13 +172,6 @@ def test_token_is_required_when_set(model):
             request_with_retry("GET", url + "/health", token="nope")
     finally:
         stop(server, httpd)
-
-
-def wait_for(cond, timeout=20):
-    deadline = time.time() + timeout
-    while not cond():
-        assert time.time() < deadline, "condition not reached"
-        time.sleep(0.02)
 
 
 def test_full_queues_answer_503_and_the_client_retries_until_there_is_room(model):

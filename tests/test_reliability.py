@@ -1,0 +1,159 @@
+"""The reference server under load and faults: nothing lost or duplicated while it runs, clients
+that recover from a killed server, and a trainer that regenerates instead of hanging."""
+import signal
+import socket
+import threading
+import time
+
+import pytest
+import requests
+import torch
+
+import grpo_ref_split as grpo
+from conftest import ServerProcess, free_port, group, start, stop, wait_for
+from ref_server import decode_batch, encode_batch, exposure_warning, request_with_retry
+
+
+def test_load_every_group_comes_back_exactly_once(model, capsys):
+    """4 uploaders x 50 groups and 2 pullers against queues of 4: backpressure (503 + retry) must
+    neither lose nor duplicate a group, and each comes back with the content it was sent with."""
+    server, httpd, url = start(model, queue_size=4)
+    uploaders, per_uploader, pullers = 4, 50, 2
+    sent, received, errors = {}, [], []
+    lock = threading.Lock()
+    t0 = time.time()
+
+    def upload(u):
+        try:
+            for i in range(per_uploader):
+                uid = f"{u}-{i}"
+                tensors, meta = group(G=4, plen=6, tc=5, seed=u * 1000 + i, uid=uid)
+                with lock:
+                    sent[uid] = tensors["input_ids"]
+                request_with_retry("POST", url + "/upload", data=encode_batch(tensors, meta), give_up_after=120)
+        except Exception as e:  # surfaced below: a thread's exception would otherwise vanish
+            errors.append(e)
+
+    def pull():
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            with lock:
+                if len(received) >= uploaders * per_uploader:
+                    return
+            r = requests.get(url + "/get", timeout=10)
+            if r.status_code == 200:
+                tensors, meta = decode_batch(r.content)
+                with lock:
+                    received.append((meta["uid"], tensors))
+            else:
+                time.sleep(0.005)
+
+    threads = [threading.Thread(target=upload, args=(u,)) for u in range(uploaders)]
+    threads += [threading.Thread(target=pull) for _ in range(pullers)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=240)
+        wall = time.time() - t0
+        assert not errors, errors
+        uids = [uid for uid, _ in received]
+        lost = set(sent) - set(uids)
+        duplicated = len(uids) - len(set(uids))
+        with capsys.disabled():
+            print(f"\n[load] groups in {len(sent)}, out {len(received)}, lost {len(lost)}, duplicated {duplicated}, "
+                  f"503s seen {server.counters['busy']}, wall {wall:.1f} s")
+        assert len(sent) == 200 and not lost and duplicated == 0 and len(received) == 200
+        for uid, tensors in received:
+            assert torch.equal(tensors["input_ids"], sent[uid]) and tensors["ref_logps"].shape == (4, 5)
+        assert server.counters["busy"] > 0, "the load never filled the queues: backpressure untested"
+        assert server.counters["uploaded"] == server.counters["served"] == 200
+    finally:
+        stop(server, httpd)
+
+
+def test_trainer_regenerates_when_the_server_restarts_with_its_groups(model, monkeypatch):
+    """exchange() uploads, the server dies with the groups queued, a new one comes up on the same
+    port: the trainer notices the new instance and returns short at once (to regenerate), instead
+    of waiting SERVER_TIMEOUT for groups that no longer exist."""
+    port = free_port()
+    old, old_httpd, url = start(model, port=port)
+    gate = threading.Event()
+
+    def stuck(*args):  # a long reference forward: the groups stay queued when the server dies
+        gate.wait()
+        raise RuntimeError("server killed")
+
+    old.reference_logps = stuck
+    monkeypatch.setattr(grpo, "REF_SERVER", url)
+    monkeypatch.setattr(grpo, "SERVER_TIMEOUT", 120.0)
+    result = []
+    t = threading.Thread(target=lambda: result.append(grpo.exchange([group(seed=1), group(seed=2)], step=1, rank=0)))
+    t.start()
+    wait_for(lambda: old.counters["uploaded"] == 2)
+    gate.set()
+    stop(old, old_httpd)
+    new, new_httpd, _ = start(model, port=port)
+    try:
+        t0 = time.time()
+        t.join(timeout=60)
+        assert not t.is_alive() and result == [[]]
+        assert time.time() - t0 < 10  # far below SERVER_TIMEOUT
+        # and the next round trains normally on the new server
+        got = grpo.exchange([group(seed=3)], step=1, rank=0)
+        assert len(got) == 1 and got[0][1]["step"] == 1 and got[0][0]["ref_logps"].shape == (3, 4)
+    finally:
+        stop(new, new_httpd)
+
+
+def test_killed_server_clients_retry_and_recover(tiny_model_dir, tmp_path, capfd):
+    """SIGKILL with groups queued: the client sees connection errors, backs off, and carries on
+    once a new server is up. What was queued in memory is lost by design (uploaded resets to 0)."""
+    port = free_port()
+    first = ServerProcess(tiny_model_dir, port, tmp_path / "first.log")
+    for i in range(3):
+        request_with_retry("POST", first.url + "/upload", data=encode_batch(*group(seed=i)))
+    first_instance = first.health()["instance"]
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait(timeout=10)
+    with pytest.raises(requests.ConnectionError):
+        requests.get(first.url + "/health", timeout=5)
+    holder = {}
+    threading.Timer(2.0, lambda: holder.setdefault("s", ServerProcess(tiny_model_dir, port, tmp_path / "second.log"))).start()
+    try:
+        t0 = time.time()
+        health = request_with_retry("GET", first.url + "/health", give_up_after=120).json()  # waits through the gap
+        assert time.time() - t0 >= 1.5
+        assert health["instance"] != first_instance and health["uploaded"] == 0  # the queued groups died with it
+        assert "unreachable; retrying" in capfd.readouterr().err
+        request_with_retry("POST", first.url + "/upload", data=encode_batch(*group(seed=9)))
+        wait_for(lambda: requests.get(first.url + "/health").json()["ready"] == 1)
+    finally:
+        wait_for(lambda: "s" in holder, timeout=120)
+        holder["s"].stop()
+
+
+def test_sigterm_shuts_down_cleanly_and_frees_the_port(tiny_model_dir, tmp_path):
+    port = free_port()
+    s = ServerProcess(tiny_model_dir, port, tmp_path / "server.log")
+    request_with_retry("POST", s.url + "/upload", data=encode_batch(*group(seed=1)))
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(timeout=15) == 0
+    s.log.close()
+    assert "shutting down" in open(tmp_path / "server.log").read()
+    with socket.socket() as sock:  # nobody listens there any more: a new server can bind at once
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server does (TIME_WAIT)
+        sock.bind(("127.0.0.1", port))
+        sock.listen()
+
+
+@pytest.mark.parametrize("host, token, warns", [
+    ("127.0.0.1", "", False), ("localhost", "", False), ("::1", "", False), ("127.0.0.2", "", False),
+    ("0.0.0.0", "", True), ("10.1.2.3", "", True), ("0.0.0.0", "s3cret", False),
+])
+def test_a_server_open_beyond_loopback_without_a_token_warns(host, token, warns):
+    message = exposure_warning(host, token)
+    assert (message is not None) == warns
+    if warns:
+        assert host in message and "REF_TOKEN" in message
+
