@@ -19,6 +19,7 @@ import sys
 import time
 
 import torch
+from tqdm import tqdm
 
 import rewards
 from ref_server import (
@@ -331,6 +332,44 @@ def save_checkpoint(engine, tokenizer, folder, rank):
     torch.distributed.barrier()
 
 
+def collect_groups(model, tokenizer, questions, rng, gen_config, eos_ids, step, rank):
+    """Steps 1-6 for one training step: roll out until the server hands back at least one group."""
+    gen_s = wait_s = dropped = 0.0
+    for _ in range(20):
+        t = time.time()
+        groups, stats = rollout(model, tokenizer, rng.sample(questions, Q_BATCH_SIZE), gen_config, eos_ids)
+        gen_s += time.time() - t
+        dropped += stats.pop("dropped")
+        t = time.time()
+        got = exchange(groups, step, rank)
+        wait_s += time.time() - t
+        if got:
+            return got, dict(stats, dropped_groups=dropped, gen_s=gen_s, wait_s=wait_s)
+    sys.exit("20 rollouts in a row gave no group with different rewards: the task is too hard or too easy "
+             "for this model (try THINK_PREFILL, ARITH_MAX, MAX_NEW_TOKENS or the reward weights)")
+
+
+def open_metrics(rank):
+    """metrics.jsonl for this run on rank 0; an earlier run's file is kept under a new name."""
+    if rank != 0:
+        return None
+    os.makedirs(OUTPUT_DIR, exist_ok=True)
+    path = os.path.join(OUTPUT_DIR, "metrics.jsonl")
+    if os.path.exists(path):
+        os.rename(path, os.path.join(OUTPUT_DIR, f"metrics.{int(os.path.getmtime(path))}.jsonl"))
+    return open(path, "w")
+
+
+def log_step(step, m, metrics_file):
+    if metrics_file is None:
+        return
+    tqdm.write(f"step {step:4d} | loss {m['loss']:+.4f} | reward {m['reward']:.3f} | format {m['format']:.2f} | "
+               f"acc {m['accuracy']:.2f} | kl {m['kl']:.4f} | clip {m['clip_frac']:.3f} | "
+               f"len {m['length']:.1f} | {m['seconds']:.1f}s")
+    metrics_file.write(json.dumps({"step": step, **{k: round(v, 6) for k, v in m.items()}}) + "\n")
+    metrics_file.flush()
+
+
 def mean_over_ranks(values: dict, device) -> dict:
     t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
     torch.distributed.all_reduce(t)
@@ -342,12 +381,11 @@ def mean_over_ranks(values: dict, device) -> dict:
 
 def main():
     import deepspeed
-    from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     cuda = torch.cuda.is_available()
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    rank = torch.distributed.get_rank()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
@@ -382,41 +420,17 @@ def main():
 
     questions = load_questions(DATASET, SEED)
     rng = random.Random(SEED + rank)
-    os.makedirs(OUTPUT_DIR, exist_ok=True)
-    metrics_file = open(os.path.join(OUTPUT_DIR, "metrics.jsonl"), "a") if rank == 0 else None
-    bar = tqdm(range(1, ALL_STEPS + 1), disable=rank != 0, desc="GRPO", dynamic_ncols=True)
-    for step in bar:
+    metrics_file = open_metrics(rank)
+    for step in tqdm(range(1, ALL_STEPS + 1), disable=rank != 0, desc="GRPO", dynamic_ncols=True):
         t0 = time.time()
-        # ---- steps 1-6: generate, score, upload, take ready groups back (regenerate if none)
-        batch_groups, gen_s, wait_s, dropped = [], 0.0, 0.0, 0
-        for _ in range(20):
-            t = time.time()
-            groups, stats = rollout(engine.module, tokenizer, rng.sample(questions, Q_BATCH_SIZE), gen_config, eos_ids)
-            gen_s += time.time() - t
-            dropped += stats["dropped"]
-            t = time.time()
-            batch_groups = exchange(groups, step, rank)
-            wait_s += time.time() - t
-            if batch_groups:
-                break
-        else:
-            sys.exit("20 rollouts in a row gave no group with different rewards: the task is too hard or too easy "
-                     "for this model (try THINK_PREFILL, ARITH_MAX, MAX_NEW_TOKENS or the reward weights)")
+        # ---- steps 1-6: generate, score, upload; take ready groups back with reference log-probs
+        groups, stats = collect_groups(engine.module, tokenizer, questions, rng, gen_config, eos_ids, step, rank)
         # ---- step 7: the clipped GRPO update
         t = time.time()
-        loss, kl, clip_frac = train_step(engine, collate(batch_groups, tokenizer.pad_token_id))
-        train_s = time.time() - t
+        stats["loss"], stats["kl"], stats["clip_frac"] = train_step(engine, collate(groups, tokenizer.pad_token_id))
+        stats["train_s"], stats["seconds"] = time.time() - t, time.time() - t0
         # ---- log (means over ranks) and save
-        m = mean_over_ranks(dict(loss=loss, reward=stats["reward"], format=stats["format"], accuracy=stats["accuracy"],
-                                 kl=kl, clip_frac=clip_frac, length=stats["length"], truncated=stats["truncated"],
-                                 dropped_groups=dropped, gen_s=gen_s, wait_s=wait_s, train_s=train_s,
-                                 seconds=time.time() - t0), device)
-        if rank == 0:
-            tqdm.write(f"step {step:4d} | loss {m['loss']:+.4f} | reward {m['reward']:.3f} | format {m['format']:.2f} | "
-                       f"acc {m['accuracy']:.2f} | kl {m['kl']:.4f} | clip {m['clip_frac']:.3f} | "
-                       f"len {m['length']:.1f} | {m['seconds']:.1f}s")
-            metrics_file.write(json.dumps({"step": step, **{k: round(v, 6) for k, v in m.items()}}) + "\n")
-            metrics_file.flush()
+        log_step(step, mean_over_ranks(stats, device), metrics_file)
         if step % SAVE_STEPS == 0 or step == ALL_STEPS:
             save_checkpoint(engine, tokenizer, os.path.join(OUTPUT_DIR, f"step_{step}"), rank)
     if rank == 0:

@@ -3,7 +3,6 @@ import json
 import os
 import pickle
 import struct
-import time
 
 import pytest
 import requests
@@ -12,7 +11,7 @@ import torch
 import ref_server
 from conftest import VOCAB, free_port, group, pull, start, stop, upload_and_pull, wait_for
 from grpo_ref_split import collate
-from ref_server import RefServer, ServerError, completion_logps, decode_batch, encode_batch, request_with_retry
+from ref_server import RefServer, ServerError, completion_logps, encode_batch, request_with_retry
 
 
 @pytest.fixture(scope="module")
