@@ -4,7 +4,7 @@ Compares the toolkit's PyTorch path (ref_server.per_token_logps: logsumexp kept 
 softmax recomputed per sequence in backward) with a naive full log_softmax, each variant in its
 own process (peak RSS above the RSS once the logits exist), and prints the ratios:
 
-    python bench/bench_logprob_memory.py            # B=8, T=512, V in {49152, 151936}; ~2 min here
+    python bench/bench_logprob_memory.py            # B=8, T=512, V in {49152, 151936}; ~40 s here
 
 Figures go to bench/results/logprob_memory.json. The gradient of the logits (B, T, V) is made
 by every variant and is counted: it is what the next layer needs.
