@@ -61,6 +61,9 @@ LR = 1e-5  # AdamW learning rate (replaces the one in DS_CONFIG)
 ALL_STEPS = 30  # training steps
 GRADIENT_CHECKPOINTING = False  # recompute activations in backward: one more forward of compute, far less memory for long answers
 USE_TRITON = False  # True = fused Triton loss (grpo_loss_triton.py, GPU); the PyTorch path is the reference
+# Evaluation
+EVAL_STEPS = 10  # greedy accuracy on held-out questions before step 1 and every this many steps; 0 = never
+EVAL_SIZE = 32  # held-out questions: the dataset's last EVAL_SIZE, kept out of training (even with EVAL_STEPS = 0)
 # Bookkeeping
 SAVE_STEPS = 10  # save a transformers checkpoint every this many steps (and at the end)
 SEED = 42  # seeds questions and sampling (rank r uses SEED + r)
@@ -172,6 +175,15 @@ def load_questions(dataset: str, seed: int) -> list[dict]:
     return [{"question": r["question"], "gold": rewards.extract_gsm8k_answer(r["answer"])} for r in rows]
 
 
+def split_held_out(questions: list[dict], n: int) -> tuple[list[dict], list[dict]]:
+    """(train, held_out): the last n questions, and the rest minus any with the same text."""
+    if not 0 < n < len(questions):
+        raise ValueError(f"EVAL_SIZE={n}: need 1..{len(questions) - 1} held-out questions out of {len(questions)}")
+    held_out = questions[-n:]
+    texts = {q["question"] for q in held_out}
+    return [q for q in questions[:-n] if q["question"] not in texts], held_out
+
+
 def build_prompt(tokenizer, question: str) -> str:
     messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + THINK_PREFILL
@@ -230,6 +242,32 @@ def rollout(model, tokenizer, questions, gen_config, eos_ids):
                  length=mask.sum(1).float().mean().item(), truncated=1 - stopped.float().mean().item(),
                  dropped=len(questions) - len(kept))
     return groups, stats
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, questions, eos_ids, batch_size=16):
+    """Greedy answers to held-out questions: {"eval_accuracy", "eval_format"}.
+
+    Greedy decoding draws no random numbers, and fork_rng guards the training stream anyway, so
+    evaluating never changes what training samples.
+    """
+    from transformers import GenerationConfig
+
+    greedy = GenerationConfig(do_sample=False, max_new_tokens=MAX_NEW_TOKENS, pad_token_id=tokenizer.pad_token_id,
+                              eos_token_id=eos_ids)
+    device = next(model.parameters()).device
+    model.eval()
+    fmt, correct = [], []
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for i in range(0, len(questions), batch_size):
+            batch = questions[i : i + batch_size]
+            enc = tokenizer([build_prompt(tokenizer, q["question"]) for q in batch], return_tensors="pt",
+                            padding=True, padding_side="left", add_special_tokens=False).to(device)
+            out = model.generate(**enc, generation_config=greedy)  # (b, P+Tc)
+            texts = tokenizer.batch_decode(out[:, enc.input_ids.shape[1] :], skip_special_tokens=True)
+            fmt += [rewards.reward_format(THINK_PREFILL + t) for t in texts]
+            correct += [rewards.reward_correct(THINK_PREFILL + t, q["gold"]) for t, q in zip(texts, batch)]
+    return {"eval_accuracy": sum(correct) / len(correct), "eval_format": sum(fmt) / len(fmt)}
 
 
 # ----------------------------------------------------------------------------- step 6: the server
@@ -381,13 +419,18 @@ def plot_curves(metrics_path, png_path=None):
     import matplotlib.pyplot as plt
 
     with open(metrics_path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+        lines = [json.loads(line) for line in f if line.strip()]
     keys = ("reward", "format", "accuracy", "kl")
+    rows = [r for r in lines if "eval_accuracy" not in r]  # training steps
+    evals = [r for r in lines if "eval_accuracy" in r]  # held-out evaluations, drawn dashed
     if not rows or any(k not in r for r in rows for k in ("step", *keys)):
         raise ValueError(f"{metrics_path}: need JSON lines with step, {', '.join(keys)}")
     fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.2))
     for ax, key in zip(axes, keys):
-        ax.plot([r["step"] for r in rows], [r[key] for r in rows], marker=".")
+        ax.plot([r["step"] for r in rows], [r[key] for r in rows], marker=".", label="training samples")
+        if evals and key in ("format", "accuracy"):
+            ax.plot([r["step"] for r in evals], [r[f"eval_{key}"] for r in evals], "--o", label="held-out, greedy")
+            ax.legend(fontsize=7)
         ax.set(title=key, xlabel="step")
         ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -395,6 +438,17 @@ def plot_curves(metrics_path, png_path=None):
     fig.savefig(png_path, dpi=100)
     plt.close(fig)
     return png_path
+
+
+def log_eval(step, model, tokenizer, held_out, eos_ids, rank, metrics_file):
+    """Rank 0 evaluates; the others wait for it."""
+    if rank == 0:
+        m = evaluate(model, tokenizer, held_out, eos_ids)
+        tqdm.write(f"eval {step:4d} | held-out accuracy {m['eval_accuracy']:.3f} | format {m['eval_format']:.3f} "
+                   f"| {len(held_out)} questions, greedy")
+        metrics_file.write(json.dumps({"step": step, **{k: round(v, 6) for k, v in m.items()}}) + "\n")
+        metrics_file.flush()
+    torch.distributed.barrier()
 
 
 def mean_over_ranks(values: dict, device) -> dict:
@@ -445,9 +499,11 @@ def main():
         sys.exit(f"reference server at {REF_SERVER} holds {health['model']} with vocab {health['vocab_size']}, "
                  f"but this policy has vocab {vocab} (tokenizer {len(tokenizer)}): start it with the same MODEL_PATH")
 
-    questions = load_questions(DATASET, SEED)
+    questions, held_out = split_held_out(load_questions(DATASET, SEED), EVAL_SIZE)
     rng = random.Random(SEED + rank)
     metrics_file = open_metrics(rank)
+    if EVAL_STEPS > 0:
+        log_eval(0, engine.module, tokenizer, held_out, eos_ids, rank, metrics_file)
     for step in tqdm(range(1, ALL_STEPS + 1), disable=rank != 0, desc="GRPO", dynamic_ncols=True):
         t0 = time.time()
         # ---- steps 1-6: generate, score, upload; take ready groups back with reference log-probs
@@ -458,6 +514,8 @@ def main():
         stats["train_s"], stats["seconds"] = time.time() - t, time.time() - t0
         # ---- log (means over ranks) and save
         log_step(step, mean_over_ranks(stats, device), metrics_file)
+        if EVAL_STEPS > 0 and (step % EVAL_STEPS == 0 or step == ALL_STEPS):
+            log_eval(step, engine.module, tokenizer, held_out, eos_ids, rank, metrics_file)
         if step % SAVE_STEPS == 0 or step == ALL_STEPS:
             save_checkpoint(engine, tokenizer, os.path.join(OUTPUT_DIR, f"step_{step}"), rank)
             if rank == 0:

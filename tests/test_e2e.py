@@ -20,7 +20,7 @@ def server(tiny_model_dir, tmp_path_factory):
 
 def train(model_dir, url, out, ranks, **env):
     full_env = {**os.environ, "MODEL_PATH": model_dir, "REF_SERVER": url, "OUTPUT_DIR": str(out), "ALL_STEPS": "2",
-                "SAVE_STEPS": "1", "Q_BATCH_SIZE": "2", "NUM_PRE_Q": "4", "MAX_NEW_TOKENS": "16", "LR": "1e-3",
+                "SAVE_STEPS": "1", "Q_BATCH_SIZE": "2", "NUM_PRE_Q": "4", "MAX_NEW_TOKENS": "16", "LR": "1e-3", "EVAL_SIZE": "8",
                 "SERVER_TIMEOUT": "120", **env}
     cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(ranks),
            "--master_port", str(free_port()), "grpo_ref_split.py"]
@@ -42,6 +42,8 @@ def test_training_steps_end_to_end(server, tiny_model_dir, tmp_path, ranks):
     assert "step    1 | loss" in run.stdout + run.stderr and "step    2 | loss" in run.stdout + run.stderr
 
     lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [m["step"] for m in lines if "eval_accuracy" in m] == [0, 2]  # before training and at the end
+    lines = [m for m in lines if "eval_accuracy" not in m]
     assert [m["step"] for m in lines] == [1, 2]  # rank 0 alone writes
     for m in lines:
         assert all(math.isfinite(m[k]) for k in ("loss", "reward", "kl", "clip_frac", "length"))
@@ -79,7 +81,8 @@ def test_use_triton_trains_one_step_like_the_pytorch_path(server, tiny_model_dir
     for name, env in (("torch", {}), ("triton", {"USE_TRITON": "1", "TRITON_INTERPRET": "1"})):
         run = train(tiny_model_dir, server.url, tmp_path / name, 1, ALL_STEPS="1", **env)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-        runs[name] = json.loads(open(tmp_path / name / "metrics.jsonl").readline())
+        lines = [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
+        runs[name] = next(m for m in lines if m["step"] == 1 and "loss" in m)
     assert math.isfinite(runs["triton"]["loss"])
     assert runs["triton"]["reward"] == runs["torch"]["reward"]  # the very same rollout
     assert abs(runs["triton"]["loss"] - runs["torch"]["loss"]) < 1e-5
@@ -92,3 +95,19 @@ def test_use_triton_trains_one_step_like_the_pytorch_path(server, tiny_model_dir
         moved += int(big.sum())
         agree += int((torch.sign(d_torch[k]) == torch.sign(d_triton[k]))[big].sum())
     assert moved > 1000 and agree / moved > 0.99, (moved, agree)
+
+
+def test_evaluation_is_logged_and_does_not_change_training(server, tiny_model_dir, tmp_path):
+    for name, every in (("no_eval", "0"), ("eval", "1")):
+        run = train(tiny_model_dir, server.url, tmp_path / name, 1, EVAL_STEPS=every, SAVE_STEPS="2")
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    lines = [json.loads(line) for line in open(tmp_path / "eval" / "metrics.jsonl")]
+    evals = [m for m in lines if "eval_accuracy" in m]
+    assert [m["step"] for m in evals] == [0, 1, 2]  # before step 1, then every step
+    assert all(0 <= m["eval_accuracy"] <= 1 and 0 <= m["eval_format"] <= 1 for m in evals)
+    plain = [json.loads(line) for line in open(tmp_path / "no_eval" / "metrics.jsonl")]
+    train_lines = [m for m in lines if "eval_accuracy" not in m]
+    assert [m["reward"] for m in train_lines] == [m["reward"] for m in plain]  # the same samples were drawn
+    with_eval, without = params(tmp_path / "eval" / "step_2"), params(tmp_path / "no_eval" / "step_2")
+    assert all(torch.equal(with_eval[k], without[k]) for k in with_eval)
+    assert (tmp_path / "eval" / "curves.png").exists()

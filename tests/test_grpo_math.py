@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from grpo_ref_split import collate, completion_mask, group_advantages, grpo_loss, k3, masked_mean
+from grpo_ref_split import collate, completion_mask, group_advantages, grpo_loss, k3, make_arithmetic, masked_mean, split_held_out
 from ref_server import decode_batch, encode_batch, per_token_logps
 
 
@@ -190,8 +190,10 @@ def test_plot_curves_draws_each_metric(tmp_path):
     from grpo_ref_split import plot_curves
 
     path = tmp_path / "metrics.jsonl"
-    path.write_text("".join(json.dumps({"step": s, "reward": s / 10, "format": s / 20, "accuracy": 0.5, "kl": s / 100,
-                                        "loss": 0.0}) + "\n" for s in range(1, 11)))
+    path.write_text(json.dumps({"step": 0, "eval_accuracy": 0.1, "eval_format": 0.0}) + "\n"
+                    + "".join(json.dumps({"step": s, "reward": s / 10, "format": s / 20, "accuracy": 0.5, "kl": s / 100,
+                                          "loss": 0.0}) + "\n" for s in range(1, 11))
+                    + json.dumps({"step": 10, "eval_accuracy": 0.4, "eval_format": 0.2}) + "\n")
     png = plot_curves(str(path))
     assert png == str(tmp_path / "curves.png")
     img = Image.open(png).convert("L")
@@ -208,3 +210,23 @@ def test_plot_curves_rejects_files_without_the_metrics(tmp_path):
     for name in ("empty.jsonl", "other.jsonl"):
         with pytest.raises(ValueError, match="need JSON lines with step, reward"):
             plot_curves(str(tmp_path / name))
+
+
+# ----------------------------------------------------------------------------- data
+def test_arithmetic_task_is_seeded_and_in_gsm8k_format():
+    a, b = make_arithmetic(50, 20, seed=3), make_arithmetic(50, 20, seed=3)
+    assert a == b and a != make_arithmetic(50, 20, seed=4)
+    for row in a:
+        x, y = (int(v) for v in row["answer"].split("=")[0].split("+"))
+        assert 1 <= x <= 20 and 1 <= y <= 20 and row["answer"].endswith(f"#### {x + y}")
+        assert str(x) in row["question"] and str(y) in row["question"]
+
+
+def test_held_out_questions_never_appear_in_training():
+    qs = [{"question": f"q{i % 30}", "gold": str(i)} for i in range(100)]  # many repeats, as in the built-in task
+    train, held = split_held_out(qs, 10)
+    assert held == qs[-10:]
+    assert not {q["question"] for q in train} & {q["question"] for q in held}
+    assert len(train) == 60  # held-out texts q0..q9 each appeared 3 times among the first 90
+    with pytest.raises(ValueError, match="EVAL_SIZE=100"):
+        split_held_out(qs, 100)
