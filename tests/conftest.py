@@ -1,6 +1,7 @@
 """Shared fixtures: the embedded tokenizer, a tiny model that has learned the answer format, and a
 reference server process. Run with: bash scripts/test.sh (or python -m pytest tests)."""
 import os
+import pathlib
 import random
 import socket
 import subprocess
@@ -111,7 +112,7 @@ class ServerProcess:
                                      stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.time() + 120
         while time.time() < deadline:
-            assert self.proc.poll() is None, f"ref_server.py exited early: {open(log_path).read()[-2000:]}"
+            assert self.proc.poll() is None, f"ref_server.py exited early: {pathlib.Path(log_path).read_text()[-2000:]}"
             try:
                 self.health()
                 return

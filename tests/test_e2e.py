@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -41,7 +42,7 @@ def test_training_steps_end_to_end(server, tiny_model_dir, tmp_path, ranks):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "step    1 | loss" in run.stdout + run.stderr and "step    2 | loss" in run.stdout + run.stderr
 
-    lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    lines = [json.loads(line) for line in pathlib.Path(tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines if "eval_accuracy" in m] == [0, 2]  # before training and at the end
     lines = [m for m in lines if "eval_accuracy" not in m]
     assert [m["step"] for m in lines] == [1, 2]  # rank 0 alone writes
@@ -72,7 +73,7 @@ def test_trainer_stops_when_the_server_holds_another_vocabulary(server, tokenize
     run = train(str(other), server.url, tmp_path / "out", 1)
     assert run.returncode != 0
     assert "holds" in run.stderr and "vocab 49152" in run.stderr and "policy has vocab 49216" in run.stderr
-    assert not (tmp_path / "out" / "metrics.jsonl").exists() or not open(tmp_path / "out" / "metrics.jsonl").read()
+    assert not (tmp_path / "out" / "metrics.jsonl").exists() or not (tmp_path / "out" / "metrics.jsonl").read_text()
 
 
 def test_use_triton_trains_one_step_like_the_pytorch_path(server, tiny_model_dir, tmp_path):
@@ -81,7 +82,7 @@ def test_use_triton_trains_one_step_like_the_pytorch_path(server, tiny_model_dir
     for name, env in (("torch", {}), ("triton", {"USE_TRITON": "1", "TRITON_INTERPRET": "1"})):
         run = train(tiny_model_dir, server.url, tmp_path / name, 1, ALL_STEPS="1", **env)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-        lines = [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
+        lines = [json.loads(line) for line in pathlib.Path(tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         runs[name] = next(m for m in lines if m["step"] == 1 and "loss" in m)
     assert math.isfinite(runs["triton"]["loss"])
     assert runs["triton"]["reward"] == runs["torch"]["reward"]  # the very same rollout
@@ -101,11 +102,11 @@ def test_evaluation_is_logged_and_does_not_change_training(server, tiny_model_di
     for name, every in (("no_eval", "0"), ("eval", "1")):
         run = train(tiny_model_dir, server.url, tmp_path / name, 1, EVAL_STEPS=every, SAVE_STEPS="2")
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    lines = [json.loads(line) for line in open(tmp_path / "eval" / "metrics.jsonl")]
+    lines = [json.loads(line) for line in pathlib.Path(tmp_path / "eval" / "metrics.jsonl").read_text().splitlines()]
     evals = [m for m in lines if "eval_accuracy" in m]
     assert [m["step"] for m in evals] == [0, 1, 2]  # before step 1, then every step
     assert all(0 <= m["eval_accuracy"] <= 1 and 0 <= m["eval_format"] <= 1 for m in evals)
-    plain = [json.loads(line) for line in open(tmp_path / "no_eval" / "metrics.jsonl")]
+    plain = [json.loads(line) for line in pathlib.Path(tmp_path / "no_eval" / "metrics.jsonl").read_text().splitlines()]
     train_lines = [m for m in lines if "eval_accuracy" not in m]
     assert [m["reward"] for m in train_lines] == [m["reward"] for m in plain]  # the same samples were drawn
     with_eval, without = params(tmp_path / "eval" / "step_2"), params(tmp_path / "no_eval" / "step_2")

@@ -196,7 +196,8 @@ def test_plot_curves_draws_each_metric(tmp_path):
                     + json.dumps({"step": 10, "eval_accuracy": 0.4, "eval_format": 0.2}) + "\n")
     png = plot_curves(str(path))
     assert png == str(tmp_path / "curves.png")
-    img = Image.open(png).convert("L")
+    with Image.open(png) as f:
+        img = f.convert("L")
     assert img.size == (1600, 320)
     quarters = [img.crop((400 * i, 40, 400 * (i + 1), 280)) for i in range(4)]
     assert all(len(np.unique(np.asarray(q))) > 10 for q in quarters)  # a drawn line and axes in every panel

@@ -116,6 +116,7 @@ def test_killed_server_clients_retry_and_recover(tiny_model_dir, tmp_path, capfd
     first_instance = first.health()["instance"]
     first.proc.send_signal(signal.SIGKILL)
     first.proc.wait(timeout=10)
+    first.log.close()
     with pytest.raises(requests.ConnectionError):
         requests.get(first.url + "/health", timeout=5)
     holder = {}
@@ -140,7 +141,7 @@ def test_sigterm_shuts_down_cleanly_and_frees_the_port(tiny_model_dir, tmp_path)
     s.proc.send_signal(signal.SIGTERM)
     assert s.proc.wait(timeout=15) == 0
     s.log.close()
-    assert "shutting down" in open(tmp_path / "server.log").read()
+    assert "shutting down" in (tmp_path / "server.log").read_text()
     with socket.socket() as sock:  # nobody listens there any more: a new server can bind at once
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server does (TIME_WAIT)
         sock.bind(("127.0.0.1", port))
