@@ -189,6 +189,19 @@ def build_prompt(tokenizer, question: str) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + THINK_PREFILL
 
 
+def encode_prompts(tokenizer, questions):
+    """Left-padded prompt ids and attention mask, so every completion starts at the same column."""
+    prompts = [build_prompt(tokenizer, q["question"]) for q in questions]
+    return tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+
+
+def score(texts, golds):
+    """(format, correct) as (N,) tensors; the prefill is put back so the tags read whole."""
+    fmt = torch.tensor([rewards.reward_format(THINK_PREFILL + t) for t in texts])  # (N,)
+    correct = torch.tensor([rewards.reward_correct(THINK_PREFILL + t, g) for t, g in zip(texts, golds)])  # (N,)
+    return fmt, correct
+
+
 # ----------------------------------------------------------------------------- rollout (steps 1-5)
 
 
@@ -199,8 +212,7 @@ def rollout(model, tokenizer, questions, gen_config, eos_ids):
     Returns (groups, stats): each group is (tensors, meta) in ref_server's upload format.
     """
     G = NUM_PRE_Q
-    prompts = [build_prompt(tokenizer, q["question"]) for q in questions]
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    enc = encode_prompts(tokenizer, questions)
     device = next(model.parameters()).device
     prompt_ids = enc.input_ids.repeat_interleave(G, 0).to(device)  # (B, P) B = Q * G
     prompt_attn = enc.attention_mask.repeat_interleave(G, 0).to(device)  # (B, P)
@@ -211,9 +223,7 @@ def rollout(model, tokenizer, questions, gen_config, eos_ids):
     mask = completion_mask(completion, eos_ids)  # (B, Tc)
 
     texts = tokenizer.batch_decode(completion, skip_special_tokens=True)
-    golds = [q["gold"] for q in questions for _ in range(G)]
-    fmt = torch.tensor([rewards.reward_format(THINK_PREFILL + t) for t in texts])  # (B,)
-    correct = torch.tensor([rewards.reward_correct(THINK_PREFILL + t, g) for t, g in zip(texts, golds)])  # (B,)
+    fmt, correct = score(texts, [q["gold"] for q in questions for _ in range(G)])  # (B,) each
     reward = CORRECT_WEIGHT * correct + FORMAT_WEIGHT * fmt  # (B,)
     advantages = group_advantages(reward, G)  # (B,)
 
@@ -257,17 +267,14 @@ def evaluate(model, tokenizer, questions, eos_ids, batch_size=16):
                               eos_token_id=eos_ids)
     device = next(model.parameters()).device
     model.eval()
-    fmt, correct = [], []
+    texts = []
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for i in range(0, len(questions), batch_size):
-            batch = questions[i : i + batch_size]
-            enc = tokenizer([build_prompt(tokenizer, q["question"]) for q in batch], return_tensors="pt",
-                            padding=True, padding_side="left", add_special_tokens=False).to(device)
+            enc = encode_prompts(tokenizer, questions[i : i + batch_size]).to(device)
             out = model.generate(**enc, generation_config=greedy)  # (b, P+Tc)
-            texts = tokenizer.batch_decode(out[:, enc.input_ids.shape[1] :], skip_special_tokens=True)
-            fmt += [rewards.reward_format(THINK_PREFILL + t) for t in texts]
-            correct += [rewards.reward_correct(THINK_PREFILL + t, q["gold"]) for t, q in zip(texts, batch)]
-    return {"eval_accuracy": sum(correct) / len(correct), "eval_format": sum(fmt) / len(fmt)}
+            texts += tokenizer.batch_decode(out[:, enc.input_ids.shape[1] :], skip_special_tokens=True)
+    fmt, correct = score(texts, [q["gold"] for q in questions])  # (N,) each
+    return {"eval_accuracy": correct.mean().item(), "eval_format": fmt.mean().item()}
 
 
 # ----------------------------------------------------------------------------- step 6: the server
