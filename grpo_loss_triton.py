@@ -27,8 +27,8 @@ def _grpo_fwd_kernel(
     logits_ptr, stride_lb, stride_lt, stride_lv,  # (B, T, V) any strides, fp32 or bf16
     ids_ptr, ref_ptr, gen_ptr, adv_ptr, weight_ptr,  # ids, ref, gen, weight: contiguous (B, T); adv (B,)
     loss_ptr, logp_ptr, lse_ptr, dcoef_ptr,  # outputs, contiguous fp32 (B, T)
-    T, V, beta, clip_eps, inv_temperature,
-    HAS_GEN: tl.constexpr, BLOCK: tl.constexpr,
+    T, V, beta, clip_low, clip_high, inv_temperature,
+    HAS_GEN: tl.constexpr, HAS_REF: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # int64 before any stride product: B*T*V passes 2^31
     b = row // T
@@ -53,8 +53,11 @@ def _grpo_fwd_kernel(
             ratio = 1.0 + 0.0 * logp  # exp(logp - logp.detach()): 1, with gradient logp's
         adv = tl.load(adv_ptr + b)
         unclipped = ratio * adv
-        clipped = tl.minimum(tl.maximum(ratio, 1.0 - clip_eps), 1.0 + clip_eps) * adv
-        d = tl.load(ref_ptr + row) - logp
+        clipped = tl.minimum(tl.maximum(ratio, 1.0 - clip_low), 1.0 + clip_high) * adv
+        if HAS_REF:
+            d = tl.load(ref_ptr + row) - logp
+        else:  # BETA = 0: no reference model, no KL term (d = 0 makes both KL terms exactly 0)
+            d = 0.0 * logp
         kl = tl.exp(d) - d - 1.0
         loss = -(tl.minimum(unclipped, clipped) - beta * kl)
         # d loss / d logp: the surrogate passes ratio * A unless the clipped branch is the smaller
@@ -103,17 +106,22 @@ def _grpo_bwd_kernel(
 
 class _GRPOLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, ids, ref_logps, gen_logps, advantages, mask, beta, clip_eps, temperature, inplace):
+    def forward(ctx, logits, ids, ref_logps, gen_logps, advantages, mask, beta, clip_eps, clip_eps_high, token_mean,
+                temperature, inplace):
         B, T, V = logits.shape
         mask = mask.float()  # (B, T)
-        weight = mask / mask.sum(-1, keepdim=True).clamp(min=1) / B  # (B, T) each token's share of the loss
-        ids, ref = ids.contiguous(), ref_logps.float().contiguous()  # (B, T)
+        if token_mean:  # (B, T) each token's share of the loss, as in grpo_ref_split.grpo_loss
+            weight = mask / mask.sum().clamp(min=1)
+        else:
+            weight = mask / mask.sum(-1, keepdim=True).clamp(min=1) / B
+        ids = ids.contiguous()  # (B, T)
+        ref = mask if ref_logps is None else ref_logps.float().contiguous()  # (B, T) unread when None
         gen = ref if gen_logps is None else gen_logps.float().contiguous()  # (B, T) unread when None
         loss_tok, logp, lse, dcoef = (torch.empty(B, T, dtype=torch.float32, device=logits.device) for _ in range(4))
         _grpo_fwd_kernel[(B * T,)](
             logits, *logits.stride(), ids, ref, gen, advantages.float().contiguous(), weight.contiguous(),
-            loss_tok, logp, lse, dcoef, T, V, float(beta), float(clip_eps), 1.0 / float(temperature),
-            HAS_GEN=gen_logps is not None, BLOCK=BLOCK_V,
+            loss_tok, logp, lse, dcoef, T, V, float(beta), float(clip_eps), float(clip_eps_high),
+            1.0 / float(temperature), HAS_GEN=gen_logps is not None, HAS_REF=ref_logps is not None, BLOCK=BLOCK_V,
         )
         ctx.save_for_backward(logits, ids, lse, dcoef * weight)
         ctx.inv_temperature, ctx.inplace = 1.0 / float(temperature), inplace
@@ -129,21 +137,25 @@ class _GRPOLoss(torch.autograd.Function):
         _grpo_bwd_kernel[(B * T,)](
             logits, *logits.stride(), grad, *grad.stride(), ids, lse, dlogp, T, V, ctx.inv_temperature, BLOCK=BLOCK_V,
         )
-        return grad, None, None, None, None, None, None, None, None, None
+        return grad, *[None] * 11
 
 
 def grpo_loss_triton(logits, completion_ids, ref_logps, gen_logps, advantages, mask, beta, clip_eps,
-                     temperature=1.0, return_logps=False, inplace_backward=False):
+                     clip_eps_high=None, token_mean=False, temperature=1.0, return_logps=False, inplace_backward=False):
     """The GRPO loss of grpo_ref_split.grpo_loss, computed from logits (B, T, V) in one kernel.
 
     logits[:, t] predicts completion_ids[:, t] (a strided view such as full[:, plen-1:-1] is read
     in place, never copied); ref_logps, gen_logps, mask (B, T); advantages (B,); gen_logps=None
-    means ratio = 1 (on-policy). return_logps=True also returns the per-token log-probs (B, T),
+    means ratio = 1 (on-policy); ref_logps=None (only with beta=0) drops the KL term. clip_eps_high
+    and token_mean as in grpo_loss. return_logps=True also returns the per-token log-probs (B, T),
     detached, for logging KL and clip fraction. inplace_backward=True writes d(logits) over the
     logits: saves a (B, T, V) buffer, and the caller must not read those logits afterwards.
     """
     if logits.dim() != 3 or logits.shape[:2] != completion_ids.shape:
         raise ValueError(f"logits {tuple(logits.shape)} do not match completion_ids {tuple(completion_ids.shape)}")
+    if ref_logps is None and beta != 0:
+        raise ValueError("ref_logps=None needs beta=0 (the KL term needs reference log-probs)")
+    clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
     loss, logps = _GRPOLoss.apply(logits, completion_ids, ref_logps, gen_logps, advantages, mask,
-                                  beta, clip_eps, temperature, inplace_backward)
+                                  beta, clip_eps, clip_eps_high, token_mean, temperature, inplace_backward)
     return (loss, logps) if return_logps else loss

@@ -14,6 +14,7 @@ Every UPPER_CASE constant below can be overridden by an environment variable of 
 """
 import contextlib
 import fcntl
+import hashlib
 import hmac
 import importlib.util
 import json
@@ -47,6 +48,10 @@ MAX_BODY_BYTES = 64 * 2**20  # bytes per upload; larger bodies get 413 before be
 MAX_ROWS = 512  # completions per uploaded group
 QUEUE_SIZE = 64  # groups waiting for the reference forward, and ready groups; full -> 503
 REF_MICRO_BATCH = 8  # rows per reference forward: bounds activation memory, not throughput
+# Regroup (simple_GRPO's regroup_ver)
+REGROUP = False  # True = pool each question's answers; send out groups, mixed across uploads, that have reward variance
+REGROUP_POOL = 64  # answers kept per question, oldest dropped first
+REGROUP_QUESTIONS = 4096  # questions remembered, the least recently uploaded forgotten first
 # ----------------------------------------------------------------------------- overrides
 
 
@@ -61,9 +66,12 @@ def apply_env_overrides(namespace):
                 if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
                     raise ValueError("expected 1/0/true/false")
                 value = raw.lower() in ("1", "true", "yes")
+            elif isinstance(default, (tuple, list)):  # JSON: EXAMPLE='["Q?", "A"]' or 'null'
+                value = json.loads(raw)
+                value = None if value is None else type(default)(value)
             else:
                 value = type(default)(raw)
-        except ValueError as e:
+        except (ValueError, TypeError) as e:
             sys.exit(f"environment variable {name}={raw!r}: not a valid {type(default).__name__} ({e})")
         namespace[name] = value
 
@@ -292,14 +300,17 @@ class RefServer:
     """The queues, the worker thread and the bottle app around one reference model."""
 
     def __init__(self, model, model_name, token="", queue_size=QUEUE_SIZE, micro_batch=REF_MICRO_BATCH,
-                 max_body=MAX_BODY_BYTES, max_rows=MAX_ROWS):
+                 max_body=MAX_BODY_BYTES, max_rows=MAX_ROWS, regroup=REGROUP, pool_size=REGROUP_POOL,
+                 pool_questions=REGROUP_QUESTIONS):
         self.model, self.model_name, self.token = model, model_name, token
         self.device = next(model.parameters()).device
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.micro_batch, self.max_body, self.max_rows = micro_batch, max_body, max_rows
         self.pending = queue.Queue(queue_size)  # validated groups waiting for the reference forward
         self.ready = queue.Queue(queue_size)  # encoded batches waiting for a trainer
-        self.counters = dict(uploaded=0, served=0, rejected=0, busy=0, ref_errors=0)
+        self.counters = dict(uploaded=0, served=0, rejected=0, busy=0, ref_errors=0, regrouped=0)
+        self.regroup, self.pool_size, self.pool_questions = regroup, pool_size, pool_questions
+        self.pools = {}  # REGROUP: question key -> list of answer rows, in upload order
         self.lock = threading.Lock()
         self.started = time.time()
         self.instance = uuid.uuid4().hex  # changes on restart: clients learn their queued groups are gone
@@ -338,6 +349,53 @@ class RefServer:
                 except queue.Full:
                     continue
 
+    def regroup_answers(self, tensors, meta):
+        """REGROUP: add this upload's answers to its question's pool, and take out a group of as
+        many answers, with different rewards and fresh advantages, when the pool has one; else None.
+
+        A question whose answers all scored the same (no signal on its own) still teaches once a
+        later upload brings a different reward. Answers leave the pool when sent: none is trained
+        twice. Each keeps its own gen_logps, so the clipped ratio stays right for older answers.
+        """
+        from grpo_ref_split import group_advantages
+
+        g, plen = tensors["input_ids"].shape[0], meta["plen"]
+        prompt = tensors["input_ids"][0, :plen]  # (plen,) one prompt per group: the question's identity
+        key = (hashlib.sha256(prompt.numpy().tobytes()).hexdigest(), meta.get("temperature", 1.0))
+        rows = [{name: t[i] for name, t in tensors.items() if name != "advantages"} for i in range(g)]
+        for row in rows:
+            row["version"] = meta.get("version", 0)
+        with self.lock:
+            pool = (self.pools.pop(key, []) + rows)[-self.pool_size :]
+            rewards = torch.stack([r["rewards"] for r in pool])  # (n,)
+            picked = []
+            if len(pool) >= g and rewards.unique().numel() > 1:
+                order = torch.randperm(len(pool)).tolist()
+                picked = order[:g]
+                if rewards[picked].unique().numel() == 1:  # swap in one answer with another reward
+                    picked[-1] = next(i for i in order[g:] if rewards[i] != rewards[picked[0]])
+                self.counters["regrouped"] += 1
+            chosen = [pool[i] for i in picked]
+            pool = [r for i, r in enumerate(pool) if i not in picked]
+            if pool:
+                self.pools[key] = pool  # re-inserted last: dicts keep order, so the first key is the stalest
+            while len(self.pools) > self.pool_questions:
+                self.pools.pop(next(iter(self.pools)))
+        if not chosen:
+            return None
+        tc = max(len(r["completion_mask"]) for r in chosen)  # answers from different uploads: pad to the longest
+
+        def padded(name, width, fill):  # (G, width)
+            return torch.stack([torch.cat([r[name], r[name].new_full((width - len(r[name]),), fill)]) for r in chosen])
+
+        out = dict(input_ids=padded("input_ids", plen + tc, 0),  # (G, plen + tc) the padding is masked out
+                   completion_mask=padded("completion_mask", tc, False),  # (G, tc)
+                   rewards=torch.stack([r["rewards"] for r in chosen]))  # (G,)
+        out["advantages"] = group_advantages(out["rewards"], g)  # (G,) relative to this new group
+        if all("gen_logps" in r for r in chosen):
+            out["gen_logps"] = padded("gen_logps", tc, 0.0)  # (G, tc)
+        return out, {**meta, "version": min(r["version"] for r in chosen), "regrouped": True}
+
     def _check_token(self):
         if not self.token:
             return
@@ -349,6 +407,11 @@ class RefServer:
         self.count("rejected")
         raise bottle.HTTPResponse(json.dumps({"error": message}), status=status,
                                   headers={"Content-Type": "application/json"})
+
+    def _busy(self):
+        self.count("busy")
+        raise bottle.HTTPResponse(json.dumps({"error": "queue full, retry later"}), status=503,
+                                  headers={"Content-Type": "application/json", "Retry-After": "1"})
 
     def _read_body(self):
         length = bottle.request.content_length
@@ -370,14 +433,20 @@ class RefServer:
                 validate_group(tensors, meta, self.vocab_size, self.max_rows)
             except ValueError as e:
                 self._fail(400, str(e))
+            if self.pending.full():  # before regrouping: a refused upload must not take answers out of a pool
+                self._busy()
+            if self.regroup:
+                group = self.regroup_answers(tensors, meta)
+                if group is None:  # pooled: no group with reward variance for this question yet
+                    self.count("uploaded")
+                    return {"ok": True, "groups": 0, "pending": self.pending.qsize(), "instance": self.instance}
+                tensors, meta = group
             try:
                 self.pending.put_nowait((tensors, meta))
             except queue.Full:
-                self.count("busy")
-                raise bottle.HTTPResponse(json.dumps({"error": "queue full, retry later"}), status=503,
-                                          headers={"Content-Type": "application/json", "Retry-After": "1"})
+                self._busy()
             self.count("uploaded")
-            return {"ok": True, "pending": self.pending.qsize(), "instance": self.instance}
+            return {"ok": True, "groups": 1, "pending": self.pending.qsize(), "instance": self.instance}
 
         @app.get("/get")
         def get():
@@ -394,7 +463,7 @@ class RefServer:
             with self.lock:
                 counters = dict(self.counters)
             return dict(model=self.model_name, vocab_size=self.vocab_size, device=str(self.device), instance=self.instance,
-                        pending=self.pending.qsize(), ready=self.ready.qsize(),
+                        pending=self.pending.qsize(), ready=self.ready.qsize(), regroup=self.regroup,
                         uptime_s=round(time.time() - self.started, 1), **counters)
 
         def json_error(err):

@@ -47,7 +47,7 @@ def test_training_steps_end_to_end(server, tiny_model_dir, tmp_path, ranks):
     lines = [m for m in lines if "eval_accuracy" not in m]
     assert [m["step"] for m in lines] == [1, 2]  # rank 0 alone writes
     for m in lines:
-        assert all(math.isfinite(m[k]) for k in ("loss", "reward", "kl", "clip_frac", "length"))
+        assert all(math.isfinite(m[k]) for k in ("loss", "reward", "reward_std", "kl", "clip_low", "clip_high", "ratio_drift", "length", "max_length", "staleness"))
         assert 0 <= m["format"] <= 1 and 0 <= m["accuracy"] <= 1 and m["length"] > 0
     assert lines[0]["kl"] < 1e-6  # step 1: the policy is still the reference model
     assert lines[1]["kl"] > 0  # after one update it has moved away

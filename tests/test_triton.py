@@ -39,7 +39,7 @@ def case(B, T, V, dtype=torch.float32, seed=0, scale=3.0):
 
 
 def both(full, logits, ids, ref, gen, adv, mask, temperature, beta=0.04, eps=0.2):
-    loss_t, logps_t = grpo_loss_triton(logits, ids, ref, gen, adv, mask, beta, eps, temperature, return_logps=True)
+    loss_t, logps_t = grpo_loss_triton(logits, ids, ref, gen, adv, mask, beta, eps, temperature=temperature, return_logps=True)
     (grad_t,) = torch.autograd.grad(loss_t, full)
     logps = per_token_logps(logits, ids, temperature)
     loss_p = grpo_loss(logps, ref, gen, adv, mask, beta, eps)

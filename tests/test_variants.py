@@ -1,0 +1,227 @@
+"""The loss variants (clip-higher, token-level mean, BETA = 0, MU > 1, MASK_TRUNCATED), the metrics
+they log, and the server's REGROUP mode: each shown to change what it should."""
+import math
+
+import pytest
+import requests
+import torch
+from transformers import GenerationConfig
+
+import grpo_ref_split as grpo
+from conftest import group, pull, start, stop
+from grpo_ref_split import clip_fractions, grpo_loss, masked_mean
+from ref_server import completion_logps, encode_batch
+
+
+# ----------------------------------------------------------------------------- the loss
+def test_clip_eps_high_lets_a_good_token_grow_further():
+    # ratio e^0.22 = 1.246 with A = +1: clipped at 1.2 by the symmetric clip, not at 1.28 (DAPO)
+    logps = torch.tensor([[-1.0]], requires_grad=True)
+    gen, ref, adv, mask = torch.tensor([[-1.22]]), torch.tensor([[-1.0]]), torch.tensor([1.0]), torch.ones(1, 1, dtype=torch.bool)
+    sym = grpo_loss(logps, ref, gen, adv, mask, 0.0, 0.2)
+    high = grpo_loss(logps, ref, gen, adv, mask, 0.0, 0.2, clip_eps_high=0.28)
+    assert sym.item() == pytest.approx(-1.2, rel=1e-6)
+    assert high.item() == pytest.approx(-math.exp(0.22), rel=1e-6)
+    assert torch.autograd.grad(sym, logps)[0].item() == 0.0  # clipped: no policy gradient
+    assert torch.autograd.grad(high, logps)[0].item() == pytest.approx(-math.exp(0.22), rel=1e-6)
+    # and the low side is still CLIP_EPS: ratio e^-0.3 with A = -1 is clipped at 0.8 either way
+    low = grpo_loss(logps, ref, gen + 0.52, -adv, mask, 0.0, 0.2, clip_eps_high=0.28)
+    assert low.item() == pytest.approx(0.8, rel=1e-6)
+
+
+def test_token_mean_weighs_every_token_the_same():
+    per_token = torch.tensor([[1.0, 1.0, 1.0, 1.0], [4.0, 0.0, 0.0, 0.0]])  # -A at ratio 1, A = -x
+    mask = torch.tensor([[True, True, True, True], [True, False, False, False]])
+    logps = torch.zeros(2, 4)
+    adv = -per_token[:, 0]  # the loss is -A per token with ratio 1, beta 0
+    seq = grpo_loss(logps, None, None, adv, mask, 0.0, 0.2)
+    tok = grpo_loss(logps, None, None, adv, mask, 0.0, 0.2, token_mean=True)
+    assert seq.item() == pytest.approx((1.0 + 4.0) / 2)  # each answer weighs 1/2
+    assert tok.item() == pytest.approx((4 * 1.0 + 4.0) / 5)  # each token weighs 1/5
+
+
+def test_beta_zero_needs_no_reference_log_probs():
+    torch.manual_seed(0)
+    logps, gen = -torch.rand(3, 5), -torch.rand(3, 5)
+    adv, mask = torch.randn(3), torch.rand(3, 5) > 0.3
+    without = grpo_loss(logps, None, gen, adv, mask, 0.0, 0.2)
+    assert without.item() == pytest.approx(grpo_loss(logps, -torch.rand(3, 5) * 9, gen, adv, mask, 0.0, 0.2).item())
+    with pytest.raises(ValueError, match="needs beta=0"):
+        grpo_loss(logps, None, gen, adv, mask, 0.04, 0.2)
+
+
+def test_clip_fractions_count_only_the_cut_gradients():
+    gen = torch.zeros(1, 4)
+    logps = torch.tensor([[0.3, -0.3, 0.3, -0.3]])  # ratios 1.35, 0.74, 1.35, 0.74
+    mask = torch.tensor([[True, True, True, False]])
+    low, high = clip_fractions(logps, gen, torch.tensor([1.0]), mask, 0.2, 0.2)
+    assert (low.item(), high.item()) == (0.0, pytest.approx(2 / 3))  # A > 0: only ratios above 1.2 are cut
+    low, high = clip_fractions(logps, gen, torch.tensor([-1.0]), mask, 0.2, 0.2)
+    assert (low.item(), high.item()) == (pytest.approx(1 / 3), 0.0)
+    assert clip_fractions(logps, gen, torch.tensor([1.0]), mask, 0.2, 0.4)[1].item() == 0.0
+
+
+# ----------------------------------------------------------------------------- MU > 1
+class PlainEngine:
+    """The three calls train_step makes of a DeepSpeed engine, on a plain model and AdamW."""
+
+    def __init__(self, model, lr):
+        self.module, self.device = model, torch.device("cpu")
+        self.opt = torch.optim.AdamW(model.parameters(), lr=lr)
+
+    def __call__(self, **kw):
+        return self.module(**kw)
+
+    def train(self):
+        self.module.train()
+
+    def eval(self):
+        self.module.eval()
+
+    def backward(self, loss):
+        loss.backward()
+
+    def step(self):
+        self.opt.step()
+        self.opt.zero_grad()
+
+
+def batch_for(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 49152, (4, 12), generator=g)  # (B, P+Tc) prompt 6, completion 6
+    attn = torch.ones_like(ids)
+    with torch.no_grad():
+        ref = completion_logps(model, ids, attn, 6, 0.7)  # (B, Tc)
+    return dict(input_ids=ids, attention_mask=attn, mask=torch.ones(4, 6, dtype=torch.bool), ref_logps=ref,
+                gen_logps=None, advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]))
+
+
+@pytest.fixture
+def fresh_model(tokenizer):
+    from transformers import LlamaForCausalLM
+
+    from conftest import tiny_config
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(tiny_config(tokenizer))
+
+
+def test_mu_two_reuses_the_batch_with_a_real_ratio(fresh_model, monkeypatch):
+    monkeypatch.setattr(grpo, "MU", 1)
+    engine = PlainEngine(fresh_model, lr=1e-2)
+    b = batch_for(fresh_model)
+    first = grpo.policy_update(engine, {**b, "gen_logps": b["ref_logps"]})  # pi_old = the weights now
+    second = grpo.policy_update(engine, {**b, "gen_logps": b["ref_logps"]})  # the same batch after one step
+    assert first["ratio_drift"] < 1e-5 and first["clip_low"] == first["clip_high"] == 0
+    assert second["ratio_drift"] > 1e-2  # the ratio now measures how far the first step moved
+    assert second["kl"] > first["kl"]
+
+
+def test_train_step_with_mu_two_fixes_pi_old_before_the_first_update(fresh_model, monkeypatch):
+    b = batch_for(fresh_model)
+    results = {}
+    for mu in (1, 2):
+        torch.manual_seed(0)
+        model = type(fresh_model)(fresh_model.config)
+        model.load_state_dict(fresh_model.state_dict())
+        monkeypatch.setattr(grpo, "MU", mu)
+        results[mu] = (grpo.train_step(PlainEngine(model, lr=1e-2), b), model)
+    assert results[1][0]["ratio_drift"] == 0.0  # one on-policy pass: ratio exactly 1
+    assert results[2][0]["ratio_drift"] > 5e-3  # the second pass sees pi / pi_old != 1
+    moved_once = sum((p - q).abs().sum() for p, q in zip(results[1][1].parameters(), fresh_model.parameters()))
+    moved_twice = sum((p - q).abs().sum() for p, q in zip(results[2][1].parameters(), fresh_model.parameters()))
+    assert moved_twice > 1.5 * moved_once  # two optimizer steps, not one
+
+
+# ----------------------------------------------------------------------------- MASK_TRUNCATED, keep_all
+@pytest.fixture(scope="module")
+def tiny_policy(tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def short_rollout(tiny_policy, monkeypatch, masked, keep_all=False, max_new_tokens=8):
+    model, tok = tiny_policy
+    monkeypatch.setattr(grpo, "MASK_TRUNCATED", masked)
+    monkeypatch.setattr(grpo, "NUM_PRE_Q", 4)
+    cfg = GenerationConfig(do_sample=True, temperature=grpo.TEMPERATURE, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
+                           pad_token_id=tok.pad_token_id, eos_token_id=[tok.eos_token_id])
+    torch.manual_seed(3)
+    questions = [{"question": f"What is {a} + {a + 1}?", "gold": str(2 * a + 1)} for a in range(1, 9)]
+    return grpo.rollout(model, tok, questions, cfg, [tok.eos_token_id], keep_all)
+
+
+def test_mask_truncated_removes_cut_answers_from_the_loss(tiny_policy, monkeypatch):
+    eos = tiny_policy[1].eos_token_id
+    for masked in (False, True):
+        groups, stats = short_rollout(tiny_policy, monkeypatch, masked)
+        assert 0 < stats["truncated"] < 1  # 8 tokens cut the tag answers, not the bare numbers
+        rows = [(t["input_ids"][i, meta["plen"]:].tolist(), t["completion_mask"][i]) for t, meta in groups
+                for i in range(len(t["input_ids"]))]
+        cut = [m for completion, m in rows if eos not in completion]
+        done = [m for completion, m in rows if eos in completion]
+        assert cut and done
+        if masked:
+            assert all(not m.any() for m in cut)  # no token of a cut answer is trained on
+        else:
+            assert all(m.all() for m in cut)
+        assert all(m.any() for m in done)
+
+
+def test_keep_all_packs_groups_without_reward_variance(tiny_policy, monkeypatch):
+    groups, stats = short_rollout(tiny_policy, monkeypatch, False, max_new_tokens=24)
+    all_groups, _ = short_rollout(tiny_policy, monkeypatch, False, keep_all=True, max_new_tokens=24)
+    assert stats["dropped"] > 0 and len(groups) == 8 - stats["dropped"]
+    assert len(all_groups) == 8
+    assert 0 <= stats["reward_std"] and stats["max_length"] >= stats["length"] > 0
+
+
+# ----------------------------------------------------------------------------- REGROUP on the server
+def upload(url, tensors, meta):
+    r = requests.post(url + "/upload", data=encode_batch(tensors, meta), timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_regroup_mixes_uploads_of_one_question_into_a_group_with_variance(model):
+    server, httpd, url = start(model, regroup=True)
+    try:
+        a, meta = group(G=4, plen=5, tc=3, seed=1, version=2)
+        b, _ = group(G=4, plen=5, tc=6, seed=2)
+        b["input_ids"][:, :5] = a["input_ids"][0, :5]  # the same question, a longer answer
+        a["rewards"], b["rewards"] = torch.zeros(4), torch.ones(4)  # each upload alone: no signal
+        other, other_meta = group(G=4, plen=5, tc=3, seed=3)
+        other["rewards"] = torch.ones(4)
+        assert upload(url, a, meta)["groups"] == 0
+        assert upload(url, other, other_meta)["groups"] == 0  # another question does not mix in
+        assert requests.get(url + "/get", timeout=10).status_code == 204
+        assert upload(url, b, {**meta, "version": 5})["groups"] == 1
+        tensors, out_meta = pull(url)
+        assert tensors["input_ids"].shape == (4, 5 + 6) and tensors["ref_logps"].shape == (4, 6)
+        assert tensors["rewards"].unique().numel() == 2  # both rewards in the group
+        assert abs(tensors["advantages"].sum().item()) < 1e-4 and tensors["advantages"].abs().min() > 0.5
+        sent = {tuple(r[m].tolist()) for r, m in zip(tensors["input_ids"][:, 5:], tensors["completion_mask"])}
+        pooled = {tuple(r.tolist()) for r in a["input_ids"][:, 5:]} | {tuple(r.tolist()) for r in b["input_ids"][:, 5:]}
+        assert sent <= pooled  # real answers, padding masked out
+        for row, m, lp in zip(tensors["input_ids"], tensors["completion_mask"], tensors["gen_logps"]):
+            src = a if m.sum() == 3 else b  # each answer keeps its own old log-probs
+            i = next(i for i in range(4) if torch.equal(src["input_ids"][i, 5:], row[5:][m]))
+            assert torch.equal(lp[m], src["gen_logps"][i])
+        assert out_meta["version"] == 2 and out_meta["regrouped"]  # the stalest answer's policy
+        assert server.counters["regrouped"] == 1 and sum(len(p) for p in server.pools.values()) == 4 + 4
+        assert requests.get(url + "/health", timeout=10).json()["regroup"] is True
+    finally:
+        stop(server, httpd)
+
+
+def test_without_regroup_every_upload_is_one_group(model):
+    server, httpd, url = start(model)
+    try:
+        t, meta = group(G=4)
+        t["rewards"] = torch.zeros(4)
+        assert upload(url, t, meta)["groups"] == 1
+        assert torch.equal(pull(url)[0]["rewards"], t["rewards"])
+        assert requests.get(url + "/health", timeout=10).json()["regroup"] is False
+    finally:
+        stop(server, httpd)
