@@ -325,8 +325,8 @@ def evaluate(model, tokenizer, questions, eos_ids, batch_size=16):
 
 
 def exchange(groups, version, rank):
-    """Upload our groups, then take back as many ready groups (anyone's) as ours made ready, plus
-    up to EXTRA_GROUPS more that are ready at once (made by genonly workers).
+    """Upload our groups, then take back as many ready groups (any rank's) as ours made ready, and
+    up to EXTRA_GROUPS more that genonly workers made, if they are already waiting.
 
     Every rank takes what it gave, so no rank can starve. If the server restarted meanwhile (a
     new instance id), the groups it held are gone: we return short at once and the caller
@@ -339,20 +339,23 @@ def exchange(groups, version, rank):
         r = request_with_retry("POST", f"{REF_SERVER}/upload", REF_TOKEN, body, SERVER_TIMEOUT).json()
         instance, owed = r["instance"], owed + r["groups"]  # REGROUP may hold a group back (0) until it has variance
     got, deadline, delay = [], time.time() + SERVER_TIMEOUT, 0.02
-    while len(got) < owed + EXTRA_GROUPS and time.time() < deadline:
+    while len(got) < owed and time.time() < deadline:
         r = request_with_retry("GET", f"{REF_SERVER}/get", REF_TOKEN, give_up_after=SERVER_TIMEOUT)
         if r.status_code == 200:
             got.append(decode_batch(r.content))
             delay = 0.02
-        if instance is not None and r.headers.get("X-Ref-Instance") != instance:
-            print(f"[rank {rank}] the reference server restarted: {max(owed - len(got), 0)} uploaded groups "
+        if r.headers.get("X-Ref-Instance") != instance:
+            print(f"[rank {rank}] the reference server restarted: {owed - len(got)} uploaded groups "
                   "were lost with it; regenerating", file=sys.stderr, flush=True)
             break
-        if r.status_code == 204:
-            if len(got) >= owed:  # ours are all back; extra groups are only taken when already waiting
-                break
-            time.sleep(delay)  # the reference forward is still running
+        if r.status_code == 204:  # the reference forward is still running
+            time.sleep(delay)
             delay = min(delay * 2, 0.5)
+    for _ in range(EXTRA_GROUPS):
+        r = request_with_retry("GET", f"{REF_SERVER}/get?from=workers", REF_TOKEN, give_up_after=SERVER_TIMEOUT)
+        if r.status_code != 200:
+            break
+        got.append(decode_batch(r.content))
     return got
 
 
@@ -551,14 +554,15 @@ def plot_curves(metrics_path, png_path=None):
 
     with open(metrics_path) as f:
         lines = [json.loads(line) for line in f if line.strip()]
-    keys = ("reward", "format", "accuracy", "kl")
+    keys = ("reward", "format", "accuracy", "kl")  # kl is absent with BETA = 0: its panel stays empty
     rows = [r for r in lines if "eval_accuracy" not in r]  # training steps
     evals = [r for r in lines if "eval_accuracy" in r]  # held-out evaluations, drawn dashed
-    if not rows or any(k not in r for r in rows for k in ("step", *keys)):
-        raise ValueError(f"{metrics_path}: need JSON lines with step, {', '.join(keys)}")
+    if not rows or any(k not in r for r in rows for k in keys[:3] + ("step",)):
+        raise ValueError(f"{metrics_path}: need JSON lines with step, {', '.join(keys[:3])} (and kl)")
     fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.2))
     for ax, key in zip(axes, keys):
-        ax.plot([r["step"] for r in rows], [r[key] for r in rows], marker=".", label="training samples")
+        drawn = [r for r in rows if key in r]
+        ax.plot([r["step"] for r in drawn], [r[key] for r in drawn], marker=".", label="training samples")
         if evals and key in ("format", "accuracy"):
             ax.plot([r["step"] for r in evals], [r[f"eval_{key}"] for r in evals], "--o", label="held-out, greedy")
             ax.legend(fontsize=7)
@@ -697,12 +701,12 @@ def generate_only():
             except OSError as e:  # deleted by KEEP_CHECKPOINTS while we read it: the next one will do
                 print(f"[{name}] could not load {newest[-1]} ({e}); keeping version {version}", flush=True)
         health = request_with_retry("GET", f"{REF_SERVER}/health", REF_TOKEN, give_up_after=SERVER_TIMEOUT).json()
-        if health["pending"] + health["ready"] >= WORKER_MAX_QUEUED:  # the trainers are behind: don't pile up stale groups
+        if health["pending"] + health["ready_workers"] >= WORKER_MAX_QUEUED:  # the trainers are behind: don't pile up stale groups
             time.sleep(1.0)
             continue
         groups, stats = rollout(model, tokenizer, rng.sample(questions, Q_BATCH_SIZE), gen_config, eos_ids, regroup)
         for tensors, meta in groups:
-            body = encode_batch(tensors, {**meta, "version": version, "rank": name})
+            body = encode_batch(tensors, {**meta, "version": version, "worker": name})
             request_with_retry("POST", f"{REF_SERVER}/upload", REF_TOKEN, body, SERVER_TIMEOUT)
         print(f"[{name}] version {version} | uploaded {len(groups)} groups | reward {stats['reward']:.3f} | "
               f"acc {stats['accuracy']:.2f}", flush=True)

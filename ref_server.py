@@ -307,7 +307,8 @@ class RefServer:
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.micro_batch, self.max_body, self.max_rows = micro_batch, max_body, max_rows
         self.pending = queue.Queue(queue_size)  # validated groups waiting for the reference forward
-        self.ready = queue.Queue(queue_size)  # encoded batches waiting for a trainer
+        self.ready = queue.Queue(queue_size)  # encoded batches that trainer ranks generated, waiting for one
+        self.ready_workers = queue.Queue(queue_size)  # ... and those genonly workers generated (meta "worker")
         self.counters = dict(uploaded=0, served=0, rejected=0, busy=0, ref_errors=0, regrouped=0)
         self.regroup, self.pool_size, self.pool_questions = regroup, pool_size, pool_questions
         self.pools = {}  # REGROUP: question key -> list of answer rows, in upload order
@@ -344,7 +345,7 @@ class RefServer:
                 continue
             while not self.stopping.is_set():  # blocks while trainers are behind: backpressure
                 try:
-                    self.ready.put(batch, timeout=0.2)
+                    (self.ready_workers if meta.get("worker") else self.ready).put(batch, timeout=0.2)
                     break
                 except queue.Full:
                     continue
@@ -452,7 +453,8 @@ class RefServer:
         def get():
             headers = {"X-Ref-Instance": self.instance}
             try:
-                batch = self.ready.get_nowait()
+                # Kept apart so a trainer rank never takes another rank's group as an extra
+                batch = (self.ready_workers if bottle.request.query.get("from") == "workers" else self.ready).get_nowait()
             except queue.Empty:
                 return bottle.HTTPResponse(status=204, headers=headers)
             self.count("served")
@@ -463,7 +465,8 @@ class RefServer:
             with self.lock:
                 counters = dict(self.counters)
             return dict(model=self.model_name, vocab_size=self.vocab_size, device=str(self.device), instance=self.instance,
-                        pending=self.pending.qsize(), ready=self.ready.qsize(), regroup=self.regroup,
+                        pending=self.pending.qsize(), ready=self.ready.qsize(),
+                        ready_workers=self.ready_workers.qsize(), regroup=self.regroup,
                         uptime_s=round(time.time() - self.started, 1), **counters)
 
         def json_error(err):

@@ -101,6 +101,38 @@ def pack(tokenizer, prompts, targets):
     return torch.cat([enc.input_ids, tgt], 1), torch.cat([enc.attention_mask, tgt_attn], 1), Tc
 
 
+def trainer_cmd(ranks):
+    return [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(ranks),
+            "--master_port", str(free_port()), "grpo_ref_split.py"]
+
+
+def trainer_env(model_dir, url, out, **env):
+    """A tiny, quick training run: 2 steps of 2 questions x 4 answers x 16 tokens."""
+    return {**os.environ, "MODEL_PATH": str(model_dir), "REF_SERVER": url, "OUTPUT_DIR": str(out), "ALL_STEPS": "2",
+            "SAVE_STEPS": "1", "Q_BATCH_SIZE": "2", "NUM_PRE_Q": "4", "MAX_NEW_TOKENS": "16", "LR": "1e-3",
+            "EVAL_SIZE": "8", "SERVER_TIMEOUT": "120", **{k: str(v) for k, v in env.items()}}
+
+
+def train(model_dir, url, out, ranks, **env):
+    """`deepspeed grpo_ref_split.py` to the end; returns the CompletedProcess."""
+    return subprocess.run(trainer_cmd(ranks), cwd=ROOT, env=trainer_env(model_dir, url, out, **env),
+                          capture_output=True, text=True, timeout=600)
+
+
+def params(folder):
+    from transformers import AutoModelForCausalLM
+
+    return {k: v.clone() for k, v in AutoModelForCausalLM.from_pretrained(folder).state_dict().items()}
+
+
+def metrics(out):
+    """(training lines, eval lines) of out/metrics.jsonl."""
+    import json
+
+    lines = [json.loads(line) for line in pathlib.Path(out, "metrics.jsonl").read_text().splitlines()]
+    return [m for m in lines if "eval_accuracy" not in m], [m for m in lines if "eval_accuracy" in m]
+
+
 class ServerProcess:
     """`python ref_server.py` as a child process, for the end-to-end and fault tests."""
 
@@ -171,10 +203,10 @@ def group(G=3, plen=5, tc=4, seed=0, **meta):
     return tensors, {"plen": plen, "temperature": 1.0, **meta}
 
 
-def pull(url, timeout=30):
+def pull(url, timeout=30, path="/get"):
     deadline = time.time() + timeout
     while time.time() < deadline:
-        r = requests.get(url + "/get", timeout=10)
+        r = requests.get(url + path, timeout=10)
         if r.status_code == 200:
             return ref_server.decode_batch(r.content)
         assert r.status_code == 204

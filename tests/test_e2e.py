@@ -1,15 +1,12 @@
 """End to end: `python ref_server.py` as a process, `deepspeed grpo_ref_split.py` on 1 and 2 CPU ranks."""
 import json
 import math
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, ServerProcess, free_port, tiny_config
+from conftest import ServerProcess, free_port, params, tiny_config, train
 
 
 @pytest.fixture(scope="module")
@@ -17,21 +14,6 @@ def server(tiny_model_dir, tmp_path_factory):
     s = ServerProcess(tiny_model_dir, free_port(), tmp_path_factory.mktemp("srv") / "server.log")
     yield s
     s.stop()
-
-
-def train(model_dir, url, out, ranks, **env):
-    full_env = {**os.environ, "MODEL_PATH": model_dir, "REF_SERVER": url, "OUTPUT_DIR": str(out), "ALL_STEPS": "2",
-                "SAVE_STEPS": "1", "Q_BATCH_SIZE": "2", "NUM_PRE_Q": "4", "MAX_NEW_TOKENS": "16", "LR": "1e-3", "EVAL_SIZE": "8",
-                "SERVER_TIMEOUT": "120", **env}
-    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(ranks),
-           "--master_port", str(free_port()), "grpo_ref_split.py"]
-    return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=600)
-
-
-def params(folder):
-    from transformers import AutoModelForCausalLM
-
-    return {k: v.clone() for k, v in AutoModelForCausalLM.from_pretrained(folder).state_dict().items()}
 
 
 @pytest.mark.parametrize("ranks", [1, 2])

@@ -102,6 +102,22 @@ def test_inplace_backward_writes_the_gradient_over_the_logits():
     assert torch.allclose(leaf.detach(), want[:, 2:-1], atol=1e-5)
 
 
+@pytest.mark.parametrize("clip_eps_high, token_mean, with_ref", [(0.6, False, True), (0.2, True, True),
+                                                                 (0.6, True, False)])
+def test_variants_equal_the_pytorch_path(clip_eps_high, token_mean, with_ref):
+    full, logits, ids, ref, gen, adv, mask = case(3, 7, 1100, seed=13)
+    beta = 0.04 if with_ref else 0.0
+    ref = ref if with_ref else None
+    kw = dict(clip_eps_high=clip_eps_high, token_mean=token_mean)
+    lt = grpo_loss_triton(logits, ids, ref, gen, adv, mask, beta, 0.2, temperature=1.0, **kw)
+    (gt,) = torch.autograd.grad(lt, full)
+    lp = grpo_loss(per_token_logps(logits, ids, 1.0), ref, gen, adv, mask, beta, 0.2, **kw)
+    (gp,) = torch.autograd.grad(lp, full)
+    assert abs(lt.item() - lp.item()) < 1e-5 and torch.allclose(gt, gp, atol=1e-5, rtol=1e-5)
+    plain = grpo_loss(per_token_logps(logits, ids, 1.0), ref, gen, adv, mask, beta, 0.2)
+    assert abs(plain.item() - lp.item()) > 1e-4  # the variant changed the loss
+
+
 def test_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="do not match"):
         grpo_loss_triton(torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.long), None, None, None, None, 0.0, 0.2)
@@ -122,15 +138,17 @@ AOT = textwrap.dedent("""
         common = dict(logits_ptr="*" + dt, stride_lb="i64", stride_lt="i64", stride_lv="i64", ids_ptr="*i64")
         fwd = dict(common, ref_ptr="*fp32", gen_ptr="*fp32", adv_ptr="*fp32", weight_ptr="*fp32", loss_ptr="*fp32",
                    logp_ptr="*fp32", lse_ptr="*fp32", dcoef_ptr="*fp32", T="i32", V="i32", beta="fp32",
-                   clip_eps="fp32", inv_temperature="fp32", HAS_GEN="constexpr", BLOCK="constexpr")
-        for has_gen in (True, False):
-            k = triton.compile(ASTSource(K._grpo_fwd_kernel, fwd, {{"HAS_GEN": has_gen, "BLOCK": K.BLOCK_V}}), target=target)
+                   clip_low="fp32", clip_high="fp32", inv_temperature="fp32", HAS_GEN="constexpr",
+                   HAS_REF="constexpr", BLOCK="constexpr")
+        for has_gen, has_ref in ((True, True), (False, True), (True, False)):
+            consts = {{"HAS_GEN": has_gen, "HAS_REF": has_ref, "BLOCK": K.BLOCK_V}}
+            k = triton.compile(ASTSource(K._grpo_fwd_kernel, fwd, consts), target=target)
             assert "cubin" in k.asm and k.asm["cubin"], "no cubin"
         bwd = dict(common, grad_ptr="*" + dt, stride_gb="i64", stride_gt="i64", stride_gv="i64", ids_ptr="*i64",
                    lse_ptr="*fp32", dlogp_ptr="*fp32", T="i32", V="i32", inv_temperature="fp32", BLOCK="constexpr")
         k = triton.compile(ASTSource(K._grpo_bwd_kernel, bwd, {{"BLOCK": K.BLOCK_V}}), target=target)
         assert k.asm["cubin"]
-    print("compiled 6 kernels for sm_90")
+    print("compiled 8 kernels for sm_90")
 """)
 
 
@@ -138,4 +156,4 @@ def test_kernels_compile_ahead_of_time_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", AOT.format(root=ROOT)], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "compiled 6 kernels for sm_90" in run.stdout
+    assert "compiled 8 kernels for sm_90" in run.stdout

@@ -1,0 +1,151 @@
+"""Whole training runs on CPU (deepspeed --num_gpus 1, the tiny model): resume after a kill,
+the variants without a server, a server killed mid-run, and a genonly generation worker."""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+import torch
+
+from conftest import ROOT, ServerProcess, free_port, metrics, params, pull, train, trainer_cmd, trainer_env, wait_for
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    s = ServerProcess(tiny_model_dir, free_port(), tmp_path_factory.mktemp("srv") / "server.log")
+    yield s
+    s.stop()
+
+
+def kill_group(proc):
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+def test_resume_after_a_kill_continues_like_the_uninterrupted_run(server, tiny_model_dir, tmp_path):
+    run = dict(ALL_STEPS=3, SAVE_STEPS=1, KEEP_CHECKPOINTS=2, EVAL_STEPS=0)
+    straight = train(tiny_model_dir, server.url, tmp_path / "straight", 1, **run)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    assert sorted(os.listdir(tmp_path / "straight")) == ["curves.png", "metrics.jsonl", "step_2", "step_3"]
+
+    # Killed with SIGKILL (no clean-up of any kind) as soon as step_1 is saved, mid step 2.
+    out = tmp_path / "killed"
+    with open(tmp_path / "killed.log", "w") as log:
+        proc = subprocess.Popen(trainer_cmd(1), cwd=ROOT, env=trainer_env(tiny_model_dir, server.url, out, **run),
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        wait_for(lambda: (out / "step_1").exists() or proc.poll() is not None, timeout=300)
+        kill_group(proc)
+    saved = [n for n in os.listdir(out) if n.startswith("step_") and not n.endswith(".tmp")]
+    assert "step_3" not in saved, "killed too late to test anything"
+    assert os.path.exists(out / "step_1" / "deepspeed")  # the optimizer state is in the checkpoint
+    wait_for(lambda: server.health()["pending"] == 0)
+    while requests.get(server.url + "/get", timeout=10).status_code == 200:  # the killed run's last groups
+        pass
+
+    resumed = train(tiny_model_dir, server.url, out, 1, RESUME=1, **run)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    newest = max(int(n[5:]) for n in saved)
+    assert f"resumed from {out / f'step_{newest}'} (step {newest})" in resumed.stdout + resumed.stderr
+    steps = [m["step"] for m in metrics(out)[0]]
+    assert steps == [1, 2, 3]  # the lines after the checkpoint were dropped, none is doubled
+    # The same step count, optimizer moments, question order and sampling stream: bit for bit the
+    # weights of the run that was never interrupted (a fresh Adam or a re-seeded sampler would differ).
+    a, b = params(tmp_path / "straight" / "step_3"), params(out / "step_3")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [m["reward"] for m in metrics(out)[0]] == [m["reward"] for m in metrics(tmp_path / "straight")[0]]
+
+
+def test_resume_without_a_checkpoint_starts_at_step_one(server, tiny_model_dir, tmp_path):
+    run = train(tiny_model_dir, server.url, tmp_path, 1, RESUME=1, ALL_STEPS=1, EVAL_STEPS=0)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "no step_N checkpoint" in run.stdout + run.stderr
+    assert [m["step"] for m in metrics(tmp_path)[0]] == [1]
+
+
+def test_beta_zero_and_the_variants_train_without_any_server(tiny_model_dir, tmp_path):
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: any request would fail the run
+    run = train(tiny_model_dir, dead, tmp_path, 1, BETA=0, MU=2, TOKEN_MEAN=1, MASK_TRUNCATED=1, CLIP_EPS_HIGH=0.28,
+                MAX_NEW_TOKENS=24, SERVER_TIMEOUT=5, EVAL_STEPS=0)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "retrying" not in run.stderr and "kl" not in run.stdout.split("step    1")[1].split("\n")[0]
+    lines = metrics(tmp_path)[0]
+    assert [m["step"] for m in lines] == [1, 2] and all("kl" not in m for m in lines)
+    assert all(m["ratio_drift"] > 0 for m in lines)  # MU = 2: the second pass sees a ratio != 1
+    before, after = params(tiny_model_dir), params(tmp_path / "step_2")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_the_trainer_survives_the_server_being_killed_mid_run(tiny_model_dir, tmp_path):
+    port = free_port()
+    srv = ServerProcess(tiny_model_dir, port, tmp_path / "server1.log")
+    out = tmp_path / "out"
+    log = open(tmp_path / "trainer.log", "w")
+    proc = subprocess.Popen(trainer_cmd(1), cwd=ROOT, env=trainer_env(tiny_model_dir, srv.url, out, ALL_STEPS=4,
+                                                                       SAVE_STEPS=4, EVAL_STEPS=0),
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(lambda: (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 1,
+                 timeout=300)
+        srv.proc.kill()  # SIGKILL: whatever it held is gone
+        srv.proc.wait()
+        srv.log.close()
+        time.sleep(2)
+        srv = ServerProcess(tiny_model_dir, port, tmp_path / "server2.log")
+        assert proc.wait(timeout=400) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            kill_group(proc)
+        log.close()
+        srv.stop()
+    text = (tmp_path / "trainer.log").read_text()
+    assert "unreachable; retrying" in text or "restarted" in text
+    assert [m["step"] for m in metrics(out)[0]] == [1, 2, 3, 4]
+    assert (out / "step_4").exists()
+
+
+def test_a_genonly_worker_feeds_the_server_and_follows_new_checkpoints(tiny_model_dir, tmp_path):
+    srv = ServerProcess(tiny_model_dir, free_port(), tmp_path / "server.log")
+    out = tmp_path / "out"
+    out.mkdir()
+    env = trainer_env(tiny_model_dir, srv.url, out, WORKER_MAX_QUEUED=2, MAX_NEW_TOKENS=24)
+    log = open(tmp_path / "worker.log", "w")
+    worker = subprocess.Popen([sys.executable, "grpo_ref_split.py", "genonly"], cwd=ROOT, env=env, stdout=log,
+                              stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        assert requests.get(srv.url + "/get", timeout=10).status_code == 204  # not in the trainer ranks' queue ...
+        tensors, meta = pull(srv.url, timeout=300, path="/get?from=workers")  # ... in the workers' one
+        assert meta["version"] == 0 and meta["worker"].startswith("worker-") and "ref_logps" in tensors
+        # Left alone, it stops at WORKER_MAX_QUEUED (plus one round in flight) instead of piling up groups.
+        time.sleep(15)
+        h = srv.health()
+        assert h["pending"] + h["ready_workers"] <= 2 + 2, h
+        # A checkpoint appears (atomically, as save_checkpoint renames it): the worker switches to it.
+        shutil.copytree(tiny_model_dir, out / "step_3.tmp")
+        os.rename(out / "step_3.tmp", out / "step_3")
+        deadline = time.time() + 300
+        while meta["version"] != 3:
+            assert time.time() < deadline, (tmp_path / "worker.log").read_text()[-2000:]
+            tensors, meta = pull(srv.url, timeout=300, path="/get?from=workers")
+        assert "policy version 3" in (tmp_path / "worker.log").read_text()
+        wait_for(lambda: srv.health()["ready_workers"] > 0, timeout=300)  # version-3 groups waiting (the older ones were pulled)
+    finally:
+        kill_group(worker)
+        log.close()
+
+    # A trainer on the same server takes the worker's waiting groups too, and logs how stale they are.
+    try:
+        wait_for(lambda: srv.health()["pending"] == 0)
+        waiting = srv.health()["ready_workers"]
+        assert waiting > 0
+        run = train(tiny_model_dir, srv.url, tmp_path / "trainer", 1, ALL_STEPS=2, EVAL_STEPS=0, EXTRA_GROUPS=8)
+        assert srv.health()["ready_workers"] == 0
+        assert run.returncode == 0, run.stderr[-3000:]
+        lines = metrics(tmp_path / "trainer")[0]
+        # staleness = the trainer's version (step - 1) minus each group's: the worker's claim 3 here
+        assert lines[0]["staleness"] < 0 and lines[0]["groups"] > waiting
+    finally:
+        srv.stop()
