@@ -165,6 +165,13 @@ def clip_fractions(logps, gen_logps, advantages, mask, clip_eps, clip_eps_high):
     return (low & mask).sum() / n, (high & mask).sum() / n
 
 
+def clock() -> float:
+    """Seconds, after waiting for queued GPU work (else a timer sees only the kernel launches)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 # ----------------------------------------------------------------------------- data
 NAMES = ["Ava", "Ben", "Chloe", "Dev", "Emma", "Finn", "Grace", "Hugo", "Iris", "Jack", "Lena", "Omar"]
 ITEMS = ["apples", "marbles", "stickers", "books", "pencils", "coins", "cookies", "shells"]
@@ -256,7 +263,9 @@ def rollout(model, tokenizer, questions, gen_config, eos_ids, keep_all=False):
     prompt_ids = enc.input_ids.repeat_interleave(G, 0).to(device)  # (B, P) B = Q * G
     prompt_attn = enc.attention_mask.repeat_interleave(G, 0).to(device)  # (B, P)
     model.eval()  # no dropout, KV cache on even with gradient checkpointing
+    t = clock()
     out = model.generate(input_ids=prompt_ids, attention_mask=prompt_attn, generation_config=gen_config)  # (B, P+Tc)
+    generate_s = clock() - t
     P = prompt_ids.shape[1]
     completion = out[:, P:]  # (B, Tc)
     mask = completion_mask(completion, eos_ids)  # (B, Tc)
@@ -275,9 +284,11 @@ def rollout(model, tokenizer, questions, gen_config, eos_ids, keep_all=False):
     kept = [q for q in range(len(questions)) if (varied[q] or keep_all) and mask[q * G : (q + 1) * G].any()]
     rows = torch.tensor([q * G + i for q in kept for i in range(G)], dtype=torch.long)
     Tc = completion.shape[1]
+    t = clock()
     if kept:  # old-policy log-probs from the very weights that sampled: the ratio's denominator
         attn = torch.cat([prompt_attn, torch.ones_like(completion)], 1)[rows]  # (K, P+Tc)
         gen_logps = completion_logps(model, out[rows], attn, Tc, TEMPERATURE).cpu()  # (K, Tc)
+    old_logps_s = clock() - t
     groups = []
     for j, q in enumerate(kept):
         r = slice(q * G, (q + 1) * G)
@@ -294,7 +305,7 @@ def rollout(model, tokenizer, questions, gen_config, eos_ids, keep_all=False):
     stats = dict(reward=reward.mean().item(), reward_std=reward.view(-1, G).std(1).mean().item(),
                  format=fmt.mean().item(), accuracy=correct.mean().item(), length=lengths.mean().item(),
                  max_length=lengths.max().item(), truncated=1 - stopped.float().mean().item(),
-                 dropped=int((~varied).sum()))
+                 dropped=int((~varied).sum()), generate_s=generate_s, old_logps_s=old_logps_s)
     return groups, stats
 
 
@@ -396,6 +407,7 @@ def policy_update(engine, b):
     engine.train()
     Tc = b["mask"].shape[1]
     completion = b["input_ids"][:, -Tc:]  # (B, Tc)
+    t = clock()
     logits = completion_logits(engine, b["input_ids"], b["attention_mask"], Tc)  # (B, Tc, V)
     if USE_TRITON:  # one fused pass; d(logits) overwrites the logits, which nothing reads afterwards
         from grpo_loss_triton import grpo_loss_triton
@@ -408,20 +420,23 @@ def policy_update(engine, b):
         loss = grpo_loss(logps, b["ref_logps"], b["gen_logps"], b["advantages"], b["mask"], BETA, CLIP_EPS,
                          CLIP_EPS_HIGH, TOKEN_MEAN)
     engine.backward(loss)
+    fwd_bwd_s = clock() - t
     engine.step()
+    optim_s = clock() - t - fwd_bwd_s
     with torch.no_grad():
         logps = logps.detach()  # (B, Tc) the weights before this step
         gen = logps if b["gen_logps"] is None else b["gen_logps"]  # (B, Tc)
         low, high = clip_fractions(logps, gen, b["advantages"], b["mask"], CLIP_EPS, CLIP_EPS_HIGH)
         drift = masked_mean((torch.exp(logps - gen) - 1).abs(), b["mask"]).mean()  # 0 on-policy; grows with MU, staleness
-        m = dict(loss=loss.item(), clip_low=low.item(), clip_high=high.item(), ratio_drift=drift.item())
+        m = dict(loss=loss.item(), clip_low=low.item(), clip_high=high.item(), ratio_drift=drift.item(),
+                 fwd_bwd_s=fwd_bwd_s, optim_s=optim_s)
         if b["ref_logps"] is not None:
             m["kl"] = masked_mean(k3(b["ref_logps"], logps), b["mask"]).mean().item()
     return m
 
 
 def train_step(engine, batch):
-    """MU clipped GRPO updates on one collated batch; returns their metrics, averaged."""
+    """MU clipped GRPO updates on one collated batch; returns their metrics, averaged (times summed)."""
     b = {k: None if v is None else v.to(engine.device) for k, v in batch.items()}
     if MU > 1 and b["gen_logps"] is None:  # reuse needs a fixed pi_old: the weights before the first update
         with torch.no_grad():
@@ -429,7 +444,7 @@ def train_step(engine, batch):
             b["gen_logps"] = completion_logps(engine, b["input_ids"], b["attention_mask"], b["mask"].shape[1],
                                               TEMPERATURE)  # (B, Tc)
     passes = [policy_update(engine, b) for _ in range(MU)]
-    return {k: sum(p[k] for p in passes) / MU for k in passes[0]}
+    return {k: sum(p[k] for p in passes) / (1 if k.endswith("_s") else MU) for k in passes[0]}  # seconds add up
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -492,22 +507,23 @@ def resume(engine, rng, rank):
 
 def collect_groups(model, tokenizer, questions, rng, gen_config, eos_ids, version, rank, regroup=False):
     """Steps 1-6 for one training step: roll out until the server hands back at least one group."""
-    gen_s = wait_s = zero_var = 0.0
+    summed = dict(rollout_s=0.0, generate_s=0.0, old_logps_s=0.0, wait_s=0.0, dropped=0)  # over rounds
     for rounds in range(1, 21):
-        t = time.time()
+        t = time.perf_counter()
         groups, stats = rollout(model, tokenizer, rng.sample(questions, Q_BATCH_SIZE), gen_config, eos_ids, regroup)
-        gen_s += time.time() - t
-        zero_var += stats.pop("dropped")
-        t = time.time()
+        summed["rollout_s"] += time.perf_counter() - t  # generate + score + old log-probs
+        for k in ("generate_s", "old_logps_s", "dropped"):
+            summed[k] += stats.pop(k)
+        t = time.perf_counter()
         if BETA == 0:  # no reference model: train on our own groups, the server is never asked
             got = [(tensors, {**meta, "version": version}) for tensors, meta in groups]
         else:
             got = exchange(groups, version, rank)
-        wait_s += time.time() - t
+        summed["wait_s"] += time.perf_counter() - t
         if got:
             staleness = sum(version - meta.get("version", version) for _, meta in got) / len(got)
-            return got, dict(stats, zero_var_groups=zero_var / (rounds * Q_BATCH_SIZE), groups=len(got),
-                             staleness=staleness, gen_s=gen_s, wait_s=wait_s)
+            zero_var = summed.pop("dropped") / (rounds * Q_BATCH_SIZE)
+            return got, dict(stats, **summed, zero_var_groups=zero_var, groups=len(got), staleness=staleness)
     sys.exit("20 rollouts in a row gave no group with different rewards: the task is too hard or too easy "
              "for this model (try THINK_PREFILL, EXAMPLE, ARITH_MAX, MAX_NEW_TOKENS or the reward weights)")
 
@@ -653,14 +669,14 @@ def main():
     if EVAL_STEPS > 0 and start == 0:
         log_eval(0, engine.module, tokenizer, held_out, eos_ids, rank, metrics_file)
     for step in tqdm(range(start + 1, ALL_STEPS + 1), disable=rank != 0, desc="GRPO", dynamic_ncols=True):
-        t0 = time.time()
+        t0 = time.perf_counter()
         # ---- steps 1-6: generate, score, upload; take ready groups back with reference log-probs
         groups, stats = collect_groups(engine.module, tokenizer, questions, rng, gen_config, eos_ids, step - 1, rank,
                                        regroup)
         # ---- step 7: MU clipped GRPO updates on them
-        t = time.time()
+        t = time.perf_counter()
         stats.update(train_step(engine, collate(groups, tokenizer.pad_token_id)))
-        stats["train_s"], stats["seconds"] = time.time() - t, time.time() - t0
+        stats["train_s"], stats["seconds"] = time.perf_counter() - t, time.perf_counter() - t0
         # ---- log (over ranks), evaluate, save
         log_step(step, reduce_over_ranks(stats, device), metrics_file)
         if EVAL_STEPS > 0 and (step % EVAL_STEPS == 0 or step == ALL_STEPS):

@@ -3,6 +3,8 @@
 Generators POST a scored group (prompt + completions, masks, advantages, old log-probs) to
 /upload; a worker thread adds the reference model's per-token log-probs of the completion tokens
 and queues the group; trainers GET /get to take one ready batch (204 when none is ready yet).
+Groups from genonly workers (metadata "worker") wait apart, for GET /get?from=workers. With
+REGROUP on, answers are pooled per question and sent out in groups that have reward variance.
 The wire format is safetensors with a JSON metadata string: no pickle, so a payload can never
 run code here. Give it its own GPU (or machine) so the policy GPUs never hold a second model:
 

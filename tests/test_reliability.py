@@ -88,7 +88,7 @@ def test_trainer_regenerates_when_the_server_restarts_with_its_groups(model, mon
     monkeypatch.setattr(grpo, "REF_SERVER", url)
     monkeypatch.setattr(grpo, "SERVER_TIMEOUT", 120.0)
     result = []
-    t = threading.Thread(target=lambda: result.append(grpo.exchange([group(seed=1), group(seed=2)], step=1, rank=0)))
+    t = threading.Thread(target=lambda: result.append(grpo.exchange([group(seed=1), group(seed=2)], version=0, rank=0)))
     t.start()
     wait_for(lambda: old.counters["uploaded"] == 2)
     gate.set()
@@ -100,8 +100,8 @@ def test_trainer_regenerates_when_the_server_restarts_with_its_groups(model, mon
         assert not t.is_alive() and result == [[]]
         assert time.time() - t0 < 10  # far below SERVER_TIMEOUT
         # and the next round trains normally on the new server
-        got = grpo.exchange([group(seed=3)], step=1, rank=0)
-        assert len(got) == 1 and got[0][1]["step"] == 1 and got[0][0]["ref_logps"].shape == (3, 4)
+        got = grpo.exchange([group(seed=3)], version=0, rank=0)
+        assert len(got) == 1 and got[0][1]["version"] == 0 and got[0][1]["rank"] == 0 and got[0][0]["ref_logps"].shape == (3, 4)
     finally:
         stop(new, new_httpd)
 

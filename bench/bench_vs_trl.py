@@ -1,0 +1,103 @@
+"""Seconds per GRPO step: this project against TRL's GRPOTrainer, same CPU, same model and workload.
+
+Both train the embedded SmolLM2-135M-Instruct on the built-in arithmetic task with the very same
+prompts (system prompt, worked example, `<think>` prefill), 4 questions x 8 answers per step,
+64 new tokens at temperature 0.7 with no top-k/top-p, beta 0.04, clip 0.2, lr 1e-5, fp32, one
+process, the same rewards (2 x correct + 1 x format). Ours: `python ref_server.py` plus
+`deepspeed --num_gpus 1 grpo_ref_split.py` (bench_step_anatomy.run_steps); TRL: GRPOTrainer in
+this process with its reference model in memory. The first step of each is left out (warm-up).
+
+TRL is not a dependency of the project; install it for this script only, without touching the
+project's pins:
+    pip install --no-deps --target /tmp/trl_pkg trl==1.16.0
+    PYTHONPATH=/tmp/trl_pkg python bench/bench_vs_trl.py     # ~10 minutes on 2 CPU cores
+Writes bench/results/vs_trl.json.
+"""
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_step_anatomy import STEPS, run_steps  # noqa: E402
+
+
+def trl_seconds_per_step(out_dir):
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    import grpo_ref_split as g
+    import rewards
+    from ref_server import resolve_model_path
+
+    path = resolve_model_path("")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    questions, _ = g.split_held_out(g.load_questions(g.DATASET, g.SEED), g.EVAL_SIZE)
+    data = Dataset.from_list([{"prompt": g.build_prompt(tokenizer, q["question"]), "gold": q["gold"]}
+                              for q in questions[: 4 * STEPS * 4]])  # already chat-templated and prefilled
+
+    def correct(prompts, completions, gold, **_):
+        return [rewards.reward_correct(g.THINK_PREFILL + c, a) for c, a in zip(completions, gold)]
+
+    def format_(prompts, completions, **_):
+        return [rewards.reward_format(g.THINK_PREFILL + c) for c in completions]
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.times = []
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.times.append(time.perf_counter() - self.t)
+            print(f"TRL step {len(self.times)}: {self.times[-1]:.1f} s", flush=True)
+
+    config = GRPOConfig(
+        output_dir=out_dir, max_steps=STEPS, per_device_train_batch_size=g.Q_BATCH_SIZE * g.NUM_PRE_Q,
+        num_generations=g.NUM_PRE_Q, max_completion_length=g.MAX_NEW_TOKENS, temperature=g.TEMPERATURE,
+        top_k=0, top_p=1.0, beta=g.BETA, epsilon=g.CLIP_EPS, learning_rate=g.LR, loss_type="grpo",
+        num_iterations=1, reward_weights=[g.CORRECT_WEIGHT, g.FORMAT_WEIGHT], logging_steps=1, save_strategy="no",
+        report_to="none", use_cpu=True, bf16=False, seed=g.SEED, model_init_kwargs={"dtype": torch.float32},
+    )
+    timer = StepTimer()
+    trainer = GRPOTrainer(model=path, reward_funcs=[correct, format_], args=config, train_dataset=data,
+                          processing_class=tokenizer, callbacks=[timer])
+    trainer.train()
+    return timer.times
+
+
+def main():
+    try:
+        import trl
+    except ImportError:
+        sys.exit("TRL is not installed (it is not a project dependency). For this benchmark only:\n"
+                 "  pip install --no-deps --target /tmp/trl_pkg trl==1.16.0\n"
+                 "  PYTHONPATH=/tmp/trl_pkg python bench/bench_vs_trl.py")
+    with tempfile.TemporaryDirectory() as out_dir:
+        with open(run_steps(out_dir)) as f:
+            ours = [json.loads(line) for line in f if line.strip()]
+        ours = [m["seconds"] for m in ours if "seconds" in m]
+    with tempfile.TemporaryDirectory() as out_dir:
+        theirs = trl_seconds_per_step(out_dir)
+    mean_ours, mean_trl = sum(ours[1:]) / len(ours[1:]), sum(theirs[1:]) / len(theirs[1:])
+    print(f"steps 2..{STEPS}: ours {mean_ours:.1f} s/step, TRL {trl.__version__} {mean_trl:.1f} s/step, "
+          f"ratio ours / TRL = {mean_ours / mean_trl:.2f}  (target <= 0.8)")
+    out = os.path.join(ROOT, "bench", "results", "vs_trl.json")
+    with open(out, "w") as f:
+        json.dump({"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}",
+                   "command": "PYTHONPATH=/tmp/trl_pkg python bench/bench_vs_trl.py", "trl": trl.__version__,
+                   "ours_s": [round(x, 2) for x in ours], "trl_s": [round(x, 2) for x in theirs],
+                   "ours_mean_s": round(mean_ours, 2), "trl_mean_s": round(mean_trl, 2),
+                   "ratio": round(mean_ours / mean_trl, 3)}, f, indent=1)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
