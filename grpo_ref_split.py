@@ -416,7 +416,7 @@ def policy_update(engine, b):
                                        BETA, CLIP_EPS, CLIP_EPS_HIGH, TOKEN_MEAN, TEMPERATURE, return_logps=True,
                                        inplace_backward=True)
     else:
-        logps = per_token_logps(logits, completion, TEMPERATURE)  # (B, Tc)
+        logps = per_token_logps(logits, completion, TEMPERATURE, inplace_backward=True)  # (B, Tc) d(logits) overwrites logits
         loss = grpo_loss(logps, b["ref_logps"], b["gen_logps"], b["advantages"], b["mask"], BETA, CLIP_EPS,
                          CLIP_EPS_HIGH, TOKEN_MEAN)
     engine.backward(loss)

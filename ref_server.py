@@ -128,44 +128,58 @@ def resolve_model_path(model_path: str) -> str:
 # ----------------------------------------------------------------------------- log-probs
 
 
+LOGP_CHUNK = 128  # tokens whose softmax is materialised at once: extra memory is (LOGP_CHUNK, V) fp32, not (B, T, V)
+
+
 class _TokenLogps(torch.autograd.Function):
     """log softmax(logits / T)[id] without a (B, T, V) log_softmax, forward or backward.
 
-    Forward keeps only the per-token logsumexp (B, T); backward recomputes the softmax one
-    sequence at a time. Peak extra memory is one (T, V) fp32 slice instead of two (B, T, V).
+    Forward keeps only the per-token logsumexp (B, T); backward recomputes the softmax
+    LOGP_CHUNK tokens at a time. With inplace=True the gradient is written over the logits
+    themselves (nothing reads them after the loss), so not even a (B, T, V) gradient is allocated.
     """
 
     @staticmethod
-    def forward(ctx, logits, ids, temperature):
+    def forward(ctx, logits, ids, temperature, inplace):
         logps = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)  # (B, T)
         lse = torch.empty_like(logps)  # (B, T)
-        for b in range(logits.shape[0]):
-            row = logits[b].float() / temperature  # (T, V) one sequence at a time
-            lse[b] = torch.logsumexp(row, dim=-1)  # (T,)
-            logps[b] = row.gather(-1, ids[b, :, None]).squeeze(-1) - lse[b]  # (T,)
+        for b, s in _chunks(logits):
+            row = logits[b, s].float() / temperature  # (c, V) a view's chunk: nothing is copied whole
+            lse[b, s] = torch.logsumexp(row, dim=-1)  # (c,)
+            logps[b, s] = row.gather(-1, ids[b, s, None]).squeeze(-1) - lse[b, s]  # (c,)
         ctx.save_for_backward(logits, ids, lse)
-        ctx.temperature = temperature
+        ctx.temperature, ctx.inplace = temperature, inplace
         return logps
 
     @staticmethod
     def backward(ctx, grad_logps):  # grad_logps (B, T)
         logits, ids, lse = ctx.saved_tensors
         t = ctx.temperature
-        grad = torch.empty_like(logits)  # (B, T, V) the gradient itself, in the logits' dtype
-        for b in range(logits.shape[0]):
-            g = grad_logps[b].float()[:, None]  # (T, 1)
-            probs = torch.exp(logits[b].float() / t - lse[b, :, None])  # (T, V) softmax
-            row = -probs * g  # (T, V)  d logp / d z = onehot - softmax
-            row.scatter_add_(-1, ids[b, :, None], g)
-            grad[b] = row / t
-        return grad, None, None
+        grad = logits if ctx.inplace else torch.empty_like(logits)  # (B, T, V) in the logits' dtype
+        for b, s in _chunks(logits):
+            g = grad_logps[b, s].float()[:, None]  # (c, 1)
+            row = torch.exp(logits[b, s].float() / t - lse[b, s, None])  # (c, V) softmax, recomputed
+            row.mul_(-g).scatter_add_(-1, ids[b, s, None], g)  # d logp / d z = onehot - softmax
+            grad[b, s] = row / t  # read before written: in place is safe chunk by chunk
+        return grad, None, None, None
 
 
-def per_token_logps(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """(B, T) fp32 log-probs of `ids` under softmax(logits / temperature); logits[:, t] predicts ids[:, t]."""
+def _chunks(logits):
+    """(b, slice) over every sequence, LOGP_CHUNK tokens at a time."""
+    B, T = logits.shape[:2]
+    return [(b, slice(s, s + LOGP_CHUNK)) for b in range(B) for s in range(0, T, LOGP_CHUNK)]
+
+
+def per_token_logps(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0,
+                    inplace_backward: bool = False) -> torch.Tensor:
+    """(B, T) fp32 log-probs of `ids` under softmax(logits / temperature); logits[:, t] predicts ids[:, t].
+
+    inplace_backward=True writes d(logits) over the logits (the caller must not read them after
+    backward): saves a (B, T, V) buffer, as the Triton kernel's option of the same name.
+    """
     if logits.shape[:2] != ids.shape:
         raise ValueError(f"logits {tuple(logits.shape)} do not match ids {tuple(ids.shape)}")
-    return _TokenLogps.apply(logits, ids, float(temperature))
+    return _TokenLogps.apply(logits, ids, float(temperature), inplace_backward)
 
 
 def completion_logps(model, input_ids, attention_mask, n_completion: int, temperature: float, micro_batch: int = 0):
@@ -186,9 +200,12 @@ def completion_logps(model, input_ids, attention_mask, n_completion: int, temper
 def completion_logits(model, input_ids, attention_mask, n_completion: int) -> torch.Tensor:
     """(B, n_completion, V) logits where [:, t] predicts input_ids[:, -n_completion + t]."""
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, L) count from the first real token
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                logits_to_keep=n_completion + 1)  # the LM head skips the prompt positions
-    return out.logits[:, :-1]  # (B, Tc, V) a view: the last position predicts nothing we have
+    L = input_ids.shape[1]
+    keep = torch.arange(L - n_completion - 1, L - 1, device=input_ids.device)  # (Tc,) positions that predict a completion token
+    # The LM head runs on those positions only: not the prompt, not the last position. Indices, not
+    # a slice of n + 1 positions: the slice's backward would allocate a second (B, Tc + 1, V) buffer.
+    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                 logits_to_keep=keep).logits  # (B, Tc, V)
 
 
 # ----------------------------------------------------------------------------- wire format

@@ -8,11 +8,12 @@ metrics.jsonl (e.g. the demo's) it only reads that file.
 
     python bench/bench_step_anatomy.py                          # ~6 minutes on 2 CPU cores
     python bench/bench_step_anatomy.py output/metrics.jsonl     # any finished run
-Writes bench/results/step_anatomy.json.
+Writes bench/results/step_anatomy.json (and the run's metrics to step_anatomy_metrics.jsonl).
 """
 import json
 import os
 import platform
+import shutil
 import socket
 import subprocess
 import sys
@@ -80,7 +81,9 @@ def main():
         result = anatomy(sys.argv[1])
     else:
         with tempfile.TemporaryDirectory() as out_dir:
-            result = anatomy(run_steps(out_dir))
+            kept = os.path.join(ROOT, "bench", "results", "step_anatomy_metrics.jsonl")
+            shutil.copy(run_steps(out_dir), kept)  # bench_vs_trl.py can reuse this run
+            result = anatomy(kept)
     out = os.path.join(ROOT, "bench", "results", "step_anatomy.json")
     with open(out, "w") as f:
         json.dump({"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}",

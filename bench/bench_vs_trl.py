@@ -11,6 +11,7 @@ TRL is not a dependency of the project; install it for this script only, without
 project's pins:
     pip install --no-deps --target /tmp/trl_pkg trl==1.16.0
     PYTHONPATH=/tmp/trl_pkg python bench/bench_vs_trl.py     # ~10 minutes on 2 CPU cores
+    PYTHONPATH=/tmp/trl_pkg python bench/bench_vs_trl.py bench/results/step_anatomy_metrics.jsonl   # reuse our run
 Writes bench/results/vs_trl.json.
 """
 import json
@@ -80,10 +81,13 @@ def main():
         sys.exit("TRL is not installed (it is not a project dependency). For this benchmark only:\n"
                  "  pip install --no-deps --target /tmp/trl_pkg trl==1.16.0\n"
                  "  PYTHONPATH=/tmp/trl_pkg python bench/bench_vs_trl.py")
-    with tempfile.TemporaryDirectory() as out_dir:
-        with open(run_steps(out_dir)) as f:
+    if len(sys.argv) > 1:  # a metrics.jsonl of the same workload, e.g. bench/results/step_anatomy_metrics.jsonl
+        with open(sys.argv[1]) as f:
             ours = [json.loads(line) for line in f if line.strip()]
-        ours = [m["seconds"] for m in ours if "seconds" in m]
+    else:
+        with tempfile.TemporaryDirectory() as out_dir, open(run_steps(out_dir)) as f:
+            ours = [json.loads(line) for line in f if line.strip()]
+    ours = [m["seconds"] for m in ours if "seconds" in m][:STEPS]
     with tempfile.TemporaryDirectory() as out_dir:
         theirs = trl_seconds_per_step(out_dir)
     mean_ours, mean_trl = sum(ours[1:]) / len(ours[1:]), sum(theirs[1:]) / len(theirs[1:])
@@ -92,7 +96,7 @@ def main():
     out = os.path.join(ROOT, "bench", "results", "vs_trl.json")
     with open(out, "w") as f:
         json.dump({"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}",
-                   "command": "PYTHONPATH=/tmp/trl_pkg python bench/bench_vs_trl.py", "trl": trl.__version__,
+                   "command": "PYTHONPATH=/tmp/trl_pkg python bench/bench_vs_trl.py " + " ".join(sys.argv[1:]), "trl": trl.__version__,
                    "ours_s": [round(x, 2) for x in ours], "trl_s": [round(x, 2) for x in theirs],
                    "ours_mean_s": round(mean_ours, 2), "trl_mean_s": round(mean_trl, 2),
                    "ratio": round(mean_ours / mean_trl, 3)}, f, indent=1)

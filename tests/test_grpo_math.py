@@ -70,6 +70,35 @@ def test_per_token_logps_value_and_gradient_match_log_softmax(temperature):
     assert g_got[:, :2].abs().max() == 0 and g_got[:, -1].abs().max() == 0  # outside the view
 
 
+def test_inplace_backward_through_a_real_lm_head_gives_the_same_weight_gradients(model, monkeypatch):
+    """The trainer's path: completion_logits (LM head on completion positions only) then
+    per_token_logps with the gradient written over the logits, in chunks smaller than T."""
+    import ref_server
+    from ref_server import completion_logits
+
+    monkeypatch.setattr(ref_server, "LOGP_CHUNK", 5)  # 3 chunks per sequence, one of them short
+    torch.manual_seed(4)
+    ids = torch.randint(0, 49152, (2, 20))  # (B, L) the last 12 are the completion
+    attn = torch.ones_like(ids)
+    w = torch.randn(2, 12)
+    grads, values = {}, {}
+    for inplace in (False, True):
+        model.zero_grad()
+        logits = completion_logits(model, ids, attn, 12)  # (B, 12, V)
+        lp = per_token_logps(logits, ids[:, -12:], 0.7, inplace_backward=inplace)  # (B, 12)
+        (lp * w).sum().backward()
+        grads[inplace] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        values[inplace] = lp.detach()
+    model.zero_grad()
+    with torch.no_grad():
+        full = model(input_ids=ids).logits  # (B, L, V) every position: the plain way
+    want = torch.log_softmax(full[:, 7:19] / 0.7, -1).gather(-1, ids[:, 8:, None]).squeeze(-1)  # (B, 12)
+    assert torch.allclose(values[False], want, atol=1e-5) and torch.equal(values[False], values[True])
+    for n in grads[False]:
+        assert torch.allclose(grads[True][n], grads[False][n], atol=1e-7), n
+    assert any(g.abs().sum() > 0 for g in grads[True].values())
+
+
 def test_per_token_logps_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="do not match"):
         per_token_logps(torch.zeros(2, 5, 7), torch.zeros(2, 4, dtype=torch.long))
