@@ -73,7 +73,7 @@ EVAL_STEPS = 10  # greedy accuracy on held-out questions before step 1 and every
 EVAL_SIZE = 32  # held-out questions: the dataset's last EVAL_SIZE, kept out of training (even with EVAL_STEPS = 0)
 # Checkpoints
 SAVE_STEPS = 10  # save OUTPUT_DIR/step_N every this many steps and at the end: transformers weights + DeepSpeed state
-KEEP_CHECKPOINTS = 2  # newest step_N folders kept; each holds weights and optimizer state (~2.2 GB for the 135M model)
+KEEP_CHECKPOINTS = 2  # newest step_N folders kept; each holds weights and optimizer state (2.6 GB for the 135M model)
 RESUME = False  # True = continue from the newest step_N: weights, optimizer state, step count and data position
 # Extra generation workers (`python grpo_ref_split.py genonly`)
 GENONLY = False  # True = this process only generates, scores and uploads (same as the `genonly` argument)
