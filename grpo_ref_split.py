@@ -7,6 +7,8 @@ clipped GRPO step with a KL penalty towards the reference model.
 
     python ref_server.py &                       # start the reference model first
     deepspeed grpo_ref_split.py                  # every local GPU; CPU only: --num_gpus 1 (or 2)
+    RESUME=1 deepspeed grpo_ref_split.py         # continue from the newest OUTPUT_DIR/step_N
+    python grpo_ref_split.py genonly             # an extra generation worker (any spare GPU or machine)
 
 Every UPPER_CASE constant below can be overridden by an environment variable of the same name,
 e.g. `ALL_STEPS=2 MAX_NEW_TOKENS=32 deepspeed --num_gpus 1 grpo_ref_split.py`.

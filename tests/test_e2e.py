@@ -1,12 +1,10 @@
 """End to end: `python ref_server.py` as a process, `deepspeed grpo_ref_split.py` on 1 and 2 CPU ranks."""
-import json
 import math
-import pathlib
 
 import pytest
 import torch
 
-from conftest import ServerProcess, free_port, params, tiny_config, train
+from conftest import ServerProcess, free_port, metrics, params, tiny_config, train
 
 
 @pytest.fixture(scope="module")
@@ -24,9 +22,8 @@ def test_training_steps_end_to_end(server, tiny_model_dir, tmp_path, ranks):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "step    1 | loss" in run.stdout + run.stderr and "step    2 | loss" in run.stdout + run.stderr
 
-    lines = [json.loads(line) for line in pathlib.Path(tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in lines if "eval_accuracy" in m] == [0, 2]  # before training and at the end
-    lines = [m for m in lines if "eval_accuracy" not in m]
+    lines, evals = metrics(tmp_path)
+    assert [m["step"] for m in evals] == [0, 2]  # before training and at the end
     assert [m["step"] for m in lines] == [1, 2]  # rank 0 alone writes
     for m in lines:
         assert all(math.isfinite(m[k]) for k in ("loss", "reward", "reward_std", "kl", "clip_low", "clip_high", "ratio_drift", "length", "max_length", "staleness"))
@@ -64,8 +61,7 @@ def test_use_triton_trains_one_step_like_the_pytorch_path(server, tiny_model_dir
     for name, env in (("torch", {}), ("triton", {"USE_TRITON": "1", "TRITON_INTERPRET": "1"})):
         run = train(tiny_model_dir, server.url, tmp_path / name, 1, ALL_STEPS="1", **env)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-        lines = [json.loads(line) for line in pathlib.Path(tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        runs[name] = next(m for m in lines if m["step"] == 1 and "loss" in m)
+        runs[name] = metrics(tmp_path / name)[0][0]
     assert math.isfinite(runs["triton"]["loss"])
     assert runs["triton"]["reward"] == runs["torch"]["reward"]  # the very same rollout
     assert abs(runs["triton"]["loss"] - runs["torch"]["loss"]) < 1e-5
@@ -84,12 +80,10 @@ def test_evaluation_is_logged_and_does_not_change_training(server, tiny_model_di
     for name, every in (("no_eval", "0"), ("eval", "1")):
         run = train(tiny_model_dir, server.url, tmp_path / name, 1, EVAL_STEPS=every, SAVE_STEPS="2")
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    lines = [json.loads(line) for line in pathlib.Path(tmp_path / "eval" / "metrics.jsonl").read_text().splitlines()]
-    evals = [m for m in lines if "eval_accuracy" in m]
+    train_lines, evals = metrics(tmp_path / "eval")
     assert [m["step"] for m in evals] == [0, 1, 2]  # before step 1, then every step
     assert all(0 <= m["eval_accuracy"] <= 1 and 0 <= m["eval_format"] <= 1 for m in evals)
-    plain = [json.loads(line) for line in pathlib.Path(tmp_path / "no_eval" / "metrics.jsonl").read_text().splitlines()]
-    train_lines = [m for m in lines if "eval_accuracy" not in m]
+    plain, _ = metrics(tmp_path / "no_eval")
     assert [m["reward"] for m in train_lines] == [m["reward"] for m in plain]  # the same samples were drawn
     with_eval, without = params(tmp_path / "eval" / "step_2"), params(tmp_path / "no_eval" / "step_2")
     assert all(torch.equal(with_eval[k], without[k]) for k in with_eval)
