@@ -154,12 +154,12 @@ def grpo_loss(logps, ref_logps, gen_logps, advantages, mask, beta, clip_eps, cli
     return masked_mean(per_token, mask).mean()
 
 
-def clip_fractions(logps, gen_logps, advantages, mask, clip_eps, clip_eps_high):
+def clip_fractions(ratio, advantages, mask, clip_eps, clip_eps_high):
     """(low, high): fractions of valid tokens whose gradient the clip cut off (TRL's definition).
 
-    Low: ratio < 1 - clip_eps with A < 0; high: ratio > 1 + clip_eps_high with A > 0.
+    ratio, mask: (B, T); advantages (B,). Low: ratio < 1 - clip_eps with A < 0; high: ratio >
+    1 + clip_eps_high with A > 0.
     """
-    ratio = torch.exp(logps - gen_logps)  # (B, T)
     adv = advantages[:, None]  # (B, 1)
     low = (ratio < 1 - clip_eps) & (adv < 0)  # (B, T)
     high = (ratio > 1 + clip_eps_high) & (adv > 0)  # (B, T)
@@ -337,6 +337,16 @@ def evaluate(model, tokenizer, questions, eos_ids, batch_size=16):
 # ----------------------------------------------------------------------------- step 6: the server
 
 
+def upload(groups, **tags):
+    """POST each group with `tags` added to its metadata; returns (server instance, groups it made ready)."""
+    instance, made_ready = None, 0
+    for tensors, meta in groups:
+        body = encode_batch(tensors, {**meta, **tags})
+        r = request_with_retry("POST", f"{REF_SERVER}/upload", REF_TOKEN, body, SERVER_TIMEOUT).json()
+        instance, made_ready = r["instance"], made_ready + r["groups"]  # REGROUP may hold one back (0)
+    return instance, made_ready
+
+
 def exchange(groups, version, rank):
     """Upload our groups, then take back as many ready groups (any rank's) as ours made ready, and
     up to EXTRA_GROUPS more that genonly workers made, if they are already waiting.
@@ -346,11 +356,7 @@ def exchange(groups, version, rank):
     regenerates, so nothing is trained twice and nothing waits forever. A group dropped by a
     failed reference forward makes us return short after SERVER_TIMEOUT.
     """
-    instance, owed = None, 0
-    for tensors, meta in groups:
-        body = encode_batch(tensors, {**meta, "version": version, "rank": rank})
-        r = request_with_retry("POST", f"{REF_SERVER}/upload", REF_TOKEN, body, SERVER_TIMEOUT).json()
-        instance, owed = r["instance"], owed + r["groups"]  # REGROUP may hold a group back (0) until it has variance
+    instance, owed = upload(groups, version=version, rank=rank)
     got, deadline, delay = [], time.time() + SERVER_TIMEOUT, 0.02
     while len(got) < owed and time.time() < deadline:
         r = request_with_retry("GET", f"{REF_SERVER}/get", REF_TOKEN, give_up_after=SERVER_TIMEOUT)
@@ -428,8 +434,9 @@ def policy_update(engine, b):
     with torch.no_grad():
         logps = logps.detach()  # (B, Tc) the weights before this step
         gen = logps if b["gen_logps"] is None else b["gen_logps"]  # (B, Tc)
-        low, high = clip_fractions(logps, gen, b["advantages"], b["mask"], CLIP_EPS, CLIP_EPS_HIGH)
-        drift = masked_mean((torch.exp(logps - gen) - 1).abs(), b["mask"]).mean()  # 0 on-policy; grows with MU, staleness
+        ratio = torch.exp(logps - gen)  # (B, Tc)
+        low, high = clip_fractions(ratio, b["advantages"], b["mask"], CLIP_EPS, CLIP_EPS_HIGH)
+        drift = masked_mean((ratio - 1).abs(), b["mask"]).mean()  # 0 on-policy; grows with MU, staleness
         m = dict(loss=loss.item(), clip_low=low.item(), clip_high=high.item(), ratio_drift=drift.item(),
                  fwd_bwd_s=fwd_bwd_s, optim_s=optim_s)
         if b["ref_logps"] is not None:
@@ -710,22 +717,21 @@ def generate_only():
     regroup = server_health(model, tokenizer)["regroup"]
     version = 0
     while True:
-        newest = checkpoints(OUTPUT_DIR)
-        if newest and int(newest[-1].rsplit("_", 1)[1]) > version:
+        newest = (checkpoints(OUTPUT_DIR) or [None])[-1]
+        step = int(newest.rsplit("_", 1)[1]) if newest else 0
+        if step > version:
             try:
-                model, tokenizer, eos_ids, gen_config = load_policy(newest[-1], device)
-                version = int(newest[-1].rsplit("_", 1)[1])
-                print(f"[{name}] loaded {newest[-1]}: policy version {version}", flush=True)
+                model, tokenizer, eos_ids, gen_config = load_policy(newest, device)
+                version = step
+                print(f"[{name}] loaded {newest}: policy version {version}", flush=True)
             except OSError as e:  # deleted by KEEP_CHECKPOINTS while we read it: the next one will do
-                print(f"[{name}] could not load {newest[-1]} ({e}); keeping version {version}", flush=True)
+                print(f"[{name}] could not load {newest} ({e}); keeping version {version}", flush=True)
         health = request_with_retry("GET", f"{REF_SERVER}/health", REF_TOKEN, give_up_after=SERVER_TIMEOUT).json()
         if health["pending"] + health["ready_workers"] >= WORKER_MAX_QUEUED:  # the trainers are behind: don't pile up stale groups
             time.sleep(1.0)
             continue
         groups, stats = rollout(model, tokenizer, rng.sample(questions, Q_BATCH_SIZE), gen_config, eos_ids, regroup)
-        for tensors, meta in groups:
-            body = encode_batch(tensors, {**meta, "version": version, "worker": name})
-            request_with_retry("POST", f"{REF_SERVER}/upload", REF_TOKEN, body, SERVER_TIMEOUT)
+        upload(groups, version=version, worker=name)
         print(f"[{name}] version {version} | uploaded {len(groups)} groups | reward {stats['reward']:.3f} | "
               f"acc {stats['accuracy']:.2f}", flush=True)
 

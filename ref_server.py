@@ -382,9 +382,8 @@ class RefServer:
         g, plen = tensors["input_ids"].shape[0], meta["plen"]
         prompt = tensors["input_ids"][0, :plen]  # (plen,) one prompt per group: the question's identity
         key = (hashlib.sha256(prompt.numpy().tobytes()).hexdigest(), meta.get("temperature", 1.0))
-        rows = [{name: t[i] for name, t in tensors.items() if name != "advantages"} for i in range(g)]
-        for row in rows:
-            row["version"] = meta.get("version", 0)
+        rows = [{name: t[i] for name, t in tensors.items() if name != "advantages"} | {"version": meta.get("version", 0)}
+                for i in range(g)]  # advantages are recomputed for each new group
         with self.lock:
             pool = (self.pools.pop(key, []) + rows)[-self.pool_size :]
             rewards = torch.stack([r["rewards"] for r in pool])  # (n,)
@@ -455,18 +454,15 @@ class RefServer:
                 self._fail(400, str(e))
             if self.pending.full():  # before regrouping: a refused upload must not take answers out of a pool
                 self._busy()
-            if self.regroup:
-                group = self.regroup_answers(tensors, meta)
-                if group is None:  # pooled: no group with reward variance for this question yet
-                    self.count("uploaded")
-                    return {"ok": True, "groups": 0, "pending": self.pending.qsize(), "instance": self.instance}
-                tensors, meta = group
-            try:
-                self.pending.put_nowait((tensors, meta))
-            except queue.Full:
-                self._busy()
+            group = self.regroup_answers(tensors, meta) if self.regroup else (tensors, meta)
+            if group is not None:  # None: pooled, no group with reward variance for this question yet
+                try:
+                    self.pending.put_nowait(group)
+                except queue.Full:
+                    self._busy()
             self.count("uploaded")
-            return {"ok": True, "groups": 1, "pending": self.pending.qsize(), "instance": self.instance}
+            return {"ok": True, "groups": int(group is not None), "pending": self.pending.qsize(),
+                    "instance": self.instance}
 
         @app.get("/get")
         def get():

@@ -54,11 +54,11 @@ def test_clip_fractions_count_only_the_cut_gradients():
     gen = torch.zeros(1, 4)
     logps = torch.tensor([[0.3, -0.3, 0.3, -0.3]])  # ratios 1.35, 0.74, 1.35, 0.74
     mask = torch.tensor([[True, True, True, False]])
-    low, high = clip_fractions(logps, gen, torch.tensor([1.0]), mask, 0.2, 0.2)
+    low, high = clip_fractions(torch.exp(logps - gen), torch.tensor([1.0]), mask, 0.2, 0.2)
     assert (low.item(), high.item()) == (0.0, pytest.approx(2 / 3))  # A > 0: only ratios above 1.2 are cut
-    low, high = clip_fractions(logps, gen, torch.tensor([-1.0]), mask, 0.2, 0.2)
+    low, high = clip_fractions(torch.exp(logps - gen), torch.tensor([-1.0]), mask, 0.2, 0.2)
     assert (low.item(), high.item()) == (pytest.approx(1 / 3), 0.0)
-    assert clip_fractions(logps, gen, torch.tensor([1.0]), mask, 0.2, 0.4)[1].item() == 0.0
+    assert clip_fractions(torch.exp(logps - gen), torch.tensor([1.0]), mask, 0.2, 0.4)[1].item() == 0.0
 
 
 # ----------------------------------------------------------------------------- MU > 1
