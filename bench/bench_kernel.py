@@ -40,7 +40,7 @@ def main():
         sys.exit("bench_kernel.py needs a CUDA GPU and found none. On CPU, run bench/bench_logprob_memory.py.")
     from grpo_loss_triton import grpo_loss_triton
     from grpo_ref_split import grpo_loss
-    from ref_server import per_token_logps
+    from grpo_common import per_token_logps
 
     results = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "B": B, "T": T, "runs": []}
     for V in VOCABS:

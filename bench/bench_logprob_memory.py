@@ -4,7 +4,7 @@ Three ways to get log softmax(logits / T)[id] from an LM head's logits (B, T, V)
 process (peak RSS above the RSS once the logits exist):
   naive         torch.log_softmax over the whole batch, then gather
   per-row loop  the same, one sequence at a time (autograd still keeps every row's output)
-  ours          ref_server.per_token_logps as the trainer calls it: a logsumexp per token,
+  ours          grpo_common.per_token_logps as the trainer calls it: a logsumexp per token,
                 softmax recomputed LOGP_CHUNK tokens at a time, gradient written over the logits
 
     python bench/bench_logprob_memory.py            # B=8, T=512, V in {49152, 151936}; ~2 minutes here
@@ -26,7 +26,7 @@ CHILD = """
 import resource, sys, time, torch
 sys.path.insert(0, {root!r})
 from grpo_ref_split import grpo_loss
-from ref_server import per_token_logps
+from grpo_common import per_token_logps
 torch.manual_seed(0)
 B, T, V, variant = {B}, {T}, {V}, {variant!r}
 hidden = torch.randn(B, T, 64).requires_grad_()  # (B, T, H) a small LM head, so the logits are not a leaf

@@ -1,4 +1,4 @@
-"""Where a training step's time goes: generation, old log-probs, scoring, waiting for the reference
+"""Where a training step's time goes: generation, gen_logps, scoring, waiting for the reference
 server, policy forward+backward, optimizer, and the overhead ratio step / (generation + fwd+bwd).
 
 Without an argument it runs the real thing for a few steps: `python ref_server.py` and
@@ -24,12 +24,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 5  # training steps to run; the first is left out of the averages (warm-up)
 PHASES = [  # (name, how it is computed from one metrics line)
     ("generation", lambda m: m["generate_s"]),
-    ("old log-probs", lambda m: m["old_logps_s"]),
-    ("scoring + rollout glue", lambda m: m["rollout_s"] - m["generate_s"] - m["old_logps_s"]),
+    ("gen_logps (a forward of the sampling weights)", lambda m: m["gen_logps_s"]),
+    ("scoring", lambda m: m["score_s"]),
     ("server: upload, reference forward, download", lambda m: m["wait_s"]),
     ("policy forward + backward", lambda m: m["fwd_bwd_s"]),
     ("optimizer step", lambda m: m["optim_s"]),
-    ("everything else (collate, metrics)", lambda m: m["seconds"] - m["rollout_s"] - m["wait_s"] - m["fwd_bwd_s"] - m["optim_s"]),
+    ("everything else (prompts, collate, metrics)",
+     lambda m: m["seconds"] - m["generate_s"] - m["gen_logps_s"] - m["score_s"] - m["wait_s"] - m["train_s"]),
 ]
 
 
@@ -60,8 +61,8 @@ def anatomy(metrics_path):
     with open(metrics_path) as f:
         lines = [json.loads(line) for line in f if line.strip()]
     steps = [m for m in lines if "eval_accuracy" not in m]
-    if len(steps) < 2 or any("generate_s" not in m for m in steps):
-        sys.exit(f"{metrics_path}: need 2+ training steps logged with generate_s/old_logps_s/fwd_bwd_s "
+    if len(steps) < 2 or any("score_s" not in m for m in steps):
+        sys.exit(f"{metrics_path}: need 2+ training steps logged with generate_s/gen_logps_s/score_s "
                  "(written by this version of grpo_ref_split.py)")
     steps = steps[1:]  # step 1 pays one-time costs (allocator, first compile of kernels)
     mean = lambda f: sum(f(m) for m in steps) / len(steps)  # noqa: E731
@@ -72,7 +73,7 @@ def anatomy(metrics_path):
     for name, s in phases.items():
         print(f"  {name:45s} {s:7.2f} s  {s / step_s:6.1%}")
     print(f"overhead ratio = step / (generation + forward+backward) = {overhead:.2f}  (target <= 1.10)")
-    return dict(metrics=os.path.abspath(metrics_path), steps=len(steps), step_s=round(step_s, 2),
+    return dict(metrics=os.path.relpath(os.path.abspath(metrics_path), ROOT), steps=len(steps), step_s=round(step_s, 2),
                 phases_s={k: round(v, 3) for k, v in phases.items()}, overhead_ratio=round(overhead, 3))
 
 

@@ -20,6 +20,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import ref_server  # noqa: E402
+from grpo_common import decode_batch, encode_batch, resolve_model_path  # noqa: E402
 
 REPEATS = 5  # timings are medians of this many round trips
 
@@ -35,11 +36,11 @@ def make_group(G, plen, tc, vocab, seed=0):
 def main():
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(ref_server.resolve_model_path(""), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(""), dtype=torch.float32).eval()
     torch.set_num_threads(os.cpu_count())
     server = ref_server.RefServer(model, "SmolLM2-135M-Instruct")
     port = 59990
-    httpd = ref_server.serve(server, "127.0.0.1", port)
+    stop = ref_server.serve(server, "127.0.0.1", port)
     url = f"http://127.0.0.1:{port}"
     results = []
     try:
@@ -48,7 +49,7 @@ def main():
             encode, upload, download, decode, forward = [], [], [], [], []
             for _ in range(REPEATS):
                 t = time.perf_counter()
-                body = ref_server.encode_batch(tensors, meta)
+                body = encode_batch(tensors, meta)
                 encode.append(time.perf_counter() - t)
                 t = time.perf_counter()
                 r = requests.post(url + "/upload", data=body, timeout=60)  # includes the server's decode + validate
@@ -62,7 +63,7 @@ def main():
                 r = requests.get(url + "/get", timeout=60)
                 download.append(time.perf_counter() - t)
                 t = time.perf_counter()
-                back, _ = ref_server.decode_batch(r.content)
+                back, _ = decode_batch(r.content)
                 decode.append(time.perf_counter() - t)
                 t = time.perf_counter()
                 server.reference_logps(tensors["input_ids"], plen, 0.7)  # the same work the worker thread did
@@ -79,9 +80,7 @@ def main():
                   f"{med['download'] * 1e3:5.1f} ms, decode {med['decode'] * 1e3:5.1f} ms | reference forward "
                   f"{med['forward'] * 1e3:7.1f} ms | transport / forward = {transport / med['forward']:.2%}")
     finally:
-        server.stopping.set()
-        httpd.shutdown()
-        httpd.server_close()
+        stop()
     out = os.path.join(ROOT, "bench", "results", "transport.json")
     with open(out, "w") as f:
         json.dump({"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}",

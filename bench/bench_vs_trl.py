@@ -35,11 +35,11 @@ def trl_seconds_per_step(out_dir):
 
     import grpo_ref_split as g
     import rewards
-    from ref_server import resolve_model_path
+    from grpo_common import resolve_model_path
 
     path = resolve_model_path("")
     tokenizer = AutoTokenizer.from_pretrained(path)
-    questions, _ = g.split_held_out(g.load_questions(g.DATASET, g.SEED), g.EVAL_SIZE)
+    questions, _ = rewards.split_held_out(rewards.load_questions(g.DATASET, g.SEED, g.ARITH_MAX), g.EVAL_SIZE)
     data = Dataset.from_list([{"prompt": g.build_prompt(tokenizer, q["question"]), "gold": q["gold"]}
                               for q in questions[: 4 * STEPS * 4]])  # already chat-templated and prefilled
 

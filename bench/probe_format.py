@@ -9,29 +9,32 @@ the <think> tag. This is what chose EXAMPLE (README, "What the demo does").
 """
 import os
 import random
+from collections import defaultdict
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo_ref_split as grpo  # noqa: E402
-from ref_server import resolve_model_path  # noqa: E402
+from grpo_common import resolve_model_path  # noqa: E402
+from rewards import load_questions  # noqa: E402
 
 
 def main():
     model, tokenizer, eos_ids, gen_config = grpo.load_policy(resolve_model_path(grpo.MODEL_PATH), torch.device("cpu"))
     model.eval()
     torch.manual_seed(0)
-    questions = random.Random(1).sample(grpo.load_questions(grpo.DATASET, grpo.SEED), 6)
+    questions = random.Random(1).sample(load_questions(grpo.DATASET, grpo.SEED, grpo.ARITH_MAX), 6)
     G = 8
     enc = grpo.encode_prompts(tokenizer, questions)
     with torch.no_grad():
         out = model.generate(input_ids=enc.input_ids.repeat_interleave(G, 0),
                              attention_mask=enc.attention_mask.repeat_interleave(G, 0), generation_config=gen_config)
     texts = tokenizer.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
-    fmt, correct = grpo.score(texts, [q["gold"] for q in questions for _ in range(G)])
+    m = defaultdict(float)
+    grpo.score(texts, [q["gold"] for q in questions for _ in range(G)], m)
     closed = sum("</think>" in t for t in texts)
-    print(f"EXAMPLE={grpo.EXAMPLE!r}: {len(texts)} answers | format {fmt.mean():.0%} | correct {correct.mean():.0%} "
+    print(f"EXAMPLE={grpo.EXAMPLE!r}: {len(texts)} answers | format {m['format']:.0%} | correct {m['accuracy']:.0%} "
           f"| {closed} contain </think>")
 
 

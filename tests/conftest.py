@@ -16,8 +16,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 SHARED_GSM8K = os.path.join(ROOT, "..", "shared", "gsm8k")
 
+import grpo_common  # noqa: E402
 import grpo_ref_split as grpo  # noqa: E402
 import ref_server  # noqa: E402
+import rewards  # noqa: E402
 
 
 def free_port() -> int:
@@ -29,7 +31,7 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def embedded_path():
     """The embedded SmolLM2 converted to a transformers folder (done once per machine)."""
-    return ref_server.resolve_model_path("")
+    return grpo_common.resolve_model_path("")
 
 
 @pytest.fixture(scope="session")
@@ -67,7 +69,7 @@ def tiny_model_dir(tokenizer, tmp_path_factory):
     rng = random.Random(0)
     model = LlamaForCausalLM(tiny_config(tokenizer))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    problems = grpo.make_arithmetic(2400, 20, seed=1)
+    problems = rewards.make_arithmetic(2400, 20, seed=1)
     for i in range(150):
         rows = problems[i * 16 : (i + 1) * 16]
         prompts = [grpo.build_prompt(tokenizer, r["question"]) for r in rows]
@@ -76,7 +78,7 @@ def tiny_model_dir(tokenizer, tmp_path_factory):
             a, b = (int(s) for s in r["answer"].split("=")[0].split("+"))
             targets.append(tokenizer.encode(sft_target(rng, a, b), add_special_tokens=False) + [tokenizer.eos_token_id])
         ids, attn, Tc = pack(tokenizer, prompts, targets)
-        logps = ref_server.completion_logps(model, ids, attn, Tc, 1.0)  # (B, Tc)
+        logps = grpo_common.completion_logps(model, ids, attn, Tc, 1.0)  # (B, Tc)
         mask = attn[:, -Tc:].bool()  # (B, Tc)
         loss = -grpo.masked_mean(logps, mask).mean()
         opt.zero_grad()
@@ -175,18 +177,14 @@ def model(tokenizer):
 
 
 def start(model, port=None, **kw):
-    """A RefServer on loopback in this process: (server, httpd, url)."""
+    """A RefServer on loopback in this process: (server, its stop function, url)."""
     server = ref_server.RefServer(model, "tiny", **kw)
     port = port or free_port()
-    httpd = ref_server.serve(server, "127.0.0.1", port)
-    return server, httpd, f"http://127.0.0.1:{port}"
+    return server, ref_server.serve(server, "127.0.0.1", port), f"http://127.0.0.1:{port}"
 
 
-def stop(server, httpd):
-    server.stopping.set()
-    httpd.shutdown()
-    httpd.server_close()
-    server.worker.join(timeout=10)
+def stop(server, stop_serving):
+    stop_serving()
     assert not server.worker.is_alive()
 
 
@@ -208,14 +206,14 @@ def pull(url, timeout=30, path="/get"):
     while time.time() < deadline:
         r = requests.get(url + path, timeout=10)
         if r.status_code == 200:
-            return ref_server.decode_batch(r.content)
+            return grpo_common.decode_batch(r.content)
         assert r.status_code == 204
         time.sleep(0.02)
     raise TimeoutError("no batch came back")
 
 
 def upload_and_pull(url, tensors, meta):
-    r = requests.post(url + "/upload", data=ref_server.encode_batch(tensors, meta), timeout=10)
+    r = requests.post(url + "/upload", data=grpo_common.encode_batch(tensors, meta), timeout=10)
     assert r.status_code == 200, r.text
     return pull(url)
 

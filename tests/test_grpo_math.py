@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 
-from grpo_ref_split import collate, completion_mask, group_advantages, grpo_loss, k3, make_arithmetic, masked_mean, split_held_out
-from ref_server import decode_batch, encode_batch, per_token_logps
+from grpo_common import decode_batch, encode_batch, group_advantages, per_token_logps, per_token_logps_plain
+from grpo_ref_split import collate, completion_mask, grpo_loss, k3, masked_mean
+from rewards import make_arithmetic, split_held_out
 
 
 # ----------------------------------------------------------------------------- advantages
@@ -73,10 +74,10 @@ def test_per_token_logps_value_and_gradient_match_log_softmax(temperature):
 def test_inplace_backward_through_a_real_lm_head_gives_the_same_weight_gradients(model, monkeypatch):
     """The trainer's path: completion_logits (LM head on completion positions only) then
     per_token_logps with the gradient written over the logits, in chunks smaller than T."""
-    import ref_server
-    from ref_server import completion_logits
+    import grpo_common
+    from grpo_common import completion_logits
 
-    monkeypatch.setattr(ref_server, "LOGP_CHUNK", 5)  # 3 chunks per sequence, one of them short
+    monkeypatch.setattr(grpo_common, "LOGP_CHUNK", 5)  # 3 chunks per sequence, one of them short
     torch.manual_seed(4)
     ids = torch.randint(0, 49152, (2, 20))  # (B, L) the last 12 are the completion
     attn = torch.ones_like(ids)
@@ -97,6 +98,31 @@ def test_inplace_backward_through_a_real_lm_head_gives_the_same_weight_gradients
     for n in grads[False]:
         assert torch.allclose(grads[True][n], grads[False][n], atol=1e-7), n
     assert any(g.abs().sum() > 0 for g in grads[True].values())
+
+
+@pytest.mark.parametrize("chunk", [0, 3, 128])
+def test_chunked_per_token_logps_match_the_plain_definition(chunk, monkeypatch):
+    """per_token_logps (chunked, in-place backward) against per_token_logps_plain (log_softmax, gather);
+    LOGP_CHUNK = 0 selects the plain one."""
+    import grpo_common
+
+    monkeypatch.setattr(grpo_common, "LOGP_CHUNK", chunk)
+    torch.manual_seed(5)
+    ids = torch.randint(0, 301, (3, 7))  # (B, T)
+    w = torch.randn(3, 7)
+    values, grads = [], []
+    for fn in (lambda z: per_token_logps(z, ids, 0.7, inplace_backward=True), lambda z: per_token_logps_plain(z, ids, 0.7)):
+        leaf = (torch.randn(3, 7, 301) * 3).requires_grad_()
+        torch.manual_seed(6)
+        leaf.data = torch.randn(3, 7, 301) * 3  # the same logits for both
+        logits = leaf * 1.0  # not a leaf, as the LM head's output: in place may overwrite it
+        lp = fn(logits)
+        (lp * w).sum().backward()
+        values.append(lp.detach())
+        grads.append(leaf.grad)
+    assert torch.allclose(values[0], values[1], atol=1e-6)
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)
+    assert grads[1].abs().sum() > 0
 
 
 def test_per_token_logps_rejects_mismatched_shapes():

@@ -11,7 +11,8 @@ import torch
 
 import grpo_ref_split as grpo
 from conftest import ServerProcess, free_port, group, start, stop, wait_for
-from ref_server import decode_batch, encode_batch, exposure_warning, request_with_retry
+from grpo_common import decode_batch, encode_batch, request_with_retry
+from ref_server import exposure_warning
 
 
 def test_load_every_group_comes_back_exactly_once(model, capsys):
@@ -73,7 +74,7 @@ def test_load_every_group_comes_back_exactly_once(model, capsys):
 
 
 def test_trainer_regenerates_when_the_server_restarts_with_its_groups(model, monkeypatch):
-    """exchange() uploads, the server dies with the groups queued, a new one comes up on the same
+    """upload_and_pull() uploads, the server dies with the groups queued, a new one comes up on the same
     port: the trainer notices the new instance and returns short at once (to regenerate), instead
     of waiting SERVER_TIMEOUT for groups that no longer exist."""
     port = free_port()
@@ -88,7 +89,7 @@ def test_trainer_regenerates_when_the_server_restarts_with_its_groups(model, mon
     monkeypatch.setattr(grpo, "REF_SERVER", url)
     monkeypatch.setattr(grpo, "SERVER_TIMEOUT", 120.0)
     result = []
-    t = threading.Thread(target=lambda: result.append(grpo.exchange([group(seed=1), group(seed=2)], version=0, rank=0)))
+    t = threading.Thread(target=lambda: result.append(grpo.upload_and_pull([group(seed=1), group(seed=2)], version=0, rank=0)))
     t.start()
     wait_for(lambda: old.counters["uploaded"] == 2)
     gate.set()
@@ -100,7 +101,7 @@ def test_trainer_regenerates_when_the_server_restarts_with_its_groups(model, mon
         assert not t.is_alive() and result == [[]]
         assert time.time() - t0 < 10  # far below SERVER_TIMEOUT
         # and the next round trains normally on the new server
-        got = grpo.exchange([group(seed=3)], version=0, rank=0)
+        got = grpo.upload_and_pull([group(seed=3)], version=0, rank=0)
         assert len(got) == 1 and got[0][1]["version"] == 0 and got[0][1]["rank"] == 0 and got[0][0]["ref_logps"].shape == (3, 4)
     finally:
         stop(new, new_httpd)

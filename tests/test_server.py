@@ -8,10 +8,11 @@ import pytest
 import requests
 import torch
 
-import ref_server
+import grpo_common
 from conftest import VOCAB, free_port, group, pull, start, stop, upload_and_pull, wait_for
 from grpo_ref_split import collate
-from ref_server import RefServer, ServerError, completion_logps, encode_batch, request_with_retry
+from grpo_common import ServerError, completion_logps, encode_batch, request_with_retry
+from ref_server import RefServer
 
 
 @pytest.fixture(scope="module")
@@ -225,14 +226,46 @@ def test_client_gives_up_with_a_clear_message_when_nothing_listens():
         request_with_retry("GET", url + "/health", give_up_after=1.0)
 
 
-def test_env_overrides_cast_to_the_constants_type(monkeypatch):
+def test_env_overrides_cast_to_the_constants_type(monkeypatch, capfd):
     ns = {"PORT": 1, "HOST": "a", "FLAG": False, "RATE": 0.5, "lower": 1}
     monkeypatch.setenv("PORT", "6000")
     monkeypatch.setenv("FLAG", "true")
     monkeypatch.setenv("RATE", "1e-3")
     monkeypatch.setenv("lower", "9")
-    ref_server.apply_env_overrides(ns)
+    grpo_common.apply_env_overrides(ns, "x.py")
     assert ns == {"PORT": 6000, "HOST": "a", "FLAG": True, "RATE": 1e-3, "lower": 1}
+    err = capfd.readouterr().err
+    assert "[x.py] PORT = 6000 (environment; default 1)" in err and "FLAG = True" in err and "HOST" not in err
     monkeypatch.setenv("PORT", "sixty")
     with pytest.raises(SystemExit, match="PORT='sixty': not a valid int"):
-        ref_server.apply_env_overrides(ns)
+        grpo_common.apply_env_overrides(ns, "x.py")
+
+
+def test_a_misspelt_constant_in_the_environment_is_named(monkeypatch, capfd):
+    ns = {"ALL_STEPS": 30, "SAVE_STEPS": 10, "BETA": 0.04}
+    monkeypatch.setenv("ALL_STEP", "5")
+    monkeypatch.setenv("BETTA", "0")
+    grpo_common.apply_env_overrides(ns, "trainer.py")
+    assert ns == {"ALL_STEPS": 30, "SAVE_STEPS": 10, "BETA": 0.04}  # nothing changed
+    err = capfd.readouterr().err
+    assert "ALL_STEP is not a constant of trainer.py; did you mean ALL_STEPS?" in err
+    assert "BETTA is not a constant of trainer.py; did you mean BETA?" in err
+
+
+def test_the_real_environment_of_a_run_raises_no_false_warning(monkeypatch, capfd):
+    """The launcher's and the other file's variables (RANK, MASTER_PORT, PORT, REF_SERVER...) are not typos."""
+    import grpo_ref_split
+    import ref_server
+
+    everyday = ["PATH", "HOME", "HOSTNAME", "PWD", "LANG", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE",
+                "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK", "CROSS_SIZE", "PYTHONPATH", "OMP_NUM_THREADS",
+                "CUDA_VISIBLE_DEVICES", "TRITON_INTERPRET", "XDG_CACHE_HOME", "TMPDIR", "USER", "SHELL", "TERM"]
+    trainer = {k: "" for k in vars(grpo_ref_split) if k.isupper()}  # strings: any value casts, only names matter
+    server = {k: "" for k in vars(ref_server) if k.isupper()}
+    for name in everyday + list(trainer) + list(server):
+        monkeypatch.setenv(name, os.environ.get(name, "1"))
+    monkeypatch.setenv("RANK", "0")  # rank 0 prints; the other ranks stay quiet
+    grpo_common.apply_env_overrides(trainer, "grpo_ref_split.py")
+    grpo_common.apply_env_overrides(server, "ref_server.py")
+    err = capfd.readouterr().err
+    assert "WARNING" not in err and "[ref_server.py] PORT = " in err

@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 from conftest import ROOT  # noqa: E402
 from grpo_loss_triton import BLOCK_V, grpo_loss_triton  # noqa: E402
 from grpo_ref_split import grpo_loss  # noqa: E402
-from ref_server import per_token_logps  # noqa: E402
+from grpo_common import per_token_logps  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("error")
 

@@ -1,6 +1,7 @@
 """The loss variants (clip-higher, token-level mean, BETA = 0, MU > 1, MASK_TRUNCATED), the metrics
 they log, and the server's REGROUP mode: each shown to change what it should."""
 import math
+from collections import defaultdict
 
 import pytest
 import requests
@@ -10,7 +11,7 @@ from transformers import GenerationConfig
 import grpo_ref_split as grpo
 from conftest import group, pull, start, stop
 from grpo_ref_split import clip_fractions, grpo_loss, masked_mean
-from ref_server import completion_logps, encode_batch
+from grpo_common import completion_logps, encode_batch, group_advantages
 
 
 # ----------------------------------------------------------------------------- the loss
@@ -63,7 +64,7 @@ def test_clip_fractions_count_only_the_cut_gradients():
 
 # ----------------------------------------------------------------------------- MU > 1
 class PlainEngine:
-    """The three calls train_step makes of a DeepSpeed engine, on a plain model and AdamW."""
+    """The calls the training loop makes of a DeepSpeed engine, on a plain model and AdamW."""
 
     def __init__(self, model, lr):
         self.module, self.device = model, torch.device("cpu")
@@ -84,6 +85,13 @@ class PlainEngine:
     def step(self):
         self.opt.step()
         self.opt.zero_grad()
+
+
+def update(engine, b, m):
+    """Steps 6 and 7 of the training loop: loss, backward, optimizer step; metrics added to m."""
+    engine.backward(grpo.policy_loss(engine, b, m))
+    engine.step()
+    return m
 
 
 def batch_for(model, seed=0):
@@ -110,8 +118,8 @@ def test_mu_two_reuses_the_batch_with_a_real_ratio(fresh_model, monkeypatch):
     monkeypatch.setattr(grpo, "MU", 1)
     engine = PlainEngine(fresh_model, lr=1e-2)
     b = batch_for(fresh_model)
-    first = grpo.policy_update(engine, {**b, "gen_logps": b["ref_logps"]})  # pi_old = the weights now
-    second = grpo.policy_update(engine, {**b, "gen_logps": b["ref_logps"]})  # the same batch after one step
+    first = update(engine, {**b, "gen_logps": b["ref_logps"]}, defaultdict(float))  # pi_old = the weights now
+    second = update(engine, {**b, "gen_logps": b["ref_logps"]}, defaultdict(float))  # the same batch, one step on
     assert first["ratio_drift"] < 1e-5 and first["clip_low"] == first["clip_high"] == 0
     assert second["ratio_drift"] > 1e-2  # the ratio now measures how far the first step moved
     assert second["kl"] > first["kl"]
@@ -125,7 +133,12 @@ def test_train_step_with_mu_two_fixes_pi_old_before_the_first_update(fresh_model
         model = type(fresh_model)(fresh_model.config)
         model.load_state_dict(fresh_model.state_dict())
         monkeypatch.setattr(grpo, "MU", mu)
-        results[mu] = (grpo.train_step(PlainEngine(model, lr=1e-2), b), model)
+        engine, m = PlainEngine(model, lr=1e-2), defaultdict(float)
+        batch = grpo.prepare_batch(engine, b)  # MU > 1 without gen_logps: pi_old is fixed here
+        assert (batch["gen_logps"] is None) == (mu == 1)
+        for _ in range(mu):
+            update(engine, batch, m)
+        results[mu] = (m, model)
     assert results[1][0]["ratio_drift"] == 0.0  # one on-policy pass: ratio exactly 1
     assert results[2][0]["ratio_drift"] > 5e-3  # the second pass sees pi / pi_old != 1
     moved_once = sum((p - q).abs().sum() for p, q in zip(results[1][1].parameters(), fresh_model.parameters()))
@@ -149,7 +162,10 @@ def short_rollout(tiny_policy, monkeypatch, masked, keep_all=False, max_new_toke
                            pad_token_id=tok.pad_token_id, eos_token_id=[tok.eos_token_id])
     torch.manual_seed(3)
     questions = [{"question": f"What is {a} + {a + 1}?", "gold": str(2 * a + 1)} for a in range(1, 9)]
-    return grpo.rollout(model, tok, questions, cfg, [tok.eos_token_id], keep_all)
+    m = defaultdict(float)
+    rollout = grpo.generate(model, tok, questions, cfg, [tok.eos_token_id], m)  # steps 2-4 as the trainer runs them
+    rewards = grpo.score(rollout["texts"], rollout["golds"], m)
+    return grpo.pack_groups(model, rollout, rewards, group_advantages(rewards, 4), keep_all, m), m
 
 
 def test_mask_truncated_removes_cut_answers_from_the_loss(tiny_policy, monkeypatch):
@@ -225,3 +241,35 @@ def test_without_regroup_every_upload_is_one_group(model):
         assert requests.get(url + "/health", timeout=10).json()["regroup"] is False
     finally:
         stop(server, httpd)
+
+
+def test_regroup_runs_without_the_trainer_or_the_rewards(tiny_model_dir):
+    """The server process never imports the trainer (nor rewards, math-verify): REGROUP computes the
+    advantages of a new group from the rewards its answers carry, with grpo_common alone."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    code = f"""
+import os, sys, torch
+os.environ["REGROUP"] = "1"
+import ref_server
+from transformers import AutoModelForCausalLM
+server = ref_server.RefServer(AutoModelForCausalLM.from_pretrained({tiny_model_dir!r}), "tiny")
+def answers(reward):  # 4 answers to one question (the same 5 prompt tokens), all with the same reward
+    ids = torch.cat([torch.arange(5).repeat(4, 1), torch.randint(0, 49152, (4, 3))], 1)
+    return dict(input_ids=ids, completion_mask=torch.ones(4, 3, dtype=torch.bool), advantages=torch.zeros(4),
+                rewards=torch.full((4,), reward), gen_logps=-torch.rand(4, 3))
+a, b, meta = answers(0.0), answers(1.0), dict(plen=5, temperature=1.0)
+assert ref_server.REGROUP and server.regroup
+assert server.regroup_answers(a, meta) is None
+tensors, out_meta = server.regroup_answers(b, meta)
+assert out_meta["regrouped"] and tensors["rewards"].unique().numel() == 2
+assert abs(tensors["advantages"].sum().item()) < 1e-4
+loaded = sorted(m for m in sys.modules if m in ("grpo_ref_split", "rewards", "math_verify"))
+print("loaded:", loaded)
+"""
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "loaded: []" in run.stdout

