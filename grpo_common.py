@@ -259,7 +259,8 @@ def request_with_retry(method, url, token="", data=None, give_up_after=600.0, wh
             problem = "unreachable"
         waited = time.time() - start
         if waited > give_up_after:
-            raise TimeoutError(f"{what} at {url} still {problem} after {waited:.0f} s; is `python ref_server.py` running?")
+            raise TimeoutError(f"{what} at {url} still {problem} after {waited:.0f} s; "
+                               "is `python ref_server.py` running?")
         if time.time() - last_note > 10:
             print(f"[retry] {what} {problem}; retrying for up to {give_up_after:.0f} s", file=sys.stderr, flush=True)
             last_note = time.time()

@@ -144,11 +144,8 @@ def grpo_loss(logps, ref_logps, gen_logps, advantages, mask, beta, clip_eps, cli
 
 
 def clip_fractions(ratio, advantages, mask, clip_eps, clip_eps_high):
-    """(low, high): fractions of valid tokens whose gradient the clip cut off (TRL's definition).
-
-    ratio, mask: (B, T); advantages (B,). Low: ratio < 1 - clip_eps with A < 0; high: ratio >
-    1 + clip_eps_high with A > 0.
-    """
+    """(low, high): fractions of valid tokens whose gradient the clip cut off (TRL's definition): ratio
+    < 1 - clip_eps with A < 0, and ratio > 1 + clip_eps_high with A > 0. ratio, mask (B, T); advantages (B,)."""
     adv = advantages[:, None]  # (B, 1)
     low = (ratio < 1 - clip_eps) & (adv < 0)  # (B, T)
     high = (ratio > 1 + clip_eps_high) & (adv > 0)  # (B, T)
@@ -360,11 +357,8 @@ def policy_loss(engine, b, m):
 # ----------------------------------------------------------------------------- evaluation, logging, checkpoints
 @torch.no_grad()
 def evaluate(model, tokenizer, questions, eos_ids, batch_size=16):
-    """Greedy answers to held-out questions: {"eval_accuracy", "eval_format"}.
-
-    Greedy decoding draws no random numbers, and fork_rng guards the training stream anyway, so
-    evaluating never changes what training samples.
-    """
+    """Greedy answers to held-out questions: {"eval_accuracy", "eval_format"}. Greedy decoding draws no
+    random numbers, and fork_rng guards the training stream anyway: evaluating never changes training."""
     from transformers import GenerationConfig
 
     greedy = GenerationConfig(do_sample=False, max_new_tokens=MAX_NEW_TOKENS, pad_token_id=tokenizer.pad_token_id,

@@ -1,18 +1,16 @@
 """Reference server: holds the frozen reference model and turns scored groups into ready batches.
 
-Generators POST a scored group (prompt + completions, masks, advantages, old log-probs) to
-/upload; a worker thread adds the reference model's per-token log-probs of the completion tokens
-and queues the group; trainers GET /get to take one ready batch (204 when none is ready yet).
-Groups from genonly workers (metadata "worker") wait apart, for GET /get?from=workers. With
-REGROUP on, answers are pooled per question and sent out in groups that have reward variance.
-The wire format is safetensors with a JSON metadata string: no pickle, so a payload can never
-run code here. Give it its own GPU (or machine) so the policy GPUs never hold a second model:
+Generators POST a scored group to /upload; a worker thread adds the reference model's per-token
+log-probs of the completion tokens (ref_logps) and queues it; trainers GET /get to take one
+(204 when none is ready). Groups from genonly workers (metadata "worker") wait apart, for
+GET /get?from=workers. With REGROUP on, answers are pooled per question and sent out in groups
+that have reward variance. The wire format (grpo_common.py) is safetensors with JSON metadata: no
+pickle, so a payload can never run code here. Give it its own GPU (or machine):
 
     python ref_server.py                              # CPU here, the embedded SmolLM2-135M
     CUDA_VISIBLE_DEVICES=7 python ref_server.py       # the usual GPU layout
 
-Every UPPER_CASE constant below can be overridden by an environment variable of the same name
-(e.g. `PORT=6000 MODEL_PATH=Qwen/Qwen2.5-7B-Instruct python ref_server.py`).
+Every UPPER_CASE constant below can be overridden by an environment variable of the same name.
 """
 import hashlib
 import hmac
@@ -46,7 +44,7 @@ MAX_ROWS = 512  # completions per uploaded group
 QUEUE_SIZE = 64  # groups waiting for the reference forward, and ready groups; full -> 503
 REF_MICRO_BATCH = 8  # rows per reference forward: bounds activation memory, not throughput
 # Regroup (simple_GRPO's regroup_ver)
-REGROUP = False  # True = pool each question's answers; send out groups, mixed across uploads, that have reward variance
+REGROUP = False  # True = pool each question's answers; send out groups mixed across uploads with reward variance
 REGROUP_POOL = 64  # answers kept per question, oldest dropped first
 REGROUP_QUESTIONS = 4096  # questions remembered, the least recently uploaded forgotten first
 apply_env_overrides(globals(), "ref_server.py")  # any constant above: `PORT=6000 python ref_server.py`
@@ -117,7 +115,7 @@ class RefServer:
         ids = input_ids.to(self.device)  # (G, L)
         with torch.no_grad():
             return completion_logps(self.model, ids, torch.ones_like(ids), ids.shape[1] - plen,
-                                    temperature, self.micro_batch).cpu()  # (G, Tc)
+                                    temperature, self.micro_batch).cpu()  # (G, T)
 
     def _work(self):
         while not self.stopping.is_set():
@@ -126,7 +124,8 @@ class RefServer:
             except queue.Empty:
                 continue
             try:
-                tensors["ref_logps"] = self.reference_logps(tensors["input_ids"], meta["plen"], meta.get("temperature", 1.0))
+                tensors["ref_logps"] = self.reference_logps(tensors["input_ids"], meta["plen"],
+                                                            meta.get("temperature", 1.0))  # (G, T)
                 batch = encode_batch(tensors, meta)
             except Exception:  # e.g. out of memory: lose this group, keep serving the others
                 self.count("ref_errors")
@@ -150,8 +149,8 @@ class RefServer:
         g, plen = tensors["input_ids"].shape[0], meta["plen"]
         prompt = tensors["input_ids"][0, :plen]  # (plen,) one prompt per group: the question's identity
         key = (hashlib.sha256(prompt.numpy().tobytes()).hexdigest(), meta.get("temperature", 1.0))
-        rows = [{name: t[i] for name, t in tensors.items() if name != "advantages"} | {"version": meta.get("version", 0)}
-                for i in range(g)]  # advantages are recomputed for each new group
+        rows = [{name: t[i] for name, t in tensors.items() if name != "advantages"}  # recomputed per new group
+                | {"version": meta.get("version", 0)} for i in range(g)]
         with self.lock:
             pool = (self.pools.pop(key, []) + rows)[-self.pool_size :]
             rewards = torch.stack([r["rewards"] for r in pool])  # (n,)
@@ -170,17 +169,17 @@ class RefServer:
                 self.pools.pop(next(iter(self.pools)))
         if not chosen:
             return None
-        tc = max(len(r["completion_mask"]) for r in chosen)  # answers from different uploads: pad to the longest
+        tlen = max(len(r["completion_mask"]) for r in chosen)  # answers from several uploads: pad to the longest
 
         def padded(name, width, fill):  # (G, width)
             return torch.stack([torch.cat([r[name], r[name].new_full((width - len(r[name]),), fill)]) for r in chosen])
 
-        out = dict(input_ids=padded("input_ids", plen + tc, 0),  # (G, plen + tc) the padding is masked out
-                   completion_mask=padded("completion_mask", tc, False),  # (G, tc)
+        out = dict(input_ids=padded("input_ids", plen + tlen, 0),  # (G, plen + tlen) the padding is masked out
+                   completion_mask=padded("completion_mask", tlen, False),  # (G, tlen)
                    rewards=torch.stack([r["rewards"] for r in chosen]))  # (G,)
         out["advantages"] = group_advantages(out["rewards"], g)  # (G,) relative to this new group
         if all("gen_logps" in r for r in chosen):
-            out["gen_logps"] = padded("gen_logps", tc, 0.0)  # (G, tc)
+            out["gen_logps"] = padded("gen_logps", tlen, 0.0)  # (G, tlen)
         return out, {**meta, "version": min(r["version"] for r in chosen), "regrouped": True}
 
     def _check_token(self):
@@ -188,24 +187,22 @@ class RefServer:
             return
         sent = bottle.request.get_header("Authorization", "")
         if not hmac.compare_digest(sent.encode(), f"Bearer {self.token}".encode()):
-            self._fail(401, "missing or wrong token (send 'Authorization: Bearer <REF_TOKEN>')")
+            self._refuse(401, "missing or wrong token (send 'Authorization: Bearer <REF_TOKEN>')")
 
-    def _fail(self, status, message):
-        self.count("rejected")
+    def _refuse(self, status, message, counter="rejected", headers=()):
+        self.count(counter)
         raise bottle.HTTPResponse(json.dumps({"error": message}), status=status,
-                                  headers={"Content-Type": "application/json"})
+                                  headers={"Content-Type": "application/json", **dict(headers)})
 
     def _busy(self):
-        self.count("busy")
-        raise bottle.HTTPResponse(json.dumps({"error": "queue full, retry later"}), status=503,
-                                  headers={"Content-Type": "application/json", "Retry-After": "1"})
+        self._refuse(503, "queue full, retry later", "busy", {"Retry-After": "1"})
 
     def _read_body(self):
         length = bottle.request.content_length
         if length < 0 or "chunked" in bottle.request.get_header("Transfer-Encoding", "").lower():
-            self._fail(411, "Content-Length is required")
+            self._refuse(411, "Content-Length is required")
         if length > self.max_body:
-            self._fail(413, f"body of {length} bytes is over the limit of {self.max_body} (MAX_BODY_BYTES)")
+            self._refuse(413, f"body of {length} bytes is over the limit of {self.max_body} (MAX_BODY_BYTES)")
         return bottle.request.environ["wsgi.input"].read(length)
 
     def _build_app(self):
@@ -219,7 +216,7 @@ class RefServer:
                 tensors, meta = decode_batch(body)
                 validate_group(tensors, meta, self.vocab_size, self.max_rows)
             except ValueError as e:
-                self._fail(400, str(e))
+                self._refuse(400, str(e))
             if self.pending.full():  # before regrouping: a refused upload must not take answers out of a pool
                 self._busy()
             group = self.regroup_answers(tensors, meta) if self.regroup else (tensors, meta)
@@ -237,18 +234,20 @@ class RefServer:
             headers = {"X-Ref-Instance": self.instance}
             try:
                 # Kept apart so a trainer rank never takes another rank's group as an extra
-                batch = (self.ready_workers if bottle.request.query.get("from") == "workers" else self.ready).get_nowait()
+                workers = bottle.request.query.get("from") == "workers"
+                batch = (self.ready_workers if workers else self.ready).get_nowait()
             except queue.Empty:
                 return bottle.HTTPResponse(status=204, headers=headers)
             self.count("served")
-            return bottle.HTTPResponse(batch, status=200, headers={"Content-Type": "application/octet-stream", **headers})
+            return bottle.HTTPResponse(batch, status=200,
+                                       headers={"Content-Type": "application/octet-stream", **headers})
 
         @app.get("/health")
         def health():
             with self.lock:
                 counters = dict(self.counters)
-            return dict(model=self.model_name, vocab_size=self.vocab_size, device=str(self.device), instance=self.instance,
-                        pending=self.pending.qsize(), ready=self.ready.qsize(),
+            return dict(model=self.model_name, vocab_size=self.vocab_size, device=str(self.device),
+                        instance=self.instance, pending=self.pending.qsize(), ready=self.ready.qsize(),
                         ready_workers=self.ready_workers.qsize(), regroup=self.regroup,
                         uptime_s=round(time.time() - self.started, 1), **counters)
 

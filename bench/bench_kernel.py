@@ -49,9 +49,12 @@ def main():
         ids = torch.randint(0, V, (B, T), device="cuda", generator=g)
         ref, gen = -torch.rand(B, T, device="cuda", generator=g), -torch.rand(B, T, device="cuda", generator=g)
         adv, mask = torch.randn(B, device="cuda", generator=g), torch.ones(B, T, dtype=torch.bool, device="cuda")
-        torch_ms, torch_mem = run(lambda x: grpo_loss(per_token_logps(x, ids, 0.7), ref, gen, adv, mask, 0.04, 0.2), logits)
-        triton_ms, triton_mem = run(lambda x: grpo_loss_triton(x, ids, ref, gen, adv, mask, 0.04, 0.2, temperature=0.7), logits)
-        row = dict(V=V, torch_ms=torch_ms, triton_ms=triton_ms, torch_peak_bytes=torch_mem, triton_peak_bytes=triton_mem,
+        torch_ms, torch_mem = run(lambda x: grpo_loss(per_token_logps(x, ids, 0.7), ref, gen, adv, mask, 0.04, 0.2),
+                                  logits)
+        triton_ms, triton_mem = run(lambda x: grpo_loss_triton(x, ids, ref, gen, adv, mask, 0.04, 0.2,
+                                                               temperature=0.7), logits)
+        row = dict(V=V, torch_ms=torch_ms, triton_ms=triton_ms, torch_peak_bytes=torch_mem,
+                   triton_peak_bytes=triton_mem,
                    speedup=torch_ms / triton_ms, memory_ratio=torch_mem / max(triton_mem, 1))
         results["runs"].append(row)
         print(f"V={V}: PyTorch path {torch_ms:.2f} ms, {torch_mem / 2**30:.2f} GiB | Triton {triton_ms:.2f} ms, "

@@ -72,7 +72,8 @@ def main():
             row[f"fwd_ratio_{v}"] = r["fwd_extra_bytes"] / max(o["fwd_extra_bytes"], 1)
             row[f"fwd_bwd_ratio_{v}"] = r["fwd_bwd_extra_bytes"] / max(o["fwd_bwd_extra_bytes"], 1)
             print(f"  {v:6s} {r['fwd_extra_bytes'] / gib:6.3f} GiB ({row[f'fwd_ratio_{v}']:5.1f}x ours) | "
-                  f"{r['fwd_bwd_extra_bytes'] / gib:6.3f} GiB ({row[f'fwd_bwd_ratio_{v}']:5.1f}x ours) | {r['seconds']:.1f} s",
+                  f"{r['fwd_bwd_extra_bytes'] / gib:6.3f} GiB ({row[f'fwd_bwd_ratio_{v}']:5.1f}x ours) | "
+                  f"{r['seconds']:.1f} s",
                   flush=True)
         results["runs"].append(row)
     os.makedirs(os.path.join(ROOT, "bench", "results"), exist_ok=True)

@@ -46,7 +46,8 @@ def run_steps(out_dir):
     env = {**os.environ, "PORT": str(port), "REF_SERVER": f"http://127.0.0.1:{port}", "OUTPUT_DIR": out_dir,
            "ALL_STEPS": str(STEPS), "EVAL_STEPS": "0", "SAVE_STEPS": "1000", "KEEP_CHECKPOINTS": "1"}
     with open(os.path.join(out_dir, "server.log"), "w") as log:
-        server = subprocess.Popen([sys.executable, "ref_server.py"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        server = subprocess.Popen([sys.executable, "ref_server.py"], cwd=ROOT, env=env, stdout=log,
+                                  stderr=subprocess.STDOUT)
         try:
             deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
             cmd = [deepspeed, "--num_gpus", "1", "--master_port", str(free_port()), "grpo_ref_split.py"]

@@ -29,8 +29,10 @@ def make_group(G, plen, tc, vocab, seed=0):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (G, plen + tc), generator=g)  # (G, L)
     ids[:, :plen] = ids[0, :plen]
-    return dict(input_ids=ids, completion_mask=torch.ones(G, tc, dtype=torch.bool), advantages=torch.randn(G, generator=g),
-                rewards=torch.rand(G, generator=g), gen_logps=-torch.rand(G, tc, generator=g)), {"plen": plen, "temperature": 0.7}
+    tensors = dict(input_ids=ids, completion_mask=torch.ones(G, tc, dtype=torch.bool),
+                   advantages=torch.randn(G, generator=g), rewards=torch.rand(G, generator=g),
+                   gen_logps=-torch.rand(G, tc, generator=g))
+    return tensors, {"plen": plen, "temperature": 0.7}
 
 
 def main():
@@ -73,7 +75,8 @@ def main():
             transport = med["encode"] + med["upload"] + med["download"] + med["decode"]
             row = dict(G=G, prompt_tokens=plen, completion_tokens=tc, bytes_up=len(body), bytes_down=len(r.content),
                        **{f"{k}_ms": round(v * 1000, 2) for k, v in med.items()},
-                       transport_ms=round(transport * 1000, 2), transport_over_forward=round(transport / med["forward"], 4))
+                       transport_ms=round(transport * 1000, 2),
+                       transport_over_forward=round(transport / med["forward"], 4))
             results.append(row)
             print(f"G={G:2d} L={plen + tc:4d}: up {len(body) / 1024:7.1f} KiB, down {len(r.content) / 1024:7.1f} KiB | "
                   f"encode {med['encode'] * 1e3:5.1f} ms, upload {med['upload'] * 1e3:5.1f} ms, download "

@@ -97,7 +97,8 @@ def main():
     out = os.path.join(ROOT, "bench", "results", "vs_trl.json")
     with open(out, "w") as f:
         json.dump({"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}",
-                   "command": "PYTHONPATH=/tmp/trl_pkg python bench/bench_vs_trl.py " + " ".join(sys.argv[1:]), "trl": trl.__version__,
+                   "command": "PYTHONPATH=/tmp/trl_pkg python bench/bench_vs_trl.py " + " ".join(sys.argv[1:]),
+                   "trl": trl.__version__,
                    "ours_s": [round(x, 2) for x in ours], "trl_s": [round(x, 2) for x in theirs],
                    "ours_mean_s": round(mean_ours, 2), "trl_mean_s": round(mean_trl, 2),
                    "ratio": round(mean_ours / mean_trl, 3)}, f, indent=1)

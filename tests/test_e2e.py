@@ -26,7 +26,9 @@ def test_training_steps_end_to_end(server, tiny_model_dir, tmp_path, ranks):
     assert [m["step"] for m in evals] == [0, 2]  # before training and at the end
     assert [m["step"] for m in lines] == [1, 2]  # rank 0 alone writes
     for m in lines:
-        assert all(math.isfinite(m[k]) for k in ("loss", "reward", "reward_std", "kl", "clip_low", "clip_high", "ratio_drift", "length", "max_length", "staleness"))
+        keys = ("loss", "reward", "reward_std", "kl", "clip_low", "clip_high", "ratio_drift", "length", "max_length",
+                "staleness", "generate_s", "gen_logps_s", "score_s", "wait_s", "fwd_bwd_s", "optim_s", "seconds")
+        assert all(math.isfinite(m[k]) for k in keys)
         assert 0 <= m["format"] <= 1 and 0 <= m["accuracy"] <= 1 and m["length"] > 0
     assert lines[0]["kl"] < 1e-6  # step 1: the policy is still the reference model
     assert lines[1]["kl"] > 0  # after one update it has moved away

@@ -110,11 +110,11 @@ def test_chunked_per_token_logps_match_the_plain_definition(chunk, monkeypatch):
     torch.manual_seed(5)
     ids = torch.randint(0, 301, (3, 7))  # (B, T)
     w = torch.randn(3, 7)
+    base = torch.randn(3, 7, 301) * 3  # (B, T, V)
     values, grads = [], []
-    for fn in (lambda z: per_token_logps(z, ids, 0.7, inplace_backward=True), lambda z: per_token_logps_plain(z, ids, 0.7)):
-        leaf = (torch.randn(3, 7, 301) * 3).requires_grad_()
-        torch.manual_seed(6)
-        leaf.data = torch.randn(3, 7, 301) * 3  # the same logits for both
+    for fn in (lambda z: per_token_logps(z, ids, 0.7, inplace_backward=True),
+               lambda z: per_token_logps_plain(z, ids, 0.7)):
+        leaf = base.clone().requires_grad_()
         logits = leaf * 1.0  # not a leaf, as the LM head's output: in place may overwrite it
         lp = fn(logits)
         (lp * w).sum().backward()
@@ -187,7 +187,8 @@ def test_grpo_loss_gradient_matches_autograd_of_the_formula():
             plus, minus = logps.detach().clone(), logps.detach().clone()
             plus[b, t] += eps
             minus[b, t] -= eps
-            num[b, t] = (grpo_loss(plus, ref, gen, adv, mask, 0.04, 0.2) - grpo_loss(minus, ref, gen, adv, mask, 0.04, 0.2)) / (2 * eps)
+            up, down = grpo_loss(plus, ref, gen, adv, mask, 0.04, 0.2), grpo_loss(minus, ref, gen, adv, mask, 0.04, 0.2)
+            num[b, t] = (up - down) / (2 * eps)
     assert torch.allclose(g, num, atol=1e-6)
     assert (g[~mask] == 0).all()  # masked tokens get no gradient
 
@@ -223,8 +224,9 @@ def test_encode_decode_round_trip_is_exact():
 
 
 def test_collate_aligns_groups_of_different_lengths():
-    g1 = dict(input_ids=torch.tensor([[1, 2, 3, 10, 11], [1, 2, 3, 12, 13]]), completion_mask=torch.ones(2, 2, dtype=torch.bool),
-              advantages=torch.tensor([1.0, -1.0]), ref_logps=torch.full((2, 2), -1.0), gen_logps=torch.full((2, 2), -2.0))
+    g1 = dict(input_ids=torch.tensor([[1, 2, 3, 10, 11], [1, 2, 3, 12, 13]]),
+              completion_mask=torch.ones(2, 2, dtype=torch.bool), advantages=torch.tensor([1.0, -1.0]),
+              ref_logps=torch.full((2, 2), -1.0), gen_logps=torch.full((2, 2), -2.0))
     g2 = dict(input_ids=torch.tensor([[4, 20, 21, 22]]), completion_mask=torch.tensor([[True, True, False]]),
               advantages=torch.tensor([0.5]), ref_logps=torch.full((1, 3), -3.0))
     b = collate([(g1, {"plen": 3}), (g2, {"plen": 1})], pad_id=0)

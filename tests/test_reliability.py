@@ -89,7 +89,8 @@ def test_trainer_regenerates_when_the_server_restarts_with_its_groups(model, mon
     monkeypatch.setattr(grpo, "REF_SERVER", url)
     monkeypatch.setattr(grpo, "SERVER_TIMEOUT", 120.0)
     result = []
-    t = threading.Thread(target=lambda: result.append(grpo.upload_and_pull([group(seed=1), group(seed=2)], version=0, rank=0)))
+    groups = [group(seed=1), group(seed=2)]
+    t = threading.Thread(target=lambda: result.append(grpo.upload_and_pull(groups, version=0, rank=0)))
     t.start()
     wait_for(lambda: old.counters["uploaded"] == 2)
     gate.set()
@@ -102,7 +103,8 @@ def test_trainer_regenerates_when_the_server_restarts_with_its_groups(model, mon
         assert time.time() - t0 < 10  # far below SERVER_TIMEOUT
         # and the next round trains normally on the new server
         got = grpo.upload_and_pull([group(seed=3)], version=0, rank=0)
-        assert len(got) == 1 and got[0][1]["version"] == 0 and got[0][1]["rank"] == 0 and got[0][0]["ref_logps"].shape == (3, 4)
+        (tensors, meta), = got
+        assert meta["version"] == 0 and meta["rank"] == 0 and tensors["ref_logps"].shape == (3, 4)
     finally:
         stop(new, new_httpd)
 
@@ -121,7 +123,8 @@ def test_killed_server_clients_retry_and_recover(tiny_model_dir, tmp_path, capfd
     with pytest.raises(requests.ConnectionError):
         requests.get(first.url + "/health", timeout=5)
     holder = {}
-    threading.Timer(2.0, lambda: holder.setdefault("s", ServerProcess(tiny_model_dir, port, tmp_path / "second.log"))).start()
+    second = lambda: holder.setdefault("s", ServerProcess(tiny_model_dir, port, tmp_path / "second.log"))  # noqa: E731
+    threading.Timer(2.0, second).start()
     try:
         t0 = time.time()
         health = request_with_retry("GET", first.url + "/health", give_up_after=120).json()  # waits through the gap

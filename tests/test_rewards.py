@@ -70,7 +70,8 @@ def test_every_gsm8k_gold_answer_is_a_number_and_verifies_itself():
         rows = [json.loads(line) for line in f]
     assert len(rows) == 7473
     golds = [extract_gsm8k_answer(r["answer"]) for r in rows]
-    assert all(g.lstrip("-").replace(".", "", 1).isdigit() for g in golds), [g for g in golds if not g.lstrip("-").isdigit()][:5]
+    odd = [g for g in golds if not g.lstrip("-").replace(".", "", 1).isdigit()]
+    assert not odd, odd[:5]
     for g in golds[:300]:  # a model that writes the gold answer in tags earns the reward
         assert reward_correct(f"<think>work</think><answer>{g}</answer>", g) == 1.0
 

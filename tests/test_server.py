@@ -106,7 +106,7 @@ BAD = {
     "float64 advantages": (mutate(advantages=lambda t: t.double()), 400, "advantages must be torch.float32"),
     "int mask": (mutate(completion_mask=lambda t: t.long()), 400, "completion_mask must be torch.bool"),
     "negative id": (mutate(input_ids=lambda t: t.index_fill(1, torch.tensor([6]), -1)), 400, "outside the vocabulary"),
-    "id = vocab": (mutate(input_ids=lambda t: t.index_fill(1, torch.tensor([6]), VOCAB)), 400, "outside the vocabulary"),
+    "id = vocab": (mutate(input_ids=lambda t: t.index_fill(1, torch.tensor([6]), VOCAB)), 400, "outside the vocab"),
     "mask length mismatch": (mutate(completion_mask=lambda t: t[:, :-1]), 400, "completion_mask must be"),
     "gen_logps rows mismatch": (mutate(gen_logps=lambda t: t[:-1]), 400, "gen_logps must be"),
     "advantages rows mismatch": (mutate(advantages=lambda t: t[:-1]), 400, "advantages must be"),
@@ -115,8 +115,10 @@ BAD = {
     "plen missing": (mutate(meta_plen=None), 400, "plen must be"),
     "plen a string": (mutate(meta_plen="5"), 400, "plen must be"),
     "temperature 0": (mutate(meta_temperature=0), 400, "temperature must be a positive number"),
-    "NaN advantages": (mutate(advantages=lambda t: t.index_fill(0, torch.tensor([1]), float("nan"))), 400, "advantages has NaN or inf"),
-    "inf gen_logps": (mutate(gen_logps=lambda t: t.index_fill(1, torch.tensor([0]), float("-inf"))), 400, "gen_logps has NaN or inf"),
+    "NaN advantages": (mutate(advantages=lambda t: t.index_fill(0, torch.tensor([1]), float("nan"))), 400,
+                       "advantages has NaN or inf"),
+    "inf gen_logps": (mutate(gen_logps=lambda t: t.index_fill(1, torch.tensor([0]), float("-inf"))), 400,
+                      "gen_logps has NaN or inf"),
     "too many rows": (encode_batch(*group(G=17)), 400, "17 rows; 1 to 16 allowed"),
     "body over the limit": (b"\0" * 200_001, 413, "over the limit of 200000"),
 }
@@ -152,7 +154,8 @@ def test_chunked_body_without_length_is_refused(live):
     assert r.status_code == 411 and "Content-Length" in r.json()["error"]
 
 
-@pytest.mark.parametrize("method, path, status", [("GET", "/nope", 404), ("DELETE", "/get", 405), ("GET", "/upload", 405)])
+@pytest.mark.parametrize("method, path, status",
+                         [("GET", "/nope", 404), ("DELETE", "/get", 405), ("GET", "/upload", 405)])
 def test_unknown_route_and_wrong_method_answer_json(live, method, path, status):
     server, url = live
     r = requests.request(method, url + path, timeout=10)

@@ -131,7 +131,8 @@ def test_a_genonly_worker_feeds_the_server_and_follows_new_checkpoints(tiny_mode
             assert time.time() < deadline, (tmp_path / "worker.log").read_text()[-2000:]
             tensors, meta = pull(srv.url, timeout=300, path="/get?from=workers")
         assert "policy version 3" in (tmp_path / "worker.log").read_text()
-        wait_for(lambda: srv.health()["ready_workers"] > 0, timeout=300)  # version-3 groups waiting (the older ones were pulled)
+        # version-3 groups waiting (the older ones were pulled)
+        wait_for(lambda: srv.health()["ready_workers"] > 0, timeout=300)
     finally:
         kill_group(worker)
         log.close()

@@ -39,7 +39,8 @@ def case(B, T, V, dtype=torch.float32, seed=0, scale=3.0):
 
 
 def both(full, logits, ids, ref, gen, adv, mask, temperature, beta=0.04, eps=0.2):
-    loss_t, logps_t = grpo_loss_triton(logits, ids, ref, gen, adv, mask, beta, eps, temperature=temperature, return_logps=True)
+    loss_t, logps_t = grpo_loss_triton(logits, ids, ref, gen, adv, mask, beta, eps, temperature=temperature,
+                                       return_logps=True)
     (grad_t,) = torch.autograd.grad(loss_t, full)
     logps = per_token_logps(logits, ids, temperature)
     loss_p = grpo_loss(logps, ref, gen, adv, mask, beta, eps)
@@ -154,6 +155,7 @@ AOT = textwrap.dedent("""
 
 def test_kernels_compile_ahead_of_time_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", AOT.format(root=ROOT)], env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-c", AOT.format(root=ROOT)], env=env, capture_output=True, text=True,
+                         timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "compiled 8 kernels for sm_90" in run.stdout

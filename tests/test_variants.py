@@ -18,7 +18,8 @@ from grpo_common import completion_logps, encode_batch, group_advantages
 def test_clip_eps_high_lets_a_good_token_grow_further():
     # ratio e^0.22 = 1.246 with A = +1: clipped at 1.2 by the symmetric clip, not at 1.28 (DAPO)
     logps = torch.tensor([[-1.0]], requires_grad=True)
-    gen, ref, adv, mask = torch.tensor([[-1.22]]), torch.tensor([[-1.0]]), torch.tensor([1.0]), torch.ones(1, 1, dtype=torch.bool)
+    gen, ref, adv = torch.tensor([[-1.22]]), torch.tensor([[-1.0]]), torch.tensor([1.0])
+    mask = torch.ones(1, 1, dtype=torch.bool)
     sym = grpo_loss(logps, ref, gen, adv, mask, 0.0, 0.2)
     high = grpo_loss(logps, ref, gen, adv, mask, 0.0, 0.2, clip_eps_high=0.28)
     assert sym.item() == pytest.approx(-1.2, rel=1e-6)
@@ -158,8 +159,9 @@ def short_rollout(tiny_policy, monkeypatch, masked, keep_all=False, max_new_toke
     model, tok = tiny_policy
     monkeypatch.setattr(grpo, "MASK_TRUNCATED", masked)
     monkeypatch.setattr(grpo, "NUM_PRE_Q", 4)
-    cfg = GenerationConfig(do_sample=True, temperature=grpo.TEMPERATURE, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
-                           pad_token_id=tok.pad_token_id, eos_token_id=[tok.eos_token_id])
+    cfg = GenerationConfig(do_sample=True, temperature=grpo.TEMPERATURE, top_k=0, top_p=1.0,
+                           max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id,
+                           eos_token_id=[tok.eos_token_id])
     torch.manual_seed(3)
     questions = [{"question": f"What is {a} + {a + 1}?", "gold": str(2 * a + 1)} for a in range(1, 9)]
     m = defaultdict(float)
