@@ -243,13 +243,15 @@ class ServerError(RuntimeError):
     """The server refused a request (4xx): retrying the same bytes cannot help."""
 
 
-def request_with_retry(method, url, token="", data=None, give_up_after=600.0, what="reference server"):
-    """One HTTP request; connection errors and 503 (queue full) are retried with backoff."""
+def request_with_retry(method, url, token="", data=None, give_up_after=600.0, what="reference server",
+                       read_timeout=60.0):
+    """One HTTP request; connection errors, timeouts and 503 (queue full) are retried with backoff.
+    A retried upload is safe when it carries an upload_id: the server answers a repeat, queues nothing."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     start, delay, last_note = time.time(), 0.2, 0.0
     while True:
         try:
-            r = requests.request(method, url, data=data, headers=headers, timeout=60)
+            r = requests.request(method, url, data=data, headers=headers, timeout=read_timeout)
             if r.status_code < 400:
                 return r
             if r.status_code != 503:
@@ -257,6 +259,8 @@ def request_with_retry(method, url, token="", data=None, give_up_after=600.0, wh
             problem = "busy (503, queue full)"
         except requests.ConnectionError:
             problem = "unreachable"
+        except requests.Timeout:  # a read timeout: the server may be stuck, or just slow
+            problem = f"silent for {read_timeout:g} s"
         waited = time.time() - start
         if waited > give_up_after:
             raise TimeoutError(f"{what} at {url} still {problem} after {waited:.0f} s; "

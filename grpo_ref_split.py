@@ -33,6 +33,7 @@ import shutil
 import socket
 import sys
 import time
+import uuid
 from collections import defaultdict
 
 import torch
@@ -114,9 +115,10 @@ def k3(ref_logps: torch.Tensor, logps: torch.Tensor) -> torch.Tensor:
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(B,) mean of x over each row's True positions (0 for an empty row)."""
-    mask = mask.float()  # (B, T)
-    return (x * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
+    """(B,) mean of x over each row's True positions (0 for an empty row). Selects, never multiplies by
+    the mask: an inf in padding times 0 would be NaN."""
+    mask = mask.bool()  # (B, T)
+    return torch.where(mask, x, 0.0).sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
 
 
 def grpo_loss(logps, ref_logps, gen_logps, advantages, mask, beta, clip_eps, clip_eps_high=None, token_mean=False):
@@ -127,8 +129,11 @@ def grpo_loss(logps, ref_logps, gen_logps, advantages, mask, beta, clip_eps, cli
     1 in value, the plain policy gradient in its gradient. ref_logps=None needs beta=0 (no KL).
     clip_eps_high (default clip_eps) bounds the ratio from above. token_mean: see TOKEN_MEAN.
     """
-    if gen_logps is None:
-        gen_logps = logps.detach()
+    # Padding holds anything (logp -100 against ref 0 makes exp overflow to inf, and inf x 0 = NaN
+    # in value or gradient): there pi_old and ref are set to logp itself, so ratio 1 and k3 0.
+    mask, pad = mask.bool(), logps.detach()  # (B, T) each
+    gen_logps = pad if gen_logps is None else torch.where(mask, gen_logps, pad)  # (B, T)
+    ref_logps = None if ref_logps is None else torch.where(mask, ref_logps, pad)  # (B, T)
     clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
     ratio = torch.exp(logps - gen_logps)  # (B, T)
     adv = advantages[:, None]  # (B, 1)
@@ -137,7 +142,7 @@ def grpo_loss(logps, ref_logps, gen_logps, advantages, mask, beta, clip_eps, cli
         raise ValueError("ref_logps=None needs beta=0 (the KL term needs reference log-probs)")
     per_token = -surrogate if ref_logps is None else -(surrogate - beta * k3(ref_logps, logps))  # (B, T)
     if token_mean:  # DAPO: every token of the batch weighs the same
-        return (per_token * mask).sum() / mask.sum().clamp(min=1)
+        return torch.where(mask, per_token, 0.0).sum() / mask.sum().clamp(min=1)
     # GRPO: mean over each completion's tokens, then over completions, so a long answer's tokens
     # each weigh less. Dr. GRPO removes that length bias: (per_token * mask).sum() / (B * MAX_NEW_TOKENS).
     return masked_mean(per_token, mask).mean()
@@ -248,8 +253,8 @@ def pack_groups(model, rollout, rewards, advantages, keep_all, m) -> list:
 def upload(groups, **tags):
     """POST each group with `tags` added to its metadata; returns (server instance, groups it made ready)."""
     instance, made_ready = None, 0
-    for tensors, meta in groups:
-        body = encode_batch(tensors, {**meta, **tags})
+    for tensors, meta in groups:  # a fresh upload_id per group: a retry after a timeout is not queued twice
+        body = encode_batch(tensors, {**meta, **tags, "upload_id": uuid.uuid4().hex})
         r = request_with_retry("POST", f"{REF_SERVER}/upload", REF_TOKEN, body, SERVER_TIMEOUT).json()
         instance, made_ready = r["instance"], made_ready + r["groups"]  # REGROUP may hold one back (0)
     return instance, made_ready
@@ -571,6 +576,9 @@ def setup_deepspeed():
 
 # ----------------------------------------------------------------------------- main
 def main():
+    if not RESUME and checkpoints(OUTPUT_DIR):  # else KEEP_CHECKPOINTS would delete another run's checkpoints
+        sys.exit(f"{OUTPUT_DIR}/ holds checkpoints of an earlier run (newest {checkpoints(OUTPUT_DIR)[-1]}); "
+                 "nothing was changed. Continue that run with RESUME=1, or start a new one in another OUTPUT_DIR")
     engine, tokenizer, eos_ids, gen_config, rank, device = setup_deepspeed()
     model = engine.module  # the same weights, without the engine: generation and evaluation
     keep_all = BETA != 0 and server_health(model, tokenizer)["regroup"]  # REGROUP: the server wants every group

@@ -12,6 +12,7 @@ pickle, so a payload can never run code here. Give it its own GPU (or machine):
 
 Every UPPER_CASE constant below can be overridden by an environment variable of the same name.
 """
+import collections
 import hashlib
 import hmac
 import json
@@ -43,6 +44,7 @@ MAX_BODY_BYTES = 64 * 2**20  # bytes per upload; larger bodies get 413 before be
 MAX_ROWS = 512  # completions per uploaded group
 QUEUE_SIZE = 64  # groups waiting for the reference forward, and ready groups; full -> 503
 REF_MICRO_BATCH = 8  # rows per reference forward: bounds activation memory, not throughput
+UPLOAD_IDS = 4096  # upload ids remembered: a retried upload gets its first answer and is never queued twice
 # Regroup (simple_GRPO's regroup_ver)
 REGROUP = False  # True = pool each question's answers; send out groups mixed across uploads with reward variance
 REGROUP_POOL = 64  # answers kept per question, oldest dropped first
@@ -68,9 +70,9 @@ def validate_group(tensors: dict, meta: dict, vocab_size: int, max_rows: int) ->
     plen = meta.get("plen")
     if not isinstance(plen, int) or isinstance(plen, bool) or not 1 <= plen < l:
         raise ValueError(f"metadata plen must be an int in 1..{l - 1} (sequence length {l}), got {plen!r}")
-    temperature = meta.get("temperature", 1.0)
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not 0 < temperature < 1e4:
-        raise ValueError(f"metadata temperature must be a positive number, got {temperature!r}")
+    temperature = meta.get("temperature", 1.0)  # below 0.01, logits / T overflow to inf and NaN log-probs
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not 0.01 <= temperature <= 100:
+        raise ValueError(f"metadata temperature must be a number in [0.01, 100], got {temperature!r}")
     for name, (dtype, shape) in UPLOAD_SPEC.items():
         if name not in tensors:
             continue
@@ -79,6 +81,9 @@ def validate_group(tensors: dict, meta: dict, vocab_size: int, max_rows: int) ->
             raise ValueError(f"{name} must be {dtype} {shape(g, l, plen)}, got {t.dtype} {tuple(t.shape)}")
         if t.is_floating_point() and not torch.isfinite(t).all():
             raise ValueError(f"{name} has NaN or inf values")
+    upload_id = meta.get("upload_id")
+    if upload_id is not None and (not isinstance(upload_id, str) or not 0 < len(upload_id) <= 64):
+        raise ValueError(f"metadata upload_id must be a string of 1 to 64 characters, got {upload_id!r}")
     if ids.min() < 0 or ids.max() >= vocab_size:
         raise ValueError(f"input_ids outside the vocabulary [0, {vocab_size}): {ids.min()}..{ids.max()}")
 
@@ -99,6 +104,7 @@ class RefServer:
         self.counters = dict(uploaded=0, served=0, rejected=0, busy=0, ref_errors=0, regrouped=0)
         self.regroup, self.pool_size, self.pool_questions = regroup, pool_size, pool_questions
         self.pools = {}  # REGROUP: question key -> list of answer rows, in upload order
+        self.answers = collections.OrderedDict()  # upload_id -> its answer (None while it is being handled)
         self.lock = threading.Lock()
         self.started = time.time()
         self.instance = uuid.uuid4().hex  # changes on restart: clients learn their queued groups are gone
@@ -126,6 +132,8 @@ class RefServer:
             try:
                 tensors["ref_logps"] = self.reference_logps(tensors["input_ids"], meta["plen"],
                                                             meta.get("temperature", 1.0))  # (G, T)
+                if not torch.isfinite(tensors["ref_logps"]).all():  # never hand a trainer NaN or inf
+                    raise FloatingPointError("the reference forward gave NaN or inf log-probs")
                 batch = encode_batch(tensors, meta)
             except Exception:  # e.g. out of memory: lose this group, keep serving the others
                 self.count("ref_errors")
@@ -205,6 +213,19 @@ class RefServer:
             self._refuse(413, f"body of {length} bytes is over the limit of {self.max_body} (MAX_BODY_BYTES)")
         return bottle.request.environ["wsgi.input"].read(length)
 
+    def _accept(self, tensors, meta):
+        if self.pending.full():  # before regrouping: a refused upload must not take answers out of a pool
+            self._busy()
+        group = self.regroup_answers(tensors, meta) if self.regroup else (tensors, meta)
+        if group is not None:  # None: pooled, no group with reward variance for this question yet
+            try:
+                self.pending.put_nowait(group)
+            except queue.Full:
+                self._busy()
+        self.count("uploaded")
+        return {"ok": True, "groups": int(group is not None), "pending": self.pending.qsize(),
+                "instance": self.instance}
+
     def _build_app(self):
         app = bottle.Bottle()
         app.add_hook("before_request", self._check_token)
@@ -217,25 +238,36 @@ class RefServer:
                 validate_group(tensors, meta, self.vocab_size, self.max_rows)
             except ValueError as e:
                 self._refuse(400, str(e))
-            if self.pending.full():  # before regrouping: a refused upload must not take answers out of a pool
+            uid = meta.get("upload_id")  # a client's retry of an upload whose answer it never read
+            with self.lock:
+                first = self.answers.get(uid, "new") if uid else "none"
+                if first == "new":
+                    self.answers[uid] = None
+                    while len(self.answers) > UPLOAD_IDS:
+                        self.answers.popitem(last=False)
+            if first is None:  # the first try is still being handled: the next retry gets its answer
                 self._busy()
-            group = self.regroup_answers(tensors, meta) if self.regroup else (tensors, meta)
-            if group is not None:  # None: pooled, no group with reward variance for this question yet
-                try:
-                    self.pending.put_nowait(group)
-                except queue.Full:
-                    self._busy()
-            self.count("uploaded")
-            return {"ok": True, "groups": int(group is not None), "pending": self.pending.qsize(),
-                    "instance": self.instance}
+            if isinstance(first, dict):
+                return first
+            try:
+                answer = self._accept(tensors, meta)
+            except bottle.HTTPResponse:  # refused (503): a retry must be handled anew
+                with self.lock:
+                    self.answers.pop(uid, None)
+                raise
+            if uid:
+                with self.lock:
+                    self.answers[uid] = answer
+            return answer
 
         @app.get("/get")
         def get():
             headers = {"X-Ref-Instance": self.instance}
-            try:
-                # Kept apart so a trainer rank never takes another rank's group as an extra
-                workers = bottle.request.query.get("from") == "workers"
-                batch = (self.ready_workers if workers else self.ready).get_nowait()
+            ready = self.ready_workers if bottle.request.query.get("from") == "workers" else self.ready
+            if bottle.request.method == "HEAD":  # bottle routes HEAD here too: answer, but take nothing
+                return bottle.HTTPResponse(status=200 if ready.qsize() else 204, headers=headers)
+            try:  # workers' groups are kept apart so a trainer rank never takes another rank's group as an extra
+                batch = ready.get_nowait()
             except queue.Empty:
                 return bottle.HTTPResponse(status=204, headers=headers)
             self.count("served")

@@ -204,6 +204,29 @@ def test_gen_logps_none_is_the_on_policy_gradient():
     assert torch.allclose(g, -adv[:, None].expand(3, 4) / (4 * 3))  # d/dlogp of -A r / (T B), r = 1
 
 
+@pytest.mark.parametrize("token_mean", [False, True])
+def test_padding_with_logp_minus_100_leaves_loss_and_gradient_finite(token_mean):
+    """k3 on padding with logp = -100 against ref 0 overflows (exp(100) is inf in fp32); the padding
+    must not matter at all: the same loss and gradient as with harmless padding."""
+    torch.manual_seed(3)
+    mask = torch.tensor([[True, True, True, True], [True, True, False, False]])
+    ref, gen, adv = -torch.rand(2, 4), -torch.rand(2, 4), torch.tensor([1.0, -1.0])
+    results = []
+    for pad_logp in (-100.0, -1.0):
+        logps = -torch.rand(2, 4, generator=torch.Generator().manual_seed(4))
+        logps[~mask] = pad_logp
+        logps.requires_grad_()
+        pad_ref, pad_gen = ref.clone(), gen.clone()
+        pad_ref[~mask], pad_gen[~mask] = 0.0, 0.0
+        loss = grpo_loss(logps, pad_ref, pad_gen, adv, mask, 0.04, 0.2, token_mean=token_mean)
+        (g,) = torch.autograd.grad(loss, logps)
+        assert torch.isfinite(loss) and torch.isfinite(g).all()
+        results.append((loss.item(), g))
+    assert results[0][0] == pytest.approx(results[1][0], rel=1e-6) and torch.allclose(results[0][1], results[1][1])
+    assert (results[0][1][~mask] == 0).all()
+    assert masked_mean(torch.tensor([[1.0, float("inf")]]), torch.tensor([[True, False]])).item() == 1.0
+
+
 def test_k3_is_zero_at_the_reference_and_positive_elsewhere():
     x = torch.linspace(-3, 0, 7)
     assert k3(x, x).abs().max() == 0

@@ -3,6 +3,7 @@ import json
 import os
 import pickle
 import struct
+import time
 
 import pytest
 import requests
@@ -114,7 +115,11 @@ BAD = {
     "plen = sequence length": (mutate(meta_plen=9), 400, "plen must be"),
     "plen missing": (mutate(meta_plen=None), 400, "plen must be"),
     "plen a string": (mutate(meta_plen="5"), 400, "plen must be"),
-    "temperature 0": (mutate(meta_temperature=0), 400, "temperature must be a positive number"),
+    "temperature 0": (mutate(meta_temperature=0), 400, "temperature must be a number in [0.01, 100]"),
+    "temperature 1e-40": (mutate(meta_temperature=1e-40), 400, "temperature must be a number in [0.01, 100]"),
+    "temperature 1e-300": (mutate(meta_temperature=1e-300), 400, "temperature must be a number in [0.01, 100]"),
+    "temperature inf": (mutate(meta_temperature=float("inf")), 400, "temperature must be a number in [0.01, 100]"),
+    "upload_id a number": (mutate(meta_upload_id=7), 400, "upload_id must be a string"),
     "NaN advantages": (mutate(advantages=lambda t: t.index_fill(0, torch.tensor([1]), float("nan"))), 400,
                        "advantages has NaN or inf"),
     "inf gen_logps": (mutate(gen_logps=lambda t: t.index_fill(1, torch.tensor([0]), float("-inf"))), 400,
@@ -146,6 +151,51 @@ def test_bad_upload_gets_its_4xx_and_the_server_still_serves(live, name, torch_s
     assert not os.path.exists(MARKER), "a payload ran code on the server"
     back, _ = upload_and_pull(url, *group(seed=5))  # still serving valid requests
     assert back["ref_logps"].shape == (3, 4)
+
+
+def test_head_get_answers_and_takes_nothing(live):
+    server, url = live
+    assert requests.head(url + "/get", timeout=10).status_code == 204
+    tensors, meta = group(seed=11, n=11)
+    assert requests.post(url + "/upload", data=encode_batch(tensors, meta), timeout=10).status_code == 200
+    wait_for(lambda: server.ready.qsize() == 1)
+    for _ in range(3):
+        r = requests.head(url + "/get", timeout=10)
+        assert r.status_code == 200 and r.headers["X-Ref-Instance"] == server.instance and not r.content
+    assert server.ready.qsize() == 1  # still there
+    assert pull(url)[1]["n"] == 11
+
+
+def test_a_repeated_upload_id_gets_its_first_answer_and_queues_nothing(live):
+    server, url = live
+    body = encode_batch(*group(seed=12, n=12, upload_id="retry-me"))
+    uploaded = server.counters["uploaded"]
+    first = requests.post(url + "/upload", data=body, timeout=10).json()
+    wait_for(lambda: server.ready.qsize() == 1)
+    again = requests.post(url + "/upload", data=body, timeout=10).json()  # a client retrying after a timeout
+    assert again == first and server.counters["uploaded"] == uploaded + 1
+    assert pull(url)[1]["n"] == 12
+    time.sleep(0.3)
+    assert requests.get(url + "/get", timeout=10).status_code == 204  # queued once
+
+
+def test_a_read_timeout_is_retried_until_give_up():
+    """A server that accepts and never answers: the client retries (it used to die on the first ReadTimeout)."""
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    accepted = []
+    threading.Thread(target=lambda: [accepted.append(listener.accept()) for _ in range(16)], daemon=True).start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        with pytest.raises(TimeoutError, match="silent for 0.2 s"):
+            request_with_retry("GET", url + "/health", give_up_after=1.0, read_timeout=0.2)
+        assert len(accepted) >= 2  # tried again after the first timeout
+    finally:
+        listener.close()
 
 
 def test_chunked_body_without_length_is_refused(live):

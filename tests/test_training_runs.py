@@ -66,6 +66,19 @@ def test_resume_without_a_checkpoint_starts_at_step_one(server, tiny_model_dir, 
     assert [m["step"] for m in metrics(tmp_path)[0]] == [1]
 
 
+def test_a_fresh_run_refuses_a_folder_with_another_runs_checkpoints(tiny_model_dir, tmp_path):
+    """KEEP_CHECKPOINTS keeps the highest step_N: a fresh run beside an older run's step_5 would delete
+    its own checkpoints, and RESUME would pick the old one. Nothing is written, nothing deleted."""
+    old = tmp_path / "step_5"
+    shutil.copytree(tiny_model_dir, old)
+    before = sorted(os.listdir(old))
+    run = train(tiny_model_dir, f"http://127.0.0.1:{free_port()}", tmp_path, 1, ALL_STEPS=1)
+    assert run.returncode != 0
+    assert f"{tmp_path}/ holds checkpoints of an earlier run" in run.stderr
+    assert "RESUME=1" in run.stderr and "another OUTPUT_DIR" in run.stderr
+    assert sorted(os.listdir(tmp_path)) == ["step_5"] and sorted(os.listdir(old)) == before
+
+
 def test_beta_zero_and_the_variants_train_without_any_server(tiny_model_dir, tmp_path):
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: any request would fail the run
     run = train(tiny_model_dir, dead, tmp_path, 1, BETA=0, MU=2, TOKEN_MEAN=1, MASK_TRUNCATED=1, CLIP_EPS_HIGH=0.28,

@@ -48,6 +48,29 @@ def both(full, logits, ids, ref, gen, adv, mask, temperature, beta=0.04, eps=0.2
     return (loss_t, logps_t, grad_t), (loss_p, logps.detach(), grad_p)
 
 
+def padded_case():
+    """Padding whose token is nearly impossible (logp about -100) against ref and gen logps of 0 there:
+    exp overflows to inf, and inf x 0 = NaN if the loss multiplies by the mask instead of selecting."""
+    full, logits, ids, ref, gen, adv, mask = case(2, 5, 37, seed=7)
+    mask[1, 3:] = False
+    with torch.no_grad():
+        full[1, 2 + 3 :, :] = 0.0
+        full[1, 2 + 3 :, 0] = 100.0  # every padded position predicts token 0 ...
+        ids[1, 3:] = 1  # ... and the padding token is 1: logp ~ -100
+    ref, gen = ref.clone(), gen.clone()
+    ref[1, 3:], gen[1, 3:] = 0.0, 0.0
+    return full, logits, ids, ref, gen, adv, mask
+
+
+def test_padding_with_a_very_negative_log_prob_gives_a_finite_loss_and_gradient():
+    full, logits, ids, ref, gen, adv, mask = padded_case()
+    assert per_token_logps(logits, ids, 1.0).detach()[1, 3:].max() < -90
+    (lt, _, gt), (lp, _, gp) = both(full, logits, ids, ref, gen, adv, mask, 1.0)
+    assert torch.isfinite(lt) and torch.isfinite(lp) and torch.isfinite(gt).all() and torch.isfinite(gp).all()
+    assert abs(lt.item() - lp.item()) <= 1e-5 * max(1.0, abs(lp.item())) and torch.allclose(gt, gp, atol=1e-5)
+    assert gp[1, 2 + 3 : -1].abs().max() == 0  # padding passes no gradient
+
+
 @pytest.mark.parametrize("B, T, V", [(2, 3, 37), (3, 5, 2500), (2, 4, BLOCK_V), (1, 6, 2 * BLOCK_V + 1)])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("with_gen", [True, False])
