@@ -210,6 +210,7 @@ UPLOAD_SPEC = {  # name: (dtype, shape as a function of G rows, L columns, plen)
     "gen_logps": (torch.float32, lambda g, l, p: (g, l - p)),  # optional: the sampling policy's log-probs
 }
 OPTIONAL = {"gen_logps"}
+MAX_META_CHARS, MAX_META_DEPTH = 65536, 8  # metadata is small: a few numbers and names
 
 
 def encode_batch(tensors: dict, meta: dict) -> bytes:
@@ -230,13 +231,27 @@ def decode_batch(data: bytes) -> tuple[dict, dict]:
         tensors = safetensors.torch.load(data)
     except Exception as e:
         raise ValueError(f"body is not safetensors: {e}") from None
+    raw = (header.get("__metadata__") or {}).get("json", "{}")
+    if len(raw) > MAX_META_CHARS:
+        raise ValueError(f"metadata of {len(raw)} characters; at most {MAX_META_CHARS}")
     try:
-        meta = json.loads((header.get("__metadata__") or {}).get("json", "{}"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"metadata is not JSON: {e}") from None
+        meta = json.loads(raw)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"metadata is not JSON, or nested too deeply: {str(e)[:200]}") from None
     if not isinstance(meta, dict):
         raise ValueError("metadata must be a JSON object")
+    if _depth(meta) > MAX_META_DEPTH:
+        raise ValueError(f"metadata nested deeper than {MAX_META_DEPTH} levels")
     return tensors, meta
+
+
+def _depth(x) -> int:
+    """Nesting depth of JSON values, without recursion (a hostile document may be thousands deep)."""
+    depth, level = 0, [x]
+    while level:
+        depth += 1
+        level = [v for c in level if isinstance(c, (dict, list)) for v in (c.values() if isinstance(c, dict) else c)]
+    return depth - 1
 
 
 class ServerError(RuntimeError):

@@ -266,16 +266,19 @@ def upload_and_pull(groups, version, rank):
 
     Every rank takes what it gave, so no rank can starve. If the server restarted meanwhile (a
     new instance id), the groups it held are gone: we return short at once and the caller
-    regenerates, so nothing is trained twice and nothing waits forever. A group dropped by a
-    failed reference forward makes us return short after SERVER_TIMEOUT.
+    regenerates, so nothing is trained twice and nothing waits forever. A group whose reference
+    forward failed comes back as an error: one group fewer, said on stderr.
     """
     if BETA == 0:  # no reference model: train on our own groups, the server is never asked
         return [(tensors, {**meta, "version": version}) for tensors, meta in groups]
     instance, owed = upload(groups, version=version, rank=rank)
     got, deadline, delay = [], time.time() + SERVER_TIMEOUT, 0.02
-    while len(got) < owed and time.time() < deadline:
+    while owed > len(got) and time.time() < deadline:
         r = request_with_retry("GET", f"{REF_SERVER}/get", REF_TOKEN, give_up_after=SERVER_TIMEOUT)
-        if r.status_code == 200:
+        if r.status_code == 200 and r.headers.get("Content-Type") == "application/json":  # its forward failed
+            print(f"[rank {rank}] the reference server lost a group: {r.json()['error']}", file=sys.stderr, flush=True)
+            owed -= 1
+        elif r.status_code == 200:
             got.append(decode_batch(r.content))
             delay = 0.02
         if r.headers.get("X-Ref-Instance") != instance:
@@ -289,7 +292,8 @@ def upload_and_pull(groups, version, rank):
         r = request_with_retry("GET", f"{REF_SERVER}/get?from=workers", REF_TOKEN, give_up_after=SERVER_TIMEOUT)
         if r.status_code != 200:
             break
-        got.append(decode_batch(r.content))
+        if r.headers.get("Content-Type") != "application/json":  # not a group whose forward failed
+            got.append(decode_batch(r.content))
     return got
 
 
@@ -536,6 +540,11 @@ def load_policy(path, device):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     eos_ids = model.generation_config.eos_token_id
     eos_ids = [eos_ids] if isinstance(eos_ids, int) else list(eos_ids or [tokenizer.eos_token_id])
+    # generate() fills every setting left unset from the model's own generation_config (Qwen2.5-Instruct:
+    # repetition_penalty 1.05, top_k 20, top_p 0.8), and its samples are then not softmax(logits / T), the
+    # distribution every log-prob assumes. So the model keeps none: sampling comes from the constants alone.
+    model.generation_config = GenerationConfig(bos_token_id=model.generation_config.bos_token_id,
+                                               eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id)
     gen_config = GenerationConfig(do_sample=True, temperature=TEMPERATURE, top_k=0, top_p=1.0,
                                   max_new_tokens=MAX_NEW_TOKENS, pad_token_id=tokenizer.pad_token_id,
                                   eos_token_id=eos_ids)

@@ -18,13 +18,11 @@ import hmac
 import json
 import queue
 import signal
-import socketserver
 import sys
 import threading
 import time
 import traceback
 import uuid
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import bottle
 import torch
@@ -42,7 +40,11 @@ REF_TOKEN = ""  # shared secret sent as "Authorization: Bearer ..."; "" = no aut
 # Limits (a bad or hostile client can cost at most this much)
 MAX_BODY_BYTES = 64 * 2**20  # bytes per upload; larger bodies get 413 before being read
 MAX_ROWS = 512  # completions per uploaded group
-QUEUE_SIZE = 64  # groups waiting for the reference forward, and ready groups; full -> 503
+MAX_GROUP_TOKENS = 65536  # rows x length per group (16 answers x 4096 tokens); more gets 413: one forward's memory
+QUEUE_SIZE = 64  # groups held (waiting for the forward, or ready) per kind, trainers' and workers'; full -> 503
+MAX_QUEUED_BYTES = 2 * 2**30  # bytes held in all queues together; full -> 503 with Retry-After
+HTTP_THREADS = 8  # requests handled at once; more wait in the listen backlog (1024 connections)
+IDLE_TIMEOUT = 30  # s before an idle or stalled connection (say, a body that never arrives) is closed
 REF_MICRO_BATCH = 8  # rows per reference forward: bounds activation memory, not throughput
 UPLOAD_IDS = 4096  # upload ids remembered: a retried upload gets its first answer and is never queued twice
 # Regroup (simple_GRPO's regroup_ver)
@@ -53,8 +55,15 @@ apply_env_overrides(globals(), "ref_server.py")  # any constant above: `PORT=600
 
 
 # ----------------------------------------------------------------------------- the server
-def validate_group(tensors: dict, meta: dict, vocab_size: int, max_rows: int) -> None:
-    """Raise ValueError naming the first problem in an uploaded group."""
+class TooLarge(ValueError):
+    """An upload over a size limit: 413."""
+
+
+META_TYPES = {"version": int, "rank": int, "worker": str, "upload_id": str, "regrouped": bool}  # optional fields
+
+
+def validate_group(tensors: dict, meta: dict, vocab_size: int, max_rows: int, max_len: int, max_tokens: int):
+    """Raise ValueError (TooLarge for a size limit) naming the first problem in an uploaded group."""
     missing = [k for k in UPLOAD_SPEC if k not in tensors and k not in OPTIONAL]
     if missing:
         raise ValueError(f"missing tensors: {missing}")
@@ -67,12 +76,20 @@ def validate_group(tensors: dict, meta: dict, vocab_size: int, max_rows: int) ->
     g, l = ids.shape
     if not 1 <= g <= max_rows:
         raise ValueError(f"input_ids has {g} rows; 1 to {max_rows} allowed")
+    if l > max_len or g * l > max_tokens:
+        raise TooLarge(f"group of {g} x {l} tokens: at most {max_len} per row (the model's positions) and "
+                       f"{max_tokens} in all (MAX_GROUP_TOKENS)")
     plen = meta.get("plen")
-    if not isinstance(plen, int) or isinstance(plen, bool) or not 1 <= plen < l:
+    if type(plen) is not int or not 1 <= plen < l:
         raise ValueError(f"metadata plen must be an int in 1..{l - 1} (sequence length {l}), got {plen!r}")
     temperature = meta.get("temperature", 1.0)  # below 0.01, logits / T overflow to inf and NaN log-probs
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not 0.01 <= temperature <= 100:
+    if type(temperature) not in (int, float) or not 0.01 <= temperature <= 100:
         raise ValueError(f"metadata temperature must be a number in [0.01, 100], got {temperature!r}")
+    for name, kind in META_TYPES.items():
+        value = meta.get(name)
+        if value is not None and (type(value) is not kind or kind is str and not 0 < len(value) <= 200):
+            wanted = "a string of 1 to 200 characters" if kind is str else f"a {kind.__name__}"
+            raise ValueError(f"metadata {name} must be {wanted}, got {value!r}")
     for name, (dtype, shape) in UPLOAD_SPEC.items():
         if name not in tensors:
             continue
@@ -81,26 +98,31 @@ def validate_group(tensors: dict, meta: dict, vocab_size: int, max_rows: int) ->
             raise ValueError(f"{name} must be {dtype} {shape(g, l, plen)}, got {t.dtype} {tuple(t.shape)}")
         if t.is_floating_point() and not torch.isfinite(t).all():
             raise ValueError(f"{name} has NaN or inf values")
-    upload_id = meta.get("upload_id")
-    if upload_id is not None and (not isinstance(upload_id, str) or not 0 < len(upload_id) <= 64):
-        raise ValueError(f"metadata upload_id must be a string of 1 to 64 characters, got {upload_id!r}")
     if ids.min() < 0 or ids.max() >= vocab_size:
         raise ValueError(f"input_ids outside the vocabulary [0, {vocab_size}): {ids.min()}..{ids.max()}")
 
 
 class RefServer:
-    """The queues, the worker thread and the bottle app around one reference model."""
+    """The queues, the worker thread and the bottle app around one reference model.
+
+    Room is taken when an upload is accepted (QUEUE_SIZE groups per kind, MAX_QUEUED_BYTES in all) and
+    given back when its batch is taken, so the forward thread never waits for room: a full queue of
+    workers' groups cannot hold up the trainers' ones, and a full server answers 503 at once.
+    """
 
     def __init__(self, model, model_name, token="", queue_size=QUEUE_SIZE, micro_batch=REF_MICRO_BATCH,
                  max_body=MAX_BODY_BYTES, max_rows=MAX_ROWS, regroup=REGROUP, pool_size=REGROUP_POOL,
-                 pool_questions=REGROUP_QUESTIONS):
+                 pool_questions=REGROUP_QUESTIONS, max_bytes=MAX_QUEUED_BYTES, max_tokens=MAX_GROUP_TOKENS):
         self.model, self.model_name, self.token = model, model_name, token
         self.device = next(model.parameters()).device
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        self.micro_batch, self.max_body, self.max_rows = micro_batch, max_body, max_rows
-        self.pending = queue.Queue(queue_size)  # validated groups waiting for the reference forward
-        self.ready = queue.Queue(queue_size)  # encoded batches that trainer ranks generated, waiting for one
-        self.ready_workers = queue.Queue(queue_size)  # ... and those genonly workers generated (meta "worker")
+        self.max_len = getattr(model.config, "max_position_embeddings", None) or 2**31
+        self.micro_batch, self.max_body, self.max_rows, self.max_tokens = micro_batch, max_body, max_rows, max_tokens
+        self.queue_size, self.max_bytes = queue_size, max_bytes
+        self.pending = queue.Queue()  # (tensors, meta, kind, nbytes) waiting for the reference forward
+        self.ready = queue.Queue()  # (body, content type, nbytes) that trainer ranks generated, waiting for one
+        self.ready_workers = queue.Queue()  # ... and those genonly workers generated (meta "worker")
+        self.held, self.held_bytes = {"trainers": 0, "workers": 0}, 0  # groups and bytes accepted, not yet taken
         self.counters = dict(uploaded=0, served=0, rejected=0, busy=0, ref_errors=0, regrouped=0)
         self.regroup, self.pool_size, self.pool_questions = regroup, pool_size, pool_questions
         self.pools = {}  # REGROUP: question key -> list of answer rows, in upload order
@@ -126,7 +148,7 @@ class RefServer:
     def _work(self):
         while not self.stopping.is_set():
             try:
-                tensors, meta = self.pending.get(timeout=0.2)
+                tensors, meta, kind, nbytes = self.pending.get(timeout=0.2)
             except queue.Empty:
                 continue
             try:
@@ -134,17 +156,13 @@ class RefServer:
                                                             meta.get("temperature", 1.0))  # (G, T)
                 if not torch.isfinite(tensors["ref_logps"]).all():  # never hand a trainer NaN or inf
                     raise FloatingPointError("the reference forward gave NaN or inf log-probs")
-                batch = encode_batch(tensors, meta)
-            except Exception:  # e.g. out of memory: lose this group, keep serving the others
+                item = (encode_batch(tensors, meta), "application/octet-stream", nbytes)
+            except Exception as e:  # e.g. out of memory: this group is lost, and whoever takes it next is told
                 self.count("ref_errors")
                 traceback.print_exc()
-                continue
-            while not self.stopping.is_set():  # blocks while trainers are behind: backpressure
-                try:
-                    (self.ready_workers if meta.get("worker") else self.ready).put(batch, timeout=0.2)
-                    break
-                except queue.Full:
-                    continue
+                error = {"error": f"the reference forward failed: {e!r}", "upload_id": meta.get("upload_id")}
+                item = (json.dumps(error).encode(), "application/json", nbytes)
+            (self.ready_workers if kind == "workers" else self.ready).put(item)  # room was taken at upload
 
     def regroup_answers(self, tensors, meta):
         """REGROUP: add this upload's answers to its question's pool, and take out a group of as
@@ -193,8 +211,8 @@ class RefServer:
     def _check_token(self):
         if not self.token:
             return
-        sent = bottle.request.get_header("Authorization", "")
-        if not hmac.compare_digest(sent.encode(), f"Bearer {self.token}".encode()):
+        sent = bottle.request.environ.get("HTTP_AUTHORIZATION", "")  # raw: bottle's decoding fails on non-UTF-8
+        if not hmac.compare_digest(sent.encode("latin-1"), f"Bearer {self.token}".encode()):
             self._refuse(401, "missing or wrong token (send 'Authorization: Bearer <REF_TOKEN>')")
 
     def _refuse(self, status, message, counter="rejected", headers=()):
@@ -207,24 +225,34 @@ class RefServer:
 
     def _read_body(self):
         length = bottle.request.content_length
-        if length < 0 or "chunked" in bottle.request.get_header("Transfer-Encoding", "").lower():
+        if length < 0:
             self._refuse(411, "Content-Length is required")
         if length > self.max_body:
             self._refuse(413, f"body of {length} bytes is over the limit of {self.max_body} (MAX_BODY_BYTES)")
         return bottle.request.environ["wsgi.input"].read(length)
 
-    def _accept(self, tensors, meta):
-        if self.pending.full():  # before regrouping: a refused upload must not take answers out of a pool
+    def _accept(self, tensors, meta, nbytes):
+        kind = "workers" if meta.get("worker") else "trainers"
+        with self.lock:  # before regrouping: a refused upload must not take answers out of a pool
+            room = self.held[kind] < self.queue_size and self.held_bytes + nbytes <= self.max_bytes
+            if room:
+                self.held[kind] += 1
+                self.held_bytes += nbytes
+        if not room:
             self._busy()
         group = self.regroup_answers(tensors, meta) if self.regroup else (tensors, meta)
-        if group is not None:  # None: pooled, no group with reward variance for this question yet
-            try:
-                self.pending.put_nowait(group)
-            except queue.Full:
-                self._busy()
+        if group is None:  # pooled: no group with reward variance for this question yet
+            self._give_back(kind, nbytes)
+        else:
+            self.pending.put((*group, kind, nbytes))
         self.count("uploaded")
         return {"ok": True, "groups": int(group is not None), "pending": self.pending.qsize(),
                 "instance": self.instance}
+
+    def _give_back(self, kind, nbytes):
+        with self.lock:
+            self.held[kind] -= 1
+            self.held_bytes -= nbytes
 
     def _build_app(self):
         app = bottle.Bottle()
@@ -235,9 +263,9 @@ class RefServer:
             body = self._read_body()
             try:
                 tensors, meta = decode_batch(body)
-                validate_group(tensors, meta, self.vocab_size, self.max_rows)
+                validate_group(tensors, meta, self.vocab_size, self.max_rows, self.max_len, self.max_tokens)
             except ValueError as e:
-                self._refuse(400, str(e))
+                self._refuse(413 if isinstance(e, TooLarge) else 400, str(e))
             uid = meta.get("upload_id")  # a client's retry of an upload whose answer it never read
             with self.lock:
                 first = self.answers.get(uid, "new") if uid else "none"
@@ -250,7 +278,7 @@ class RefServer:
             if isinstance(first, dict):
                 return first
             try:
-                answer = self._accept(tensors, meta)
+                answer = self._accept(tensors, meta, 2 * len(body))  # the tensors, then the encoded batch
             except bottle.HTTPResponse:  # refused (503): a retry must be handled anew
                 with self.lock:
                     self.answers.pop(uid, None)
@@ -267,12 +295,13 @@ class RefServer:
             if bottle.request.method == "HEAD":  # bottle routes HEAD here too: answer, but take nothing
                 return bottle.HTTPResponse(status=200 if ready.qsize() else 204, headers=headers)
             try:  # workers' groups are kept apart so a trainer rank never takes another rank's group as an extra
-                batch = ready.get_nowait()
+                body, content_type, nbytes = ready.get_nowait()
             except queue.Empty:
                 return bottle.HTTPResponse(status=204, headers=headers)
-            self.count("served")
-            return bottle.HTTPResponse(batch, status=200,
-                                       headers={"Content-Type": "application/octet-stream", **headers})
+            self._give_back("workers" if ready is self.ready_workers else "trainers", nbytes)
+            if content_type == "application/octet-stream":
+                self.count("served")
+            return bottle.HTTPResponse(body, status=200, headers={"Content-Type": content_type, **headers})
 
         @app.get("/health")
         def health():
@@ -280,7 +309,7 @@ class RefServer:
                 counters = dict(self.counters)
             return dict(model=self.model_name, vocab_size=self.vocab_size, device=str(self.device),
                         instance=self.instance, pending=self.pending.qsize(), ready=self.ready.qsize(),
-                        ready_workers=self.ready_workers.qsize(), regroup=self.regroup,
+                        ready_workers=self.ready_workers.qsize(), held_bytes=self.held_bytes, regroup=self.regroup,
                         uptime_s=round(time.time() - self.started, 1), **counters)
 
         def json_error(err):
@@ -292,27 +321,24 @@ class RefServer:
         return app
 
 
-class _ThreadingWSGIServer(socketserver.ThreadingMixIn, WSGIServer):
-    daemon_threads = True  # a stuck client never keeps the process alive
-    allow_reuse_address = True
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_request(self, code="-", size="-"):
-        if str(code)[:1] == "4":  # only refusals; 200/204/503 are the normal polling answers
-            super().log_request(code, size)
-
-
 def serve(server: RefServer, host: str, port: int):
-    """Start the forward worker and an HTTP thread; returns a stop() that ends both (and frees the port)."""
-    httpd = make_server(host, port, server.app, server_class=_ThreadingWSGIServer, handler_class=_QuietHandler)
+    """Start the forward worker and a waitress HTTP server (bounded threads, a listen backlog of 1024,
+    idle connections closed, malformed HTTP answered 400 before bottle sees it); returns stop()."""
+    from waitress.server import create_server
+
+    httpd = create_server(server.app, host=host, port=port, threads=HTTP_THREADS, backlog=1024, connection_limit=1024,
+                          channel_timeout=IDLE_TIMEOUT, cleanup_interval=max(1, IDLE_TIMEOUT // 3),
+                          max_request_body_size=2 * server.max_body + 2**20, ident="ref_server")  # ours says 413 first
+    http = threading.Thread(target=httpd.run, name="http", daemon=True)
     server.worker.start()
-    threading.Thread(target=httpd.serve_forever, name="http", daemon=True).start()
+    http.start()
 
     def stop():
         server.stopping.set()
-        httpd.shutdown()
-        httpd.server_close()
+        httpd.task_dispatcher.shutdown()
+        for channel in list(httpd._map.values()):  # the listening socket too: the loop ends, the port is free
+            channel.close()
+        http.join(timeout=10)
         server.worker.join(timeout=10)
 
     return stop

@@ -197,7 +197,7 @@ def group(G=3, plen=5, tc=4, seed=0, **meta):
         rewards=torch.rand(G, generator=g),
         gen_logps=-torch.rand(G, tc, generator=g),
     )
-    tensors["input_ids"][:, :plen] = tensors["input_ids"][0, :plen]  # one prompt per group
+    tensors["input_ids"][:, :plen] = tensors["input_ids"][0, :plen].clone()  # one prompt per group
     return tensors, {"plen": plen, "temperature": 1.0, **meta}
 
 

@@ -109,6 +109,31 @@ def test_trainer_regenerates_when_the_server_restarts_with_its_groups(model, mon
         stop(new, new_httpd)
 
 
+def test_trainer_learns_at_once_of_a_group_whose_reference_forward_failed(model, monkeypatch, capfd):
+    """The upload was answered 200, then the forward failed: the trainer is told on /get and goes on with
+    the other group, instead of waiting SERVER_TIMEOUT for one that will never come."""
+    server, stop_serving, url = start(model)
+    real, calls = server.reference_logps, []
+
+    def flaky(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("simulated CUDA out of memory")
+        return real(*args)
+
+    server.reference_logps = flaky
+    monkeypatch.setattr(grpo, "REF_SERVER", url)
+    monkeypatch.setattr(grpo, "SERVER_TIMEOUT", 120.0)
+    try:
+        t0 = time.time()
+        got = grpo.upload_and_pull([group(seed=1), group(seed=2)], version=0, rank=0)
+        assert len(got) == 1 and time.time() - t0 < 10
+        assert "lost a group: the reference forward failed" in capfd.readouterr().err
+        assert server.held == {"trainers": 0, "workers": 0} and server.held_bytes == 0  # its room came back
+    finally:
+        stop(server, stop_serving)
+
+
 def test_killed_server_clients_retry_and_recover(tiny_model_dir, tmp_path, capfd):
     """SIGKILL with groups queued: the client sees connection errors, backs off, and carries on
     once a new server is up. What was queued in memory is lost by design (uploaded resets to 0)."""
@@ -162,3 +187,69 @@ def test_a_server_open_beyond_loopback_without_a_token_warns(host, token, warns)
     if warns:
         assert host in message and "REF_TOKEN" in message
 
+
+
+# ----------------------------------------------------------------------------- malformed HTTP (waitress)
+def raw_request(port, data, shut=False, wait=10):
+    """Send raw bytes; returns (seconds until the server answered or closed, what it sent)."""
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.settimeout(wait)
+        s.sendall(data)
+        if shut:
+            s.shutdown(socket.SHUT_WR)
+        t0, out = time.time(), b""
+        while chunk := s.recv(65536):
+            out += chunk
+        return time.time() - t0, out
+
+
+@pytest.fixture
+def quick_server(model, monkeypatch):
+    import ref_server
+
+    monkeypatch.setattr(ref_server, "IDLE_TIMEOUT", 2)
+    server, stop_serving, url = start(model, token="s3cret")
+    yield server, int(url.rsplit(":", 1)[1])
+    stop(server, stop_serving)
+
+
+@pytest.mark.parametrize("name, data, status", [
+    ("non-numeric Content-Length", b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n", b"400"),
+    ("negative Content-Length", b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n", b"400"),
+    ("not HTTP at all", b"\x00\x01\x02 garbage\r\n\r\n", b"400"),
+    ("non-UTF-8 bytes in a header", b"GET /health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\n"
+                                    b"Connection: close\r\n\r\n", b"401"),
+    ("non-UTF-8 bytes in the query", b"GET /get?from=\xff\xfe HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret\r\n"
+                                     b"Connection: close\r\n\r\n", b"400"),
+])
+def test_malformed_http_gets_its_answer_at_once_never_a_5xx(quick_server, name, data, status):
+    server, port = quick_server
+    seconds, out = raw_request(port, data)
+    assert out.split(b" ")[1] == status and seconds < 2, out[:200]
+    assert requests.get(f"http://127.0.0.1:{port}/health", headers={"Authorization": "Bearer s3cret"},
+                        timeout=5).status_code == 200  # still serving
+
+
+def test_stalled_and_idle_connections_are_closed_and_never_reach_the_app(quick_server):
+    """A body shorter than its Content-Length is never handed to bottle: the connection is closed once
+    the client gives up (half-close) or after IDLE_TIMEOUT; an idle connection is closed too."""
+    server, port = quick_server
+    short = b"POST /upload HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret\r\nContent-Length: 100\r\n\r\nabc"
+    seconds, out = raw_request(port, short)
+    assert out == b"" and 1.5 < seconds < 8  # closed after IDLE_TIMEOUT = 2 s, no 5xx
+    seconds, out = raw_request(port, short, shut=True)
+    assert out == b"" and seconds < 2
+    seconds, out = raw_request(port, b"")
+    assert out == b"" and 1.5 < seconds < 8
+    assert server.counters["rejected"] == 0 and server.counters["uploaded"] == 0
+
+
+def test_two_hundred_connections_are_accepted_at_once(quick_server):
+    server, port = quick_server
+    t0 = time.time()
+    sockets = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(200)]
+    assert time.time() - t0 < 3  # a listen backlog of 1024, not 5 (200 connects took 29 s with wsgiref)
+    for s in sockets:
+        s.close()
+    r = requests.get(f"http://127.0.0.1:{port}/health", headers={"Authorization": "Bearer s3cret"}, timeout=10)
+    assert r.status_code == 200

@@ -18,7 +18,7 @@ from ref_server import RefServer
 
 @pytest.fixture(scope="module")
 def live(model):
-    server, httpd, url = start(model, queue_size=8, max_body=200_000, max_rows=16)
+    server, httpd, url = start(model, queue_size=8, max_body=200_000, max_rows=16, max_tokens=6000)
     yield server, url
     stop(server, httpd)
 
@@ -125,6 +125,17 @@ BAD = {
     "inf gen_logps": (mutate(gen_logps=lambda t: t.index_fill(1, torch.tensor([0]), float("-inf"))), 400,
                       "gen_logps has NaN or inf"),
     "too many rows": (encode_batch(*group(G=17)), 400, "17 rows; 1 to 16 allowed"),
+    "metadata of 70000 characters": (safetensors_with_header({"__metadata__": {"json": "[" * 70000}}), 400,
+                                     "metadata of 70000 characters; at most 65536"),
+    "metadata nested 5000 deep": (safetensors_with_header({"__metadata__": {"json": "[" * 5000 + "]" * 5000}}),
+                                  400, "nested too deeply"),
+    "metadata nested 20 deep": (mutate(meta_extra=json.loads("[" * 20 + "]" * 20)), 400, "deeper than 8"),
+    "version a string": (mutate(meta_version="3"), 400, "metadata version must be a int"),
+    "rank a float": (mutate(meta_rank=1.0), 400, "metadata rank must be a int"),
+    "worker a list": (mutate(meta_worker=["w"]), 400, "metadata worker must be a string"),
+    "regrouped a number": (mutate(meta_regrouped=1), 400, "metadata regrouped must be a bool"),
+    "sequence past the model's positions": (encode_batch(*group(G=1, plen=300, tc=300)), 413, "at most 512 per row"),
+    "too many tokens in one group": (encode_batch(*group(G=16, plen=200, tc=200)), 413, "6000 in all"),
     "body over the limit": (b"\0" * 200_001, 413, "over the limit of 200000"),
 }
 
@@ -198,10 +209,14 @@ def test_a_read_timeout_is_retried_until_give_up():
         listener.close()
 
 
-def test_chunked_body_without_length_is_refused(live):
+def test_a_chunked_body_is_read_whole_and_checked_like_any_other(live):
     server, url = live
-    r = requests.post(url + "/upload", data=iter([b"abc", b"def"]), timeout=10)
-    assert r.status_code == 411 and "Content-Length" in r.json()["error"]
+    r = requests.post(url + "/upload", data=iter([b"abc", b"def"]), timeout=10)  # no Content-Length
+    assert r.status_code == 400 and "not safetensors" in r.json()["error"]
+    body = encode_batch(*group(seed=13, n=13))
+    r = requests.post(url + "/upload", data=iter([body[:100], body[100:]]), timeout=10)
+    assert r.status_code == 200, r.text
+    assert pull(url)[1]["n"] == 13
 
 
 @pytest.mark.parametrize("method, path, status",
@@ -228,28 +243,52 @@ def test_token_is_required_when_set(model):
 
 
 def test_full_queues_answer_503_and_the_client_retries_until_there_is_room(model):
-    server, httpd, url = start(model, queue_size=1)
+    server, stop_serving, url = start(model, queue_size=1)
     try:
-        bodies = [encode_batch(*group(seed=i, n=i)) for i in range(4)]
+        bodies = [encode_batch(*group(seed=i, n=i)) for i in range(3)]
         assert requests.post(url + "/upload", data=bodies[0]).status_code == 200
-        wait_for(lambda: server.ready.qsize() == 1)  # group 0 ready, nobody pulling
-        assert requests.post(url + "/upload", data=bodies[1]).status_code == 200
-        wait_for(lambda: server.pending.qsize() == 0)  # worker holds group 1, blocked on the full ready queue
-        assert requests.post(url + "/upload", data=bodies[2]).status_code == 200  # waits in pending
-        r = requests.post(url + "/upload", data=bodies[3])
-        assert r.status_code == 503 and r.headers["Retry-After"] == "1"
-        assert server.counters["busy"] == 1
+        r = requests.post(url + "/upload", data=bodies[1])  # room for one group, taken until it is pulled
+        assert r.status_code == 503 and r.headers["Retry-After"] == "1" and server.counters["busy"] == 1
+        wait_for(lambda: server.ready.qsize() == 1)
         import threading
 
-        threading.Timer(1.0, lambda: [pull(url) for _ in range(2)]).start()  # a trainer catches up later
-        request_with_retry("POST", url + "/upload", data=bodies[3], give_up_after=30)  # retried, then accepted
-        got = sorted(pull(url)[1]["n"] for _ in range(2))
-        assert got == [2, 3] and server.counters["uploaded"] == 4 and server.counters["served"] == 4
+        threading.Timer(1.0, lambda: pull(url)).start()  # a trainer catches up later
+        request_with_retry("POST", url + "/upload", data=bodies[1], give_up_after=30)  # retried, then accepted
+        assert pull(url)[1]["n"] == 1 and server.counters["uploaded"] == 2 and server.counters["served"] == 2
     finally:
-        stop(server, httpd)
+        stop(server, stop_serving)
 
 
-def test_a_failing_reference_forward_drops_that_group_and_keeps_serving(model, capfd):
+def test_workers_groups_never_hold_up_the_trainers_groups(model):
+    """Each kind has its own room: workers' groups that nobody takes fill theirs, and trainers' groups
+    still go through the same forward thread and come back."""
+    server, stop_serving, url = start(model, queue_size=2)
+    try:
+        for i in range(2):
+            assert requests.post(url + "/upload", data=encode_batch(*group(seed=i, worker="w"))).status_code == 200
+        assert requests.post(url + "/upload", data=encode_batch(*group(seed=5, worker="w"))).status_code == 503
+        wait_for(lambda: server.ready_workers.qsize() == 2)
+        for n in range(2):
+            assert requests.post(url + "/upload", data=encode_batch(*group(seed=7 + n, n=n))).status_code == 200
+            assert pull(url, timeout=10)[1]["n"] == n
+    finally:
+        stop(server, stop_serving)
+
+
+def test_queued_bytes_are_bounded_too(model):
+    body = encode_batch(*group(G=8, plen=40, tc=40))
+    server, stop_serving, url = start(model, queue_size=64, max_bytes=5 * len(body))  # 2 x body per group held
+    try:
+        codes = [requests.post(url + "/upload", data=body).status_code for _ in range(4)]
+        assert codes == [200, 200, 503, 503] and server.held_bytes <= 5 * len(body)
+        for _ in range(2):
+            pull(url)
+        assert server.held_bytes == 0 and requests.post(url + "/upload", data=body).status_code == 200
+    finally:
+        stop(server, stop_serving)
+
+
+def test_a_failing_reference_forward_is_reported_and_the_server_goes_on(model, capfd):
     server, httpd, url = start(model)
     real = server.reference_logps
     calls = []
@@ -262,10 +301,14 @@ def test_a_failing_reference_forward_drops_that_group_and_keeps_serving(model, c
 
     server.reference_logps = flaky
     try:
-        assert requests.post(url + "/upload", data=encode_batch(*group(seed=1, n=1))).status_code == 200
+        body = encode_batch(*group(seed=1, n=1, upload_id="u1"))
+        assert requests.post(url + "/upload", data=body).status_code == 200
         wait_for(lambda: server.counters["ref_errors"] == 1)
         assert requests.get(url + "/health").json()["ref_errors"] == 1
-        assert requests.get(url + "/get").status_code == 204  # the failed group is gone, not half-served
+        r = requests.get(url + "/get")  # the uploader learns of it: an error in its place, never half a group
+        assert r.status_code == 200 and r.headers["Content-Type"] == "application/json"
+        assert "simulated CUDA out of memory" in r.json()["error"] and r.json()["upload_id"] == "u1"
+        assert requests.get(url + "/get").status_code == 204
         back, meta = upload_and_pull(url, *group(seed=2, n=2))
         assert meta["n"] == 2 and server.worker.is_alive()
         assert "simulated CUDA out of memory" in capfd.readouterr().err

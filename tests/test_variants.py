@@ -275,3 +275,47 @@ print("loaded:", loaded)
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "loaded: []" in run.stdout
+
+
+def test_sampling_ignores_the_models_own_generation_config(tiny_model_dir, tmp_path):
+    """A model that ships repetition_penalty, top_k, top_p, min_p and no_repeat_ngram_size (as
+    Qwen2.5-Instruct ships some of them): the trainer's samples must still be softmax(logits / T)
+    and its greedy evaluation plain argmax. The same checks fail on the model as loaded."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "opinionated"
+    shutil.copytree(tiny_model_dir, folder)
+    GenerationConfig(do_sample=True, temperature=1.7, repetition_penalty=1.3, top_k=3, top_p=0.5, min_p=0.2,
+                     no_repeat_ngram_size=2, eos_token_id=2, pad_token_id=2).save_pretrained(folder)
+    model, tok, eos_ids, gen_config = grpo.load_policy(str(folder), torch.device("cpu"))
+    enc = grpo.encode_prompts(tok, [{"question": "What is 2 + 3?"}, {"question": "What is 11 + 7?"}])
+
+    def mismatches(model, sample_config, greedy_config):
+        torch.manual_seed(0)
+        out = model.generate(**enc, generation_config=sample_config, output_scores=True, return_dict_in_generate=True)
+        completion = out.sequences[:, enc.input_ids.shape[1]:]  # (B, T)
+        mask = grpo.completion_mask(completion, eos_ids)  # (B, T)
+        scores = torch.stack(out.scores, 1)  # (B, T, V) what the sampler drew from
+        drawn = torch.log_softmax(scores, -1).gather(-1, completion[..., None]).squeeze(-1)  # (B, T)
+        attn = torch.cat([enc.attention_mask, torch.ones_like(completion)], 1)
+        with torch.no_grad():
+            want = completion_logps(model, out.sequences, attn, completion.shape[1], grpo.TEMPERATURE)  # (B, T)
+        sample_gap = (drawn - want)[mask].abs().max().item()
+        greedy = model.generate(**enc, generation_config=greedy_config)  # (B, P+T)
+        with torch.no_grad():
+            logits = model(input_ids=greedy, attention_mask=torch.ones_like(greedy)).logits  # (B, L, V)
+        g = greedy[:, enc.input_ids.shape[1]:]  # (B, T)
+        argmax = logits[:, enc.input_ids.shape[1] - 1 : -1].argmax(-1)  # (B, T) plain argmax, teacher-forced
+        greedy_diff = (g != argmax)[grpo.completion_mask(g, eos_ids)].sum().item()
+        return sample_gap, greedy_diff
+
+    greedy_config = GenerationConfig(do_sample=False, max_new_tokens=24, pad_token_id=tok.pad_token_id,
+                                     eos_token_id=eos_ids)  # what evaluate() builds
+    sample_config = GenerationConfig(**{**gen_config.to_diff_dict(), "max_new_tokens": 24})
+    gap, diff = mismatches(model, sample_config, greedy_config)
+    assert gap < 1e-4 and diff == 0
+    raw = AutoModelForCausalLM.from_pretrained(folder).eval()  # its own generation_config fills the gaps
+    raw_gap, raw_diff = mismatches(raw, sample_config, greedy_config)
+    assert raw_gap > 1e-2 or raw_diff > 0
