@@ -98,6 +98,32 @@ def resolve_model_path(model_path: str) -> str:
     return target
 
 
+# The config fields that make two models the same network (not its dtype, path or versions).
+FINGERPRINT_CONFIG = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                      "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+                      "rope_parameters", "rope_theta", "rms_norm_eps", "tie_word_embeddings", "hidden_act")
+
+
+def model_fingerprint(model) -> dict:
+    """{"config", "weights"}: short hashes that tell whether two processes hold the same model.
+
+    Weights: 4096 evenly spaced values of the first two and last two parameters, rounded to bf16, so a
+    bf16 reference server and an fp32 trainer that loaded the same checkpoint agree. Cheap for 7B.
+    """
+    import hashlib
+
+    config = {k: v for k, v in sorted(model.config.to_dict().items()) if k in FINGERPRINT_CONFIG}
+    weights = hashlib.sha256()
+    params = list(model.named_parameters())
+    for name, p in params[:2] + params[-2:]:
+        flat = p.detach().flatten()
+        sample = flat[torch.linspace(0, flat.numel() - 1, min(4096, flat.numel()), device=flat.device).long()]
+        weights.update(f"{name}{tuple(p.shape)}".encode())
+        weights.update(sample.to(torch.bfloat16).float().cpu().numpy().tobytes())
+    return {"config": hashlib.sha256(json.dumps(config, default=str).encode()).hexdigest()[:16],
+            "weights": weights.hexdigest()[:16]}
+
+
 # ----------------------------------------------------------------------------- log-probs
 def per_token_logps_plain(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """The definition: (B, T) log softmax(logits / T)[ids]. per_token_logps must match it in value and gradient.

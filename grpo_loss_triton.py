@@ -107,13 +107,13 @@ def _grpo_bwd_kernel(
 class _GRPOLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, ids, ref_logps, gen_logps, advantages, mask, beta, clip_eps, clip_eps_high, token_mean,
-                temperature, inplace):
+                temperature, inplace, normalizer):
         B, T, V = logits.shape
         mask = mask.float()  # (B, T)
         if token_mean:  # (B, T) each token's share of the loss, as in grpo_ref_split.grpo_loss
-            weight = mask / mask.sum().clamp(min=1)
+            weight = mask / (mask.sum().clamp(min=1) if normalizer is None else normalizer)
         else:
-            weight = mask / mask.sum(-1, keepdim=True).clamp(min=1) / B
+            weight = mask / mask.sum(-1, keepdim=True).clamp(min=1) / (B if normalizer is None else normalizer)
         ids = ids.contiguous()  # (B, T)
         ref = mask if ref_logps is None else ref_logps.float().contiguous()  # (B, T) unread when None
         gen = ref if gen_logps is None else gen_logps.float().contiguous()  # (B, T) unread when None
@@ -137,17 +137,18 @@ class _GRPOLoss(torch.autograd.Function):
         _grpo_bwd_kernel[(B * T,)](
             logits, *logits.stride(), grad, *grad.stride(), ids, lse, dlogp, T, V, ctx.inv_temperature, BLOCK=BLOCK_V,
         )
-        return grad, *[None] * 11
+        return grad, *[None] * 12
 
 
 def grpo_loss_triton(logits, completion_ids, ref_logps, gen_logps, advantages, mask, beta, clip_eps,
-                     clip_eps_high=None, token_mean=False, temperature=1.0, return_logps=False, inplace_backward=False):
+                     clip_eps_high=None, token_mean=False, temperature=1.0, return_logps=False, inplace_backward=False,
+                     normalizer=None):
     """The GRPO loss of grpo_ref_split.grpo_loss, computed from logits (B, T, V) in one kernel.
 
     logits[:, t] predicts completion_ids[:, t] (a strided view such as full[:, plen-1:-1] is read
     in place, never copied); ref_logps, gen_logps, mask (B, T); advantages (B,); gen_logps=None
     means ratio = 1 (on-policy); ref_logps=None (only with beta=0) drops the KL term. clip_eps_high
-    and token_mean as in grpo_loss. return_logps=True also returns the per-token log-probs (B, T),
+    token_mean and normalizer as in grpo_loss. return_logps=True also returns the per-token log-probs (B, T),
     detached, for logging KL and clip fraction. inplace_backward=True writes d(logits) over the
     logits: saves a (B, T, V) buffer, and the caller must not read those logits afterwards.
     """
@@ -157,5 +158,5 @@ def grpo_loss_triton(logits, completion_ids, ref_logps, gen_logps, advantages, m
         raise ValueError("ref_logps=None needs beta=0 (the KL term needs reference log-probs)")
     clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
     loss, logps = _GRPOLoss.apply(logits, completion_ids, ref_logps, gen_logps, advantages, mask,
-                                  beta, clip_eps, clip_eps_high, token_mean, temperature, inplace_backward)
+                                  beta, clip_eps, clip_eps_high, token_mean, temperature, inplace_backward, normalizer)
     return (loss, logps) if return_logps else loss

@@ -40,7 +40,8 @@ import torch
 from tqdm import tqdm
 
 from grpo_common import (apply_env_overrides, completion_logits, completion_logps, decode_batch, encode_batch,
-                         group_advantages, per_token_logps, request_with_retry, resolve_model_path)
+                         group_advantages, model_fingerprint, per_token_logps, request_with_retry,
+                         resolve_model_path)
 from rewards import load_questions, reward_correct, reward_format, split_held_out
 
 # ----------------------------------------------------------------------------- constants
@@ -58,6 +59,7 @@ THINK_PREFILL = "<think>"  # appended after the assistant header; "" = none (sma
 REF_SERVER = "http://127.0.0.1:59875"  # where `python ref_server.py` listens
 REF_TOKEN = ""  # must equal the server's REF_TOKEN when it has one
 SERVER_TIMEOUT = 600.0  # s to keep retrying an unreachable or busy server before giving up
+ALLOW_REF_MISMATCH = False  # True = train against a reference model that is not the policy's starting point
 # GRPO
 Q_BATCH_SIZE = 4  # questions per rank per step
 NUM_PRE_Q = 8  # answers per question: the group that advantages are relative to
@@ -121,13 +123,16 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, x, 0.0).sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
 
 
-def grpo_loss(logps, ref_logps, gen_logps, advantages, mask, beta, clip_eps, clip_eps_high=None, token_mean=False):
+def grpo_loss(logps, ref_logps, gen_logps, advantages, mask, beta, clip_eps, clip_eps_high=None, token_mean=False,
+              normalizer=None):
     """Clipped GRPO loss with a k3 KL penalty; a scalar.
 
     logps, ref_logps, gen_logps, mask: (B, T) over completion tokens; advantages (B,).
     gen_logps=None (one update per batch, fully on-policy) makes the ratio exp(x - x.detach()):
     1 in value, the plain policy gradient in its gradient. ref_logps=None needs beta=0 (no KL).
     clip_eps_high (default clip_eps) bounds the ratio from above. token_mean: see TOKEN_MEAN.
+    normalizer: what the summed loss is divided by, the answers (or, token_mean, valid tokens) of the
+    whole step over all ranks (global_count); None = this batch's own count.
     """
     # Padding holds anything (logp -100 against ref 0 makes exp overflow to inf, and inf x 0 = NaN
     # in value or gradient): there pi_old and ref are set to logp itself, so ratio 1 and k3 0.
@@ -142,10 +147,22 @@ def grpo_loss(logps, ref_logps, gen_logps, advantages, mask, beta, clip_eps, cli
         raise ValueError("ref_logps=None needs beta=0 (the KL term needs reference log-probs)")
     per_token = -surrogate if ref_logps is None else -(surrogate - beta * k3(ref_logps, logps))  # (B, T)
     if token_mean:  # DAPO: every token of the batch weighs the same
-        return torch.where(mask, per_token, 0.0).sum() / mask.sum().clamp(min=1)
-    # GRPO: mean over each completion's tokens, then over completions, so a long answer's tokens
-    # each weigh less. Dr. GRPO removes that length bias: (per_token * mask).sum() / (B * MAX_NEW_TOKENS).
-    return masked_mean(per_token, mask).mean()
+        total, count = torch.where(mask, per_token, 0.0).sum(), mask.sum().clamp(min=1)
+    else:  # GRPO: mean over each completion's tokens, then over completions, so a long answer's tokens each
+        # weigh less. Dr. GRPO removes that length bias: total = (per_token * mask).sum() / MAX_NEW_TOKENS.
+        total, count = masked_mean(per_token, mask).sum(), mask.shape[0]
+    return total / (count if normalizer is None else normalizer)
+
+
+def global_count(mask: torch.Tensor, token_mean: bool) -> float:
+    """The grpo_loss normalizer that weighs every answer (or token, token_mean) the same on whichever rank it
+    landed: the count over all ranks / world size, since DeepSpeed averages the ranks' gradients. Ranks may
+    hold unequal batches (dropped groups, workers' extras); dividing by their own count would not do that."""
+    n = (mask.sum() if token_mean else torch.tensor(mask.shape[0], device=mask.device)).double()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(n)
+        n /= torch.distributed.get_world_size()
+    return n.item()
 
 
 def clip_fractions(ratio, advantages, mask, clip_eps, clip_eps_high):
@@ -324,8 +341,10 @@ def collate(groups, pad_id):
 
 
 def prepare_batch(engine, batch):
-    """The collated batch on the device; with MU > 1 and no gen_logps, pi_old is fixed first."""
+    """The collated batch on the device, with the loss normalizer over all ranks; with MU > 1 and no
+    gen_logps, pi_old is fixed first."""
     b = {k: None if v is None else v.to(engine.device) for k, v in batch.items()}
+    b["normalizer"] = global_count(b["mask"], TOKEN_MEAN)
     if MU > 1 and b["gen_logps"] is None:  # reuse needs a fixed pi_old: the weights before the first update
         with torch.no_grad():
             engine.eval()
@@ -345,11 +364,11 @@ def policy_loss(engine, b, m):
 
         loss, logps = grpo_loss_triton(logits, completion_ids, b["ref_logps"], b["gen_logps"], b["advantages"],
                                        b["mask"], BETA, CLIP_EPS, CLIP_EPS_HIGH, TOKEN_MEAN, TEMPERATURE,
-                                       return_logps=True, inplace_backward=True)
+                                       return_logps=True, inplace_backward=True, normalizer=b.get("normalizer"))
     else:
         logps = per_token_logps(logits, completion_ids, TEMPERATURE, inplace_backward=True)  # (B, T)
         loss = grpo_loss(logps, b["ref_logps"], b["gen_logps"], b["advantages"], b["mask"], BETA, CLIP_EPS,
-                         CLIP_EPS_HIGH, TOKEN_MEAN)
+                         CLIP_EPS_HIGH, TOKEN_MEAN, b.get("normalizer"))
     with torch.no_grad():
         logps = logps.detach()  # (B, T) the weights before this step
         ratio = torch.exp(logps - (logps if b["gen_logps"] is None else b["gen_logps"]))  # (B, T)
@@ -552,12 +571,19 @@ def load_policy(path, device):
 
 
 def server_health(model, tokenizer):
-    """The server's /health, after checking it holds a model with our vocabulary."""
+    """The server's /health, after checking it holds the model this policy starts from (call it before
+    any update): the same vocabulary, config and weights, unless ALLOW_REF_MISMATCH."""
     health = request_with_retry("GET", f"{REF_SERVER}/health", REF_TOKEN, give_up_after=SERVER_TIMEOUT).json()
     vocab = model.get_output_embeddings().weight.shape[0]
     if health["vocab_size"] != vocab or len(tokenizer) > health["vocab_size"]:
         sys.exit(f"reference server at {REF_SERVER} holds {health['model']} with vocab {health['vocab_size']}, "
                  f"but this policy has vocab {vocab} (tokenizer {len(tokenizer)}): start it with the same MODEL_PATH")
+    ours = model_fingerprint(model)
+    differ = [k for k in ours if health["fingerprint"].get(k) != ours[k]]
+    if differ and not ALLOW_REF_MISMATCH:
+        sys.exit(f"reference server at {REF_SERVER} holds {health['model']}, whose {' and '.join(differ)} differ "
+                 f"from this policy's ({health['fingerprint']} against {ours}): start it with the same MODEL_PATH, "
+                 "or set ALLOW_REF_MISMATCH=1 to train against another reference on purpose")
     return health
 
 

@@ -27,8 +27,8 @@ import uuid
 import bottle
 import torch
 
-from grpo_common import (UPLOAD_SPEC, OPTIONAL, apply_env_overrides, completion_logps, decode_batch, encode_batch,
-                         group_advantages, resolve_model_path)
+from grpo_common import (OPTIONAL, UPLOAD_SPEC, apply_env_overrides, completion_logps, decode_batch, encode_batch,
+                         group_advantages, model_fingerprint, resolve_model_path)
 
 # ----------------------------------------------------------------------------- constants
 # Model
@@ -117,6 +117,7 @@ class RefServer:
         self.device = next(model.parameters()).device
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.max_len = getattr(model.config, "max_position_embeddings", None) or 2**31
+        self.fingerprint = model_fingerprint(model)  # trainers check they start from the same model
         self.micro_batch, self.max_body, self.max_rows, self.max_tokens = micro_batch, max_body, max_rows, max_tokens
         self.queue_size, self.max_bytes = queue_size, max_bytes
         self.pending = queue.Queue()  # (tensors, meta, kind, nbytes) waiting for the reference forward
@@ -307,7 +308,8 @@ class RefServer:
         def health():
             with self.lock:
                 counters = dict(self.counters)
-            return dict(model=self.model_name, vocab_size=self.vocab_size, device=str(self.device),
+            return dict(model=self.model_name, vocab_size=self.vocab_size, fingerprint=self.fingerprint,
+                        device=str(self.device),
                         instance=self.instance, pending=self.pending.qsize(), ready=self.ready.qsize(),
                         ready_workers=self.ready_workers.qsize(), held_bytes=self.held_bytes, regroup=self.regroup,
                         uptime_s=round(time.time() - self.started, 1), **counters)

@@ -57,6 +57,28 @@ def test_trainer_stops_when_the_server_holds_another_vocabulary(server, tokenize
     assert not (tmp_path / "out" / "metrics.jsonl").exists() or not (tmp_path / "out" / "metrics.jsonl").read_text()
 
 
+def test_trainer_stops_when_the_server_holds_other_weights_unless_allowed(server, tiny_model_dir, tokenizer,
+                                                                         tmp_path):
+    """Same vocabulary and config, other weights (the server's model, nudged): the handshake compares
+    fingerprints, not only vocabulary sizes."""
+    from transformers import AutoModelForCausalLM
+
+    other = tmp_path / "other_weights"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    torch.manual_seed(123)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 1e-3)
+    model.save_pretrained(other)
+    tokenizer.save_pretrained(other)
+    run = train(str(other), server.url, tmp_path / "out", 1)
+    assert run.returncode != 0
+    assert "whose weights differ from this policy's" in run.stderr and "ALLOW_REF_MISMATCH=1" in run.stderr
+    run = train(str(other), server.url, tmp_path / "allowed", 1, ALLOW_REF_MISMATCH=1, ALL_STEPS=1, EVAL_STEPS=0)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert metrics(tmp_path / "allowed")[0][0]["kl"] > 0  # against another model from the first step
+
+
 def test_use_triton_trains_one_step_like_the_pytorch_path(server, tiny_model_dir, tmp_path):
     """USE_TRITON=1 under the interpreter: same rollout (same seed), so the same loss and update."""
     runs = {}

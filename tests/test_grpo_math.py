@@ -227,6 +227,56 @@ def test_padding_with_logp_minus_100_leaves_loss_and_gradient_finite(token_mean)
     assert masked_mean(torch.tensor([[1.0, float("inf")]]), torch.tensor([[True, False]])).item() == 1.0
 
 
+def _rank_gradient(rank, world, port, data, token_mean, normalize, results):
+    """One gloo rank: its share of the answers, the loss, then DeepSpeed's gradient average over ranks."""
+    import torch.distributed as dist
+
+    from grpo_ref_split import global_count
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    rows = [slice(0, 5), slice(5, 7)][rank] if world == 2 else slice(0, 7)  # 5 answers on rank 0, 2 on rank 1
+    x, ref, gen, adv, mask = (t[rows] for t in data)
+    w = torch.ones(x.shape[1], dtype=torch.float64, requires_grad=True)  # a weight every rank shares
+    normalizer = global_count(mask, token_mean) if normalize else None
+    grpo_loss(x * w, ref, gen, adv, mask, 0.04, 0.2, token_mean=token_mean, normalizer=normalizer).backward()
+    dist.all_reduce(w.grad)
+    results.put((rank, (w.grad / world).tolist()))
+    dist.destroy_process_group()
+
+
+def gradient_over_ranks(world, token_mean, normalize):
+    import multiprocessing as mp
+
+    from conftest import free_port
+
+    g = torch.Generator().manual_seed(8)
+    mask = torch.rand(7, 4, generator=g) > 0.3
+    mask[:, 0] = True
+    data = (-torch.rand(7, 4, generator=g, dtype=torch.float64) * 2, -torch.rand(7, 4, generator=g).double(),
+            -torch.rand(7, 4, generator=g).double(), torch.randn(7, generator=g).double(), mask)
+    ctx, port = mp.get_context("fork"), free_port()
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank_gradient, args=(r, world, port, data, token_mean, normalize, results))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    grads = dict(results.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    assert all(grads[r] == grads[0] for r in grads)  # the same averaged gradient on every rank
+    return torch.tensor(grads[0])
+
+
+@pytest.mark.parametrize("token_mean", [False, True])
+def test_two_ranks_with_unequal_batches_give_the_gradient_of_one_rank_holding_all(token_mean):
+    one = gradient_over_ranks(1, token_mean, normalize=True)
+    two = gradient_over_ranks(2, token_mean, normalize=True)
+    assert torch.allclose(one, two, atol=1e-12), (one, two)
+    own_counts = gradient_over_ranks(2, token_mean, normalize=False)  # each rank dividing by its own count
+    assert not torch.allclose(one, own_counts, atol=1e-3)
+
+
 def test_k3_is_zero_at_the_reference_and_positive_elsewhere():
     x = torch.linspace(-3, 0, 7)
     assert k3(x, x).abs().max() == 0

@@ -365,3 +365,24 @@ def test_the_real_environment_of_a_run_raises_no_false_warning(monkeypatch, capf
     grpo_common.apply_env_overrides(server, "ref_server.py")
     err = capfd.readouterr().err
     assert "WARNING" not in err and "[ref_server.py] PORT = " in err
+
+
+def test_fingerprint_tells_models_apart_but_not_dtypes(live, model, tokenizer):
+    import copy
+
+    from transformers import LlamaForCausalLM
+
+    from conftest import tiny_config
+
+    server, url = live
+    same = grpo_common.model_fingerprint(model)
+    assert requests.get(url + "/health", timeout=5).json()["fingerprint"] == same
+    assert grpo_common.model_fingerprint(copy.deepcopy(model).to(torch.bfloat16)) == same  # a bf16 server
+    nudged = copy.deepcopy(model)
+    with torch.no_grad():
+        next(nudged.parameters()).add_(1e-2)
+    nudged_print = grpo_common.model_fingerprint(nudged)
+    assert nudged_print["config"] == same["config"] and nudged_print["weights"] != same["weights"]
+    torch.manual_seed(1)
+    deeper = LlamaForCausalLM(tiny_config(tokenizer, num_hidden_layers=3))
+    assert grpo_common.model_fingerprint(deeper)["config"] != same["config"]

@@ -126,13 +126,14 @@ def test_inplace_backward_writes_the_gradient_over_the_logits():
     assert torch.allclose(leaf.detach(), want[:, 2:-1], atol=1e-5)
 
 
-@pytest.mark.parametrize("clip_eps_high, token_mean, with_ref", [(0.6, False, True), (0.2, True, True),
-                                                                 (0.6, True, False)])
-def test_variants_equal_the_pytorch_path(clip_eps_high, token_mean, with_ref):
+@pytest.mark.parametrize("clip_eps_high, token_mean, with_ref, normalizer", [
+    (0.6, False, True, None), (0.2, True, True, None), (0.6, True, False, None), (0.2, False, True, 5.5),
+    (0.2, True, True, 17.0)])
+def test_variants_equal_the_pytorch_path(clip_eps_high, token_mean, with_ref, normalizer):
     full, logits, ids, ref, gen, adv, mask = case(3, 7, 1100, seed=13)
     beta = 0.04 if with_ref else 0.0
     ref = ref if with_ref else None
-    kw = dict(clip_eps_high=clip_eps_high, token_mean=token_mean)
+    kw = dict(clip_eps_high=clip_eps_high, token_mean=token_mean, normalizer=normalizer)
     lt = grpo_loss_triton(logits, ids, ref, gen, adv, mask, beta, 0.2, temperature=1.0, **kw)
     (gt,) = torch.autograd.grad(lt, full)
     lp = grpo_loss(per_token_logps(logits, ids, 1.0), ref, gen, adv, mask, beta, 0.2, **kw)
