@@ -188,6 +188,19 @@ def stop(server, stop_serving):
     assert not server.worker.is_alive()
 
 
+def fail_first_forward(server):
+    """The server's next reference forward raises (as a CUDA out-of-memory would); later ones work."""
+    real, calls = server.reference_logps, []
+
+    def flaky(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("simulated CUDA out of memory")
+        return real(*args)
+
+    server.reference_logps = flaky
+
+
 def group(G=3, plen=5, tc=4, seed=0, **meta):
     g = torch.Generator().manual_seed(seed)
     tensors = dict(

@@ -10,7 +10,7 @@ import requests
 import torch
 
 import grpo_ref_split as grpo
-from conftest import ServerProcess, free_port, group, start, stop, wait_for
+from conftest import ServerProcess, fail_first_forward, free_port, group, start, stop, wait_for
 from grpo_common import decode_batch, encode_batch, request_with_retry
 from ref_server import exposure_warning
 
@@ -113,15 +113,7 @@ def test_trainer_learns_at_once_of_a_group_whose_reference_forward_failed(model,
     """The upload was answered 200, then the forward failed: the trainer is told on /get and goes on with
     the other group, instead of waiting SERVER_TIMEOUT for one that will never come."""
     server, stop_serving, url = start(model)
-    real, calls = server.reference_logps, []
-
-    def flaky(*args):
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("simulated CUDA out of memory")
-        return real(*args)
-
-    server.reference_logps = flaky
+    fail_first_forward(server)
     monkeypatch.setattr(grpo, "REF_SERVER", url)
     monkeypatch.setattr(grpo, "SERVER_TIMEOUT", 120.0)
     try:

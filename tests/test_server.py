@@ -10,7 +10,7 @@ import requests
 import torch
 
 import grpo_common
-from conftest import VOCAB, free_port, group, pull, start, stop, upload_and_pull, wait_for
+from conftest import VOCAB, fail_first_forward, free_port, group, pull, start, stop, upload_and_pull, wait_for
 from grpo_ref_split import collate
 from grpo_common import ServerError, completion_logps, encode_batch, request_with_retry
 from ref_server import RefServer
@@ -290,16 +290,7 @@ def test_queued_bytes_are_bounded_too(model):
 
 def test_a_failing_reference_forward_is_reported_and_the_server_goes_on(model, capfd):
     server, httpd, url = start(model)
-    real = server.reference_logps
-    calls = []
-
-    def flaky(*args):
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("simulated CUDA out of memory")
-        return real(*args)
-
-    server.reference_logps = flaky
+    fail_first_forward(server)
     try:
         body = encode_batch(*group(seed=1, n=1, upload_id="u1"))
         assert requests.post(url + "/upload", data=body).status_code == 200
