@@ -117,7 +117,8 @@ def model_fingerprint(model) -> dict:
     params = list(model.named_parameters())
     for name, p in params[:2] + params[-2:]:
         flat = p.detach().flatten()
-        sample = flat[torch.linspace(0, flat.numel() - 1, min(4096, flat.numel()), device=flat.device).long()]
+        k = min(4096, flat.numel())
+        sample = flat[torch.arange(k, device=flat.device) * (flat.numel() - 1) // max(k - 1, 1)]  # ints: exact
         weights.update(f"{name}{tuple(p.shape)}".encode())
         weights.update(sample.to(torch.bfloat16).float().cpu().numpy().tobytes())
     return {"config": hashlib.sha256(json.dumps(config, default=str).encode()).hexdigest()[:16],

@@ -47,8 +47,9 @@ def _grpo_fwd_kernel(
         lse = m + tl.log(s)
         token = tl.load(ids_ptr + row)
         logp = tl.load(base + token * stride_lv).to(tl.float32) * inv_temperature - lse
-        if HAS_GEN:
-            ratio = tl.exp(logp - tl.load(gen_ptr + row))
+        if HAS_GEN:  # a NaN marks a row trained on-policy (it came without gen_logps): ratio 1
+            gen = tl.load(gen_ptr + row)
+            ratio = tl.where(gen == gen, tl.exp(logp - gen), 1.0 + 0.0 * logp)
         else:
             ratio = 1.0 + 0.0 * logp  # exp(logp - logp.detach()): 1, with gradient logp's
         adv = tl.load(adv_ptr + b)
@@ -147,9 +148,9 @@ def grpo_loss_triton(logits, completion_ids, ref_logps, gen_logps, advantages, m
 
     logits[:, t] predicts completion_ids[:, t] (a strided view such as full[:, plen-1:-1] is read
     in place, never copied); ref_logps, gen_logps, mask (B, T); advantages (B,); gen_logps=None
-    means ratio = 1 (on-policy); ref_logps=None (only with beta=0) drops the KL term. clip_eps_high
-    token_mean and normalizer as in grpo_loss. return_logps=True also returns the per-token log-probs (B, T),
-    detached, for logging KL and clip fraction. inplace_backward=True writes d(logits) over the
+    (or NaN in a row) means ratio = 1 (on-policy); ref_logps=None (only with beta=0) drops the KL
+    term. clip_eps_high, token_mean and normalizer as in grpo_loss. return_logps=True also returns
+    the per-token log-probs (B, T), detached, for logging KL and clip fraction. inplace_backward=True writes d(logits) over the
     logits: saves a (B, T, V) buffer, and the caller must not read those logits afterwards.
     """
     if logits.dim() != 3 or logits.shape[:2] != completion_ids.shape:

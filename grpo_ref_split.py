@@ -129,7 +129,8 @@ def grpo_loss(logps, ref_logps, gen_logps, advantages, mask, beta, clip_eps, cli
 
     logps, ref_logps, gen_logps, mask: (B, T) over completion tokens; advantages (B,).
     gen_logps=None (one update per batch, fully on-policy) makes the ratio exp(x - x.detach()):
-    1 in value, the plain policy gradient in its gradient. ref_logps=None needs beta=0 (no KL).
+    1 in value, the plain policy gradient in its gradient; so do NaN entries (rows a batch mixes in
+    without gen_logps). ref_logps=None needs beta=0 (no KL).
     clip_eps_high (default clip_eps) bounds the ratio from above. token_mean: see TOKEN_MEAN.
     normalizer: what the summed loss is divided by, the answers (or, token_mean, valid tokens) of the
     whole step over all ranks (global_count); None = this batch's own count.
@@ -137,7 +138,7 @@ def grpo_loss(logps, ref_logps, gen_logps, advantages, mask, beta, clip_eps, cli
     # Padding holds anything (logp -100 against ref 0 makes exp overflow to inf, and inf x 0 = NaN
     # in value or gradient): there pi_old and ref are set to logp itself, so ratio 1 and k3 0.
     mask, pad = mask.bool(), logps.detach()  # (B, T) each
-    gen_logps = pad if gen_logps is None else torch.where(mask, gen_logps, pad)  # (B, T)
+    gen_logps = pad if gen_logps is None else torch.where(mask & ~gen_logps.isnan(), gen_logps, pad)  # (B, T)
     ref_logps = None if ref_logps is None else torch.where(mask, ref_logps, pad)  # (B, T)
     clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
     ratio = torch.exp(logps - gen_logps)  # (B, T)
@@ -237,11 +238,15 @@ def score(texts, golds, m) -> torch.Tensor:
 
 
 @torch.no_grad()
-def pack_groups(model, rollout, rewards, advantages, keep_all, m) -> list:
-    """The groups worth training on, each as (tensors, meta) in the wire format, with gen_logps.
+def pack_groups(model, rollout, rewards, advantages, keep_all, with_gen_logps, m) -> list:
+    """The groups worth training on, each as (tensors, meta) in the wire format.
 
     Groups whose answers all scored the same carry no signal and are left out (counted in m);
     keep_all=True keeps them, for the server's REGROUP, which can mix them with later answers.
+    with_gen_logps: add the sampling weights' log-probs (a forward). Only needed where the weights
+    that train the group are not the ones that sampled it: MU > 1, genonly workers, REGROUP's pool.
+    At MU = 1 a rank trains its groups with the very weights that sampled them, so the ratio is
+    exp(logp - logp.detach()): 1, with the right gradient, and the forward is saved.
     """
     G, mask = NUM_PRE_Q, rollout["mask"]
     varied = rewards.view(-1, G).std(1) > 0  # (Q,)
@@ -251,7 +256,8 @@ def pack_groups(model, rollout, rewards, advantages, keep_all, m) -> list:
     attn = torch.cat([rollout["prompt_mask"], torch.ones_like(rollout["completion_ids"])], 1)  # (B, P+T)
     P, T = rollout["prompt_ids"].shape[1], mask.shape[1]
     with timed(m, "gen_logps_s"):  # pi_old: the very weights that sampled (the ratio's denominator)
-        gen_logps = completion_logps(model, ids[rows], attn[rows], T, TEMPERATURE).cpu() if kept else None  # (K, T)
+        if kept and with_gen_logps:
+            gen_logps = completion_logps(model, ids[rows], attn[rows], T, TEMPERATURE).cpu()  # (K, T)
     groups = []
     for j, q in enumerate(kept):
         r = slice(q * G, (q + 1) * G)
@@ -259,8 +265,9 @@ def pack_groups(model, rollout, rewards, advantages, keep_all, m) -> list:
         tlen = int(mask[r].any(0).nonzero().max()) + 1  # drop columns every row has finished before
         tensors = dict(input_ids=ids[r, P - plen : P + tlen].cpu(),  # (G, plen + tlen)
                        completion_mask=mask[r, :tlen].cpu(),  # (G, tlen)
-                       advantages=advantages[r], rewards=rewards[r],  # (G,) each
-                       gen_logps=gen_logps[j * G : (j + 1) * G, :tlen])  # (G, tlen)
+                       advantages=advantages[r], rewards=rewards[r])  # (G,) each
+        if with_gen_logps:
+            tensors["gen_logps"] = gen_logps[j * G : (j + 1) * G, :tlen]  # (G, tlen)
         groups.append((tensors, {"plen": plen, "temperature": TEMPERATURE}))
     m.update(reward=rewards.mean().item(), reward_std=rewards.view(-1, G).std(1).mean().item())
     m["dropped"] += int((~varied).sum())
@@ -321,7 +328,7 @@ def collate(groups, pad_id):
     B = sum(g["input_ids"].shape[0] for g, _ in groups)
     b = dict(input_ids=torch.full((B, P + T), pad_id, dtype=torch.long),  # (B, P+T) prompts end at column P
              attention_mask=torch.zeros(B, P + T, dtype=torch.long), mask=torch.zeros(B, T, dtype=torch.bool),
-             ref_logps=torch.zeros(B, T), gen_logps=torch.zeros(B, T),  # (B, T) each
+             ref_logps=torch.zeros(B, T), gen_logps=torch.full((B, T), float("nan")),  # (B, T) each
              advantages=torch.cat([g["advantages"] for g, _ in groups]))  # (B,)
     row = 0
     for g, meta in groups:
@@ -334,22 +341,24 @@ def collate(groups, pad_id):
             if name in g:
                 b[name][row : row + n, :tlen] = g[name]
         row += n
-    for name in ("ref_logps", "gen_logps"):  # no ref_logps with BETA = 0; no gen_logps: on-policy (ratio 1)
-        if not all(name in g for g, _ in groups):
-            b[name] = None
+    if not all("ref_logps" in g for g, _ in groups):  # BETA = 0: nothing went to the server
+        b["ref_logps"] = None
+    if not any("gen_logps" in g for g, _ in groups):  # rows left NaN are trained on-policy (ratio 1)
+        b["gen_logps"] = None
     return b
 
 
 def prepare_batch(engine, batch):
-    """The collated batch on the device, with the loss normalizer over all ranks; with MU > 1 and no
-    gen_logps, pi_old is fixed first."""
+    """The collated batch on the device, with the loss normalizer over all ranks; with MU > 1, rows
+    without gen_logps get them first (reuse needs a fixed pi_old: the weights before the first update)."""
     b = {k: None if v is None else v.to(engine.device) for k, v in batch.items()}
     b["normalizer"] = global_count(b["mask"], TOKEN_MEAN)
-    if MU > 1 and b["gen_logps"] is None:  # reuse needs a fixed pi_old: the weights before the first update
+    if MU > 1 and (b["gen_logps"] is None or b["gen_logps"].isnan().any()):
         with torch.no_grad():
             engine.eval()
-            b["gen_logps"] = completion_logps(engine, b["input_ids"], b["attention_mask"], b["mask"].shape[1],
-                                              TEMPERATURE)  # (B, T)
+            now = completion_logps(engine, b["input_ids"], b["attention_mask"], b["mask"].shape[1],
+                                   TEMPERATURE)  # (B, T)
+        b["gen_logps"] = now if b["gen_logps"] is None else torch.where(b["gen_logps"].isnan(), now, b["gen_logps"])
     return b
 
 
@@ -371,7 +380,8 @@ def policy_loss(engine, b, m):
                          CLIP_EPS_HIGH, TOKEN_MEAN, b.get("normalizer"))
     with torch.no_grad():
         logps = logps.detach()  # (B, T) the weights before this step
-        ratio = torch.exp(logps - (logps if b["gen_logps"] is None else b["gen_logps"]))  # (B, T)
+        gen = logps if b["gen_logps"] is None else torch.where(b["gen_logps"].isnan(), logps, b["gen_logps"])
+        ratio = torch.exp(logps - gen)  # (B, T)
         low, high = clip_fractions(ratio, b["advantages"], b["mask"], CLIP_EPS, CLIP_EPS_HIGH)
         drift = masked_mean((ratio - 1).abs(), b["mask"]).mean()  # 0 on-policy; grows with MU, staleness
         passed = dict(loss=loss, clip_low=low, clip_high=high, ratio_drift=drift)
@@ -630,7 +640,7 @@ def main():
             rollout = generate(model, tokenizer, batch_questions, gen_config, eos_ids, m)  # 2. generate
             rewards = score(rollout["texts"], rollout["golds"], m)  # 3. score
             advantages = group_advantages(rewards, NUM_PRE_Q)  # 4. advantages
-            groups = pack_groups(model, rollout, rewards, advantages, keep_all, m)  # with gen_logps
+            groups = pack_groups(model, rollout, rewards, advantages, keep_all, MU > 1 or keep_all, m)
             with timed(m, "wait_s"):
                 groups = upload_and_pull(groups, step - 1, rank)  # 5. upload, and pull groups with ref_logps
             if groups:
@@ -701,7 +711,7 @@ def generate_only():
         m = defaultdict(float)
         rollout = generate(model, tokenizer, rng.sample(questions, Q_BATCH_SIZE), gen_config, eos_ids, m)
         rewards = score(rollout["texts"], rollout["golds"], m)
-        groups = pack_groups(model, rollout, rewards, group_advantages(rewards, NUM_PRE_Q), keep_all, m)
+        groups = pack_groups(model, rollout, rewards, group_advantages(rewards, NUM_PRE_Q), keep_all, True, m)
         upload(groups, version=version, worker=name)
         print(f"[{name}] version {version} | uploaded {len(groups)} groups | reward {m['reward']:.3f} | "
               f"acc {m['accuracy']:.2f}", flush=True)

@@ -7,5 +7,9 @@ python -c "import grpo_common, os; grpo_common.resolve_model_path(os.environ.get
 python ref_server.py > ref_server.log 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
+until grep -q "reference server ready" ref_server.log; do  # a server that dies at start: say so, don't wait
+  kill -0 $server 2>/dev/null || { echo "ref_server.py exited at start; ref_server.log:" >&2; tail -20 ref_server.log >&2; exit 1; }
+  sleep 1
+done
 NUM_GPUS=${NUM_GPUS:-1}  # CPU here: 1 rank; on a GPU machine leave --num_gpus out to use them all
 deepspeed --num_gpus "$NUM_GPUS" grpo_ref_split.py

@@ -307,7 +307,9 @@ def test_collate_aligns_groups_of_different_lengths():
     assert b["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]]
     assert b["mask"].int().tolist() == [[1, 1, 0], [1, 1, 0], [1, 1, 0]]
     assert b["ref_logps"][2].tolist() == [-3.0] * 3 and b["ref_logps"][0].tolist() == [-1.0, -1.0, 0.0]
-    assert b["gen_logps"] is None  # one group sent no old log-probs: the batch trains on-policy (ratio 1)
+    assert b["gen_logps"][2].isnan().all()  # a group sent without gen_logps: its rows train on-policy (ratio 1)
+    assert b["gen_logps"][0].tolist()[:2] == [-2.0, -2.0]
+    assert collate([(g2, {"plen": 1})], pad_id=0)["gen_logps"] is None  # no row has them
     assert collate([(g1, {"plen": 3})], pad_id=0)["gen_logps"].tolist() == [[-2.0, -2.0], [-2.0, -2.0]]
     assert b["advantages"].tolist() == [1.0, -1.0, 0.5]
 

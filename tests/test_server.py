@@ -377,3 +377,20 @@ def test_fingerprint_tells_models_apart_but_not_dtypes(live, model, tokenizer):
     torch.manual_seed(1)
     deeper = LlamaForCausalLM(tiny_config(tokenizer, num_hidden_layers=3))
     assert grpo_common.model_fingerprint(deeper)["config"] != same["config"]
+
+
+def test_fingerprint_samples_parameters_past_float32_precision():
+    """The embedded model's embedding has 28,311,552 values: float32 positions would round past its end."""
+    import types
+
+    class Big(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = types.SimpleNamespace(to_dict=lambda: {"vocab_size": 1})
+            self.w = torch.nn.Parameter(torch.ones(28_311_552))
+
+    big = Big()
+    first = grpo_common.model_fingerprint(big)  # used to raise IndexError
+    with torch.no_grad():
+        big.w[-1] = -1.0  # the last value is sampled
+    assert grpo_common.model_fingerprint(big)["weights"] != first["weights"]

@@ -62,6 +62,16 @@ def padded_case():
     return full, logits, ids, ref, gen, adv, mask
 
 
+def test_rows_without_gen_logps_train_on_policy_like_the_pytorch_path():
+    """A batch that mixes this rank's own groups (no gen_logps: NaN rows) with older ones."""
+    full, logits, ids, ref, gen, adv, mask = case(3, 5, 300, seed=21)
+    gen = gen.clone()
+    gen[0] = float("nan")
+    (lt, _, gt), (lp, _, gp) = both(full, logits, ids, ref, gen, adv, mask, 0.7)
+    assert torch.isfinite(lt) and torch.isfinite(gt).all()
+    assert abs(lt.item() - lp.item()) <= 1e-5 * max(1.0, abs(lp.item())) and torch.allclose(gt, gp, atol=1e-5)
+
+
 def test_padding_with_a_very_negative_log_prob_gives_a_finite_loss_and_gradient():
     full, logits, ids, ref, gen, adv, mask = padded_case()
     assert per_token_logps(logits, ids, 1.0).detach()[1, 3:].max() < -90

@@ -137,6 +137,7 @@ def test_train_step_with_mu_two_fixes_pi_old_before_the_first_update(fresh_model
         engine, m = PlainEngine(model, lr=1e-2), defaultdict(float)
         batch = grpo.prepare_batch(engine, b)  # MU > 1 without gen_logps: pi_old is fixed here
         assert (batch["gen_logps"] is None) == (mu == 1)
+        assert mu == 1 or not batch["gen_logps"].isnan().any()
         for _ in range(mu):
             update(engine, batch, m)
         results[mu] = (m, model)
@@ -155,7 +156,7 @@ def tiny_policy(tiny_model_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-def short_rollout(tiny_policy, monkeypatch, masked, keep_all=False, max_new_tokens=8):
+def short_rollout(tiny_policy, monkeypatch, masked, keep_all=False, max_new_tokens=8, with_gen_logps=False):
     model, tok = tiny_policy
     monkeypatch.setattr(grpo, "MASK_TRUNCATED", masked)
     monkeypatch.setattr(grpo, "NUM_PRE_Q", 4)
@@ -167,7 +168,8 @@ def short_rollout(tiny_policy, monkeypatch, masked, keep_all=False, max_new_toke
     m = defaultdict(float)
     rollout = grpo.generate(model, tok, questions, cfg, [tok.eos_token_id], m)  # steps 2-4 as the trainer runs them
     rewards = grpo.score(rollout["texts"], rollout["golds"], m)
-    return grpo.pack_groups(model, rollout, rewards, group_advantages(rewards, 4), keep_all, m), m
+    groups = grpo.pack_groups(model, rollout, rewards, group_advantages(rewards, 4), keep_all, with_gen_logps, m)
+    return groups, m
 
 
 def test_mask_truncated_removes_cut_answers_from_the_loss(tiny_policy, monkeypatch):
@@ -193,6 +195,44 @@ def test_keep_all_packs_groups_without_reward_variance(tiny_policy, monkeypatch)
     assert stats["dropped"] > 0 and len(groups) == 8 - stats["dropped"]
     assert len(all_groups) == 8
     assert 0 <= stats["reward_std"] and stats["max_length"] >= stats["length"] > 0
+
+
+# ----------------------------------------------------------------------------- gen_logps only where needed
+def test_gen_logps_are_computed_only_when_asked_and_equal_the_sampling_weights(tiny_policy, monkeypatch):
+    """MU = 1 packs no gen_logps (no forward: ratio exp(x - x.detach())); MU > 1, workers and REGROUP
+    ask for them, and they are the sampling weights' log-probs of the sampled tokens."""
+    calls = []
+    real = grpo.completion_logps
+    monkeypatch.setattr(grpo, "completion_logps", lambda *a, **k: calls.append(1) or real(*a, **k))
+    plain, m = short_rollout(tiny_policy, monkeypatch, False, max_new_tokens=16)
+    assert plain and not calls and all("gen_logps" not in t for t, _ in plain) and m["gen_logps_s"] < 0.05
+    with_gen, _ = short_rollout(tiny_policy, monkeypatch, False, max_new_tokens=16, with_gen_logps=True)
+    assert calls == [1] and all(t["gen_logps"].shape == t["completion_mask"].shape for t, _ in with_gen)
+    model = tiny_policy[0]
+    for t, meta in with_gen:
+        ids = t["input_ids"]
+        with torch.no_grad():
+            want = real(model, ids, torch.ones_like(ids), ids.shape[1] - meta["plen"], grpo.TEMPERATURE)
+        assert torch.allclose(t["gen_logps"][t["completion_mask"]], want[t["completion_mask"]], atol=1e-5)
+
+
+def test_on_policy_rows_need_no_gen_logps_for_the_same_loss_and_gradient():
+    """Without gen_logps (None, or NaN rows that a batch mixes in) the ratio is 1 with the policy
+    gradient: the same as passing the current log-probs as pi_old. Rows with gen_logps keep theirs."""
+    torch.manual_seed(9)
+    logps = (-torch.rand(4, 5)).requires_grad_()
+    ref, adv, mask = -torch.rand(4, 5), torch.tensor([1.0, -1.0, 0.5, 2.0]), torch.rand(4, 5) > 0.2
+    stale = logps.detach() + torch.randn(4, 5) * 0.3  # rows 2-3: groups from an older policy
+    mixed = torch.cat([torch.full((2, 5), float("nan")), stale[2:]])  # rows 0-1: this rank's own groups
+    explicit = torch.cat([logps.detach()[:2], stale[2:]])
+    results = []
+    for gen in (None, logps.detach()), (mixed, explicit):
+        for g in gen:
+            loss = grpo_loss(logps, ref, g, adv, mask, 0.04, 0.2)
+            results.append((loss.item(), torch.autograd.grad(loss, logps)[0]))
+    for (a, ga), (b, gb) in (results[:2], results[2:]):
+        assert a == pytest.approx(b, rel=1e-6) and torch.allclose(ga, gb, atol=1e-7)
+    assert results[0][0] != pytest.approx(results[2][0], rel=1e-3)  # the stale rows do change the loss
 
 
 # ----------------------------------------------------------------------------- REGROUP on the server
