@@ -33,6 +33,10 @@ def apply_env_overrides(namespace: dict, file: str) -> None:
             continue
         default, raw = namespace[name], os.environ[name]
         try:
+            json.dumps(default)
+        except TypeError:  # REWARDS holds functions: not a thing an environment variable can say
+            sys.exit(f"environment variable {name}: {name} cannot be set from the environment; edit it in {file}")
+        try:
             if isinstance(default, bool):  # before int: bool is an int subclass
                 if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
                     raise ValueError("expected 1/0/true/false")

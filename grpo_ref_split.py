@@ -26,6 +26,7 @@ Every UPPER_CASE constant below can be overridden by an environment variable of 
 """
 import contextlib
 import json
+import math
 import os
 import random
 import re
@@ -71,10 +72,10 @@ CLIP_EPS_HIGH = 0.2  # ... and rise to 1 + CLIP_EPS_HIGH; DAPO's clip-higher (0.
 TOKEN_MEAN = False  # False = GRPO: mean per answer, then over answers; True = DAPO: one mean over all tokens
 MU = 1  # optimizer steps on each batch; > 1 reuses it, and the clipped ratio keeps each step near pi_old
 MASK_TRUNCATED = False  # True = answers cut at MAX_NEW_TOKENS take no part in the loss (DAPO's overlong filter)
-CORRECT_WEIGHT = 2.0  # reward for a right answer ...
-FORMAT_WEIGHT = 1.0  # ... and for the tag format: half of CORRECT_WEIGHT, so format alone cannot win
+REWARDS = [(reward_correct, 2.0), (reward_format, 1.0)]  # (f(completion, gold, question) -> float, weight); format
+# weighs half of correctness so it cannot win alone. One more reward is one more pair (README: a length penalty).
 # Optimisation
-LR = 1e-5  # AdamW learning rate (replaces the one in DS_CONFIG)
+LR = 1e-5  # AdamW learning rate (replaces the one in DS_CONFIG); its schedule is DS_CONFIG's "scheduler"
 ALL_STEPS = 30  # training steps
 GRADIENT_CHECKPOINTING = False  # recompute activations in backward: one more forward, far less memory
 USE_TRITON = False  # True = fused Triton loss (grpo_loss_triton.py, GPU); the PyTorch path is the reference
@@ -225,16 +226,30 @@ def generate(model, tokenizer, questions, gen_config, eos_ids, m) -> dict:
     m.update(length=lengths.mean().item(), max_length=lengths.max().item(), truncated=1 - stopped.float().mean().item())
     return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids, mask=mask,
                 texts=tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
-                golds=[q["gold"] for q in questions for _ in range(NUM_PRE_Q)])
+                golds=[q["gold"] for q in questions for _ in range(NUM_PRE_Q)],
+                questions=[q["question"] for q in questions for _ in range(NUM_PRE_Q)])
 
 
-def score(texts, golds, m) -> torch.Tensor:
-    """Step 3: (N,) rewards; each reward's mean goes to m. The prefill is put back so the tags read whole."""
+def score(texts, golds, questions, m) -> torch.Tensor:
+    """Step 3: (N,) the weighted sum of REWARDS; each function's mean goes to m under its name. The
+    prefill is put back so the tags read whole. A reward that raises or is not a finite number stops
+    the run, naming the function and the completion: nothing is silently turned into 0."""
+    total = torch.zeros(len(texts))  # (N,)
     with timed(m, "score_s"):
-        fmt = torch.tensor([reward_format(THINK_PREFILL + t) for t in texts])  # (N,)
-        correct = torch.tensor([reward_correct(THINK_PREFILL + t, g) for t, g in zip(texts, golds)])  # (N,)
-    m.update(format=fmt.mean().item(), accuracy=correct.mean().item())
-    return CORRECT_WEIGHT * correct + FORMAT_WEIGHT * fmt  # (N,)
+        for fn, weight in REWARDS:
+            values = []
+            for text, gold, question in zip(texts, golds, questions):
+                try:
+                    value = fn(THINK_PREFILL + text, gold, question)
+                except Exception as e:
+                    sys.exit(f"reward {fn.__name__} raised {e!r} on the completion {THINK_PREFILL + text!r}")
+                if type(value) not in (int, float, bool) or not math.isfinite(value):
+                    sys.exit(f"reward {fn.__name__} returned {value!r}, not a finite number, on the completion "
+                             f"{THINK_PREFILL + text!r}")
+                values.append(float(value))
+            m[fn.__name__] = sum(values) / len(values)
+            total += weight * torch.tensor(values)
+    return total  # (N,)
 
 
 @torch.no_grad()
@@ -395,7 +410,7 @@ def policy_loss(engine, b, m):
 # ----------------------------------------------------------------------------- evaluation, logging, checkpoints
 @torch.no_grad()
 def evaluate(model, tokenizer, questions, eos_ids, batch_size=16):
-    """Greedy answers to held-out questions: {"eval_accuracy", "eval_format"}. Greedy decoding draws no
+    """Greedy answers to held-out questions: {"eval_<reward name>": mean}. Greedy decoding draws no
     random numbers, and fork_rng guards the training stream anyway: evaluating never changes training."""
     from transformers import GenerationConfig
 
@@ -410,8 +425,8 @@ def evaluate(model, tokenizer, questions, eos_ids, batch_size=16):
             out = model.generate(**enc, generation_config=greedy)  # (b, P+T)
             texts += tokenizer.batch_decode(out[:, enc.input_ids.shape[1] :], skip_special_tokens=True)
     m = defaultdict(float)
-    score(texts, [q["gold"] for q in questions], m)
-    return {"eval_accuracy": m["accuracy"], "eval_format": m["format"]}
+    score(texts, [q["gold"] for q in questions], [q["question"] for q in questions], m)
+    return {f"eval_{fn.__name__}": m[fn.__name__] for fn, _ in REWARDS}
 
 
 def reduce_over_ranks(values: dict, device) -> dict:
@@ -454,8 +469,9 @@ def log_step(step, m, metrics_file):
     if metrics_file is None:
         return
     kl = f"kl {m['kl']:.4f} | " if "kl" in m else ""
-    tqdm.write(f"step {step:4d} | loss {m['loss']:+.4f} | reward {m['reward']:.3f} | format {m['format']:.2f} | "
-               f"acc {m['accuracy']:.2f} | {kl}clip {m['clip_low']:.3f}/{m['clip_high']:.3f} | "
+    parts = " | ".join(f"{fn.__name__} {m[fn.__name__]:.2f}" for fn, _ in REWARDS)
+    tqdm.write(f"step {step:4d} | loss {m['loss']:+.4f} | reward {m['reward']:.3f} | {parts} | "
+               f"{kl}clip {m['clip_low']:.3f}/{m['clip_high']:.3f} | lr {m['lr']:.2e} | "
                f"len {m['length']:.1f} | {m['seconds']:.1f}s")
     write_metrics(metrics_file, step, m)
 
@@ -464,14 +480,19 @@ def log_eval(step, model, tokenizer, held_out, eos_ids, rank, metrics_file):
     """Rank 0 evaluates; the others wait for it."""
     if rank == 0:
         m = evaluate(model, tokenizer, held_out, eos_ids)
-        tqdm.write(f"eval {step:4d} | held-out accuracy {m['eval_accuracy']:.3f} | format {m['eval_format']:.3f} "
-                   f"| {len(held_out)} questions, greedy")
+        parts = " | ".join(f"{k[5:]} {v:.3f}" for k, v in m.items())
+        tqdm.write(f"eval {step:4d} | held-out {parts} | {len(held_out)} questions, greedy")
         write_metrics(metrics_file, step, m)
     torch.distributed.barrier()
 
 
+def is_eval(line: dict) -> bool:
+    """A held-out evaluation's line of metrics.jsonl (its metrics are eval_<reward name>)."""
+    return any(k.startswith("eval_") for k in line)
+
+
 def plot_curves(metrics_path, png_path=None):
-    """Reward, format rate, accuracy and KL against step from any metrics.jsonl, as a PNG.
+    """Reward, each reward function's mean and KL against step from any metrics.jsonl, as a PNG.
 
     Runs on its own too: python -c "import grpo_ref_split as g; g.plot_curves('output/metrics.jsonl')"
     """
@@ -482,16 +503,17 @@ def plot_curves(metrics_path, png_path=None):
 
     with open(metrics_path) as f:
         lines = [json.loads(line) for line in f if line.strip()]
-    keys = ("reward", "format", "accuracy", "kl")  # kl is absent with BETA = 0: its panel stays empty
-    rows = [r for r in lines if "eval_accuracy" not in r]  # training steps
-    evals = [r for r in lines if "eval_accuracy" in r]  # held-out evaluations, drawn dashed
-    if not rows or any(k not in r for r in rows for k in keys[:3] + ("step",)):
-        raise ValueError(f"{metrics_path}: need JSON lines with step, {', '.join(keys[:3])} (and kl)")
+    rows = [r for r in lines if not is_eval(r)]  # training steps
+    evals = [r for r in lines if is_eval(r)]  # held-out evaluations, drawn dashed
+    rewards = sorted(k for k in (rows[0] if rows else {}) if k.startswith("reward_"))  # one panel per function
+    keys = ("reward", *rewards, "kl")  # kl is absent with BETA = 0: its panel stays empty
+    if not rows or not rewards or any(k not in r for r in rows for k in ("step", "reward", *rewards)):
+        raise ValueError(f"{metrics_path}: need JSON lines with step, reward and each reward_<name> (and kl)")
     fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.2))
     for ax, key in zip(axes, keys):
         drawn = [r for r in rows if key in r]
         ax.plot([r["step"] for r in drawn], [r[key] for r in drawn], marker=".", label="training samples")
-        if evals and key in ("format", "accuracy"):
+        if evals and key in rewards:
             ax.plot([r["step"] for r in evals], [r[f"eval_{key}"] for r in evals], "--o", label="held-out, greedy")
             ax.legend(fontsize=7)
         ax.set(title=key, xlabel="step")
@@ -548,7 +570,9 @@ def resume(engine, rng, rank):
     if not os.path.exists(os.path.join(folder, "deepspeed")) or not os.path.exists(rng_file):
         sys.exit(f"{folder} has no DeepSpeed state for rank {rank}: it was saved by an older version or with "
                  "fewer ranks; resume with the same --num_gpus, or load its weights with MODEL_PATH instead")
-    _, client = engine.load_checkpoint(folder, tag="deepspeed")  # weights and optimizer state
+    _, client = engine.load_checkpoint(folder, tag="deepspeed")  # weights, optimizer and scheduler state
+    if engine.lr_scheduler is not None:  # the rate of the step it stopped at, whatever the optimizer state held
+        engine.lr_scheduler.step(engine.lr_scheduler.last_batch_iteration)
     state = torch.load(rng_file, weights_only=True)
     rng.setstate(state["python"])
     torch.set_rng_state(state["torch"])
@@ -614,8 +638,12 @@ def setup_deepspeed():
     with open(DS_CONFIG) as f:
         ds_config = json.load(f)
     ds_config["optimizer"]["params"]["lr"] = LR
+    if "scheduler" in ds_config:  # DeepSpeed's own; it counts optimizer steps, MU per training step
+        ds_config["scheduler"]["params"]["total_num_steps"] = ALL_STEPS * MU
     ds_config["bf16"] = {"enabled": cuda}  # CPU ranks train in fp32: bf16 matmuls there are slow and lossy
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    if engine.lr_scheduler is not None:  # its rate for the first step is set only at its first step()
+        engine.lr_scheduler.step(0)
     return engine, tokenizer, eos_ids, gen_config, rank, device
 
 
@@ -638,7 +666,7 @@ def main():
         for attempt in range(1, 21):  # until the server hands back groups (all-equal rewards are dropped)
             batch_questions = rng.sample(questions, Q_BATCH_SIZE)  # 1. sample
             rollout = generate(model, tokenizer, batch_questions, gen_config, eos_ids, m)  # 2. generate
-            rewards = score(rollout["texts"], rollout["golds"], m)  # 3. score
+            rewards = score(rollout["texts"], rollout["golds"], rollout["questions"], m)  # 3. score
             advantages = group_advantages(rewards, NUM_PRE_Q)  # 4. advantages
             groups = pack_groups(model, rollout, rewards, advantages, keep_all, MU > 1 or keep_all, m)
             with timed(m, "wait_s"):
@@ -652,6 +680,7 @@ def main():
         for _ in range(MU):  # MU > 1 reuses the batch; the clipped ratio keeps each pass near gen_logps
             with timed(m, "fwd_bwd_s"):
                 engine.backward(policy_loss(engine, batch, m))  # 6. loss (and its gradient)
+            m["lr"] += engine.get_lr()[0] / MU  # the rate this step uses (the scheduler moves it in engine.step)
             with timed(m, "optim_s"):
                 engine.step()  # 7. optimizer step
         log_step(step, reduce_over_ranks(step_metrics(m, groups, step, attempt, step_start), device), metrics_file)
@@ -710,11 +739,10 @@ def generate_only():
             continue
         m = defaultdict(float)
         rollout = generate(model, tokenizer, rng.sample(questions, Q_BATCH_SIZE), gen_config, eos_ids, m)
-        rewards = score(rollout["texts"], rollout["golds"], m)
+        rewards = score(rollout["texts"], rollout["golds"], rollout["questions"], m)
         groups = pack_groups(model, rollout, rewards, group_advantages(rewards, NUM_PRE_Q), keep_all, True, m)
         upload(groups, version=version, worker=name)
-        print(f"[{name}] version {version} | uploaded {len(groups)} groups | reward {m['reward']:.3f} | "
-              f"acc {m['accuracy']:.2f}", flush=True)
+        print(f"[{name}] version {version} | uploaded {len(groups)} groups | reward {m['reward']:.3f}", flush=True)
 
 
 if __name__ == "__main__":

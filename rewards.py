@@ -6,7 +6,8 @@ back in front) and return a float, so a reader can check any completion by hand:
 
     python -c "import rewards; print(rewards.reward_correct('<answer>42</answer>', '42'))"
 
-The trainer combines them as CORRECT_WEIGHT * reward_correct + FORMAT_WEIGHT * reward_format.
+Every reward is called as f(completion, gold, question) -> float; the trainer's REWARDS lists
+(function, weight) pairs and sums the weighted values.
 """
 import json
 import random
@@ -23,7 +24,7 @@ NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 
 
-def reward_format(completion: str) -> float:
+def reward_format(completion: str, gold: str | None = None, question: str | None = None) -> float:
     """1.0 when the text is exactly <think>...</think> <answer>...</answer>, else 0.0."""
     text = completion.strip()
     if FORMAT_RE.fullmatch(text) is None or any(text.count(tag) != 1 for tag in TAGS):
@@ -40,7 +41,7 @@ def extract_answer(completion: str) -> str | None:
     return numbers[-1] if numbers else None
 
 
-def reward_correct(completion: str, gold: str) -> float:
+def reward_correct(completion: str, gold: str, question: str | None = None) -> float:
     """1.0 when the extracted answer equals `gold` mathematically (math-verify), else 0.0."""
     answer = extract_answer(completion)
     if answer is None or not answer:

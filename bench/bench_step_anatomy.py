@@ -61,7 +61,7 @@ def run_steps(out_dir):
 def anatomy(metrics_path):
     with open(metrics_path) as f:
         lines = [json.loads(line) for line in f if line.strip()]
-    steps = [m for m in lines if "eval_accuracy" not in m]
+    steps = [m for m in lines if not any(k.startswith("eval_") for k in m)]
     if len(steps) < 2 or any("score_s" not in m for m in steps):
         sys.exit(f"{metrics_path}: need 2+ training steps logged with generate_s/gen_logps_s/score_s "
                  "(written by this version of grpo_ref_split.py)")

@@ -43,11 +43,12 @@ def trl_seconds_per_step(out_dir):
     data = Dataset.from_list([{"prompt": g.build_prompt(tokenizer, q["question"]), "gold": q["gold"]}
                               for q in questions[: 4 * STEPS * 4]])  # already chat-templated and prefilled
 
-    def correct(prompts, completions, gold, **_):
-        return [rewards.reward_correct(g.THINK_PREFILL + c, a) for c, a in zip(completions, gold)]
+    def trl_reward(fn):  # TRL calls reward_funcs with lists; ours take one completion, its gold and question
+        def call(prompts, completions, gold, **_):
+            return [fn(g.THINK_PREFILL + c, a, p) for p, c, a in zip(prompts, completions, gold)]
 
-    def format_(prompts, completions, **_):
-        return [rewards.reward_format(g.THINK_PREFILL + c) for c in completions]
+        call.__name__ = fn.__name__
+        return call
 
     class StepTimer(TrainerCallback):
         def __init__(self):
@@ -64,13 +65,13 @@ def trl_seconds_per_step(out_dir):
         output_dir=out_dir, max_steps=STEPS, per_device_train_batch_size=g.Q_BATCH_SIZE * g.NUM_PRE_Q,
         num_generations=g.NUM_PRE_Q, max_completion_length=g.MAX_NEW_TOKENS, temperature=g.TEMPERATURE,
         top_k=0, top_p=1.0, beta=g.BETA, epsilon=g.CLIP_EPS, learning_rate=g.LR, loss_type="grpo",
-        num_iterations=1, reward_weights=[g.CORRECT_WEIGHT, g.FORMAT_WEIGHT], logging_steps=1, save_strategy="no",
+        num_iterations=1, reward_weights=[w for _, w in g.REWARDS], logging_steps=1, save_strategy="no",
         report_to="none", use_cpu=True, bf16=False, gradient_checkpointing=False,  # ours runs without it too
         seed=g.SEED, model_init_kwargs={"dtype": torch.float32},
     )
     timer = StepTimer()
-    trainer = GRPOTrainer(model=path, reward_funcs=[correct, format_], args=config, train_dataset=data,
-                          processing_class=tokenizer, callbacks=[timer])
+    trainer = GRPOTrainer(model=path, reward_funcs=[trl_reward(fn) for fn, _ in g.REWARDS], args=config,
+                          train_dataset=data, processing_class=tokenizer, callbacks=[timer])
     trainer.train()
     return timer.times
 

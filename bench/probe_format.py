@@ -32,9 +32,11 @@ def main():
                              attention_mask=enc.attention_mask.repeat_interleave(G, 0), generation_config=gen_config)
     texts = tokenizer.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
     m = defaultdict(float)
-    grpo.score(texts, [q["gold"] for q in questions for _ in range(G)], m)
+    grpo.score(texts, [q["gold"] for q in questions for _ in range(G)],
+               [q["question"] for q in questions for _ in range(G)], m)
     closed = sum("</think>" in t for t in texts)
-    print(f"EXAMPLE={grpo.EXAMPLE!r}: {len(texts)} answers | format {m['format']:.0%} | correct {m['accuracy']:.0%} "
+    print(f"EXAMPLE={grpo.EXAMPLE!r}: {len(texts)} answers | format {m['reward_format']:.0%} "
+          f"| correct {m['reward_correct']:.0%} "
           f"| {closed} contain </think>")
 
 

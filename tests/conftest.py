@@ -132,7 +132,7 @@ def metrics(out):
     import json
 
     lines = [json.loads(line) for line in pathlib.Path(out, "metrics.jsonl").read_text().splitlines()]
-    return [m for m in lines if "eval_accuracy" not in m], [m for m in lines if "eval_accuracy" in m]
+    return [m for m in lines if not grpo.is_eval(m)], [m for m in lines if grpo.is_eval(m)]
 
 
 class ServerProcess:

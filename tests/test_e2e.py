@@ -29,7 +29,7 @@ def test_training_steps_end_to_end(server, tiny_model_dir, tmp_path, ranks):
         keys = ("loss", "reward", "reward_std", "kl", "clip_low", "clip_high", "ratio_drift", "length", "max_length",
                 "staleness", "generate_s", "gen_logps_s", "score_s", "wait_s", "fwd_bwd_s", "optim_s", "seconds")
         assert all(math.isfinite(m[k]) for k in keys)
-        assert 0 <= m["format"] <= 1 and 0 <= m["accuracy"] <= 1 and m["length"] > 0
+        assert 0 <= m["reward_format"] <= 1 and 0 <= m["reward_correct"] <= 1 and m["length"] > 0
     assert lines[0]["kl"] < 1e-6  # step 1: the policy is still the reference model
     assert lines[1]["kl"] > 0  # after one update it has moved away
 
@@ -106,7 +106,7 @@ def test_evaluation_is_logged_and_does_not_change_training(server, tiny_model_di
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     train_lines, evals = metrics(tmp_path / "eval")
     assert [m["step"] for m in evals] == [0, 1, 2]  # before step 1, then every step
-    assert all(0 <= m["eval_accuracy"] <= 1 and 0 <= m["eval_format"] <= 1 for m in evals)
+    assert all(0 <= m["eval_reward_correct"] <= 1 and 0 <= m["eval_reward_format"] <= 1 for m in evals)
     plain, _ = metrics(tmp_path / "no_eval")
     assert [m["reward"] for m in train_lines] == [m["reward"] for m in plain]  # the same samples were drawn
     with_eval, without = params(tmp_path / "eval" / "step_2"), params(tmp_path / "no_eval" / "step_2")

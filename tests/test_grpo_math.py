@@ -322,10 +322,10 @@ def test_plot_curves_draws_each_metric(tmp_path):
     from grpo_ref_split import plot_curves
 
     path = tmp_path / "metrics.jsonl"
-    path.write_text(json.dumps({"step": 0, "eval_accuracy": 0.1, "eval_format": 0.0}) + "\n"
-                    + "".join(json.dumps({"step": s, "reward": s / 10, "format": s / 20, "accuracy": 0.5, "kl": s / 100,
-                                          "loss": 0.0}) + "\n" for s in range(1, 11))
-                    + json.dumps({"step": 10, "eval_accuracy": 0.4, "eval_format": 0.2}) + "\n")
+    path.write_text(json.dumps({"step": 0, "eval_reward_correct": 0.1, "eval_reward_format": 0.0}) + "\n"
+                    + "".join(json.dumps({"step": s, "reward": s / 10, "reward_format": s / 20, "reward_correct": 0.5,
+                                          "kl": s / 100, "loss": 0.0}) + "\n" for s in range(1, 11))
+                    + json.dumps({"step": 10, "eval_reward_correct": 0.4, "eval_reward_format": 0.2}) + "\n")
     png = plot_curves(str(path))
     assert png == str(tmp_path / "curves.png")
     with Image.open(png) as f:

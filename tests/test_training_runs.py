@@ -1,5 +1,6 @@
 """Whole training runs on CPU (deepspeed --num_gpus 1, the tiny model): resume after a kill,
 the variants without a server, a server killed mid-run, and a genonly generation worker."""
+import json
 import os
 import shutil
 import signal
@@ -26,8 +27,22 @@ def kill_group(proc):
     proc.wait(timeout=30)
 
 
+def ds_config(tmp_path, scheduler):
+    """ds_config.json with another scheduler block (None: none at all); returns its path."""
+    with open(os.path.join(ROOT, "ds_config.json")) as f:
+        config = json.load(f)
+    config.pop("scheduler")
+    if scheduler:
+        config["scheduler"] = {"type": "WarmupCosineLR", "params": scheduler}
+    path = tmp_path / f"ds_config_{len(os.listdir(tmp_path))}.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
 def test_resume_after_a_kill_continues_like_the_uninterrupted_run(server, tiny_model_dir, tmp_path):
-    run = dict(ALL_STEPS=3, SAVE_STEPS=1, KEEP_CHECKPOINTS=2, EVAL_STEPS=0)
+    """With a learning-rate schedule that changes every step: resume continues it where it stopped."""
+    schedule = dict(warmup_num_steps=2, warmup_min_ratio=0.5, cos_min_ratio=0.1, warmup_type="linear")
+    run = dict(ALL_STEPS=3, SAVE_STEPS=1, KEEP_CHECKPOINTS=2, EVAL_STEPS=0, DS_CONFIG=ds_config(tmp_path, schedule))
     straight = train(tiny_model_dir, server.url, tmp_path / "straight", 1, **run)
     assert straight.returncode == 0, straight.stderr[-3000:]
     assert sorted(os.listdir(tmp_path / "straight")) == ["curves.png", "metrics.jsonl", "step_2", "step_3"]
@@ -57,6 +72,19 @@ def test_resume_after_a_kill_continues_like_the_uninterrupted_run(server, tiny_m
     a, b = params(tmp_path / "straight" / "step_3"), params(out / "step_3")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert [m["reward"] for m in metrics(out)[0]] == [m["reward"] for m in metrics(tmp_path / "straight")[0]]
+    lr = 1e-3  # trainer_env's LR: warmup 0.5 -> 0.75 of it, then cosine down to 0.1 at ALL_STEPS
+    assert [m["lr"] for m in metrics(out)[0]] == pytest.approx([0.5 * lr, 0.75 * lr, 0.1 * lr])
+    assert [m["lr"] for m in metrics(tmp_path / "straight")[0]] == [m["lr"] for m in metrics(out)[0]]
+
+
+def test_the_default_schedule_is_the_constant_rate_of_a_config_without_one(server, tiny_model_dir, tmp_path):
+    """ds_config.json's scheduler keeps the learning rate constant (the demo's): bit-identical weights."""
+    for name, config in (("default", os.path.join(ROOT, "ds_config.json")), ("none", ds_config(tmp_path, None))):
+        run = train(tiny_model_dir, server.url, tmp_path / name, 1, ALL_STEPS=2, EVAL_STEPS=0, DS_CONFIG=config)
+        assert run.returncode == 0, run.stderr[-3000:]
+    a, b = params(tmp_path / "default" / "step_2"), params(tmp_path / "none" / "step_2")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [m["lr"] for m in metrics(tmp_path / "default")[0]] == [1e-3, 1e-3]
 
 
 def test_resume_without_a_checkpoint_starts_at_step_one(server, tiny_model_dir, tmp_path):

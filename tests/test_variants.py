@@ -167,7 +167,7 @@ def short_rollout(tiny_policy, monkeypatch, masked, keep_all=False, max_new_toke
     questions = [{"question": f"What is {a} + {a + 1}?", "gold": str(2 * a + 1)} for a in range(1, 9)]
     m = defaultdict(float)
     rollout = grpo.generate(model, tok, questions, cfg, [tok.eos_token_id], m)  # steps 2-4 as the trainer runs them
-    rewards = grpo.score(rollout["texts"], rollout["golds"], m)
+    rewards = grpo.score(rollout["texts"], rollout["golds"], rollout["questions"], m)
     groups = grpo.pack_groups(model, rollout, rewards, group_advantages(rewards, 4), keep_all, with_gen_logps, m)
     return groups, m
 
@@ -258,7 +258,8 @@ def test_regroup_mixes_uploads_of_one_question_into_a_group_with_variance(model)
         tensors, out_meta = pull(url)
         assert tensors["input_ids"].shape == (4, 5 + 6) and tensors["ref_logps"].shape == (4, 6)
         assert tensors["rewards"].unique().numel() == 2  # both rewards in the group
-        assert abs(tensors["advantages"].sum().item()) < 1e-4 and tensors["advantages"].abs().min() > 0.5
+        # a 2-2 split of the rewards gives |A| = 0.87 each, a 3-1 split 0.5 and 1.5 (which one is random)
+        assert abs(tensors["advantages"].sum().item()) < 1e-4 and tensors["advantages"].abs().min() > 0.45
         sent = {tuple(r[m].tolist()) for r, m in zip(tensors["input_ids"][:, 5:], tensors["completion_mask"])}
         pooled = {tuple(r.tolist()) for r in a["input_ids"][:, 5:]} | {tuple(r.tolist()) for r in b["input_ids"][:, 5:]}
         assert sent <= pooled  # real answers, padding masked out
@@ -359,3 +360,44 @@ def test_sampling_ignores_the_models_own_generation_config(tiny_model_dir, tmp_p
     raw = AutoModelForCausalLM.from_pretrained(folder).eval()  # its own generation_config fills the gaps
     raw_gap, raw_diff = mismatches(raw, sample_config, greedy_config)
     assert raw_gap > 1e-2 or raw_diff > 0
+
+
+# ----------------------------------------------------------------------------- REWARDS
+def test_score_sums_the_weighted_rewards_and_logs_each_by_name(monkeypatch):
+    texts = [" 3 + 4 </think><answer>7</answer>", " 3 + 4 </think><answer>8</answer>", " 7"]
+    golds, questions = ["7", "7", "7"], ["What is 3 + 4?"] * 3
+    m = defaultdict(float)
+    total = grpo.score(texts, golds, questions, m)
+    assert total.tolist() == [2.0 * 1 + 1.0 * 1, 2.0 * 0 + 1.0 * 1, 2.0 * 1 + 1.0 * 0]  # the defaults, by hand
+    assert m["reward_correct"] == pytest.approx(2 / 3) and m["reward_format"] == pytest.approx(2 / 3)
+
+    def reward_short(completion, gold, question):  # a third reward is one more pair
+        return -len(completion) / 100
+
+    monkeypatch.setattr(grpo, "REWARDS", grpo.REWARDS + [(reward_short, 0.5)])
+    m = defaultdict(float)
+    longer = grpo.score(texts, golds, questions, m)
+    want = [t - 0.5 * len("<think>" + x) / 100 for t, x in zip(total.tolist(), texts)]
+    assert longer.tolist() == pytest.approx(want) and "reward_short" in m
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda c, g, q: 1 / 0, "raised ZeroDivisionError"),
+    (lambda c, g, q: float("nan"), "returned nan, not a finite number"),
+    (lambda c, g, q: "1.0", "returned '1.0', not a finite number"),
+    (lambda c, g, q: None, "returned None, not a finite number"),
+])
+def test_a_broken_reward_stops_the_run_naming_it_and_the_completion(monkeypatch, bad, message):
+    bad.__name__ = "reward_broken"
+    monkeypatch.setattr(grpo, "REWARDS", [(bad, 1.0)])
+    with pytest.raises(SystemExit, match=f"reward reward_broken {message}") as e:
+        grpo.score([" 12 </think><answer>12</answer>"], ["12"], ["q"], defaultdict(float))
+    assert "<think> 12 </think><answer>12</answer>" in str(e.value)
+
+
+def test_rewards_cannot_be_set_from_the_environment(monkeypatch):
+    import grpo_common
+
+    monkeypatch.setenv("REWARDS", "[]")
+    with pytest.raises(SystemExit, match="REWARDS cannot be set from the environment; edit it in x.py"):
+        grpo_common.apply_env_overrides({"REWARDS": [(len, 1.0)]}, "x.py")
