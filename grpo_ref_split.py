@@ -505,7 +505,7 @@ def plot_curves(metrics_path, png_path=None):
         lines = [json.loads(line) for line in f if line.strip()]
     rows = [r for r in lines if not is_eval(r)]  # training steps
     evals = [r for r in lines if is_eval(r)]  # held-out evaluations, drawn dashed
-    rewards = sorted(k for k in (rows[0] if rows else {}) if k.startswith("reward_"))  # one panel per function
+    rewards = [fn.__name__ for fn, _ in REWARDS if rows and fn.__name__ in rows[0]]  # one panel per function
     keys = ("reward", *rewards, "kl")  # kl is absent with BETA = 0: its panel stays empty
     if not rows or not rewards or any(k not in r for r in rows for k in ("step", "reward", *rewards)):
         raise ValueError(f"{metrics_path}: need JSON lines with step, reward and each reward_<name> (and kl)")

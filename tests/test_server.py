@@ -125,12 +125,15 @@ BAD = {
     "inf gen_logps": (mutate(gen_logps=lambda t: t.index_fill(1, torch.tensor([0]), float("-inf"))), 400,
                       "gen_logps has NaN or inf"),
     "too many rows": (encode_batch(*group(G=17)), 400, "17 rows; 1 to 16 allowed"),
-    "metadata of 70000 characters": (safetensors_with_header({"__metadata__": {"json": "[" * 70000}}), 400,
-                                     "metadata of 70000 characters; at most 65536"),
+    "metadata 70000 deep": (safetensors_with_header({"__metadata__": {"json": "[" * 70000}}), 400,
+                            "nested too deeply"),
     "metadata nested 5000 deep": (safetensors_with_header({"__metadata__": {"json": "[" * 5000 + "]" * 5000}}),
                                   400, "nested too deeply"),
     "metadata nested 20 deep": (mutate(meta_extra=json.loads("[" * 20 + "]" * 20)), 400, "deeper than 8"),
     "version a string": (mutate(meta_version="3"), 400, "metadata version must be a int"),
+    "question a number": (mutate(meta_question=3), 400, "metadata question must be a string"),
+    "answers one short": (mutate(meta_answers=["a", "b"]), 400, "metadata answers must be a list of 3 strings"),
+    "answers not strings": (mutate(meta_answers=[1, 2, 3]), 400, "metadata answers must be a list of 3 strings"),
     "rank a float": (mutate(meta_rank=1.0), 400, "metadata rank must be a int"),
     "worker a list": (mutate(meta_worker=["w"]), 400, "metadata worker must be a string"),
     "regrouped a number": (mutate(meta_regrouped=1), 400, "metadata regrouped must be a bool"),
@@ -394,3 +397,44 @@ def test_fingerprint_samples_parameters_past_float32_precision():
     with torch.no_grad():
         big.w[-1] = -1.0  # the last value is sampled
     assert grpo_common.model_fingerprint(big)["weights"] != first["weights"]
+
+
+def test_metadata_has_a_size_limit():
+    header = {"__metadata__": {"json": json.dumps({"plen": 1, "note": "x" * grpo_common.MAX_META_CHARS})}}
+    with pytest.raises(ValueError, match=f"characters; at most {grpo_common.MAX_META_CHARS}"):
+        grpo_common.decode_batch(safetensors_with_header(header))
+
+
+@pytest.fixture(scope="module")
+def reward_model(tokenizer):
+    """A tiny random sequence classifier on the SmolLM2 vocabulary, built from a config (no download)."""
+    from transformers import LlamaForSequenceClassification
+
+    from conftest import tiny_config
+
+    torch.manual_seed(5)
+    return LlamaForSequenceClassification(tiny_config(tokenizer, num_labels=1)).eval()
+
+
+def test_a_reward_model_adds_its_weighted_score_and_the_server_redoes_the_advantages(model, tokenizer, reward_model):
+    server, stop_serving, url = start(model, reward_model=(reward_model, tokenizer), reward_model_name="tiny-rm",
+                                      reward_model_weight=0.5)
+    try:
+        assert requests.get(url + "/health", timeout=5).json()["reward_model"] == "tiny-rm"
+        tensors, meta = group(G=4, seed=3)
+        tensors["rewards"] = torch.tensor([3.0, 3.0, 1.0, 0.0])  # the trainer's rule rewards
+        answers = ["<think> 3 + 4 </think><answer>7</answer>", "<think></think><answer>7</answer>", "8", "seven"]
+        back, back_meta = upload_and_pull(url, tensors, {**meta, "question": "What is 3 + 4?", "answers": answers})
+        enc = tokenizer(["What is 3 + 4?"] * 4, answers, return_tensors="pt", padding=True, truncation=True)
+        with torch.no_grad():
+            scores = reward_model(**enc).logits[:, 0]  # (4,)
+        assert scores.std() > 0  # the classifier does tell the answers apart
+        rewards = tensors["rewards"] + 0.5 * scores
+        assert torch.allclose(back["rewards"], rewards, atol=1e-6)
+        by_hand = (rewards - rewards.mean()) / (rewards.std() + 1e-4)  # unbiased std, as group_advantages
+        assert torch.allclose(back["advantages"], by_hand, atol=1e-5)
+        assert back_meta["reward_model_mean"] == pytest.approx(scores.mean().item(), abs=1e-6)
+        r = requests.post(url + "/upload", data=encode_batch(*group(seed=4)), timeout=10)
+        assert r.status_code == 400 and "needs question and answers" in r.json()["error"]
+    finally:
+        stop(server, stop_serving)

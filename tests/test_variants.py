@@ -401,3 +401,11 @@ def test_rewards_cannot_be_set_from_the_environment(monkeypatch):
     monkeypatch.setenv("REWARDS", "[]")
     with pytest.raises(SystemExit, match="REWARDS cannot be set from the environment; edit it in x.py"):
         grpo_common.apply_env_overrides({"REWARDS": [(len, 1.0)]}, "x.py")
+
+
+def test_the_reward_models_mean_score_is_a_metric_of_the_step():
+    m = defaultdict(float, dropped=0, fwd_bwd_s=1.0, optim_s=0.5)
+    groups = [({}, {"version": 4, "reward_model_mean": 0.2}), ({}, {"version": 4, "reward_model_mean": 0.6})]
+    out = grpo.step_metrics(m, groups, step=5, attempts=1, step_start=grpo.clock())
+    assert out["reward_model"] == pytest.approx(0.4) and out["staleness"] == 0 and out["train_s"] == 1.5
+    assert "reward_model" not in grpo.step_metrics(defaultdict(float, dropped=0), [({}, {})], 1, 1, grpo.clock())
