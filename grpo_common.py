@@ -241,7 +241,7 @@ UPLOAD_SPEC = {  # name: (dtype, shape as a function of G rows, L columns, plen)
     "gen_logps": (torch.float32, lambda g, l, p: (g, l - p)),  # optional: the sampling policy's log-probs
 }
 OPTIONAL = {"gen_logps"}
-MAX_META_CHARS, MAX_META_DEPTH = 65536, 8  # metadata is small: a few numbers and names
+MAX_META_CHARS, MAX_META_DEPTH = 2**22, 8  # metadata: numbers, names, and the answers' text for a reward model
 
 
 def encode_batch(tensors: dict, meta: dict) -> bytes:

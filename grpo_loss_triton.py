@@ -150,8 +150,9 @@ def grpo_loss_triton(logits, completion_ids, ref_logps, gen_logps, advantages, m
     in place, never copied); ref_logps, gen_logps, mask (B, T); advantages (B,); gen_logps=None
     (or NaN in a row) means ratio = 1 (on-policy); ref_logps=None (only with beta=0) drops the KL
     term. clip_eps_high, token_mean and normalizer as in grpo_loss. return_logps=True also returns
-    the per-token log-probs (B, T), detached, for logging KL and clip fraction. inplace_backward=True writes d(logits) over the
-    logits: saves a (B, T, V) buffer, and the caller must not read those logits afterwards.
+    the per-token log-probs (B, T), detached, for logging KL and clip fraction. inplace_backward=True
+    writes d(logits) over the logits: saves a (B, T, V) buffer, and the caller must not read those
+    logits afterwards.
     """
     if logits.dim() != 3 or logits.shape[:2] != completion_ids.shape:
         raise ValueError(f"logits {tuple(logits.shape)} do not match completion_ids {tuple(completion_ids.shape)}")

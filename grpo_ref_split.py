@@ -257,7 +257,8 @@ def pack_groups(model, rollout, rewards, advantages, keep_all, with_gen_logps, m
     """The groups worth training on, each as (tensors, meta) in the wire format.
 
     Groups whose answers all scored the same carry no signal and are left out (counted in m);
-    keep_all=True keeps them, for the server's REGROUP, which can mix them with later answers.
+    keep_all=True keeps them, for a server whose REGROUP can mix them with later answers, or whose
+    REWARD_MODEL can tell them apart. Each group carries its question and answers' text in meta.
     with_gen_logps: add the sampling weights' log-probs (a forward). Only needed where the weights
     that train the group are not the ones that sampled it: MU > 1, genonly workers, REGROUP's pool.
     At MU = 1 a rank trains its groups with the very weights that sampled them, so the ratio is
@@ -283,7 +284,9 @@ def pack_groups(model, rollout, rewards, advantages, keep_all, with_gen_logps, m
                        advantages=advantages[r], rewards=rewards[r])  # (G,) each
         if with_gen_logps:
             tensors["gen_logps"] = gen_logps[j * G : (j + 1) * G, :tlen]  # (G, tlen)
-        groups.append((tensors, {"plen": plen, "temperature": TEMPERATURE}))
+        texts = [THINK_PREFILL + t for t in rollout["texts"][q * G : (q + 1) * G]]  # for a server's reward model
+        groups.append((tensors, {"plen": plen, "temperature": TEMPERATURE, "question": rollout["questions"][q * G],
+                                 "answers": texts}))
     m.update(reward=rewards.mean().item(), reward_std=rewards.view(-1, G).std(1).mean().item())
     m["dropped"] += int((~varied).sum())
     return groups
@@ -654,7 +657,9 @@ def main():
                  "nothing was changed. Continue that run with RESUME=1, or start a new one in another OUTPUT_DIR")
     engine, tokenizer, eos_ids, gen_config, rank, device = setup_deepspeed()
     model = engine.module  # the same weights, without the engine: generation and evaluation
-    keep_all = BETA != 0 and server_health(model, tokenizer)["regroup"]  # REGROUP: the server wants every group
+    health = server_health(model, tokenizer) if BETA != 0 else {}  # BETA = 0: no server at all
+    regroup = bool(health.get("regroup"))  # the pool mixes answers of several policy versions: they need gen_logps
+    keep_all = regroup or bool(health.get("reward_model"))  # the server's rewards can differ where ours do not
     questions, held_out = split_held_out(load_questions(DATASET, SEED, ARITH_MAX), EVAL_SIZE)
     rng = random.Random(SEED + rank)
     start = resume(engine, rng, rank) if RESUME else 0
@@ -668,7 +673,7 @@ def main():
             rollout = generate(model, tokenizer, batch_questions, gen_config, eos_ids, m)  # 2. generate
             rewards = score(rollout["texts"], rollout["golds"], rollout["questions"], m)  # 3. score
             advantages = group_advantages(rewards, NUM_PRE_Q)  # 4. advantages
-            groups = pack_groups(model, rollout, rewards, advantages, keep_all, MU > 1 or keep_all, m)
+            groups = pack_groups(model, rollout, rewards, advantages, keep_all, MU > 1 or regroup, m)
             with timed(m, "wait_s"):
                 groups = upload_and_pull(groups, step - 1, rank)  # 5. upload, and pull groups with ref_logps
             if groups:
@@ -701,6 +706,9 @@ def step_metrics(m, groups, step, attempts, step_start):
     out["zero_var_groups"] = out.pop("dropped") / (attempts * Q_BATCH_SIZE)
     out["groups"] = len(groups)
     out["staleness"] = sum(step - 1 - meta.get("version", step - 1) for _, meta in groups) / len(groups)
+    scores = [meta["reward_model_mean"] for _, meta in groups if "reward_model_mean" in meta]
+    if scores:  # the server's REWARD_MODEL: its mean score (the reward metric holds the rule rewards only)
+        out["reward_model"] = sum(scores) / len(scores)
     out["train_s"] = out["fwd_bwd_s"] + out["optim_s"]
     out["seconds"] = clock() - step_start
     return out
@@ -721,7 +729,8 @@ def generate_only():
     rng = random.Random(SEED + os.getpid())
     questions, _ = split_held_out(load_questions(DATASET, SEED, ARITH_MAX), EVAL_SIZE)
     model, tokenizer, eos_ids, gen_config = load_policy(resolve_model_path(MODEL_PATH), device)
-    keep_all = server_health(model, tokenizer)["regroup"]
+    health = server_health(model, tokenizer)
+    keep_all = bool(health["regroup"] or health["reward_model"])
     version = 0
     while True:
         newest = (checkpoints(OUTPUT_DIR) or [None])[-1]

@@ -47,6 +47,9 @@ HTTP_THREADS = 8  # requests handled at once; more wait in the listen backlog (1
 IDLE_TIMEOUT = 30  # s before an idle or stalled connection (say, a body that never arrives) is closed
 REF_MICRO_BATCH = 8  # rows per reference forward: bounds activation memory, not throughput
 UPLOAD_IDS = 4096  # upload ids remembered: a retried upload gets its first answer and is never queued twice
+# Reward model (a learned reward beside the trainer's rule rewards)
+REWARD_MODEL = ""  # AutoModelForSequenceClassification id or folder; "" = none. It scores (question, answer) ...
+REWARD_MODEL_WEIGHT = 1.0  # ... and this times its score is added to each answer's reward; advantages are redone here
 # Regroup (simple_GRPO's regroup_ver)
 REGROUP = False  # True = pool each question's answers; send out groups mixed across uploads with reward variance
 REGROUP_POOL = 64  # answers kept per question, oldest dropped first
@@ -59,7 +62,8 @@ class TooLarge(ValueError):
     """An upload over a size limit: 413."""
 
 
-META_TYPES = {"version": int, "rank": int, "worker": str, "upload_id": str, "regrouped": bool}  # optional fields
+META_TYPES = {"version": int, "rank": int, "worker": str, "upload_id": str, "regrouped": bool,
+              "question": str, "answers": list}  # optional fields; question and answers feed REWARD_MODEL
 
 
 def validate_group(tensors: dict, meta: dict, vocab_size: int, max_rows: int, max_len: int, max_tokens: int):
@@ -87,9 +91,12 @@ def validate_group(tensors: dict, meta: dict, vocab_size: int, max_rows: int, ma
         raise ValueError(f"metadata temperature must be a number in [0.01, 100], got {temperature!r}")
     for name, kind in META_TYPES.items():
         value = meta.get(name)
-        if value is not None and (type(value) is not kind or kind is str and not 0 < len(value) <= 200):
-            wanted = "a string of 1 to 200 characters" if kind is str else f"a {kind.__name__}"
-            raise ValueError(f"metadata {name} must be {wanted}, got {value!r}")
+        if value is not None and (type(value) is not kind or name in ("worker", "upload_id") and len(value) > 200):
+            wanted = "a string of at most 200 characters" if kind is str else f"a {kind.__name__}"
+            raise ValueError(f"metadata {name} must be {wanted}, got {str(value)[:100]!r}")
+    answers = meta.get("answers")
+    if answers is not None and (len(answers) != g or not all(isinstance(a, str) for a in answers)):
+        raise ValueError(f"metadata answers must be a list of {g} strings, one per row")
     for name, (dtype, shape) in UPLOAD_SPEC.items():
         if name not in tensors:
             continue
@@ -112,7 +119,8 @@ class RefServer:
 
     def __init__(self, model, model_name, token="", queue_size=QUEUE_SIZE, micro_batch=REF_MICRO_BATCH,
                  max_body=MAX_BODY_BYTES, max_rows=MAX_ROWS, regroup=REGROUP, pool_size=REGROUP_POOL,
-                 pool_questions=REGROUP_QUESTIONS, max_bytes=MAX_QUEUED_BYTES, max_tokens=MAX_GROUP_TOKENS):
+                 pool_questions=REGROUP_QUESTIONS, max_bytes=MAX_QUEUED_BYTES, max_tokens=MAX_GROUP_TOKENS,
+                 reward_model=None, reward_model_name="", reward_model_weight=REWARD_MODEL_WEIGHT):
         self.model, self.model_name, self.token = model, model_name, token
         self.device = next(model.parameters()).device
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
@@ -120,6 +128,8 @@ class RefServer:
         self.fingerprint = model_fingerprint(model)  # trainers check they start from the same model
         self.micro_batch, self.max_body, self.max_rows, self.max_tokens = micro_batch, max_body, max_rows, max_tokens
         self.queue_size, self.max_bytes = queue_size, max_bytes
+        self.reward_model, self.reward_model_name = reward_model, reward_model_name  # (model, tokenizer) or None
+        self.reward_model_weight = reward_model_weight
         self.pending = queue.Queue()  # (tensors, meta, kind, nbytes) waiting for the reference forward
         self.ready = queue.Queue()  # (body, content type, nbytes) that trainer ranks generated, waiting for one
         self.ready_workers = queue.Queue()  # ... and those genonly workers generated (meta "worker")
@@ -146,6 +156,14 @@ class RefServer:
             return completion_logps(self.model, ids, torch.ones_like(ids), ids.shape[1] - plen,
                                     temperature, self.micro_batch).cpu()  # (G, T)
 
+    def reward_scores(self, question, answers):
+        """(G,) the reward model's score of each (question, answer) pair, its first logit."""
+        model, tokenizer = self.reward_model
+        device = next(model.parameters()).device
+        enc = tokenizer([question] * len(answers), answers, return_tensors="pt", padding=True, truncation=True)
+        with torch.no_grad():
+            return model(**enc.to(device)).logits[:, 0].float().cpu()  # (G,)
+
     def _work(self):
         while not self.stopping.is_set():
             try:
@@ -157,6 +175,11 @@ class RefServer:
                                                             meta.get("temperature", 1.0))  # (G, T)
                 if not torch.isfinite(tensors["ref_logps"]).all():  # never hand a trainer NaN or inf
                     raise FloatingPointError("the reference forward gave NaN or inf log-probs")
+                if self.reward_model is not None:  # the last reward is known here: advantages are redone here
+                    scores = self.reward_scores(meta["question"], meta["answers"])  # (G,)
+                    tensors["rewards"] = tensors["rewards"] + self.reward_model_weight * scores  # (G,)
+                    tensors["advantages"] = group_advantages(tensors["rewards"], len(scores))  # (G,)
+                    meta = {**meta, "reward_model_mean": scores.mean().item()}
                 item = (encode_batch(tensors, meta), "application/octet-stream", nbytes)
             except Exception as e:  # e.g. out of memory: this group is lost, and whoever takes it next is told
                 self.count("ref_errors")
@@ -265,6 +288,8 @@ class RefServer:
             try:
                 tensors, meta = decode_batch(body)
                 validate_group(tensors, meta, self.vocab_size, self.max_rows, self.max_len, self.max_tokens)
+                if self.reward_model is not None and (meta.get("question") is None or meta.get("answers") is None):
+                    raise ValueError("this server has a REWARD_MODEL: metadata needs question and answers")
             except ValueError as e:
                 self._refuse(413 if isinstance(e, TooLarge) else 400, str(e))
             uid = meta.get("upload_id")  # a client's retry of an upload whose answer it never read
@@ -309,7 +334,7 @@ class RefServer:
             with self.lock:
                 counters = dict(self.counters)
             return dict(model=self.model_name, vocab_size=self.vocab_size, fingerprint=self.fingerprint,
-                        device=str(self.device),
+                        device=str(self.device), reward_model=self.reward_model_name,
                         instance=self.instance, pending=self.pending.qsize(), ready=self.ready.qsize(),
                         ready_workers=self.ready_workers.qsize(), held_bytes=self.held_bytes, regroup=self.regroup,
                         uptime_s=round(time.time() - self.started, 1), **counters)
@@ -364,7 +389,14 @@ def main():
     warning = exposure_warning(HOST, REF_TOKEN)
     if warning:
         print(warning, file=sys.stderr, flush=True)
-    server = RefServer(model, MODEL_PATH or "SmolLM2-135M-Instruct (embedded)", token=REF_TOKEN)
+    reward_model = None
+    if REWARD_MODEL:
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        rm = AutoModelForSequenceClassification.from_pretrained(REWARD_MODEL, dtype=dtype).to(device).eval()
+        reward_model = (rm.requires_grad_(False), AutoTokenizer.from_pretrained(REWARD_MODEL))
+    server = RefServer(model, MODEL_PATH or "SmolLM2-135M-Instruct (embedded)", token=REF_TOKEN,
+                       reward_model=reward_model, reward_model_name=REWARD_MODEL)
     stop = serve(server, HOST, PORT)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

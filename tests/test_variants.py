@@ -408,4 +408,5 @@ def test_the_reward_models_mean_score_is_a_metric_of_the_step():
     groups = [({}, {"version": 4, "reward_model_mean": 0.2}), ({}, {"version": 4, "reward_model_mean": 0.6})]
     out = grpo.step_metrics(m, groups, step=5, attempts=1, step_start=grpo.clock())
     assert out["reward_model"] == pytest.approx(0.4) and out["staleness"] == 0 and out["train_s"] == 1.5
-    assert "reward_model" not in grpo.step_metrics(defaultdict(float, dropped=0), [({}, {})], 1, 1, grpo.clock())
+    plain = defaultdict(float, dropped=0, fwd_bwd_s=1.0, optim_s=0.5)
+    assert "reward_model" not in grpo.step_metrics(plain, [({}, {})], 1, 1, grpo.clock())
