@@ -356,7 +356,14 @@ def serve(server: RefServer, host: str, port: int):
     httpd = create_server(server.app, host=host, port=port, threads=HTTP_THREADS, backlog=1024, connection_limit=1024,
                           channel_timeout=IDLE_TIMEOUT, cleanup_interval=max(1, IDLE_TIMEOUT // 3),
                           max_request_body_size=2 * server.max_body + 2**20, ident="ref_server")  # ours says 413 first
-    http = threading.Thread(target=httpd.run, name="http", daemon=True)
+    def run():
+        try:
+            httpd.run()
+        except OSError:  # stop() closed the sockets under its select(): the end, not an error
+            if not server.stopping.is_set():
+                raise
+
+    http = threading.Thread(target=run, name="http", daemon=True)
     server.worker.start()
     http.start()
 
