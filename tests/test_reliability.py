@@ -1,5 +1,6 @@
 """The reference server under load and faults: nothing lost or duplicated while it runs, clients
 that recover from a killed server, and a trainer that regenerates instead of hanging."""
+import os
 import signal
 import socket
 import threading
@@ -245,3 +246,47 @@ def test_two_hundred_connections_are_accepted_at_once(quick_server):
         s.close()
     r = requests.get(f"http://127.0.0.1:{port}/health", headers={"Authorization": "Bearer s3cret"}, timeout=10)
     assert r.status_code == 200
+
+
+def rss_mb(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def test_the_server_process_stays_within_300_mb_of_its_start_under_hostile_input(tiny_model_dir, tmp_path):
+    """Every kind of bad upload ten times, 60 MB bodies that are not safetensors, malformed HTTP, stalled
+    bodies and 200 idle connections against `python ref_server.py`: no 5xx, and its memory stays within
+    300 MB of what it held once started (after one valid group, so the first forward's buffers count)."""
+    from test_server import BAD
+
+    srv = ServerProcess(tiny_model_dir, free_port(), tmp_path / "server.log", IDLE_TIMEOUT=2, MAX_ROWS=16,
+                        MAX_GROUP_TOKENS=6000)  # as test_server's limits: every one of BAD is refused
+    port = int(srv.url.rsplit(":", 1)[1])
+    try:
+        request_with_retry("POST", srv.url + "/upload", data=encode_batch(*group(seed=1)))
+        wait_for(lambda: srv.health()["ready"] == 1)
+        start_mb, statuses = rss_mb(srv.proc.pid), []
+        for _ in range(10):
+            for name, (body, _, _) in BAD.items():
+                if body is not None:
+                    statuses.append(requests.post(srv.url + "/upload", data=body, timeout=30).status_code)
+        after_bad = rss_mb(srv.proc.pid) - start_mb
+        for _ in range(5):
+            statuses.append(requests.post(srv.url + "/upload", data=os.urandom(60 * 2**20), timeout=60).status_code)
+        after_big = rss_mb(srv.proc.pid) - start_mb
+        for data in (b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n", b"\x00garbage\r\n\r\n"):
+            statuses.append(int(raw_request(port, data)[1].split(b" ")[1]))
+        stalled = [socket.create_connection(("127.0.0.1", port)) for _ in range(200)]
+        for s in stalled[:50]:
+            s.sendall(b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\nabc")
+        time.sleep(3)  # past IDLE_TIMEOUT: they are closed
+        for s in stalled:
+            s.close()
+        grown = rss_mb(srv.proc.pid) - start_mb
+        print(f"\n[memory] server RSS {start_mb:.0f} MB at start, +{grown:.0f} MB after {len(statuses)} hostile requests "
+              f"(+{after_bad:.0f} after the bad uploads, +{after_big:.0f} after the 60 MB bodies)")
+        assert all(400 <= code < 500 for code in statuses), sorted(set(statuses))
+        assert grown < 300 and after_bad < 300 and after_big < 300
+        assert srv.health()["ready"] >= 1  # still serving, its valid group still there
+    finally:
+        srv.stop()
