@@ -283,8 +283,8 @@ def test_the_server_process_stays_within_300_mb_of_its_start_under_hostile_input
         for s in stalled:
             s.close()
         grown = rss_mb(srv.proc.pid) - start_mb
-        print(f"\n[memory] server RSS {start_mb:.0f} MB at start, +{grown:.0f} MB after {len(statuses)} hostile requests "
-              f"(+{after_bad:.0f} after the bad uploads, +{after_big:.0f} after the 60 MB bodies)")
+        print(f"\n[memory] server RSS {start_mb:.0f} MB at start, +{grown:.0f} MB after {len(statuses)} hostile "
+              f"requests (+{after_bad:.0f} after the bad uploads, +{after_big:.0f} after the 60 MB bodies)")
         assert all(400 <= code < 500 for code in statuses), sorted(set(statuses))
         assert grown < 300 and after_bad < 300 and after_big < 300
         assert srv.health()["ready"] >= 1  # still serving, its valid group still there
