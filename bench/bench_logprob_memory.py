@@ -13,7 +13,6 @@ Figures go to bench/results/logprob_memory.json.
 """
 import json
 import os
-import resource
 import subprocess
 import sys
 import time

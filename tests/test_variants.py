@@ -10,7 +10,7 @@ from transformers import GenerationConfig
 
 import grpo_ref_split as grpo
 from conftest import group, pull, start, stop
-from grpo_ref_split import clip_fractions, grpo_loss, masked_mean
+from grpo_ref_split import clip_fractions, grpo_loss
 from grpo_common import completion_logps, encode_batch, group_advantages
 
 
