@@ -27,6 +27,7 @@ Every UPPER_CASE constant below can be overridden by an environment variable of 
 import contextlib
 import json
 import math
+import numbers
 import os
 import random
 import re
@@ -243,7 +244,7 @@ def score(texts, golds, questions, m) -> torch.Tensor:
                     value = fn(THINK_PREFILL + text, gold, question)
                 except Exception as e:
                     sys.exit(f"reward {fn.__name__} raised {e!r} on the completion {THINK_PREFILL + text!r}")
-                if type(value) not in (int, float, bool) or not math.isfinite(value):
+                if not isinstance(value, numbers.Real) or not math.isfinite(value):  # numpy floats are fine
                     sys.exit(f"reward {fn.__name__} returned {value!r}, not a finite number, on the completion "
                              f"{THINK_PREFILL + text!r}")
                 values.append(float(value))

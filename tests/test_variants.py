@@ -380,6 +380,14 @@ def test_score_sums_the_weighted_rewards_and_logs_each_by_name(monkeypatch):
     want = [t - 0.5 * len("<think>" + x) / 100 for t, x in zip(total.tolist(), texts)]
     assert longer.tolist() == pytest.approx(want) and "reward_short" in m
 
+    import numpy as np
+
+    def reward_numpy(completion, gold, question):  # numpy's floats are numbers too
+        return np.float64(0.25)
+
+    monkeypatch.setattr(grpo, "REWARDS", [(reward_numpy, 2.0)])
+    assert grpo.score(texts, golds, questions, defaultdict(float)).tolist() == [0.5] * 3
+
 
 @pytest.mark.parametrize("bad, message", [
     (lambda c, g, q: 1 / 0, "raised ZeroDivisionError"),
