@@ -200,7 +200,8 @@ class RefServer:
         prompt = tensors["input_ids"][0, :plen]  # (plen,) one prompt per group: the question's identity
         key = (hashlib.sha256(prompt.numpy().tobytes()).hexdigest(), meta.get("temperature", 1.0))
         rows = [{name: t[i] for name, t in tensors.items() if name != "advantages"}  # recomputed per new group
-                | {"version": meta.get("version", 0)} for i in range(g)]
+                | {"version": meta.get("version", 0), "answer": (meta.get("answers") or [None] * g)[i]}
+                for i in range(g)]
         with self.lock:
             pool = (self.pools.pop(key, []) + rows)[-self.pool_size :]
             rewards = torch.stack([r["rewards"] for r in pool])  # (n,)
@@ -230,6 +231,8 @@ class RefServer:
         out["advantages"] = group_advantages(out["rewards"], g)  # (G,) relative to this new group
         if all("gen_logps" in r for r in chosen):
             out["gen_logps"] = padded("gen_logps", tlen, 0.0)  # (G, tlen)
+        answers = [r["answer"] for r in chosen]  # each answer's own text, for a REWARD_MODEL
+        meta = {k: v for k, v in meta.items() if k != "answers"} | ({"answers": answers} if None not in answers else {})
         return out, {**meta, "version": min(r["version"] for r in chosen), "regrouped": True}
 
     def _check_token(self):

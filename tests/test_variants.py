@@ -251,10 +251,11 @@ def test_regroup_mixes_uploads_of_one_question_into_a_group_with_variance(model)
         a["rewards"], b["rewards"] = torch.zeros(4), torch.ones(4)  # each upload alone: no signal
         other, other_meta = group(G=4, plen=5, tc=3, seed=3)
         other["rewards"] = torch.ones(4)
-        assert upload(url, a, meta)["groups"] == 0
+        texts = {"a": [f"a{i}" for i in range(4)], "b": [f"b{i}" for i in range(4)]}  # for a reward model
+        assert upload(url, a, {**meta, "answers": texts["a"]})["groups"] == 0
         assert upload(url, other, other_meta)["groups"] == 0  # another question does not mix in
         assert requests.get(url + "/get", timeout=10).status_code == 204
-        assert upload(url, b, {**meta, "version": 5})["groups"] == 1
+        assert upload(url, b, {**meta, "version": 5, "answers": texts["b"]})["groups"] == 1
         tensors, out_meta = pull(url)
         assert tensors["input_ids"].shape == (4, 5 + 6) and tensors["ref_logps"].shape == (4, 6)
         assert tensors["rewards"].unique().numel() == 2  # both rewards in the group
@@ -263,10 +264,11 @@ def test_regroup_mixes_uploads_of_one_question_into_a_group_with_variance(model)
         sent = {tuple(r[m].tolist()) for r, m in zip(tensors["input_ids"][:, 5:], tensors["completion_mask"])}
         pooled = {tuple(r.tolist()) for r in a["input_ids"][:, 5:]} | {tuple(r.tolist()) for r in b["input_ids"][:, 5:]}
         assert sent <= pooled  # real answers, padding masked out
-        for row, m, lp in zip(tensors["input_ids"], tensors["completion_mask"], tensors["gen_logps"]):
-            src = a if m.sum() == 3 else b  # each answer keeps its own old log-probs
+        for j, (row, m, lp) in enumerate(zip(tensors["input_ids"], tensors["completion_mask"], tensors["gen_logps"])):
+            src, name = (a, "a") if m.sum() == 3 else (b, "b")  # each answer keeps its own old log-probs ...
             i = next(i for i in range(4) if torch.equal(src["input_ids"][i, 5:], row[5:][m]))
             assert torch.equal(lp[m], src["gen_logps"][i])
+            assert out_meta["answers"][j] == texts[name][i]  # ... and its own text
         assert out_meta["version"] == 2 and out_meta["regrouped"]  # the stalest answer's policy
         assert server.counters["regrouped"] == 1 and sum(len(p) for p in server.pools.values()) == 4 + 4
         assert requests.get(url + "/health", timeout=10).json()["regroup"] is True
