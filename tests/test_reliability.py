@@ -253,7 +253,7 @@ def rss_mb(pid):
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
 
-def test_the_server_process_stays_within_300_mb_of_its_start_under_hostile_input(tiny_model_dir, tmp_path):
+def test_the_server_process_stays_within_300_mb_of_its_start_under_hostile_input(tiny_model_dir, tmp_path, capsys):
     """Every kind of bad upload ten times, 60 MB bodies that are not safetensors, malformed HTTP, stalled
     bodies and 200 idle connections against `python ref_server.py`: no 5xx, and its memory stays within
     300 MB of what it held once started (after one valid group, so the first forward's buffers count)."""
@@ -283,8 +283,9 @@ def test_the_server_process_stays_within_300_mb_of_its_start_under_hostile_input
         for s in stalled:
             s.close()
         grown = rss_mb(srv.proc.pid) - start_mb
-        print(f"\n[memory] server RSS {start_mb:.0f} MB at start, +{grown:.0f} MB after {len(statuses)} hostile "
-              f"requests (+{after_bad:.0f} after the bad uploads, +{after_big:.0f} after the 60 MB bodies)")
+        with capsys.disabled():  # shown by `bash scripts/test.sh`, as the load test's line
+            print(f"\n[memory] server RSS {start_mb:.0f} MB at start, +{grown:.0f} MB after {len(statuses)} hostile "
+                  f"requests (+{after_bad:.0f} after the bad uploads, +{after_big:.0f} after the 60 MB bodies)")
         assert all(400 <= code < 500 for code in statuses), sorted(set(statuses))
         assert grown < 300 and after_bad < 300 and after_big < 300
         assert srv.health()["ready"] >= 1  # still serving, its valid group still there
