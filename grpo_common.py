@@ -5,6 +5,7 @@ log-probs, group-relative advantages, the wire format and a retrying HTTP client
 Imported by grpo_ref_split.py and ref_server.py; it imports neither, and runs nothing on import.
     python -c "import grpo_common; print(grpo_common.resolve_model_path(''))"   # convert the GGUF once
 """
+import contextlib
 import difflib
 import fcntl
 import importlib.util
@@ -18,6 +19,8 @@ import time
 import requests
 import safetensors.torch
 import torch
+from transformers import DynamicCache
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 LOGP_CHUNK = 128  # tokens whose softmax exists at once: (LOGP_CHUNK, V) fp32 extra, not (B, T, V); 0 = plain
 
@@ -193,12 +196,17 @@ def per_token_logps(logits: torch.Tensor, ids: torch.Tensor, temperature: float 
     return _TokenLogps.apply(logits, ids, float(temperature), inplace_backward)
 
 
-def completion_logits(model, input_ids, attention_mask, n_completion: int) -> torch.Tensor:
+def completion_logits(model, input_ids, attention_mask, n_completion: int, shared_prefix: bool = False) -> torch.Tensor:
     """(B, n_completion, V) logits where [:, t] predicts input_ids[:, -n_completion + t].
 
     Rows may be left-padded (attention_mask 0): positions count from each row's first real
-    token, so a padded row gets exactly the logits of the same row unpadded.
+    token, so a padded row gets exactly the logits of the same row unpadded. shared_prefix=True
+    runs each prompt once for the consecutive rows that share it (a group): same logits, and the
+    prompt's cost no longer grows with NUM_PRE_Q.
     """
+    if shared_prefix:
+        runs = same_prompt_runs(input_ids[:, :-n_completion], attention_mask[:, :-n_completion])
+        return torch.cat([shared_prefix_logits(model, input_ids[r], attention_mask[r], n_completion) for r in runs])
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, L)
     L = input_ids.shape[1]
     keep = torch.arange(L - n_completion - 1, L - 1, device=input_ids.device)  # (T,) positions that predict
@@ -208,11 +216,70 @@ def completion_logits(model, input_ids, attention_mask, n_completion: int) -> to
                  logits_to_keep=keep).logits  # (B, T, V)
 
 
-def completion_logps(model, input_ids, attention_mask, n_completion: int, temperature: float, micro_batch: int = 0):
+def same_prompt_runs(prompt_ids, prompt_mask) -> list:
+    """Slices of consecutive rows whose (left-padded) prompts are identical: a group's rows, at least."""
+    same = (prompt_ids[1:] == prompt_ids[:-1]).all(-1) & (prompt_mask[1:] == prompt_mask[:-1]).all(-1)  # (B-1,)
+    starts = [0] + (torch.nonzero(~same).flatten() + 1).tolist() + [prompt_ids.shape[0]]
+    return [slice(a, b) for a, b in zip(starts, starts[1:])]
+
+
+def shared_prefix_logits(model, input_ids, attention_mask, n_completion: int) -> torch.Tensor:
+    """completion_logits for G rows with one prompt: the prompt runs once, its KV cache is repeated
+    G times, and the completions run on it (as in "Prefix Grouper", arXiv 2506.05433).
+
+    Gradients flow back through the repeated cache into the prompt's forward. The prompt's last
+    position predicts the first completion token; the last completion token is never an input.
+    """
+    G, T = input_ids.shape[0], n_completion
+    prompt = input_ids[0, :-T][attention_mask[0, :-T].bool()][None]  # (1, plen) without its padding
+    plen = prompt.shape[1]
+    config = getattr(model, "module", model).config  # a DeepSpeed engine wraps the model
+    cache = DynamicCache(config=config)
+    # Gradient checkpointing drops a KV cache in training mode (its recompute would write it twice):
+    # the prompt, one row, runs uncheckpointed; the completions read the cache and keep checkpointing.
+    with _decoder_layers(model, gradient_checkpointing=False):
+        first = model(input_ids=prompt, past_key_values=cache, logits_to_keep=1).logits  # (1, 1, V)
+    _check_cache(cache, plen, config)
+    if T == 1:
+        return first.expand(G, 1, -1)  # (G, 1, V)
+    cache.batch_repeat_interleave(G)  # (G, heads, plen, d) per layer; backward sums the G copies' gradients
+    attn = torch.cat([attention_mask.new_ones(G, plen), attention_mask[:, -T:-1]], 1)  # (G, plen + T - 1)
+    positions = torch.arange(plen, plen + T - 1, device=input_ids.device).expand(G, -1)  # (G, T - 1)
+    with _decoder_layers(model, _can_checkpoint_with_cache=True):
+        rest = model(input_ids=input_ids[:, -T:-1], attention_mask=attn, position_ids=positions,
+                     past_key_values=cache).logits  # (G, T - 1, V)
+    _check_cache(cache, plen + T - 1, config)
+    cache.crop(1 - T)  # back to the prompt: checkpointed layers recompute on it in backward
+    return torch.cat([first.expand(G, 1, -1), rest], 1)  # (G, T, V)
+
+
+def _check_cache(cache, length, config):
+    if cache.get_seq_length() != length:  # a model (or its checkpointing) that neither fills nor reads the cache
+        raise RuntimeError(f"{type(config).__name__} ignored the prompt's KV cache: set SHARED_PREFIX = False")
+
+
+@contextlib.contextmanager
+def _decoder_layers(model, **attrs):
+    """Set attributes on every layer that transformers' gradient checkpointing wraps, for the block."""
+    layers = [mod for mod in model.modules() if isinstance(mod, GradientCheckpointingLayer)]
+    saved = [{name: layer.__dict__[name] for name in attrs if name in layer.__dict__} for layer in layers]
+    for layer in layers:
+        layer.__dict__.update(attrs)
+    try:
+        yield
+    finally:
+        for layer, old in zip(layers, saved):
+            for name in attrs:
+                del layer.__dict__[name]
+            layer.__dict__.update(old)
+
+
+def completion_logps(model, input_ids, attention_mask, n_completion: int, temperature: float, micro_batch: int = 0,
+                     shared_prefix: bool = False):
     """(B, n_completion) log-probs of the last `n_completion` tokens of each row, micro_batch rows at a time."""
     step = micro_batch or input_ids.shape[0]
-    return torch.cat([per_token_logps(completion_logits(model, input_ids[i : i + step],
-                                                        attention_mask[i : i + step], n_completion),
+    return torch.cat([per_token_logps(completion_logits(model, input_ids[i : i + step], attention_mask[i : i + step],
+                                                        n_completion, shared_prefix),
                                       input_ids[i : i + step, -n_completion:], temperature)  # (b, T)
                       for i in range(0, input_ids.shape[0], step)])  # (B, T)
 

@@ -79,6 +79,7 @@ REWARDS = [(reward_correct, 2.0), (reward_format, 1.0)]  # (f(completion, gold, 
 LR = 1e-5  # AdamW learning rate (replaces the one in DS_CONFIG); its schedule is DS_CONFIG's "scheduler"
 ALL_STEPS = 30  # training steps
 GRADIENT_CHECKPOINTING = False  # recompute activations in backward: one more forward, far less memory
+SHARED_PREFIX = True  # each group's prompt runs once, its KV cache shared by the answers; False = full rows
 USE_TRITON = False  # True = fused Triton loss (grpo_loss_triton.py, GPU); the PyTorch path is the reference
 # Evaluation
 EVAL_STEPS = 10  # greedy accuracy on held-out questions before step 1 and every this many steps; 0 = never
@@ -274,7 +275,8 @@ def pack_groups(model, rollout, rewards, advantages, keep_all, with_gen_logps, m
     P, T = rollout["prompt_ids"].shape[1], mask.shape[1]
     with timed(m, "gen_logps_s"):  # pi_old: the very weights that sampled (the ratio's denominator)
         if kept and with_gen_logps:
-            gen_logps = completion_logps(model, ids[rows], attn[rows], T, TEMPERATURE).cpu()  # (K, T)
+            gen_logps = completion_logps(model, ids[rows], attn[rows], T, TEMPERATURE,
+                                         shared_prefix=SHARED_PREFIX).cpu()  # (K, T)
     groups = []
     for j, q in enumerate(kept):
         r = slice(q * G, (q + 1) * G)
@@ -375,8 +377,8 @@ def prepare_batch(engine, batch):
     if MU > 1 and (b["gen_logps"] is None or b["gen_logps"].isnan().any()):
         with torch.no_grad():
             engine.eval()
-            now = completion_logps(engine, b["input_ids"], b["attention_mask"], b["mask"].shape[1],
-                                   TEMPERATURE)  # (B, T)
+            now = completion_logps(engine, b["input_ids"], b["attention_mask"], b["mask"].shape[1], TEMPERATURE,
+                                   shared_prefix=SHARED_PREFIX)  # (B, T)
         b["gen_logps"] = now if b["gen_logps"] is None else torch.where(b["gen_logps"].isnan(), now, b["gen_logps"])
     return b
 
@@ -386,7 +388,7 @@ def policy_loss(engine, b, m):
     engine.train()
     T = b["mask"].shape[1]
     completion_ids = b["input_ids"][:, -T:]  # (B, T)
-    logits = completion_logits(engine, b["input_ids"], b["attention_mask"], T)  # (B, T, V)
+    logits = completion_logits(engine, b["input_ids"], b["attention_mask"], T, SHARED_PREFIX)  # (B, T, V)
     if USE_TRITON:  # one fused pass; d(logits) overwrites the logits, which nothing reads afterwards
         from grpo_loss_triton import grpo_loss_triton
 

@@ -46,6 +46,7 @@ MAX_QUEUED_BYTES = 2 * 2**30  # bytes held in all queues together; full -> 503 w
 HTTP_THREADS = 8  # requests handled at once; more wait in the listen backlog (1024 connections)
 IDLE_TIMEOUT = 30  # s before an idle or stalled connection (say, a body that never arrives) is closed
 REF_MICRO_BATCH = 8  # rows per reference forward: bounds activation memory, not throughput
+SHARED_PREFIX = True  # a group's prompt runs once, its KV cache shared by the rows; False = full rows
 UPLOAD_IDS = 4096  # upload ids remembered: a retried upload gets its first answer and is never queued twice
 # Reward model (a learned reward beside the trainer's rule rewards)
 REWARD_MODEL = ""  # AutoModelForSequenceClassification id or folder; "" = none. It scores (question, answer) ...
@@ -154,7 +155,7 @@ class RefServer:
         ids = input_ids.to(self.device)  # (G, L)
         with torch.no_grad():
             return completion_logps(self.model, ids, torch.ones_like(ids), ids.shape[1] - plen,
-                                    temperature, self.micro_batch).cpu()  # (G, T)
+                                    temperature, self.micro_batch, SHARED_PREFIX).cpu()  # (G, T)
 
     def reward_scores(self, question, answers):
         """(G,) the reward model's score of each (question, answer) pair, its first logit."""

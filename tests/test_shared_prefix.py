@@ -1,0 +1,114 @@
+"""SHARED_PREFIX: each group's prompt runs once and its KV cache serves the group's answers. It must
+give the log-probs and gradients of the full rows: on the embedded model, with prompts of different
+lengths, with gradient checkpointing on and off, and under DeepSpeed ZeRO-2 on 2 ranks at MU = 2."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import grpo_ref_split as grpo
+from conftest import ROOT, free_port
+from grpo_common import completion_logits, completion_logps, same_prompt_runs
+
+
+@pytest.fixture(scope="module")
+def smollm(embedded_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(embedded_path, dtype=torch.float32)
+    return model, AutoTokenizer.from_pretrained(embedded_path)
+
+
+def two_groups(tokenizer, G=4, T=10):
+    """Two groups as the trainer collates them: prompts of different lengths (left-padded), ragged
+    completions (right-padded). Returns (input_ids, attention_mask, mask)."""
+    questions = ["What is 3 + 5?", "Anna has 12 apples and gives away 4 of them. How many does she keep?"]
+    enc = grpo.encode_prompts(tokenizer, [{"question": q} for q in questions])
+    assert enc.attention_mask[0].sum() < enc.attention_mask[1].sum()  # the first prompt is padded
+    g = torch.Generator().manual_seed(0)
+    completions = torch.randint(100, 20000, (2 * G, T), generator=g)  # (B, T)
+    mask = torch.ones(2 * G, T, dtype=torch.long)
+    mask[1, 6:] = mask[G + 2, 3:] = 0  # answers that ended early
+    ids = torch.cat([enc.input_ids.repeat_interleave(G, 0), completions], 1)  # (B, P+T)
+    attn = torch.cat([enc.attention_mask.repeat_interleave(G, 0), mask], 1)  # (B, P+T)
+    return ids, attn, mask.bool()
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_shared_prefix_gives_the_log_probs_and_gradients_of_full_rows(smollm, checkpointing):
+    model, tokenizer = smollm
+    ids, attn, mask = two_groups(tokenizer)
+    T = mask.shape[1]
+    weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1)) * mask  # (B, T)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    results = []
+    try:
+        for shared in (False, True):
+            model.zero_grad()
+            logps = completion_logps(model, ids, attn, T, grpo.TEMPERATURE, shared_prefix=shared)  # (B, T)
+            ((logps * weights).sum() / mask.sum()).backward()  # a loss on the GRPO loss's scale: a token mean
+            results.append((logps.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        assert all(layer.gradient_checkpointing == checkpointing for layer in model.model.layers)  # left as found
+    finally:
+        model.gradient_checkpointing_disable()
+        model.zero_grad()
+    (full, full_grads), (shared, shared_grads) = results
+    assert (full[mask] - shared[mask]).abs().max() <= 1e-4
+    assert full[mask].min() < -1.0  # real log-probs, not a degenerate case
+    for name, g in full_grads.items():
+        assert (g - shared_grads[name]).abs().max() <= 1e-4, name
+    assert full_grads["model.embed_tokens.weight"].abs().max() > 1e-3  # the gradient is not trivially 0
+
+
+def test_rows_that_share_a_prompt_are_found_by_comparing_prompts():
+    ids = torch.tensor([[0, 5, 6], [0, 5, 6], [4, 5, 6], [4, 5, 6], [0, 5, 6]])  # (B, P)
+    attn = torch.tensor([[0, 1, 1], [0, 1, 1], [1, 1, 1], [1, 1, 1], [0, 1, 1]])  # (B, P)
+    assert same_prompt_runs(ids, attn) == [slice(0, 2), slice(2, 4), slice(4, 5)]  # runs are consecutive rows
+    padded_token = attn.clone()
+    padded_token[1, 1] = 0
+    assert same_prompt_runs(ids, padded_token) == [slice(0, 1), slice(1, 2), slice(2, 4), slice(4, 5)]
+
+
+def test_a_model_that_ignores_the_kv_cache_is_refused(smollm):
+    model, tokenizer = smollm
+    ids, attn, mask = two_groups(tokenizer, G=3, T=4)
+
+    class NoCache(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.config = inner, inner.config
+
+        def forward(self, past_key_values=None, **kw):
+            return self.inner(**kw)
+
+    with torch.no_grad(), pytest.raises(RuntimeError, match="ignored the prompt's KV cache.*SHARED_PREFIX = False"):
+        completion_logits(NoCache(model), ids, attn, 4, shared_prefix=True)
+
+
+def zero2_gradient(model_dir, out, **env):
+    """tests/zero2_gradient.py on 2 DeepSpeed ranks: {"grads": averaged gradient, "gen_logps", "mask": (B, T)}."""
+    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2", "--master_port",
+           str(free_port()), "tests/zero2_gradient.py", str(out)]
+    env = {**os.environ, "MODEL_PATH": str(model_dir), "MU": "2", **env}
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return torch.load(out)
+
+
+def test_shared_prefix_under_zero2_on_two_ranks_with_mu_two(tiny_model_dir, tmp_path):
+    """MU = 2 makes prepare_batch take gen_logps with the same forward; the loss then uses them."""
+    full = zero2_gradient(tiny_model_dir, tmp_path / "full.pt", SHARED_PREFIX="0")
+    for checkpointing in ("0", "1"):
+        shared = zero2_gradient(tiny_model_dir, tmp_path / f"shared{checkpointing}.pt", SHARED_PREFIX="1",
+                                GRADIENT_CHECKPOINTING=checkpointing)
+        known = full["mask"].bool()  # (B, T) the answers' tokens, both ranks' rows
+        assert torch.equal(known, shared["mask"].bool()) and known.sum() > 0.5 * known.numel()
+        assert (full["gen_logps"][known] - shared["gen_logps"][known]).abs().max() <= 1e-4
+        scale = max(g.abs().max() for g in full["grads"].values())
+        assert scale > 0
+        for name, g in full["grads"].items():
+            assert (g - shared["grads"][name]).abs().max() <= 1e-5 * scale, name
