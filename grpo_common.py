@@ -233,29 +233,29 @@ def shared_prefix_logits(model, input_ids, attention_mask, n_completion: int) ->
     G, T = input_ids.shape[0], n_completion
     prompt = input_ids[0, :-T][attention_mask[0, :-T].bool()][None]  # (1, plen) without its padding
     plen = prompt.shape[1]
-    config = getattr(model, "module", model).config  # a DeepSpeed engine wraps the model
-    cache = DynamicCache(config=config)
+    inner = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
+    cache = DynamicCache(config=inner.config)
     # Gradient checkpointing drops a KV cache in training mode (its recompute would write it twice):
     # the prompt, one row, runs uncheckpointed; the completions read the cache and keep checkpointing.
-    with _decoder_layers(model, gradient_checkpointing=False):
+    with _decoder_layers(inner, gradient_checkpointing=False):
         first = model(input_ids=prompt, past_key_values=cache, logits_to_keep=1).logits  # (1, 1, V)
-    _check_cache(cache, plen, config)
+    _check_cache(cache, plen, inner)
     if T == 1:
         return first.expand(G, 1, -1)  # (G, 1, V)
     cache.batch_repeat_interleave(G)  # (G, heads, plen, d) per layer; backward sums the G copies' gradients
     attn = torch.cat([attention_mask.new_ones(G, plen), attention_mask[:, -T:-1]], 1)  # (G, plen + T - 1)
     positions = torch.arange(plen, plen + T - 1, device=input_ids.device).expand(G, -1)  # (G, T - 1)
-    with _decoder_layers(model, _can_checkpoint_with_cache=True):
+    with _decoder_layers(inner, _can_checkpoint_with_cache=True):
         rest = model(input_ids=input_ids[:, -T:-1], attention_mask=attn, position_ids=positions,
                      past_key_values=cache).logits  # (G, T - 1, V)
-    _check_cache(cache, plen + T - 1, config)
+    _check_cache(cache, plen + T - 1, inner)
     cache.crop(1 - T)  # back to the prompt: checkpointed layers recompute on it in backward
     return torch.cat([first.expand(G, 1, -1), rest], 1)  # (G, T, V)
 
 
-def _check_cache(cache, length, config):
+def _check_cache(cache, length, model):
     if cache.get_seq_length() != length:  # a model (or its checkpointing) that neither fills nor reads the cache
-        raise RuntimeError(f"{type(config).__name__} ignored the prompt's KV cache: set SHARED_PREFIX = False")
+        raise RuntimeError(f"{type(model).__name__} ignored the prompt's KV cache: set SHARED_PREFIX = False")
 
 
 @contextlib.contextmanager

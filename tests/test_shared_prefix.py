@@ -64,6 +64,25 @@ def test_shared_prefix_gives_the_log_probs_and_gradients_of_full_rows(smollm, ch
     assert full_grads["model.embed_tokens.weight"].abs().max() > 1e-3  # the gradient is not trivially 0
 
 
+def test_generation_from_the_shared_prompt_cache_samples_the_same_answers(tiny_model_dir, monkeypatch):
+    from collections import defaultdict
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    model, tok = AutoModelForCausalLM.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
+    cfg = GenerationConfig(do_sample=True, temperature=grpo.TEMPERATURE, top_k=0, top_p=1.0, max_new_tokens=12,
+                           pad_token_id=tok.pad_token_id, eos_token_id=[tok.eos_token_id])
+    questions = [{"question": q, "gold": "1"} for q in ("What is 2 + 3?", "What is 11 + 12, counting carefully?")]
+    monkeypatch.setattr(grpo, "NUM_PRE_Q", 4)
+    samples = {}
+    for shared in (False, True):
+        monkeypatch.setattr(grpo, "SHARED_PREFIX", shared)
+        torch.manual_seed(5)
+        samples[shared] = grpo.generate(model, tok, questions, cfg, [tok.eos_token_id], defaultdict(float))
+    assert torch.equal(samples[False]["completion_ids"], samples[True]["completion_ids"])
+    assert len(set(samples[True]["texts"])) > 2  # sampled, not one greedy answer repeated
+
+
 def test_rows_that_share_a_prompt_are_found_by_comparing_prompts():
     ids = torch.tensor([[0, 5, 6], [0, 5, 6], [4, 5, 6], [4, 5, 6], [0, 5, 6]])  # (B, P)
     attn = torch.tensor([[0, 1, 1], [0, 1, 1], [1, 1, 1], [1, 1, 1], [0, 1, 1]])  # (B, P)
