@@ -1,17 +1,18 @@
-"""Seconds per GRPO step: this project against TRL's GRPOTrainer, same CPU, same model and workload.
+"""Seconds per GRPO step and per generated token: this project against TRL's GRPOTrainer, same CPU,
+same model and workload, the two alternating in one invocation (ours, TRL, ours, TRL).
 
 Both train the embedded SmolLM2-135M-Instruct on the built-in arithmetic task with the very same
 prompts (system prompt, worked example, `<think>` prefill), 4 questions x 8 answers per step,
 64 new tokens at temperature 0.7 with no top-k/top-p, beta 0.04, clip 0.2, lr 1e-5, fp32, one
 process, the same rewards (2 x correct + 1 x format). Ours: `python ref_server.py` plus
-`deepspeed --num_gpus 1 grpo_ref_split.py` (bench_step_anatomy.run_steps); TRL: GRPOTrainer in
-this process with its reference model in memory. The first step of each is left out (warm-up).
+`deepspeed --num_gpus 1 grpo_ref_split.py` (bench_step_anatomy.run_steps, default constants);
+TRL: GRPOTrainer in this process with its reference model in memory. The first step of each run
+is left out (warm-up).
 
 TRL is not a dependency of the project; install it for this script only, without touching the
 project's pins:
     pip install --no-deps --target /tmp/trl_pkg trl==1.16.0
-    PYTHONPATH=/tmp/trl_pkg python bench/bench_vs_trl.py     # ~10 minutes on 2 CPU cores
-    PYTHONPATH=/tmp/trl_pkg python bench/bench_vs_trl.py bench/results/step_anatomy_metrics.jsonl   # reuse our run
+    PYTHONPATH=/tmp/trl_pkg python bench/bench_vs_trl.py     # ~20 minutes on 2 CPU cores
 Writes bench/results/vs_trl.json.
 """
 import json
@@ -26,8 +27,11 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_step_anatomy import STEPS, run_steps  # noqa: E402
 
+ROUNDS = 2  # runs of each, alternating
 
-def trl_seconds_per_step(out_dir):
+
+def trl_steps(out_dir):
+    """TRL's GRPOTrainer for STEPS steps: [(seconds, tokens generated)] per step."""
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
@@ -73,7 +77,25 @@ def trl_seconds_per_step(out_dir):
     trainer = GRPOTrainer(model=path, reward_funcs=[trl_reward(fn) for fn, _ in g.REWARDS], args=config,
                           train_dataset=data, processing_class=tokenizer, callbacks=[timer])
     trainer.train()
-    return timer.times
+    lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
+    return [(t, n * config.per_device_train_batch_size) for t, n in zip(timer.times, lengths)]
+
+
+def our_steps(out_dir):
+    """Our trainer and server for STEPS steps: [(seconds, tokens generated)] per step."""
+    with open(run_steps(out_dir)) as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    import grpo_ref_split as g
+
+    return [(m["seconds"], m["length"] * g.Q_BATCH_SIZE * g.NUM_PRE_Q) for m in lines if "seconds" in m]
+
+
+def summary(runs):
+    """Means over every run's steps but the first: seconds per step, seconds per generated token."""
+    steps = [s for run in runs for s in run[1:]]
+    return dict(s_per_step=round(sum(t for t, _ in steps) / len(steps), 2),
+                s_per_token=round(sum(t for t, _ in steps) / sum(n for _, n in steps), 4),
+                steps=[[round(t, 2), round(n)] for run in runs for t, n in run])
 
 
 def main():
@@ -83,26 +105,23 @@ def main():
         sys.exit("TRL is not installed (it is not a project dependency). For this benchmark only:\n"
                  "  pip install --no-deps --target /tmp/trl_pkg trl==1.16.0\n"
                  "  PYTHONPATH=/tmp/trl_pkg python bench/bench_vs_trl.py")
-    if len(sys.argv) > 1:  # a metrics.jsonl of the same workload, e.g. bench/results/step_anatomy_metrics.jsonl
-        with open(sys.argv[1]) as f:
-            ours = [json.loads(line) for line in f if line.strip()]
-    else:
-        with tempfile.TemporaryDirectory() as out_dir, open(run_steps(out_dir)) as f:
-            ours = [json.loads(line) for line in f if line.strip()]
-    ours = [m["seconds"] for m in ours if "seconds" in m][:STEPS]
-    with tempfile.TemporaryDirectory() as out_dir:
-        theirs = trl_seconds_per_step(out_dir)
-    mean_ours, mean_trl = sum(ours[1:]) / len(ours[1:]), sum(theirs[1:]) / len(theirs[1:])
-    print(f"steps 2..{STEPS}: ours {mean_ours:.1f} s/step, TRL {trl.__version__} {mean_trl:.1f} s/step, "
-          f"ratio ours / TRL = {mean_ours / mean_trl:.2f}  (target <= 0.8)")
+    runs = {"ours": [], "trl": []}
+    for _ in range(ROUNDS):
+        for name, fn in (("ours", our_steps), ("trl", trl_steps)):
+            with tempfile.TemporaryDirectory() as out_dir:
+                runs[name].append(fn(out_dir))
+    ours, theirs = summary(runs["ours"]), summary(runs["trl"])
+    ratio = ours["s_per_step"] / theirs["s_per_step"]
+    print(f"ours: {ours['s_per_step']:.1f} s/step, {ours['s_per_token'] * 1000:.1f} ms per generated token")
+    print(f"TRL {trl.__version__}: {theirs['s_per_step']:.1f} s/step, {theirs['s_per_token'] * 1000:.1f} ms per "
+          f"generated token")
+    print(f"ratio ours / TRL (s per step) = {ratio:.2f}  (target <= 0.45)")
     out = os.path.join(ROOT, "bench", "results", "vs_trl.json")
     with open(out, "w") as f:
         json.dump({"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}",
-                   "command": "PYTHONPATH=/tmp/trl_pkg python bench/bench_vs_trl.py " + " ".join(sys.argv[1:]),
-                   "trl": trl.__version__,
-                   "ours_s": [round(x, 2) for x in ours], "trl_s": [round(x, 2) for x in theirs],
-                   "ours_mean_s": round(mean_ours, 2), "trl_mean_s": round(mean_trl, 2),
-                   "ratio": round(mean_ours / mean_trl, 3)}, f, indent=1)
+                   "command": "PYTHONPATH=/tmp/trl_pkg python bench/bench_vs_trl.py", "trl_version": trl.__version__,
+                   "rounds": ROUNDS, "steps_per_run": STEPS, "ours": ours, "trl": theirs,
+                   "ratio_s_per_step": round(ratio, 3)}, f, indent=1)
     print(f"wrote {out}")
 
 

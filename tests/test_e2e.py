@@ -1,4 +1,5 @@
 """End to end: `python ref_server.py` as a process, `deepspeed grpo_ref_split.py` on 1 and 2 CPU ranks."""
+import glob
 import math
 
 import pytest
@@ -17,9 +18,11 @@ def server(tiny_model_dir, tmp_path_factory):
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_training_steps_end_to_end(server, tiny_model_dir, tmp_path, ranks):
     before = server.health()
+    shm_before = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
     extra = {"GRADIENT_CHECKPOINTING": "1"} if ranks == 2 else {}  # covered here at no extra run
     run = train(tiny_model_dir, server.url, tmp_path, ranks, **extra)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) <= shm_before  # DeepSpeed's 66 MiB per rank
     assert "step    1 | loss" in run.stdout + run.stderr and "step    2 | loss" in run.stdout + run.stderr
 
     lines, evals = metrics(tmp_path)
