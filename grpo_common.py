@@ -205,8 +205,13 @@ def completion_logits(model, input_ids, attention_mask, n_completion: int, share
     prompt's cost no longer grows with NUM_PRE_Q.
     """
     if shared_prefix:
-        runs = same_prompt_runs(input_ids[:, :-n_completion], attention_mask[:, :-n_completion])
-        return torch.cat([shared_prefix_logits(model, input_ids[r], attention_mask[r], n_completion) for r in runs])
+        B, T = input_ids.shape[0], n_completion
+        out = None
+        for r in same_prompt_runs(input_ids[:, :-T], attention_mask[:, :-T]):
+            part = shared_prefix_logits(model, input_ids[r], attention_mask[r], T)  # (G, t, V) t <= T
+            out = part.new_zeros(B, T, part.shape[-1]) if out is None else out  # (B, T, V) 0 past each group's end
+            out[r, : part.shape[1]] = part
+        return out
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, L)
     L = input_ids.shape[1]
     keep = torch.arange(L - n_completion - 1, L - 1, device=input_ids.device)  # (T,) positions that predict
@@ -225,13 +230,18 @@ def same_prompt_runs(prompt_ids, prompt_mask) -> list:
 
 def shared_prefix_logits(model, input_ids, attention_mask, n_completion: int) -> torch.Tensor:
     """completion_logits for G rows with one prompt: the prompt runs once, its KV cache is repeated
-    G times, and the completions run on it (as in "Prefix Grouper", arXiv 2506.05433).
+    G times, and the completions run on it (as in "Prefix Grouper", arXiv 2506.05433). Returns
+    (G, t, V) for the group's own t <= n_completion columns: in a batch padded to its longest
+    answer, the columns after this group's longest are padding, and cost nothing here.
 
     Gradients flow back through the repeated cache into the prompt's forward. The prompt's last
     position predicts the first completion token; the last completion token is never an input.
     """
-    G, T = input_ids.shape[0], n_completion
-    prompt = input_ids[0, :-T][attention_mask[0, :-T].bool()][None]  # (1, plen) without its padding
+    G = input_ids.shape[0]
+    ids, attn = input_ids[:, -n_completion:], attention_mask[:, -n_completion:]  # (G, n_completion) each
+    used = attn.any(0).nonzero()  # (k, 1) the columns any row of the group uses
+    T = int(used.max()) + 1 if len(used) else 1
+    prompt = input_ids[0, :-n_completion][attention_mask[0, :-n_completion].bool()][None]  # (1, plen) unpadded
     plen = prompt.shape[1]
     inner = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
     cache = DynamicCache(config=inner.config)
@@ -243,11 +253,10 @@ def shared_prefix_logits(model, input_ids, attention_mask, n_completion: int) ->
     if T == 1:
         return first.expand(G, 1, -1)  # (G, 1, V)
     cache.batch_repeat_interleave(G)  # (G, heads, plen, d) per layer; backward sums the G copies' gradients
-    attn = torch.cat([attention_mask.new_ones(G, plen), attention_mask[:, -T:-1]], 1)  # (G, plen + T - 1)
-    positions = torch.arange(plen, plen + T - 1, device=input_ids.device).expand(G, -1)  # (G, T - 1)
+    positions = torch.arange(plen, plen + T - 1, device=ids.device).expand(G, -1)  # (G, T - 1)
     with _decoder_layers(inner, _can_checkpoint_with_cache=True):
-        rest = model(input_ids=input_ids[:, -T:-1], attention_mask=attn, position_ids=positions,
-                     past_key_values=cache).logits  # (G, T - 1, V)
+        rest = model(input_ids=ids[:, : T - 1], attention_mask=torch.cat([attn.new_ones(G, plen), attn[:, : T - 1]], 1),
+                     position_ids=positions, past_key_values=cache).logits  # (G, T - 1, V)
     _check_cache(cache, plen + T - 1, inner)
     cache.crop(1 - T)  # back to the prompt: checkpointed layers recompute on it in backward
     return torch.cat([first.expand(G, 1, -1), rest], 1)  # (G, T, V)

@@ -30,7 +30,7 @@ def two_groups(tokenizer, G=4, T=10):
     g = torch.Generator().manual_seed(0)
     completions = torch.randint(100, 20000, (2 * G, T), generator=g)  # (B, T)
     mask = torch.ones(2 * G, T, dtype=torch.long)
-    mask[1, 6:] = mask[G + 2, 3:] = 0  # answers that ended early
+    mask[1, 6:] = mask[G:, 8:] = mask[G + 2, 3:] = 0  # answers that ended early; the second group, all of them
     ids = torch.cat([enc.input_ids.repeat_interleave(G, 0), completions], 1)  # (B, P+T)
     attn = torch.cat([enc.attention_mask.repeat_interleave(G, 0), mask], 1)  # (B, P+T)
     return ids, attn, mask.bool()
