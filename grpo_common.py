@@ -19,8 +19,6 @@ import time
 import requests
 import safetensors.torch
 import torch
-from transformers import DynamicCache
-from transformers.modeling_layers import GradientCheckpointingLayer
 
 LOGP_CHUNK = 128  # tokens whose softmax exists at once: (LOGP_CHUNK, V) fp32 extra, not (B, T, V); 0 = plain
 
@@ -201,8 +199,9 @@ def completion_logits(model, input_ids, attention_mask, n_completion: int, share
 
     Rows may be left-padded (attention_mask 0): positions count from each row's first real
     token, so a padded row gets exactly the logits of the same row unpadded. shared_prefix=True
-    runs each prompt once for the consecutive rows that share it (a group): same logits, and the
-    prompt's cost no longer grows with NUM_PRE_Q.
+    runs each prompt once for the consecutive rows that share it (a group): the same logits on
+    every completion token (0 on the padding past a group's longest answer), and the prompt's
+    cost no longer grows with NUM_PRE_Q.
     """
     if shared_prefix:
         B, T = input_ids.shape[0], n_completion
@@ -237,6 +236,8 @@ def shared_prefix_logits(model, input_ids, attention_mask, n_completion: int) ->
     Gradients flow back through the repeated cache into the prompt's forward. The prompt's last
     position predicts the first completion token; the last completion token is never an input.
     """
+    from transformers import DynamicCache  # here, not at the top: it imports Triton (see grpo_loss_triton.py)
+
     G = input_ids.shape[0]
     ids, attn = input_ids[:, -n_completion:], attention_mask[:, -n_completion:]  # (G, n_completion) each
     used = attn.any(0).nonzero()  # (k, 1) the columns any row of the group uses
@@ -270,6 +271,8 @@ def _check_cache(cache, length, model):
 @contextlib.contextmanager
 def _decoder_layers(model, **attrs):
     """Set attributes on every layer that transformers' gradient checkpointing wraps, for the block."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
     layers = [mod for mod in model.modules() if isinstance(mod, GradientCheckpointingLayer)]
     saved = [{name: layer.__dict__[name] for name in attrs if name in layer.__dict__} for layer in layers]
     for layer in layers:

@@ -40,7 +40,6 @@ from collections import defaultdict
 
 import torch
 from tqdm import tqdm
-from transformers import DynamicCache
 
 from grpo_common import (apply_env_overrides, completion_logits, completion_logps, decode_batch, encode_batch,
                          group_advantages, model_fingerprint, per_token_logps, request_with_retry,
@@ -235,10 +234,12 @@ def generate(model, tokenizer, questions, gen_config, eos_ids, m) -> dict:
                 questions=[q["question"] for q in questions for _ in range(NUM_PRE_Q)])
 
 
-def prompt_cache(model, prompt_ids, prompt_mask) -> DynamicCache:
+def prompt_cache(model, prompt_ids, prompt_mask):
     """The KV cache of each prompt computed once, repeated NUM_PRE_Q times, for generate to go on from
     (it then runs only the last prompt token). Same samples; at the demo's shapes the repeated prompts'
     prefill was about a quarter of generate's time."""
+    from transformers import DynamicCache  # imported here: it imports Triton, which TRITON_INTERPRET must precede
+
     cache = DynamicCache(config=model.config)
     positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # (Q, P) left padding: count from the first token
     model(input_ids=prompt_ids[:, :-1], attention_mask=prompt_mask[:, :-1], position_ids=positions[:, :-1],
