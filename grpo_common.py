@@ -208,7 +208,8 @@ def completion_logits(model, input_ids, attention_mask, n_completion: int, share
         out = None
         for r in same_prompt_runs(input_ids[:, :-T], attention_mask[:, :-T]):
             part = shared_prefix_logits(model, input_ids[r], attention_mask[r], T)  # (G, t, V) t <= T
-            out = part.new_zeros(B, T, part.shape[-1]) if out is None else out  # (B, T, V) 0 past each group's end
+            if out is None:
+                out = part.new_zeros(B, T, part.shape[-1])  # (B, T, V) 0 past each group's end
             out[r, : part.shape[1]] = part
         return out
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, L)
@@ -236,24 +237,16 @@ def shared_prefix_logits(model, input_ids, attention_mask, n_completion: int) ->
     Gradients flow back through the repeated cache into the prompt's forward. The prompt's last
     position predicts the first completion token; the last completion token is never an input.
     """
-    from transformers import DynamicCache  # here, not at the top: it imports Triton (see grpo_loss_triton.py)
-
     G = input_ids.shape[0]
     ids, attn = input_ids[:, -n_completion:], attention_mask[:, -n_completion:]  # (G, n_completion) each
     used = attn.any(0).nonzero()  # (k, 1) the columns any row of the group uses
     T = int(used.max()) + 1 if len(used) else 1
-    prompt = input_ids[0, :-n_completion][attention_mask[0, :-n_completion].bool()][None]  # (1, plen) unpadded
+    prompt = input_ids[:1, :-n_completion][attention_mask[:1, :-n_completion].bool()][None]  # (1, plen) unpadded
     plen = prompt.shape[1]
-    inner = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
-    cache = DynamicCache(config=inner.config)
-    # Gradient checkpointing drops a KV cache in training mode (its recompute would write it twice):
-    # the prompt, one row, runs uncheckpointed; the completions read the cache and keep checkpointing.
-    with _decoder_layers(inner, gradient_checkpointing=False):
-        first = model(input_ids=prompt, past_key_values=cache, logits_to_keep=1).logits  # (1, 1, V)
-    _check_cache(cache, plen, inner)
+    cache, first = prompt_cache(model, prompt, torch.ones_like(prompt), G)  # first (1, 1, V)
     if T == 1:
         return first.expand(G, 1, -1)  # (G, 1, V)
-    cache.batch_repeat_interleave(G)  # (G, heads, plen, d) per layer; backward sums the G copies' gradients
+    inner = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
     positions = torch.arange(plen, plen + T - 1, device=ids.device).expand(G, -1)  # (G, T - 1)
     with _decoder_layers(inner, _can_checkpoint_with_cache=True):
         rest = model(input_ids=ids[:, : T - 1], attention_mask=torch.cat([attn.new_ones(G, plen), attn[:, : T - 1]], 1),
@@ -261,6 +254,25 @@ def shared_prefix_logits(model, input_ids, attention_mask, n_completion: int) ->
     _check_cache(cache, plen + T - 1, inner)
     cache.crop(1 - T)  # back to the prompt: checkpointed layers recompute on it in backward
     return torch.cat([first.expand(G, 1, -1), rest], 1)  # (G, T, V)
+
+
+def prompt_cache(model, prompt_ids, prompt_mask, repeats: int):
+    """(cache, last): each prompt's KV cache computed once and repeated `repeats` times (rows
+    prompt 0 x repeats, prompt 1 x repeats, ...), and (Q, 1, V) logits of each prompt's last position.
+    Prompts may be left-padded: positions count from each row's first real token."""
+    from transformers import DynamicCache  # here, not at the top: it imports Triton (see grpo_loss_triton.py)
+
+    inner = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
+    cache = DynamicCache(config=inner.config)
+    positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # (Q, P)
+    # Gradient checkpointing drops a KV cache in training mode (its recompute would write it twice):
+    # the prompts, one row each, run uncheckpointed; the completions read the cache and keep checkpointing.
+    with _decoder_layers(inner, gradient_checkpointing=False):
+        last = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, past_key_values=cache,
+                     logits_to_keep=1).logits  # (Q, 1, V)
+    _check_cache(cache, prompt_ids.shape[1], inner)
+    cache.batch_repeat_interleave(repeats)  # (Q * repeats, heads, P, d) per layer; backward sums the copies
+    return cache, last
 
 
 def _check_cache(cache, length, model):
