@@ -330,8 +330,9 @@ UPLOAD_SPEC = {  # name: (dtype, shape as a function of G rows, L columns, plen)
     "advantages": (torch.float32, lambda g, l, p: (g,)),
     "rewards": (torch.float32, lambda g, l, p: (g,)),
     "gen_logps": (torch.float32, lambda g, l, p: (g, l - p)),  # optional: the sampling policy's log-probs
+    "sampler_logps": (torch.float32, lambda g, l, p: (g, l - p)),  # optional: what vLLM said they were
 }
-OPTIONAL = {"gen_logps"}
+OPTIONAL = {"gen_logps", "sampler_logps"}
 MAX_META_CHARS, MAX_META_DEPTH = 2**22, 8  # metadata: numbers, names, and the answers' text for a reward model
 
 

