@@ -1,6 +1,7 @@
 """Where a training step's time goes: generation, gen_logps, scoring, waiting for the reference
 server, policy forward+backward, optimizer, and the overhead ratio step / (generation + fwd+bwd),
-for the shared-prefix path (SHARED_PREFIX = True) and the full-rows path it replaced, side by side.
+for the shared-prefix path (SHARED_PREFIX = True) and the full-rows path it replaced, side by side;
+with COMPARE=vllm, for vLLM generation (USE_VLLM = True) against transformers' generate.
 
 Without an argument it runs the real thing: `python ref_server.py` and `deepspeed --num_gpus 1
 grpo_ref_split.py` on the embedded model with the default constants (evaluation off), STEPS steps
@@ -8,8 +9,10 @@ per run, the two paths alternating for ROUNDS rounds, and reads the per-step tim
 writes to metrics.jsonl. With a metrics.jsonl (e.g. the demo's) it only reads that file.
 
     python bench/bench_step_anatomy.py                          # ~15 minutes on 2 CPU cores
+    COMPARE=vllm python bench/bench_step_anatomy.py             # USE_VLLM on and off, ~12 minutes
     python bench/bench_step_anatomy.py output/metrics.jsonl     # any finished run
-Writes bench/results/step_anatomy.json (and the shared path's last run to step_anatomy_metrics.jsonl).
+Writes bench/results/step_anatomy.json (step_anatomy_vllm.json with COMPARE=vllm; the shared path's last
+run goes to step_anatomy_metrics.jsonl).
 """
 import json
 import os
@@ -24,7 +27,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 3  # training steps per run; the first is left out of the averages (warm-up)
 ROUNDS = 2  # runs per path, alternating: new, old, new, old
-PATHS = {"shared prefix": {"SHARED_PREFIX": "1"}, "full rows": {"SHARED_PREFIX": "0"}}  # trainer and server
+COMPARE = os.environ.get("COMPARE", "shared_prefix")  # which constant the two sides differ in: shared_prefix | vllm
+PATHS = {"shared_prefix": {"shared prefix": {"SHARED_PREFIX": "1"}, "full rows": {"SHARED_PREFIX": "0"}},
+         "vllm": {"vLLM": {"USE_VLLM": "1"}, "transformers": {"USE_VLLM": "0"}}}[COMPARE]  # new side first
+TARGET = {"shared_prefix": 0.5, "vllm": None}[COMPARE]  # the step-time ratio its issue asks for
 PHASES = [  # (name, how it is computed from one metrics line)
     ("generation", lambda m: m["generate_s"]),
     ("gen_logps (a forward of the sampling weights)", lambda m: m["gen_logps_s"]),
@@ -32,8 +38,9 @@ PHASES = [  # (name, how it is computed from one metrics line)
     ("server: upload, reference forward, download", lambda m: m["wait_s"]),
     ("policy forward + backward", lambda m: m["fwd_bwd_s"]),
     ("optimizer step", lambda m: m["optim_s"]),
-    ("everything else (prompts, collate, metrics)",
-     lambda m: m["seconds"] - m["generate_s"] - m["gen_logps_s"] - m["score_s"] - m["wait_s"] - m["train_s"]),
+    ("vLLM weight push", lambda m: m.get("push_s", 0.0)),
+    ("everything else (prompts, collate, metrics)", lambda m: m["seconds"] - m["generate_s"] - m["gen_logps_s"]
+     - m["score_s"] - m["wait_s"] - m["train_s"] - m.get("push_s", 0.0)),
 ]
 
 
@@ -95,16 +102,21 @@ def main():
                     out_dir = os.path.join(tmp, f"{name.replace(' ', '_')}{r}")
                     os.makedirs(out_dir)
                     runs[name].append(run_steps(out_dir, **env))
-            kept = os.path.join(ROOT, "bench", "results", "step_anatomy_metrics.jsonl")
-            shutil.copy(runs["shared prefix"][-1], kept)  # bench_vs_trl.py can reuse this run
+            if COMPARE == "shared_prefix":
+                kept = os.path.join(ROOT, "bench", "results", "step_anatomy_metrics.jsonl")
+                shutil.copy(runs["shared prefix"][-1], kept)  # bench_vs_trl.py can reuse this run
             result = {name: anatomy(paths, name) for name, paths in runs.items()}
-        ratio = result["shared prefix"]["step_s"] / result["full rows"]["step_s"]
-        print(f"step time, shared prefix / full rows = {ratio:.2f}  (target <= 0.5)")
-        result = dict(step_ratio_shared_over_full=round(ratio, 3), rounds=ROUNDS, steps_per_run=STEPS, **result)
-    out = os.path.join(ROOT, "bench", "results", "step_anatomy.json")
+        new, old = PATHS
+        ratio = result[new]["step_s"] / result[old]["step_s"]
+        print(f"step time, {new} / {old} = {ratio:.2f}" + (f"  (target <= {TARGET})" if TARGET else ""))
+        result = {f"step_ratio_{new}_over_{old}".replace(" ", "_"): round(ratio, 3), "rounds": ROUNDS,
+                  "steps_per_run": STEPS, **result}
+    name = "step_anatomy.json" if COMPARE == "shared_prefix" else f"step_anatomy_{COMPARE}.json"
+    out = os.path.join(ROOT, "bench", "results", name)
     with open(out, "w") as f:
         json.dump({"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}",
-                   "command": " ".join(["python bench/bench_step_anatomy.py", *sys.argv[1:]]), **result}, f, indent=1)
+                   "command": " ".join([f"COMPARE={COMPARE} python bench/bench_step_anatomy.py", *sys.argv[1:]]),
+                   **result}, f, indent=1)
     print(f"wrote {out}")
 
 
