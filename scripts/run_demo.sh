@@ -12,4 +12,5 @@ until grep -q "reference server ready" ref_server.log; do  # a server that dies 
   sleep 1
 done
 NUM_GPUS=${NUM_GPUS:-1}  # CPU here: 1 rank; on a GPU machine leave --num_gpus out to use them all
-deepspeed --num_gpus "$NUM_GPUS" grpo_ref_split.py
+# vLLM generates the demo's rollouts: 0.85x transformers' step time here (bench/bench_step_anatomy.py, COMPARE=vllm)
+USE_VLLM=${USE_VLLM:-1} deepspeed --num_gpus "$NUM_GPUS" grpo_ref_split.py
