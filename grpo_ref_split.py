@@ -522,15 +522,18 @@ def evaluate(model, tokenizer, questions, eos_ids, batch_size=16, llm=None):
     device = next(model.parameters()).device
     model.eval()
     texts = []
+    batch_size = batch_size if llm is None else len(questions)  # vLLM schedules all of them at once
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        for i in range(0, len(questions), batch_size if llm is None else len(questions)):
+        for i in range(0, len(questions), batch_size):
             enc = encode_prompts(tokenizer, questions[i : i + batch_size]).to(device)
-            if llm is not None:  # vLLM schedules all of them at once
+            if llm is not None:
                 answers, _ = vllm_sample(llm, enc.input_ids, enc.attention_mask, 1, 0.0, eos_ids,
                                          tokenizer.pad_token_id)  # (b, T)
             else:
                 answers = model.generate(**enc, generation_config=greedy)[:, enc.input_ids.shape[1] :]  # (b, T)
             texts += tokenizer.batch_decode(answers, skip_special_tokens=True)
+    if len(texts) != len(questions):  # score() would zip them and quietly average a part
+        raise RuntimeError(f"evaluation produced {len(texts)} answers for {len(questions)} questions")
     m = defaultdict(float)
     score(texts, [q["gold"] for q in questions], [q["question"] for q in questions], m)
     return {f"eval_{fn.__name__}": m[fn.__name__] for fn, _ in REWARDS}

@@ -69,6 +69,9 @@ def main(path):
     texts = [tokenizer.batch_decode(x, skip_special_tokens=True) for x in (greedy_vllm, greedy_hf)]
     report["greedy_same_texts"] = sum(a == b for a, b in zip(*texts))
     report["greedy_questions"] = len(questions)
+    held = load_questions("arithmetic", 4)[:40]  # more than evaluate's transformers batch of 16
+    report["eval_vllm"] = grpo.evaluate(model, tokenizer, held, eos_ids, llm=llm)
+    report["eval_transformers"] = grpo.evaluate(model, tokenizer, held, eos_ids)
 
     # Weight push: a fixed completion, read by vLLM before and after the trainer's weights change.
     plen = r["prompt_ids"].shape[1]
