@@ -486,11 +486,11 @@ def policy_loss(engine, b, m):
         loss, logps = grpo_loss_triton(logits, completion_ids, b["ref_logps"], b["gen_logps"], b["advantages"],
                                        b["mask"], BETA, CLIP_EPS, CLIP_EPS_HIGH, TOKEN_MEAN, TEMPERATURE,
                                        return_logps=True, inplace_backward=True, normalizer=b.get("normalizer"),
-                                       sampler_logps=b["sampler_logps"], tis_cap=TIS_CAP)
+                                       sampler_logps=b.get("sampler_logps"), tis_cap=TIS_CAP)
     else:
         logps = per_token_logps(logits, completion_ids, TEMPERATURE, inplace_backward=True)  # (B, T)
         loss = grpo_loss(logps, b["ref_logps"], b["gen_logps"], b["advantages"], b["mask"], BETA, CLIP_EPS,
-                         CLIP_EPS_HIGH, TOKEN_MEAN, b.get("normalizer"), b["sampler_logps"], TIS_CAP)
+                         CLIP_EPS_HIGH, TOKEN_MEAN, b.get("normalizer"), b.get("sampler_logps"), TIS_CAP)
     with torch.no_grad():
         logps = logps.detach()  # (B, T) the weights before this step
         gen = logps if b["gen_logps"] is None else torch.where(b["gen_logps"].isnan(), logps, b["gen_logps"])
@@ -501,7 +501,7 @@ def policy_loss(engine, b, m):
         if b["ref_logps"] is not None:
             passed["kl"] = masked_mean(k3(b["ref_logps"], logps), b["mask"]).mean()
         if USE_VLLM:  # mean |vLLM's log-prob - the trainer's pi_old| of the sampled tokens: the engines' mismatch
-            samp = b["sampler_logps"] if b["sampler_logps"] is not None else torch.full_like(gen, float("nan"))
+            samp = b["sampler_logps"] if b.get("sampler_logps") is not None else torch.full_like(gen, float("nan"))
             sampled = b["mask"] & ~samp.isnan()  # (B, T) on every rank, 0 without vLLM rows: same metric keys
             passed["sampler_gap"] = torch.where(sampled, (gen - samp).abs(), 0.0).sum() / sampled.sum().clamp(min=1)
     for k, v in passed.items():

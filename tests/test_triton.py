@@ -190,12 +190,12 @@ AOT = textwrap.dedent("""
     target = GPUTarget("cuda", 90, 32)  # Hopper: what the real compiler checks, no GPU needed
     for dt in ("fp32", "bf16"):
         common = dict(logits_ptr="*" + dt, stride_lb="i64", stride_lt="i64", stride_lv="i64", ids_ptr="*i64")
-        fwd = dict(common, ref_ptr="*fp32", gen_ptr="*fp32", adv_ptr="*fp32", weight_ptr="*fp32", loss_ptr="*fp32",
-                   logp_ptr="*fp32", lse_ptr="*fp32", dcoef_ptr="*fp32", T="i32", V="i32", beta="fp32",
-                   clip_low="fp32", clip_high="fp32", inv_temperature="fp32", HAS_GEN="constexpr",
-                   HAS_REF="constexpr", BLOCK="constexpr")
-        for has_gen, has_ref in ((True, True), (False, True), (True, False)):
-            consts = {{"HAS_GEN": has_gen, "HAS_REF": has_ref, "BLOCK": K.BLOCK_V}}
+        fwd = dict(common, ref_ptr="*fp32", gen_ptr="*fp32", samp_ptr="*fp32", adv_ptr="*fp32", weight_ptr="*fp32",
+                   loss_ptr="*fp32", logp_ptr="*fp32", lse_ptr="*fp32", dcoef_ptr="*fp32", T="i32", V="i32",
+                   beta="fp32", clip_low="fp32", clip_high="fp32", inv_temperature="fp32", tis_cap="fp32",
+                   HAS_GEN="constexpr", HAS_REF="constexpr", HAS_TIS="constexpr", BLOCK="constexpr")
+        for has_gen, has_ref, has_tis in ((True, True, False), (False, True, True), (True, False, True)):
+            consts = {{"HAS_GEN": has_gen, "HAS_REF": has_ref, "HAS_TIS": has_tis, "BLOCK": K.BLOCK_V}}
             k = triton.compile(ASTSource(K._grpo_fwd_kernel, fwd, consts), target=target)
             assert "cubin" in k.asm and k.asm["cubin"], "no cubin"
         bwd = dict(common, grad_ptr="*" + dt, stride_gb="i64", stride_gt="i64", stride_gv="i64", ids_ptr="*i64",

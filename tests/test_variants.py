@@ -112,7 +112,7 @@ def fresh_model(tokenizer):
     from conftest import tiny_config
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(tiny_config(tokenizer))
+    return LlamaForCausalLM(tiny_config(tokenizer, head_dim=16))  # the size these thresholds were set on
 
 
 def test_mu_two_reuses_the_batch_with_a_real_ratio(fresh_model, monkeypatch):
