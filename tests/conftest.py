@@ -163,6 +163,14 @@ class ServerProcess:
         self.log.close()
 
 
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    """`python ref_server.py` on the tiny model, one per test module that asks for it."""
+    s = ServerProcess(tiny_model_dir, free_port(), tmp_path_factory.mktemp("srv") / "server.log")
+    yield s
+    s.stop()
+
+
 # ----------------------------------------------------------------------------- in-process server helpers
 VOCAB = 49152  # the SmolLM2 tokenizer's
 

@@ -5,14 +5,7 @@ import math
 import pytest
 import torch
 
-from conftest import ServerProcess, free_port, metrics, params, tiny_config, train
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    s = ServerProcess(tiny_model_dir, free_port(), tmp_path_factory.mktemp("srv") / "server.log")
-    yield s
-    s.stop()
+from conftest import metrics, params, tiny_config, train
 
 
 @pytest.mark.parametrize("ranks", [1, 2])

@@ -15,13 +15,6 @@ import torch
 from conftest import ROOT, ServerProcess, free_port, metrics, params, pull, train, trainer_cmd, trainer_env, wait_for
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    s = ServerProcess(tiny_model_dir, free_port(), tmp_path_factory.mktemp("srv") / "server.log")
-    yield s
-    s.stop()
-
-
 def kill_group(proc):
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)

