@@ -13,7 +13,8 @@ TRL is not a dependency of the project; install it for this script only, without
 project's pins:
     pip install --no-deps --target /tmp/trl_pkg trl==1.16.0
     PYTHONPATH=/tmp/trl_pkg python bench/bench_vs_trl.py     # ~20 minutes on 2 CPU cores
-Writes bench/results/vs_trl.json.
+    USE_VLLM=1 PYTHONPATH=/tmp/trl_pkg python bench/bench_vs_trl.py   # ours generating with vLLM
+Writes bench/results/vs_trl.json (vs_trl_vllm.json with USE_VLLM=1; TRL runs without vLLM either way).
 """
 import json
 import os
@@ -115,11 +116,14 @@ def main():
     print(f"ours: {ours['s_per_step']:.1f} s/step, {ours['s_per_token'] * 1000:.1f} ms per generated token")
     print(f"TRL {trl.__version__}: {theirs['s_per_step']:.1f} s/step, {theirs['s_per_token'] * 1000:.1f} ms per "
           f"generated token")
-    print(f"ratio ours / TRL (s per step) = {ratio:.2f}  (target <= 0.45)")
-    out = os.path.join(ROOT, "bench", "results", "vs_trl.json")
+    import grpo_ref_split as g
+
+    print(f"ratio ours / TRL (s per step) = {ratio:.2f}  (target <= {0.3 if g.USE_VLLM else 0.45})")
+    out = os.path.join(ROOT, "bench", "results", "vs_trl_vllm.json" if g.USE_VLLM else "vs_trl.json")
     with open(out, "w") as f:
         json.dump({"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}",
-                   "command": "PYTHONPATH=/tmp/trl_pkg python bench/bench_vs_trl.py", "trl_version": trl.__version__,
+                   "command": f"USE_VLLM={int(g.USE_VLLM)} PYTHONPATH=/tmp/trl_pkg python bench/bench_vs_trl.py",
+                   "trl_version": trl.__version__,
                    "rounds": ROUNDS, "steps_per_run": STEPS, "ours": ours, "trl": theirs,
                    "ratio_s_per_step": round(ratio, 3)}, f, indent=1)
     print(f"wrote {out}")
