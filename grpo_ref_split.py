@@ -322,6 +322,8 @@ def score(texts, golds, questions, m) -> torch.Tensor:
     """Step 3: (N,) the weighted sum of REWARDS; each function's mean goes to m under its name. The
     prefill is put back so the tags read whole. A reward that raises or is not a finite number stops
     the run, naming the function and the completion: nothing is silently turned into 0."""
+    if not len(texts) == len(golds) == len(questions):  # zip would quietly score only a part
+        raise ValueError(f"{len(texts)} answers for {len(golds)} gold answers and {len(questions)} questions")
     total = torch.zeros(len(texts))  # (N,)
     with timed(m, "score_s"):
         for fn, weight in REWARDS:
@@ -532,8 +534,6 @@ def evaluate(model, tokenizer, questions, eos_ids, batch_size=16, llm=None):
             else:
                 answers = model.generate(**enc, generation_config=greedy)[:, enc.input_ids.shape[1] :]  # (b, T)
             texts += tokenizer.batch_decode(answers, skip_special_tokens=True)
-    if len(texts) != len(questions):  # score() would zip them and quietly average a part
-        raise RuntimeError(f"evaluation produced {len(texts)} answers for {len(questions)} questions")
     m = defaultdict(float)
     score(texts, [q["gold"] for q in questions], [q["question"] for q in questions], m)
     return {f"eval_{fn.__name__}": m[fn.__name__] for fn, _ in REWARDS}
@@ -846,10 +846,11 @@ def generate_only():
     torch.manual_seed(SEED + os.getpid())  # workers must not repeat each other's samples
     rng = random.Random(SEED + os.getpid())
     questions, _ = split_held_out(load_questions(DATASET, SEED, ARITH_MAX), EVAL_SIZE)
-    model, tokenizer, eos_ids, gen_config = load_policy(resolve_model_path(MODEL_PATH), device)
+    path = resolve_model_path(MODEL_PATH)
+    model, tokenizer, eos_ids, gen_config = load_policy(path, device)
     health = server_health(model, tokenizer)
     keep_all = bool(health["regroup"] or health["reward_model"])
-    llm = start_vllm(resolve_model_path(MODEL_PATH), SEED + os.getpid(), model.dtype) if USE_VLLM else None
+    llm = start_vllm(path, SEED + os.getpid(), model.dtype) if USE_VLLM else None
     version = 0
     while True:
         newest = (checkpoints(OUTPUT_DIR) or [None])[-1]

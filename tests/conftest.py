@@ -3,6 +3,7 @@ reference server process. Run with: bash scripts/test.sh (or python -m pytest te
 import os
 import pathlib
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -161,6 +162,12 @@ class ServerProcess:
         self.proc.terminate()
         self.proc.wait(timeout=30)
         self.log.close()
+
+
+def kill_group(proc):
+    """SIGKILL a process started with start_new_session=True, and everything it started."""
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from grpo_common import decode_batch, encode_batch, group_advantages, per_token_logps, per_token_logps_plain
-from grpo_ref_split import collate, completion_mask, grpo_loss, k3, masked_mean
+from grpo_ref_split import collate, completion_mask, grpo_loss, k3, masked_mean, score
 from rewards import make_arithmetic, split_held_out
 
 
@@ -202,6 +202,14 @@ def test_gen_logps_none_is_the_on_policy_gradient():
     assert loss.item() == pytest.approx(-adv.mean().item(), rel=1e-6)  # ratio 1: loss = -mean(A)
     (g,) = torch.autograd.grad(loss, logps)
     assert torch.allclose(g, -adv[:, None].expand(3, 4) / (4 * 3))  # d/dlogp of -A r / (T B), r = 1
+
+
+def test_score_refuses_answers_that_do_not_line_up_with_the_questions():
+    """zip would score the first 16 of 128 answers and average those: evaluation once reported 87.5% so."""
+    from collections import defaultdict
+
+    with pytest.raises(ValueError, match="16 answers for 128 gold answers"):
+        score(["<answer>1</answer>"] * 16, ["1"] * 128, ["q"] * 128, defaultdict(float))
 
 
 def test_truncated_importance_sampling_weights_each_token_by_hand():

@@ -3,7 +3,6 @@ the variants without a server, a server killed mid-run, and a genonly generation
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -12,12 +11,8 @@ import pytest
 import requests
 import torch
 
-from conftest import ROOT, ServerProcess, free_port, metrics, params, pull, train, trainer_cmd, trainer_env, wait_for
-
-
-def kill_group(proc):
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
+from conftest import (ROOT, ServerProcess, free_port, kill_group, metrics, params, pull, train, trainer_cmd,
+                      trainer_env, wait_for)
 
 
 def ds_config(tmp_path, scheduler):

