@@ -21,6 +21,8 @@ import safetensors.torch
 import torch
 
 LOGP_CHUNK = 128  # tokens whose softmax exists at once: (LOGP_CHUNK, V) fp32 extra, not (B, T, V); 0 = plain
+LOGP_FROM_HIDDEN = True  # log-probs from the LM head's input, LOGP_CHUNK tokens at a time: never (B, T, V) logits;
+# False = the model's logits, then per_token_logps (the Triton loss, USE_TRITON, always takes that path)
 
 
 # ----------------------------------------------------------------------------- constants from the environment
@@ -194,8 +196,85 @@ def per_token_logps(logits: torch.Tensor, ids: torch.Tensor, temperature: float 
     return _TokenLogps.apply(logits, ids, float(temperature), inplace_backward)
 
 
-def completion_logits(model, input_ids, attention_mask, n_completion: int, shared_prefix: bool = False) -> torch.Tensor:
-    """(B, n_completion, V) logits where [:, t] predicts input_ids[:, -n_completion + t].
+class _HiddenLogps(torch.autograd.Function):
+    """per_token_logps_plain(hidden @ weight.T, ids) without ever holding the (B, T, V) logits.
+
+    Forward keeps the hidden states and a logsumexp per token; each chunk of LOGP_CHUNK tokens (rows
+    and time flattened) gets its own LM-head matmul. Backward recomputes that chunk's logits (one
+    more matmul: the LM head's FLOPs go from 3 to 4 passes) for d(hidden) and d(weight). A weight
+    tied to the input embedding (SmolLM2's) is one Parameter: autograd adds this gradient to the
+    embedding's. Same idea as Liger-Kernel's fused linear losses and Cut Cross-Entropy (arXiv 2411.09009).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, ids, temperature):
+        h, flat = hidden.reshape(-1, hidden.shape[-1]), ids.reshape(-1)  # (N, H), (N,)
+        logps = torch.empty(flat.shape, dtype=torch.float32, device=hidden.device)  # (N,)
+        lse = torch.empty_like(logps)  # (N,)
+        for s in _spans(len(flat)):
+            z = (h[s] @ weight.T).float().div_(temperature)  # (c, V) the only logits that exist
+            lse[s] = torch.logsumexp(z, dim=-1)  # (c,)
+            logps[s] = z.gather(-1, flat[s, None]).squeeze(-1) - lse[s]  # (c,)
+        ctx.save_for_backward(hidden, weight, ids, lse)
+        ctx.temperature = temperature
+        return logps.view(ids.shape)  # (B, T)
+
+    @staticmethod
+    def backward(ctx, grad_logps):  # grad_logps (B, T)
+        hidden, weight, ids, lse = ctx.saved_tensors
+        temp = ctx.temperature
+        h, flat, grad = hidden.reshape(-1, hidden.shape[-1]), ids.reshape(-1), grad_logps.reshape(-1).float()
+        d_hidden = torch.empty_like(h)  # (N, H)
+        # fp32 even for a bf16 weight: hundreds of chunks add up here. Costs (V, H) fp32, the weight's size.
+        d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if ctx.needs_input_grad[1] else None  # (V, H)
+        for s in _spans(len(flat)):
+            g = grad[s, None]  # (c, 1)
+            d_z = (h[s] @ weight.T).float().div_(temp).sub_(lse[s, None]).exp_()  # (c, V) softmax, recomputed
+            d_z = d_z.mul_(-g).scatter_add_(-1, flat[s, None], g).div_(temp).to(weight.dtype)  # (c, V) d loss/d logits
+            d_hidden[s] = d_z @ weight  # (c, H)
+            if d_weight is not None and d_weight.dtype == d_z.dtype:
+                d_weight.addmm_(d_z.T, h[s])  # (V, H) in place: no (V, H) temporary
+            elif d_weight is not None:
+                d_weight += d_z.T @ h[s]  # (V, H) a bf16 temporary, summed in fp32
+        return d_hidden.view_as(hidden), None if d_weight is None else d_weight.to(weight.dtype), None, None
+
+
+def _spans(n: int) -> list:
+    return [slice(s, s + (LOGP_CHUNK or n)) for s in range(0, n, LOGP_CHUNK or n)]
+
+
+# Config fields that make a model's logits something other than lm_head(last hidden state).
+LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def lm_head_weight(model) -> torch.Tensor:
+    """(V, H) the output projection when the model's logits are exactly hidden @ weight.T; else a clear error."""
+    inner = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
+    head = inner.get_output_embeddings()
+    changed = {k: getattr(inner.config, k) for k in LOGIT_POSTPROCESSING if getattr(inner.config, k, None) not in
+               (None, 1, 1.0)}
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None or changed:
+        raise ValueError(f"{type(inner).__name__}'s logits are not a bias-free linear map of its last hidden state "
+                         f"({changed or type(head).__name__}): set grpo_common.LOGP_FROM_HIDDEN = False")
+    return head.weight
+
+
+def hidden_logps(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0):
+    """(B, T) fp32 log softmax(hidden @ weight.T / temperature)[ids], LOGP_CHUNK tokens of logits at a time.
+
+    hidden (B, T, H) is the LM head's input; weight (V, H) its weight (lm_head_weight). Equal, in value
+    and in the gradients of hidden and weight, to per_token_logps_plain on the full logits.
+    """
+    if hidden.shape[:2] != ids.shape:
+        raise ValueError(f"hidden states {tuple(hidden.shape)} do not match ids {tuple(ids.shape)}")
+    return _HiddenLogps.apply(hidden, weight, ids, float(temperature))
+
+
+def completion_logits(model, input_ids, attention_mask, n_completion: int, shared_prefix: bool = False,
+                      hidden: bool = False) -> torch.Tensor:
+    """(B, n_completion, V) logits where [:, t] predicts input_ids[:, -n_completion + t]; hidden=True gives
+    (B, n_completion, H) instead: the last hidden states there, the LM head's input.
 
     Rows may be left-padded (attention_mask 0): positions count from each row's first real
     token, so a padded row gets exactly the logits of the same row unpadded. shared_prefix=True
@@ -207,7 +286,7 @@ def completion_logits(model, input_ids, attention_mask, n_completion: int, share
         B, T = input_ids.shape[0], n_completion
         out = None
         for r in same_prompt_runs(input_ids[:, :-T], attention_mask[:, :-T]):
-            part = shared_prefix_logits(model, input_ids[r], attention_mask[r], T)  # (G, t, V) t <= T
+            part = shared_prefix_logits(model, input_ids[r], attention_mask[r], T, hidden)  # (G, t, V) t <= T
             if out is None:
                 out = part.new_zeros(B, T, part.shape[-1])  # (B, T, V) 0 past each group's end
             out[r, : part.shape[1]] = part
@@ -217,8 +296,20 @@ def completion_logits(model, input_ids, attention_mask, n_completion: int, share
     keep = torch.arange(L - n_completion - 1, L - 1, device=input_ids.device)  # (T,) positions that predict
     # The LM head runs on those positions only. Indices, not a slice of n + 1 positions: the
     # slice's backward would allocate a second (B, T + 1, V) buffer.
-    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                 logits_to_keep=keep).logits  # (B, T, V)
+    return _forward(model, hidden, keep, input_ids=input_ids, attention_mask=attention_mask,
+                    position_ids=position_ids)  # (B, T, V) or (B, T, H)
+
+
+def _forward(model, hidden: bool, keep, **inputs) -> torch.Tensor:
+    """The model's logits (B, k, V), or with hidden=True its last hidden states (B, k, H), at positions
+    `keep`: an index tensor, or an int k for the last k positions (0 = all of them)."""
+    if not hidden:
+        return model(**inputs, logits_to_keep=keep).logits
+    inner = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
+    states = inner.get_decoder()(**inputs).last_hidden_state  # (B, L, H) after the final norm
+    if torch.is_tensor(keep):
+        return states[:, keep]  # (B, k, H)
+    return states[:, states.shape[1] - keep :] if keep else states  # (B, k, H)
 
 
 def same_prompt_runs(prompt_ids, prompt_mask) -> list:
@@ -228,7 +319,7 @@ def same_prompt_runs(prompt_ids, prompt_mask) -> list:
     return [slice(a, b) for a, b in zip(starts, starts[1:])]
 
 
-def shared_prefix_logits(model, input_ids, attention_mask, n_completion: int) -> torch.Tensor:
+def shared_prefix_logits(model, input_ids, attention_mask, n_completion: int, hidden: bool = False) -> torch.Tensor:
     """completion_logits for G rows with one prompt: the prompt runs once, its KV cache is repeated
     G times, and the completions run on it (as in "Prefix Grouper", arXiv 2506.05433). Returns
     (G, t, V) for the group's own t <= n_completion columns: in a batch padded to its longest
@@ -243,20 +334,20 @@ def shared_prefix_logits(model, input_ids, attention_mask, n_completion: int) ->
     T = int(used.max()) + 1 if len(used) else 1
     prompt = input_ids[:1, :-n_completion][attention_mask[:1, :-n_completion].bool()][None]  # (1, plen) unpadded
     plen = prompt.shape[1]
-    cache, first = prompt_cache(model, prompt, torch.ones_like(prompt), G)  # first (1, 1, V)
+    cache, first = prompt_cache(model, prompt, torch.ones_like(prompt), G, hidden)  # first (1, 1, V)
     if T == 1:
         return first.expand(G, 1, -1)  # (G, 1, V)
     inner = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
     positions = torch.arange(plen, plen + T - 1, device=ids.device).expand(G, -1)  # (G, T - 1)
     with _decoder_layers(inner, _can_checkpoint_with_cache=True):
-        rest = model(input_ids=ids[:, : T - 1], attention_mask=torch.cat([attn.new_ones(G, plen), attn[:, : T - 1]], 1),
-                     position_ids=positions, past_key_values=cache).logits  # (G, T - 1, V)
+        rest = _forward(model, hidden, 0, input_ids=ids[:, : T - 1], past_key_values=cache, position_ids=positions,
+                        attention_mask=torch.cat([attn.new_ones(G, plen), attn[:, : T - 1]], 1))  # (G, T - 1, V)
     _check_cache(cache, plen + T - 1, inner)
     cache.crop(1 - T)  # back to the prompt: checkpointed layers recompute on it in backward
     return torch.cat([first.expand(G, 1, -1), rest], 1)  # (G, T, V)
 
 
-def prompt_cache(model, prompt_ids, prompt_mask, repeats: int):
+def prompt_cache(model, prompt_ids, prompt_mask, repeats: int, hidden: bool = False):
     """(cache, last): each prompt's KV cache computed once and repeated `repeats` times (rows
     prompt 0 x repeats, prompt 1 x repeats, ...), and (Q, 1, V) logits of each prompt's last position.
     Prompts may be left-padded: positions count from each row's first real token."""
@@ -268,8 +359,8 @@ def prompt_cache(model, prompt_ids, prompt_mask, repeats: int):
     # Gradient checkpointing drops a KV cache in training mode (its recompute would write it twice):
     # the prompts, one row each, run uncheckpointed; the completions read the cache and keep checkpointing.
     with _decoder_layers(inner, gradient_checkpointing=False):
-        last = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, past_key_values=cache,
-                     logits_to_keep=1).logits  # (Q, 1, V)
+        last = _forward(model, hidden, 1, input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions,
+                        past_key_values=cache)  # (Q, 1, V), or (Q, 1, H) with hidden=True
     _check_cache(cache, prompt_ids.shape[1], inner)
     cache.batch_repeat_interleave(repeats)  # (Q * repeats, heads, P, d) per layer; backward sums the copies
     return cache, last
@@ -300,12 +391,17 @@ def _decoder_layers(model, **attrs):
 
 def completion_logps(model, input_ids, attention_mask, n_completion: int, temperature: float, micro_batch: int = 0,
                      shared_prefix: bool = False):
-    """(B, n_completion) log-probs of the last `n_completion` tokens of each row, micro_batch rows at a time."""
-    step = micro_batch or input_ids.shape[0]
-    return torch.cat([per_token_logps(completion_logits(model, input_ids[i : i + step], attention_mask[i : i + step],
-                                                        n_completion, shared_prefix),
-                                      input_ids[i : i + step, -n_completion:], temperature)  # (b, T)
-                      for i in range(0, input_ids.shape[0], step)])  # (B, T)
+    """(B, n_completion) log-probs of the last `n_completion` tokens of each row, micro_batch rows at a time.
+    LOGP_FROM_HIDDEN: from the hidden states in chunks (hidden_logps); else from the whole logits."""
+    step, out = micro_batch or input_ids.shape[0], []
+    for i in range(0, input_ids.shape[0], step):
+        ids, attn = input_ids[i : i + step], attention_mask[i : i + step]  # (b, L) each
+        states = completion_logits(model, ids, attn, n_completion, shared_prefix, hidden=LOGP_FROM_HIDDEN)
+        if LOGP_FROM_HIDDEN:  # states (b, T, H)
+            out.append(hidden_logps(states, lm_head_weight(model), ids[:, -n_completion:], temperature))  # (b, T)
+        else:  # states (b, T, V): nothing else reads these logits, so their gradient may overwrite them
+            out.append(per_token_logps(states, ids[:, -n_completion:], temperature, inplace_backward=True))  # (b, T)
+    return torch.cat(out)  # (B, T)
 
 
 # ----------------------------------------------------------------------------- advantages

@@ -42,7 +42,7 @@ import torch
 from tqdm import tqdm
 
 from grpo_common import (apply_env_overrides, completion_logits, completion_logps, decode_batch, encode_batch,
-                         group_advantages, model_fingerprint, per_token_logps, prompt_cache, request_with_retry,
+                         group_advantages, model_fingerprint, prompt_cache, request_with_retry,
                          resolve_model_path)
 from rewards import load_questions, reward_correct, reward_format, split_held_out
 
@@ -480,17 +480,18 @@ def policy_loss(engine, b, m):
     """Step 6: the GRPO loss of the batch under the current weights; its metrics (/ MU) are added to m."""
     engine.train()
     T = b["mask"].shape[1]
-    completion_ids = b["input_ids"][:, -T:]  # (B, T)
-    logits = completion_logits(engine, b["input_ids"], b["attention_mask"], T, SHARED_PREFIX)  # (B, T, V)
-    if USE_TRITON:  # one fused pass; d(logits) overwrites the logits, which nothing reads afterwards
+    if USE_TRITON:  # one fused pass over the whole logits; d(logits) overwrites them, which nothing reads afterwards
         from grpo_loss_triton import grpo_loss_triton
 
-        loss, logps = grpo_loss_triton(logits, completion_ids, b["ref_logps"], b["gen_logps"], b["advantages"],
-                                       b["mask"], BETA, CLIP_EPS, CLIP_EPS_HIGH, TOKEN_MEAN, TEMPERATURE,
-                                       return_logps=True, inplace_backward=True, normalizer=b.get("normalizer"),
-                                       sampler_logps=b.get("sampler_logps"), tis_cap=TIS_CAP)
-    else:
-        logps = per_token_logps(logits, completion_ids, TEMPERATURE, inplace_backward=True)  # (B, T)
+        logits = completion_logits(engine, b["input_ids"], b["attention_mask"], T, SHARED_PREFIX)  # (B, T, V)
+        loss, logps = grpo_loss_triton(logits, b["input_ids"][:, -T:], b["ref_logps"], b["gen_logps"],
+                                       b["advantages"], b["mask"], BETA, CLIP_EPS, CLIP_EPS_HIGH, TOKEN_MEAN,
+                                       TEMPERATURE, return_logps=True, inplace_backward=True,
+                                       normalizer=b.get("normalizer"), sampler_logps=b.get("sampler_logps"),
+                                       tis_cap=TIS_CAP)
+    else:  # LOGP_FROM_HIDDEN (grpo_common): never the whole logits
+        logps = completion_logps(engine, b["input_ids"], b["attention_mask"], T, TEMPERATURE,
+                                 shared_prefix=SHARED_PREFIX)  # (B, T)
         loss = grpo_loss(logps, b["ref_logps"], b["gen_logps"], b["advantages"], b["mask"], BETA, CLIP_EPS,
                          CLIP_EPS_HIGH, TOKEN_MEAN, b.get("normalizer"), b.get("sampler_logps"), TIS_CAP)
     with torch.no_grad():
