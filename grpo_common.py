@@ -61,6 +61,11 @@ def apply_env_overrides(namespace: dict, file: str) -> None:
                   f"{near[0]}? It is ignored.", file=sys.stderr, flush=True)
 
 
+_KNOBS = {"LOGP_CHUNK": LOGP_CHUNK, "LOGP_FROM_HIDDEN": LOGP_FROM_HIDDEN}  # this file's two constants (top) ...
+apply_env_overrides(_KNOBS, "grpo_common.py")  # ... from the environment too, for trainer and server alike
+LOGP_CHUNK, LOGP_FROM_HIDDEN = _KNOBS["LOGP_CHUNK"], _KNOBS["LOGP_FROM_HIDDEN"]
+
+
 # ----------------------------------------------------------------------------- the model
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_DIR = os.path.join(os.path.expanduser(os.environ.get("XDG_CACHE_HOME", "~/.cache")), "grpo_ref_split")

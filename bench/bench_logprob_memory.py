@@ -1,15 +1,18 @@
-"""Peak extra memory of per-token log-probs + GRPO loss, forward and backward, on CPU.
+"""Peak memory and time of per-token log-probs + GRPO loss, forward and backward, from the LM head's input.
 
-Three ways to get log softmax(logits / T)[id] from an LM head's logits (B, T, V), each in its own
-process (peak RSS above the RSS once the logits exist):
-  naive         torch.log_softmax over the whole batch, then gather
-  per-row loop  the same, one sequence at a time (autograd still keeps every row's output)
-  ours          grpo_common.per_token_logps as the trainer calls it: a logsumexp per token,
-                softmax recomputed LOGP_CHUNK tokens at a time, gradient written over the logits
+Three ways to get log softmax(hidden @ W.T / T)[id], each measured in its own process (extra peak
+above the memory once hidden states (B, T, H) and head W (V, H) exist: RSS on CPU, max_memory_allocated
+on a GPU):
+  naive    logits = hidden @ W.T, then torch.log_softmax and gather (the definition)
+  logits   LOGP_FROM_HIDDEN = False: the whole logits, then grpo_common.per_token_logps (softmax
+           recomputed LOGP_CHUNK tokens at a time, the gradient written over the logits)
+  chunked  LOGP_FROM_HIDDEN = True: grpo_common.hidden_logps, LOGP_CHUNK tokens of logits at a time
+A variant is skipped where it would not fit (naive ~3x, logits ~1.3x the fp32/bf16 logits).
+Then the time of chunked against logits, alternating in one process, for each LOGP_CHUNK in CHUNKS.
 
-    python bench/bench_logprob_memory.py            # B=8, T=512, V in {49152, 151936}; ~2 minutes here
+    python bench/bench_logprob_memory.py     # CPU: fp32, H=64; ~25 minutes here. On a GPU: bf16, H=896
 
-Figures go to bench/results/logprob_memory.json.
+Figures go to bench/results/logprob_memory.json (logprob_memory_gpu.json on a GPU).
 """
 import json
 import os
@@ -17,66 +20,117 @@ import subprocess
 import sys
 import time
 
+import torch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-B, T = 8, 512
-VOCABS = (49152, 151936)
+GPU = torch.cuda.is_available()
+B = 8
+SHAPES = [tuple(map(int, s.split("x")))  # (T, V) pairs, e.g. SHAPES=1024x49152,4096x151936
+          for s in os.environ.get("SHAPES", "1024x49152,1024x151936,4096x49152,4096x151936").split(",")]
+H = int(os.environ.get("H", 896 if GPU else 64))  # hidden size; 896 = Qwen2.5-0.5B's (V 151936)
+TIME_SHAPE = (4096, 151936) if GPU else (1024, 49152)  # (T, V) where the two paths are timed side by side
+CHUNKS = (128, 512, 1024) if GPU else (128,)  # LOGP_CHUNK values timed
+REPEATS = 5 if GPU else 3
 
 CHILD = """
-import resource, sys, time, torch
+import json, resource, sys, time, torch
 sys.path.insert(0, {root!r})
+import grpo_common
+from grpo_common import hidden_logps, per_token_logps
 from grpo_ref_split import grpo_loss
-from grpo_common import per_token_logps
-torch.manual_seed(0)
-B, T, V, variant = {B}, {T}, {V}, {variant!r}
-hidden = torch.randn(B, T, 64).requires_grad_()  # (B, T, H) a small LM head, so the logits are not a leaf
-head = (torch.randn(64, V) / 8).requires_grad_()  # (H, V)
-logits = hidden @ head  # (B, T, V) fp32
-ids = torch.randint(0, V, (B, T))
-ref, gen = -torch.rand(B, T), -torch.rand(B, T)
-adv, mask = torch.randn(B), torch.ones(B, T, dtype=torch.bool)
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-t = time.time()
-if variant == "naive":
-    logps = torch.log_softmax(logits / 0.7, -1).gather(-1, ids[..., None]).squeeze(-1)  # (B, T)
-elif variant == "loop":
-    logps = torch.stack([torch.log_softmax(logits[b] / 0.7, -1).gather(-1, ids[b, :, None]).squeeze(-1)
-                         for b in range(B)])  # (B, T)
-else:
-    logps = per_token_logps(logits, ids, 0.7, inplace_backward=True)  # (B, T)
-loss = grpo_loss(logps, ref, gen, adv, mask, 0.04, 0.2)
-fwd = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-loss.backward()
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print((fwd - base) * 1024, (peak - base) * 1024, time.time() - t, B * T * V * 4)
+gpu = torch.cuda.is_available()
+dev, dtype = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)
+B, T, V, H, variants, repeats = {B}, {T}, {V}, {H}, {variants!r}, {repeats}
+grpo_common.LOGP_CHUNK = {chunk}
+g = torch.Generator(device=dev).manual_seed(0)
+hidden = torch.randn(B, T, H, device=dev, generator=g).to(dtype).requires_grad_()  # (B, T, H)
+head = (torch.randn(V, H, device=dev, generator=g) / H**0.5).to(dtype).requires_grad_()  # (V, H)
+ids = torch.randint(0, V, (B, T), device=dev, generator=g)  # (B, T)
+ref, gen = -torch.rand(B, T, device=dev, generator=g), -torch.rand(B, T, device=dev, generator=g)  # (B, T)
+adv, mask = torch.randn(B, device=dev, generator=g), torch.ones(B, T, dtype=torch.bool, device=dev)
+
+def logps(variant):
+    if variant == "chunked":
+        return hidden_logps(hidden, head, ids, 0.7)  # (B, T)
+    logits = hidden @ head.T  # (B, T, V)
+    if variant == "naive":
+        return torch.log_softmax(logits.float() / 0.7, -1).gather(-1, ids[..., None]).squeeze(-1)  # (B, T)
+    return per_token_logps(logits, ids, 0.7, inplace_backward=True)  # (B, T)
+
+def memory():
+    if gpu:
+        return torch.cuda.max_memory_allocated()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+def step(variant):
+    grpo_loss(logps(variant), ref, gen, adv, mask, 0.04, 0.2).backward()
+    hidden.grad = head.grad = None
+
+if len(variants) == 1:  # memory: one pass in a fresh process
+    if gpu:
+        torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
+    base = memory()
+    step(variants[0])
+    print(json.dumps(dict(extra_bytes=memory() - base)))
+else:  # time: the variants alternate, after one warm-up each
+    seconds = {{v: [] for v in variants}}
+    for r in range(repeats + 1):
+        for v in variants:
+            if gpu:
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            step(v)
+            if gpu:
+                torch.cuda.synchronize()
+            if r:
+                seconds[v].append(time.perf_counter() - t)
+    print(json.dumps({{v: sorted(s)[len(s) // 2] for v, s in seconds.items()}}))
 """
 
 
-def measure(V, variant):
-    code = CHILD.format(root=ROOT, B=B, T=T, V=V, variant=variant)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    fwd, peak, seconds, logits_bytes = out.stdout.split()
-    return dict(fwd_extra_bytes=int(fwd), fwd_bwd_extra_bytes=int(peak), seconds=float(seconds),
-                logits_bytes=int(logits_bytes))
+def child(T, V, variants, chunk=128, repeats=1):
+    code = CHILD.format(root=ROOT, B=B, T=T, V=V, H=H, variants=list(variants), chunk=chunk, repeats=repeats)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-2000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def fits(variant, logits_bytes):
+    """Whether a variant's (B, T, V) buffers fit, with room to spare."""
+    need = {"naive": 3.2, "logits": 1.4, "chunked": 0.0}[variant] * logits_bytes
+    free = torch.cuda.mem_get_info()[0] if GPU else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return need < 0.9 * free
 
 
 def main():
-    results = {"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores", "B": B, "T": T, "runs": []}
-    gib = 2**30
-    for V in VOCABS:
-        row = {"V": V, **{v: measure(V, v) for v in ("ours", "naive", "loop")}}
-        o = row["ours"]
-        print(f"V={V}: logits {o['logits_bytes'] / gib:.2f} GiB; extra peak, forward | forward+backward:")
-        for v in ("naive", "loop", "ours"):
-            r = row[v]
-            row[f"fwd_ratio_{v}"] = r["fwd_extra_bytes"] / max(o["fwd_extra_bytes"], 1)
-            row[f"fwd_bwd_ratio_{v}"] = r["fwd_bwd_extra_bytes"] / max(o["fwd_bwd_extra_bytes"], 1)
-            print(f"  {v:6s} {r['fwd_extra_bytes'] / gib:6.3f} GiB ({row[f'fwd_ratio_{v}']:5.1f}x ours) | "
-                  f"{r['fwd_bwd_extra_bytes'] / gib:6.3f} GiB ({row[f'fwd_bwd_ratio_{v}']:5.1f}x ours) | "
-                  f"{r['seconds']:.1f} s",
-                  flush=True)
-        results["runs"].append(row)
+    gib, elem = 2**30, 2 if GPU else 4
+    machine = torch.cuda.get_device_name() if GPU else f"{os.cpu_count()} CPU cores"
+    results = {"date": time.strftime("%Y-%m-%d"), "machine": machine, "B": B, "H": H,
+               "dtype": "bf16" if GPU else "fp32", "memory": [], "time": []}
+    print(f"{machine}: B={B}, H={H}, {results['dtype']}; extra peak memory of forward+backward:", flush=True)
+    for T, V in SHAPES:
+        fp32_logits = B * T * V * 4
+        row = {"T": T, "V": V, "fp32_logits_bytes": fp32_logits}
+        for variant in ("chunked", "logits", "naive"):
+            if fits(variant, B * T * V * elem):
+                row[variant] = child(T, V, [variant])["extra_bytes"]
+        row["fp32_logits_over_chunked"] = fp32_logits / row["chunked"]
+        results["memory"].append(row)
+        shown = " | ".join(f"{v} {row[v] / gib:6.2f} GiB" if v in row else f"{v} (does not fit)"
+                           for v in ("naive", "logits", "chunked"))
+        print(f"  T={T:5d} V={V:6d}: {shown} | full fp32 logits {fp32_logits / gib:5.2f} GiB = "
+              f"{row['fp32_logits_over_chunked']:.0f}x chunked", flush=True)
+    T, V = TIME_SHAPE
+    print(f"time of forward+backward at T={T}, V={V} (median of {REPEATS}, alternating):", flush=True)
+    for chunk in CHUNKS:
+        s = child(T, V, ["logits", "chunked"], chunk=chunk, repeats=REPEATS)
+        results["time"].append({"T": T, "V": V, "LOGP_CHUNK": chunk, **s, "ratio": s["chunked"] / s["logits"]})
+        print(f"  LOGP_CHUNK={chunk:5d}: logits {s['logits']:.3f} s, chunked {s['chunked']:.3f} s = "
+              f"{s['chunked'] / s['logits']:.2f}x", flush=True)
     os.makedirs(os.path.join(ROOT, "bench", "results"), exist_ok=True)
-    with open(os.path.join(ROOT, "bench", "results", "logprob_memory.json"), "w") as f:
+    name = "logprob_memory_gpu.json" if GPU else "logprob_memory.json"
+    with open(os.path.join(ROOT, "bench", "results", name), "w") as f:
         json.dump(results, f, indent=1)
 
 

@@ -7,7 +7,8 @@ import textwrap
 
 import torch
 
-if not torch.cuda.is_available():
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU these tests run the compiled kernels
+if DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"  # must be set before the kernel module is imported
 
 import pytest  # noqa: E402
@@ -24,16 +25,16 @@ def case(B, T, V, dtype=torch.float32, seed=0, scale=3.0):
     """Logits as a strided view of a bigger tensor (as the trainer slices them), and data that puts
     tokens in every clip case: ratio above and below the band, with positive and negative A."""
     g = torch.Generator().manual_seed(seed)
-    full = (torch.randn(B, T + 3, V, generator=g) * scale).to(dtype).requires_grad_()
+    full = (torch.randn(B, T + 3, V, generator=g) * scale).to(DEVICE, dtype).requires_grad_()
     logits = full[:, 2:-1]  # (B, T, V) non-contiguous
-    ids = torch.randint(0, V, (B, T), generator=g)
+    ids = torch.randint(0, V, (B, T), generator=g).to(DEVICE)
     with torch.no_grad():
         lp = per_token_logps(logits, ids, 1.0)
-    gen = lp + torch.randn(B, T, generator=g) * 0.5
-    ref = lp + torch.randn(B, T, generator=g) * 0.3
-    adv = torch.randn(B, generator=g) * 2
+    gen = lp + torch.randn(B, T, generator=g).to(DEVICE) * 0.5
+    ref = lp + torch.randn(B, T, generator=g).to(DEVICE) * 0.3
+    adv = torch.randn(B, generator=g).to(DEVICE) * 2
     adv[0], adv[-1] = 1.5, -1.5
-    mask = torch.rand(B, T, generator=g) > 0.25
+    mask = (torch.rand(B, T, generator=g) > 0.25).to(DEVICE)
     mask[:, 0] = True
     return full, logits, ids, ref, gen, adv, mask
 
@@ -160,7 +161,8 @@ def test_truncated_importance_sampling_equals_the_pytorch_path(with_gen):
     full, logits, ids, ref, gen, adv, mask = case(3, 6, 900, seed=5)
     gen = gen if with_gen else None
     with torch.no_grad():
-        sampler = per_token_logps(logits, ids, 0.7) + torch.randn(3, 6, generator=torch.Generator().manual_seed(1))
+        noise = torch.randn(3, 6, generator=torch.Generator().manual_seed(1)).to(DEVICE)  # (3, 6)
+        sampler = per_token_logps(logits, ids, 0.7) + noise
     sampler[2] = float("nan")
     kw = dict(sampler_logps=sampler, tis_cap=1.5)
     lt = grpo_loss_triton(logits, ids, ref, gen, adv, mask, 0.04, 0.2, temperature=0.7, **kw)

@@ -37,14 +37,15 @@ def main():
     batch = grpo.prepare_batch(engine, grpo.collate(rank_groups(tokenizer, rank), tokenizer.pad_token_id))
     with torch.no_grad():  # a reference near the policy, as in training (random ones make k3 overflow)
         ref = completion_logps(engine, batch["input_ids"], batch["attention_mask"], 6, 1.0, shared_prefix=False)
-    batch["ref_logps"] = ref + 0.3 * torch.randn(ref.shape, generator=torch.Generator().manual_seed(rank))  # (B, T)
+    noise = torch.randn(ref.shape, generator=torch.Generator().manual_seed(rank)).to(ref.device)  # (B, T)
+    batch["ref_logps"] = ref + 0.3 * noise  # (B, T)
     engine.backward(grpo.policy_loss(engine, batch, defaultdict(float)))
-    grads = {name: safe_get_full_grad(p).clone() for name, p in engine.module.named_parameters()}
+    grads = {name: safe_get_full_grad(p).cpu() for name, p in engine.module.named_parameters()}
     gathered = {}
     for name in ("gen_logps", "mask"):
-        parts = [torch.zeros(batch[name].shape) for _ in range(torch.distributed.get_world_size())]
+        parts = [torch.zeros_like(batch[name], dtype=torch.float) for _ in range(torch.distributed.get_world_size())]
         torch.distributed.all_gather(parts, batch[name].float())
-        gathered[name] = torch.cat(parts)  # (ranks * B, T)
+        gathered[name] = torch.cat(parts).cpu()  # (ranks * B, T)
     if rank == 0:
         torch.save({"grads": grads, **gathered}, sys.argv[-1])  # the last argument: the launcher adds --local_rank
 

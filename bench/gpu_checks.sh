@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# What a session lent a GPU runs (no registry there: the missing packages travel as wheels in .whl/,
+# SmolLM2's config and tokenizer in .gpu/; its weights are random, which is enough for these checks):
+#   bash bench/gpu_checks.sh part1   # Triton tests on the compiled kernels, bench_kernel.py
+#   bash bench/gpu_checks.sh part2   # a bf16 ZeRO-2 gradient three ways, bench_logprob_memory.py
+set -u
+OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
+if [ "$1" = part1 ]; then
+  nvidia-smi -L
+  python3 -c "import torch, triton, transformers as t, deepspeed as d; print(torch.__version__, triton.__version__,
+t.__version__, d.__version__)"
+  python3 -m pytest -q -p no:cacheprovider tests/test_triton.py 2>&1 | tail -8
+  python3 bench/bench_kernel.py && cp bench/results/kernel.json "$OUT"/
+else
+  python3 - <<'PY'
+import torch, transformers
+cfg = transformers.AutoConfig.from_pretrained(".gpu")
+torch.manual_seed(0)
+transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(".gpu")  # random SmolLM2-135M weights
+PY
+  for v in "logits LOGP_FROM_HIDDEN=0" "hidden LOGP_FROM_HIDDEN=1" "triton USE_TRITON=1"; do
+    set -- $v
+    env MODEL_PATH=.gpu MU=2 $2 deepspeed --num_gpus 1 tests/zero2_gradient.py "$OUT/$1.pt" >"$OUT/$1.log" 2>&1 \
+      || tail -25 "$OUT/$1.log"
+  done
+  python3 - "$OUT" <<'PY'
+import sys, torch
+d = {k: torch.load(f"{sys.argv[1]}/{k}.pt") for k in ("logits", "hidden", "triton")}
+base = d["logits"]["grads"]
+scale = max(g.float().abs().max() for g in base.values())
+for k in ("hidden", "triton"):
+    worst = max((g.float() - d[k]["grads"][n].float()).abs().max() for n, g in base.items()) / scale
+    rel = (sum(((g.float() - d[k]["grads"][n].float()) ** 2).sum() for n, g in base.items())
+           / sum((g.float() ** 2).sum() for g in base.values())) ** 0.5
+    print(f"bf16 ZeRO-2 gradient, {k} vs logits path: max |diff| / max |grad| = {worst:.2e}, relative L2 = {rel:.2e}")
+PY
+  python3 bench/bench_logprob_memory.py && cp bench/results/logprob_memory_gpu.json "$OUT"/
+fi
