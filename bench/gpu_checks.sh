@@ -28,13 +28,19 @@ PY
   python3 - "$OUT" <<'PY'
 import sys, torch
 d = {k: torch.load(f"{sys.argv[1]}/{k}.pt") for k in ("logits", "hidden", "triton")}
-base = d["logits"]["grads"]
-scale = max(g.float().abs().max() for g in base.values())
+
+def compare(a, b, what):
+    scale = max(g.float().abs().max() for g in a.values())
+    worst = max((g.float() - b[n].float()).abs().max() for n, g in a.items()) / scale
+    rel = (sum(((g.float() - b[n].float()) ** 2).sum() for n, g in a.items()) / sum((g.float() ** 2).sum()
+           for g in a.values())) ** 0.5
+    print(f"bf16 ZeRO-2 gradient, {what}: max |diff| / max |grad| = {worst:.2e}, relative L2 = {rel:.2e}")
+
+base = d["logits"][1, 0]["grads"]  # shared prompt, all groups at once
 for k in ("hidden", "triton"):
-    worst = max((g.float() - d[k]["grads"][n].float()).abs().max() for n, g in base.items()) / scale
-    rel = (sum(((g.float() - d[k]["grads"][n].float()) ** 2).sum() for n, g in base.items())
-           / sum((g.float() ** 2).sum() for g in base.values())) ** 0.5
-    print(f"bf16 ZeRO-2 gradient, {k} vs logits path: max |diff| / max |grad| = {worst:.2e}, relative L2 = {rel:.2e}")
+    compare(base, d[k][1, 0]["grads"], f"{k} vs logits path")
+for micro in (1, 2):
+    compare(d["hidden"][1, 0]["grads"], d["hidden"][1, micro]["grads"], f"micro-batches of {micro} vs all at once")
 PY
   python3 bench/bench_logprob_memory.py && cp bench/results/logprob_memory_gpu.json "$OUT"/
 fi

@@ -108,26 +108,56 @@ def test_a_model_that_ignores_the_kv_cache_is_refused(smollm):
         completion_logits(NoCache(model), ids, attn, 4, shared_prefix=True)
 
 
-def zero2_gradient(model_dir, out, **env):
-    """tests/zero2_gradient.py on 2 DeepSpeed ranks: {"grads": averaged gradient, "gen_logps", "mask": (B, T)}."""
-    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2", "--master_port",
-           str(free_port()), "tests/zero2_gradient.py", str(out)]
-    env = {**os.environ, "MODEL_PATH": str(model_dir), "MU": "2", **env}
-    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return torch.load(out)
+@pytest.fixture(scope="module")
+def zero2_steps(tiny_model_dir, tmp_path_factory):
+    """zero2_steps(ranks, checkpointing): tests/zero2_gradient.py's results, {(SHARED_PREFIX, TRAIN_MICRO_BATCH):
+    {"grads", "weights", "gen_logps", "mask", "parts", "loss"}}, one launch (~1 min) per argument pair."""
+    done = {}
+
+    def run(ranks=2, checkpointing="0"):
+        if (ranks, checkpointing) not in done:
+            out = tmp_path_factory.mktemp("zero2") / "steps.pt"
+            cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(ranks),
+                   "--master_port", str(free_port()), "tests/zero2_gradient.py", str(out)]
+            env = {**os.environ, "MODEL_PATH": str(tiny_model_dir), "MU": "2", "GRADIENT_CHECKPOINTING": checkpointing}
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+            done[ranks, checkpointing] = torch.load(out)
+        return done[ranks, checkpointing]
+    return run
 
 
-def test_shared_prefix_under_zero2_on_two_ranks_with_mu_two(tiny_model_dir, tmp_path):
+def assert_same(want, got, what, tolerance=1e-5):
+    """Each tensor of `got` within tolerance x the largest magnitude in `want`."""
+    scale = max(t.abs().max() for t in want.values())
+    assert scale > 0
+    for name, t in want.items():
+        assert (t - got[name]).abs().max() <= tolerance * scale, f"{what}: {name}"
+
+
+def test_shared_prefix_under_zero2_on_two_ranks_with_mu_two(zero2_steps):
     """MU = 2 makes prepare_batch take gen_logps with the same forward; the loss then uses them."""
-    full = zero2_gradient(tiny_model_dir, tmp_path / "full.pt", SHARED_PREFIX="0")
+    full = zero2_steps()[0, 0]
     for checkpointing in ("0", "1"):
-        shared = zero2_gradient(tiny_model_dir, tmp_path / f"shared{checkpointing}.pt", SHARED_PREFIX="1",
-                                GRADIENT_CHECKPOINTING=checkpointing)
+        shared = zero2_steps(2, checkpointing)[1, 0]
         known = full["mask"].bool()  # (B, T) the answers' tokens, both ranks' rows
         assert torch.equal(known, shared["mask"].bool()) and known.sum() > 0.5 * known.numel()
         assert (full["gen_logps"][known] - shared["gen_logps"][known]).abs().max() <= 1e-4
-        scale = max(g.abs().max() for g in full["grads"].values())
-        assert scale > 0
-        for name, g in full["grads"].items():
-            assert (g - shared["grads"][name]).abs().max() <= 1e-5 * scale, name
+        assert_same(full["grads"], shared["grads"], f"gradient checkpointing {checkpointing}")
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_micro_batches_give_the_gradient_and_step_of_one_batch(zero2_steps, ranks):
+    """TRAIN_MICRO_BATCH = 1 and 2 groups against all at once, shared prompt on and off. On 2 ranks rank 0
+    holds 3 groups and rank 1 holds 2: rank 1 runs a repeat with loss x 0 to keep ZeRO-2's reductions in step."""
+    steps = zero2_steps(ranks)
+    for shared in (0, 1):
+        whole = steps[shared, 0]
+        assert whole["parts"] == 1
+        for micro in (1, 2):
+            part = steps[shared, micro]
+            assert part["parts"] == (3 if micro == 1 else 2)  # rank 0's count (rank 1 matched it)
+            assert abs(part["loss"] - whole["loss"]) <= 1e-5 * abs(whole["loss"])
+            assert_same(whole["grads"], part["grads"], f"shared {shared}, micro-batch {micro}: gradient")
+            assert_same(whole["weights"], part["weights"], f"shared {shared}, micro-batch {micro}: weights")
+        assert whole["moved"] > 1e-7  # the step changed the weights (the comparison means something)

@@ -1,53 +1,73 @@
-"""One GRPO backward under DeepSpeed ZeRO-2, for test_grpo_math's shared-prefix test: each rank
-collates its own groups (prompts of different lengths), prepares the batch (gen_logps at MU > 1),
-takes policy_loss and engine.backward; rank 0 saves the full averaged gradient, gen_logps and mask.
+"""GRPO steps under DeepSpeed ZeRO-2, for the shared-prefix and micro-batch tests: in one launch, for
+SHARED_PREFIX in (0, 1) x TRAIN_MICRO_BATCH in (0, 1, 2), a fresh engine from the same weights takes one
+step on the same groups (rank 0 has 3, rank 1 has 2: unequal micro-batch counts). Rank 0 saves, per
+setting, the full averaged gradient, the weights after the step, and every rank's gen_logps and mask.
 
-    MODEL_PATH=tiny/ MU=2 SHARED_PREFIX=1 deepspeed --num_gpus 2 tests/zero2_gradient.py out.pt
+    MODEL_PATH=tiny/ MU=2 deepspeed --num_gpus 2 tests/zero2_gradient.py out.pt
 """
 import os
 import sys
 from collections import defaultdict
 
 import torch
-from deepspeed.utils import safe_get_full_grad
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo_ref_split as grpo  # noqa: E402  (constants from the environment)
 from grpo_common import completion_logps  # noqa: E402
 
+QUESTIONS = ["What is {} + 5?", "Tom has {} apples and eats 4. How many?", "A box holds {} pens. How many in 3?"]
 
-def rank_groups(tokenizer, rank, G=3):
-    """Two groups with prompts of different lengths and ragged completions; each rank its own."""
+
+def rank_groups(engine, tokenizer, rank, G=3):
+    """Groups with prompts of different lengths and ragged completions, each rank its own (3 on rank 0, 2 on
+    the others), with reference log-probs near the policy's (random ones make k3 overflow), as in training."""
     groups = []
-    for i, question in enumerate([f"What is {rank + 2} + 5?", f"Tom has {rank + 11} apples and eats 4. How many?"]):
-        prompt = tokenizer(grpo.build_prompt(tokenizer, question), add_special_tokens=False).input_ids
+    for i, question in enumerate(QUESTIONS[: 3 if rank == 0 else 2]):
+        text = grpo.build_prompt(tokenizer, question.format(rank + 2 + 9 * i))
+        prompt = tokenizer(text, add_special_tokens=False).input_ids
         g = torch.Generator().manual_seed(10 * rank + i)
         completions = torch.randint(100, 5000, (G, 6), generator=g)  # (G, T)
         mask = torch.ones(G, 6, dtype=torch.bool)
         mask[0, 4:] = mask[2, 2:] = False  # answers that ended early
-        tensors = dict(input_ids=torch.cat([torch.tensor(prompt).expand(G, -1), completions], 1),
-                       completion_mask=mask, advantages=torch.randn(G, generator=g))
-        groups.append((tensors, {"plen": len(prompt)}))
+        ids = torch.cat([torch.tensor(prompt).expand(G, -1), completions], 1)  # (G, P + T)
+        with torch.no_grad():
+            ref = completion_logps(engine, ids.to(engine.device), torch.ones_like(ids).to(engine.device), 6, 1.0)
+        groups.append((dict(input_ids=ids, completion_mask=mask, advantages=torch.randn(G, generator=g),
+                            ref_logps=ref.cpu() + 0.3 * torch.randn(G, 6, generator=g)), {"plen": len(prompt)}))
     return groups
 
 
-def main():
+def one_step():
+    """A fresh engine, one optimizer step over micro_batches; (grads, weights after, gen_logps, mask)."""
     engine, tokenizer, *_ = grpo.setup_deepspeed()
     rank = torch.distributed.get_rank()
-    batch = grpo.prepare_batch(engine, grpo.collate(rank_groups(tokenizer, rank), tokenizer.pad_token_id))
-    with torch.no_grad():  # a reference near the policy, as in training (random ones make k3 overflow)
-        ref = completion_logps(engine, batch["input_ids"], batch["attention_mask"], 6, 1.0, shared_prefix=False)
-    noise = torch.randn(ref.shape, generator=torch.Generator().manual_seed(rank)).to(ref.device)  # (B, T)
-    batch["ref_logps"] = ref + 0.3 * noise  # (B, T)
-    engine.backward(grpo.policy_loss(engine, batch, defaultdict(float)))
+    parts = grpo.micro_batches(engine, rank_groups(engine, tokenizer, rank), tokenizer.pad_token_id)
+    m = defaultdict(float)
+    for i, part in enumerate(parts):
+        engine.set_gradient_accumulation_boundary(i == len(parts) - 1)
+        engine.backward(grpo.policy_loss(engine, part, m))
     grads = {name: safe_get_full_grad(p).cpu() for name, p in engine.module.named_parameters()}
-    gathered = {}
-    for name in ("gen_logps", "mask"):
-        parts = [torch.zeros_like(batch[name], dtype=torch.float) for _ in range(torch.distributed.get_world_size())]
-        torch.distributed.all_gather(parts, batch[name].float())
-        gathered[name] = torch.cat(parts).cpu()  # (ranks * B, T)
-    if rank == 0:
-        torch.save({"grads": grads, **gathered}, sys.argv[-1])  # the last argument: the launcher adds --local_rank
+    before = {name: safe_get_full_fp32_param(p).cpu() for name, p in engine.module.named_parameters()}
+    engine.step()
+    weights = {name: safe_get_full_fp32_param(p).cpu() for name, p in engine.module.named_parameters()}
+    moved = max((weights[name] - w).abs().max().item() for name, w in before.items())
+    real = [p for p in parts if p["share"] > 0]
+    mine = {k: torch.cat([p[k].float().cpu() for p in real]) for k in ("gen_logps", "mask")}  # (B, T) each
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, mine)
+    return dict(grads=grads, weights=weights, moved=moved, parts=len(parts), loss=m["loss"],
+                **{k: torch.cat([e[k] for e in everyone]) for k in mine})
+
+
+def main():
+    results = {}
+    for shared in (0, 1):
+        for micro in (0, 1, 2):
+            grpo.SHARED_PREFIX, grpo.TRAIN_MICRO_BATCH = bool(shared), micro
+            results[shared, micro] = one_step()
+    if torch.distributed.get_rank() == 0:
+        torch.save(results, sys.argv[-1])  # the last argument: the launcher adds --local_rank
 
 
 if __name__ == "__main__":
