@@ -3,6 +3,7 @@
 # SmolLM2's config and tokenizer in .gpu/; its weights are random, which is enough for these checks):
 #   bash bench/gpu_checks.sh part1   # Triton tests on the compiled kernels, bench_kernel.py
 #   bash bench/gpu_checks.sh part2   # a bf16 ZeRO-2 gradient three ways, bench_logprob_memory.py
+#   bash bench/gpu_checks.sh part3   # the gradient in bf16, LOGP_FROM_HIDDEN on and off, against fp32
 set -u
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -13,6 +14,36 @@ if [ "$1" = part1 ]; then
 t.__version__, d.__version__)"
   python3 -m pytest -q -p no:cacheprovider tests/test_triton.py 2>&1 | tail -8
   python3 bench/bench_kernel.py && cp bench/results/kernel.json "$OUT"/
+elif [ "$1" = part3 ]; then
+  python3 - <<'PY'
+# Is the bf16 gap between LOGP_FROM_HIDDEN on and off rounding? Both against the same step in fp32.
+import sys, torch, transformers
+from collections import defaultdict
+sys.path.insert(0, "tests")
+import grpo_common, grpo_ref_split as grpo
+from zero2_gradient import rank_groups
+tok = transformers.AutoTokenizer.from_pretrained(".gpu")
+torch.manual_seed(0)
+fp32 = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(".gpu")).cuda()
+groups = rank_groups(fp32, tok, 0)
+
+def grads(model, hidden):
+    grpo_common.LOGP_FROM_HIDDEN = hidden
+    model.zero_grad()
+    for part in grpo.micro_batches(model, groups, tok.pad_token_id):
+        grpo.policy_loss(model, part, defaultdict(float)).backward()
+    return {n: p.grad.float().clone() for n, p in model.named_parameters()}
+
+def rel(a, b):
+    return (sum(((a[n] - b[n]) ** 2).sum() for n in a) / sum((a[n] ** 2).sum() for n in a)).item() ** 0.5
+
+ref = grads(fp32, False)
+print(f"fp32: hidden vs logits path, relative L2 {rel(ref, grads(fp32, True)):.2e}")
+bf16 = fp32.to(torch.bfloat16)
+lo, hi = grads(bf16, False), grads(bf16, True)
+print(f"bf16 vs fp32, relative L2: logits path {rel(ref, lo):.2e}, hidden path {rel(ref, hi):.2e}; "
+      f"bf16 hidden vs bf16 logits {rel(lo, hi):.2e}")
+PY
 else
   python3 - <<'PY'
 import torch, transformers

@@ -1,0 +1,95 @@
+"""Peak memory of one demo-sized training step against groups per rank, with micro-batches of one
+group (TRAIN_MICRO_BATCH = 1) and without (0: the whole batch in one forward+backward).
+
+Each run is its own process on one DeepSpeed rank (CPU, fp32, the embedded model, default constants):
+synthetic groups of NUM_PRE_Q answers of MAX_NEW_TOKENS tokens to the demo's prompts, reference log-probs
+near the policy's, then steps 6 and 7 of the training loop (micro_batches, policy_loss, engine.backward,
+engine.step). The peak RSS of the step alone is read from /proc (VmHWM, reset just before the step), so
+loading the model does not count. The settings alternate: off, on, off, on, ...
+
+    python bench/bench_step_memory.py        # groups per rank 1, 2, 4, 8; ~10 minutes on 2 CPU cores
+
+Writes bench/results/step_memory.json.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+GROUPS = (1, 2, 4, 8)
+
+
+def hwm_bytes():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+
+
+def child(n_groups):
+    """One step on n_groups groups; prints {"peak_bytes", "seconds"}."""
+    from collections import defaultdict
+
+    import torch
+
+    import grpo_ref_split as grpo
+    from grpo_common import completion_logps
+    from rewards import load_questions
+
+    engine, tokenizer, *_ = grpo.setup_deepspeed()
+    questions = load_questions("arithmetic", 0, grpo.ARITH_MAX)[:n_groups]
+    G, T = grpo.NUM_PRE_Q, grpo.MAX_NEW_TOKENS
+    groups = []
+    for i, q in enumerate(questions):
+        prompt = tokenizer(grpo.build_prompt(tokenizer, q["question"]), add_special_tokens=False).input_ids
+        g = torch.Generator().manual_seed(i)
+        ids = torch.cat([torch.tensor(prompt).expand(G, -1), torch.randint(100, 5000, (G, T), generator=g)], 1)
+        with torch.no_grad():
+            ref = completion_logps(engine, ids, torch.ones_like(ids), T, grpo.TEMPERATURE, shared_prefix=True)
+        groups.append((dict(input_ids=ids, completion_mask=torch.ones(G, T, dtype=torch.bool),
+                            advantages=torch.randn(G, generator=g), ref_logps=ref + 0.1), {"plen": len(prompt)}))
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the RSS now
+    start, m = time.perf_counter(), defaultdict(float)
+    parts = grpo.micro_batches(engine, groups, tokenizer.pad_token_id)
+    for i, part in enumerate(parts):
+        engine.set_gradient_accumulation_boundary(i == len(parts) - 1)
+        engine.backward(grpo.policy_loss(engine, part, m))
+    engine.step()
+    print(json.dumps({"peak_bytes": hwm_bytes(), "seconds": time.perf_counter() - start}))
+
+
+def measure(n_groups, micro):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "TRAIN_MICRO_BATCH": str(micro), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    out = subprocess.run([sys.executable, __file__, "child", str(n_groups)], cwd=ROOT, env=env, capture_output=True,
+                         text=True)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-3000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+    gib, rows = 2**30, []
+    print("groups per rank | peak RSS of the step: all at once | micro-batches of 1 group", flush=True)
+    for n in GROUPS:
+        row = {"groups": n, "off": measure(n, 0), "one_group": measure(n, 1)}
+        rows.append(row)
+        print(f"  {n:2d} | {row['off']['peak_bytes'] / gib:5.2f} GiB, {row['off']['seconds']:5.1f} s | "
+              f"{row['one_group']['peak_bytes'] / gib:5.2f} GiB, {row['one_group']['seconds']:5.1f} s", flush=True)
+    growth = {k: rows[-1][k]["peak_bytes"] / rows[0][k]["peak_bytes"] for k in ("off", "one_group")}
+    print(f"peak at {GROUPS[-1]} groups / at {GROUPS[0]}: all at once {growth['off']:.2f}x, "
+          f"micro-batches of 1 group {growth['one_group']:.2f}x (target <= 1.15x)")
+    os.makedirs(os.path.join(ROOT, "bench", "results"), exist_ok=True)
+    with open(os.path.join(ROOT, "bench", "results", "step_memory.json"), "w") as f:
+        json.dump({"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores", "rows": rows,
+                   "growth": growth}, f, indent=1)
+
+
+if __name__ == "__main__":
+    child(int(sys.argv[2])) if sys.argv[1:2] == ["child"] else main()
