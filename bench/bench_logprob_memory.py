@@ -10,9 +10,10 @@ on a GPU):
 A variant is skipped where it would not fit (naive ~3x, logits ~1.3x the fp32/bf16 logits).
 Then the time of chunked against logits, alternating in one process, for each LOGP_CHUNK in CHUNKS.
 
-    python bench/bench_logprob_memory.py     # CPU: fp32, H=64; ~25 minutes here. On a GPU: bf16, H=896
+    python bench/bench_logprob_memory.py     # CPU: fp32, H=64; ~10 minutes here. On a GPU: bf16, H=896
+    H=64 LOGP_CHUNK=1024 CHUNKS= python bench/bench_logprob_memory.py   # other sizes; CHUNKS= skips the timing
 
-Figures go to bench/results/logprob_memory.json (logprob_memory_gpu.json on a GPU).
+Figures go to bench/results/logprob_memory.json (_gpu on a GPU, then _H64 etc. for what the environment set).
 """
 import json
 import os
@@ -29,7 +30,8 @@ SHAPES = [tuple(map(int, s.split("x")))  # (T, V) pairs, e.g. SHAPES=1024x49152,
           for s in os.environ.get("SHAPES", "1024x49152,1024x151936,4096x49152,4096x151936").split(",")]
 H = int(os.environ.get("H", 896 if GPU else 64))  # hidden size; 896 = Qwen2.5-0.5B's (V 151936)
 TIME_SHAPE = (4096, 151936) if GPU else (1024, 49152)  # (T, V) where the two paths are timed side by side
-CHUNKS = (128, 512, 1024) if GPU else (128,)  # LOGP_CHUNK values timed
+MEMORY_CHUNK = int(os.environ.get("LOGP_CHUNK", 128))  # LOGP_CHUNK of the memory runs
+CHUNKS = [int(c) for c in os.environ.get("CHUNKS", "128,512,1024" if GPU else "128").split(",") if c]  # timed
 REPEATS = 5 if GPU else 3
 
 CHILD = """
@@ -106,15 +108,16 @@ def fits(variant, logits_bytes):
 def main():
     gib, elem = 2**30, 2 if GPU else 4
     machine = torch.cuda.get_device_name() if GPU else f"{os.cpu_count()} CPU cores"
-    results = {"date": time.strftime("%Y-%m-%d"), "machine": machine, "B": B, "H": H,
+    results = {"date": time.strftime("%Y-%m-%d"), "machine": machine, "B": B, "H": H, "LOGP_CHUNK": MEMORY_CHUNK,
                "dtype": "bf16" if GPU else "fp32", "memory": [], "time": []}
-    print(f"{machine}: B={B}, H={H}, {results['dtype']}; extra peak memory of forward+backward:", flush=True)
+    print(f"{machine}: B={B}, H={H}, {results['dtype']}, LOGP_CHUNK={MEMORY_CHUNK}; extra peak memory of "
+          "forward+backward:", flush=True)
     for T, V in SHAPES:
         fp32_logits = B * T * V * 4
         row = {"T": T, "V": V, "fp32_logits_bytes": fp32_logits}
         for variant in ("chunked", "logits", "naive"):
             if fits(variant, B * T * V * elem):
-                row[variant] = child(T, V, [variant])["extra_bytes"]
+                row[variant] = child(T, V, [variant], chunk=MEMORY_CHUNK)["extra_bytes"]
         row["fp32_logits_over_chunked"] = fp32_logits / row["chunked"]
         results["memory"].append(row)
         shown = " | ".join(f"{v} {row[v] / gib:6.2f} GiB" if v in row else f"{v} (does not fit)"
@@ -129,7 +132,8 @@ def main():
         print(f"  LOGP_CHUNK={chunk:5d}: logits {s['logits']:.3f} s, chunked {s['chunked']:.3f} s = "
               f"{s['chunked'] / s['logits']:.2f}x", flush=True)
     os.makedirs(os.path.join(ROOT, "bench", "results"), exist_ok=True)
-    name = "logprob_memory_gpu.json" if GPU else "logprob_memory.json"
+    name = "logprob_memory" + ("_gpu" if GPU else "") + "".join(f"_{k}{os.environ[k]}" for k in ("H", "LOGP_CHUNK")
+                                                                if k in os.environ) + ".json"
     with open(os.path.join(ROOT, "bench", "results", name), "w") as f:
         json.dump(results, f, indent=1)
 
