@@ -246,6 +246,8 @@ class _HiddenLogps(torch.autograd.Function):
 
 
 def _spans(n: int) -> list:
+    if LOGP_CHUNK < 0:
+        raise ValueError(f"LOGP_CHUNK = {LOGP_CHUNK}: need tokens per chunk >= 1, or 0 = all at once")
     return [slice(s, s + (LOGP_CHUNK or n)) for s in range(0, n, LOGP_CHUNK or n)]
 
 

@@ -471,6 +471,8 @@ def micro_batches(engine, groups, pad_id) -> list:
     holds the whole step's normalizer, so the micro-batches' gradients add up to the one big batch's, and its
     share of the step's answers and tokens (for the metrics). ZeRO-2 reduces gradients in every backward, so
     every rank must run as many: a rank with fewer repeats its last micro-batch with share 0 (loss x 0)."""
+    if TRAIN_MICRO_BATCH < 0:
+        raise ValueError(f"TRAIN_MICRO_BATCH = {TRAIN_MICRO_BATCH}: need groups per micro-batch >= 1, or 0 = all")
     size = TRAIN_MICRO_BATCH or len(groups)
     parts = [collate(groups[i : i + size], pad_id) for i in range(0, len(groups), size)]
     normalizer = global_count([p["mask"].to(engine.device) for p in parts], TOKEN_MEAN)

@@ -125,6 +125,76 @@ def test_chunked_per_token_logps_match_the_plain_definition(chunk, monkeypatch):
     assert grads[1].abs().sum() > 0
 
 
+@pytest.mark.parametrize("chunk", [0, 5, 128])
+def test_hidden_logps_match_the_plain_definition_in_value_and_both_gradients(chunk, monkeypatch):
+    """Chunks of 5 cross the rows' ends (B x T = 21 tokens); the LM-head weight gets its gradient summed
+    over the chunks; 0 = one chunk."""
+    import grpo_common
+    from grpo_common import hidden_logps
+
+    monkeypatch.setattr(grpo_common, "LOGP_CHUNK", chunk)
+    torch.manual_seed(6)
+    h0, w0 = torch.randn(3, 7, 16), torch.randn(301, 16) / 2  # (B, T, H), (V, H)
+    ids, w = torch.randint(0, 301, (3, 7)), torch.randn(3, 7)  # (B, T) each
+    results = []
+    for fn in (hidden_logps, lambda h, wt, i, t: per_token_logps_plain(h @ wt.T, i, t)):
+        hidden, weight = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        lp = fn(hidden, weight, ids, 0.7)  # (B, T)
+        (lp * w).sum().backward()
+        results.append((lp.detach(), hidden.grad, weight.grad))
+    for got, want in zip(*results):
+        assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    assert results[1][2].abs().sum() > 0
+
+
+def test_log_probs_from_hidden_states_give_the_models_gradient_with_tied_embeddings(model, monkeypatch):
+    """completion_logps with LOGP_FROM_HIDDEN on and off, full rows and the shared prompt: the same
+    log-probs and the same gradient on every parameter, the tied embedding / LM-head weight included."""
+    import grpo_common
+    from grpo_common import completion_logps
+
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # tied, as SmolLM2
+    monkeypatch.setattr(grpo_common, "LOGP_CHUNK", 7)
+    torch.manual_seed(4)
+    prompt = torch.randint(0, 49152, (1, 9)).expand(3, -1)  # (G, P) one group
+    ids = torch.cat([prompt, torch.randint(0, 49152, (3, 11))], 1)  # (G, L)
+    w = torch.randn(3, 11)
+    out = {}
+    for hidden in (False, True):
+        for shared in (False, True):
+            monkeypatch.setattr(grpo_common, "LOGP_FROM_HIDDEN", hidden)
+            model.zero_grad()
+            lp = completion_logps(model, ids, torch.ones_like(ids), 11, 0.7, shared_prefix=shared)  # (G, 11)
+            (lp * w).sum().backward()
+            out[hidden, shared] = lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    base_lp, base_grads = out[False, False]
+    for key, (lp, grads) in out.items():
+        assert torch.allclose(lp, base_lp, atol=1e-5), key
+        for n, g in base_grads.items():
+            assert (grads[n] - g).abs().max() <= 1e-5 * max(g.abs().max(), 1e-8), (key, n)
+    assert base_grads["model.embed_tokens.weight"].abs().sum() > 0
+
+
+def test_log_probs_from_hidden_states_refuse_a_model_whose_logits_are_not_the_plain_head(model, monkeypatch):
+    from grpo_common import lm_head_weight
+
+    monkeypatch.setattr(model.config, "final_logit_softcapping", 30.0, raising=False)  # as Gemma 2
+    with pytest.raises(ValueError, match="final_logit_softcapping.*LOGP_FROM_HIDDEN = False"):
+        lm_head_weight(model)
+
+
+def test_negative_chunk_and_micro_batch_sizes_are_refused(monkeypatch):
+    import grpo_common
+    import grpo_ref_split as grpo
+
+    monkeypatch.setattr(grpo_common, "LOGP_CHUNK", -1)
+    with pytest.raises(ValueError, match="LOGP_CHUNK = -1"):
+        grpo_common.hidden_logps(torch.zeros(1, 2, 4), torch.zeros(5, 4), torch.zeros(1, 2, dtype=torch.long))
+    monkeypatch.setattr(grpo, "TRAIN_MICRO_BATCH", -2)
+    with pytest.raises(ValueError, match="TRAIN_MICRO_BATCH = -2"):
+        grpo.micro_batches(None, [], 0)
+
+
 def test_per_token_logps_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="do not match"):
         per_token_logps(torch.zeros(2, 5, 7), torch.zeros(2, 4, dtype=torch.long))
