@@ -534,7 +534,7 @@ def policy_loss(engine, b, m):
             passed["sampler_gap"] = torch.where(sampled, (gen - samp).abs(), 0.0).sum() / sampled.sum().clamp(min=1)
     share, token_share = b.get("share", 1.0), b.get("token_share", 1.0)
     for k, v in passed.items():  # loss is already this part's share of the step's loss (the normalizer)
-        m[k] += v.item() * {"loss": 1.0, "kl": share, "ratio_drift": share}.get(k, token_share) / MU
+        m[k] += v.item() * {"loss": float(share > 0), "kl": share, "ratio_drift": share}.get(k, token_share) / MU
     return loss if share else loss * 0.0  # share 0: a repeat that only keeps this rank in step with the others
 
 

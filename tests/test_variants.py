@@ -126,6 +126,19 @@ def test_mu_two_reuses_the_batch_with_a_real_ratio(fresh_model, monkeypatch):
     assert second["kl"] > first["kl"]
 
 
+def test_a_micro_batch_repeated_with_share_zero_adds_no_gradient_and_no_metric(fresh_model):
+    """What a rank with fewer micro-batches runs to keep ZeRO-2's reductions in step with the others."""
+    b = {**batch_for(fresh_model), "advantages": torch.tensor([1.0, 0.5, 0.2, 0.1])}  # a loss that is not 0
+    m = defaultdict(float)
+    loss = grpo.policy_loss(PlainEngine(fresh_model, lr=1e-2), {**b, "share": 0.0, "token_share": 0.0}, m)
+    loss.backward()
+    assert loss.item() == 0 and {"loss", "kl", "clip_low"} <= set(m) and all(v == 0 for v in m.values())
+    assert all(p.grad is not None and p.grad.abs().max() == 0 for p in fresh_model.parameters())
+    real = grpo.policy_loss(PlainEngine(fresh_model, lr=1e-2), b, defaultdict(float))  # the same, share 1
+    real.backward()
+    assert real.item() != 0 and any(p.grad.abs().max() > 0 for p in fresh_model.parameters())
+
+
 def test_train_step_with_mu_two_fixes_pi_old_before_the_first_update(fresh_model, monkeypatch):
     b = batch_for(fresh_model)
     results = {}
