@@ -183,7 +183,7 @@ class _TokenLogps(torch.autograd.Function):
 def _chunks(logits):
     """(b, slice) over every sequence, LOGP_CHUNK tokens at a time."""
     B, T = logits.shape[:2]
-    return [(b, slice(s, s + LOGP_CHUNK)) for b in range(B) for s in range(0, T, LOGP_CHUNK)]
+    return [(b, s) for b in range(B) for s in _spans(T)]
 
 
 def per_token_logps(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0,
@@ -246,6 +246,7 @@ class _HiddenLogps(torch.autograd.Function):
 
 
 def _spans(n: int) -> list:
+    """Slices of LOGP_CHUNK positions (the last one shorter) covering 0..n; one slice for LOGP_CHUNK = 0."""
     if LOGP_CHUNK < 0:
         raise ValueError(f"LOGP_CHUNK = {LOGP_CHUNK}: need tokens per chunk >= 1, or 0 = all at once")
     return [slice(s, s + (LOGP_CHUNK or n)) for s in range(0, n, LOGP_CHUNK or n)]

@@ -485,6 +485,14 @@ def micro_batches(engine, groups, pad_id) -> list:
     return parts + [dict(parts[-1], share=0.0, token_share=0.0)] * (int(most) - len(parts))
 
 
+def backward(engine, parts, m):
+    """Step 6 over a step's micro-batches: their gradients add up (DeepSpeed's accumulation boundary is the
+    last one), for one optimizer step."""
+    for i, part in enumerate(parts):
+        engine.set_gradient_accumulation_boundary(i == len(parts) - 1)
+        engine.backward(policy_loss(engine, part, m))
+
+
 def prepare_batch(engine, batch, normalizer=None):
     """The collated batch on the device, with the loss normalizer (default: over all ranks, for this batch
     alone); with MU > 1, rows without gen_logps get them first (reuse needs a fixed pi_old: the weights before
@@ -825,10 +833,8 @@ def main():
                      "for this model (try THINK_PREFILL, EXAMPLE, ARITH_MAX, MAX_NEW_TOKENS or the reward weights)")
         parts = micro_batches(engine, groups, tokenizer.pad_token_id)
         for _ in range(MU):  # MU > 1 reuses the batch; the clipped ratio keeps each pass near gen_logps
-            for i, part in enumerate(parts):  # gradients add up over the micro-batches, for one optimizer step
-                engine.set_gradient_accumulation_boundary(i == len(parts) - 1)
-                with timed(m, "fwd_bwd_s"):
-                    engine.backward(policy_loss(engine, part, m))  # 6. loss (and its gradient)
+            with timed(m, "fwd_bwd_s"):
+                backward(engine, parts, m)  # 6. loss (and its gradient), summed over the micro-batches
             m["lr"] += engine.get_lr()[0] / MU  # the rate this step uses (the scheduler moves it in engine.step)
             with timed(m, "optim_s"):
                 engine.step()  # 7. optimizer step

@@ -58,9 +58,7 @@ def child(n_groups):
         f.write("5")  # resets VmHWM to the RSS now
     start, m = time.perf_counter(), defaultdict(float)
     parts = grpo.micro_batches(engine, groups, tokenizer.pad_token_id)
-    for i, part in enumerate(parts):
-        engine.set_gradient_accumulation_boundary(i == len(parts) - 1)
-        engine.backward(grpo.policy_loss(engine, part, m))
+    grpo.backward(engine, parts, m)
     engine.step()
     print(json.dumps({"peak_bytes": hwm_bytes(), "seconds": time.perf_counter() - start}))
 

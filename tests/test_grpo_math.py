@@ -190,6 +190,8 @@ def test_negative_chunk_and_micro_batch_sizes_are_refused(monkeypatch):
     monkeypatch.setattr(grpo_common, "LOGP_CHUNK", -1)
     with pytest.raises(ValueError, match="LOGP_CHUNK = -1"):
         grpo_common.hidden_logps(torch.zeros(1, 2, 4), torch.zeros(5, 4), torch.zeros(1, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="LOGP_CHUNK = -1"):  # not an empty loop leaving logps uninitialised
+        per_token_logps(torch.zeros(1, 2, 5), torch.zeros(1, 2, dtype=torch.long))
     monkeypatch.setattr(grpo, "TRAIN_MICRO_BATCH", -2)
     with pytest.raises(ValueError, match="TRAIN_MICRO_BATCH = -2"):
         grpo.micro_batches(None, [], 0)

@@ -44,9 +44,7 @@ def one_step():
     rank = torch.distributed.get_rank()
     parts = grpo.micro_batches(engine, rank_groups(engine, tokenizer, rank), tokenizer.pad_token_id)
     m = defaultdict(float)
-    for i, part in enumerate(parts):
-        engine.set_gradient_accumulation_boundary(i == len(parts) - 1)
-        engine.backward(grpo.policy_loss(engine, part, m))
+    grpo.backward(engine, parts, m)
     grads = {name: safe_get_full_grad(p).cpu() for name, p in engine.module.named_parameters()}
     before = {name: safe_get_full_fp32_param(p).cpu() for name, p in engine.module.named_parameters()}
     engine.step()
