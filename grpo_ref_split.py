@@ -25,6 +25,7 @@ Every UPPER_CASE constant below can be overridden by an environment variable of 
 (`ALL_STEPS=2 MAX_NEW_TOKENS=32 deepspeed --num_gpus 1 grpo_ref_split.py`); changed ones are printed.
 """
 import contextlib
+import importlib
 import json
 import math
 import numbers
@@ -71,6 +72,7 @@ BETA = 0.04  # KL penalty weight towards the reference model; 0 = no reference m
 CLIP_EPS = 0.2  # PPO clip: the ratio pi / pi_old may fall to 1 - CLIP_EPS ...
 CLIP_EPS_HIGH = 0.2  # ... and rise to 1 + CLIP_EPS_HIGH; DAPO's clip-higher (0.28) lets rare good tokens grow
 TOKEN_MEAN = False  # False = GRPO: mean per answer, then over answers; True = DAPO: one mean over all tokens
+GSPO = False  # True = one ratio per answer (its tokens' geometric mean), clipped whole; then CLIP_EPS(_HIGH) 3e-4/4e-4
 MU = 1  # optimizer steps on each batch; > 1 reuses it, and the clipped ratio keeps each step near pi_old
 MASK_TRUNCATED = False  # True = answers cut at MAX_NEW_TOKENS take no part in the loss (DAPO's overlong filter)
 REWARDS = [(reward_correct, 2.0), (reward_format, 1.0)]  # (f(completion, gold, question) -> float, weight); format
@@ -101,7 +103,9 @@ WORKER_MAX_QUEUED = 8  # a worker waits while the server holds this many groups:
 EXTRA_GROUPS = 4  # a trainer rank also takes up to this many ready groups that workers made, per step
 # Bookkeeping
 SEED = 42  # seeds questions and sampling (rank r uses SEED + r)
-OUTPUT_DIR = "output"  # checkpoints, metrics.jsonl and curves.png
+OUTPUT_DIR = "output"  # checkpoints, metrics.jsonl, completions.jsonl and curves.png
+LOG_COMPLETIONS_STEPS = 1  # every this many steps, each sampled answer as a line of completions.jsonl; 0 = never
+TENSORBOARD = False  # True = every metric also as a TensorBoard scalar under OUTPUT_DIR/tb (pip install tensorboard)
 DS_CONFIG = "ds_config.json"  # DeepSpeed ZeRO-2 settings
 apply_env_overrides(globals(), "grpo_ref_split.py")  # any constant above, from the environment
 
@@ -134,7 +138,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def grpo_loss(logps, ref_logps, gen_logps, advantages, mask, beta, clip_eps, clip_eps_high=None, token_mean=False,
-              normalizer=None, sampler_logps=None, tis_cap=0.0):
+              normalizer=None, sampler_logps=None, tis_cap=0.0, gspo=False):
     """Clipped GRPO loss with a k3 KL penalty; a scalar.
 
     logps, ref_logps, gen_logps, mask: (B, T) over completion tokens; advantages (B,).
@@ -148,6 +152,7 @@ def grpo_loss(logps, ref_logps, gen_logps, advantages, mask, beta, clip_eps, cli
     each token's surrogate is weighted by min(pi_old / pi_sampler, tis_cap), detached (truncated importance
     sampling, TRL's vllm_importance_sampling_correction): the engines differ slightly, and the samples came
     from the sampler's distribution, not the trainer's. NaN entries (rows sampled by the trainer) weigh 1.
+    gspo: one ratio per answer, exp(mean of its tokens' log-ratios) (GSPO, arXiv 2507.18071), clipped as a whole.
     """
     # Padding holds anything (logp -100 against ref 0 makes exp overflow to inf, and inf x 0 = NaN
     # in value or gradient): there pi_old and ref are set to logp itself, so ratio 1 and k3 0.
@@ -155,7 +160,7 @@ def grpo_loss(logps, ref_logps, gen_logps, advantages, mask, beta, clip_eps, cli
     gen_logps = pad if gen_logps is None else torch.where(mask & ~gen_logps.isnan(), gen_logps, pad)  # (B, T)
     ref_logps = None if ref_logps is None else torch.where(mask, ref_logps, pad)  # (B, T)
     clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
-    ratio = torch.exp(logps - gen_logps)  # (B, T)
+    ratio = torch.exp(log_ratio(logps, gen_logps, mask, gspo))  # (B, T)
     adv = advantages[:, None]  # (B, 1)
     surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high) * adv)  # (B, T)
     if sampler_logps is not None and tis_cap > 0:  # the KL term is left as it is, as in TRL and verl
@@ -170,6 +175,16 @@ def grpo_loss(logps, ref_logps, gen_logps, advantages, mask, beta, clip_eps, cli
         # weigh less. Dr. GRPO removes that length bias: total = (per_token * mask).sum() / MAX_NEW_TOKENS.
         total, count = masked_mean(per_token, mask).sum(), mask.shape[0]
     return total / (count if normalizer is None else normalizer)
+
+
+def log_ratio(logps, gen_logps, mask, gspo: bool) -> torch.Tensor:
+    """(B, T) log(pi / pi_old) of each token; gspo: each answer's mean over its tokens (the log of the geometric
+    mean of its token ratios) on all its tokens. One long answer's many small token drifts then add up to one
+    sequence-level ratio, which is why GSPO clips far tighter (CLIP_EPS 3e-4 / 4e-4 in the paper)."""
+    per_token = logps - gen_logps  # (B, T)
+    if not gspo:
+        return per_token
+    return masked_mean(per_token, mask)[:, None].expand_as(per_token)  # (B, T)
 
 
 def global_count(masks, token_mean: bool) -> float:
@@ -256,6 +271,7 @@ def generate(model, tokenizer, questions, gen_config, eos_ids, m, llm=None) -> d
     m.update(length=lengths.mean().item(), max_length=lengths.max().item(), truncated=1 - stopped.float().mean().item())
     return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids, mask=mask,
                 sampler_logps=sampler_logps, texts=tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
+                lengths=lengths.int().tolist(), truncated=(~stopped).tolist(),
                 golds=[q["gold"] for q in questions for _ in range(NUM_PRE_Q)],
                 questions=[q["question"] for q in questions for _ in range(NUM_PRE_Q)])
 
@@ -322,10 +338,10 @@ def push_weights(llm, model):
                  "new weights, so the run stops here; the newest checkpoint is intact (RESUME=1 continues from it)")
 
 
-def score(texts, golds, questions, m) -> torch.Tensor:
-    """Step 3: (N,) the weighted sum of REWARDS; each function's mean goes to m under its name. The
-    prefill is put back so the tags read whole. A reward that raises or is not a finite number stops
-    the run, naming the function and the completion: nothing is silently turned into 0."""
+def score(texts, golds, questions, m, each=None) -> torch.Tensor:
+    """Step 3: (N,) the weighted sum of REWARDS; each function's mean goes to m under its name (and its N values
+    to the dict `each`, if given). The prefill is put back so the tags read whole. A reward that raises or is not
+    a finite number stops the run, naming the function and the completion: nothing is silently turned into 0."""
     if not len(texts) == len(golds) == len(questions):  # zip would quietly score only a part
         raise ValueError(f"{len(texts)} answers for {len(golds)} gold answers and {len(questions)} questions")
     total = torch.zeros(len(texts))  # (N,)
@@ -343,6 +359,8 @@ def score(texts, golds, questions, m) -> torch.Tensor:
                 values.append(float(value))
             m[fn.__name__] = sum(values) / len(values)
             total += weight * torch.tensor(values)
+            if each is not None:
+                each[fn.__name__] = values
     return total  # (N,)
 
 
@@ -526,11 +544,11 @@ def policy_loss(engine, b, m):
         logps = completion_logps(engine, b["input_ids"], b["attention_mask"], T, TEMPERATURE,
                                  shared_prefix=SHARED_PREFIX)  # (B, T)
         loss = grpo_loss(logps, b["ref_logps"], b["gen_logps"], b["advantages"], b["mask"], BETA, CLIP_EPS,
-                         CLIP_EPS_HIGH, TOKEN_MEAN, b.get("normalizer"), b.get("sampler_logps"), TIS_CAP)
+                         CLIP_EPS_HIGH, TOKEN_MEAN, b.get("normalizer"), b.get("sampler_logps"), TIS_CAP, GSPO)
     with torch.no_grad():
         logps = logps.detach()  # (B, T) the weights before this step
         gen = logps if b["gen_logps"] is None else torch.where(b["gen_logps"].isnan(), logps, b["gen_logps"])
-        ratio = torch.exp(logps - gen)  # (B, T)
+        ratio = torch.exp(log_ratio(logps, gen, b["mask"], GSPO))  # (B, T)
         low, high = clip_fractions(ratio, b["advantages"], b["mask"], CLIP_EPS, CLIP_EPS_HIGH)
         drift = masked_mean((ratio - 1).abs(), b["mask"]).mean()  # 0 on-policy; grows with MU, staleness
         passed = dict(loss=loss, clip_low=low, clip_high=high, ratio_drift=drift)
@@ -585,13 +603,19 @@ def reduce_over_ranks(values: dict, device) -> dict:
     return {k: (peak[i] if k.startswith("max_") else total[i] / n).item() for i, k in enumerate(keys)}
 
 
-def open_metrics(rank, resumed_step=0):
-    """metrics.jsonl on rank 0. A fresh run keeps an earlier run's file under a new name; a resumed
-    run keeps the lines up to its checkpoint's step and appends (later lines were never saved)."""
-    if rank != 0:
-        return None
+def answer_records(step, rank, rollout, each, rewards, advantages) -> list:
+    """One dict per sampled answer, a line of completions.jsonl: what the model wrote and how it scored."""
+    return [dict(step=step, rank=rank, question=rollout["questions"][i], gold=rollout["golds"][i],
+                 answer=THINK_PREFILL + rollout["texts"][i], reward=rewards[i].item(),
+                 **{name: values[i] for name, values in each.items()}, advantage=advantages[i].item(),
+                 length=rollout["lengths"][i], truncated=rollout["truncated"][i]) for i in range(len(rewards))]
+
+
+def open_jsonl(name, resumed_step=0):
+    """OUTPUT_DIR/name for appending lines {"step": ...}. A fresh run keeps an earlier run's file under a new
+    name; a resumed run keeps the lines up to its checkpoint's step (later lines were never saved)."""
     os.makedirs(OUTPUT_DIR, exist_ok=True)
-    path = os.path.join(OUTPUT_DIR, "metrics.jsonl")
+    path = os.path.join(OUTPUT_DIR, name)
     if os.path.exists(path) and resumed_step:
         with open(path) as f:
             kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resumed_step]
@@ -600,34 +624,67 @@ def open_metrics(rank, resumed_step=0):
         os.replace(path + ".tmp", path)
         return open(path, "a")
     if os.path.exists(path):
-        os.rename(path, os.path.join(OUTPUT_DIR, f"metrics.{int(os.path.getmtime(path))}.jsonl"))
+        stem, ext = os.path.splitext(name)
+        os.rename(path, os.path.join(OUTPUT_DIR, f"{stem}.{int(os.path.getmtime(path))}{ext}"))
     return open(path, "w")
 
 
-def write_metrics(metrics_file, step, m):
-    metrics_file.write(json.dumps({"step": step, **{k: round(v, 6) for k, v in m.items()}}) + "\n")
-    metrics_file.flush()
+class RunLog:
+    """Rank 0's record of a run: metrics.jsonl, completions.jsonl (LOG_COMPLETIONS_STEPS) and, with TENSORBOARD,
+    every metric as a scalar under OUTPUT_DIR/tb (`tensorboard --logdir output/tb`)."""
+
+    def __init__(self, resumed_step=0):
+        self.metrics = open_jsonl("metrics.jsonl", resumed_step)
+        self.answers = open_jsonl("completions.jsonl", resumed_step) if LOG_COMPLETIONS_STEPS > 0 else None
+        self.tb = None
+        if TENSORBOARD:  # check_settings made sure it imports; purge_step drops a resumed run's unsaved steps
+            from torch.utils.tensorboard import SummaryWriter
+
+            purge = resumed_step + 1 if resumed_step else None
+            self.tb = SummaryWriter(os.path.join(OUTPUT_DIR, "tb"), purge_step=purge)
+
+    def write(self, step, m):
+        self.metrics.write(json.dumps({"step": step, **{k: round(v, 6) for k, v in m.items()}}) + "\n")
+        self.metrics.flush()
+        for k, v in m.items() if self.tb is not None else ():
+            self.tb.add_scalar(k, v, step)
+        if self.tb is not None:
+            self.tb.flush()
+
+    def close(self):
+        for f in (self.metrics, self.answers, self.tb):
+            if f is not None:
+                f.close()
 
 
-def log_step(step, m, metrics_file):
-    """One line under the progress bar and one JSON line in metrics.jsonl (rank 0)."""
-    if metrics_file is None:
+def log_step(step, m, log, answers):
+    """One line under the progress bar with one sampled answer, a line of metrics.jsonl, and every LOG_COMPLETIONS_STEPS
+    steps all ranks' sampled answers in completions.jsonl (rank 0 writes; all ranks must call this)."""
+    if LOG_COMPLETIONS_STEPS > 0 and step % LOG_COMPLETIONS_STEPS == 0:
+        gathered = [None] * torch.distributed.get_world_size() if log is not None else None
+        torch.distributed.gather_object(answers, gathered, dst=0)
+        if log is not None:
+            log.answers.writelines(json.dumps(a) + "\n" for rank_answers in gathered for a in rank_answers)
+            log.answers.flush()
+    if log is None:
         return
     kl = f"kl {m['kl']:.4f} | " if "kl" in m else ""
     parts = " | ".join(f"{fn.__name__} {m[fn.__name__]:.2f}" for fn, _ in REWARDS)
     tqdm.write(f"step {step:4d} | loss {m['loss']:+.4f} | reward {m['reward']:.3f} | {parts} | "
                f"{kl}clip {m['clip_low']:.3f}/{m['clip_high']:.3f} | lr {m['lr']:.2e} | "
                f"len {m['length']:.1f} | {m['seconds']:.1f}s")
-    write_metrics(metrics_file, step, m)
+    a = answers[-1]  # the newest rollout's last answer, so a person watching sees the format appear
+    tqdm.write(f"  sample | reward {a['reward']:.2f} | {a['question'][:60]!r} -> {a['answer'][:200]!r}")
+    log.write(step, m)
 
 
-def log_eval(step, model, tokenizer, held_out, eos_ids, rank, metrics_file, llm=None):
+def log_eval(step, model, tokenizer, held_out, eos_ids, rank, log, llm=None):
     """Rank 0 evaluates; the others wait for it."""
     if rank == 0:
         m = evaluate(model, tokenizer, held_out, eos_ids, llm=llm)
         parts = " | ".join(f"{k[5:]} {v:.3f}" for k, v in m.items())
         tqdm.write(f"eval {step:4d} | held-out {parts} | {len(held_out)} questions, greedy")
-        write_metrics(metrics_file, step, m)
+        log.write(step, m)
     torch.distributed.barrier()
 
 
@@ -798,7 +855,24 @@ def setup_deepspeed():
 
 
 # ----------------------------------------------------------------------------- main
+def check_settings():
+    """Stop, before any model loads, on constants that cannot work together."""
+    if USE_TRITON and GSPO:  # a sequence's ratio needs all its tokens before any token's gradient: a second pass
+        sys.exit("USE_TRITON does not implement GSPO's per-answer ratio: set GSPO=0, or USE_TRITON=0 (the PyTorch "
+                 "loss has both)")
+    if TENSORBOARD:
+        try:
+            importlib.import_module("torch.utils.tensorboard")
+        except ImportError as e:
+            sys.exit(f"TENSORBOARD=1 needs the tensorboard package ({e}): pip install tensorboard, or TENSORBOARD=0")
+    if GSPO and max(CLIP_EPS, CLIP_EPS_HIGH) > 0.01:
+        print(f"warning: GSPO clips one ratio per answer, whose drift is far smaller than a token's: CLIP_EPS "
+              f"{CLIP_EPS} / CLIP_EPS_HIGH {CLIP_EPS_HIGH} will hardly ever clip (the paper uses 3e-4 / 4e-4)",
+              file=sys.stderr, flush=True)
+
+
 def main():
+    check_settings()
     if not RESUME and checkpoints(OUTPUT_DIR):  # else KEEP_CHECKPOINTS would delete another run's checkpoints
         sys.exit(f"{OUTPUT_DIR}/ holds checkpoints of an earlier run (newest {checkpoints(OUTPUT_DIR)[-1]}); "
                  "nothing was changed. Continue that run with RESUME=1, or start a new one in another OUTPUT_DIR")
@@ -813,16 +887,17 @@ def main():
     llm = start_vllm(resolve_model_path(MODEL_PATH), SEED + rank, model.dtype) if USE_VLLM else None  # every rank
     if llm is not None and start > 0:  # it loaded MODEL_PATH: give it the resumed weights
         push_weights(llm, model)
-    metrics_file = open_metrics(rank, start)
+    log = RunLog(start) if rank == 0 else None
     if EVAL_STEPS > 0 and start == 0:
-        log_eval(0, model, tokenizer, held_out, eos_ids, rank, metrics_file, llm)
+        log_eval(0, model, tokenizer, held_out, eos_ids, rank, log, llm)
     for step in tqdm(range(start + 1, ALL_STEPS + 1), disable=rank != 0, desc="GRPO", dynamic_ncols=True):
-        m, step_start = defaultdict(float), clock()  # this step's metrics
+        m, step_start, answers = defaultdict(float), clock(), []  # this step's metrics and sampled answers
         for attempt in range(1, 21):  # until the server hands back groups (all-equal rewards are dropped)
             batch_questions = rng.sample(questions, Q_BATCH_SIZE)  # 1. sample
             rollout = generate(model, tokenizer, batch_questions, gen_config, eos_ids, m, llm)  # 2. generate
-            rewards = score(rollout["texts"], rollout["golds"], rollout["questions"], m)  # 3. score
+            rewards = score(rollout["texts"], rollout["golds"], rollout["questions"], m, each := {})  # 3. score
             advantages = group_advantages(rewards, NUM_PRE_Q)  # 4. advantages
+            answers += answer_records(step, rank, rollout, each, rewards, advantages)  # completions.jsonl
             groups = pack_groups(model, rollout, rewards, advantages, keep_all, MU > 1 or regroup, m)
             with timed(m, "wait_s"):
                 groups = upload_and_pull(groups, step - 1, rank)  # 5. upload, and pull groups with ref_logps
@@ -841,16 +916,16 @@ def main():
         if llm is not None:
             with timed(m, "push_s"):
                 push_weights(llm, model)  # ... whose weights the next rollouts come from
-        log_step(step, reduce_over_ranks(step_metrics(m, groups, step, attempt, step_start), device), metrics_file)
+        log_step(step, reduce_over_ranks(step_metrics(m, groups, step, attempt, step_start), device), log, answers)
         if EVAL_STEPS > 0 and (step % EVAL_STEPS == 0 or step == ALL_STEPS):
-            log_eval(step, model, tokenizer, held_out, eos_ids, rank, metrics_file, llm)
+            log_eval(step, model, tokenizer, held_out, eos_ids, rank, log, llm)
         if step % SAVE_STEPS == 0 or step == ALL_STEPS:
             save_checkpoint(engine, tokenizer, step, rng, rank)
             if rank == 0:
-                plot_curves(metrics_file.name)
+                plot_curves(log.metrics.name)
     if rank == 0:
-        metrics_file.close()
-        print(f"done: checkpoints, metrics.jsonl and curves.png in {OUTPUT_DIR}/", flush=True)
+        log.close()
+        print(f"done: checkpoints, metrics.jsonl, completions.jsonl and curves.png in {OUTPUT_DIR}/", flush=True)
 
 
 def step_metrics(m, groups, step, attempts, step_start):

@@ -1,11 +1,14 @@
 """End to end: `python ref_server.py` as a process, `deepspeed grpo_ref_split.py` on 1 and 2 CPU ranks."""
 import glob
+import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from conftest import metrics, params, tiny_config, train
+from conftest import ROOT, metrics, params, tiny_config, train
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
@@ -13,7 +16,7 @@ def test_training_steps_end_to_end(server, tiny_model_dir, tmp_path, ranks):
     before = server.health()
     shm_before = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
     # Covered here at no extra run: checkpointing, and micro-batches of one group (ranks pull unequal numbers)
-    extra = {"GRADIENT_CHECKPOINTING": "1", "TRAIN_MICRO_BATCH": "1"} if ranks == 2 else {}
+    extra = {"GRADIENT_CHECKPOINTING": "1", "TRAIN_MICRO_BATCH": "1", "TENSORBOARD": "1"} if ranks == 2 else {}
     run = train(tiny_model_dir, server.url, tmp_path, ranks, **extra)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) <= shm_before  # DeepSpeed's 66 MiB per rank
@@ -35,6 +38,16 @@ def test_training_steps_end_to_end(server, tiny_model_dir, tmp_path, ranks):
     assert any(not torch.equal(start[k], step1[k]) for k in start), "step 1 changed no parameter"
     assert any(not torch.equal(step1[k], step2[k]) for k in start), "step 2 changed no parameter"
     assert not any(p.name.endswith(".tmp") for p in tmp_path.iterdir())  # no half-written checkpoint
+
+    check_completions_log(tmp_path, ranks, lines, run.stdout + run.stderr)
+    if ranks == 2:  # TENSORBOARD: each metrics.jsonl value is a scalar of the same step
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        tb = EventAccumulator(str(tmp_path / "tb"))
+        tb.Reload()
+        for key in ("reward", "loss", "kl", "eval_reward_correct"):
+            want = [(m["step"], m[key]) for m in lines + evals if key in m]
+            assert [(e.step, pytest.approx(m_, abs=1e-6)) for e, (_, m_) in zip(tb.Scalars(key), want)] == want
 
     after = server.health()
     trained = after["served"] - before["served"]
@@ -109,3 +122,31 @@ def test_evaluation_is_logged_and_does_not_change_training(server, tiny_model_di
     with_eval, without = params(tmp_path / "eval" / "step_2"), params(tmp_path / "no_eval" / "step_2")
     assert all(torch.equal(with_eval[k], without[k]) for k in with_eval)
     assert (tmp_path / "eval" / "curves.png").exists()
+
+
+def check_completions_log(out, ranks, lines, output):
+    """completions.jsonl holds every rank's sampled answers of each step (2 questions x 4 answers per rollout),
+    scored as the metrics say; the step line shows one; scripts/show_completions.py ranks a step's answers."""
+    answers = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    for m in lines:
+        step = [a for a in answers if a["step"] == m["step"]]
+        assert {a["rank"] for a in step} == set(range(ranks)) and len(step) >= ranks * 8 and len(step) % 4 == 0
+        for a in step:
+            assert a["reward"] == pytest.approx(2 * a["reward_correct"] + a["reward_format"])  # REWARDS' weights
+            assert a["answer"].startswith("<think>") and 0 < a["length"] <= 16 and isinstance(a["truncated"], bool)
+            assert a["gold"] and a["question"]
+        for i in range(0, len(step), 4):  # a group's advantages are its rewards relative to its mean
+            group = step[i : i + 4]
+            assert len({a["question"] for a in group}) == 1 and abs(sum(a["advantage"] for a in group)) < 1e-5
+        assert all(a["length"] == 16 for a in step if a["truncated"])  # cut answers used the whole budget
+    assert output.count("  sample | reward") == len(lines)
+    show = subprocess.run([sys.executable, "scripts/show_completions.py", str(out / "completions.jsonl"), "2", "1"],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert show.returncode == 0, show.stderr
+    rewards = [a["reward"] for a in answers if a["step"] == 2]
+    best, worst = max(rewards), min(rewards)
+    assert show.stdout.startswith("step 2: ") and f"best:\nreward {best:g} " in show.stdout
+    assert f"worst:\nreward {worst:g} " in show.stdout
+    missing = subprocess.run([sys.executable, "scripts/show_completions.py", str(out / "completions.jsonl"), "7"],
+                             cwd=ROOT, capture_output=True, text=True)
+    assert missing.returncode == 1 and "no answers of step 7; the file holds steps 1..2" in missing.stderr

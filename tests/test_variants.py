@@ -52,6 +52,54 @@ def test_beta_zero_needs_no_reference_log_probs():
         grpo_loss(logps, None, gen, adv, mask, 0.04, 0.2)
 
 
+def test_gspo_matches_a_hand_computation_in_value_and_gradient():
+    # Two answers of 3 and 2 valid tokens (one padded column). Per answer i: s = exp(mean_t(logp - gen)),
+    # loss_i = -min(s A, clip(s, 1 - lo, 1 + hi) A) + beta mean_t k3; the loss is the mean over answers.
+    logps = torch.tensor([[-1.0, -0.5, -2.0], [-0.3, -1.2, 9.0]], requires_grad=True)
+    gen = torch.tensor([[-1.1, -0.6, -2.0], [-0.29, -1.2, 0.0]])  # answer 0: s = e^0.0667; answer 1: s = e^-0.005
+    ref = torch.tensor([[-0.9, -0.7, -1.5], [-0.4, -1.0, 0.0]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    adv, beta, lo, hi = torch.tensor([1.0, -1.0]), 0.1, 3e-2, 4e-2
+    loss = grpo_loss(logps, ref, gen, adv, mask, beta, lo, hi, gspo=True)
+    (grad,) = torch.autograd.grad(loss, logps)
+
+    want, want_grad = 0.0, torch.zeros(2, 3)
+    for i in range(2):
+        n = int(mask[i].sum())
+        lp, g, r, a = logps[i, :n].tolist(), gen[i, :n].tolist(), ref[i, :n].tolist(), adv[i].item()
+        s = math.exp(sum(x - y for x, y in zip(lp, g)) / n)
+        clipped = min(max(s, 1 - lo), 1 + hi)
+        kl = sum(math.exp(y - x) - (y - x) - 1 for x, y in zip(lp, r)) / n
+        want += (-min(s * a, clipped * a) + beta * kl) / 2
+        unclipped = s * a <= clipped * a  # min() took the unclipped term: its gradient flows
+        for t in range(n):  # d/dlogp_t of -s A is -s A / n; of k3(ref, logp) it is 1 - exp(ref - logp)
+            want_grad[i, t] = ((-s * a / n) if unclipped else 0.0) / 2 + beta * (1 - math.exp(r[t] - lp[t])) / n / 2
+    assert loss.item() == pytest.approx(want, rel=1e-5)  # fp32
+    torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-7)
+    # answer 0: s = 1.069 > 1.04 with A > 0, so its surrogate is clipped and only the KL term moves it
+    assert grad[0, 0].item() == pytest.approx(beta * (1 - math.exp(0.1)) / 3 / 2, rel=1e-5)
+    # answer 1: s = 0.995 inside [0.97, 1.04]: its surrogate's gradient -s A / n / 2 = +0.249 flows
+    assert grad[1, 0].item() == pytest.approx(math.exp(-0.005) / 2 / 2 + beta * (1 - math.exp(-0.1)) / 2 / 2, rel=1e-5)
+    # the token-level loss on the same numbers differs: the ratio really is per answer
+    assert abs(grpo_loss(logps, ref, gen, adv, mask, beta, lo, hi).item() - want) > 1e-3
+
+
+def test_gspo_on_policy_is_the_mean_token_gradient_and_refused_by_triton(monkeypatch):
+    torch.manual_seed(0)
+    logps, adv = -torch.rand(3, 5, requires_grad=True), torch.randn(3)
+    mask = torch.rand(3, 5) > 0.3
+    mask[:, 0] = True
+    seq = grpo_loss(logps, None, None, adv, mask, 0.0, 3e-4, 4e-4, gspo=True)
+    tok = grpo_loss(logps, None, None, adv, mask, 0.0, 3e-4, 4e-4)
+    # ratio 1: both are -mean(A) in value, and -A_i / n_i on each valid token in gradient (GRPO's per-answer mean)
+    assert seq.item() == pytest.approx(tok.item()) == pytest.approx(-adv.mean().item())
+    torch.testing.assert_close(torch.autograd.grad(seq, logps)[0], torch.autograd.grad(tok, logps)[0])
+    monkeypatch.setattr(grpo, "GSPO", True)
+    monkeypatch.setattr(grpo, "USE_TRITON", True)
+    with pytest.raises(SystemExit, match="GSPO"):
+        grpo.check_settings()
+
+
 def test_clip_fractions_count_only_the_cut_gradients():
     gen = torch.zeros(1, 4)
     logps = torch.tensor([[0.3, -0.3, 0.3, -0.3]])  # ratios 1.35, 0.74, 1.35, 0.74
