@@ -33,7 +33,8 @@ def test_resume_after_a_kill_continues_like_the_uninterrupted_run(server, tiny_m
     run = dict(ALL_STEPS=3, SAVE_STEPS=1, KEEP_CHECKPOINTS=2, EVAL_STEPS=0, DS_CONFIG=ds_config(tmp_path, schedule))
     straight = train(tiny_model_dir, server.url, tmp_path / "straight", 1, **run)
     assert straight.returncode == 0, straight.stderr[-3000:]
-    assert sorted(os.listdir(tmp_path / "straight")) == ["curves.png", "metrics.jsonl", "step_2", "step_3"]
+    assert sorted(os.listdir(tmp_path / "straight")) == ["completions.jsonl", "curves.png", "metrics.jsonl", "step_2",
+                                                         "step_3"]
 
     # Killed with SIGKILL (no clean-up of any kind) as soon as step_1 is saved, mid step 2.
     out = tmp_path / "killed"
@@ -55,6 +56,9 @@ def test_resume_after_a_kill_continues_like_the_uninterrupted_run(server, tiny_m
     assert f"resumed from {out / f'step_{newest}'} (step {newest})" in resumed.stdout + resumed.stderr
     steps = [m["step"] for m in metrics(out)[0]]
     assert steps == [1, 2, 3]  # the lines after the checkpoint were dropped, none is doubled
+    straight_answers, resumed_answers = ([json.loads(line) for line in (tmp_path / name / "completions.jsonl")
+                                          .read_text().splitlines()] for name in ("straight", "killed"))
+    assert resumed_answers == straight_answers  # and the answers: the same, in the same order, each once
     # The same step count, optimizer moments, question order and sampling stream: bit for bit the
     # weights of the run that was never interrupted (a fresh Adam or a re-seeded sampler would differ).
     a, b = params(tmp_path / "straight" / "step_3"), params(out / "step_3")
