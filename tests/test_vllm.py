@@ -49,6 +49,10 @@ def test_pushed_weights_are_the_trainers_new_ones(checks):
     assert checks["after_push_vs_new"] < 1e-3 and checks["after_push_vs_old"] > 1e-2
 
 
+def test_a_lora_policy_is_pushed_with_its_adapters_merged(checks):
+    assert checks["after_lora_push"] < 1e-3 and checks["lora_vs_base"] > 1e-2
+
+
 def test_a_failed_push_stops_with_a_clear_message(checks):
     assert "pushing the trained weights into vLLM failed" in checks["failed_push"]
     assert "mix of old and new weights" in checks["failed_push"]

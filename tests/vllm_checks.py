@@ -89,6 +89,18 @@ def main(path):
     report.update(old_vs_new=gap(old, new), before_push_vs_old=gap(before, old), after_push_vs_new=gap(after, new),
                   after_push_vs_old=gap(after, old))
 
+    # LoRA: the engine gets the base with the adapters merged in (vLLM holds no peft model).
+    grpo.LORA_RANK = 4
+    lora = grpo.add_lora(model)
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)  # a trained adapter
+    with_adapters = completion_logps(lora, fixed, fixed_attn, T, 1.0)  # (4, T)
+    grpo.push_weights(llm, lora)
+    report.update(lora_vs_base=gap(with_adapters, new), after_lora_push=gap(vllm_logps_of(llm, fixed, plen),
+                                                                            with_adapters))
+
     # A push that fails stops the run with a clear message.
     class Broken(torch.nn.Module):
         def state_dict(self):
