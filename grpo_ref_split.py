@@ -625,6 +625,17 @@ def evaluate(model, tokenizer, questions, eos_ids, batch_size=16, llm=None):
     return {f"eval_{fn.__name__}": m[fn.__name__] for fn, _ in REWARDS}
 
 
+@torch.no_grad()
+def weight_gap(model) -> float:
+    """|this rank's weight sums - rank 0's|, largest: ZeRO-2 hands every rank the same full weights after each
+    step, so it is 0; a rank that drifted (another node's kernels, a lost reduction) would train a different model
+    without a word. Sums in float64 without a float64 copy of any weight; one read of the weights."""
+    sums = torch.stack([p.sum(dtype=torch.float64) for p in model.parameters()])  # (n_params,)
+    first = sums.clone()
+    torch.distributed.broadcast(first, src=0)
+    return (sums - first).abs().max().item()
+
+
 def reduce_over_ranks(values: dict, device) -> dict:
     """Each metric's mean over ranks; the max for max_* metrics."""
     keys = sorted(values)  # every rank must send the same order
@@ -989,6 +1000,7 @@ def main():
             m["lr"] += engine.get_lr()[0] / MU  # the rate this step uses (the scheduler moves it in engine.step)
             with timed(m, "optim_s"):
                 engine.step()  # 7. optimizer step
+        m["max_weight_gap"] = weight_gap(model)  # 0: every rank, on every node, holds the same weights
         if llm is not None:
             with timed(m, "push_s"):
                 push_weights(llm, model)  # ... whose weights the next rollouts come from
