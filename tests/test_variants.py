@@ -163,6 +163,33 @@ def fresh_model(tokenizer):
     return LlamaForCausalLM(tiny_config(tokenizer, head_dim=16))  # the size these thresholds were set on
 
 
+def test_the_default_step_is_the_plain_grpo_step_bit_for_bit(fresh_model):
+    """Every variant off by default (GSPO, LoRA, TOKEN_MEAN, TIS without vLLM rows, MASK_TRUNCATED): policy_loss gives
+    the loss and gradient of the GRPO step as it read before any variant existed, its lines verbatim here."""
+    assert (grpo.GSPO, grpo.LORA_RANK, grpo.TOKEN_MEAN, grpo.USE_VLLM, grpo.MASK_TRUNCATED) == (False, 0, False, False,
+                                                                                                False)
+    b = batch_for(fresh_model)
+    b["gen_logps"] = b["ref_logps"] - 0.05 * torch.arange(6.0)  # (4, 6) pi_old away from the weights now ...
+    b["gen_logps"][1] = float("nan")  # ... but for one row trained on-policy
+    b["mask"][2, 4:] = False
+    params = list(fresh_model.parameters())
+    loss = grpo.policy_loss(PlainEngine(fresh_model, lr=0.0), {**b, "normalizer": 4.0}, defaultdict(float))
+    grads = torch.autograd.grad(loss, params)
+
+    logps = completion_logps(fresh_model, b["input_ids"], b["attention_mask"], 6, grpo.TEMPERATURE,
+                             shared_prefix=grpo.SHARED_PREFIX)  # (B, T)
+    mask, pad = b["mask"].bool(), logps.detach()
+    gen = torch.where(mask & ~b["gen_logps"].isnan(), b["gen_logps"], pad)
+    ref = torch.where(mask, b["ref_logps"], pad)
+    ratio = torch.exp(logps - gen)
+    adv = b["advantages"][:, None]
+    surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - grpo.CLIP_EPS, 1 + grpo.CLIP_EPS_HIGH) * adv)
+    per_token = -(surrogate - grpo.BETA * grpo.k3(ref, logps))
+    plain = grpo.masked_mean(per_token, mask).sum() / 4.0
+    assert torch.equal(loss, plain)
+    assert all(torch.equal(g, p) for g, p in zip(grads, torch.autograd.grad(plain, params)))
+
+
 def test_mu_two_reuses_the_batch_with_a_real_ratio(fresh_model, monkeypatch):
     monkeypatch.setattr(grpo, "MU", 1)
     engine = PlainEngine(fresh_model, lr=1e-2)
