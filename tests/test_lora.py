@@ -114,3 +114,25 @@ def test_reference_from_the_disabled_adapters_equals_the_servers_on_the_base(mod
     torch.testing.assert_close(b["ref_logps"], served["ref_logps"], rtol=0, atol=1e-5)
     own = completion_logps(policy, b["input_ids"], b["attention_mask"], 4, meta["temperature"])
     assert (own - served["ref_logps"]).abs().max() > 1e-3  # with the adapters on it would have differed
+
+
+def test_lora_on_two_zero2_ranks_keeps_them_in_step(tiny_model_dir, tmp_path):
+    """With gradient checkpointing and micro-batches of one group: the adapters' gradients reduce like any."""
+    run = train(tiny_model_dir, "", tmp_path, 2, ALL_STEPS=2, GRADIENT_CHECKPOINTING=1, TRAIN_MICRO_BATCH=1, **LORA)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    lines, _ = metrics(tmp_path)
+    assert [m["max_weight_gap"] for m in lines] == [0.0, 0.0] and lines[1]["kl"] > 0
+    adapters = load_file(tmp_path / "step_2" / "adapter_model.safetensors")
+    assert all(v.abs().max() > 0 for k, v in adapters.items() if "lora_B" in k)
+
+
+def test_a_worker_refuses_to_feed_a_trainer_that_takes_its_reference_from_the_base(tiny_model_dir):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    env = {**os.environ, "MODEL_PATH": tiny_model_dir, "LORA_RANK": "4", "GENONLY": "1"}
+    run = subprocess.run([sys.executable, "grpo_ref_split.py"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 1 and "REF_FROM_BASE, the trainer never reads from the server" in run.stderr
