@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 
-from bench_step_memory import hwm_bytes
+from bench_step_memory import demo_groups, hwm_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -36,23 +36,10 @@ def child():
     import ctypes
     from collections import defaultdict
 
-    import torch
-
     import grpo_ref_split as grpo
-    from grpo_common import completion_logps
-    from rewards import load_questions
 
     engine, tokenizer, *_ = grpo.setup_deepspeed()
-    G, T = grpo.NUM_PRE_Q, grpo.MAX_NEW_TOKENS
-    groups = []
-    for i, q in enumerate(load_questions("arithmetic", 0, grpo.ARITH_MAX)[:2]):
-        prompt = tokenizer(grpo.build_prompt(tokenizer, q["question"]), add_special_tokens=False).input_ids
-        g = torch.Generator().manual_seed(i)
-        ids = torch.cat([torch.tensor(prompt).expand(G, -1), torch.randint(100, 5000, (G, T), generator=g)], 1)
-        with torch.no_grad():
-            ref = completion_logps(engine, ids, torch.ones_like(ids), T, grpo.TEMPERATURE, shared_prefix=True)
-        groups.append((dict(input_ids=ids, completion_mask=torch.ones(G, T, dtype=torch.bool),
-                            advantages=torch.randn(G, generator=g), ref_logps=ref + 0.1), {"plen": len(prompt)}))
+    groups = demo_groups(engine, tokenizer, 2)
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed memory back to the system: else the start varies by ~0.5 GiB
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the RSS now

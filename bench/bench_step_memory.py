@@ -29,21 +29,18 @@ def hwm_bytes():
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
 
 
-def child(n_groups):
-    """One step on n_groups groups; prints {"peak_bytes", "seconds"}."""
-    from collections import defaultdict
-
+def demo_groups(engine, tokenizer, n_groups) -> list:
+    """n_groups synthetic groups at the demo's shapes: NUM_PRE_Q answers of MAX_NEW_TOKENS random tokens to
+    the demo's prompts, with reference log-probs near the policy's."""
     import torch
 
     import grpo_ref_split as grpo
     from grpo_common import completion_logps
     from rewards import load_questions
 
-    engine, tokenizer, *_ = grpo.setup_deepspeed()
-    questions = load_questions("arithmetic", 0, grpo.ARITH_MAX)[:n_groups]
     G, T = grpo.NUM_PRE_Q, grpo.MAX_NEW_TOKENS
     groups = []
-    for i, q in enumerate(questions):
+    for i, q in enumerate(load_questions("arithmetic", 0, grpo.ARITH_MAX)[:n_groups]):
         prompt = tokenizer(grpo.build_prompt(tokenizer, q["question"]), add_special_tokens=False).input_ids
         g = torch.Generator().manual_seed(i)
         ids = torch.cat([torch.tensor(prompt).expand(G, -1), torch.randint(100, 5000, (G, T), generator=g)], 1)
@@ -51,6 +48,17 @@ def child(n_groups):
             ref = completion_logps(engine, ids, torch.ones_like(ids), T, grpo.TEMPERATURE, shared_prefix=True)
         groups.append((dict(input_ids=ids, completion_mask=torch.ones(G, T, dtype=torch.bool),
                             advantages=torch.randn(G, generator=g), ref_logps=ref + 0.1), {"plen": len(prompt)}))
+    return groups
+
+
+def child(n_groups):
+    """One step on n_groups groups; prints {"peak_bytes", "seconds"}."""
+    from collections import defaultdict
+
+    import grpo_ref_split as grpo
+
+    engine, tokenizer, *_ = grpo.setup_deepspeed()
+    groups = demo_groups(engine, tokenizer, n_groups)
     import ctypes
 
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed memory back to the system: else the start varies by ~0.5 GiB
