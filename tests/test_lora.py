@@ -7,15 +7,22 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 
 import grpo_ref_split as grpo
-from conftest import free_port, group, metrics, pull, start, stop, train
+from conftest import free_port, group, metrics, params, pull, start, stop, train
 from grpo_common import completion_logps
 from test_variants import PlainEngine
 
 LORA = dict(LORA_RANK=4, LORA_ALPHA=8, SAVE_STEPS=1, EVAL_STEPS=0,
             REF_SERVER=f"http://127.0.0.1:{free_port()}", SERVER_TIMEOUT=5)  # nobody listens: no server is used
+
+
+def load(folder):
+    """A plain transformers model. Imported here, not at the top: transformers' modeling code imports triton,
+    which must come after tests/test_triton.py sets TRITON_INTERPRET (collection imports every module first)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder)
 
 
 def logps_of(model, seed=0):
@@ -40,7 +47,7 @@ def runs(tiny_model_dir, tmp_path_factory):
 
 def test_lora_trains_only_the_adapters_against_the_base_without_a_server(runs, tiny_model_dir):
     out, log = runs
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    base = params(tiny_model_dir)
     assert "LoRA rank 4: " in log and "trainable parameters of" in log
     step = out / "straight" / "step_3"
     assert sorted(f for f in os.listdir(step) if "safetensors" in f) == ["adapter_model.safetensors"]  # no full copy
@@ -49,7 +56,7 @@ def test_lora_trains_only_the_adapters_against_the_base_without_a_server(runs, t
     assert all(v.abs().max() > 0 for k, v in adapters.items() if "lora_B" in k)  # B starts at 0: it trained
     # The merged folder is the base plus the adapters' update on the targeted layers, and the base elsewhere:
     # the frozen weights did not move.
-    merged = AutoModelForCausalLM.from_pretrained(out / "straight" / "merged").state_dict()
+    merged = params(out / "straight" / "merged")
     assert merged.keys() == base.keys()
     targeted = {k.split("base_model.model.")[1].replace(".lora_A.weight", ".weight") for k in adapters if "lora_A" in k}
     assert targeted and all(torch.equal(merged[k], base[k]) for k in base if k not in targeted)
@@ -67,10 +74,10 @@ def test_the_merged_folder_and_a_worker_reproduce_the_trained_policy(runs, tiny_
     out, _ = runs
     from peft import PeftModel
 
-    trained = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+    trained = PeftModel.from_pretrained(load(tiny_model_dir),
                                         out / "straight" / "step_3")
-    merged = AutoModelForCausalLM.from_pretrained(out / "straight" / "merged")  # no peft
-    assert (logps_of(trained) - logps_of(AutoModelForCausalLM.from_pretrained(tiny_model_dir))).abs().max() > 1e-4
+    merged = load(out / "straight" / "merged")  # no peft
+    assert (logps_of(trained) - logps_of(load(tiny_model_dir))).abs().max() > 1e-4
     torch.testing.assert_close(logps_of(merged), logps_of(trained), rtol=0, atol=1e-5)
     monkeypatch.setattr(grpo, "MODEL_PATH", tiny_model_dir)  # a genonly worker loads step_N like this
     worker, *_ = grpo.load_policy(str(out / "straight" / "step_3"), torch.device("cpu"))
