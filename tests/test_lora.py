@@ -143,3 +143,14 @@ def test_a_worker_refuses_to_feed_a_trainer_that_takes_its_reference_from_the_ba
     run = subprocess.run([sys.executable, "grpo_ref_split.py"], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 1 and "REF_FROM_BASE, the trainer never reads from the server" in run.stderr
+
+
+def test_lora_with_the_reference_on_the_server(server, tiny_model_dir, tmp_path):
+    """REF_FROM_BASE=0: the server holds the base; its fingerprint check sees the base under the adapters."""
+    before = server.health()
+    run = train(tiny_model_dir, server.url, tmp_path, 1, **{**LORA, "REF_SERVER": server.url, "REF_FROM_BASE": 0,
+                                                           "SERVER_TIMEOUT": 120})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    lines, _ = metrics(tmp_path)
+    assert lines[0]["kl"] < 1e-9 and lines[1]["kl"] > 0  # the server's reference is the policy's start
+    assert server.health()["served"] - before["served"] >= 2  # the groups went through it
