@@ -1041,7 +1041,7 @@ def generate_only():
     """
     if BETA == 0 or local_reference():
         sys.exit("GENONLY: with BETA = 0, or LoRA with REF_FROM_BASE, the trainer never reads from the server; a "
-                 "worker would feed nobody (REF_FROM_BASE=0 on trainer and worker sends LoRA groups through the server)")
+                 "worker would feed nobody (REF_FROM_BASE=0 on trainer and worker sends LoRA groups via the server)")
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     name = f"worker-{socket.gethostname()}-{os.getpid()}"
     torch.manual_seed(SEED + os.getpid())  # workers must not repeat each other's samples
