@@ -629,7 +629,9 @@ def evaluate(model, tokenizer, questions, eos_ids, batch_size=16, llm=None):
 def weight_gap(model) -> float:
     """|this rank's weight sums - rank 0's|, largest: ZeRO-2 hands every rank the same full weights after each
     step, so it is 0; a rank that drifted (another node's kernels, a lost reduction) would train a different model
-    without a word. Sums in float64 without a float64 copy of any weight; one read of the weights."""
+    without a word. Sums in float64 without a float64 copy of any weight; one read of the weights (none on 1 rank)."""
+    if torch.distributed.get_world_size() == 1:
+        return 0.0
     sums = torch.stack([p.sum(dtype=torch.float64) for p in model.parameters()])  # (n_params,)
     first = sums.clone()
     torch.distributed.broadcast(first, src=0)
@@ -690,9 +692,9 @@ class RunLog:
     def write(self, step, m):
         self.metrics.write(json.dumps({"step": step, **{k: round(v, 6) for k, v in m.items()}}) + "\n")
         self.metrics.flush()
-        for k, v in m.items() if self.tb is not None else ():
-            self.tb.add_scalar(k, v, step)
         if self.tb is not None:
+            for k, v in m.items():
+                self.tb.add_scalar(k, v, step)
             self.tb.flush()
 
     def close(self):
