@@ -74,6 +74,7 @@ CLIP_EPS_HIGH = 0.2  # ... and rise to 1 + CLIP_EPS_HIGH; DAPO's clip-higher (0.
 TOKEN_MEAN = False  # False = GRPO: mean per answer, then over answers; True = DAPO: one mean over all tokens
 GSPO = False  # True = one ratio per answer (its tokens' geometric mean), clipped whole; then CLIP_EPS(_HIGH) 3e-4/4e-4
 MU = 1  # optimizer steps on each batch; > 1 reuses it, and the clipped ratio keeps each step near pi_old
+SKIP_GEN_LOGPS = True  # MU = 1: a rank's own groups need no pi_old forward (ratio 1); False = one anyway
 MASK_TRUNCATED = False  # True = answers cut at MAX_NEW_TOKENS take no part in the loss (DAPO's overlong filter)
 REWARDS = [(reward_correct, 2.0), (reward_format, 1.0)]  # (f(completion, gold, question) -> float, weight); format
 # weighs half of correctness so it cannot win alone. One more reward is one more pair (README: a length penalty).
@@ -534,6 +535,12 @@ def backward(engine, parts, m):
         engine.backward(policy_loss(engine, part, m))
 
 
+def needs_gen_logps(regroup: bool) -> bool:
+    """Whether step 5 sends gen_logps (a forward): only where pi_old is not the weights that train the group
+    (MU > 1, REGROUP's pool), or with SKIP_GEN_LOGPS off, the plain path the shortcut must match."""
+    return MU > 1 or regroup or not SKIP_GEN_LOGPS
+
+
 def local_reference() -> bool:
     """LoRA with REF_FROM_BASE: the reference model is the base under the adapters, which this process holds."""
     return LORA_RANK > 0 and REF_FROM_BASE and BETA != 0
@@ -987,7 +994,7 @@ def main():
             rewards = score(rollout["texts"], rollout["golds"], rollout["questions"], m, each := {})  # 3. score
             advantages = group_advantages(rewards, NUM_PRE_Q)  # 4. advantages
             answers += answer_records(step, rank, rollout, each, rewards, advantages)  # completions.jsonl
-            groups = pack_groups(model, rollout, rewards, advantages, keep_all, MU > 1 or regroup, m)
+            groups = pack_groups(model, rollout, rewards, advantages, keep_all, needs_gen_logps(regroup), m)
             with timed(m, "wait_s"):
                 groups = upload_and_pull(groups, step - 1, rank)  # 5. upload, and pull groups with ref_logps
             if groups:

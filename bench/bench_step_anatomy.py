@@ -1,17 +1,20 @@
 """Where a training step's time goes: generation, gen_logps, scoring, waiting for the reference
 server, policy forward+backward, optimizer, and the overhead ratio step / (generation + fwd+bwd),
-for the shared-prefix path (SHARED_PREFIX = True) and the full-rows path it replaced, side by side;
-with COMPARE=vllm, for vLLM generation (USE_VLLM = True) against transformers' generate.
+for two settings side by side (COMPARE): by default today's step against the step it replaced (full
+rows, SHARED_PREFIX = False, and a gen_logps forward every step, SKIP_GEN_LOGPS = False); with
+COMPARE=shared_prefix only the shared prefix on and off; with COMPARE=vllm, vLLM generation
+(USE_VLLM = True) against transformers' generate.
 
 Without an argument it runs the real thing: `python ref_server.py` and `deepspeed --num_gpus 1
 grpo_ref_split.py` on the embedded model with the default constants (evaluation off), STEPS steps
-per run, the two paths alternating for ROUNDS rounds, and reads the per-step timings the trainer
+per run, the two sides alternating for ROUNDS rounds, and reads the per-step timings the trainer
 writes to metrics.jsonl. With a metrics.jsonl (e.g. the demo's) it only reads that file.
 
     python bench/bench_step_anatomy.py                          # ~15 minutes on 2 CPU cores
+    COMPARE=shared_prefix python bench/bench_step_anatomy.py    # SHARED_PREFIX on and off, ~15 minutes
     COMPARE=vllm python bench/bench_step_anatomy.py             # USE_VLLM on and off, ~12 minutes
     python bench/bench_step_anatomy.py output/metrics.jsonl     # any finished run
-Writes bench/results/step_anatomy.json (step_anatomy_vllm.json with COMPARE=vllm; the shared path's last
+Writes bench/results/step_anatomy.json (step_anatomy_<COMPARE>.json for the others; the new side's last
 run goes to step_anatomy_metrics.jsonl).
 """
 import json
@@ -27,10 +30,11 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 3  # training steps per run; the first is left out of the averages (warm-up)
 ROUNDS = 2  # runs per path, alternating: new, old, new, old
-COMPARE = os.environ.get("COMPARE", "shared_prefix")  # which constant the two sides differ in: shared_prefix | vllm
-PATHS = {"shared_prefix": {"shared prefix": {"SHARED_PREFIX": "1"}, "full rows": {"SHARED_PREFIX": "0"}},
+COMPARE = os.environ.get("COMPARE", "old_path")  # what the two sides differ in: old_path | shared_prefix | vllm
+PATHS = {"old_path": {"new path": {}, "old path": {"SHARED_PREFIX": "0", "SKIP_GEN_LOGPS": "0"}},
+         "shared_prefix": {"shared prefix": {"SHARED_PREFIX": "1"}, "full rows": {"SHARED_PREFIX": "0"}},
          "vllm": {"vLLM": {"USE_VLLM": "1"}, "transformers": {"USE_VLLM": "0"}}}[COMPARE]  # new side first
-TARGET = {"shared_prefix": 0.5, "vllm": None}[COMPARE]  # the step-time ratio its issue asks for
+TARGET = {"old_path": 0.5, "shared_prefix": None, "vllm": None}[COMPARE]  # the step-time ratio its issue asks for
 PHASES = [  # (name, how it is computed from one metrics line)
     ("generation", lambda m: m["generate_s"]),
     ("gen_logps (a forward of the sampling weights)", lambda m: m["gen_logps_s"]),
@@ -102,16 +106,16 @@ def main():
                     out_dir = os.path.join(tmp, f"{name.replace(' ', '_')}{r}")
                     os.makedirs(out_dir)
                     runs[name].append(run_steps(out_dir, **env))
-            if COMPARE == "shared_prefix":
+            if COMPARE != "vllm":
                 kept = os.path.join(ROOT, "bench", "results", "step_anatomy_metrics.jsonl")
-                shutil.copy(runs["shared prefix"][-1], kept)  # bench_vs_trl.py can reuse this run
+                shutil.copy(runs[next(iter(PATHS))][-1], kept)  # the default constants' last run, to read
             result = {name: anatomy(paths, name) for name, paths in runs.items()}
         new, old = PATHS
         ratio = result[new]["step_s"] / result[old]["step_s"]
         print(f"step time, {new} / {old} = {ratio:.2f}" + (f"  (target <= {TARGET})" if TARGET else ""))
         result = {f"step_ratio_{new}_over_{old}".replace(" ", "_"): round(ratio, 3), "rounds": ROUNDS,
                   "steps_per_run": STEPS, **result}
-    name = "step_anatomy.json" if COMPARE == "shared_prefix" else f"step_anatomy_{COMPARE}.json"
+    name = "step_anatomy.json" if COMPARE == "old_path" else f"step_anatomy_{COMPARE}.json"
     out = os.path.join(ROOT, "bench", "results", name)
     with open(out, "w") as f:
         json.dump({"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}",

@@ -323,6 +323,30 @@ def test_on_policy_rows_need_no_gen_logps_for_the_same_loss_and_gradient():
     assert results[0][0] != pytest.approx(results[2][0], rel=1e-3)  # the stale rows do change the loss
 
 
+def test_skip_gen_logps_gives_the_plain_paths_loss_and_gradient(tiny_policy, monkeypatch):
+    """SKIP_GEN_LOGPS = False is the plain path (a forward of the sampling weights gives pi_old); the
+    shortcut skips that forward. Steps 2-6 of one MU = 1 step: the same loss and gradient either way."""
+    model, tok = tiny_policy
+    monkeypatch.setattr(grpo, "MU", 1)
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = {}
+    for skip in (True, False):
+        monkeypatch.setattr(grpo, "SKIP_GEN_LOGPS", skip)
+        groups, _ = short_rollout(tiny_policy, monkeypatch, False, max_new_tokens=16,
+                                  with_gen_logps=grpo.needs_gen_logps(regroup=False))
+        assert groups and all(("gen_logps" in t) != skip for t, _ in groups)
+        g = torch.Generator().manual_seed(5)
+        for t, _ in groups:  # what the server would add
+            t["ref_logps"] = -torch.rand(t["completion_mask"].shape, generator=g)  # (G, T)
+        engine = PlainEngine(model, lr=0.0)
+        loss = grpo.policy_loss(engine, grpo.prepare_batch(engine, grpo.collate(groups, tok.pad_token_id)),
+                                defaultdict(float))
+        out[skip] = loss.item(), torch.autograd.grad(loss, params)
+    assert out[True][0] == pytest.approx(out[False][0], rel=1e-5, abs=1e-7)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(out[True][1], out[False][1]))
+    assert any(a.abs().max() > 1e-4 for a in out[True][1])  # a real gradient, not two zeros
+
+
 # ----------------------------------------------------------------------------- REGROUP on the server
 def upload(url, tensors, meta):
     r = requests.post(url + "/upload", data=encode_batch(tensors, meta), timeout=10)
