@@ -9,7 +9,7 @@ ref_server.py does (no grad) while this one does the policy's forward+backward, 
 other (as the trainer runs them today) or at the same time (the overlap), alternating for ROUNDS rounds.
 Each process keeps torch's default threads, as the real server and trainer do.
 
-    python bench/bench_overlap.py          # ~4 minutes on 2 CPU cores
+    python bench/bench_overlap.py          # ~6 minutes on 2 CPU cores
 Writes bench/results/overlap.json.
 """
 import json
