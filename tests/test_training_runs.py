@@ -80,7 +80,7 @@ def test_the_default_schedule_is_the_constant_rate_of_a_config_without_one(serve
 
 
 def test_the_fused_adamw_of_ds_config_steps_like_the_plain_loop():
-    """ds_config.json asks DeepSpeed for torch's fused AdamW (8x faster than the default on this CPU);
+    """ds_config.json asks DeepSpeed for torch's fused AdamW (faster: README, "Step anatomy");
     `"fused": false` is the plain path. Five steps on the same gradients give the same weights."""
     with open(os.path.join(ROOT, "ds_config.json")) as f:
         params_ = {k: v for k, v in json.load(f)["optimizer"]["params"].items() if k != "torch_adam"}
