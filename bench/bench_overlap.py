@@ -46,10 +46,8 @@ def demo_batch(tokenizer):
 
 
 def load():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = resolve_model_path(grpo.MODEL_PATH)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), AutoTokenizer.from_pretrained(path)
+    """(model, tokenizer) as the trainer loads them, on the CPU."""
+    return grpo.load_policy(resolve_model_path(grpo.MODEL_PATH), torch.device("cpu"))[:2]
 
 
 def reference(conn):
