@@ -605,11 +605,18 @@ def policy_loss(engine, b, m):
 
 
 # ----------------------------------------------------------------------------- evaluation, logging, checkpoints
-@torch.no_grad()
 def evaluate(model, tokenizer, questions, eos_ids, batch_size=16, llm=None):
-    """Greedy answers to held-out questions (from the vLLM engine `llm` if given): {"eval_<reward name>": mean}.
-    Greedy decoding draws no random numbers, and fork_rng guards the training stream anyway: evaluating
-    never changes training."""
+    """Greedy answers to held-out questions (from the vLLM engine `llm` if given): {"eval_<reward name>": mean}."""
+    texts = greedy_answers(model, tokenizer, questions, eos_ids, batch_size, llm)
+    m = defaultdict(float)
+    score(texts, [q["gold"] for q in questions], [q["question"] for q in questions], m)
+    return {f"eval_{fn.__name__}": m[fn.__name__] for fn, _ in REWARDS}
+
+
+@torch.no_grad()
+def greedy_answers(model, tokenizer, questions, eos_ids, batch_size=16, llm=None) -> list:
+    """The greedy completion text of each question. Greedy decoding draws no random numbers, and fork_rng
+    guards the training stream anyway: evaluating never changes training."""
     from transformers import GenerationConfig
 
     greedy = GenerationConfig(do_sample=False, max_new_tokens=MAX_NEW_TOKENS, pad_token_id=tokenizer.pad_token_id,
@@ -627,9 +634,7 @@ def evaluate(model, tokenizer, questions, eos_ids, batch_size=16, llm=None):
             else:
                 answers = model.generate(**enc, generation_config=greedy)[:, enc.input_ids.shape[1] :]  # (b, T)
             texts += tokenizer.batch_decode(answers, skip_special_tokens=True)
-    m = defaultdict(float)
-    score(texts, [q["gold"] for q in questions], [q["question"] for q in questions], m)
-    return {f"eval_{fn.__name__}": m[fn.__name__] for fn, _ in REWARDS}
+    return texts
 
 
 @torch.no_grad()
