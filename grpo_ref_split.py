@@ -274,7 +274,6 @@ def generate(model, tokenizer, questions, gen_config, eos_ids, m, llm=None) -> d
     stopped = torch.isin(completion_ids, torch.tensor(eos_ids, device=device)).any(1)  # (B,) False = cut off
     if MASK_TRUNCATED:  # a cut answer may have been heading somewhere right: don't punish or reward its tokens
         mask &= stopped[:, None]  # (B, T)
-    m.update(length=lengths.mean().item(), max_length=lengths.max().item(), truncated=1 - stopped.float().mean().item())
     return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids, mask=mask,
                 sampler_logps=sampler_logps, texts=tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
                 lengths=lengths.int().tolist(), truncated=(~stopped).tolist(),
@@ -426,7 +425,6 @@ def pack_groups(model, rollout, rewards, advantages, keep_all, with_gen_logps, m
         texts = [THINK_PREFILL + t for t in rollout["texts"][q * G : (q + 1) * G]]  # for a server's reward model
         groups.append((tensors, {"plen": plen, "temperature": TEMPERATURE, "question": rollout["questions"][q * G],
                                  "answers": texts}))
-    m.update(reward=rewards.mean().item(), reward_std=rewards.view(-1, G).std(1).mean().item())
     m["dropped"] += int((~varied).sum())
     return groups
 
@@ -667,6 +665,17 @@ def answer_records(step, rank, rollout, each, rewards, advantages) -> list:
                  answer=THINK_PREFILL + rollout["texts"][i], reward=rewards[i].item(),
                  **{name: values[i] for name, values in each.items()}, advantage=advantages[i].item(),
                  length=rollout["lengths"][i], truncated=rollout["truncated"][i]) for i in range(len(rewards))]
+
+
+def sample_stats(answers) -> dict:
+    """Means over the answer records of every rollout a step sampled (one that re-sampled after all-equal groups
+    counts both): reward, reward_std (within groups), each reward's mean, length, max_length, truncated."""
+    rewards = torch.tensor([a["reward"] for a in answers])  # (N,) N = rollouts x Q_BATCH_SIZE x NUM_PRE_Q
+    lengths = torch.tensor([float(a["length"]) for a in answers])  # (N,)
+    stats = dict(reward=rewards.mean().item(), reward_std=rewards.view(-1, NUM_PRE_Q).std(1).mean().item(),
+                 length=lengths.mean().item(), max_length=lengths.max().item(),
+                 truncated=sum(a["truncated"] for a in answers) / len(answers))
+    return stats | {fn.__name__: sum(a[fn.__name__] for a in answers) / len(answers) for fn, _ in REWARDS}
 
 
 def open_jsonl(name, resumed_step=0):
@@ -1018,6 +1027,7 @@ def main():
         if llm is not None:
             with timed(m, "push_s"):
                 push_weights(llm, model)  # ... whose weights the next rollouts come from
+        m.update(sample_stats(answers))  # all of the step's rollouts, not only the last
         log_step(step, reduce_over_ranks(step_metrics(m, groups, step, attempt, step_start), device), log, answers)
         if EVAL_STEPS > 0 and (step % EVAL_STEPS == 0 or step == ALL_STEPS):
             log_eval(step, model, tokenizer, held_out, eos_ids, rank, log, llm)
@@ -1088,7 +1098,7 @@ def generate_only():
         rewards = score(rollout["texts"], rollout["golds"], rollout["questions"], m)
         groups = pack_groups(model, rollout, rewards, group_advantages(rewards, NUM_PRE_Q), keep_all, True, m)
         upload(groups, version=version, worker=name)
-        print(f"[{name}] version {version} | uploaded {len(groups)} groups | reward {m['reward']:.3f}", flush=True)
+        print(f"[{name}] version {version} | uploaded {len(groups)} groups | reward {rewards.mean():.3f}", flush=True)
 
 
 if __name__ == "__main__":

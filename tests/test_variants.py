@@ -255,8 +255,10 @@ def short_rollout(tiny_policy, monkeypatch, masked, keep_all=False, max_new_toke
     questions = [{"question": f"What is {a} + {a + 1}?", "gold": str(2 * a + 1)} for a in range(1, 9)]
     m = defaultdict(float)
     rollout = grpo.generate(model, tok, questions, cfg, [tok.eos_token_id], m)  # steps 2-4 as the trainer runs them
-    rewards = grpo.score(rollout["texts"], rollout["golds"], rollout["questions"], m)
-    groups = grpo.pack_groups(model, rollout, rewards, group_advantages(rewards, 4), keep_all, with_gen_logps, m)
+    rewards = grpo.score(rollout["texts"], rollout["golds"], rollout["questions"], m, each := {})
+    advantages = group_advantages(rewards, 4)
+    groups = grpo.pack_groups(model, rollout, rewards, advantages, keep_all, with_gen_logps, m)
+    m.update(grpo.sample_stats(grpo.answer_records(1, 0, rollout, each, rewards, advantages)))  # as main() does
     return groups, m
 
 
@@ -523,6 +525,20 @@ def test_rewards_cannot_be_set_from_the_environment(monkeypatch):
     monkeypatch.setenv("REWARDS", "[]")
     with pytest.raises(SystemExit, match="REWARDS cannot be set from the environment; edit it in x.py"):
         grpo_common.apply_env_overrides({"REWARDS": [(len, 1.0)]}, "x.py")
+
+
+def test_sample_metrics_cover_every_rollout_of_the_step(monkeypatch):
+    """A step that re-sampled after all-equal groups reports both rollouts' answers, not only the last one's."""
+    monkeypatch.setattr(grpo, "NUM_PRE_Q", 2)
+    first = [dict(reward=3.0, reward_correct=1.0, reward_format=1.0, length=10, truncated=False)] * 4  # all right
+    second = [dict(reward=r, reward_correct=c, reward_format=1.0, length=n, truncated=n == 64)
+              for r, c, n in [(3.0, 1.0, 12), (1.0, 0.0, 64), (1.0, 0.0, 20), (1.0, 0.0, 22)]]
+    stats = grpo.sample_stats(first + second)
+    assert stats["reward"] == pytest.approx(18 / 8) and stats["reward_correct"] == pytest.approx(5 / 8)
+    assert stats["reward_format"] == 1.0 and stats["truncated"] == pytest.approx(1 / 8)
+    assert stats["length"] == pytest.approx((40 + 118) / 8) and stats["max_length"] == 64
+    assert stats["reward_std"] == pytest.approx(2 ** 0.5 / 4)  # groups (3,3) (3,3) (3,1) (1,1): std 0, 0, 1.41, 0
+    assert grpo.sample_stats(second)["reward_correct"] == 0.25  # the last rollout alone: what was logged before
 
 
 def test_the_reward_models_mean_score_is_a_metric_of_the_step():
