@@ -1,6 +1,6 @@
 """Fused GRPO loss in Triton: from the policy logits to the loss and back in one pass each way.
 
-The PyTorch path (grpo_ref_split.grpo_loss on ref_server.per_token_logps) is the reference; this
+The PyTorch path (grpo_ref_split.grpo_loss on features/logprobs.per_token_logps) is the reference; this
 kernel computes the same value and gradient but reads each row of logits once with an online
 logsumexp and fuses the ratio, clip, k3 KL and loss per token into that program. Its backward
 recomputes the softmax from the saved per-row logsumexp and writes d(logits) directly (into the
@@ -26,6 +26,7 @@ BLOCK_V = 1024  # vocabulary columns per inner-loop iteration (a multiple of 32;
 def _grpo_fwd_kernel(
     logits_ptr, stride_lb, stride_lt, stride_lv,  # (B, T, V) any strides, fp32 or bf16
     ids_ptr, ref_ptr, gen_ptr, samp_ptr, adv_ptr, weight_ptr,  # ids, ref, gen, samp, weight: contiguous (B, T)
+    gen_rows_ptr, samp_rows_ptr,  # (B,) 1.0 where a row carries gen_logps / sampler_logps, 0.0 where not
     loss_ptr, logp_ptr, lse_ptr, dcoef_ptr,  # outputs, contiguous fp32 (B, T); adv above is (B,)
     T, V, beta, clip_low, clip_high, inv_temperature, tis_cap,
     HAS_GEN: tl.constexpr, HAS_REF: tl.constexpr, HAS_TIS: tl.constexpr, BLOCK: tl.constexpr,
@@ -48,14 +49,15 @@ def _grpo_fwd_kernel(
         token = tl.load(ids_ptr + row)
         logp = tl.load(base + token * stride_lv).to(tl.float32) * inv_temperature - lse
         old = logp  # pi_old: the trainer's own log-prob where no gen_logps came (on-policy)
-        if HAS_GEN:  # a NaN marks a row trained on-policy (it came without gen_logps): ratio 1
+        if HAS_GEN:  # a row without gen_logps is trained on-policy: ratio 1
             gen = tl.load(gen_ptr + row)
-            old = tl.where(gen == gen, gen, logp)
+            old = tl.where(tl.load(gen_rows_ptr + b) != 0.0, gen, logp)
         ratio = tl.exp(logp - old)  # on-policy: exp(logp - logp.detach()), 1 with gradient logp's
         tis = 1.0 + 0.0 * logp  # truncated importance weight min(pi_old / pi_sampler, cap), a constant
         if HAS_TIS:
             samp = tl.load(samp_ptr + row)
-            tis = tl.where(samp == samp, tl.minimum(tl.exp(old - samp), tis_cap), 1.0 + 0.0 * logp)
+            sampled = tl.load(samp_rows_ptr + b) != 0.0
+            tis = tl.minimum(tl.where(sampled, tl.exp(old - samp), 1.0 + 0.0 * logp), tis_cap)  # as grpo_loss
         adv = tl.load(adv_ptr + b)
         unclipped = ratio * adv
         clipped = tl.minimum(tl.maximum(ratio, 1.0 - clip_low), 1.0 + clip_high) * adv
@@ -112,7 +114,7 @@ def _grpo_bwd_kernel(
 class _GRPOLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, ids, ref_logps, gen_logps, advantages, mask, beta, clip_eps, clip_eps_high, token_mean,
-                temperature, inplace, normalizer, sampler_logps, tis_cap):
+                temperature, inplace, normalizer, sampler_logps, tis_cap, gen_rows, sampler_rows):
         B, T, V = logits.shape
         mask = mask.float()  # (B, T)
         if token_mean:  # (B, T) each token's share of the loss, as in grpo_ref_split.grpo_loss
@@ -124,10 +126,13 @@ class _GRPOLoss(torch.autograd.Function):
         gen = ref if gen_logps is None else gen_logps.float().contiguous()  # (B, T) unread when None
         has_tis = sampler_logps is not None and tis_cap > 0
         samp = sampler_logps.float().contiguous() if has_tis else ref  # (B, T) unread without TIS
+        every = torch.ones(B, dtype=torch.float32, device=logits.device)  # (B,) no marks given: every row carries them
+        gen_rows = every if gen_rows is None else gen_rows.float().contiguous()  # (B,)
+        sampler_rows = every if sampler_rows is None else sampler_rows.float().contiguous()  # (B,)
         loss_tok, logp, lse, dcoef = (torch.empty(B, T, dtype=torch.float32, device=logits.device) for _ in range(4))
         _grpo_fwd_kernel[(B * T,)](
             logits, *logits.stride(), ids, ref, gen, samp, advantages.float().contiguous(), weight.contiguous(),
-            loss_tok, logp, lse, dcoef, T, V, float(beta), float(clip_eps), float(clip_eps_high),
+            gen_rows, sampler_rows, loss_tok, logp, lse, dcoef, T, V, float(beta), float(clip_eps), float(clip_eps_high),
             1.0 / float(temperature), float(tis_cap), HAS_GEN=gen_logps is not None, HAS_REF=ref_logps is not None,
             HAS_TIS=has_tis, BLOCK=BLOCK_V,
         )
@@ -145,18 +150,18 @@ class _GRPOLoss(torch.autograd.Function):
         _grpo_bwd_kernel[(B * T,)](
             logits, *logits.stride(), grad, *grad.stride(), ids, lse, dlogp, T, V, ctx.inv_temperature, BLOCK=BLOCK_V,
         )
-        return grad, *[None] * 14
+        return grad, *[None] * 16
 
 
-def grpo_loss_triton(logits, completion_ids, ref_logps, gen_logps, advantages, mask, beta, clip_eps,
+def grpo_loss_triton(*, logits, completion_ids, ref_logps, gen_logps, advantages, mask, beta, clip_eps,
                      clip_eps_high=None, token_mean=False, temperature=1.0, return_logps=False, inplace_backward=False,
-                     normalizer=None, sampler_logps=None, tis_cap=0.0):
-    """The GRPO loss of grpo_ref_split.grpo_loss, computed from logits (B, T, V) in one kernel.
+                     normalizer=None, gen_rows=None, sampler_logps=None, sampler_rows=None, tis_cap=0.0):
+    """The GRPO loss of grpo_ref_split.grpo_loss, computed from logits (B, T, V) in one kernel; the same keywords.
 
     logits[:, t] predicts completion_ids[:, t] (a strided view such as full[:, plen-1:-1] is read
-    in place, never copied); ref_logps, gen_logps, mask (B, T); advantages (B,); gen_logps=None
-    (or NaN in a row) means ratio = 1 (on-policy); ref_logps=None (only with beta=0) drops the KL
-    term. clip_eps_high, token_mean, normalizer, sampler_logps and tis_cap as in grpo_loss.
+    in place, never copied); ref_logps, gen_logps, mask (B, T); advantages (B,); gen_logps=None,
+    or a row outside gen_rows (B,) bool, means ratio = 1 (on-policy); ref_logps=None (only with
+    beta=0) drops the KL term. sampler_logps count on the rows in sampler_rows (None: every row).
     return_logps=True also returns the per-token log-probs (B, T), detached, for logging KL and clip
     fraction. inplace_backward=True writes d(logits) over the logits: saves a (B, T, V) buffer, and the
     caller must not read those logits afterwards.
@@ -168,5 +173,5 @@ def grpo_loss_triton(logits, completion_ids, ref_logps, gen_logps, advantages, m
     clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
     loss, logps = _GRPOLoss.apply(logits, completion_ids, ref_logps, gen_logps, advantages, mask,
                                   beta, clip_eps, clip_eps_high, token_mean, temperature, inplace_backward, normalizer,
-                                  sampler_logps, tis_cap)
+                                  sampler_logps, tis_cap, gen_rows, sampler_rows)
     return (loss, logps) if return_logps else loss

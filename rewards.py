@@ -10,7 +10,10 @@ Every reward is called as f(completion, gold, question) -> float; the trainer's 
 (function, weight) pairs and sums the weighted values.
 """
 import json
+import math
+import numbers
 import random
+import sys
 import re
 import threading
 
@@ -56,6 +59,18 @@ def reward_correct(completion: str, gold: str, question: str | None = None) -> f
         return 1.0 if verify(gold_parsed, answer_parsed, timeout_seconds=timeout) else 0.0
     except Exception:  # sympy can raise on adversarial strings; a wrong answer, not a crash
         return 0.0
+
+
+def checked_reward(fn, completion: str, gold: str, question: str) -> float:
+    """fn(completion, gold, question) as a float; a reward that raises or gives no finite number stops the run,
+    naming the function and the completion: nothing is silently turned into 0."""
+    try:
+        value = fn(completion, gold, question)
+    except Exception as e:
+        sys.exit(f"reward {fn.__name__} raised {e!r} on the completion {completion!r}")
+    if not isinstance(value, numbers.Real) or not math.isfinite(value):  # numpy floats are fine
+        sys.exit(f"reward {fn.__name__} returned {value!r}, not a finite number, on the completion {completion!r}")
+    return float(value)
 
 
 def extract_gsm8k_answer(solution: str) -> str:

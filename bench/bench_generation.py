@@ -23,7 +23,7 @@ ROUNDS = 6  # rollout batches per engine, alternating; the first of each is left
 import torch  # noqa: E402
 
 import grpo_ref_split as grpo  # noqa: E402
-from grpo_common import resolve_model_path  # noqa: E402
+from features.embedded_model import resolve_model_path  # noqa: E402
 from rewards import load_questions  # noqa: E402
 
 

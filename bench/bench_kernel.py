@@ -40,7 +40,7 @@ def main():
         sys.exit("bench_kernel.py needs a CUDA GPU and found none. On CPU, run bench/bench_logprob_memory.py.")
     from grpo_loss_triton import grpo_loss_triton
     from grpo_ref_split import grpo_loss
-    from grpo_common import per_token_logps
+    from features.logprobs import per_token_logps
 
     results = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "B": B, "T": T, "runs": []}
     for V in VOCABS:
@@ -49,9 +49,9 @@ def main():
         ids = torch.randint(0, V, (B, T), device="cuda", generator=g)
         ref, gen = -torch.rand(B, T, device="cuda", generator=g), -torch.rand(B, T, device="cuda", generator=g)
         adv, mask = torch.randn(B, device="cuda", generator=g), torch.ones(B, T, dtype=torch.bool, device="cuda")
-        torch_ms, torch_mem = run(lambda x: grpo_loss(per_token_logps(x, ids, 0.7), ref, gen, adv, mask, 0.04, 0.2),
+        torch_ms, torch_mem = run(lambda x: grpo_loss(logps=per_token_logps(x, ids, 0.7, chunk=128), ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2),
                                   logits)
-        triton_ms, triton_mem = run(lambda x: grpo_loss_triton(x, ids, ref, gen, adv, mask, 0.04, 0.2,
+        triton_ms, triton_mem = run(lambda x: grpo_loss_triton(logits=x, completion_ids=ids, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2,
                                                                temperature=0.7), logits)
         row = dict(V=V, torch_ms=torch_ms, triton_ms=triton_ms, torch_peak_bytes=torch_mem,
                    triton_peak_bytes=triton_mem,

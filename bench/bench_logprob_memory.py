@@ -38,7 +38,7 @@ CHILD = """
 import json, resource, sys, time, torch
 sys.path.insert(0, {root!r})
 import grpo_common
-from grpo_common import hidden_logps, per_token_logps
+from features.logprobs import hidden_logps, per_token_logps
 from grpo_ref_split import grpo_loss
 gpu = torch.cuda.is_available()
 dev, dtype = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)

@@ -28,7 +28,8 @@ ANSWER_TOKENS = 32  # answer length: the demo's answers are ~22 tokens on averag
 import torch  # noqa: E402
 
 import grpo_ref_split as grpo  # noqa: E402
-from grpo_common import completion_logps, resolve_model_path  # noqa: E402
+from features.embedded_model import resolve_model_path  # noqa: E402
+from features.logprobs import completion_logps  # noqa: E402
 
 
 def demo_batch(tokenizer):
@@ -58,7 +59,7 @@ def reference(conn):
     conn.send("ready")
     while conn.recv() == "go":
         with torch.no_grad():
-            completion_logps(model, ids, attn, ANSWER_TOKENS, grpo.TEMPERATURE, shared_prefix=True)  # (B, T)
+            completion_logps(model, ids, attn, ANSWER_TOKENS, grpo.TEMPERATURE, shared_prefix=True, chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)  # (B, T)
         conn.send(time.perf_counter())
 
 
@@ -73,7 +74,7 @@ def main():
 
     def policy_step():
         model.zero_grad(set_to_none=True)
-        logps = completion_logps(model, ids, attn, ANSWER_TOKENS, grpo.TEMPERATURE, shared_prefix=True)  # (B, T)
+        logps = completion_logps(model, ids, attn, ANSWER_TOKENS, grpo.TEMPERATURE, shared_prefix=True, chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)  # (B, T)
         logps.mean().backward()  # the loss's own cost is nothing beside the model's
 
     seconds = {"one after the other": [], "at the same time": []}

@@ -35,7 +35,7 @@ def demo_groups(engine, tokenizer, n_groups) -> list:
     import torch
 
     import grpo_ref_split as grpo
-    from grpo_common import completion_logps
+    from features.logprobs import completion_logps
     from rewards import load_questions
 
     G, T = grpo.NUM_PRE_Q, grpo.MAX_NEW_TOKENS
@@ -45,7 +45,7 @@ def demo_groups(engine, tokenizer, n_groups) -> list:
         g = torch.Generator().manual_seed(i)
         ids = torch.cat([torch.tensor(prompt).expand(G, -1), torch.randint(100, 5000, (G, T), generator=g)], 1)
         with torch.no_grad():
-            ref = completion_logps(engine, ids, torch.ones_like(ids), T, grpo.TEMPERATURE, shared_prefix=True)
+            ref = completion_logps(engine, ids, torch.ones_like(ids), T, grpo.TEMPERATURE, shared_prefix=True, chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)
         groups.append((dict(input_ids=ids, completion_mask=torch.ones(G, T, dtype=torch.bool),
                             advantages=torch.randn(G, generator=g), ref_logps=ref + 0.1), {"plen": len(prompt)}))
     return groups

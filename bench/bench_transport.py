@@ -20,7 +20,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import ref_server  # noqa: E402
-from grpo_common import decode_batch, encode_batch, resolve_model_path  # noqa: E402
+from features.embedded_model import resolve_model_path  # noqa: E402
+from features.wire import decode_batch, encode_batch  # noqa: E402
 
 REPEATS = 5  # timings are medians of this many round trips
 

@@ -40,7 +40,7 @@ def trl_steps(out_dir):
 
     import grpo_ref_split as g
     import rewards
-    from grpo_common import resolve_model_path
+    from features.embedded_model import resolve_model_path
 
     path = resolve_model_path("")
     tokenizer = AutoTokenizer.from_pretrained(path)

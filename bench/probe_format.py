@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo_ref_split as grpo  # noqa: E402
-from grpo_common import resolve_model_path  # noqa: E402
+from features.embedded_model import resolve_model_path  # noqa: E402
 from rewards import load_questions  # noqa: E402
 
 

@@ -17,8 +17,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 SHARED_GSM8K = os.path.join(ROOT, "..", "shared", "gsm8k")
 
-import grpo_common  # noqa: E402
 import grpo_ref_split as grpo  # noqa: E402
+from features.embedded_model import resolve_model_path  # noqa: E402
+from features.logprobs import completion_logps  # noqa: E402
+from features.run_log import is_eval  # noqa: E402
+from features.wire import decode_batch, encode_batch  # noqa: E402
 import ref_server  # noqa: E402
 import rewards  # noqa: E402
 
@@ -32,7 +35,7 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def embedded_path():
     """The embedded SmolLM2 converted to a transformers folder (done once per machine)."""
-    return grpo_common.resolve_model_path("")
+    return resolve_model_path("")
 
 
 @pytest.fixture(scope="session")
@@ -79,7 +82,7 @@ def tiny_model_dir(tokenizer, tmp_path_factory):
             a, b = (int(s) for s in r["answer"].split("=")[0].split("+"))
             targets.append(tokenizer.encode(sft_target(rng, a, b), add_special_tokens=False) + [tokenizer.eos_token_id])
         ids, attn, Tc = pack(tokenizer, prompts, targets)
-        logps = grpo_common.completion_logps(model, ids, attn, Tc, 1.0)  # (B, Tc)
+        logps = completion_logps(model, ids, attn, Tc, 1.0, chunk=128, from_hidden=True)  # (B, Tc)
         mask = attn[:, -Tc:].bool()  # (B, Tc)
         loss = -grpo.masked_mean(logps, mask).mean()
         opt.zero_grad()
@@ -133,7 +136,7 @@ def metrics(out):
     import json
 
     lines = [json.loads(line) for line in pathlib.Path(out, "metrics.jsonl").read_text().splitlines()]
-    return [m for m in lines if not grpo.is_eval(m)], [m for m in lines if grpo.is_eval(m)]
+    return [m for m in lines if not is_eval(m)], [m for m in lines if is_eval(m)]
 
 
 class ServerProcess:
@@ -234,14 +237,14 @@ def pull(url, timeout=30, path="/get"):
     while time.time() < deadline:
         r = requests.get(url + path, timeout=10)
         if r.status_code == 200:
-            return grpo_common.decode_batch(r.content)
+            return decode_batch(r.content)
         assert r.status_code == 204
         time.sleep(0.02)
     raise TimeoutError("no batch came back")
 
 
 def upload_and_pull(url, tensors, meta):
-    r = requests.post(url + "/upload", data=grpo_common.encode_batch(tensors, meta), timeout=10)
+    r = requests.post(url + "/upload", data=encode_batch(tensors, meta), timeout=10)
     assert r.status_code == 200, r.text
     return pull(url)
 

@@ -5,8 +5,11 @@ import math
 import pytest
 import torch
 
-from grpo_common import decode_batch, encode_batch, group_advantages, per_token_logps, per_token_logps_plain
-from grpo_ref_split import collate, completion_mask, grpo_loss, k3, masked_mean, score
+from features.advantages import group_advantages
+from features.logprobs import per_token_logps, per_token_logps_plain
+from features.wire import decode_batch, encode_batch
+from features.wire import collate
+from grpo_ref_split import completion_mask, grpo_loss, k3, masked_mean, score
 from rewards import make_arithmetic, split_held_out
 
 
@@ -61,7 +64,7 @@ def test_per_token_logps_value_and_gradient_match_log_softmax(temperature):
     full = torch.randn(3, 9, 37, dtype=torch.float64).float().requires_grad_()  # (B, L, V)
     ids = torch.randint(0, 37, (3, 6))  # (B, T)
     view = full[:, 2:-1]  # a strided view, as the trainer slices completion logits
-    got = per_token_logps(view, ids, temperature)
+    got = per_token_logps(view, ids, temperature, chunk=128)
     want = torch.log_softmax(view / temperature, -1).gather(-1, ids[..., None]).squeeze(-1)
     assert torch.allclose(got, want, atol=1e-6)
     w = torch.randn(3, 6)
@@ -71,13 +74,11 @@ def test_per_token_logps_value_and_gradient_match_log_softmax(temperature):
     assert g_got[:, :2].abs().max() == 0 and g_got[:, -1].abs().max() == 0  # outside the view
 
 
-def test_inplace_backward_through_a_real_lm_head_gives_the_same_weight_gradients(model, monkeypatch):
+def test_inplace_backward_through_a_real_lm_head_gives_the_same_weight_gradients(model):
     """The trainer's path: completion_logits (LM head on completion positions only) then
     per_token_logps with the gradient written over the logits, in chunks smaller than T."""
-    import grpo_common
-    from grpo_common import completion_logits
+    from features.logprobs import completion_logits
 
-    monkeypatch.setattr(grpo_common, "LOGP_CHUNK", 5)  # 3 chunks per sequence, one of them short
     torch.manual_seed(4)
     ids = torch.randint(0, 49152, (2, 20))  # (B, L) the last 12 are the completion
     attn = torch.ones_like(ids)
@@ -86,7 +87,7 @@ def test_inplace_backward_through_a_real_lm_head_gives_the_same_weight_gradients
     for inplace in (False, True):
         model.zero_grad()
         logits = completion_logits(model, ids, attn, 12)  # (B, 12, V)
-        lp = per_token_logps(logits, ids[:, -12:], 0.7, inplace_backward=inplace)  # (B, 12)
+        lp = per_token_logps(logits, ids[:, -12:], 0.7, chunk=5, inplace_backward=inplace)  # (B, 12) 3 chunks a row
         (lp * w).sum().backward()
         grads[inplace] = {n: p.grad.clone() for n, p in model.named_parameters()}
         values[inplace] = lp.detach()
@@ -101,18 +102,15 @@ def test_inplace_backward_through_a_real_lm_head_gives_the_same_weight_gradients
 
 
 @pytest.mark.parametrize("chunk", [0, 3, 128])
-def test_chunked_per_token_logps_match_the_plain_definition(chunk, monkeypatch):
+def test_chunked_per_token_logps_match_the_plain_definition(chunk):
     """per_token_logps (chunked, in-place backward) against per_token_logps_plain (log_softmax, gather);
     LOGP_CHUNK = 0 selects the plain one."""
-    import grpo_common
-
-    monkeypatch.setattr(grpo_common, "LOGP_CHUNK", chunk)
     torch.manual_seed(5)
     ids = torch.randint(0, 301, (3, 7))  # (B, T)
     w = torch.randn(3, 7)
     base = torch.randn(3, 7, 301) * 3  # (B, T, V)
     values, grads = [], []
-    for fn in (lambda z: per_token_logps(z, ids, 0.7, inplace_backward=True),
+    for fn in (lambda z: per_token_logps(z, ids, 0.7, chunk=chunk, inplace_backward=True),
                lambda z: per_token_logps_plain(z, ids, 0.7)):
         leaf = base.clone().requires_grad_()
         logits = leaf * 1.0  # not a leaf, as the LM head's output: in place may overwrite it
@@ -126,18 +124,17 @@ def test_chunked_per_token_logps_match_the_plain_definition(chunk, monkeypatch):
 
 
 @pytest.mark.parametrize("chunk", [0, 5, 128])
-def test_hidden_logps_match_the_plain_definition_in_value_and_both_gradients(chunk, monkeypatch):
+def test_hidden_logps_match_the_plain_definition_in_value_and_both_gradients(chunk):
     """Chunks of 5 cross the rows' ends (B x T = 21 tokens); the LM-head weight gets its gradient summed
     over the chunks; 0 = one chunk."""
-    import grpo_common
-    from grpo_common import hidden_logps
+    from features.logprobs import hidden_logps
 
-    monkeypatch.setattr(grpo_common, "LOGP_CHUNK", chunk)
     torch.manual_seed(6)
     h0, w0 = torch.randn(3, 7, 16), torch.randn(301, 16) / 2  # (B, T, H), (V, H)
     ids, w = torch.randint(0, 301, (3, 7)), torch.randn(3, 7)  # (B, T) each
     results = []
-    for fn in (hidden_logps, lambda h, wt, i, t: per_token_logps_plain(h @ wt.T, i, t)):
+    for fn in (lambda h, wt, i, t: hidden_logps(h, wt, i, t, chunk=chunk),
+               lambda h, wt, i, t: per_token_logps_plain(h @ wt.T, i, t)):
         hidden, weight = h0.clone().requires_grad_(), w0.clone().requires_grad_()
         lp = fn(hidden, weight, ids, 0.7)  # (B, T)
         (lp * w).sum().backward()
@@ -147,14 +144,12 @@ def test_hidden_logps_match_the_plain_definition_in_value_and_both_gradients(chu
     assert results[1][2].abs().sum() > 0
 
 
-def test_log_probs_from_hidden_states_give_the_models_gradient_with_tied_embeddings(model, monkeypatch):
+def test_log_probs_from_hidden_states_give_the_models_gradient_with_tied_embeddings(model):
     """completion_logps with LOGP_FROM_HIDDEN on and off, full rows and the shared prompt: the same
     log-probs and the same gradient on every parameter, the tied embedding / LM-head weight included."""
-    import grpo_common
-    from grpo_common import completion_logps
+    from features.logprobs import completion_logps
 
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # tied, as SmolLM2
-    monkeypatch.setattr(grpo_common, "LOGP_CHUNK", 7)
     torch.manual_seed(4)
     prompt = torch.randint(0, 49152, (1, 9)).expand(3, -1)  # (G, P) one group
     ids = torch.cat([prompt, torch.randint(0, 49152, (3, 11))], 1)  # (G, L)
@@ -162,9 +157,9 @@ def test_log_probs_from_hidden_states_give_the_models_gradient_with_tied_embeddi
     out = {}
     for hidden in (False, True):
         for shared in (False, True):
-            monkeypatch.setattr(grpo_common, "LOGP_FROM_HIDDEN", hidden)
             model.zero_grad()
-            lp = completion_logps(model, ids, torch.ones_like(ids), 11, 0.7, shared_prefix=shared)  # (G, 11)
+            lp = completion_logps(model, ids, torch.ones_like(ids), 11, 0.7, shared_prefix=shared, chunk=7,
+                                  from_hidden=hidden)  # (G, 11)
             (lp * w).sum().backward()
             out[hidden, shared] = lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
     base_lp, base_grads = out[False, False]
@@ -176,7 +171,7 @@ def test_log_probs_from_hidden_states_give_the_models_gradient_with_tied_embeddi
 
 
 def test_log_probs_from_hidden_states_refuse_a_model_whose_logits_are_not_the_plain_head(model, monkeypatch):
-    from grpo_common import lm_head_weight
+    from features.logprobs import lm_head_weight
 
     monkeypatch.setattr(model.config, "final_logit_softcapping", 30.0, raising=False)  # as Gemma 2
     with pytest.raises(ValueError, match="final_logit_softcapping.*LOGP_FROM_HIDDEN = False"):
@@ -184,22 +179,23 @@ def test_log_probs_from_hidden_states_refuse_a_model_whose_logits_are_not_the_pl
 
 
 def test_negative_chunk_and_micro_batch_sizes_are_refused(monkeypatch):
-    import grpo_common
-    import grpo_ref_split as grpo
+    from types import SimpleNamespace
 
-    monkeypatch.setattr(grpo_common, "LOGP_CHUNK", -1)
+    import grpo_ref_split as grpo
+    from features.logprobs import hidden_logps
+
     with pytest.raises(ValueError, match="LOGP_CHUNK = -1"):
-        grpo_common.hidden_logps(torch.zeros(1, 2, 4), torch.zeros(5, 4), torch.zeros(1, 2, dtype=torch.long))
+        hidden_logps(torch.zeros(1, 2, 4), torch.zeros(5, 4), torch.zeros(1, 2, dtype=torch.long), chunk=-1)
     with pytest.raises(ValueError, match="LOGP_CHUNK = -1"):  # not an empty loop leaving logps uninitialised
-        per_token_logps(torch.zeros(1, 2, 5), torch.zeros(1, 2, dtype=torch.long))
+        per_token_logps(torch.zeros(1, 2, 5), torch.zeros(1, 2, dtype=torch.long), chunk=-1)
     monkeypatch.setattr(grpo, "TRAIN_MICRO_BATCH", -2)
     with pytest.raises(ValueError, match="TRAIN_MICRO_BATCH = -2"):
-        grpo.micro_batches(None, [], 0)
+        grpo.micro_batches(SimpleNamespace(device="cpu"), [], 0)
 
 
 def test_per_token_logps_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="do not match"):
-        per_token_logps(torch.zeros(2, 5, 7), torch.zeros(2, 4, dtype=torch.long))
+        per_token_logps(torch.zeros(2, 5, 7), torch.zeros(2, 4, dtype=torch.long), chunk=128)
 
 
 # ----------------------------------------------------------------------------- the loss
@@ -223,7 +219,7 @@ def naive_loss(logps, ref, gen, adv, mask, beta, eps):
 def test_grpo_loss_by_hand_single_token():
     # ratio e^0.5 = 1.6487 > 1.2 with A = +1: clipped to 1.2; KL with d = -0.2: e^-0.2 + 0.2 - 1
     logps, gen, ref = torch.tensor([[-1.0]]), torch.tensor([[-1.5]]), torch.tensor([[-1.2]])
-    loss = grpo_loss(logps, ref, gen, torch.tensor([1.0]), torch.ones(1, 1, dtype=torch.bool), 0.1, 0.2)
+    loss = grpo_loss(logps=logps, ref_logps=ref, gen_logps=gen, advantages=torch.tensor([1.0]), mask=torch.ones(1, 1, dtype=torch.bool), beta=0.1, clip_eps=0.2)
     assert loss.item() == pytest.approx(-(1.2 - 0.1 * (math.exp(-0.2) + 0.2 - 1)), rel=1e-6)
 
 
@@ -237,7 +233,7 @@ def test_grpo_loss_matches_naive_formula_in_all_clip_cases(seed):
     adv = torch.tensor([1.5, -1.5, 0.7, -0.2, 0.0, 2.0])  # positive and negative
     mask = torch.rand(B, T) > 0.3
     mask[:, 0] = True
-    got = grpo_loss(logps, ref, gen, adv, mask, 0.04, 0.2).item()
+    got = grpo_loss(logps=logps, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2).item()
     want = naive_loss(logps.tolist(), ref.tolist(), gen.tolist(), adv.tolist(), mask.tolist(), 0.04, 0.2)
     assert got == pytest.approx(want, rel=1e-5)
     ratio = torch.exp(logps - gen)
@@ -250,7 +246,7 @@ def test_grpo_loss_gradient_matches_autograd_of_the_formula():
     logps = (-torch.rand(B, T) * 2).double().requires_grad_()
     gen, ref = (logps.detach() + torch.randn(B, T) * 0.3), (logps.detach() + torch.randn(B, T) * 0.3)
     adv, mask = torch.randn(B).double(), torch.rand(B, T) > 0.2
-    (g,) = torch.autograd.grad(grpo_loss(logps, ref, gen, adv, mask, 0.04, 0.2), logps)
+    (g,) = torch.autograd.grad(grpo_loss(logps=logps, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2), logps)
     # Clipped tokens pass no policy gradient, only the KL term's: check that by finite differences.
     eps = 1e-6
     num = torch.zeros_like(g)
@@ -259,7 +255,7 @@ def test_grpo_loss_gradient_matches_autograd_of_the_formula():
             plus, minus = logps.detach().clone(), logps.detach().clone()
             plus[b, t] += eps
             minus[b, t] -= eps
-            up, down = grpo_loss(plus, ref, gen, adv, mask, 0.04, 0.2), grpo_loss(minus, ref, gen, adv, mask, 0.04, 0.2)
+            up, down = grpo_loss(logps=plus, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2), grpo_loss(logps=minus, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2)
             num[b, t] = (up - down) / (2 * eps)
     assert torch.allclose(g, num, atol=1e-6)
     assert (g[~mask] == 0).all()  # masked tokens get no gradient
@@ -270,7 +266,7 @@ def test_gen_logps_none_is_the_on_policy_gradient():
     logps = (-torch.rand(3, 4)).requires_grad_()
     adv = torch.tensor([1.0, -2.0, 0.5])
     mask = torch.ones(3, 4, dtype=torch.bool)
-    loss = grpo_loss(logps, logps.detach(), None, adv, mask, 0.0, 0.2)
+    loss = grpo_loss(logps=logps, ref_logps=logps.detach(), gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2)
     assert loss.item() == pytest.approx(-adv.mean().item(), rel=1e-6)  # ratio 1: loss = -mean(A)
     (g,) = torch.autograd.grad(loss, logps)
     assert torch.allclose(g, -adv[:, None].expand(3, 4) / (4 * 3))  # d/dlogp of -A r / (T B), r = 1
@@ -278,28 +274,29 @@ def test_gen_logps_none_is_the_on_policy_gradient():
 
 def test_score_refuses_answers_that_do_not_line_up_with_the_questions():
     """zip would score the first 16 of 128 answers and average those: evaluation once reported 87.5% so."""
-    from collections import defaultdict
 
     with pytest.raises(ValueError, match="16 answers for 128 gold answers"):
-        score(["<answer>1</answer>"] * 16, ["1"] * 128, ["q"] * 128, defaultdict(float))
+        score(["<answer>1</answer>"] * 16, ["1"] * 128, ["q"] * 128)
 
 
 def test_truncated_importance_sampling_weights_each_token_by_hand():
-    """Rows 0-1 sampled by vLLM (sampler_logps), row 2 by the trainer (NaN): on-policy, pi_old is logp itself,
-    so the weight is min(exp(logp - sampler), cap) and the loss -w A per token; with gen_logps, pi_old is gen."""
+    """Rows 0-1 sampled by vLLM (sampler_logps), row 2 by the trainer (not in sampler_rows; its values there are
+    junk that must not count): on-policy, pi_old is logp itself, so the weight is min(exp(logp - sampler), cap)
+    and the loss -w A per token; with gen_logps, pi_old is gen."""
     logps = torch.tensor([[-1.0, -0.5], [-1.0, -0.2], [-0.3, -0.4]], requires_grad=True)  # (3, 2)
-    sampler = torch.tensor([[-1.5, -0.5], [-2.0, -0.1], [float("nan")] * 2])  # (3, 2)
+    sampler = torch.tensor([[-1.5, -0.5], [-2.0, -0.1], [-9.0, -9.0]])  # (3, 2)
+    rows = torch.tensor([True, True, False])
     adv, mask = torch.tensor([1.0, -2.0, 0.5]), torch.ones(3, 2, dtype=torch.bool)
     w = torch.tensor([[math.exp(0.5), 1.0], [2.0, math.exp(-0.1)], [1.0, 1.0]])  # exp(1) = 2.72 is cut to 2
-    loss = grpo_loss(logps, None, None, adv, mask, 0.0, 0.2, sampler_logps=sampler, tis_cap=2.0)
+    loss = grpo_loss(logps=logps, ref_logps=None, gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2, sampler_logps=sampler, sampler_rows=rows, tis_cap=2.0)
     assert loss.item() == pytest.approx(-(w * adv[:, None]).mean().item(), rel=1e-6)
     (g,) = torch.autograd.grad(loss, logps)
     assert torch.allclose(g, -w * adv[:, None] / 6)  # ratio 1 on-policy: d(-w A r)/dlogp = -w A, mean of 2 x 3
-    off = grpo_loss(logps, None, None, adv, mask, 0.0, 0.2, sampler_logps=sampler, tis_cap=0.0)
+    off = grpo_loss(logps=logps, ref_logps=None, gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2, sampler_logps=sampler, sampler_rows=rows, tis_cap=0.0)
     assert off.item() == pytest.approx(-adv.mean().item(), rel=1e-6)  # tis_cap = 0: no correction
     gen = torch.full((3, 2), -1.0)  # pi_old given: weight exp(gen - sampler), ratio exp(logp - gen)
-    with_gen = grpo_loss(logps, None, gen, adv, mask, 0.0, 10.0, sampler_logps=sampler, tis_cap=2.0).item()
-    w_gen = torch.where(sampler.isnan(), 1.0, torch.exp(gen - sampler)).clamp(max=2.0)
+    with_gen = grpo_loss(logps=logps, ref_logps=None, gen_logps=gen, advantages=adv, mask=mask, beta=0.0, clip_eps=10.0, sampler_logps=sampler, sampler_rows=rows, tis_cap=2.0).item()
+    w_gen = torch.where(rows[:, None], torch.exp(gen - sampler), 1.0).clamp(max=2.0)
     assert with_gen == pytest.approx(-(w_gen * torch.exp(logps - gen) * adv[:, None]).mean().item(), rel=1e-6)
 
 
@@ -317,7 +314,7 @@ def test_padding_with_logp_minus_100_leaves_loss_and_gradient_finite(token_mean)
         logps.requires_grad_()
         pad_ref, pad_gen = ref.clone(), gen.clone()
         pad_ref[~mask], pad_gen[~mask] = 0.0, 0.0
-        loss = grpo_loss(logps, pad_ref, pad_gen, adv, mask, 0.04, 0.2, token_mean=token_mean)
+        loss = grpo_loss(logps=logps, ref_logps=pad_ref, gen_logps=pad_gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2, token_mean=token_mean)
         (g,) = torch.autograd.grad(loss, logps)
         assert torch.isfinite(loss) and torch.isfinite(g).all()
         results.append((loss.item(), g))
@@ -330,14 +327,14 @@ def _rank_gradient(rank, world, port, data, token_mean, normalize, results):
     """One gloo rank: its share of the answers, the loss, then DeepSpeed's gradient average over ranks."""
     import torch.distributed as dist
 
-    from grpo_ref_split import global_count
+    from features.zero2 import global_count
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     rows = [slice(0, 5), slice(5, 7)][rank] if world == 2 else slice(0, 7)  # 5 answers on rank 0, 2 on rank 1
     x, ref, gen, adv, mask = (t[rows] for t in data)
     w = torch.ones(x.shape[1], dtype=torch.float64, requires_grad=True)  # a weight every rank shares
-    normalizer = global_count(mask, token_mean) if normalize else None
-    grpo_loss(x * w, ref, gen, adv, mask, 0.04, 0.2, token_mean=token_mean, normalizer=normalizer).backward()
+    normalizer = global_count([mask], token_mean) if normalize else None
+    grpo_loss(logps=x * w, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2, token_mean=token_mean, normalizer=normalizer).backward()
     dist.all_reduce(w.grad)
     results.put((rank, (w.grad / world).tolist()))
     dist.destroy_process_group()
@@ -406,9 +403,11 @@ def test_collate_aligns_groups_of_different_lengths():
     assert b["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]]
     assert b["mask"].int().tolist() == [[1, 1, 0], [1, 1, 0], [1, 1, 0]]
     assert b["ref_logps"][2].tolist() == [-3.0] * 3 and b["ref_logps"][0].tolist() == [-1.0, -1.0, 0.0]
-    assert b["gen_logps"][2].isnan().all()  # a group sent without gen_logps: its rows train on-policy (ratio 1)
-    assert b["gen_logps"][0].tolist()[:2] == [-2.0, -2.0]
-    assert collate([(g2, {"plen": 1})], pad_id=0)["gen_logps"] is None  # no row has them
+    assert b["gen_rows"].tolist() == [True, True, False]  # a group sent without gen_logps: on-policy (ratio 1)
+    assert b["gen_logps"][0].tolist()[:2] == [-2.0, -2.0] and b["gen_logps"][2].tolist() == [0.0] * 3
+    assert b["sampler_logps"] is None and b["sampler_rows"] is None  # no row has them
+    only_g2 = collate([(g2, {"plen": 1})], pad_id=0)
+    assert only_g2["gen_logps"] is None and only_g2["gen_rows"] is None
     assert collate([(g1, {"plen": 3})], pad_id=0)["gen_logps"].tolist() == [[-2.0, -2.0], [-2.0, -2.0]]
     assert b["advantages"].tolist() == [1.0, -1.0, 0.5]
 
@@ -418,15 +417,19 @@ def test_plot_curves_draws_each_metric(tmp_path):
     import numpy as np
     from PIL import Image
 
-    from grpo_ref_split import plot_curves
+    from features.run_log import plot_curves
 
     path = tmp_path / "metrics.jsonl"
     path.write_text(json.dumps({"step": 0, "eval_reward_correct": 0.1, "eval_reward_format": 0.0}) + "\n"
                     + "".join(json.dumps({"step": s, "reward": s / 10, "reward_format": s / 20, "reward_correct": 0.5,
                                           "kl": s / 100, "loss": 0.0}) + "\n" for s in range(1, 11))
                     + json.dumps({"step": 10, "eval_reward_correct": 0.4, "eval_reward_format": 0.2}) + "\n")
-    png = plot_curves(str(path))
+    png, panels = plot_curves(str(path), ["reward_correct", "reward_format"])
     assert png == str(tmp_path / "curves.png")
+    assert list(panels) == ["reward", "reward_correct", "reward_format", "kl"]  # the panels' titles, in order
+    assert panels["reward"] == (list(range(1, 11)), [s / 10 for s in range(1, 11)])  # the series itself, drawn
+    assert panels["kl"] == (list(range(1, 11)), [s / 100 for s in range(1, 11)])
+    assert panels["reward_format"][1] == [s / 20 for s in range(1, 11)]
     with Image.open(png) as f:
         img = f.convert("L")
     assert img.size == (1600, 320)
@@ -435,13 +438,13 @@ def test_plot_curves_draws_each_metric(tmp_path):
 
 
 def test_plot_curves_rejects_files_without_the_metrics(tmp_path):
-    from grpo_ref_split import plot_curves
+    from features.run_log import plot_curves
 
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "other.jsonl").write_text('{"step": 1, "loss": 0.1}\n')
     for name in ("empty.jsonl", "other.jsonl"):
         with pytest.raises(ValueError, match="need JSON lines with step, reward"):
-            plot_curves(str(tmp_path / name))
+            plot_curves(str(tmp_path / name), ["reward_correct"])
 
 
 # ----------------------------------------------------------------------------- data

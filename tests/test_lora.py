@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 import grpo_ref_split as grpo
 from conftest import free_port, group, metrics, params, pull, start, stop, train
-from grpo_common import completion_logps
+from features.logprobs import completion_logps
 from test_variants import PlainEngine
 
 LORA = dict(LORA_RANK=4, LORA_ALPHA=8, SAVE_STEPS=1, EVAL_STEPS=0,
@@ -30,7 +30,7 @@ def logps_of(model, seed=0):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 49152, (4, 14), generator=g)
     with torch.no_grad():
-        return completion_logps(model.eval(), ids, torch.ones_like(ids), 6, grpo.TEMPERATURE)  # (4, 6)
+        return completion_logps(model.eval(), ids, torch.ones_like(ids), 6, grpo.TEMPERATURE, chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)  # (4, 6)
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,7 @@ def test_reference_from_the_disabled_adapters_equals_the_servers_on_the_base(mod
         del tensors["gen_logps"]
         import requests
 
-        from grpo_common import encode_batch
+        from features.wire import encode_batch
 
         assert requests.post(url + "/upload", data=encode_batch(tensors, meta), timeout=10).status_code == 200
         served, _ = pull(url)
@@ -119,7 +119,7 @@ def test_reference_from_the_disabled_adapters_equals_the_servers_on_the_base(mod
     assert batch["ref_logps"] is None  # nothing went to a server
     b = grpo.prepare_batch(PlainEngine(policy, lr=0.0), batch, normalizer=1.0)
     torch.testing.assert_close(b["ref_logps"], served["ref_logps"], rtol=0, atol=1e-5)
-    own = completion_logps(policy, b["input_ids"], b["attention_mask"], 4, meta["temperature"])
+    own = completion_logps(policy, b["input_ids"], b["attention_mask"], 4, meta["temperature"], chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)
     assert (own - served["ref_logps"]).abs().max() > 1e-3  # with the adapters on it would have differed
 
 

@@ -12,7 +12,8 @@ import torch
 
 import grpo_ref_split as grpo
 from conftest import ServerProcess, fail_first_forward, free_port, group, start, stop, wait_for
-from grpo_common import decode_batch, encode_batch, request_with_retry
+from features.server_client import request_with_retry
+from features.wire import decode_batch, encode_batch
 from ref_server import exposure_warning
 
 
@@ -122,7 +123,7 @@ def test_trainer_learns_at_once_of_a_group_whose_reference_forward_failed(model,
         got = grpo.upload_and_pull([group(seed=1), group(seed=2)], version=0, rank=0)
         assert len(got) == 1 and time.time() - t0 < 10
         assert "lost a group: the reference forward failed" in capfd.readouterr().err
-        assert server.held == {"trainers": 0, "workers": 0} and server.held_bytes == 0  # its room came back
+        assert server.room.held == {"trainers": 0, "workers": 0} and server.room.held_bytes == 0  # its room came back
     finally:
         stop(server, stop_serving)
 
@@ -201,7 +202,7 @@ def quick_server(model, monkeypatch):
     import ref_server
 
     monkeypatch.setattr(ref_server, "IDLE_TIMEOUT", 2)
-    server, stop_serving, url = start(model, token="s3cret")
+    server, stop_serving, url = start(model, ref_token="s3cret")
     yield server, int(url.rsplit(":", 1)[1])
     stop(server, stop_serving)
 

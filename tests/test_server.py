@@ -9,26 +9,41 @@ import pytest
 import requests
 import torch
 
-import grpo_common
+import grpo_ref_split as grpo
 from conftest import VOCAB, fail_first_forward, free_port, group, pull, start, stop, upload_and_pull, wait_for
-from grpo_ref_split import collate
-from grpo_common import ServerError, completion_logps, encode_batch, request_with_retry
+from features.env_overrides import apply_env_overrides
+from features.fingerprint import model_fingerprint
+from features.logprobs import completion_logps
+from features.server_client import ServerError, request_with_retry
+from features.wire import MAX_META_CHARS, collate, decode_batch, encode_batch
 from ref_server import RefServer
 
 
 @pytest.fixture(scope="module")
 def live(model):
-    server, httpd, url = start(model, queue_size=8, max_body=200_000, max_rows=16, max_tokens=6000)
+    server, httpd, url = start(model, queue_size=8, max_body_bytes=200_000, max_rows=16, max_group_tokens=6000)
     yield server, url
     stop(server, httpd)
 
 
 # ----------------------------------------------------------------------------- correct results
-def test_health(live):
+def test_health(live, model):
+    """/health's values, not only its keys: what the server holds, its queues and its counters, read back
+    against the server object itself (other tests of this module may have run first)."""
     server, url = live
     h = requests.get(url + "/health", timeout=5).json()
     assert h["vocab_size"] == VOCAB and h["device"] == "cpu" and h["model"] == "tiny"
-    assert {"pending", "ready", "uploaded", "served", "rejected", "busy", "ref_errors"} <= h.keys()
+    assert h["fingerprint"] == model_fingerprint(model) and h["instance"] == server.instance
+    assert h["reward_model"] == "" and h["regroup"] is False and h["regrouped"] == 0
+    assert h["pending"] == server.pending.qsize() and h["ready"] == server.ready["trainers"].qsize()
+    assert h["ready_workers"] == 0 and h["held_bytes"] == server.room.held_bytes
+    assert {k: h[k] for k in server.counters} == server.counters
+    assert 0 <= h["uptime_s"] <= time.time() - server.started + 1
+    before = dict(server.counters)
+    upload_and_pull(url, *group(seed=11))
+    h = requests.get(url + "/health", timeout=5).json()
+    assert h["uploaded"] == before["uploaded"] + 1 and h["served"] == before["served"] + 1
+    assert h["pending"] == 0 and h["ready"] == 0 and h["held_bytes"] == 0  # the group was taken: room given back
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -52,15 +67,15 @@ def test_trainer_batch_of_padded_groups_gets_the_servers_logps(live, model):
     batches = [upload_and_pull(url, *group(G=2, plen=p, tc=t, seed=p)) for p, t in [(3, 6), (8, 2)]]
     b = collate(batches, pad_id=0)
     with torch.no_grad():
-        got = completion_logps(model, b["input_ids"], b["attention_mask"], b["mask"].shape[1], 1.0)
+        got = completion_logps(model, b["input_ids"], b["attention_mask"], b["mask"].shape[1], 1.0, chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)
     assert torch.allclose(got[:2], batches[0][0]["ref_logps"], atol=1e-5)
     assert torch.allclose(got[2:, :2], batches[1][0]["ref_logps"], atol=1e-5)
 
 
 def test_micro_batches_give_the_same_logps(model):
     tensors, meta = group(G=7, plen=4, tc=5, seed=9)
-    whole = RefServer(model, "t", micro_batch=0).reference_logps(tensors["input_ids"], 4, 1.0)
-    parts = RefServer(model, "t", micro_batch=2).reference_logps(tensors["input_ids"], 4, 1.0)
+    whole = RefServer(model, "t", ref_micro_batch=0).reference_logps(tensors["input_ids"], 4, 1.0)
+    parts = RefServer(model, "t", ref_micro_batch=2).reference_logps(tensors["input_ids"], 4, 1.0)
     assert torch.allclose(whole, parts, atol=1e-6)
 
 
@@ -139,7 +154,6 @@ BAD = {
     "regrouped a number": (mutate(meta_regrouped=1), 400, "metadata regrouped must be a bool"),
     "sequence past the model's positions": (encode_batch(*group(G=1, plen=300, tc=300)), 413, "at most 512 per row"),
     "too many tokens in one group": (encode_batch(*group(G=16, plen=200, tc=200)), 413, "6000 in all"),
-    "body over the limit": (b"\0" * 200_001, 413, "over the limit of 200000"),
 }
 
 
@@ -167,16 +181,38 @@ def test_bad_upload_gets_its_4xx_and_the_server_still_serves(live, name, torch_s
     assert back["ref_logps"].shape == (3, 4)
 
 
+def test_a_body_over_the_limit_gets_413_before_it_is_read(live):
+    """MAX_BODY_BYTES is waitress's own limit: a Content-Length over it is answered 413 at the headers, so a
+    client that announces a huge body and then stalls after 3 bytes is answered at once, not left hanging
+    (waitress would otherwise buffer the body until IDLE_TIMEOUT before the app saw the request)."""
+    import socket
+
+    server, url = live
+    r = requests.post(url + "/upload", data=b"\0" * 200_001, timeout=10)
+    assert r.status_code == 413 and "exceeds max_body of 200000" in r.text
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: 200001\r\n\r\nabc")  # then nothing
+        start, answer = time.time(), b""
+        while b"\r\n\r\n" not in answer:
+            chunk = sock.recv(4096)
+            assert chunk, f"connection closed without an answer: {answer!r}"
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 413") and time.time() - start < 5, answer[:200]
+    back, _ = upload_and_pull(url, *group(seed=5))  # still serving valid requests
+    assert back["ref_logps"].shape == (3, 4)
+
+
 def test_head_get_answers_and_takes_nothing(live):
     server, url = live
     assert requests.head(url + "/get", timeout=10).status_code == 204
     tensors, meta = group(seed=11, n=11)
     assert requests.post(url + "/upload", data=encode_batch(tensors, meta), timeout=10).status_code == 200
-    wait_for(lambda: server.ready.qsize() == 1)
+    wait_for(lambda: server.ready["trainers"].qsize() == 1)
     for _ in range(3):
         r = requests.head(url + "/get", timeout=10)
         assert r.status_code == 200 and r.headers["X-Ref-Instance"] == server.instance and not r.content
-    assert server.ready.qsize() == 1  # still there
+    assert server.ready["trainers"].qsize() == 1  # still there
     assert pull(url)[1]["n"] == 11
 
 
@@ -185,7 +221,7 @@ def test_a_repeated_upload_id_gets_its_first_answer_and_queues_nothing(live):
     body = encode_batch(*group(seed=12, n=12, upload_id="retry-me"))
     uploaded = server.counters["uploaded"]
     first = requests.post(url + "/upload", data=body, timeout=10).json()
-    wait_for(lambda: server.ready.qsize() == 1)
+    wait_for(lambda: server.ready["trainers"].qsize() == 1)
     again = requests.post(url + "/upload", data=body, timeout=10).json()  # a client retrying after a timeout
     assert again == first and server.counters["uploaded"] == uploaded + 1
     assert pull(url)[1]["n"] == 12
@@ -232,7 +268,7 @@ def test_unknown_route_and_wrong_method_answer_json(live, method, path, status):
 
 # ----------------------------------------------------------------------------- token, backpressure, errors
 def test_token_is_required_when_set(model):
-    server, httpd, url = start(model, token="s3cret")
+    server, httpd, url = start(model, ref_token="s3cret")
     try:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
             for method, path in (("GET", "/health"), ("GET", "/get"), ("POST", "/upload")):
@@ -252,7 +288,7 @@ def test_full_queues_answer_503_and_the_client_retries_until_there_is_room(model
         assert requests.post(url + "/upload", data=bodies[0]).status_code == 200
         r = requests.post(url + "/upload", data=bodies[1])  # room for one group, taken until it is pulled
         assert r.status_code == 503 and r.headers["Retry-After"] == "1" and server.counters["busy"] == 1
-        wait_for(lambda: server.ready.qsize() == 1)
+        wait_for(lambda: server.ready["trainers"].qsize() == 1)
         import threading
 
         threading.Timer(1.0, lambda: pull(url)).start()  # a trainer catches up later
@@ -270,7 +306,7 @@ def test_workers_groups_never_hold_up_the_trainers_groups(model):
         for i in range(2):
             assert requests.post(url + "/upload", data=encode_batch(*group(seed=i, worker="w"))).status_code == 200
         assert requests.post(url + "/upload", data=encode_batch(*group(seed=5, worker="w"))).status_code == 503
-        wait_for(lambda: server.ready_workers.qsize() == 2)
+        wait_for(lambda: server.ready["workers"].qsize() == 2)
         for n in range(2):
             assert requests.post(url + "/upload", data=encode_batch(*group(seed=7 + n, n=n))).status_code == 200
             assert pull(url, timeout=10)[1]["n"] == n
@@ -280,13 +316,13 @@ def test_workers_groups_never_hold_up_the_trainers_groups(model):
 
 def test_queued_bytes_are_bounded_too(model):
     body = encode_batch(*group(G=8, plen=40, tc=40))
-    server, stop_serving, url = start(model, queue_size=64, max_bytes=5 * len(body))  # 2 x body per group held
+    server, stop_serving, url = start(model, queue_size=64, max_queued_bytes=5 * len(body))  # 2 x body per group held
     try:
         codes = [requests.post(url + "/upload", data=body).status_code for _ in range(4)]
-        assert codes == [200, 200, 503, 503] and server.held_bytes <= 5 * len(body)
+        assert codes == [200, 200, 503, 503] and server.room.held_bytes <= 5 * len(body)
         for _ in range(2):
             pull(url)
-        assert server.held_bytes == 0 and requests.post(url + "/upload", data=body).status_code == 200
+        assert server.room.held_bytes == 0 and requests.post(url + "/upload", data=body).status_code == 200
     finally:
         stop(server, stop_serving)
 
@@ -322,20 +358,20 @@ def test_env_overrides_cast_to_the_constants_type(monkeypatch, capfd):
     monkeypatch.setenv("FLAG", "true")
     monkeypatch.setenv("RATE", "1e-3")
     monkeypatch.setenv("lower", "9")
-    grpo_common.apply_env_overrides(ns, "x.py")
+    apply_env_overrides(ns, "x.py")
     assert ns == {"PORT": 6000, "HOST": "a", "FLAG": True, "RATE": 1e-3, "lower": 1}
     err = capfd.readouterr().err
     assert "[x.py] PORT = 6000 (environment; default 1)" in err and "FLAG = True" in err and "HOST" not in err
     monkeypatch.setenv("PORT", "sixty")
     with pytest.raises(SystemExit, match="PORT='sixty': not a valid int"):
-        grpo_common.apply_env_overrides(ns, "x.py")
+        apply_env_overrides(ns, "x.py")
 
 
 def test_a_misspelt_constant_in_the_environment_is_named(monkeypatch, capfd):
     ns = {"ALL_STEPS": 30, "SAVE_STEPS": 10, "BETA": 0.04}
     monkeypatch.setenv("ALL_STEP", "5")
     monkeypatch.setenv("BETTA", "0")
-    grpo_common.apply_env_overrides(ns, "trainer.py")
+    apply_env_overrides(ns, "trainer.py")
     assert ns == {"ALL_STEPS": 30, "SAVE_STEPS": 10, "BETA": 0.04}  # nothing changed
     err = capfd.readouterr().err
     assert "ALL_STEP is not a constant of trainer.py; did you mean ALL_STEPS?" in err
@@ -355,8 +391,8 @@ def test_the_real_environment_of_a_run_raises_no_false_warning(monkeypatch, capf
     for name in everyday + list(trainer) + list(server):
         monkeypatch.setenv(name, os.environ.get(name, "1"))
     monkeypatch.setenv("RANK", "0")  # rank 0 prints; the other ranks stay quiet
-    grpo_common.apply_env_overrides(trainer, "grpo_ref_split.py")
-    grpo_common.apply_env_overrides(server, "ref_server.py")
+    apply_env_overrides(trainer, "grpo_ref_split.py")
+    apply_env_overrides(server, "ref_server.py")
     err = capfd.readouterr().err
     assert "WARNING" not in err and "[ref_server.py] PORT = " in err
 
@@ -369,17 +405,17 @@ def test_fingerprint_tells_models_apart_but_not_dtypes(live, model, tokenizer):
     from conftest import tiny_config
 
     server, url = live
-    same = grpo_common.model_fingerprint(model)
+    same = model_fingerprint(model)
     assert requests.get(url + "/health", timeout=5).json()["fingerprint"] == same
-    assert grpo_common.model_fingerprint(copy.deepcopy(model).to(torch.bfloat16)) == same  # a bf16 server
+    assert model_fingerprint(copy.deepcopy(model).to(torch.bfloat16)) == same  # a bf16 server
     nudged = copy.deepcopy(model)
     with torch.no_grad():
         next(nudged.parameters()).add_(1e-2)
-    nudged_print = grpo_common.model_fingerprint(nudged)
+    nudged_print = model_fingerprint(nudged)
     assert nudged_print["config"] == same["config"] and nudged_print["weights"] != same["weights"]
     torch.manual_seed(1)
     deeper = LlamaForCausalLM(tiny_config(tokenizer, num_hidden_layers=3))
-    assert grpo_common.model_fingerprint(deeper)["config"] != same["config"]
+    assert model_fingerprint(deeper)["config"] != same["config"]
 
 
 def test_fingerprint_samples_parameters_past_float32_precision():
@@ -393,16 +429,16 @@ def test_fingerprint_samples_parameters_past_float32_precision():
             self.w = torch.nn.Parameter(torch.ones(28_311_552))
 
     big = Big()
-    first = grpo_common.model_fingerprint(big)  # used to raise IndexError
+    first = model_fingerprint(big)  # used to raise IndexError
     with torch.no_grad():
         big.w[-1] = -1.0  # the last value is sampled
-    assert grpo_common.model_fingerprint(big)["weights"] != first["weights"]
+    assert model_fingerprint(big)["weights"] != first["weights"]
 
 
 def test_metadata_has_a_size_limit():
-    header = {"__metadata__": {"json": json.dumps({"plen": 1, "note": "x" * grpo_common.MAX_META_CHARS})}}
-    with pytest.raises(ValueError, match=f"characters; at most {grpo_common.MAX_META_CHARS}"):
-        grpo_common.decode_batch(safetensors_with_header(header))
+    header = {"__metadata__": {"json": json.dumps({"plen": 1, "note": "x" * MAX_META_CHARS})}}
+    with pytest.raises(ValueError, match=f"characters; at most {MAX_META_CHARS}"):
+        decode_batch(safetensors_with_header(header))
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 from conftest import ROOT  # noqa: E402
 from grpo_loss_triton import BLOCK_V, grpo_loss_triton  # noqa: E402
 from grpo_ref_split import grpo_loss  # noqa: E402
-from grpo_common import per_token_logps  # noqa: E402
+from features.logprobs import per_token_logps  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("error")
 
@@ -29,7 +29,7 @@ def case(B, T, V, dtype=torch.float32, seed=0, scale=3.0):
     logits = full[:, 2:-1]  # (B, T, V) non-contiguous
     ids = torch.randint(0, V, (B, T), generator=g).to(DEVICE)
     with torch.no_grad():
-        lp = per_token_logps(logits, ids, 1.0)
+        lp = per_token_logps(logits, ids, 1.0, chunk=128)
     gen = lp + torch.randn(B, T, generator=g).to(DEVICE) * 0.5
     ref = lp + torch.randn(B, T, generator=g).to(DEVICE) * 0.3
     adv = torch.randn(B, generator=g).to(DEVICE) * 2
@@ -40,11 +40,11 @@ def case(B, T, V, dtype=torch.float32, seed=0, scale=3.0):
 
 
 def both(full, logits, ids, ref, gen, adv, mask, temperature, beta=0.04, eps=0.2):
-    loss_t, logps_t = grpo_loss_triton(logits, ids, ref, gen, adv, mask, beta, eps, temperature=temperature,
+    loss_t, logps_t = grpo_loss_triton(logits=logits, completion_ids=ids, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=beta, clip_eps=eps, temperature=temperature,
                                        return_logps=True)
     (grad_t,) = torch.autograd.grad(loss_t, full)
-    logps = per_token_logps(logits, ids, temperature)
-    loss_p = grpo_loss(logps, ref, gen, adv, mask, beta, eps)
+    logps = per_token_logps(logits, ids, temperature, chunk=128)
+    loss_p = grpo_loss(logps=logps, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=beta, clip_eps=eps)
     (grad_p,) = torch.autograd.grad(loss_p, full)
     return (loss_t, logps_t, grad_t), (loss_p, logps.detach(), grad_p)
 
@@ -75,7 +75,7 @@ def test_rows_without_gen_logps_train_on_policy_like_the_pytorch_path():
 
 def test_padding_with_a_very_negative_log_prob_gives_a_finite_loss_and_gradient():
     full, logits, ids, ref, gen, adv, mask = padded_case()
-    assert per_token_logps(logits, ids, 1.0).detach()[1, 3:].max() < -90
+    assert per_token_logps(logits, ids, 1.0, chunk=128).detach()[1, 3:].max() < -90
     (lt, _, gt), (lp, _, gp) = both(full, logits, ids, ref, gen, adv, mask, 1.0)
     assert torch.isfinite(lt) and torch.isfinite(lp) and torch.isfinite(gt).all() and torch.isfinite(gp).all()
     assert abs(lt.item() - lp.item()) <= 1e-5 * max(1.0, abs(lp.item())) and torch.allclose(gt, gp, atol=1e-5)
@@ -97,7 +97,7 @@ def test_fp32_value_and_gradient_equal_the_pytorch_path(B, T, V, temperature, wi
 
 def test_all_four_clip_cases_occur_and_match():
     full, logits, ids, ref, gen, adv, mask = case(4, 16, 300, seed=11)
-    ratio = torch.exp(per_token_logps(logits, ids).detach() - gen)
+    ratio = torch.exp(per_token_logps(logits, ids, chunk=128).detach() - gen)
     pos, neg = (adv > 0)[:, None], (adv < 0)[:, None]
     for region in ((ratio > 1.2) & pos, (ratio > 1.2) & neg, (ratio < 0.8) & pos, (ratio < 0.8) & neg):
         assert (region & mask).any()
@@ -119,7 +119,7 @@ def test_masked_rows_get_exact_zero_gradient_even_with_huge_logits():
     mask[1, 2:] = False
     with torch.no_grad():
         full[1, 2 + 2 :] = 1e4  # a skipped row's stored lse is 0: exp(1e4 - 0) would be inf, inf * 0 = NaN
-    loss, _ = grpo_loss_triton(logits, ids, ref, gen, adv, mask, 0.04, 0.2, return_logps=True)
+    loss, _ = grpo_loss_triton(logits=logits, completion_ids=ids, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2, return_logps=True)
     (g,) = torch.autograd.grad(loss, full)
     assert torch.isfinite(loss) and torch.isfinite(g).all()
     assert (g[1, 4:5] == 0).all() and (g[1, 2 + 2 : -1] == 0).all()
@@ -130,7 +130,7 @@ def test_inplace_backward_writes_the_gradient_over_the_logits():
     full, logits, ids, ref, gen, adv, mask = case(2, 5, 700, seed=7)
     (_, _, want), _ = both(full, logits, ids, ref, gen, adv, mask, 1.0)
     leaf = full.detach().clone()[:, 2:-1].requires_grad_()  # its own storage, to watch it being overwritten
-    loss = grpo_loss_triton(leaf, ids, ref, gen, adv, mask, 0.04, 0.2, inplace_backward=True)
+    loss = grpo_loss_triton(logits=leaf, completion_ids=ids, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2, inplace_backward=True)
     loss.backward()
     assert torch.allclose(leaf.grad, want[:, 2:-1], atol=1e-5)
     # The kernel wrote d(logits) into the logits' own storage (no (B, T, V) buffer of its own):
@@ -145,12 +145,12 @@ def test_variants_equal_the_pytorch_path(clip_eps_high, token_mean, with_ref, no
     beta = 0.04 if with_ref else 0.0
     ref = ref if with_ref else None
     kw = dict(clip_eps_high=clip_eps_high, token_mean=token_mean, normalizer=normalizer)
-    lt = grpo_loss_triton(logits, ids, ref, gen, adv, mask, beta, 0.2, temperature=1.0, **kw)
+    lt = grpo_loss_triton(logits=logits, completion_ids=ids, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=beta, clip_eps=0.2, temperature=1.0, **kw)
     (gt,) = torch.autograd.grad(lt, full)
-    lp = grpo_loss(per_token_logps(logits, ids, 1.0), ref, gen, adv, mask, beta, 0.2, **kw)
+    lp = grpo_loss(logps=per_token_logps(logits, ids, 1.0, chunk=128), ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=beta, clip_eps=0.2, **kw)
     (gp,) = torch.autograd.grad(lp, full)
     assert abs(lt.item() - lp.item()) < 1e-5 and torch.allclose(gt, gp, atol=1e-5, rtol=1e-5)
-    plain = grpo_loss(per_token_logps(logits, ids, 1.0), ref, gen, adv, mask, beta, 0.2)
+    plain = grpo_loss(logps=per_token_logps(logits, ids, 1.0, chunk=128), ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=beta, clip_eps=0.2)
     assert abs(plain.item() - lp.item()) > 1e-4  # the variant changed the loss
 
 
@@ -162,21 +162,21 @@ def test_truncated_importance_sampling_equals_the_pytorch_path(with_gen):
     gen = gen if with_gen else None
     with torch.no_grad():
         noise = torch.randn(3, 6, generator=torch.Generator().manual_seed(1)).to(DEVICE)  # (3, 6)
-        sampler = per_token_logps(logits, ids, 0.7) + noise
+        sampler = per_token_logps(logits, ids, 0.7, chunk=128) + noise
     sampler[2] = float("nan")
     kw = dict(sampler_logps=sampler, tis_cap=1.5)
-    lt = grpo_loss_triton(logits, ids, ref, gen, adv, mask, 0.04, 0.2, temperature=0.7, **kw)
+    lt = grpo_loss_triton(logits=logits, completion_ids=ids, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2, temperature=0.7, **kw)
     (gt,) = torch.autograd.grad(lt, full)
-    lp = grpo_loss(per_token_logps(logits, ids, 0.7), ref, gen, adv, mask, 0.04, 0.2, **kw)
+    lp = grpo_loss(logps=per_token_logps(logits, ids, 0.7, chunk=128), ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2, **kw)
     (gp,) = torch.autograd.grad(lp, full)
     assert abs(lt.item() - lp.item()) < 1e-5 and torch.allclose(gt, gp, atol=1e-5, rtol=1e-5)
-    plain = grpo_loss(per_token_logps(logits, ids, 0.7), ref, gen, adv, mask, 0.04, 0.2)
+    plain = grpo_loss(logps=per_token_logps(logits, ids, 0.7, chunk=128), ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2)
     assert abs(plain.item() - lp.item()) > 1e-4  # the weights changed the loss
 
 
 def test_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="do not match"):
-        grpo_loss_triton(torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.long), None, None, None, None, 0.0, 0.2)
+        grpo_loss_triton(logits=torch.zeros(2, 3, 5), completion_ids=torch.zeros(2, 4, dtype=torch.long), ref_logps=None, gen_logps=None, advantages=None, mask=None, beta=0.0, clip_eps=0.2)
 
 
 AOT = textwrap.dedent("""

@@ -11,7 +11,9 @@ from transformers import GenerationConfig
 import grpo_ref_split as grpo
 from conftest import group, pull, start, stop
 from grpo_ref_split import clip_fractions, grpo_loss
-from grpo_common import completion_logps, encode_batch, group_advantages
+from features.advantages import group_advantages
+from features.logprobs import completion_logps
+from features.wire import encode_batch
 
 
 # ----------------------------------------------------------------------------- the loss
@@ -20,14 +22,14 @@ def test_clip_eps_high_lets_a_good_token_grow_further():
     logps = torch.tensor([[-1.0]], requires_grad=True)
     gen, ref, adv = torch.tensor([[-1.22]]), torch.tensor([[-1.0]]), torch.tensor([1.0])
     mask = torch.ones(1, 1, dtype=torch.bool)
-    sym = grpo_loss(logps, ref, gen, adv, mask, 0.0, 0.2)
-    high = grpo_loss(logps, ref, gen, adv, mask, 0.0, 0.2, clip_eps_high=0.28)
+    sym = grpo_loss(logps=logps, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2)
+    high = grpo_loss(logps=logps, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2, clip_eps_high=0.28)
     assert sym.item() == pytest.approx(-1.2, rel=1e-6)
     assert high.item() == pytest.approx(-math.exp(0.22), rel=1e-6)
     assert torch.autograd.grad(sym, logps)[0].item() == 0.0  # clipped: no policy gradient
     assert torch.autograd.grad(high, logps)[0].item() == pytest.approx(-math.exp(0.22), rel=1e-6)
     # and the low side is still CLIP_EPS: ratio e^-0.3 with A = -1 is clipped at 0.8 either way
-    low = grpo_loss(logps, ref, gen + 0.52, -adv, mask, 0.0, 0.2, clip_eps_high=0.28)
+    low = grpo_loss(logps=logps, ref_logps=ref, gen_logps=gen + 0.52, advantages=-adv, mask=mask, beta=0.0, clip_eps=0.2, clip_eps_high=0.28)
     assert low.item() == pytest.approx(0.8, rel=1e-6)
 
 
@@ -36,8 +38,8 @@ def test_token_mean_weighs_every_token_the_same():
     mask = torch.tensor([[True, True, True, True], [True, False, False, False]])
     logps = torch.zeros(2, 4)
     adv = -per_token[:, 0]  # the loss is -A per token with ratio 1, beta 0
-    seq = grpo_loss(logps, None, None, adv, mask, 0.0, 0.2)
-    tok = grpo_loss(logps, None, None, adv, mask, 0.0, 0.2, token_mean=True)
+    seq = grpo_loss(logps=logps, ref_logps=None, gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2)
+    tok = grpo_loss(logps=logps, ref_logps=None, gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2, token_mean=True)
     assert seq.item() == pytest.approx((1.0 + 4.0) / 2)  # each answer weighs 1/2
     assert tok.item() == pytest.approx((4 * 1.0 + 4.0) / 5)  # each token weighs 1/5
 
@@ -46,10 +48,10 @@ def test_beta_zero_needs_no_reference_log_probs():
     torch.manual_seed(0)
     logps, gen = -torch.rand(3, 5), -torch.rand(3, 5)
     adv, mask = torch.randn(3), torch.rand(3, 5) > 0.3
-    without = grpo_loss(logps, None, gen, adv, mask, 0.0, 0.2)
-    assert without.item() == pytest.approx(grpo_loss(logps, -torch.rand(3, 5) * 9, gen, adv, mask, 0.0, 0.2).item())
+    without = grpo_loss(logps=logps, ref_logps=None, gen_logps=gen, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2)
+    assert without.item() == pytest.approx(grpo_loss(logps=logps, ref_logps=-torch.rand(3, 5) * 9, gen_logps=gen, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2).item())
     with pytest.raises(ValueError, match="needs beta=0"):
-        grpo_loss(logps, None, gen, adv, mask, 0.04, 0.2)
+        grpo_loss(logps=logps, ref_logps=None, gen_logps=gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2)
 
 
 def test_gspo_matches_a_hand_computation_in_value_and_gradient():
@@ -60,7 +62,7 @@ def test_gspo_matches_a_hand_computation_in_value_and_gradient():
     ref = torch.tensor([[-0.9, -0.7, -1.5], [-0.4, -1.0, 0.0]])
     mask = torch.tensor([[True, True, True], [True, True, False]])
     adv, beta, lo, hi = torch.tensor([1.0, -1.0]), 0.1, 3e-2, 4e-2
-    loss = grpo_loss(logps, ref, gen, adv, mask, beta, lo, hi, gspo=True)
+    loss = grpo_loss(logps=logps, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=beta, clip_eps=lo, clip_eps_high=hi, gspo=True)
     (grad,) = torch.autograd.grad(loss, logps)
 
     want, want_grad = 0.0, torch.zeros(2, 3)
@@ -81,7 +83,7 @@ def test_gspo_matches_a_hand_computation_in_value_and_gradient():
     # answer 1: s = 0.995 inside [0.97, 1.04]: its surrogate's gradient -s A / n / 2 = +0.249 flows
     assert grad[1, 0].item() == pytest.approx(math.exp(-0.005) / 2 / 2 + beta * (1 - math.exp(-0.1)) / 2 / 2, rel=1e-5)
     # the token-level loss on the same numbers differs: the ratio really is per answer
-    assert abs(grpo_loss(logps, ref, gen, adv, mask, beta, lo, hi).item() - want) > 1e-3
+    assert abs(grpo_loss(logps=logps, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=beta, clip_eps=lo, clip_eps_high=hi).item() - want) > 1e-3
 
 
 def test_gspo_on_policy_is_the_mean_token_gradient_and_refused_by_triton(monkeypatch):
@@ -89,8 +91,8 @@ def test_gspo_on_policy_is_the_mean_token_gradient_and_refused_by_triton(monkeyp
     logps, adv = -torch.rand(3, 5, requires_grad=True), torch.randn(3)
     mask = torch.rand(3, 5) > 0.3
     mask[:, 0] = True
-    seq = grpo_loss(logps, None, None, adv, mask, 0.0, 3e-4, 4e-4, gspo=True)
-    tok = grpo_loss(logps, None, None, adv, mask, 0.0, 3e-4, 4e-4)
+    seq = grpo_loss(logps=logps, ref_logps=None, gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=3e-4, clip_eps_high=4e-4, gspo=True)
+    tok = grpo_loss(logps=logps, ref_logps=None, gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=3e-4, clip_eps_high=4e-4)
     # ratio 1: both are -mean(A) in value, and -A_i / n_i on each valid token in gradient (GRPO's per-answer mean)
     assert seq.item() == pytest.approx(tok.item()) == pytest.approx(-adv.mean().item())
     torch.testing.assert_close(torch.autograd.grad(seq, logps)[0], torch.autograd.grad(tok, logps)[0])
@@ -148,7 +150,7 @@ def batch_for(model, seed=0):
     ids = torch.randint(0, 49152, (4, 12), generator=g)  # (B, P+Tc) prompt 6, completion 6
     attn = torch.ones_like(ids)
     with torch.no_grad():
-        ref = completion_logps(model, ids, attn, 6, 0.7)  # (B, Tc)
+        ref = completion_logps(model, ids, attn, 6, 0.7, chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)  # (B, Tc)
     return dict(input_ids=ids, attention_mask=attn, mask=torch.ones(4, 6, dtype=torch.bool), ref_logps=ref,
                 gen_logps=None, advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]))
 
@@ -177,7 +179,7 @@ def test_the_default_step_is_the_plain_grpo_step_bit_for_bit(fresh_model):
     grads = torch.autograd.grad(loss, params)
 
     logps = completion_logps(fresh_model, b["input_ids"], b["attention_mask"], 6, grpo.TEMPERATURE,
-                             shared_prefix=grpo.SHARED_PREFIX)  # (B, T)
+                             shared_prefix=grpo.SHARED_PREFIX, chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)  # (B, T)
     mask, pad = b["mask"].bool(), logps.detach()
     gen = torch.where(mask & ~b["gen_logps"].isnan(), b["gen_logps"], pad)
     ref = torch.where(mask, b["ref_logps"], pad)
@@ -318,7 +320,7 @@ def test_on_policy_rows_need_no_gen_logps_for_the_same_loss_and_gradient():
     results = []
     for gen in (None, logps.detach()), (mixed, explicit):
         for g in gen:
-            loss = grpo_loss(logps, ref, g, adv, mask, 0.04, 0.2)
+            loss = grpo_loss(logps=logps, ref_logps=ref, gen_logps=g, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2)
             results.append((loss.item(), torch.autograd.grad(loss, logps)[0]))
     for (a, ga), (b, gb) in (results[:2], results[2:]):
         assert a == pytest.approx(b, rel=1e-6) and torch.allclose(ga, gb, atol=1e-7)
@@ -384,7 +386,7 @@ def test_regroup_mixes_uploads_of_one_question_into_a_group_with_variance(model)
             assert torch.equal(lp[m], src["gen_logps"][i])
             assert out_meta["answers"][j] == texts[name][i]  # ... and its own text
         assert out_meta["version"] == 2 and out_meta["regrouped"]  # the stalest answer's policy
-        assert server.counters["regrouped"] == 1 and sum(len(p) for p in server.pools.values()) == 4 + 4
+        assert server.pool.regrouped == 1 and sum(len(p) for p in server.pool.pools.values()) == 4 + 4
         assert requests.get(url + "/health", timeout=10).json()["regroup"] is True
     finally:
         stop(server, httpd)
@@ -404,7 +406,7 @@ def test_without_regroup_every_upload_is_one_group(model):
 
 def test_regroup_runs_without_the_trainer_or_the_rewards(tiny_model_dir):
     """The server process never imports the trainer (nor rewards, math-verify): REGROUP computes the
-    advantages of a new group from the rewards its answers carry, with grpo_common alone."""
+    advantages of a new group from the rewards its answers carry, with features/ alone."""
     import subprocess
     import sys
 
@@ -422,8 +424,8 @@ def answers(reward):  # 4 answers to one question (the same 5 prompt tokens), al
                 rewards=torch.full((4,), reward), gen_logps=-torch.rand(4, 3))
 a, b, meta = answers(0.0), answers(1.0), dict(plen=5, temperature=1.0)
 assert ref_server.REGROUP and server.regroup
-assert server.regroup_answers(a, meta) is None
-tensors, out_meta = server.regroup_answers(b, meta)
+assert server.pool.add(a, meta) is None
+tensors, out_meta = server.pool.add(b, meta)
 assert out_meta["regrouped"] and tensors["rewards"].unique().numel() == 2
 assert abs(tensors["advantages"].sum().item()) < 1e-4
 loaded = sorted(m for m in sys.modules if m in ("grpo_ref_split", "rewards", "math_verify"))
@@ -458,7 +460,7 @@ def test_sampling_ignores_the_models_own_generation_config(tiny_model_dir, tmp_p
         drawn = torch.log_softmax(scores, -1).gather(-1, completion[..., None]).squeeze(-1)  # (B, T)
         attn = torch.cat([enc.attention_mask, torch.ones_like(completion)], 1)
         with torch.no_grad():
-            want = completion_logps(model, out.sequences, attn, completion.shape[1], grpo.TEMPERATURE)  # (B, T)
+            want = completion_logps(model, out.sequences, attn, completion.shape[1], grpo.TEMPERATURE, chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)  # (B, T)
         sample_gap = (drawn - want)[mask].abs().max().item()
         greedy = model.generate(**enc, generation_config=greedy_config)  # (B, P+T)
         with torch.no_grad():
@@ -520,11 +522,11 @@ def test_a_broken_reward_stops_the_run_naming_it_and_the_completion(monkeypatch,
 
 
 def test_rewards_cannot_be_set_from_the_environment(monkeypatch):
-    import grpo_common
+    from features.env_overrides import apply_env_overrides
 
     monkeypatch.setenv("REWARDS", "[]")
     with pytest.raises(SystemExit, match="REWARDS cannot be set from the environment; edit it in x.py"):
-        grpo_common.apply_env_overrides({"REWARDS": [(len, 1.0)]}, "x.py")
+        apply_env_overrides({"REWARDS": [(len, 1.0)]}, "x.py")
 
 
 def test_sample_metrics_cover_every_rollout_of_the_step(monkeypatch):

@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo_ref_split as grpo  # noqa: E402
-from grpo_common import completion_logps  # noqa: E402
+from features.logprobs import completion_logps  # noqa: E402
 from rewards import load_questions  # noqa: E402
 
 
@@ -44,7 +44,7 @@ def main(path):
     ids = torch.cat([r["prompt_ids"], r["completion_ids"]], 1)  # (B, P+T)
     attn = torch.cat([r["prompt_mask"], torch.ones_like(r["completion_ids"])], 1)  # (B, P+T)
     T = r["completion_ids"].shape[1]
-    trainer = completion_logps(model, ids, attn, T, grpo.TEMPERATURE)  # (B, T)
+    trainer = completion_logps(model, ids, attn, T, grpo.TEMPERATURE, chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)  # (B, T)
     mask = r["mask"]  # (B, T)
     ended = torch.isin(r["completion_ids"], torch.tensor(eos_ids)).any(1)  # (B,)
     report.update(rows=r["completion_ids"].shape[0],
@@ -76,11 +76,11 @@ def main(path):
     # Weight push: a fixed completion, read by vLLM before and after the trainer's weights change.
     plen = r["prompt_ids"].shape[1]
     fixed, fixed_attn = ids[:4], attn[:4]
-    old = completion_logps(model, fixed, fixed_attn, T, 1.0)  # (4, T) the weights vLLM holds
+    old = completion_logps(model, fixed, fixed_attn, T, 1.0, chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)  # (4, T) the weights vLLM holds
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
-    new = completion_logps(model, fixed, fixed_attn, T, 1.0)  # (4, T)
+    new = completion_logps(model, fixed, fixed_attn, T, 1.0, chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)  # (4, T)
     valid = mask[:4]
     gap = lambda a, b: (a - b)[valid].abs().max().item()  # noqa: E731
     before = vllm_logps_of(llm, fixed, plen)
@@ -96,7 +96,7 @@ def main(path):
         for name, p in lora.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.05)  # a trained adapter
-    with_adapters = completion_logps(lora, fixed, fixed_attn, T, 1.0)  # (4, T)
+    with_adapters = completion_logps(lora, fixed, fixed_attn, T, 1.0, chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)  # (4, T)
     grpo.push_weights(llm, lora)
     report.update(lora_vs_base=gap(with_adapters, new), after_lora_push=gap(vllm_logps_of(llm, fixed, plen),
                                                                             with_adapters))

@@ -14,7 +14,7 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo_ref_split as grpo  # noqa: E402  (constants from the environment)
-from grpo_common import completion_logps  # noqa: E402
+from features.logprobs import completion_logps  # noqa: E402
 
 QUESTIONS = ["What is {} + 5?", "Tom has {} apples and eats 4. How many?", "A box holds {} pens. How many in 3?"]
 
@@ -32,7 +32,7 @@ def rank_groups(engine, tokenizer, rank, G=3):
         mask[0, 4:] = mask[2, 2:] = False  # answers that ended early
         ids = torch.cat([torch.tensor(prompt).expand(G, -1), completions], 1)  # (G, P + T)
         with torch.no_grad():
-            ref = completion_logps(engine, ids.to(engine.device), torch.ones_like(ids).to(engine.device), 6, 1.0)
+            ref = completion_logps(engine, ids.to(engine.device), torch.ones_like(ids).to(engine.device), 6, 1.0, chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)
         groups.append((dict(input_ids=ids, completion_mask=mask, advantages=torch.randn(G, generator=g),
                             ref_logps=ref.cpu() + 0.3 * torch.randn(G, 6, generator=g)), {"plen": len(prompt)}))
     return groups

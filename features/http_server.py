@@ -1,0 +1,61 @@
+"""The HTTP server under ref_server.py: waitress, with bounded threads and backlog, idle or stalled connections
+closed, malformed HTTP and a Content-Length over the body limit answered before the app sees them, and a
+stop that frees the port.
+
+    python ref_server.py                  # serve() in ref_server.py starts it
+"""
+import json
+import threading
+
+
+def start_http(app, host, port, *, threads, backlog, idle_timeout, max_body):
+    """Serve the WSGI `app` on a daemon thread; returns stop(), which ends the loop and frees the port."""
+    from waitress.server import create_server
+
+    httpd = create_server(app, host=host, port=port, threads=threads, backlog=backlog, connection_limit=backlog,
+                          channel_timeout=idle_timeout, cleanup_interval=max(1, idle_timeout // 3),
+                          max_request_body_size=max_body, ident="ref_server")
+    stopping = threading.Event()
+
+    def run():
+        try:
+            httpd.run()
+        except OSError:  # stop() closed the sockets under its select(): the end, not an error
+            if not stopping.is_set():
+                raise
+
+    thread = threading.Thread(target=run, name="http", daemon=True)
+    thread.start()
+
+    def stop():
+        stopping.set()
+        httpd.task_dispatcher.shutdown()
+        close_sockets(httpd)
+        thread.join(timeout=10)
+
+    return stop
+
+
+def close_sockets(httpd):
+    """Close every socket of a waitress server, the listening one too: its loop ends, the port is free. waitress
+    has no public call for it; its private socket map missing is an error (tests/test_server.py checks it)."""
+    sockets = getattr(httpd, "_map", None)
+    if not isinstance(sockets, dict) or not sockets:
+        raise RuntimeError(f"waitress {type(httpd).__name__} has no socket map: features/http_server.close_sockets "
+                           "needs updating for this waitress version")
+    for channel in list(sockets.values()):
+        channel.close()
+
+
+def json_errors(app):
+    """The bottle `app` with its own error pages (bad request, unknown path or method, a crash) as JSON, like
+    every other answer of the server; returns it."""
+    import bottle
+
+    def json_error(err):
+        bottle.response.content_type = "application/json"
+        return json.dumps({"error": f"{err.status}: {err.body}"})
+
+    for status in (400, 404, 405, 500):
+        app.error(status)(json_error)
+    return app

@@ -1,0 +1,195 @@
+"""Per-token log-probs of completions, without the (B, T, V) buffers that dominate memory on long answers.
+
+The definition is per_token_logps_plain (log_softmax, then gather). The trainer and the server call
+completion_logps, which by default (LOGP_FROM_HIDDEN) never holds whole logits: the LM head runs
+`chunk` tokens at a time inside one autograd function, as Liger-Kernel's fused linear losses and
+Cut Cross-Entropy (arXiv 2411.09009) do. tests/test_grpo_math.py holds them to the plain path.
+
+    python bench/bench_logprob_memory.py          # the memory each path takes
+"""
+import torch
+
+from features.shared_prefix import model_outputs, same_prompt_runs, shared_prefix_logits
+
+# Config fields that make a model's logits something other than lm_head(last hidden state).
+LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def per_token_logps_plain(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """The definition: (B, T) log softmax(logits / T)[ids]. The paths below must match it in value and gradient.
+    Costs two (B, T, V) fp32 buffers (log_softmax and its gradient)."""
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, T, V)
+    return logp_all.gather(-1, ids[..., None]).squeeze(-1)  # (B, T)
+
+
+def spans(n: int, chunk: int) -> list:
+    """Slices of `chunk` positions (the last one shorter) covering 0..n; one slice for chunk = 0."""
+    if chunk < 0:
+        raise ValueError(f"LOGP_CHUNK = {chunk}: need tokens per chunk >= 1, or 0 = all at once")
+    return [slice(s, s + (chunk or n)) for s in range(0, n, chunk or n)]
+
+
+class _TokenLogps(torch.autograd.Function):
+    """per_token_logps_plain without a (B, T, V) buffer in forward or backward.
+
+    Forward keeps only the per-token logsumexp (B, T); backward recomputes the softmax `chunk` tokens
+    at a time. With inplace=True the gradient is written over the logits themselves (nothing reads
+    them after the loss), so not even a (B, T, V) gradient is allocated.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, ids, temperature, inplace, chunk):
+        logps = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)  # (B, T)
+        lse = torch.empty_like(logps)  # (B, T)
+        for b, s in _row_chunks(logits, chunk):
+            z = logits[b, s].float() / temperature  # (c, V) a chunk of a view: nothing is copied whole
+            lse[b, s] = torch.logsumexp(z, dim=-1)  # (c,)
+            logps[b, s] = z.gather(-1, ids[b, s, None]).squeeze(-1) - lse[b, s]  # (c,)
+        ctx.save_for_backward(logits, ids, lse)
+        ctx.temperature, ctx.inplace, ctx.chunk = temperature, inplace, chunk
+        return logps
+
+    @staticmethod
+    def backward(ctx, grad_logps):  # grad_logps (B, T)
+        logits, ids, lse = ctx.saved_tensors
+        temp = ctx.temperature
+        grad = logits if ctx.inplace else torch.empty_like(logits)  # (B, T, V) in the logits' dtype
+        for b, s in _row_chunks(logits, ctx.chunk):
+            g = grad_logps[b, s].float()[:, None]  # (c, 1)
+            p = torch.exp(logits[b, s].float() / temp - lse[b, s, None])  # (c, V) softmax, recomputed
+            p.mul_(-g).scatter_add_(-1, ids[b, s, None], g)  # d logp / d z = onehot - softmax
+            grad[b, s] = p / temp  # read before written: in place is safe chunk by chunk
+        return grad, None, None, None, None
+
+
+def _row_chunks(logits, chunk):
+    """(b, slice) over every sequence, `chunk` tokens at a time."""
+    B, T = logits.shape[:2]
+    return [(b, s) for b in range(B) for s in spans(T, chunk)]
+
+
+def per_token_logps(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0, *, chunk: int,
+                    inplace_backward: bool = False) -> torch.Tensor:
+    """(B, T) fp32 log-probs of `ids` under softmax(logits / temperature); logits[:, t] predicts ids[:, t].
+
+    The memory-saving form of per_token_logps_plain (chunk = 0 selects the plain one).
+    inplace_backward=True writes d(logits) over the logits (the caller must not read them after
+    backward): saves a (B, T, V) buffer, as the Triton kernel's option of the same name.
+    """
+    if logits.shape[:2] != ids.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} do not match ids {tuple(ids.shape)}")
+    if chunk == 0:
+        return per_token_logps_plain(logits, ids, temperature)
+    return _TokenLogps.apply(logits, ids, float(temperature), inplace_backward, chunk)
+
+
+class _HiddenLogps(torch.autograd.Function):
+    """per_token_logps_plain(hidden @ weight.T, ids) without ever holding the (B, T, V) logits.
+
+    Forward keeps the hidden states and a logsumexp per token; each chunk of tokens (rows and time
+    flattened) gets its own LM-head matmul. Backward recomputes that chunk's logits (one more matmul:
+    the LM head's FLOPs go from 3 to 4 passes) for d(hidden) and d(weight). A weight tied to the input
+    embedding (SmolLM2's) is one Parameter: autograd adds this gradient to the embedding's.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, ids, temperature, chunk):
+        h, flat = hidden.reshape(-1, hidden.shape[-1]), ids.reshape(-1)  # (N, H), (N,)
+        logps = torch.empty(flat.shape, dtype=torch.float32, device=hidden.device)  # (N,)
+        lse = torch.empty_like(logps)  # (N,)
+        for s in spans(len(flat), chunk):
+            z = (h[s] @ weight.T).float().div_(temperature)  # (c, V) the only logits that exist
+            lse[s] = torch.logsumexp(z, dim=-1)  # (c,)
+            logps[s] = z.gather(-1, flat[s, None]).squeeze(-1) - lse[s]  # (c,)
+        ctx.save_for_backward(hidden, weight, ids, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return logps.view(ids.shape)  # (B, T)
+
+    @staticmethod
+    def backward(ctx, grad_logps):  # grad_logps (B, T)
+        hidden, weight, ids, lse = ctx.saved_tensors
+        temp = ctx.temperature
+        h, flat, grad = hidden.reshape(-1, hidden.shape[-1]), ids.reshape(-1), grad_logps.reshape(-1).float()
+        d_hidden = torch.empty_like(h)  # (N, H)
+        # fp32 even for a bf16 weight: hundreds of chunks add up here. Costs (V, H) fp32, the weight's size.
+        d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if ctx.needs_input_grad[1] else None  # (V, H)
+        for s in spans(len(flat), ctx.chunk):
+            g = grad[s, None]  # (c, 1)
+            d_z = (h[s] @ weight.T).float().div_(temp).sub_(lse[s, None]).exp_()  # (c, V) softmax, recomputed
+            d_z = d_z.mul_(-g).scatter_add_(-1, flat[s, None], g).div_(temp).to(weight.dtype)  # (c, V) d loss/d logits
+            d_hidden[s] = d_z @ weight  # (c, H)
+            if d_weight is not None and d_weight.dtype == d_z.dtype:
+                d_weight.addmm_(d_z.T, h[s])  # (V, H) in place: no (V, H) temporary
+            elif d_weight is not None:
+                d_weight += d_z.T @ h[s]  # (V, H) a bf16 temporary, summed in fp32
+        return d_hidden.view_as(hidden), None if d_weight is None else d_weight.to(weight.dtype), None, None, None
+
+
+def lm_head_weight(model) -> torch.Tensor:
+    """(V, H) the output projection when the model's logits are exactly hidden @ weight.T; else a clear error."""
+    inner = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
+    head = inner.get_output_embeddings()
+    changed = {k: getattr(inner.config, k) for k in LOGIT_POSTPROCESSING if getattr(inner.config, k, None) not in
+               (None, 1, 1.0)}
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None or changed:
+        raise ValueError(f"{type(inner).__name__}'s logits are not a bias-free linear map of its last hidden state "
+                         f"({changed or type(head).__name__}): set LOGP_FROM_HIDDEN = False")
+    return head.weight
+
+
+def hidden_logps(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0, *,
+                 chunk: int) -> torch.Tensor:
+    """(B, T) fp32 log softmax(hidden @ weight.T / temperature)[ids], `chunk` tokens of logits at a time.
+
+    hidden (B, T, H) is the LM head's input; weight (V, H) its weight (lm_head_weight). Equal, in value
+    and in the gradients of hidden and weight, to per_token_logps_plain on the full logits.
+    """
+    if hidden.shape[:2] != ids.shape:
+        raise ValueError(f"hidden states {tuple(hidden.shape)} do not match ids {tuple(ids.shape)}")
+    return _HiddenLogps.apply(hidden, weight, ids, float(temperature), chunk)
+
+
+def completion_logits(model, input_ids, attention_mask, n_completion: int, shared_prefix: bool = False,
+                      hidden: bool = False) -> torch.Tensor:
+    """(B, n_completion, V) logits where [:, t] predicts input_ids[:, -n_completion + t]; hidden=True gives
+    (B, n_completion, H) instead: the last hidden states there, the LM head's input.
+
+    Rows may be left-padded (attention_mask 0): positions count from each row's first real token, so a
+    padded row gets exactly the logits of the same row unpadded. shared_prefix=True runs each prompt once
+    for the consecutive rows that share it (features/shared_prefix.py): the same values on every
+    completion token (0 on the padding past a group's longest answer).
+    """
+    if shared_prefix:
+        B, T = input_ids.shape[0], n_completion
+        out = None
+        for r in same_prompt_runs(input_ids[:, :-T], attention_mask[:, :-T]):
+            part = shared_prefix_logits(model, input_ids[r], attention_mask[r], T, hidden)  # (G, t, V) t <= T
+            if out is None:
+                out = part.new_zeros(B, T, part.shape[-1])  # (B, T, V) 0 past each group's end
+            out[r, : part.shape[1]] = part
+        return out
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, L)
+    L = input_ids.shape[1]
+    keep = torch.arange(L - n_completion - 1, L - 1, device=input_ids.device)  # (T,) positions that predict
+    # The LM head runs on those positions only. Indices, not a slice of n + 1 positions: the
+    # slice's backward would allocate a second (B, T + 1, V) buffer.
+    return model_outputs(model, hidden, keep, input_ids=input_ids, attention_mask=attention_mask,
+                         position_ids=position_ids)  # (B, T, V) or (B, T, H)
+
+
+def completion_logps(model, input_ids, attention_mask, n_completion: int, temperature: float, micro_batch: int = 0,
+                     shared_prefix: bool = False, *, chunk: int, from_hidden: bool):
+    """(B, n_completion) log-probs of the last `n_completion` tokens of each row, micro_batch rows at a time.
+    from_hidden: from the hidden states, `chunk` tokens of logits at a time (hidden_logps); else from the
+    whole logits (per_token_logps)."""
+    step, out = micro_batch or input_ids.shape[0], []
+    for i in range(0, input_ids.shape[0], step):
+        ids, attn = input_ids[i : i + step], attention_mask[i : i + step]  # (b, L) each
+        states = completion_logits(model, ids, attn, n_completion, shared_prefix, hidden=from_hidden)
+        targets = ids[:, -n_completion:]  # (b, T)
+        if from_hidden:  # states (b, T, H)
+            out.append(hidden_logps(states, lm_head_weight(model), targets, temperature, chunk=chunk))  # (b, T)
+        else:  # states (b, T, V): nothing else reads these logits, so their gradient may overwrite them
+            out.append(per_token_logps(states, targets, temperature, chunk=chunk, inplace_backward=True))  # (b, T)
+    return torch.cat(out)  # (B, T)

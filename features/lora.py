@@ -1,0 +1,70 @@
+"""LoRA (LORA_RANK > 0, peft): small adapters train while the model's own weights stay frozen, and with
+REF_FROM_BASE the reference log-probs come from the same model with its adapters switched off (no server).
+
+    LORA_RANK=16 deepspeed --num_gpus 1 grpo_ref_split.py
+"""
+import os
+import shutil
+
+import torch
+
+
+def add_lora(model, *, rank, alpha, targets, seed):
+    """The model with LoRA adapters (peft) on `targets`, the only parameters that train. B starts at 0, so the
+    policy starts as the model itself; A's random start is drawn from `seed` alone, the same on every rank."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, task_type="CAUSAL_LM")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = get_peft_model(model, config)
+    n, total = (sum(p.numel() for p in model.parameters() if p.requires_grad),
+                sum(p.numel() for p in model.parameters()))
+    if os.environ.get("RANK", "0") == "0":
+        print(f"LoRA rank {rank}: {n:,} trainable parameters of {total:,} ({100 * n / total:.2f}%)", flush=True)
+    return model
+
+
+def load_adapters(model, path):
+    """A LoRA checkpoint (adapters only, saved by the trainer) put onto its base `model`."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(model, path)
+
+
+def merged_state_dict(model) -> dict:
+    """The weights of the policy as a plain model: with LoRA, each adapted layer's W + (B @ A) x alpha / rank (peft's
+    merge, computed aside, so training goes on with the adapters), under the base model's parameter names."""
+    if not hasattr(model, "get_base_model"):
+        return model.state_dict()
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    deltas = {f"{name}.weight": layer.get_delta_weight(layer.active_adapters[0])
+              for name, layer in base.named_modules() if isinstance(layer, LoraLayer)}
+    merged = {}
+    for name, w in base.state_dict().items():
+        if "lora_" not in name:
+            name = name.replace(".base_layer", "")
+            merged[name] = w + deltas[name].to(w.dtype) if name in deltas else w
+    return merged
+
+
+def save_merged(model, tokenizer, output_dir, rank):
+    """At the end: output_dir/merged, the base with the adapters merged in, which from_pretrained loads
+    without peft (and vLLM serves)."""
+    if rank == 0:
+        folder = os.path.join(output_dir, "merged")
+        shutil.rmtree(folder + ".tmp", ignore_errors=True)
+        model.get_base_model().save_pretrained(folder + ".tmp", state_dict=merged_state_dict(model))
+        tokenizer.save_pretrained(folder + ".tmp")
+        shutil.rmtree(folder, ignore_errors=True)
+        os.rename(folder + ".tmp", folder)
+    torch.distributed.barrier()
+
+
+def base_logps(engine, logps):
+    """What logps() computes with the adapters switched off: the base model's log-probs, the reference of
+    REF_FROM_BASE, from the weights this process already holds."""
+    with engine.module.disable_adapter():
+        return logps()

@@ -1,0 +1,73 @@
+"""REGROUP (simple_GRPO's regroup_ver): the reference server pools each question's answers across uploads and
+sends out groups that have reward variance, so a question whose group all scored the same still teaches
+once a later upload brings a different reward.
+
+    REGROUP=1 python ref_server.py
+"""
+import hashlib
+import threading
+
+import torch
+
+from features.advantages import group_advantages
+from features.wire import OPTIONAL
+
+
+class RegroupPool:
+    """Per question, up to pool_size answer rows in upload order; at most `questions` questions, the least
+    recently uploaded forgotten first."""
+
+    def __init__(self, pool_size, questions):
+        self.pool_size, self.questions = pool_size, questions
+        self.pools = {}  # (prompt hash, temperature) -> list of answer rows; insertion order = recency
+        self.lock = threading.Lock()
+        self.regrouped = 0  # groups sent out
+
+    def add(self, tensors, meta):
+        """Add this upload's answers to its question's pool, and take out a group of as many answers, with
+        different rewards and fresh advantages, when the pool has one; else None.
+
+        Answers leave the pool when sent: none is trained twice. Each keeps its own gen_logps, so the clipped
+        ratio stays right for older answers, and its own policy version (an upload without one counts as
+        the oldest, 0): the group's version is its oldest answer's.
+        """
+        g, plen = tensors["input_ids"].shape[0], meta["plen"]
+        prompt = tensors["input_ids"][0, :plen]  # (plen,) one prompt per group: the question's identity
+        key = (hashlib.sha256(prompt.numpy().tobytes()).hexdigest(), meta.get("temperature", 1.0))
+        rows = [{name: t[i] for name, t in tensors.items() if name != "advantages"}  # recomputed per new group
+                | {"version": meta.get("version", 0), "answer": (meta.get("answers") or [None] * g)[i]} for i in range(g)]
+        with self.lock:
+            pool = (self.pools.pop(key, []) + rows)[-self.pool_size :]
+            rewards = torch.stack([r["rewards"] for r in pool])  # (n,)
+            picked = []
+            if len(pool) >= g and rewards.unique().numel() > 1:
+                order = torch.randperm(len(pool)).tolist()
+                picked = order[:g]
+                if rewards[picked].unique().numel() == 1:  # swap in one answer with another reward
+                    picked[-1] = next(i for i in order[g:] if rewards[i] != rewards[picked[0]])
+                self.regrouped += 1
+            chosen = [pool[i] for i in picked]
+            pool = [r for i, r in enumerate(pool) if i not in picked]
+            if pool:
+                self.pools[key] = pool  # re-inserted last: dicts keep order, so the first key is the stalest
+            while len(self.pools) > self.questions:
+                self.pools.pop(next(iter(self.pools)))
+        return self._group(chosen, g, plen, meta) if chosen else None
+
+    @staticmethod
+    def _group(chosen, g, plen, meta):
+        tlen = max(len(r["completion_mask"]) for r in chosen)  # answers from several uploads: pad to the longest
+
+        def padded(name, width, fill):  # (G, width)
+            return torch.stack([torch.cat([r[name], r[name].new_full((width - len(r[name]),), fill)]) for r in chosen])
+
+        out = dict(input_ids=padded("input_ids", plen + tlen, 0),  # (G, plen + tlen) the padding is masked out
+                   completion_mask=padded("completion_mask", tlen, False),  # (G, tlen)
+                   rewards=torch.stack([r["rewards"] for r in chosen]))  # (G,)
+        out["advantages"] = group_advantages(out["rewards"], g)  # (G,) relative to this new group
+        for name in OPTIONAL:  # gen_logps, sampler_logps: kept when every chosen answer has them
+            if all(name in r for r in chosen):
+                out[name] = padded(name, tlen, 0.0)  # (G, tlen)
+        answers = [r["answer"] for r in chosen]  # each answer's own text, for a REWARD_MODEL
+        meta = {k: v for k, v in meta.items() if k != "answers"} | ({"answers": answers} if None not in answers else {})
+        return out, {**meta, "version": min(r["version"] for r in chosen), "regrouped": True}

@@ -1,0 +1,216 @@
+"""The run log: each step's metrics (averaged over ranks) as a line under the progress bar and in
+OUTPUT_DIR/metrics.jsonl, the sampled answers in completions.jsonl, optional TensorBoard scalars, and
+curves.png. docs/metrics.md says what each metric means.
+
+    python -c "from features.run_log import plot_curves; plot_curves('output/metrics.jsonl', ['reward_correct'])"
+    python scripts/show_completions.py output/completions.jsonl        # the answers of a step, readable
+"""
+import contextlib
+import importlib
+import json
+import os
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+SAMPLE_CHARS = 200  # of the one sampled answer printed under each step: enough to see the format appear
+
+
+def check_tensorboard(enabled: bool):
+    """TENSORBOARD = True needs the package: stop before any model loads if it is missing."""
+    if not enabled:
+        return
+    try:
+        importlib.import_module("torch.utils.tensorboard")
+    except ImportError as e:
+        sys.exit(f"TENSORBOARD=1 needs the tensorboard package ({e}): pip install tensorboard, or TENSORBOARD=0")
+
+
+def open_jsonl(output_dir, name, resumed_step=0):
+    """output_dir/name for appending lines {"step": ...}. A fresh run keeps an earlier run's file under a new
+    name; a resumed run keeps the lines up to its checkpoint's step (later lines were never saved)."""
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, name)
+    if os.path.exists(path) and resumed_step:
+        with open(path) as f:
+            kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resumed_step]
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
+        return open(path, "a")
+    if os.path.exists(path):
+        stem, ext = os.path.splitext(name)
+        os.rename(path, os.path.join(output_dir, f"{stem}.{int(os.path.getmtime(path))}{ext}"))
+    return open(path, "w")
+
+
+class RunLog:
+    """Rank 0's record of a run: metrics.jsonl, completions.jsonl (every `completions_every` steps; 0 = never)
+    and, with tensorboard, every metric as a scalar under output_dir/tb (`tensorboard --logdir output/tb`)."""
+
+    def __init__(self, output_dir, reward_names, *, resumed_step=0, completions_every=1, tensorboard=False):
+        self.reward_names, self.completions_every = list(reward_names), completions_every
+        self.metrics = open_jsonl(output_dir, "metrics.jsonl", resumed_step)
+        self.answers = open_jsonl(output_dir, "completions.jsonl", resumed_step) if completions_every > 0 else None
+        self.tb = None
+        if tensorboard:  # check_tensorboard made sure it imports; purge_step drops a resumed run's unsaved steps
+            from torch.utils.tensorboard import SummaryWriter
+
+            purge = resumed_step + 1 if resumed_step else None
+            self.tb = SummaryWriter(os.path.join(output_dir, "tb"), purge_step=purge)
+
+    def write(self, step, m):
+        self.metrics.write(json.dumps({"step": step, **{k: round(v, 6) for k, v in m.items()}}) + "\n")
+        self.metrics.flush()
+        if self.tb is not None:
+            for k, v in m.items():
+                self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+
+    def step(self, step, m, answers):
+        """One line under the progress bar, one sampled answer, a line of metrics.jsonl, and (every
+        completions_every steps) `answers`, every rank's, in completions.jsonl."""
+        if self.answers is not None and step % self.completions_every == 0:
+            self.answers.writelines(json.dumps(a) + "\n" for a in answers)
+            self.answers.flush()
+        kl = f"kl {m['kl']:.4f} | " if "kl" in m else ""
+        parts = " | ".join(f"{name} {m[name]:.2f}" for name in self.reward_names)
+        tqdm.write(f"step {step:4d} | loss {m['loss']:+.4f} | reward {m['reward']:.3f} | {parts} | "
+                   f"{kl}clip {m['clip_low']:.3f}/{m['clip_high']:.3f} | lr {m['lr']:.2e} | "
+                   f"len {m['length']:.1f} | {m['seconds']:.1f}s")
+        a = answers[-1]  # the newest rollout's last answer, so a person watching sees the format appear
+        tqdm.write(f"  sample | reward {a['reward']:.2f} | {a['question'][:60]!r} -> {a['answer'][:SAMPLE_CHARS]!r}")
+        self.write(step, m)
+
+    def eval(self, step, m, n_questions):
+        tqdm.write(f"eval {step:4d} | held-out " + " | ".join(f"{k[5:]} {v:.3f}" for k, v in m.items())
+                   + f" | {n_questions} questions, greedy")
+        self.write(step, m)
+
+    def close(self):
+        for f in (self.metrics, self.answers, self.tb):
+            if f is not None:
+                f.close()
+
+
+def log_step(step, m, answers, log, device):
+    """Every rank calls it: the metrics averaged over ranks and every rank's answers go to rank 0's `log`
+    (None on the other ranks)."""
+    m = reduce_over_ranks(m, device)
+    gathered = [None] * torch.distributed.get_world_size() if log is not None else None
+    torch.distributed.gather_object(answers, gathered, dst=0)
+    if log is not None:
+        log.step(step, m, [a for rank_answers in gathered for a in rank_answers])
+
+
+def reduce_over_ranks(values: dict, device) -> dict:
+    """Each metric's mean over ranks; the max for max_* metrics."""
+    keys = sorted(values)  # every rank must send the same order
+    total = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
+    peak = total.clone()
+    torch.distributed.all_reduce(total)
+    torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+    n = torch.distributed.get_world_size()
+    return {k: (peak[i] if k.startswith("max_") else total[i] / n).item() for i, k in enumerate(keys)}
+
+
+@torch.no_grad()
+def weight_gap(model) -> float:
+    """|this rank's weight sums - rank 0's|, largest: ZeRO-2 hands every rank the same full weights after each
+    step, so it is 0; a rank that drifted (another node's kernels, a lost reduction) would train a different model
+    without a word. Sums in float64 without a float64 copy of any weight; one read of the weights (none on 1 rank)."""
+    if torch.distributed.get_world_size() == 1:
+        return 0.0
+    sums = torch.stack([p.sum(dtype=torch.float64) for p in model.parameters()])  # (n_params,)
+    first = sums.clone()
+    torch.distributed.broadcast(first, src=0)
+    return (sums - first).abs().max().item()
+
+
+def answer_records(step, rank, rollout, each, rewards, advantages) -> list:
+    """One dict per sampled answer, a line of completions.jsonl: what the model wrote and how it scored.
+    each: {reward name: its N values}; rewards, advantages (N,)."""
+    return [dict(step=step, rank=rank, question=rollout["questions"][i], gold=rollout["golds"][i],
+                 answer=rollout["texts"][i], reward=rewards[i].item(),
+                 **{name: values[i] for name, values in each.items()}, advantage=advantages[i].item(),
+                 length=rollout["lengths"][i], truncated=rollout["truncated"][i]) for i in range(len(rewards))]
+
+
+def sample_stats(answers, group_size, reward_names) -> dict:
+    """Means over the answer records of every rollout a step sampled (one that re-sampled after all-equal groups
+    counts both): reward, reward_std (within groups), each reward's mean, length, max_length, truncated."""
+    rewards = torch.tensor([a["reward"] for a in answers])  # (N,) N = rollouts x Q_BATCH_SIZE x NUM_PRE_Q
+    lengths = torch.tensor([float(a["length"]) for a in answers])  # (N,)
+    stats = dict(reward=rewards.mean().item(), reward_std=rewards.view(-1, group_size).std(1).mean().item(),
+                 length=lengths.mean().item(), max_length=lengths.max().item(),
+                 truncated=sum(a["truncated"] for a in answers) / len(answers))
+    return stats | {name: sum(a[name] for a in answers) / len(answers) for name in reward_names}
+
+
+def is_eval(line: dict) -> bool:
+    """A held-out evaluation's line of metrics.jsonl (its metrics are eval_<reward name>)."""
+    return any(k.startswith("eval_") for k in line)
+
+
+def plot_curves(metrics_path, reward_names, png_path=None):
+    """Reward, each reward function's mean and KL against step from any metrics.jsonl, as a PNG; returns
+    (its path, the figure's panels as {title: (steps, values)} of the training line) for a reader to check."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: no display needed
+    import matplotlib.pyplot as plt
+
+    with open(metrics_path) as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    rows = [r for r in lines if not is_eval(r)]  # training steps
+    evals = [r for r in lines if is_eval(r)]  # held-out evaluations, drawn dashed
+    rewards = [name for name in reward_names if rows and name in rows[0]]  # one panel per function
+    keys = ("reward", *rewards, "kl")  # kl is absent with BETA = 0: its panel stays empty
+    if not rows or not rewards or any(k not in r for r in rows for k in ("step", "reward", *rewards)):
+        raise ValueError(f"{metrics_path}: need JSON lines with step, reward and each reward_<name> (and kl)")
+    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.2))
+    for ax, key in zip(axes, keys):
+        drawn = [r for r in rows if key in r]
+        ax.plot([r["step"] for r in drawn], [r[key] for r in drawn], marker=".", label="training samples")
+        if evals and key in rewards:
+            ax.plot([r["step"] for r in evals], [r[f"eval_{key}"] for r in evals], "--o", label="held-out, greedy")
+            ax.legend(fontsize=7)
+        ax.set(title=key, xlabel="step")
+        ax.grid(alpha=0.3)
+    panels = {ax.get_title(): tuple(map(list, ax.get_lines()[0].get_data())) for ax in axes}
+    fig.tight_layout()
+    png_path = png_path or os.path.join(os.path.dirname(metrics_path), "curves.png")
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return png_path, panels
+
+
+def clock() -> float:
+    """Seconds, after waiting for queued GPU work (else a timer sees only the kernel launches)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+@contextlib.contextmanager
+def timed(metrics, key: str):
+    """Add the seconds the block takes to metrics[key] (a Counter: the trainer's one way of gathering metrics)."""
+    start = clock()
+    yield
+    metrics[key] += clock() - start
+
+
+def step_metrics(m, groups, step, attempts, step_start, questions_per_rollout) -> dict:
+    """The step's metrics with the derived ones: zero_var_groups (of all the rollouts' groups), groups, staleness,
+    reward_model (the server's REWARD_MODEL mean score; the reward metric holds the rule rewards only), train_s,
+    seconds."""
+    out = dict(m, zero_var_groups=m["dropped"] / (attempts * questions_per_rollout), groups=len(groups),
+               staleness=sum(step - 1 - meta.get("version", step - 1) for _, meta in groups) / len(groups),
+               train_s=m["fwd_bwd_s"] + m["optim_s"], seconds=clock() - step_start)
+    del out["dropped"]
+    scores = [meta["reward_model_mean"] for _, meta in groups if "reward_model_mean" in meta]
+    if scores:
+        out["reward_model"] = sum(scores) / len(scores)
+    return out

@@ -1,0 +1,58 @@
+"""Extra generation workers (GENONLY): a process on any spare GPU or machine that only generates, scores and
+uploads groups tagged with its policy version, and loads each newer OUTPUT_DIR/step_N the trainer saves,
+so it is at most SAVE_STEPS steps stale. Trainers take its groups as extras. Stop it with Ctrl-C.
+
+    GENONLY=1 python grpo_ref_split.py          # or: python grpo_ref_split.py genonly
+"""
+import os
+import random
+import socket
+import sys
+import time
+
+import torch
+
+from features.checkpoints import checkpoints
+from features.vllm_engine import push_weights
+
+WAIT_S = 1.0  # a worker whose groups nobody takes yet looks again after this long
+
+
+def run_worker(load, make_groups, client, *, first, seed, start_llm, output_dir, max_queued, allow_mismatch,
+               trainers_read_server=True):
+    """Forever: pick up the newest checkpoint, wait while the server holds max_queued groups (trainers are behind:
+    the pile would only grow stale), else make groups and upload them. The trainer's own functions come in:
+    load(path, device) -> policy, make_groups(policy, llm, keep_all, rng) -> (groups, answer records), and
+    start_llm(seed, dtype) -> a vLLM engine (None: transformers generates). trainers_read_server False (BETA = 0,
+    or LoRA's reference from the base) stops it at once: it would feed nobody."""
+    if not trainers_read_server:  # BETA = 0, or LoRA with REF_FROM_BASE (REF_FROM_BASE=0 on both sends LoRA groups)
+        sys.exit("GENONLY: with BETA = 0, or LoRA with REF_FROM_BASE, trainers never read from the server: a worker "
+                 "would feed nobody")
+    name = f"worker-{socket.gethostname()}-{os.getpid()}"
+    torch.manual_seed(seed + os.getpid())  # workers must not repeat each other's samples
+    rng = random.Random(seed + os.getpid())
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    policy, version = load(first, device), 0
+    health = client.health(policy[0], policy[1], allow_mismatch)
+    keep_all = bool(health["regroup"] or health["reward_model"])  # the server may still tell equal groups apart
+    llm = start_llm(seed + os.getpid(), policy[0].dtype) if start_llm else None
+    while True:
+        newest = (checkpoints(output_dir) or [None])[-1]
+        step = int(newest.rsplit("_", 1)[1]) if newest else 0
+        if step > version:
+            try:
+                policy = load(newest, device)
+                if llm is not None:
+                    push_weights(llm, policy[0])
+                version = step
+                print(f"[{name}] loaded {newest}: policy version {version}", flush=True)
+            except OSError as e:  # deleted by the trainer's keep limit while we read it: the next one will do
+                print(f"[{name}] could not load {newest} ({e}); keeping version {version}", flush=True)
+        health = client.health()
+        if health["pending"] + health["ready_workers"] >= max_queued:
+            time.sleep(WAIT_S)
+            continue
+        groups, records = make_groups(policy, llm, keep_all, rng)
+        client.upload(groups, version=version, worker=name)
+        reward = sum(r["reward"] for r in records) / len(records)
+        print(f"[{name}] version {version} | uploaded {len(groups)} groups | reward {reward:.3f}", flush=True)

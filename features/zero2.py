@@ -1,0 +1,90 @@
+"""DeepSpeed ZeRO-2 plumbing: the process group, the config file with the trainer's own settings put in (one
+source of truth for each), the engine, counts over ranks (the loss normalizer, micro-batches every rank runs),
+and on CPU ranks the cleanup of DeepSpeed's shared-memory files.
+
+    deepspeed --num_gpus 1 grpo_ref_split.py         # setup_deepspeed() there calls them
+"""
+import contextlib
+import json
+import os
+import sys
+
+import torch
+
+SET_BY_TRAINER = "lr (LR), bf16 (on GPUs, not on CPU) and the scheduler's total_num_steps (ALL_STEPS x MU)"
+
+
+def ds_config(path, *, lr, bf16, total_steps) -> dict:
+    """The DeepSpeed config at `path` with SET_BY_TRAINER filled in; a file that sets any of them itself is refused,
+    so no value there is silently overwritten."""
+    with open(path) as f:
+        config = json.load(f)
+    scheduler = config.get("scheduler", {}).get("params", {})
+    if "lr" in config["optimizer"].get("params", {}) or "bf16" in config or "total_num_steps" in scheduler:
+        sys.exit(f"{path} sets one of {SET_BY_TRAINER}: grpo_ref_split.py sets those; remove them from {path}")
+    config["optimizer"].setdefault("params", {})["lr"] = lr
+    config["bf16"] = {"enabled": bf16}
+    if "scheduler" in config:  # DeepSpeed's own; it counts optimizer steps
+        config["scheduler"]["params"]["total_num_steps"] = total_steps
+    return config
+
+
+def remove_shm_names(rank):
+    """DeepSpeed's CPU all-reduce maps a /dev/shm file per rank and never deletes it: runs pile them up in RAM.
+    Once every rank has mapped its file, the name can go (the memory lives until the process exits)."""
+    torch.distributed.barrier()
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
+                  f"{os.environ.get('MASTER_PORT')}_{rank}")
+
+
+def init_distributed(cuda: bool):
+    """(rank, device) after DeepSpeed's process group is up: NCCL on GPUs, gloo on CPU ranks."""
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    rank = torch.distributed.get_rank()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    torch.cuda.set_device(device) if cuda else remove_shm_names(rank)
+    return rank, device
+
+
+def initialize(model, config):
+    """The ZeRO-2 engine over the model's trainable parameters (LoRA: the adapters only), its first step's rate set."""
+    import deepspeed
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, config=config)
+    if engine.lr_scheduler is not None:  # its rate for the first step is set only at its first step()
+        engine.lr_scheduler.step(0)
+    return engine
+
+
+def micro_batches(groups, size, collate, prepare, token_mean, device) -> list:
+    """The groups as batches of `size` groups (0 = all at once), collate(groups)'d and prepare(batch, normalizer)'d.
+    Each holds the whole step's loss normalizer, so their gradients add up to the one big batch's, and its share
+    of the step's answers and tokens (for the metrics). ZeRO-2 reduces gradients in every backward, so every rank
+    must run as many: a rank with fewer repeats its last micro-batch with share 0 (its loss x 0)."""
+    if size < 0:
+        raise ValueError(f"TRAIN_MICRO_BATCH = {size}: need groups per micro-batch >= 1, or 0 = all")
+    size = size or len(groups)
+    parts = [collate(groups[i : i + size]) for i in range(0, len(groups), size)]
+    normalizer = global_count([p["mask"].to(device) for p in parts], token_mean)
+    rows, tokens = sum(len(p["mask"]) for p in parts), sum(int(p["mask"].sum()) for p in parts)
+    parts = [dict(prepare(p, normalizer), share=len(p["mask"]) / rows, token_share=int(p["mask"].sum()) / max(tokens, 1))
+             for p in parts]
+    most = torch.tensor(len(parts), device=device)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+    return parts + [dict(parts[-1], share=0.0, token_share=0.0)] * (int(most) - len(parts))
+
+
+def global_count(masks, token_mean: bool) -> float:
+    """The answers (token_mean: tokens) of a step's (B, T) masks over all ranks / world size: the normalizer that
+    weighs each the same on whichever rank it landed, as DeepSpeed averages the ranks' gradients."""
+    n = torch.tensor(float(sum(int(m.sum()) if token_mean else m.shape[0] for m in masks)), dtype=torch.float64,
+                     device=masks[0].device)  # NCCL reduces GPU tensors only
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(n)
+        n /= torch.distributed.get_world_size()
+    return n.item()
