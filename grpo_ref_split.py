@@ -59,7 +59,7 @@ MU = 1  # optimizer steps on each batch; > 1 reuses it, and the clipped ratio ke
 SKIP_GEN_LOGPS = True  # MU = 1: a rank's own groups need no pi_old forward (ratio 1); False = one anyway
 MASK_TRUNCATED = False  # True = answers cut at MAX_NEW_TOKENS take no part in the loss (DAPO's overlong filter)
 MAX_ROLLOUTS = 20  # rollouts a step may take to get one group with different rewards, then the run stops
-REWARDS = [(reward_correct, 2.0), (reward_format, 1.0)]  # (f(answer, gold, question) -> float, weight); format < correct
+REWARDS = [(reward_correct, 2.0), (reward_format, 1.0)]  # (f(answer, gold, question) -> float, weight); format < right
 # Optimisation
 LR = 1e-5  # AdamW learning rate; the rest of the optimizer and its schedule are DS_CONFIG's
 ALL_STEPS = 30  # training steps
@@ -263,7 +263,7 @@ def logps_of(model, input_ids, attention_mask, n_completion):
 
 
 def micro_batches(engine, groups, pad_id) -> list:
-    """Step 6's input: TRAIN_MICRO_BATCH groups a batch (0 = all), each with the step's normalizer (features/zero2.py)."""
+    """Step 6's input: TRAIN_MICRO_BATCH groups a batch (0 = all), each with the step's normalizer (features/zero2)."""
     return zero2.micro_batches(groups, TRAIN_MICRO_BATCH, lambda part: collate(part, pad_id),
                                lambda b, normalizer: prepare_batch(engine, b, normalizer), TOKEN_MEAN, engine.device)
 
@@ -276,9 +276,9 @@ def prepare_batch(engine, batch, normalizer=None):
     b["normalizer"] = zero2.global_count([b["mask"]], TOKEN_MEAN) if normalizer is None else normalizer
     ids, attn, T = b["input_ids"], b["attention_mask"], b["mask"].shape[1]
     if LORA_RANK > 0 and REF_FROM_BASE and BETA != 0:  # the reference is the base under the adapters, right here
-        b["ref_logps"] = lora.base_logps(engine, lambda: logps_of(engine.eval(), ids, attn, T))  # (B, T)
+        b["ref_logps"] = lora.base_logps(engine, lambda: logps_of(engine.module.eval(), ids, attn, T))  # (B, T)
     if MU > 1 and (b["gen_logps"] is None or not b["gen_rows"].all()):
-        now = logps_of(engine.eval(), ids, attn, T)  # (B, T) the weights before the first update
+        now = logps_of(engine.module.eval(), ids, attn, T)  # (B, T) the weights before the first update
         b["gen_logps"], b["gen_rows"] = old_logps(now, b["gen_logps"], b["gen_rows"], b["mask"]), None  # every row's
     return b
 
@@ -391,8 +391,8 @@ def main():
         m, step_start, answers = Counter(), clock(), []  # this step's metrics and sampled answers
         for attempt in range(1, MAX_ROLLOUTS + 1):  # until the server hands back groups (all-equal ones are dropped)
             batch = rng.sample(questions, Q_BATCH_SIZE)  # 1. sample
-            groups, records, stats = rollout(model, tokenizer, batch, gen_config, eos_ids, llm, keep_all, with_gen_logps,
-                                             step, rank)  # 2-4. generate, score, advantages
+            groups, records, stats = rollout(model, tokenizer, batch, gen_config, eos_ids, llm, keep_all,
+                                             with_gen_logps, step, rank)  # 2-4. generate, score, advantages
             answers += records
             m.update(stats)
             with timed(m, "wait_s"):  # 5. upload, and pull groups with ref_logps (no server: our own groups)

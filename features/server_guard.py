@@ -1,6 +1,7 @@
 """The reference server's guard: what an upload must be before any of it reaches the model, the token check,
 the memory of upload ids that makes a client's retry safe, and a warning when it serves beyond loopback
-unguarded. A bad or hostile client gets a 4xx naming the problem, and can cost at most the server's limits (docs/server.md lists them).
+unguarded. A bad or hostile client gets a 4xx naming the problem, and can cost at most the server's limits
+(docs/server.md lists them).
 
     python -m pytest tests/test_server.py -k bad_upload        # every kind of bad upload, over real HTTP
 """

@@ -71,8 +71,8 @@ def micro_batches(groups, size, collate, prepare, token_mean, device) -> list:
     parts = [collate(groups[i : i + size]) for i in range(0, len(groups), size)]
     normalizer = global_count([p["mask"].to(device) for p in parts], token_mean)
     rows, tokens = sum(len(p["mask"]) for p in parts), sum(int(p["mask"].sum()) for p in parts)
-    parts = [dict(prepare(p, normalizer), share=len(p["mask"]) / rows, token_share=int(p["mask"].sum()) / max(tokens, 1))
-             for p in parts]
+    parts = [dict(prepare(p, normalizer), share=len(p["mask"]) / rows,
+                  token_share=int(p["mask"].sum()) / max(tokens, 1)) for p in parts]
     most = torch.tensor(len(parts), device=device)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)

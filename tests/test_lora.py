@@ -11,6 +11,8 @@ from safetensors.torch import load_file
 import grpo_ref_split as grpo
 from conftest import free_port, group, metrics, params, pull, start, stop, train
 from features.logprobs import completion_logps
+from features.lora import add_lora
+from features.wire import collate
 from test_variants import PlainEngine
 
 LORA = dict(LORA_RANK=4, LORA_ALPHA=8, SAVE_STEPS=1, EVAL_STEPS=0,
@@ -30,7 +32,7 @@ def logps_of(model, seed=0):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 49152, (4, 14), generator=g)
     with torch.no_grad():
-        return completion_logps(model.eval(), ids, torch.ones_like(ids), 6, grpo.TEMPERATURE, chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)  # (4, 6)
+        return grpo.logps_of(model.eval(), ids, torch.ones_like(ids), 6)  # (4, 6)
 
 
 @pytest.fixture(scope="module")
@@ -110,16 +112,18 @@ def test_reference_from_the_disabled_adapters_equals_the_servers_on_the_base(mod
         stop(server, stop_serving)
     monkeypatch.setattr(grpo, "LORA_RANK", 4)
     monkeypatch.setattr(grpo, "TEMPERATURE", meta["temperature"])
-    policy = grpo.add_lora(copy.deepcopy(model))
+    policy = add_lora(copy.deepcopy(model), rank=grpo.LORA_RANK, alpha=grpo.LORA_ALPHA, targets=grpo.LORA_TARGETS,
+                      seed=grpo.SEED)
     with torch.no_grad():
         for name, p in policy.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.5)  # a trained adapter: the policy is no longer the base
-    batch = grpo.collate([({k: v for k, v in tensors.items()}, meta)], pad_id=0)
+    batch = collate([({k: v for k, v in tensors.items()}, meta)], pad_id=0)
     assert batch["ref_logps"] is None  # nothing went to a server
     b = grpo.prepare_batch(PlainEngine(policy, lr=0.0), batch, normalizer=1.0)
     torch.testing.assert_close(b["ref_logps"], served["ref_logps"], rtol=0, atol=1e-5)
-    own = completion_logps(policy, b["input_ids"], b["attention_mask"], 4, meta["temperature"], chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)
+    own = completion_logps(policy, b["input_ids"], b["attention_mask"], 4, meta["temperature"], chunk=grpo.LOGP_CHUNK,
+                           from_hidden=grpo.LOGP_FROM_HIDDEN)
     assert (own - served["ref_logps"]).abs().max() > 1e-3  # with the adapters on it would have differed
 
 
@@ -142,7 +146,7 @@ def test_a_worker_refuses_to_feed_a_trainer_that_takes_its_reference_from_the_ba
     env = {**os.environ, "MODEL_PATH": tiny_model_dir, "LORA_RANK": "4", "GENONLY": "1"}
     run = subprocess.run([sys.executable, "grpo_ref_split.py"], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=120)
-    assert run.returncode == 1 and "REF_FROM_BASE, the trainer never reads from the server" in run.stderr
+    assert run.returncode == 1 and "REF_FROM_BASE, trainers never read from the server" in run.stderr
 
 
 def test_lora_with_the_reference_on_the_server(server, tiny_model_dir, tmp_path):

@@ -10,11 +10,10 @@ import pytest
 import requests
 import torch
 
-import grpo_ref_split as grpo
 from conftest import ServerProcess, fail_first_forward, free_port, group, start, stop, wait_for
-from features.server_client import request_with_retry
+from features.server_client import RefClient, request_with_retry
 from features.wire import decode_batch, encode_batch
-from ref_server import exposure_warning
+from features.server_guard import exposure_warning
 
 
 def test_load_every_group_comes_back_exactly_once(model, capsys):
@@ -75,7 +74,7 @@ def test_load_every_group_comes_back_exactly_once(model, capsys):
         stop(server, httpd)
 
 
-def test_trainer_regenerates_when_the_server_restarts_with_its_groups(model, monkeypatch):
+def test_trainer_regenerates_when_the_server_restarts_with_its_groups(model):
     """upload_and_pull() uploads, the server dies with the groups queued, a new one comes up on the same
     port: the trainer notices the new instance and returns short at once (to regenerate), instead
     of waiting SERVER_TIMEOUT for groups that no longer exist."""
@@ -88,11 +87,10 @@ def test_trainer_regenerates_when_the_server_restarts_with_its_groups(model, mon
         raise RuntimeError("server killed")
 
     old.reference_logps = stuck
-    monkeypatch.setattr(grpo, "REF_SERVER", url)
-    monkeypatch.setattr(grpo, "SERVER_TIMEOUT", 120.0)
+    client = RefClient(url, timeout=120.0)
     result = []
     groups = [group(seed=1), group(seed=2)]
-    t = threading.Thread(target=lambda: result.append(grpo.upload_and_pull(groups, version=0, rank=0)))
+    t = threading.Thread(target=lambda: result.append(client.upload_and_pull(groups, version=0, rank=0)))
     t.start()
     wait_for(lambda: old.counters["uploaded"] == 2)
     gate.set()
@@ -104,23 +102,21 @@ def test_trainer_regenerates_when_the_server_restarts_with_its_groups(model, mon
         assert not t.is_alive() and result == [[]]
         assert time.time() - t0 < 10  # far below SERVER_TIMEOUT
         # and the next round trains normally on the new server
-        got = grpo.upload_and_pull([group(seed=3)], version=0, rank=0)
+        got = client.upload_and_pull([group(seed=3)], version=0, rank=0)
         (tensors, meta), = got
         assert meta["version"] == 0 and meta["rank"] == 0 and tensors["ref_logps"].shape == (3, 4)
     finally:
         stop(new, new_httpd)
 
 
-def test_trainer_learns_at_once_of_a_group_whose_reference_forward_failed(model, monkeypatch, capfd):
+def test_trainer_learns_at_once_of_a_group_whose_reference_forward_failed(model, capfd):
     """The upload was answered 200, then the forward failed: the trainer is told on /get and goes on with
     the other group, instead of waiting SERVER_TIMEOUT for one that will never come."""
     server, stop_serving, url = start(model)
     fail_first_forward(server)
-    monkeypatch.setattr(grpo, "REF_SERVER", url)
-    monkeypatch.setattr(grpo, "SERVER_TIMEOUT", 120.0)
     try:
         t0 = time.time()
-        got = grpo.upload_and_pull([group(seed=1), group(seed=2)], version=0, rank=0)
+        got = RefClient(url, timeout=120.0).upload_and_pull([group(seed=1), group(seed=2)], version=0, rank=0)
         assert len(got) == 1 and time.time() - t0 < 10
         assert "lost a group: the reference forward failed" in capfd.readouterr().err
         assert server.room.held == {"trainers": 0, "workers": 0} and server.room.held_bytes == 0  # its room came back

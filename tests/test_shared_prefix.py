@@ -66,7 +66,6 @@ def test_shared_prefix_gives_the_log_probs_and_gradients_of_full_rows(smollm, ch
 
 
 def test_generation_from_the_shared_prompt_cache_samples_the_same_answers(tiny_model_dir, monkeypatch):
-    from collections import defaultdict
 
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -79,7 +78,7 @@ def test_generation_from_the_shared_prompt_cache_samples_the_same_answers(tiny_m
     for shared in (False, True):
         monkeypatch.setattr(grpo, "SHARED_PREFIX", shared)
         torch.manual_seed(5)
-        samples[shared] = grpo.generate(model, tok, questions, cfg, [tok.eos_token_id], defaultdict(float))
+        samples[shared] = grpo.generate(model, tok, questions, cfg, [tok.eos_token_id])
     assert torch.equal(samples[False]["completion_ids"], samples[True]["completion_ids"])
     assert len(set(samples[True]["texts"])) > 2  # sampled, not one greedy answer repeated
 

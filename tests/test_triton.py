@@ -39,12 +39,13 @@ def case(B, T, V, dtype=torch.float32, seed=0, scale=3.0):
     return full, logits, ids, ref, gen, adv, mask
 
 
-def both(full, logits, ids, ref, gen, adv, mask, temperature, beta=0.04, eps=0.2):
-    loss_t, logps_t = grpo_loss_triton(logits=logits, completion_ids=ids, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=beta, clip_eps=eps, temperature=temperature,
-                                       return_logps=True)
+def both(full, logits, ids, ref, gen, adv, mask, temperature, beta=0.04, eps=0.2, **kw):
+    args = dict(ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=beta, clip_eps=eps, **kw)
+    loss_t, logps_t = grpo_loss_triton(logits=logits, completion_ids=ids, temperature=temperature, return_logps=True,
+                                       **args)
     (grad_t,) = torch.autograd.grad(loss_t, full)
     logps = per_token_logps(logits, ids, temperature, chunk=128)
-    loss_p = grpo_loss(logps=logps, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=beta, clip_eps=eps)
+    loss_p = grpo_loss(logps=logps, **args)
     (grad_p,) = torch.autograd.grad(loss_p, full)
     return (loss_t, logps_t, grad_t), (loss_p, logps.detach(), grad_p)
 
@@ -64,11 +65,13 @@ def padded_case():
 
 
 def test_rows_without_gen_logps_train_on_policy_like_the_pytorch_path():
-    """A batch that mixes this rank's own groups (no gen_logps: NaN rows) with older ones."""
+    """A batch that mixes this rank's own groups (no gen_logps: row 0 outside gen_rows, its values junk that
+    must not count) with older ones."""
     full, logits, ids, ref, gen, adv, mask = case(3, 5, 300, seed=21)
     gen = gen.clone()
-    gen[0] = float("nan")
-    (lt, _, gt), (lp, _, gp) = both(full, logits, ids, ref, gen, adv, mask, 0.7)
+    gen[0] = 1e3
+    rows = torch.tensor([False, True, True], device=DEVICE)
+    (lt, _, gt), (lp, _, gp) = both(full, logits, ids, ref, gen, adv, mask, 0.7, gen_rows=rows)
     assert torch.isfinite(lt) and torch.isfinite(gt).all()
     assert abs(lt.item() - lp.item()) <= 1e-5 * max(1.0, abs(lp.item())) and torch.allclose(gt, gp, atol=1e-5)
 
@@ -157,14 +160,14 @@ def test_variants_equal_the_pytorch_path(clip_eps_high, token_mean, with_ref, no
 @pytest.mark.parametrize("with_gen", [True, False])
 def test_truncated_importance_sampling_equals_the_pytorch_path(with_gen):
     """vLLM's own log-probs (sampler_logps) weight each token's surrogate by min(pi_old / pi_sampler, cap);
-    a NaN row (sampled by the trainer) weighs 1. Some weights are cut at the cap."""
+    a row outside sampler_rows (sampled by the trainer; its values junk) weighs 1. Some weights are cut at the cap."""
     full, logits, ids, ref, gen, adv, mask = case(3, 6, 900, seed=5)
     gen = gen if with_gen else None
     with torch.no_grad():
         noise = torch.randn(3, 6, generator=torch.Generator().manual_seed(1)).to(DEVICE)  # (3, 6)
         sampler = per_token_logps(logits, ids, 0.7, chunk=128) + noise
-    sampler[2] = float("nan")
-    kw = dict(sampler_logps=sampler, tis_cap=1.5)
+    sampler[2] = -50.0
+    kw = dict(sampler_logps=sampler, sampler_rows=torch.tensor([True, True, False], device=DEVICE), tis_cap=1.5)
     lt = grpo_loss_triton(logits=logits, completion_ids=ids, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2, temperature=0.7, **kw)
     (gt,) = torch.autograd.grad(lt, full)
     lp = grpo_loss(logps=per_token_logps(logits, ids, 0.7, chunk=128), ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2, **kw)
@@ -193,6 +196,7 @@ AOT = textwrap.dedent("""
     for dt in ("fp32", "bf16"):
         common = dict(logits_ptr="*" + dt, stride_lb="i64", stride_lt="i64", stride_lv="i64", ids_ptr="*i64")
         fwd = dict(common, ref_ptr="*fp32", gen_ptr="*fp32", samp_ptr="*fp32", adv_ptr="*fp32", weight_ptr="*fp32",
+                   gen_rows_ptr="*fp32", samp_rows_ptr="*fp32",
                    loss_ptr="*fp32", logp_ptr="*fp32", lse_ptr="*fp32", dcoef_ptr="*fp32", T="i32", V="i32",
                    beta="fp32", clip_low="fp32", clip_high="fp32", inv_temperature="fp32", tis_cap="fp32",
                    HAS_GEN="constexpr", HAS_REF="constexpr", HAS_TIS="constexpr", BLOCK="constexpr")

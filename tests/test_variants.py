@@ -1,7 +1,7 @@
 """The loss variants (clip-higher, token-level mean, BETA = 0, MU > 1, MASK_TRUNCATED), the metrics
 they log, and the server's REGROUP mode: each shown to change what it should."""
 import math
-from collections import defaultdict
+from collections import Counter
 
 import pytest
 import requests
@@ -10,10 +10,10 @@ from transformers import GenerationConfig
 
 import grpo_ref_split as grpo
 from conftest import group, pull, start, stop
-from grpo_ref_split import clip_fractions, grpo_loss
-from features.advantages import group_advantages
 from features.logprobs import completion_logps
-from features.wire import encode_batch
+from features.run_log import clock, sample_stats, step_metrics
+from features.wire import collate, encode_batch
+from grpo_ref_split import grpo_loss
 
 
 # ----------------------------------------------------------------------------- the loss
@@ -102,15 +102,20 @@ def test_gspo_on_policy_is_the_mean_token_gradient_and_refused_by_triton(monkeyp
         grpo.check_settings()
 
 
-def test_clip_fractions_count_only_the_cut_gradients():
-    gen = torch.zeros(1, 4)
-    logps = torch.tensor([[0.3, -0.3, 0.3, -0.3]])  # ratios 1.35, 0.74, 1.35, 0.74
-    mask = torch.tensor([[True, True, True, False]])
-    low, high = clip_fractions(torch.exp(logps - gen), torch.tensor([1.0]), mask, 0.2, 0.2)
-    assert (low.item(), high.item()) == (0.0, pytest.approx(2 / 3))  # A > 0: only ratios above 1.2 are cut
-    low, high = clip_fractions(torch.exp(logps - gen), torch.tensor([-1.0]), mask, 0.2, 0.2)
-    assert (low.item(), high.item()) == (pytest.approx(1 / 3), 0.0)
-    assert clip_fractions(torch.exp(logps - gen), torch.tensor([1.0]), mask, 0.2, 0.4)[1].item() == 0.0
+def test_clip_fractions_count_only_the_cut_gradients(fresh_model, monkeypatch):
+    """The clip_low / clip_high metrics of policy_loss: pi_old set so that each token's ratio is known (1.35 or
+    0.74), then only the tokens whose gradient the clip cuts count: ratio > 1 + CLIP_EPS_HIGH with A > 0, ratio
+    < 1 - CLIP_EPS with A < 0, over the valid tokens (3 of 4)."""
+    b = batch_for(fresh_model)
+    b = {k: v[:1] if torch.is_tensor(v) else v for k, v in b.items()}  # one answer
+    b["mask"] = torch.tensor([[True, True, True, False, False, False]])
+    now = grpo.logps_of(fresh_model, b["input_ids"], b["attention_mask"], 6).detach()  # (1, 6)
+    b["gen_logps"] = now - torch.tensor([[0.3, -0.3, 0.3, -0.3, 0.3, 0.3]])  # ratios 1.35, 0.74, 1.35, (0.74)
+    engine = PlainEngine(fresh_model, lr=0.0)
+    for adv, eps_high, want in ((1.0, 0.2, (0.0, 2 / 3)), (-1.0, 0.2, (1 / 3, 0.0)), (1.0, 0.4, (0.0, 0.0))):
+        monkeypatch.setattr(grpo, "CLIP_EPS_HIGH", eps_high)
+        _, m = grpo.policy_loss(engine, {**b, "advantages": torch.tensor([adv]), "normalizer": 1.0})
+        assert (m["clip_low"], m["clip_high"]) == pytest.approx(want)
 
 
 # ----------------------------------------------------------------------------- MU > 1
@@ -129,6 +134,7 @@ class PlainEngine:
 
     def eval(self):
         self.module.eval()
+        return self
 
     def backward(self, loss):
         loss.backward()
@@ -140,8 +146,10 @@ class PlainEngine:
 
 def update(engine, b, m):
     """Steps 6 and 7 of the training loop: loss, backward, optimizer step; metrics added to m."""
-    engine.backward(grpo.policy_loss(engine, b, m))
+    loss, metrics = grpo.policy_loss(engine, b)
+    engine.backward(loss)
     engine.step()
+    m.update(metrics)
     return m
 
 
@@ -152,7 +160,8 @@ def batch_for(model, seed=0):
     with torch.no_grad():
         ref = completion_logps(model, ids, attn, 6, 0.7, chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)  # (B, Tc)
     return dict(input_ids=ids, attention_mask=attn, mask=torch.ones(4, 6, dtype=torch.bool), ref_logps=ref,
-                gen_logps=None, advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]))
+                gen_logps=None, gen_rows=None, sampler_logps=None, sampler_rows=None, normalizer=None,
+                advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]))
 
 
 @pytest.fixture
@@ -172,16 +181,17 @@ def test_the_default_step_is_the_plain_grpo_step_bit_for_bit(fresh_model):
                                                                                                 False)
     b = batch_for(fresh_model)
     b["gen_logps"] = b["ref_logps"] - 0.05 * torch.arange(6.0)  # (4, 6) pi_old away from the weights now ...
-    b["gen_logps"][1] = float("nan")  # ... but for one row trained on-policy
+    b["gen_logps"][1] = 7.0  # ... but for one row trained on-policy, whose values must not count
+    b["gen_rows"] = torch.tensor([True, False, True, True])
     b["mask"][2, 4:] = False
     params = list(fresh_model.parameters())
-    loss = grpo.policy_loss(PlainEngine(fresh_model, lr=0.0), {**b, "normalizer": 4.0}, defaultdict(float))
+    loss, _ = grpo.policy_loss(PlainEngine(fresh_model, lr=0.0), {**b, "normalizer": 4.0})
     grads = torch.autograd.grad(loss, params)
 
     logps = completion_logps(fresh_model, b["input_ids"], b["attention_mask"], 6, grpo.TEMPERATURE,
                              shared_prefix=grpo.SHARED_PREFIX, chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)  # (B, T)
     mask, pad = b["mask"].bool(), logps.detach()
-    gen = torch.where(mask & ~b["gen_logps"].isnan(), b["gen_logps"], pad)
+    gen = torch.where(mask & b["gen_rows"][:, None], b["gen_logps"], pad)
     ref = torch.where(mask, b["ref_logps"], pad)
     ratio = torch.exp(logps - gen)
     adv = b["advantages"][:, None]
@@ -196,8 +206,8 @@ def test_mu_two_reuses_the_batch_with_a_real_ratio(fresh_model, monkeypatch):
     monkeypatch.setattr(grpo, "MU", 1)
     engine = PlainEngine(fresh_model, lr=1e-2)
     b = batch_for(fresh_model)
-    first = update(engine, {**b, "gen_logps": b["ref_logps"]}, defaultdict(float))  # pi_old = the weights now
-    second = update(engine, {**b, "gen_logps": b["ref_logps"]}, defaultdict(float))  # the same batch, one step on
+    first = update(engine, {**b, "gen_logps": b["ref_logps"]}, Counter())  # pi_old = the weights now
+    second = update(engine, {**b, "gen_logps": b["ref_logps"]}, Counter())  # the same batch, one step on
     assert first["ratio_drift"] < 1e-5 and first["clip_low"] == first["clip_high"] == 0
     assert second["ratio_drift"] > 1e-2  # the ratio now measures how far the first step moved
     assert second["kl"] > first["kl"]
@@ -206,12 +216,11 @@ def test_mu_two_reuses_the_batch_with_a_real_ratio(fresh_model, monkeypatch):
 def test_a_micro_batch_repeated_with_share_zero_adds_no_gradient_and_no_metric(fresh_model):
     """What a rank with fewer micro-batches runs to keep ZeRO-2's reductions in step with the others."""
     b = {**batch_for(fresh_model), "advantages": torch.tensor([1.0, 0.5, 0.2, 0.1])}  # a loss that is not 0
-    m = defaultdict(float)
-    loss = grpo.policy_loss(PlainEngine(fresh_model, lr=1e-2), {**b, "share": 0.0, "token_share": 0.0}, m)
+    loss, m = grpo.policy_loss(PlainEngine(fresh_model, lr=1e-2), {**b, "share": 0.0, "token_share": 0.0})
     loss.backward()
     assert loss.item() == 0 and {"loss", "kl", "clip_low"} <= set(m) and all(v == 0 for v in m.values())
     assert all(p.grad is not None and p.grad.abs().max() == 0 for p in fresh_model.parameters())
-    real = grpo.policy_loss(PlainEngine(fresh_model, lr=1e-2), b, defaultdict(float))  # the same, share 1
+    real, _ = grpo.policy_loss(PlainEngine(fresh_model, lr=1e-2), b)  # the same, share 1
     real.backward()
     assert real.item() != 0 and any(p.grad.abs().max() > 0 for p in fresh_model.parameters())
 
@@ -224,10 +233,10 @@ def test_train_step_with_mu_two_fixes_pi_old_before_the_first_update(fresh_model
         model = type(fresh_model)(fresh_model.config)
         model.load_state_dict(fresh_model.state_dict())
         monkeypatch.setattr(grpo, "MU", mu)
-        engine, m = PlainEngine(model, lr=1e-2), defaultdict(float)
+        engine, m = PlainEngine(model, lr=1e-2), Counter()
         batch = grpo.prepare_batch(engine, b)  # MU > 1 without gen_logps: pi_old is fixed here
         assert (batch["gen_logps"] is None) == (mu == 1)
-        assert mu == 1 or not batch["gen_logps"].isnan().any()
+        assert batch["gen_rows"] is None  # none given, or (MU > 1) every row's now
         for _ in range(mu):
             update(engine, batch, m)
         results[mu] = (m, model)
@@ -255,12 +264,9 @@ def short_rollout(tiny_policy, monkeypatch, masked, keep_all=False, max_new_toke
                            eos_token_id=[tok.eos_token_id])
     torch.manual_seed(3)
     questions = [{"question": f"What is {a} + {a + 1}?", "gold": str(2 * a + 1)} for a in range(1, 9)]
-    m = defaultdict(float)
-    rollout = grpo.generate(model, tok, questions, cfg, [tok.eos_token_id], m)  # steps 2-4 as the trainer runs them
-    rewards = grpo.score(rollout["texts"], rollout["golds"], rollout["questions"], m, each := {})
-    advantages = group_advantages(rewards, 4)
-    groups = grpo.pack_groups(model, rollout, rewards, advantages, keep_all, with_gen_logps, m)
-    m.update(grpo.sample_stats(grpo.answer_records(1, 0, rollout, each, rewards, advantages)))  # as main() does
+    groups, records, m = grpo.rollout(model, tok, questions, cfg, [tok.eos_token_id], None, keep_all,
+                                      with_gen_logps)  # steps 2-4 as the trainer runs them
+    m.update(sample_stats(records, 4, [fn.__name__ for fn, _ in grpo.REWARDS]))  # as main() does
     return groups, m
 
 
@@ -304,23 +310,26 @@ def test_gen_logps_are_computed_only_when_asked_and_equal_the_sampling_weights(t
     for t, meta in with_gen:
         ids = t["input_ids"]
         with torch.no_grad():
-            want = real(model, ids, torch.ones_like(ids), ids.shape[1] - meta["plen"], grpo.TEMPERATURE)
+            want = real(model, ids, torch.ones_like(ids), ids.shape[1] - meta["plen"], grpo.TEMPERATURE, chunk=128,
+                        from_hidden=True)
         assert torch.allclose(t["gen_logps"][t["completion_mask"]], want[t["completion_mask"]], atol=1e-5)
 
 
 def test_on_policy_rows_need_no_gen_logps_for_the_same_loss_and_gradient():
-    """Without gen_logps (None, or NaN rows that a batch mixes in) the ratio is 1 with the policy
+    """Without gen_logps (None, or rows outside gen_rows that a batch mixes in) the ratio is 1 with the policy
     gradient: the same as passing the current log-probs as pi_old. Rows with gen_logps keep theirs."""
     torch.manual_seed(9)
     logps = (-torch.rand(4, 5)).requires_grad_()
     ref, adv, mask = -torch.rand(4, 5), torch.tensor([1.0, -1.0, 0.5, 2.0]), torch.rand(4, 5) > 0.2
     stale = logps.detach() + torch.randn(4, 5) * 0.3  # rows 2-3: groups from an older policy
-    mixed = torch.cat([torch.full((2, 5), float("nan")), stale[2:]])  # rows 0-1: this rank's own groups
+    mixed = torch.cat([torch.full((2, 5), 5.0), stale[2:]])  # rows 0-1: this rank's own groups (junk values)
+    rows = torch.tensor([False, False, True, True])
     explicit = torch.cat([logps.detach()[:2], stale[2:]])
     results = []
-    for gen in (None, logps.detach()), (mixed, explicit):
-        for g in gen:
-            loss = grpo_loss(logps=logps, ref_logps=ref, gen_logps=g, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2)
+    for gen in ((None, None), (logps.detach(), None)), ((mixed, rows), (explicit, None)):
+        for g, r in gen:
+            loss = grpo_loss(logps=logps, ref_logps=ref, gen_logps=g, gen_rows=r, advantages=adv, mask=mask, beta=0.04,
+                             clip_eps=0.2)
             results.append((loss.item(), torch.autograd.grad(loss, logps)[0]))
     for (a, ga), (b, gb) in (results[:2], results[2:]):
         assert a == pytest.approx(b, rel=1e-6) and torch.allclose(ga, gb, atol=1e-7)
@@ -337,14 +346,13 @@ def test_skip_gen_logps_gives_the_plain_paths_loss_and_gradient(tiny_policy, mon
     for skip in (True, False):
         monkeypatch.setattr(grpo, "SKIP_GEN_LOGPS", skip)
         groups, _ = short_rollout(tiny_policy, monkeypatch, False, max_new_tokens=16,
-                                  with_gen_logps=grpo.needs_gen_logps(regroup=False))
+                                  with_gen_logps=not skip)  # main's rule at MU = 1 without REGROUP
         assert groups and all(("gen_logps" in t) != skip for t, _ in groups)
         g = torch.Generator().manual_seed(5)
         for t, _ in groups:  # what the server would add
             t["ref_logps"] = -torch.rand(t["completion_mask"].shape, generator=g)  # (G, T)
         engine = PlainEngine(model, lr=0.0)
-        loss = grpo.policy_loss(engine, grpo.prepare_batch(engine, grpo.collate(groups, tok.pad_token_id)),
-                                defaultdict(float))
+        loss, _ = grpo.policy_loss(engine, grpo.prepare_batch(engine, collate(groups, tok.pad_token_id)))
         out[skip] = loss.item(), torch.autograd.grad(loss, params)
     assert out[True][0] == pytest.approx(out[False][0], rel=1e-5, abs=1e-7)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(out[True][1], out[False][1]))
@@ -423,7 +431,7 @@ def answers(reward):  # 4 answers to one question (the same 5 prompt tokens), al
     return dict(input_ids=ids, completion_mask=torch.ones(4, 3, dtype=torch.bool), advantages=torch.zeros(4),
                 rewards=torch.full((4,), reward), gen_logps=-torch.rand(4, 3))
 a, b, meta = answers(0.0), answers(1.0), dict(plen=5, temperature=1.0)
-assert ref_server.REGROUP and server.regroup
+assert ref_server.REGROUP and server.pool is not None
 assert server.pool.add(a, meta) is None
 tensors, out_meta = server.pool.add(b, meta)
 assert out_meta["regrouped"] and tensors["rewards"].unique().numel() == 2
@@ -482,21 +490,19 @@ def test_sampling_ignores_the_models_own_generation_config(tiny_model_dir, tmp_p
 
 # ----------------------------------------------------------------------------- REWARDS
 def test_score_sums_the_weighted_rewards_and_logs_each_by_name(monkeypatch):
-    texts = [" 3 + 4 </think><answer>7</answer>", " 3 + 4 </think><answer>8</answer>", " 7"]
+    texts = ["<think> 3 + 4 </think><answer>7</answer>", "<think> 3 + 4 </think><answer>8</answer>", "<think> 7"]
     golds, questions = ["7", "7", "7"], ["What is 3 + 4?"] * 3
-    m = defaultdict(float)
-    total = grpo.score(texts, golds, questions, m)
+    total, each = grpo.score(texts, golds, questions)
     assert total.tolist() == [2.0 * 1 + 1.0 * 1, 2.0 * 0 + 1.0 * 1, 2.0 * 1 + 1.0 * 0]  # the defaults, by hand
-    assert m["reward_correct"] == pytest.approx(2 / 3) and m["reward_format"] == pytest.approx(2 / 3)
+    assert each == {"reward_correct": [1.0, 0.0, 1.0], "reward_format": [1.0, 1.0, 0.0]}
 
     def reward_short(completion, gold, question):  # a third reward is one more pair
         return -len(completion) / 100
 
     monkeypatch.setattr(grpo, "REWARDS", grpo.REWARDS + [(reward_short, 0.5)])
-    m = defaultdict(float)
-    longer = grpo.score(texts, golds, questions, m)
-    want = [t - 0.5 * len("<think>" + x) / 100 for t, x in zip(total.tolist(), texts)]
-    assert longer.tolist() == pytest.approx(want) and "reward_short" in m
+    longer, each = grpo.score(texts, golds, questions)
+    want = [t - 0.5 * len(x) / 100 for t, x in zip(total.tolist(), texts)]
+    assert longer.tolist() == pytest.approx(want) and each["reward_short"] == [-len(x) / 100 for x in texts]
 
     import numpy as np
 
@@ -504,7 +510,7 @@ def test_score_sums_the_weighted_rewards_and_logs_each_by_name(monkeypatch):
         return np.float64(0.25)
 
     monkeypatch.setattr(grpo, "REWARDS", [(reward_numpy, 2.0)])
-    assert grpo.score(texts, golds, questions, defaultdict(float)).tolist() == [0.5] * 3
+    assert grpo.score(texts, golds, questions)[0].tolist() == [0.5] * 3
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -517,7 +523,7 @@ def test_a_broken_reward_stops_the_run_naming_it_and_the_completion(monkeypatch,
     bad.__name__ = "reward_broken"
     monkeypatch.setattr(grpo, "REWARDS", [(bad, 1.0)])
     with pytest.raises(SystemExit, match=f"reward reward_broken {message}") as e:
-        grpo.score([" 12 </think><answer>12</answer>"], ["12"], ["q"], defaultdict(float))
+        grpo.score(["<think> 12 </think><answer>12</answer>"], ["12"], ["q"])
     assert "<think> 12 </think><answer>12</answer>" in str(e.value)
 
 
@@ -535,18 +541,18 @@ def test_sample_metrics_cover_every_rollout_of_the_step(monkeypatch):
     first = [dict(reward=3.0, reward_correct=1.0, reward_format=1.0, length=10, truncated=False)] * 4  # all right
     second = [dict(reward=r, reward_correct=c, reward_format=1.0, length=n, truncated=n == 64)
               for r, c, n in [(3.0, 1.0, 12), (1.0, 0.0, 64), (1.0, 0.0, 20), (1.0, 0.0, 22)]]
-    stats = grpo.sample_stats(first + second)
+    stats = sample_stats(first + second, grpo.NUM_PRE_Q, ["reward_correct", "reward_format"])
     assert stats["reward"] == pytest.approx(18 / 8) and stats["reward_correct"] == pytest.approx(5 / 8)
     assert stats["reward_format"] == 1.0 and stats["truncated"] == pytest.approx(1 / 8)
     assert stats["length"] == pytest.approx((40 + 118) / 8) and stats["max_length"] == 64
     assert stats["reward_std"] == pytest.approx(2 ** 0.5 / 4)  # groups (3,3) (3,3) (3,1) (1,1): std 0, 0, 1.41, 0
-    assert grpo.sample_stats(second)["reward_correct"] == 0.25  # the last rollout alone: what was logged before
+    assert sample_stats(second, 2, ["reward_correct"])["reward_correct"] == 0.25  # the last rollout alone: what was logged before
 
 
 def test_the_reward_models_mean_score_is_a_metric_of_the_step():
-    m = defaultdict(float, dropped=0, fwd_bwd_s=1.0, optim_s=0.5)
+    m = Counter(dropped=0, fwd_bwd_s=1.0, optim_s=0.5)
     groups = [({}, {"version": 4, "reward_model_mean": 0.2}), ({}, {"version": 4, "reward_model_mean": 0.6})]
-    out = grpo.step_metrics(m, groups, step=5, attempts=1, step_start=grpo.clock())
+    out = step_metrics(m, groups, step=5, attempts=1, step_start=clock(), questions_per_rollout=4)
     assert out["reward_model"] == pytest.approx(0.4) and out["staleness"] == 0 and out["train_s"] == 1.5
-    plain = defaultdict(float, dropped=0, fwd_bwd_s=1.0, optim_s=0.5)
-    assert "reward_model" not in grpo.step_metrics(plain, [({}, {})], 1, 1, grpo.clock())
+    plain = Counter(dropped=0, fwd_bwd_s=1.0, optim_s=0.5)
+    assert "reward_model" not in step_metrics(plain, [({}, {})], 1, 1, clock(), 4)

@@ -7,7 +7,6 @@ setting, the full averaged gradient, the weights after the step, and every rank'
 """
 import os
 import sys
-from collections import defaultdict
 
 import torch
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
@@ -32,7 +31,8 @@ def rank_groups(engine, tokenizer, rank, G=3):
         mask[0, 4:] = mask[2, 2:] = False  # answers that ended early
         ids = torch.cat([torch.tensor(prompt).expand(G, -1), completions], 1)  # (G, P + T)
         with torch.no_grad():
-            ref = completion_logps(engine, ids.to(engine.device), torch.ones_like(ids).to(engine.device), 6, 1.0, chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)
+            ref = completion_logps(engine, ids.to(engine.device), torch.ones_like(ids).to(engine.device), 6, 1.0,
+                                   chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)
         groups.append((dict(input_ids=ids, completion_mask=mask, advantages=torch.randn(G, generator=g),
                             ref_logps=ref.cpu() + 0.3 * torch.randn(G, 6, generator=g)), {"plen": len(prompt)}))
     return groups
@@ -43,8 +43,7 @@ def one_step():
     engine, tokenizer, *_ = grpo.setup_deepspeed()
     rank = torch.distributed.get_rank()
     parts = grpo.micro_batches(engine, rank_groups(engine, tokenizer, rank), tokenizer.pad_token_id)
-    m = defaultdict(float)
-    grpo.backward(engine, parts, m)
+    m = grpo.backward(engine, parts)
     grads = {name: safe_get_full_grad(p).cpu() for name, p in engine.module.named_parameters()}
     before = {name: safe_get_full_fp32_param(p).cpu() for name, p in engine.module.named_parameters()}
     engine.step()
