@@ -3,7 +3,7 @@
 #   bash scripts/run_demo.sh        # env overrides pass through, e.g. ALL_STEPS=5 bash scripts/run_demo.sh
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
-python -c "import grpo_common, os; grpo_common.resolve_model_path(os.environ.get('MODEL_PATH', ''))"  # convert the GGUF once, up front
+python -c "import os; from features.embedded_model import resolve_model_path as r; r(os.environ.get('MODEL_PATH', ''))"  # the GGUF converted once, up front
 python ref_server.py > ref_server.log 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT

@@ -26,6 +26,21 @@ import ref_server  # noqa: E402
 import rewards  # noqa: E402
 
 
+SLOW_MODULES = {"test_e2e", "test_training_runs", "test_two_nodes", "test_vllm", "test_lora"}  # whole runs
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: a DeepSpeed launch, a vLLM engine or a server process under load; "
+                                       "`bash scripts/test.sh -m \"not slow\"` leaves them out")
+
+
+def pytest_collection_modifyitems(items):
+    """Every test of SLOW_MODULES is slow; elsewhere @pytest.mark.slow says so test by test."""
+    for item in items:
+        if item.module.__name__ in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -474,3 +474,41 @@ def test_a_reward_model_adds_its_weighted_score_and_the_server_redoes_the_advant
         assert r.status_code == 400 and "needs question and answers" in r.json()["error"]
     finally:
         stop(server, stop_serving)
+
+
+def test_regroup_takes_an_upload_without_a_version_then_one_with_a_version(model):
+    """A hostile client's mix: with REGROUP on, an upload whose version is null, then one with version 2 for
+    the same question. It used to answer 500 (None < 2 while taking the group's oldest version); now the
+    null counts as not given, version 0, and the group that comes out is the oldest answer's."""
+    server, stop_serving, url = start(model, regroup=True)
+    try:
+        a, meta = group(G=4, plen=5, tc=3, seed=1)
+        b, _ = group(G=4, plen=5, tc=3, seed=2)
+        b["input_ids"][:, :5] = a["input_ids"][0, :5]  # the same question
+        a["rewards"], b["rewards"] = torch.zeros(4), torch.ones(4)  # each alone: no signal
+        first = requests.post(url + "/upload", data=encode_batch(a, {**meta, "version": None}), timeout=10)
+        assert first.status_code == 200 and first.json()["groups"] == 0, first.text
+        second = requests.post(url + "/upload", data=encode_batch(b, {**meta, "version": 2}), timeout=10)
+        assert second.status_code == 200 and second.json()["groups"] == 1, second.text
+        tensors, out_meta = pull(url)
+        assert out_meta["version"] == 0 and out_meta["regrouped"] and tensors["rewards"].unique().numel() == 2
+    finally:
+        stop(server, stop_serving)
+
+
+def test_stop_frees_the_port_and_a_waitress_without_its_socket_map_is_named():
+    """stop() walks waitress's private socket map (features/http_server.close_sockets): the port is free at
+    once after it; a waitress that no longer has that map is a clear error, not a server that never stops."""
+    import socket
+    from types import SimpleNamespace
+
+    from features.http_server import close_sockets, start_http
+
+    port = free_port()
+    stop_http = start_http(lambda environ, start_response: [], "127.0.0.1", port, threads=1, backlog=8,
+                           idle_timeout=5, max_body=100)
+    stop_http()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # raises if anything still listens there
+    with pytest.raises(RuntimeError, match="no socket map"):
+        close_sockets(SimpleNamespace(task_dispatcher=None))

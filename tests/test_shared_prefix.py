@@ -161,3 +161,31 @@ def test_micro_batches_give_the_gradient_and_step_of_one_batch(zero2_steps, rank
             assert_same(whole["grads"], part["grads"], f"shared {shared}, micro-batch {micro}: gradient")
             assert_same(whole["weights"], part["weights"], f"shared {shared}, micro-batch {micro}: weights")
         assert whole["moved"] > 1e-7  # the step changed the weights (the comparison means something)
+
+
+def test_the_layer_flags_it_switches_are_the_ones_transformers_reads(model):
+    """features/shared_prefix.layer_flags writes gradient_checkpointing and _can_checkpoint_with_cache into
+    transformers' decoder layers for one block. If transformers stopped reading either name, the prompt's
+    forward would silently checkpoint (dropping its cache): this fails loudly instead, and the writes are
+    undone after the block."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    from features import shared_prefix
+
+    assert set(shared_prefix._flags_read()) == set(shared_prefix.LAYER_FLAGS)  # what this transformers reads
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    assert len(layers) == model.config.num_hidden_layers
+    before = [dict(layer.__dict__) for layer in layers]
+    with shared_prefix.layer_flags(model, gradient_checkpointing=False, _can_checkpoint_with_cache=True):
+        assert all(layer.__dict__["_can_checkpoint_with_cache"] is True for layer in layers)
+    assert [dict(layer.__dict__) for layer in layers] == before
+    shared_prefix._flags_read.cache_clear()
+    real = shared_prefix.LAYER_FLAGS
+    try:
+        shared_prefix.LAYER_FLAGS = ("gradient_checkpointing", "_renamed_by_a_new_transformers")
+        with pytest.raises(RuntimeError, match="does not read"):
+            with shared_prefix.layer_flags(model, _can_checkpoint_with_cache=True):
+                pass
+    finally:
+        shared_prefix.LAYER_FLAGS = real
+        shared_prefix._flags_read.cache_clear()
