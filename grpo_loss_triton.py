@@ -133,8 +133,8 @@ class _GRPOLoss(torch.autograd.Function):
         _grpo_fwd_kernel[(B * T,)](
             logits, *logits.stride(), ids, ref, gen, samp, advantages.float().contiguous(), weight.contiguous(),
             gen_rows, sampler_rows, loss_tok, logp, lse, dcoef, T, V, float(beta), float(clip_eps),
-            float(clip_eps_high), 1.0 / float(temperature), float(tis_cap), HAS_GEN=gen_logps is not None, HAS_REF=ref_logps is not None,
-            HAS_TIS=has_tis, BLOCK=BLOCK_V,
+            float(clip_eps_high), 1.0 / float(temperature), float(tis_cap), HAS_GEN=gen_logps is not None,
+            HAS_REF=ref_logps is not None, HAS_TIS=has_tis, BLOCK=BLOCK_V,
         )
         ctx.save_for_backward(logits, ids, lse, dcoef * weight)
         ctx.inv_temperature, ctx.inplace = 1.0 / float(temperature), inplace

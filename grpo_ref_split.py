@@ -8,8 +8,8 @@
     deepspeed grpo_ref_split.py                  # every local GPU; CPU only: --num_gpus 1 (or 2)
     RESUME=1 deepspeed grpo_ref_split.py         # continue from the newest OUTPUT_DIR/step_N
     python grpo_ref_split.py genonly             # an extra generation worker (any spare GPU or machine)
-From simple_GRPO: NUM_PRE_Q (answers per question), gen_logps (pi_old). Shapes: B answers, P prompt and T answer
-columns, V vocabulary. Features: features/, docs/. Any UPPER_CASE constant can be set by an environment variable.
+From simple_GRPO: NUM_PRE_Q, gen_logps (pi_old). Shapes: B answers, P prompt and T answer columns, V vocabulary.
+Features: features/, docs/. Any UPPER_CASE constant below can be set by an environment variable of its name.
 """
 import random
 import sys
@@ -86,7 +86,7 @@ TIS_CAP = 2.0  # each token's surrogate x min(pi_old / pi_vllm, TIS_CAP): trunca
 EVAL_STEPS = 10  # greedy accuracy on held-out questions before step 1 and every this many steps; 0 = never
 EVAL_SIZE = 128  # held-out questions: the dataset's last EVAL_SIZE, never trained on; fewer gave noisy figures
 SAVE_STEPS = 10  # save OUTPUT_DIR/step_N every this many steps and at the end: weights + DeepSpeed state
-KEEP_CHECKPOINTS = 2  # newest step_N folders kept; each holds weights and optimizer state (4x the model's size)
+KEEP_CHECKPOINTS = 2  # newest step_N folders kept; each holds the weights twice and AdamW's two moments
 RESUME = False  # True = continue from the newest step_N: weights, optimizer state, step count, data position
 OUTPUT_DIR = "output"  # checkpoints, metrics.jsonl, completions.jsonl and curves.png
 LOG_COMPLETIONS_STEPS = 1  # every this many steps, each sampled answer as a line of completions.jsonl; 0 = never
@@ -141,8 +141,7 @@ def grpo_loss(*, logps, ref_logps, gen_logps, advantages, mask, beta, clip_eps, 
         raise ValueError("ref_logps=None needs beta=0 (the KL term needs reference log-probs)")
     mask, clip_eps_high = mask.bool(), clip_eps if clip_eps_high is None else clip_eps_high  # (B, T)
     old = old_logps(logps, gen_logps, gen_rows, mask)  # (B, T)
-    ratio = torch.exp(log_ratio(logps, old, mask, gspo))  # (B, T)
-    adv = advantages[:, None]  # (B, 1)
+    ratio, adv = torch.exp(log_ratio(logps, old, mask, gspo)), advantages[:, None]  # (B, T), (B, 1)
     surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high) * adv)  # (B, T)
     if sampler_logps is not None and tis_cap > 0:  # truncated importance sampling: x min(pi_old / pi_vllm, cap)
         sampled = mask if sampler_rows is None else mask & sampler_rows[:, None]  # (B, T)
@@ -151,12 +150,12 @@ def grpo_loss(*, logps, ref_logps, gen_logps, advantages, mask, beta, clip_eps, 
         surrogate = surrogate - beta * k3(torch.where(mask, ref_logps, logps.detach()), logps)  # (B, T)
     if token_mean:  # DAPO: every token of the batch weighs the same
         total, count = torch.where(mask, -surrogate, 0.0).sum(), mask.sum().clamp(min=1)
-    else:  # GRPO: mean over each answer's tokens, then over answers (so a long answer's tokens weigh less)
+    else:  # GRPO: per answer, then over answers. Dr. GRPO: total = where(mask, -surrogate, 0).sum() / MAX_NEW_TOKENS
         total, count = masked_mean(-surrogate, mask).sum(), mask.shape[0]
     return total / (count if normalizer is None else normalizer)
 
 
-# ----------------------------------------------------------------------------- prompts
+# ----------------------------------------------------------------------------- one step: prompts, rollout, loss
 def build_prompt(tokenizer, question: str) -> str:
     """The chat prompt (system, optional worked EXAMPLE turn, question), ending in THINK_PREFILL."""
     shot = [{"role": "user", "content": EXAMPLE[0]}, {"role": "assistant", "content": EXAMPLE[1]}] if EXAMPLE else []
@@ -175,7 +174,6 @@ def decode(tokenizer, completion_ids) -> list:
     return [THINK_PREFILL + t for t in tokenizer.batch_decode(completion_ids, skip_special_tokens=True)]
 
 
-# ----------------------------------------------------------------------------- one step
 @torch.no_grad()
 def generate(model, tokenizer, questions, gen_config, eos_ids, llm=None) -> dict:
     """Step 2: NUM_PRE_Q answers per question, a group's rows consecutive; from vLLM (`llm`) with its log-probs."""
@@ -219,12 +217,11 @@ def score(texts, golds, questions):
 def pack_groups(model, rollout, rewards, advantages, keep_all, with_gen_logps):
     """(the groups worth training on as (tensors, meta) in the wire format, the number dropped: all answers scored
     the same, unless keep_all for a server's REGROUP or REWARD_MODEL). with_gen_logps: pi_old (a forward)."""
-    G, mask = NUM_PRE_Q, rollout["mask"]
+    G, mask, P, T = NUM_PRE_Q, rollout["mask"], rollout["prompt_ids"].shape[1], rollout["mask"].shape[1]
     varied = rewards.view(-1, G).std(1) > 0  # (Q,)
     kept = [q for q in range(len(varied)) if (varied[q] or keep_all) and mask[q * G : (q + 1) * G].any()]
     ids = torch.cat([rollout["prompt_ids"], rollout["completion_ids"]], 1)  # (B, P+T)
     attn = torch.cat([rollout["prompt_mask"], torch.ones_like(rollout["completion_ids"])], 1)  # (B, P+T)
-    P, T = rollout["prompt_ids"].shape[1], mask.shape[1]
     rows = [q * G + i for q in kept for i in range(G)]
     gen_logps = logps_of(model, ids[rows], attn[rows], T).cpu() if kept and with_gen_logps else None  # (K, T) pi_old
     groups = []
@@ -243,8 +240,8 @@ def pack_groups(model, rollout, rewards, advantages, keep_all, with_gen_logps):
     return groups, int((~varied).sum())
 
 
-def rollout(model, tokenizer, questions, gen_config, eos_ids, llm, keep_all, with_gen_logps, step=0, rank=0):
-    """Steps 2-4 for a batch of questions: (groups to upload, one record per answer, their metrics)."""
+def rollout(model, tokenizer, eos_ids, gen_config, questions, llm, keep_all, with_gen_logps, step=0, rank=0):
+    """Steps 2-4 on `questions`, the policy first as load_policy returns it: (groups, answer records, metrics)."""
     m = Counter()
     with timed(m, "generate_s"):
         out = generate(model, tokenizer, questions, gen_config, eos_ids, llm)  # 2. generate
@@ -314,6 +311,18 @@ def policy_loss(engine, b):
     return (loss if share else loss * 0.0), m  # share 0: a repeat that only keeps this rank in step with the others
 
 
+def train_step(engine, parts) -> Counter:
+    """Steps 6-7, MU times on the same batch (the clipped ratio keeps each pass near pi_old); their metrics."""
+    m = Counter()
+    for _ in range(MU):
+        with timed(m, "fwd_bwd_s"):
+            m.update({k: v / MU for k, v in backward(engine, parts).items()})  # 6. the loss and its gradient
+        m["lr"] += engine.get_lr()[0] / MU  # the rate this step uses (the scheduler moves it in engine.step)
+        with timed(m, "optim_s"):
+            engine.step()  # 7. the optimizer step
+    return m
+
+
 def backward(engine, parts) -> Counter:
     """Step 6 over a step's micro-batches, whose gradients add up for one optimizer step; their metrics, summed."""
     m = Counter()
@@ -348,14 +357,12 @@ def setup_deepspeed():
 
 def check_settings():
     """Stop, before any model loads, on constants that cannot work together or an OUTPUT_DIR that holds a run."""
-    if not RESUME:  # else KEEP_CHECKPOINTS would delete another run's checkpoints
-        checkpoints.refuse_to_overwrite(OUTPUT_DIR)
+    checkpoints.refuse_to_overwrite(OUTPUT_DIR, RESUME)  # else KEEP_CHECKPOINTS would delete another run's
     if USE_TRITON and GSPO:  # a sequence's ratio needs all its tokens before any token's gradient: a second pass
         sys.exit("USE_TRITON does not implement GSPO's per-answer ratio: set GSPO=0, or USE_TRITON=0")
     check_tensorboard(TENSORBOARD)
     if GSPO and max(CLIP_EPS, CLIP_EPS_HIGH) > 0.01:  # an answer's mean drift is far smaller than a token's
-        print(f"warning: GSPO with CLIP_EPS {CLIP_EPS} / CLIP_EPS_HIGH {CLIP_EPS_HIGH} will hardly ever clip (the "
-              "paper uses 3e-4 / 4e-4)", file=sys.stderr, flush=True)
+        print(f"warning: GSPO with CLIP_EPS {CLIP_EPS} will hardly ever clip (the paper: 3e-4 / 4e-4)", file=sys.stderr)
 
 
 def start_vllm(seed, dtype):
@@ -391,7 +398,7 @@ def main():
         m, step_start, answers = Counter(), clock(), []  # this step's metrics and sampled answers
         for attempt in range(1, MAX_ROLLOUTS + 1):  # until the server hands back groups (all-equal ones are dropped)
             batch = rng.sample(questions, Q_BATCH_SIZE)  # 1. sample
-            groups, records, stats = rollout(model, tokenizer, batch, gen_config, eos_ids, llm, keep_all,
+            groups, records, stats = rollout(model, tokenizer, eos_ids, gen_config, batch, llm, keep_all,
                                              with_gen_logps, step, rank)  # 2-4. generate, score, advantages
             answers += records
             m.update(stats)
@@ -403,13 +410,7 @@ def main():
         else:
             sys.exit(f"{MAX_ROLLOUTS} rollouts in a row gave no group with different rewards: the task is too hard or "
                      "too easy for this model (try THINK_PREFILL, EXAMPLE, ARITH_MAX, MAX_NEW_TOKENS or the weights)")
-        parts = micro_batches(engine, groups, tokenizer.pad_token_id)
-        for _ in range(MU):  # MU > 1 reuses the batch; the clipped ratio keeps each pass near gen_logps
-            with timed(m, "fwd_bwd_s"):
-                m.update({k: v / MU for k, v in backward(engine, parts).items()})  # 6. loss and its gradient
-            m["lr"] += engine.get_lr()[0] / MU  # the rate this step uses (the scheduler moves it in engine.step)
-            with timed(m, "optim_s"):
-                engine.step()  # 7. optimizer step
+        m.update(train_step(engine, micro_batches(engine, groups, tokenizer.pad_token_id)))  # 6-7. loss, step
         m["max_weight_gap"] = weight_gap(model)  # 0: every rank, on every node, holds the same weights
         if llm is not None:
             with timed(m, "push_s"):
@@ -423,8 +424,7 @@ def main():
                                         keep=KEEP_CHECKPOINTS, lora=LORA_RANK > 0)
             if rank == 0:
                 plot_curves(log.metrics.name, names)
-    if LORA_RANK > 0:
-        lora.save_merged(model, tokenizer, OUTPUT_DIR, rank)
+    lora.save_merged(model, tokenizer, OUTPUT_DIR, rank)  # LoRA: OUTPUT_DIR/merged, the adapters merged in
     if rank == 0:
         log.close()
         print(f"done: checkpoints, metrics.jsonl, completions.jsonl and curves.png in {OUTPUT_DIR}/", flush=True)
@@ -434,7 +434,7 @@ def generate_only():
     """A generation worker (features/worker.py): steps 1-4 and uploads, no DeepSpeed, no optimizer."""
     questions, _ = split_held_out(load_questions(DATASET, SEED, ARITH_MAX), EVAL_SIZE)
 
-    def make_groups(policy, llm, keep_all, rng):  # steps 1-4, the trainer's own
+    def make_groups(policy, llm, keep_all, rng):  # steps 1-4, the trainer's own; policy: load_policy's four
         return rollout(*policy, rng.sample(questions, Q_BATCH_SIZE), llm, keep_all, True)[:2]
 
     worker.run_worker(load_policy, make_groups, RefClient(REF_SERVER, REF_TOKEN, SERVER_TIMEOUT),

@@ -32,7 +32,7 @@ def main():
     path = resolve_model_path(grpo.MODEL_PATH)
     model, tokenizer, eos_ids, gen_config = grpo.load_policy(path, torch.device("cpu"))
     start = time.perf_counter()
-    llm = grpo.start_vllm(path, grpo.SEED, model.dtype)
+    llm = grpo.start_vllm(grpo.SEED, model.dtype)
     start_s = time.perf_counter() - start
     questions = load_questions(grpo.DATASET, grpo.SEED, grpo.ARITH_MAX)
     seconds, tokens = defaultdict(list), defaultdict(list)
@@ -41,7 +41,8 @@ def main():
         order = (("transformers", None), ("vLLM", llm))  # alternating which goes first
         for name, engine in order if r % 2 == 0 else order[::-1]:
             m = defaultdict(float)
-            rollout = grpo.generate(model, tokenizer, batch, gen_config, eos_ids, m, engine)
+            with grpo.timed(m, "generate_s"):
+                rollout = grpo.generate(model, tokenizer, batch, gen_config, eos_ids, engine)
             n = int(rollout["mask"].sum())  # generated tokens, EOS included
             seconds[name].append(m["generate_s"])
             tokens[name].append(n / m["generate_s"])

@@ -49,10 +49,10 @@ def main():
         ids = torch.randint(0, V, (B, T), device="cuda", generator=g)
         ref, gen = -torch.rand(B, T, device="cuda", generator=g), -torch.rand(B, T, device="cuda", generator=g)
         adv, mask = torch.randn(B, device="cuda", generator=g), torch.ones(B, T, dtype=torch.bool, device="cuda")
-        torch_ms, torch_mem = run(lambda x: grpo_loss(logps=per_token_logps(x, ids, 0.7, chunk=128), ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2),
-                                  logits)
-        triton_ms, triton_mem = run(lambda x: grpo_loss_triton(logits=x, completion_ids=ids, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2,
-                                                               temperature=0.7), logits)
+        args = dict(ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2)
+        torch_ms, torch_mem = run(lambda x: grpo_loss(logps=per_token_logps(x, ids, 0.7, chunk=128), **args), logits)
+        triton_ms, triton_mem = run(lambda x: grpo_loss_triton(logits=x, completion_ids=ids, temperature=0.7, **args),
+                                    logits)
         row = dict(V=V, torch_ms=torch_ms, triton_ms=triton_ms, torch_peak_bytes=torch_mem,
                    triton_peak_bytes=triton_mem,
                    speedup=torch_ms / triton_ms, memory_ratio=torch_mem / max(triton_mem, 1))

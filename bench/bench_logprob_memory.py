@@ -4,9 +4,9 @@ Three ways to get log softmax(hidden @ W.T / T)[id], each measured in its own pr
 above the memory once hidden states (B, T, H) and head W (V, H) exist: RSS on CPU, max_memory_allocated
 on a GPU):
   naive    logits = hidden @ W.T, then torch.log_softmax and gather (the definition)
-  logits   LOGP_FROM_HIDDEN = False: the whole logits, then grpo_common.per_token_logps (softmax
+  logits   LOGP_FROM_HIDDEN = False: the whole logits, then features/logprobs.per_token_logps (softmax
            recomputed LOGP_CHUNK tokens at a time, the gradient written over the logits)
-  chunked  LOGP_FROM_HIDDEN = True: grpo_common.hidden_logps, LOGP_CHUNK tokens of logits at a time
+  chunked  LOGP_FROM_HIDDEN = True: features/logprobs.hidden_logps, LOGP_CHUNK tokens of logits at a time
 A variant is skipped where it would not fit (naive ~3x, logits ~1.3x the fp32/bf16 logits).
 Then the time of chunked against logits, alternating in one process, for each LOGP_CHUNK in CHUNKS.
 
@@ -37,13 +37,12 @@ REPEATS = 5 if GPU else 3
 CHILD = """
 import json, resource, sys, time, torch
 sys.path.insert(0, {root!r})
-import grpo_common
 from features.logprobs import hidden_logps, per_token_logps
 from grpo_ref_split import grpo_loss
 gpu = torch.cuda.is_available()
 dev, dtype = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)
 B, T, V, H, variants, repeats = {B}, {T}, {V}, {H}, {variants!r}, {repeats}
-grpo_common.LOGP_CHUNK = {chunk}
+chunk = {chunk}
 g = torch.Generator(device=dev).manual_seed(0)
 hidden = torch.randn(B, T, H, device=dev, generator=g).to(dtype).requires_grad_()  # (B, T, H)
 head = (torch.randn(V, H, device=dev, generator=g) / H**0.5).to(dtype).requires_grad_()  # (V, H)
@@ -53,11 +52,11 @@ adv, mask = torch.randn(B, device=dev, generator=g), torch.ones(B, T, dtype=torc
 
 def logps(variant):
     if variant == "chunked":
-        return hidden_logps(hidden, head, ids, 0.7)  # (B, T)
+        return hidden_logps(hidden, head, ids, 0.7, chunk=chunk)  # (B, T)
     logits = hidden @ head.T  # (B, T, V)
     if variant == "naive":
         return torch.log_softmax(logits.float() / 0.7, -1).gather(-1, ids[..., None]).squeeze(-1)  # (B, T)
-    return per_token_logps(logits, ids, 0.7, inplace_backward=True)  # (B, T)
+    return per_token_logps(logits, ids, 0.7, chunk=chunk, inplace_backward=True)  # (B, T)
 
 def memory():
     if gpu:
@@ -65,7 +64,8 @@ def memory():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 def step(variant):
-    grpo_loss(logps(variant), ref, gen, adv, mask, 0.04, 0.2).backward()
+    grpo_loss(logps=logps(variant), ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.04,
+              clip_eps=0.2).backward()
     hidden.grad = head.grad = None
 
 if len(variants) == 1:  # memory: one pass in a fresh process

@@ -34,22 +34,22 @@ def folder_bytes(path):
 def child():
     """One step and one checkpoint; prints {"peak_bytes", "seconds", "trainable", "total", "checkpoint_bytes"}."""
     import ctypes
-    from collections import defaultdict
 
     import grpo_ref_split as grpo
+    from features.checkpoints import save_checkpoint
 
     engine, tokenizer, *_ = grpo.setup_deepspeed()
     groups = demo_groups(engine, tokenizer, 2)
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed memory back to the system: else the start varies by ~0.5 GiB
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the RSS now
-    start, m = time.perf_counter(), defaultdict(float)
-    grpo.backward(engine, grpo.micro_batches(engine, groups, tokenizer.pad_token_id), m)
+    start = time.perf_counter()
+    grpo.backward(engine, grpo.micro_batches(engine, groups, tokenizer.pad_token_id))
     engine.step()
     seconds, peak = time.perf_counter() - start, hwm_bytes()
     with tempfile.TemporaryDirectory() as out:  # what save_checkpoint writes per step
-        grpo.OUTPUT_DIR = out
-        grpo.save_checkpoint(engine, tokenizer, 1, __import__("random").Random(0), 0)
+        save_checkpoint(engine, tokenizer, 1, __import__("random").Random(0), 0, output_dir=out, keep=1,
+                        lora=grpo.LORA_RANK > 0)
         checkpoint = folder_bytes(os.path.join(out, "step_1"))
     params = list(engine.module.parameters())
     print(json.dumps({"peak_bytes": peak, "seconds": seconds, "checkpoint_bytes": checkpoint,

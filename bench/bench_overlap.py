@@ -59,7 +59,8 @@ def reference(conn):
     conn.send("ready")
     while conn.recv() == "go":
         with torch.no_grad():
-            completion_logps(model, ids, attn, ANSWER_TOKENS, grpo.TEMPERATURE, shared_prefix=True, chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)  # (B, T)
+            completion_logps(model, ids, attn, ANSWER_TOKENS, grpo.TEMPERATURE, shared_prefix=True,
+                             chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)  # (B, T)
         conn.send(time.perf_counter())
 
 
@@ -74,7 +75,8 @@ def main():
 
     def policy_step():
         model.zero_grad(set_to_none=True)
-        logps = completion_logps(model, ids, attn, ANSWER_TOKENS, grpo.TEMPERATURE, shared_prefix=True, chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)  # (B, T)
+        logps = completion_logps(model, ids, attn, ANSWER_TOKENS, grpo.TEMPERATURE, shared_prefix=True,
+                                 chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)  # (B, T)
         logps.mean().backward()  # the loss's own cost is nothing beside the model's
 
     seconds = {"one after the other": [], "at the same time": []}

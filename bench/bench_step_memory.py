@@ -45,7 +45,8 @@ def demo_groups(engine, tokenizer, n_groups) -> list:
         g = torch.Generator().manual_seed(i)
         ids = torch.cat([torch.tensor(prompt).expand(G, -1), torch.randint(100, 5000, (G, T), generator=g)], 1)
         with torch.no_grad():
-            ref = completion_logps(engine, ids, torch.ones_like(ids), T, grpo.TEMPERATURE, shared_prefix=True, chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)
+            ref = completion_logps(engine, ids, torch.ones_like(ids), T, grpo.TEMPERATURE, shared_prefix=True,
+                                   chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)
         groups.append((dict(input_ids=ids, completion_mask=torch.ones(G, T, dtype=torch.bool),
                             advantages=torch.randn(G, generator=g), ref_logps=ref + 0.1), {"plen": len(prompt)}))
     return groups
@@ -53,8 +54,6 @@ def demo_groups(engine, tokenizer, n_groups) -> list:
 
 def child(n_groups):
     """One step on n_groups groups; prints {"peak_bytes", "seconds"}."""
-    from collections import defaultdict
-
     import grpo_ref_split as grpo
 
     engine, tokenizer, *_ = grpo.setup_deepspeed()
@@ -64,9 +63,9 @@ def child(n_groups):
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed memory back to the system: else the start varies by ~0.5 GiB
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the RSS now
-    start, m = time.perf_counter(), defaultdict(float)
+    start = time.perf_counter()
     parts = grpo.micro_batches(engine, groups, tokenizer.pad_token_id)
-    grpo.backward(engine, parts, m)
+    grpo.backward(engine, parts)
     engine.step()
     print(json.dumps({"peak_bytes": hwm_bytes(), "seconds": time.perf_counter() - start}))
 

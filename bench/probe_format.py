@@ -9,7 +9,6 @@ the <think> tag. This is what chose EXAMPLE (README, "What the demo does").
 """
 import os
 import random
-from collections import defaultdict
 import sys
 
 import torch
@@ -30,10 +29,10 @@ def main():
     with torch.no_grad():
         out = model.generate(input_ids=enc.input_ids.repeat_interleave(G, 0),
                              attention_mask=enc.attention_mask.repeat_interleave(G, 0), generation_config=gen_config)
-    texts = tokenizer.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
-    m = defaultdict(float)
-    grpo.score(texts, [q["gold"] for q in questions for _ in range(G)],
-               [q["question"] for q in questions for _ in range(G)], m)
+    texts = grpo.decode(tokenizer, out[:, enc.input_ids.shape[1]:])
+    _, each = grpo.score(texts, [q["gold"] for q in questions for _ in range(G)],
+                         [q["question"] for q in questions for _ in range(G)])
+    m = {name: sum(values) / len(values) for name, values in each.items()}
     closed = sum("</think>" in t for t in texts)
     print(f"EXAMPLE={grpo.EXAMPLE!r}: {len(texts)} answers | format {m['reward_format']:.0%} "
           f"| correct {m['reward_correct']:.0%} "

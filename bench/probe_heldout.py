@@ -9,12 +9,12 @@ know those sums; GRPO only learns from questions whose samples disagree), and th
 """
 import os
 import sys
-from collections import defaultdict
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo_ref_split as grpo  # noqa: E402
+from features.evaluation import greedy_answers  # noqa: E402
 from rewards import load_questions, split_held_out  # noqa: E402
 
 CHECKPOINT = os.environ.get("CHECKPOINT", "output/step_30")  # a run's step_N folder (weights + tokenizer)
@@ -29,7 +29,9 @@ def main():
     model.eval()
     _, held_out = split_held_out(load_questions(grpo.DATASET, grpo.SEED, grpo.ARITH_MAX), grpo.EVAL_SIZE)
     golds = [q["gold"] for q in held_out]
-    greedy_texts = grpo.greedy_answers(model, tokenizer, held_out, eos_ids, BATCH)
+    greedy_texts = greedy_answers(model, held_out, encode=lambda qs: grpo.encode_prompts(tokenizer, qs),
+                                  decode=lambda ids: grpo.decode(tokenizer, ids), eos_ids=eos_ids,
+                                  pad_id=tokenizer.pad_token_id, max_new_tokens=grpo.MAX_NEW_TOKENS, batch_size=BATCH)
     torch.manual_seed(0)
     sampled_texts = []
     for i in range(0, len(held_out), BATCH):
@@ -38,11 +40,10 @@ def main():
             out = model.generate(input_ids=enc.input_ids.repeat_interleave(SAMPLES, 0),
                                  attention_mask=enc.attention_mask.repeat_interleave(SAMPLES, 0),
                                  generation_config=gen_config)  # plain sampling at TEMPERATURE, as in training
-        sampled_texts += tokenizer.batch_decode(out[:, enc.input_ids.shape[1] :], skip_special_tokens=True)
-    greedy, sampled = {}, {}
-    grpo.score(greedy_texts, golds, [q["question"] for q in held_out], defaultdict(float), greedy)
-    grpo.score(sampled_texts, [g for g in golds for _ in range(SAMPLES)],
-               [q["question"] for q in held_out for _ in range(SAMPLES)], defaultdict(float), sampled)
+        sampled_texts += grpo.decode(tokenizer, out[:, enc.input_ids.shape[1] :])
+    _, greedy = grpo.score(greedy_texts, golds, [q["question"] for q in held_out])
+    _, sampled = grpo.score(sampled_texts, [g for g in golds for _ in range(SAMPLES)],
+                            [q["question"] for q in held_out for _ in range(SAMPLES)])
     right = greedy["reward_correct"]  # (N,) 1.0 / 0.0
     per_question = [sum(sampled["reward_correct"][i * SAMPLES : (i + 1) * SAMPLES]) / SAMPLES
                     for i in range(len(held_out))]
@@ -54,7 +55,7 @@ def main():
         print(f"{len(misses)} greedy misses; their samples are right "
               f"{sum(per_question[i] for i in misses) / len(misses):.1%} of the time")
     for i in misses[:12]:
-        print(f"  gold {golds[i]:>3} | {grpo.THINK_PREFILL + greedy_texts[i].strip()!r} | samples right "
+        print(f"  gold {golds[i]:>3} | {greedy_texts[i].strip()!r} | samples right "
               f"{per_question[i]:.0%} | {held_out[i]['question']!r}")
 
 

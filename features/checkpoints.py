@@ -19,9 +19,10 @@ def checkpoints(output_dir):
     return [os.path.join(output_dir, f"step_{n}") for n in steps]
 
 
-def refuse_to_overwrite(output_dir):
-    """A fresh run stops, changing nothing, where an earlier run left checkpoints (its keep limit would delete them)."""
-    if checkpoints(output_dir):
+def refuse_to_overwrite(output_dir, resume: bool):
+    """A fresh run (not resume) stops, changing nothing, where an earlier run left checkpoints: its keep limit
+    would delete them."""
+    if not resume and checkpoints(output_dir):
         sys.exit(f"{output_dir}/ holds checkpoints of an earlier run (newest {checkpoints(output_dir)[-1]}); "
                  "nothing was changed. Continue that run with RESUME=1, or start a new one in another OUTPUT_DIR")
 

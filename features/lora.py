@@ -51,8 +51,10 @@ def merged_state_dict(model) -> dict:
 
 
 def save_merged(model, tokenizer, output_dir, rank):
-    """At the end: output_dir/merged, the base with the adapters merged in, which from_pretrained loads
-    without peft (and vLLM serves)."""
+    """At the end of a LoRA run: output_dir/merged, the base with the adapters merged in, which from_pretrained
+    loads without peft (and vLLM serves). A model without adapters has nothing to merge: nothing is written."""
+    if not hasattr(model, "get_base_model"):
+        return
     if rank == 0:
         folder = os.path.join(output_dir, "merged")
         shutil.rmtree(folder + ".tmp", ignore_errors=True)

@@ -36,6 +36,7 @@ def run_worker(load, make_groups, client, *, first, seed, start_llm, output_dir,
     health = client.health(policy[0], policy[1], allow_mismatch)
     keep_all = bool(health["regroup"] or health["reward_model"])  # the server may still tell equal groups apart
     llm = start_llm(seed + os.getpid(), policy[0].dtype) if start_llm else None
+    waiting = False
     while True:
         newest = (checkpoints(output_dir) or [None])[-1]
         step = int(newest.rsplit("_", 1)[1]) if newest else 0
@@ -50,8 +51,12 @@ def run_worker(load, make_groups, client, *, first, seed, start_llm, output_dir,
                 print(f"[{name}] could not load {newest} ({e}); keeping version {version}", flush=True)
         health = client.health()
         if health["pending"] + health["ready_workers"] >= max_queued:
+            if not waiting:  # once per pause: a person watching sees why nothing is uploaded
+                print(f"[{name}] waiting: the server holds {max_queued} groups nobody has taken yet", flush=True)
+            waiting = True
             time.sleep(WAIT_S)
             continue
+        waiting = False
         groups, records = make_groups(policy, llm, keep_all, rng)
         client.upload(groups, version=version, worker=name)
         reward = sum(r["reward"] for r in records) / len(records)

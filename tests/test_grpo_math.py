@@ -219,7 +219,8 @@ def naive_loss(logps, ref, gen, adv, mask, beta, eps):
 def test_grpo_loss_by_hand_single_token():
     # ratio e^0.5 = 1.6487 > 1.2 with A = +1: clipped to 1.2; KL with d = -0.2: e^-0.2 + 0.2 - 1
     logps, gen, ref = torch.tensor([[-1.0]]), torch.tensor([[-1.5]]), torch.tensor([[-1.2]])
-    loss = grpo_loss(logps=logps, ref_logps=ref, gen_logps=gen, advantages=torch.tensor([1.0]), mask=torch.ones(1, 1, dtype=torch.bool), beta=0.1, clip_eps=0.2)
+    loss = grpo_loss(logps=logps, ref_logps=ref, gen_logps=gen, advantages=torch.tensor([1.0]),
+                     mask=torch.ones(1, 1, dtype=torch.bool), beta=0.1, clip_eps=0.2)
     assert loss.item() == pytest.approx(-(1.2 - 0.1 * (math.exp(-0.2) + 0.2 - 1)), rel=1e-6)
 
 
@@ -233,7 +234,8 @@ def test_grpo_loss_matches_naive_formula_in_all_clip_cases(seed):
     adv = torch.tensor([1.5, -1.5, 0.7, -0.2, 0.0, 2.0])  # positive and negative
     mask = torch.rand(B, T) > 0.3
     mask[:, 0] = True
-    got = grpo_loss(logps=logps, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2).item()
+    got = grpo_loss(logps=logps, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.04,
+                    clip_eps=0.2).item()
     want = naive_loss(logps.tolist(), ref.tolist(), gen.tolist(), adv.tolist(), mask.tolist(), 0.04, 0.2)
     assert got == pytest.approx(want, rel=1e-5)
     ratio = torch.exp(logps - gen)
@@ -246,7 +248,8 @@ def test_grpo_loss_gradient_matches_autograd_of_the_formula():
     logps = (-torch.rand(B, T) * 2).double().requires_grad_()
     gen, ref = (logps.detach() + torch.randn(B, T) * 0.3), (logps.detach() + torch.randn(B, T) * 0.3)
     adv, mask = torch.randn(B).double(), torch.rand(B, T) > 0.2
-    (g,) = torch.autograd.grad(grpo_loss(logps=logps, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2), logps)
+    (g,) = torch.autograd.grad(grpo_loss(logps=logps, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask,
+                                         beta=0.04, clip_eps=0.2), logps)
     # Clipped tokens pass no policy gradient, only the KL term's: check that by finite differences.
     eps = 1e-6
     num = torch.zeros_like(g)
@@ -255,7 +258,9 @@ def test_grpo_loss_gradient_matches_autograd_of_the_formula():
             plus, minus = logps.detach().clone(), logps.detach().clone()
             plus[b, t] += eps
             minus[b, t] -= eps
-            up, down = grpo_loss(logps=plus, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2), grpo_loss(logps=minus, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2)
+            up, down = grpo_loss(logps=plus, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.04,
+                                 clip_eps=0.2), grpo_loss(logps=minus, ref_logps=ref, gen_logps=gen, advantages=adv,
+                                                          mask=mask, beta=0.04, clip_eps=0.2)
             num[b, t] = (up - down) / (2 * eps)
     assert torch.allclose(g, num, atol=1e-6)
     assert (g[~mask] == 0).all()  # masked tokens get no gradient
@@ -266,7 +271,8 @@ def test_gen_logps_none_is_the_on_policy_gradient():
     logps = (-torch.rand(3, 4)).requires_grad_()
     adv = torch.tensor([1.0, -2.0, 0.5])
     mask = torch.ones(3, 4, dtype=torch.bool)
-    loss = grpo_loss(logps=logps, ref_logps=logps.detach(), gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2)
+    loss = grpo_loss(logps=logps, ref_logps=logps.detach(), gen_logps=None, advantages=adv, mask=mask, beta=0.0,
+                     clip_eps=0.2)
     assert loss.item() == pytest.approx(-adv.mean().item(), rel=1e-6)  # ratio 1: loss = -mean(A)
     (g,) = torch.autograd.grad(loss, logps)
     assert torch.allclose(g, -adv[:, None].expand(3, 4) / (4 * 3))  # d/dlogp of -A r / (T B), r = 1
@@ -288,14 +294,17 @@ def test_truncated_importance_sampling_weights_each_token_by_hand():
     rows = torch.tensor([True, True, False])
     adv, mask = torch.tensor([1.0, -2.0, 0.5]), torch.ones(3, 2, dtype=torch.bool)
     w = torch.tensor([[math.exp(0.5), 1.0], [2.0, math.exp(-0.1)], [1.0, 1.0]])  # exp(1) = 2.72 is cut to 2
-    loss = grpo_loss(logps=logps, ref_logps=None, gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2, sampler_logps=sampler, sampler_rows=rows, tis_cap=2.0)
+    loss = grpo_loss(logps=logps, ref_logps=None, gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2,
+                     sampler_logps=sampler, sampler_rows=rows, tis_cap=2.0)
     assert loss.item() == pytest.approx(-(w * adv[:, None]).mean().item(), rel=1e-6)
     (g,) = torch.autograd.grad(loss, logps)
     assert torch.allclose(g, -w * adv[:, None] / 6)  # ratio 1 on-policy: d(-w A r)/dlogp = -w A, mean of 2 x 3
-    off = grpo_loss(logps=logps, ref_logps=None, gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2, sampler_logps=sampler, sampler_rows=rows, tis_cap=0.0)
+    off = grpo_loss(logps=logps, ref_logps=None, gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2,
+                    sampler_logps=sampler, sampler_rows=rows, tis_cap=0.0)
     assert off.item() == pytest.approx(-adv.mean().item(), rel=1e-6)  # tis_cap = 0: no correction
     gen = torch.full((3, 2), -1.0)  # pi_old given: weight exp(gen - sampler), ratio exp(logp - gen)
-    with_gen = grpo_loss(logps=logps, ref_logps=None, gen_logps=gen, advantages=adv, mask=mask, beta=0.0, clip_eps=10.0, sampler_logps=sampler, sampler_rows=rows, tis_cap=2.0).item()
+    with_gen = grpo_loss(logps=logps, ref_logps=None, gen_logps=gen, advantages=adv, mask=mask, beta=0.0,
+                         clip_eps=10.0, sampler_logps=sampler, sampler_rows=rows, tis_cap=2.0).item()
     w_gen = torch.where(rows[:, None], torch.exp(gen - sampler), 1.0).clamp(max=2.0)
     assert with_gen == pytest.approx(-(w_gen * torch.exp(logps - gen) * adv[:, None]).mean().item(), rel=1e-6)
 
@@ -314,7 +323,8 @@ def test_padding_with_logp_minus_100_leaves_loss_and_gradient_finite(token_mean)
         logps.requires_grad_()
         pad_ref, pad_gen = ref.clone(), gen.clone()
         pad_ref[~mask], pad_gen[~mask] = 0.0, 0.0
-        loss = grpo_loss(logps=logps, ref_logps=pad_ref, gen_logps=pad_gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2, token_mean=token_mean)
+        loss = grpo_loss(logps=logps, ref_logps=pad_ref, gen_logps=pad_gen, advantages=adv, mask=mask, beta=0.04,
+                         clip_eps=0.2, token_mean=token_mean)
         (g,) = torch.autograd.grad(loss, logps)
         assert torch.isfinite(loss) and torch.isfinite(g).all()
         results.append((loss.item(), g))
@@ -334,7 +344,8 @@ def _rank_gradient(rank, world, port, data, token_mean, normalize, results):
     x, ref, gen, adv, mask = (t[rows] for t in data)
     w = torch.ones(x.shape[1], dtype=torch.float64, requires_grad=True)  # a weight every rank shares
     normalizer = global_count([mask], token_mean) if normalize else None
-    grpo_loss(logps=x * w, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2, token_mean=token_mean, normalizer=normalizer).backward()
+    grpo_loss(logps=x * w, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2,
+              token_mean=token_mean, normalizer=normalizer).backward()
     dist.all_reduce(w.grad)
     results.put((rank, (w.grad / world).tolist()))
     dist.destroy_process_group()

@@ -67,7 +67,8 @@ def test_trainer_batch_of_padded_groups_gets_the_servers_logps(live, model):
     batches = [upload_and_pull(url, *group(G=2, plen=p, tc=t, seed=p)) for p, t in [(3, 6), (8, 2)]]
     b = collate(batches, pad_id=0)
     with torch.no_grad():
-        got = completion_logps(model, b["input_ids"], b["attention_mask"], b["mask"].shape[1], 1.0, chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)
+        got = completion_logps(model, b["input_ids"], b["attention_mask"], b["mask"].shape[1], 1.0,
+                               chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)
     assert torch.allclose(got[:2], batches[0][0]["ref_logps"], atol=1e-5)
     assert torch.allclose(got[2:, :2], batches[1][0]["ref_logps"], atol=1e-5)
 

@@ -50,7 +50,8 @@ def test_shared_prefix_gives_the_log_probs_and_gradients_of_full_rows(smollm, ch
     try:
         for shared in (False, True):
             model.zero_grad()
-            logps = completion_logps(model, ids, attn, T, grpo.TEMPERATURE, shared_prefix=shared, chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)  # (B, T)
+            logps = completion_logps(model, ids, attn, T, grpo.TEMPERATURE, shared_prefix=shared,
+                                     chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)  # (B, T)
             ((logps * weights).sum() / mask.sum()).backward()  # a loss on the GRPO loss's scale: a token mean
             results.append((logps.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
         assert all(layer.gradient_checkpointing == checkpointing for layer in model.model.layers)  # left as found

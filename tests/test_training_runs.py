@@ -11,6 +11,7 @@ import pytest
 import requests
 import torch
 
+import grpo_ref_split as grpo
 from conftest import (ROOT, ServerProcess, free_port, kill_group, metrics, params, pull, train, trainer_cmd,
                       trainer_env, wait_for)
 
@@ -163,6 +164,8 @@ def test_the_trainer_survives_the_server_being_killed_mid_run(tiny_model_dir, tm
 
 
 def test_a_genonly_worker_feeds_the_server_and_follows_new_checkpoints(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
     srv = ServerProcess(tiny_model_dir, free_port(), tmp_path / "server.log")
     out = tmp_path / "out"
     out.mkdir()
@@ -175,17 +178,29 @@ def test_a_genonly_worker_feeds_the_server_and_follows_new_checkpoints(tiny_mode
         tensors, meta = pull(srv.url, timeout=300, path="/get?from=workers")  # ... in the workers' one
         assert meta["version"] == 0 and meta["worker"].startswith("worker-") and "ref_logps" in tensors
         # Left alone, it stops at WORKER_MAX_QUEUED (plus one round in flight) instead of piling up groups.
-        time.sleep(15)
+        wait_for(lambda: "waiting: the server holds 2 groups" in (tmp_path / "worker.log").read_text(), timeout=300)
         h = srv.health()
         assert h["pending"] + h["ready_workers"] <= 2 + 2, h
-        # A checkpoint appears (atomically, as save_checkpoint renames it): the worker switches to it.
-        shutil.copytree(tiny_model_dir, out / "step_3.tmp")
+        # A checkpoint with other weights appears (atomically, as save_checkpoint renames it): the worker
+        # switches to it, and its groups' gen_logps are the new weights' log-probs of its answers.
+        moved = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        with torch.no_grad():
+            for p in moved.parameters():
+                p.add_(torch.randn_like(p, generator=torch.Generator().manual_seed(0)) * 0.02)
+        shutil.copytree(tiny_model_dir, out / "step_3.tmp")  # the tokenizer; then the new weights over it
+        moved.save_pretrained(out / "step_3.tmp")
         os.rename(out / "step_3.tmp", out / "step_3")
         deadline = time.time() + 300
         while meta["version"] != 3:
             assert time.time() < deadline, (tmp_path / "worker.log").read_text()[-2000:]
             tensors, meta = pull(srv.url, timeout=300, path="/get?from=workers")
         assert "policy version 3" in (tmp_path / "worker.log").read_text()
+        ids, mask = tensors["input_ids"], tensors["completion_mask"]
+        with torch.no_grad():
+            new, old = (grpo.logps_of(m.eval(), ids, torch.ones_like(ids), mask.shape[1]) for m in
+                        (moved, AutoModelForCausalLM.from_pretrained(tiny_model_dir)))  # (G, T) each
+        assert (tensors["gen_logps"] - new)[mask].abs().max() < 1e-4  # sampled and scored by the new weights
+        assert (tensors["gen_logps"] - old)[mask].abs().max() > 1e-2  # not the old ones
         # version-3 groups waiting (the older ones were pulled)
         wait_for(lambda: srv.health()["ready_workers"] > 0, timeout=300)
     finally:

@@ -122,7 +122,8 @@ def test_masked_rows_get_exact_zero_gradient_even_with_huge_logits():
     mask[1, 2:] = False
     with torch.no_grad():
         full[1, 2 + 2 :] = 1e4  # a skipped row's stored lse is 0: exp(1e4 - 0) would be inf, inf * 0 = NaN
-    loss, _ = grpo_loss_triton(logits=logits, completion_ids=ids, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2, return_logps=True)
+    loss, _ = grpo_loss_triton(logits=logits, completion_ids=ids, ref_logps=ref, gen_logps=gen, advantages=adv,
+                               mask=mask, beta=0.04, clip_eps=0.2, return_logps=True)
     (g,) = torch.autograd.grad(loss, full)
     assert torch.isfinite(loss) and torch.isfinite(g).all()
     assert (g[1, 4:5] == 0).all() and (g[1, 2 + 2 : -1] == 0).all()
@@ -133,7 +134,8 @@ def test_inplace_backward_writes_the_gradient_over_the_logits():
     full, logits, ids, ref, gen, adv, mask = case(2, 5, 700, seed=7)
     (_, _, want), _ = both(full, logits, ids, ref, gen, adv, mask, 1.0)
     leaf = full.detach().clone()[:, 2:-1].requires_grad_()  # its own storage, to watch it being overwritten
-    loss = grpo_loss_triton(logits=leaf, completion_ids=ids, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2, inplace_backward=True)
+    loss = grpo_loss_triton(logits=leaf, completion_ids=ids, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask,
+                            beta=0.04, clip_eps=0.2, inplace_backward=True)
     loss.backward()
     assert torch.allclose(leaf.grad, want[:, 2:-1], atol=1e-5)
     # The kernel wrote d(logits) into the logits' own storage (no (B, T, V) buffer of its own):
@@ -148,12 +150,15 @@ def test_variants_equal_the_pytorch_path(clip_eps_high, token_mean, with_ref, no
     beta = 0.04 if with_ref else 0.0
     ref = ref if with_ref else None
     kw = dict(clip_eps_high=clip_eps_high, token_mean=token_mean, normalizer=normalizer)
-    lt = grpo_loss_triton(logits=logits, completion_ids=ids, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=beta, clip_eps=0.2, temperature=1.0, **kw)
+    lt = grpo_loss_triton(logits=logits, completion_ids=ids, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask,
+                          beta=beta, clip_eps=0.2, temperature=1.0, **kw)
     (gt,) = torch.autograd.grad(lt, full)
-    lp = grpo_loss(logps=per_token_logps(logits, ids, 1.0, chunk=128), ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=beta, clip_eps=0.2, **kw)
+    lp = grpo_loss(logps=per_token_logps(logits, ids, 1.0, chunk=128), ref_logps=ref, gen_logps=gen, advantages=adv,
+                   mask=mask, beta=beta, clip_eps=0.2, **kw)
     (gp,) = torch.autograd.grad(lp, full)
     assert abs(lt.item() - lp.item()) < 1e-5 and torch.allclose(gt, gp, atol=1e-5, rtol=1e-5)
-    plain = grpo_loss(logps=per_token_logps(logits, ids, 1.0, chunk=128), ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=beta, clip_eps=0.2)
+    plain = grpo_loss(logps=per_token_logps(logits, ids, 1.0, chunk=128), ref_logps=ref, gen_logps=gen, advantages=adv,
+                      mask=mask, beta=beta, clip_eps=0.2)
     assert abs(plain.item() - lp.item()) > 1e-4  # the variant changed the loss
 
 
@@ -168,18 +173,22 @@ def test_truncated_importance_sampling_equals_the_pytorch_path(with_gen):
         sampler = per_token_logps(logits, ids, 0.7, chunk=128) + noise
     sampler[2] = -50.0
     kw = dict(sampler_logps=sampler, sampler_rows=torch.tensor([True, True, False], device=DEVICE), tis_cap=1.5)
-    lt = grpo_loss_triton(logits=logits, completion_ids=ids, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2, temperature=0.7, **kw)
+    lt = grpo_loss_triton(logits=logits, completion_ids=ids, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask,
+                          beta=0.04, clip_eps=0.2, temperature=0.7, **kw)
     (gt,) = torch.autograd.grad(lt, full)
-    lp = grpo_loss(logps=per_token_logps(logits, ids, 0.7, chunk=128), ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2, **kw)
+    lp = grpo_loss(logps=per_token_logps(logits, ids, 0.7, chunk=128), ref_logps=ref, gen_logps=gen, advantages=adv,
+                   mask=mask, beta=0.04, clip_eps=0.2, **kw)
     (gp,) = torch.autograd.grad(lp, full)
     assert abs(lt.item() - lp.item()) < 1e-5 and torch.allclose(gt, gp, atol=1e-5, rtol=1e-5)
-    plain = grpo_loss(logps=per_token_logps(logits, ids, 0.7, chunk=128), ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2)
+    plain = grpo_loss(logps=per_token_logps(logits, ids, 0.7, chunk=128), ref_logps=ref, gen_logps=gen, advantages=adv,
+                      mask=mask, beta=0.04, clip_eps=0.2)
     assert abs(plain.item() - lp.item()) > 1e-4  # the weights changed the loss
 
 
 def test_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="do not match"):
-        grpo_loss_triton(logits=torch.zeros(2, 3, 5), completion_ids=torch.zeros(2, 4, dtype=torch.long), ref_logps=None, gen_logps=None, advantages=None, mask=None, beta=0.0, clip_eps=0.2)
+        grpo_loss_triton(logits=torch.zeros(2, 3, 5), completion_ids=torch.zeros(2, 4, dtype=torch.long),
+                         ref_logps=None, gen_logps=None, advantages=None, mask=None, beta=0.0, clip_eps=0.2)
 
 
 AOT = textwrap.dedent("""

@@ -23,13 +23,15 @@ def test_clip_eps_high_lets_a_good_token_grow_further():
     gen, ref, adv = torch.tensor([[-1.22]]), torch.tensor([[-1.0]]), torch.tensor([1.0])
     mask = torch.ones(1, 1, dtype=torch.bool)
     sym = grpo_loss(logps=logps, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2)
-    high = grpo_loss(logps=logps, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2, clip_eps_high=0.28)
+    high = grpo_loss(logps=logps, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2,
+                     clip_eps_high=0.28)
     assert sym.item() == pytest.approx(-1.2, rel=1e-6)
     assert high.item() == pytest.approx(-math.exp(0.22), rel=1e-6)
     assert torch.autograd.grad(sym, logps)[0].item() == 0.0  # clipped: no policy gradient
     assert torch.autograd.grad(high, logps)[0].item() == pytest.approx(-math.exp(0.22), rel=1e-6)
     # and the low side is still CLIP_EPS: ratio e^-0.3 with A = -1 is clipped at 0.8 either way
-    low = grpo_loss(logps=logps, ref_logps=ref, gen_logps=gen + 0.52, advantages=-adv, mask=mask, beta=0.0, clip_eps=0.2, clip_eps_high=0.28)
+    low = grpo_loss(logps=logps, ref_logps=ref, gen_logps=gen + 0.52, advantages=-adv, mask=mask, beta=0.0,
+                    clip_eps=0.2, clip_eps_high=0.28)
     assert low.item() == pytest.approx(0.8, rel=1e-6)
 
 
@@ -39,7 +41,8 @@ def test_token_mean_weighs_every_token_the_same():
     logps = torch.zeros(2, 4)
     adv = -per_token[:, 0]  # the loss is -A per token with ratio 1, beta 0
     seq = grpo_loss(logps=logps, ref_logps=None, gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2)
-    tok = grpo_loss(logps=logps, ref_logps=None, gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2, token_mean=True)
+    tok = grpo_loss(logps=logps, ref_logps=None, gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2,
+                    token_mean=True)
     assert seq.item() == pytest.approx((1.0 + 4.0) / 2)  # each answer weighs 1/2
     assert tok.item() == pytest.approx((4 * 1.0 + 4.0) / 5)  # each token weighs 1/5
 
@@ -49,7 +52,8 @@ def test_beta_zero_needs_no_reference_log_probs():
     logps, gen = -torch.rand(3, 5), -torch.rand(3, 5)
     adv, mask = torch.randn(3), torch.rand(3, 5) > 0.3
     without = grpo_loss(logps=logps, ref_logps=None, gen_logps=gen, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2)
-    assert without.item() == pytest.approx(grpo_loss(logps=logps, ref_logps=-torch.rand(3, 5) * 9, gen_logps=gen, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2).item())
+    assert without.item() == pytest.approx(grpo_loss(logps=logps, ref_logps=-torch.rand(3, 5) * 9, gen_logps=gen,
+                                                     advantages=adv, mask=mask, beta=0.0, clip_eps=0.2).item())
     with pytest.raises(ValueError, match="needs beta=0"):
         grpo_loss(logps=logps, ref_logps=None, gen_logps=gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2)
 
@@ -62,7 +66,8 @@ def test_gspo_matches_a_hand_computation_in_value_and_gradient():
     ref = torch.tensor([[-0.9, -0.7, -1.5], [-0.4, -1.0, 0.0]])
     mask = torch.tensor([[True, True, True], [True, True, False]])
     adv, beta, lo, hi = torch.tensor([1.0, -1.0]), 0.1, 3e-2, 4e-2
-    loss = grpo_loss(logps=logps, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=beta, clip_eps=lo, clip_eps_high=hi, gspo=True)
+    loss = grpo_loss(logps=logps, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=beta, clip_eps=lo,
+                     clip_eps_high=hi, gspo=True)
     (grad,) = torch.autograd.grad(loss, logps)
 
     want, want_grad = 0.0, torch.zeros(2, 3)
@@ -83,7 +88,8 @@ def test_gspo_matches_a_hand_computation_in_value_and_gradient():
     # answer 1: s = 0.995 inside [0.97, 1.04]: its surrogate's gradient -s A / n / 2 = +0.249 flows
     assert grad[1, 0].item() == pytest.approx(math.exp(-0.005) / 2 / 2 + beta * (1 - math.exp(-0.1)) / 2 / 2, rel=1e-5)
     # the token-level loss on the same numbers differs: the ratio really is per answer
-    assert abs(grpo_loss(logps=logps, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=beta, clip_eps=lo, clip_eps_high=hi).item() - want) > 1e-3
+    assert abs(grpo_loss(logps=logps, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=beta, clip_eps=lo,
+                         clip_eps_high=hi).item() - want) > 1e-3
 
 
 def test_gspo_on_policy_is_the_mean_token_gradient_and_refused_by_triton(monkeypatch):
@@ -91,8 +97,10 @@ def test_gspo_on_policy_is_the_mean_token_gradient_and_refused_by_triton(monkeyp
     logps, adv = -torch.rand(3, 5, requires_grad=True), torch.randn(3)
     mask = torch.rand(3, 5) > 0.3
     mask[:, 0] = True
-    seq = grpo_loss(logps=logps, ref_logps=None, gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=3e-4, clip_eps_high=4e-4, gspo=True)
-    tok = grpo_loss(logps=logps, ref_logps=None, gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=3e-4, clip_eps_high=4e-4)
+    seq = grpo_loss(logps=logps, ref_logps=None, gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=3e-4,
+                    clip_eps_high=4e-4, gspo=True)
+    tok = grpo_loss(logps=logps, ref_logps=None, gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=3e-4,
+                    clip_eps_high=4e-4)
     # ratio 1: both are -mean(A) in value, and -A_i / n_i on each valid token in gradient (GRPO's per-answer mean)
     assert seq.item() == pytest.approx(tok.item()) == pytest.approx(-adv.mean().item())
     torch.testing.assert_close(torch.autograd.grad(seq, logps)[0], torch.autograd.grad(tok, logps)[0])
@@ -139,18 +147,16 @@ class PlainEngine:
     def backward(self, loss):
         loss.backward()
 
+    def set_gradient_accumulation_boundary(self, last):
+        self.boundary = last
+
+    def get_lr(self):
+        return [group["lr"] for group in self.opt.param_groups]
+
     def step(self):
+        self.steps = getattr(self, "steps", 0) + 1
         self.opt.step()
         self.opt.zero_grad()
-
-
-def update(engine, b, m):
-    """Steps 6 and 7 of the training loop: loss, backward, optimizer step; metrics added to m."""
-    loss, metrics = grpo.policy_loss(engine, b)
-    engine.backward(loss)
-    engine.step()
-    m.update(metrics)
-    return m
 
 
 def batch_for(model, seed=0):
@@ -158,7 +164,8 @@ def batch_for(model, seed=0):
     ids = torch.randint(0, 49152, (4, 12), generator=g)  # (B, P+Tc) prompt 6, completion 6
     attn = torch.ones_like(ids)
     with torch.no_grad():
-        ref = completion_logps(model, ids, attn, 6, 0.7, chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)  # (B, Tc)
+        ref = completion_logps(model, ids, attn, 6, 0.7, chunk=grpo.LOGP_CHUNK,
+                               from_hidden=grpo.LOGP_FROM_HIDDEN)  # (B, Tc)
     return dict(input_ids=ids, attention_mask=attn, mask=torch.ones(4, 6, dtype=torch.bool), ref_logps=ref,
                 gen_logps=None, gen_rows=None, sampler_logps=None, sampler_rows=None, normalizer=None,
                 advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]))
@@ -189,7 +196,8 @@ def test_the_default_step_is_the_plain_grpo_step_bit_for_bit(fresh_model):
     grads = torch.autograd.grad(loss, params)
 
     logps = completion_logps(fresh_model, b["input_ids"], b["attention_mask"], 6, grpo.TEMPERATURE,
-                             shared_prefix=grpo.SHARED_PREFIX, chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)  # (B, T)
+                             shared_prefix=grpo.SHARED_PREFIX, chunk=grpo.LOGP_CHUNK,
+                             from_hidden=grpo.LOGP_FROM_HIDDEN)  # (B, T)
     mask, pad = b["mask"].bool(), logps.detach()
     gen = torch.where(mask & b["gen_rows"][:, None], b["gen_logps"], pad)
     ref = torch.where(mask, b["ref_logps"], pad)
@@ -203,14 +211,21 @@ def test_the_default_step_is_the_plain_grpo_step_bit_for_bit(fresh_model):
 
 
 def test_mu_two_reuses_the_batch_with_a_real_ratio(fresh_model, monkeypatch):
-    monkeypatch.setattr(grpo, "MU", 1)
+    """train_step with MU = 2: two passes over the same batch, two optimizer steps; the second pass's ratio
+    measures how far the first step moved, and the step's metrics are the passes' mean."""
+    monkeypatch.setattr(grpo, "MU", 2)
     engine = PlainEngine(fresh_model, lr=1e-2)
     b = batch_for(fresh_model)
-    first = update(engine, {**b, "gen_logps": b["ref_logps"]}, Counter())  # pi_old = the weights now
-    second = update(engine, {**b, "gen_logps": b["ref_logps"]}, Counter())  # the same batch, one step on
+    passes, real = [], grpo.backward
+    monkeypatch.setattr(grpo, "backward", lambda e, parts: passes.append(real(e, parts)) or passes[-1])
+    m = grpo.train_step(engine, [{**b, "gen_logps": b["ref_logps"]}])  # pi_old = the weights now
+    assert len(passes) == 2 and engine.steps == 2
+    first, second = passes
     assert first["ratio_drift"] < 1e-5 and first["clip_low"] == first["clip_high"] == 0
     assert second["ratio_drift"] > 1e-2  # the ratio now measures how far the first step moved
     assert second["kl"] > first["kl"]
+    assert m["ratio_drift"] == pytest.approx((first["ratio_drift"] + second["ratio_drift"]) / 2)
+    assert m["lr"] == pytest.approx(1e-2) and m["fwd_bwd_s"] > 0 and m["optim_s"] > 0
 
 
 def test_a_micro_batch_repeated_with_share_zero_adds_no_gradient_and_no_metric(fresh_model):
@@ -233,13 +248,12 @@ def test_train_step_with_mu_two_fixes_pi_old_before_the_first_update(fresh_model
         model = type(fresh_model)(fresh_model.config)
         model.load_state_dict(fresh_model.state_dict())
         monkeypatch.setattr(grpo, "MU", mu)
-        engine, m = PlainEngine(model, lr=1e-2), Counter()
+        engine = PlainEngine(model, lr=1e-2)
         batch = grpo.prepare_batch(engine, b)  # MU > 1 without gen_logps: pi_old is fixed here
         assert (batch["gen_logps"] is None) == (mu == 1)
         assert batch["gen_rows"] is None  # none given, or (MU > 1) every row's now
-        for _ in range(mu):
-            update(engine, batch, m)
-        results[mu] = (m, model)
+        results[mu] = (grpo.train_step(engine, [batch]), model)  # main's steps 6-7
+        assert engine.steps == mu
     assert results[1][0]["ratio_drift"] == 0.0  # one on-policy pass: ratio exactly 1
     assert results[2][0]["ratio_drift"] > 5e-3  # the second pass sees pi / pi_old != 1
     moved_once = sum((p - q).abs().sum() for p, q in zip(results[1][1].parameters(), fresh_model.parameters()))
@@ -264,7 +278,7 @@ def short_rollout(tiny_policy, monkeypatch, masked, keep_all=False, max_new_toke
                            eos_token_id=[tok.eos_token_id])
     torch.manual_seed(3)
     questions = [{"question": f"What is {a} + {a + 1}?", "gold": str(2 * a + 1)} for a in range(1, 9)]
-    groups, records, m = grpo.rollout(model, tok, questions, cfg, [tok.eos_token_id], None, keep_all,
+    groups, records, m = grpo.rollout(model, tok, [tok.eos_token_id], cfg, questions, None, keep_all,
                                       with_gen_logps)  # steps 2-4 as the trainer runs them
     m.update(sample_stats(records, 4, [fn.__name__ for fn, _ in grpo.REWARDS]))  # as main() does
     return groups, m
@@ -468,7 +482,8 @@ def test_sampling_ignores_the_models_own_generation_config(tiny_model_dir, tmp_p
         drawn = torch.log_softmax(scores, -1).gather(-1, completion[..., None]).squeeze(-1)  # (B, T)
         attn = torch.cat([enc.attention_mask, torch.ones_like(completion)], 1)
         with torch.no_grad():
-            want = completion_logps(model, out.sequences, attn, completion.shape[1], grpo.TEMPERATURE, chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)  # (B, T)
+            want = completion_logps(model, out.sequences, attn, completion.shape[1], grpo.TEMPERATURE,
+                                    chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)  # (B, T)
         sample_gap = (drawn - want)[mask].abs().max().item()
         greedy = model.generate(**enc, generation_config=greedy_config)  # (B, P+T)
         with torch.no_grad():
@@ -546,7 +561,8 @@ def test_sample_metrics_cover_every_rollout_of_the_step(monkeypatch):
     assert stats["reward_format"] == 1.0 and stats["truncated"] == pytest.approx(1 / 8)
     assert stats["length"] == pytest.approx((40 + 118) / 8) and stats["max_length"] == 64
     assert stats["reward_std"] == pytest.approx(2 ** 0.5 / 4)  # groups (3,3) (3,3) (3,1) (1,1): std 0, 0, 1.41, 0
-    assert sample_stats(second, 2, ["reward_correct"])["reward_correct"] == 0.25  # the last rollout alone: what was logged before
+    assert sample_stats(second, 2,
+                        ["reward_correct"])["reward_correct"] == 0.25  # the last rollout alone: what was logged before
 
 
 def test_the_reward_models_mean_score_is_a_metric_of_the_step():

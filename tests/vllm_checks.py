@@ -6,13 +6,17 @@ line of measurements that tests/test_vllm.py asserts on.
 """
 import json
 import os
+import random
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo_ref_split as grpo  # noqa: E402
+from features.evaluation import evaluate  # noqa: E402
 from features.logprobs import completion_logps  # noqa: E402
+from features.lora import add_lora  # noqa: E402
+from features.vllm_engine import push_weights, vllm_sample  # noqa: E402
 from rewards import load_questions  # noqa: E402
 
 
@@ -31,20 +35,27 @@ def main(path):
     from transformers import GenerationConfig
 
     grpo.NUM_PRE_Q, grpo.MAX_NEW_TOKENS = 4, 24
-    torch.manual_seed(0)
     model, tokenizer, eos_ids, gen_config = grpo.load_policy(path, torch.device("cpu"))
-    llm = grpo.start_vllm(path, 0, model.dtype)
-    report = {"rng_untouched": torch.initial_seed() == 0}  # LLM(seed=...) reseeds torch; start_vllm restores it
+    # The RNG streams themselves, not a seed: LLM(seed=...) reseeds torch and random, and start_vllm must put
+    # both back where they were. The same draws are taken with no engine started, then after starting one.
+    torch.manual_seed(123)
+    random.seed(123)
+    expected = (torch.rand(4).tolist(), [random.random() for _ in range(4)])
+    torch.manual_seed(123)
+    random.seed(123)
+    grpo.MODEL_PATH = path
+    llm = grpo.start_vllm(0, model.dtype)
+    report = {"rng_untouched": (torch.rand(4).tolist(), [random.random() for _ in range(4)]) == expected}
     questions = load_questions("arithmetic", 3)[:6]
 
     # Sampling: shapes, stops, and vLLM's log-probs of its own tokens against the trainer's at TEMPERATURE.
     torch.manual_seed(1)
-    m = {"generate_s": 0.0}
-    r = grpo.generate(model, tokenizer, questions[:2], gen_config, eos_ids, m, llm)
+    r = grpo.generate(model, tokenizer, questions[:2], gen_config, eos_ids, llm)
     ids = torch.cat([r["prompt_ids"], r["completion_ids"]], 1)  # (B, P+T)
     attn = torch.cat([r["prompt_mask"], torch.ones_like(r["completion_ids"])], 1)  # (B, P+T)
     T = r["completion_ids"].shape[1]
-    trainer = completion_logps(model, ids, attn, T, grpo.TEMPERATURE, chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)  # (B, T)
+    trainer = completion_logps(model, ids, attn, T, grpo.TEMPERATURE, chunk=grpo.LOGP_CHUNK,
+                               from_hidden=grpo.LOGP_FROM_HIDDEN)  # (B, T)
     mask = r["mask"]  # (B, T)
     ended = torch.isin(r["completion_ids"], torch.tensor(eos_ids)).any(1)  # (B,)
     report.update(rows=r["completion_ids"].shape[0],
@@ -54,15 +65,15 @@ def main(path):
                   distinct_in_group=[len({tuple(x) for x in r["completion_ids"][g * 4 : g * 4 + 4].tolist()})
                                      for g in range(2)])
     torch.manual_seed(1)
-    again = grpo.generate(model, tokenizer, questions[:2], gen_config, eos_ids, m, llm)["completion_ids"]
+    again = grpo.generate(model, tokenizer, questions[:2], gen_config, eos_ids, llm)["completion_ids"]
     torch.manual_seed(2)
-    other = grpo.generate(model, tokenizer, questions[:2], gen_config, eos_ids, m, llm)["completion_ids"]
+    other = grpo.generate(model, tokenizer, questions[:2], gen_config, eos_ids, llm)["completion_ids"]
     report.update(same_seed_same_samples=torch.equal(again, r["completion_ids"]),
                   other_seed_other_samples=not torch.equal(other[:, : T], r["completion_ids"][:, : other.shape[1]]))
 
     # Greedy evaluation: vLLM's answers against transformers' greedy ones.
     enc = grpo.encode_prompts(tokenizer, questions)
-    greedy_vllm, _ = grpo.vllm_sample(llm, enc.input_ids, enc.attention_mask, 1, 0.0, eos_ids, tokenizer.pad_token_id)
+    greedy_vllm, _ = vllm_sample(llm, enc, 1, 0.0, eos_ids, tokenizer.pad_token_id, grpo.MAX_NEW_TOKENS)
     greedy_hf = model.generate(**enc, generation_config=GenerationConfig(
         do_sample=False, max_new_tokens=grpo.MAX_NEW_TOKENS, pad_token_id=tokenizer.pad_token_id,
         eos_token_id=eos_ids))[:, enc.input_ids.shape[1] :]
@@ -70,34 +81,38 @@ def main(path):
     report["greedy_same_texts"] = sum(a == b for a, b in zip(*texts))
     report["greedy_questions"] = len(questions)
     held = load_questions("arithmetic", 4)[:40]  # more than evaluate's transformers batch of 16
-    report["eval_vllm"] = grpo.evaluate(model, tokenizer, held, eos_ids, llm=llm)
-    report["eval_transformers"] = grpo.evaluate(model, tokenizer, held, eos_ids)
+    args = dict(encode=lambda qs: grpo.encode_prompts(tokenizer, qs), decode=lambda ids: grpo.decode(tokenizer, ids),
+                score=grpo.score, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id, max_new_tokens=grpo.MAX_NEW_TOKENS)
+    report["eval_vllm"] = evaluate(model, held, llm=llm, **args)
+    report["eval_transformers"] = evaluate(model, held, **args)
 
     # Weight push: a fixed completion, read by vLLM before and after the trainer's weights change.
     plen = r["prompt_ids"].shape[1]
     fixed, fixed_attn = ids[:4], attn[:4]
-    old = completion_logps(model, fixed, fixed_attn, T, 1.0, chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)  # (4, T) the weights vLLM holds
+    old = completion_logps(model, fixed, fixed_attn, T, 1.0, chunk=grpo.LOGP_CHUNK,
+                           from_hidden=grpo.LOGP_FROM_HIDDEN)  # (4, T) the weights vLLM holds
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
-    new = completion_logps(model, fixed, fixed_attn, T, 1.0, chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)  # (4, T)
+    new = completion_logps(model, fixed, fixed_attn, T, 1.0, chunk=grpo.LOGP_CHUNK,
+                           from_hidden=grpo.LOGP_FROM_HIDDEN)  # (4, T)
     valid = mask[:4]
     gap = lambda a, b: (a - b)[valid].abs().max().item()  # noqa: E731
     before = vllm_logps_of(llm, fixed, plen)
-    grpo.push_weights(llm, model)
+    push_weights(llm, model)
     after = vllm_logps_of(llm, fixed, plen)
     report.update(old_vs_new=gap(old, new), before_push_vs_old=gap(before, old), after_push_vs_new=gap(after, new),
                   after_push_vs_old=gap(after, old))
 
     # LoRA: the engine gets the base with the adapters merged in (vLLM holds no peft model).
-    grpo.LORA_RANK = 4
-    lora = grpo.add_lora(model)
+    lora = add_lora(model, rank=4, alpha=grpo.LORA_ALPHA, targets=grpo.LORA_TARGETS, seed=grpo.SEED)
     with torch.no_grad():
         for name, p in lora.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.05)  # a trained adapter
-    with_adapters = completion_logps(lora, fixed, fixed_attn, T, 1.0, chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)  # (4, T)
-    grpo.push_weights(llm, lora)
+    with_adapters = completion_logps(lora, fixed, fixed_attn, T, 1.0, chunk=grpo.LOGP_CHUNK,
+                                     from_hidden=grpo.LOGP_FROM_HIDDEN)  # (4, T)
+    push_weights(llm, lora)
     report.update(lora_vs_base=gap(with_adapters, new), after_lora_push=gap(vllm_logps_of(llm, fixed, plen),
                                                                             with_adapters))
 
@@ -107,7 +122,7 @@ def main(path):
             return {"model.layers.0.mlp.up_proj.weight": torch.zeros(3, 3)}
 
     try:
-        grpo.push_weights(llm, Broken())
+        push_weights(llm, Broken())
         report["failed_push"] = "no error"
     except SystemExit as e:
         report["failed_push"] = str(e)
