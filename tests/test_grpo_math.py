@@ -23,15 +23,21 @@ def test_group_advantages_by_hand():
 
 
 def test_group_advantages_are_per_group():
-    r = torch.tensor([0.0, 10.0, 100.0, 110.0])
-    adv = group_advantages(r, 2)
-    assert adv.tolist() == pytest.approx(group_advantages(r[:2], 2).tolist() * 2, rel=1e-6)
+    """Two groups of two, 100 apart: each is relative to its own mean and std, by hand. [0, 10]: mean 5,
+    unbiased std sqrt((25 + 25) / 1) = 7.0711; [100, 110] the same. A batch-wide mean would give -55 ... 55."""
+    adv = group_advantages(torch.tensor([0.0, 10.0, 100.0, 110.0]), 2)
+    a = 5 / (math.sqrt(50) + 1e-4)
+    assert adv.tolist() == pytest.approx([-a, a, -a, a], rel=1e-6)
 
 
-@pytest.mark.parametrize("n, g", [(6, 4), (4, 1), (0, 2)])
+@pytest.mark.parametrize("n, g", [(6, 4), (4, 1), (3, 2)])
 def test_group_advantages_rejects_bad_groups(n, g):
-    with pytest.raises(ValueError, match="groups of"):
-        group_advantages(torch.ones(n), g) if n else group_advantages(torch.ones(3), g)
+    with pytest.raises(ValueError, match=f"{n} rewards do not split into groups of {g}"):
+        group_advantages(torch.ones(n), g)
+
+
+def test_group_advantages_of_no_rewards_are_none():
+    assert group_advantages(torch.ones(0), 2).shape == (0,)
 
 
 # ----------------------------------------------------------------------------- completion mask
@@ -242,7 +248,20 @@ def test_grpo_loss_matches_naive_formula_in_all_clip_cases(seed):
     assert ((ratio > 1.2) & (adv[:, None] > 0)).any() and ((ratio < 0.8) & (adv[:, None] < 0)).any()
 
 
-def test_grpo_loss_gradient_matches_autograd_of_the_formula():
+def naive_gradient(logps, ref, gen, adv, mask, beta, eps, h=1e-6):
+    """d naive_loss / d logps by central finite differences: a reference that shares no code with grpo_loss."""
+    grad = [[0.0] * len(row) for row in logps]
+    for b in range(len(logps)):
+        for t in range(len(logps[b])):
+            plus, minus = [list(row) for row in logps], [list(row) for row in logps]
+            plus[b][t] += h
+            minus[b][t] -= h
+            grad[b][t] = (naive_loss(plus, ref, gen, adv, mask, beta, eps)
+                          - naive_loss(minus, ref, gen, adv, mask, beta, eps)) / (2 * h)
+    return torch.tensor(grad, dtype=torch.float64)
+
+
+def test_grpo_loss_gradient_matches_finite_differences_of_the_plain_formula():
     torch.manual_seed(1)
     B, T = 4, 5
     logps = (-torch.rand(B, T) * 2).double().requires_grad_()
@@ -250,18 +269,8 @@ def test_grpo_loss_gradient_matches_autograd_of_the_formula():
     adv, mask = torch.randn(B).double(), torch.rand(B, T) > 0.2
     (g,) = torch.autograd.grad(grpo_loss(logps=logps, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask,
                                          beta=0.04, clip_eps=0.2), logps)
-    # Clipped tokens pass no policy gradient, only the KL term's: check that by finite differences.
-    eps = 1e-6
-    num = torch.zeros_like(g)
-    for b in range(B):
-        for t in range(T):
-            plus, minus = logps.detach().clone(), logps.detach().clone()
-            plus[b, t] += eps
-            minus[b, t] -= eps
-            up, down = grpo_loss(logps=plus, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.04,
-                                 clip_eps=0.2), grpo_loss(logps=minus, ref_logps=ref, gen_logps=gen, advantages=adv,
-                                                          mask=mask, beta=0.04, clip_eps=0.2)
-            num[b, t] = (up - down) / (2 * eps)
+    # Clipped tokens pass no policy gradient, only the KL term's: finite differences of the plain-Python loss.
+    num = naive_gradient(logps.tolist(), ref.tolist(), gen.tolist(), adv.tolist(), mask.tolist(), 0.04, 0.2)
     assert torch.allclose(g, num, atol=1e-6)
     assert (g[~mask] == 0).all()  # masked tokens get no gradient
 
@@ -476,3 +485,40 @@ def test_held_out_questions_never_appear_in_training():
     assert len(train) == 60  # held-out texts q0..q9 each appeared 3 times among the first 90
     with pytest.raises(ValueError, match="EVAL_SIZE=100"):
         split_held_out(qs, 100)
+
+
+def _rank_weight_gap(rank, port, nudge, results):
+    """One gloo rank of two holding a small model; rank 1's weights nudged by `nudge`; weight_gap's answer."""
+    import torch.distributed as dist
+
+    from features.run_log import weight_gap
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))  # the same weights on both ranks
+    if rank == 1:
+        with torch.no_grad():
+            model[1].bias[0] += nudge
+    results.put((rank, weight_gap(model)))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("nudge", [0.0, 1e-3, 0.5])
+def test_weight_gap_shows_ranks_that_hold_different_weights(nudge):
+    """max_weight_gap is 0 only when every rank holds rank 0's weights: a rank whose weights drifted by `nudge`
+    in one parameter reports that difference (in float64, so even 1e-3 is read exactly enough)."""
+    import multiprocessing as mp
+
+    from conftest import free_port
+
+    ctx, port = mp.get_context("fork"), free_port()
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank_weight_gap, args=(r, port, nudge, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    gaps = dict(results.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    assert gaps[0] == 0.0  # rank 0 against itself
+    assert gaps[1] == pytest.approx(nudge, rel=1e-4, abs=1e-9)

@@ -48,12 +48,15 @@ def test_token_mean_weighs_every_token_the_same():
 
 
 def test_beta_zero_needs_no_reference_log_probs():
+    """BETA = 0 without reference log-probs: the clipped surrogate alone, against the plain-Python loss."""
+    from test_grpo_math import naive_loss
+
     torch.manual_seed(0)
     logps, gen = -torch.rand(3, 5), -torch.rand(3, 5)
     adv, mask = torch.randn(3), torch.rand(3, 5) > 0.3
     without = grpo_loss(logps=logps, ref_logps=None, gen_logps=gen, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2)
-    assert without.item() == pytest.approx(grpo_loss(logps=logps, ref_logps=-torch.rand(3, 5) * 9, gen_logps=gen,
-                                                     advantages=adv, mask=mask, beta=0.0, clip_eps=0.2).item())
+    want = naive_loss(logps.tolist(), [[0.0] * 5] * 3, gen.tolist(), adv.tolist(), mask.tolist(), 0.0, 0.2)
+    assert without.item() == pytest.approx(want, rel=1e-6)
     with pytest.raises(ValueError, match="needs beta=0"):
         grpo_loss(logps=logps, ref_logps=None, gen_logps=gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2)
 
@@ -339,15 +342,20 @@ def test_on_policy_rows_need_no_gen_logps_for_the_same_loss_and_gradient():
     mixed = torch.cat([torch.full((2, 5), 5.0), stale[2:]])  # rows 0-1: this rank's own groups (junk values)
     rows = torch.tensor([False, False, True, True])
     explicit = torch.cat([logps.detach()[:2], stale[2:]])
+    from test_grpo_math import naive_gradient, naive_loss
+
     results = []
-    for gen in ((None, None), (logps.detach(), None)), ((mixed, rows), (explicit, None)):
-        for g, r in gen:
-            loss = grpo_loss(logps=logps, ref_logps=ref, gen_logps=g, gen_rows=r, advantages=adv, mask=mask, beta=0.04,
-                             clip_eps=0.2)
-            results.append((loss.item(), torch.autograd.grad(loss, logps)[0]))
-    for (a, ga), (b, gb) in (results[:2], results[2:]):
-        assert a == pytest.approx(b, rel=1e-6) and torch.allclose(ga, gb, atol=1e-7)
-    assert results[0][0] != pytest.approx(results[2][0], rel=1e-3)  # the stale rows do change the loss
+    for g, r, pi_old in ((None, None, logps.detach()), (mixed, rows, explicit)):
+        loss = grpo_loss(logps=logps, ref_logps=ref, gen_logps=g, gen_rows=r, advantages=adv, mask=mask, beta=0.04,
+                         clip_eps=0.2)
+        grad = torch.autograd.grad(loss, logps)[0]
+        # The reference shares no code: the plain-Python loss with pi_old given outright (the current
+        # log-probs where none came), and its finite differences with pi_old held fixed.
+        plain = [t.tolist() for t in (logps.detach(), ref, pi_old, adv, mask)]
+        assert loss.item() == pytest.approx(naive_loss(*plain, 0.04, 0.2), rel=1e-6)
+        assert torch.allclose(grad.double(), naive_gradient(*plain, 0.04, 0.2), atol=1e-5)
+        results.append(loss.item())
+    assert results[0] != pytest.approx(results[1], rel=1e-3)  # the stale rows do change the loss
 
 
 def test_skip_gen_logps_gives_the_plain_paths_loss_and_gradient(tiny_policy, monkeypatch):
