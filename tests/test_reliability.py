@@ -74,7 +74,7 @@ def test_load_every_group_comes_back_exactly_once(model, capsys):
         stop(server, httpd)
 
 
-def test_trainer_regenerates_when_the_server_restarts_with_its_groups(model):
+def test_trainer_regenerates_when_the_server_restarts_with_its_groups(model, capfd):
     """upload_and_pull() uploads, the server dies with the groups queued, a new one comes up on the same
     port: the trainer notices the new instance and returns short at once (to regenerate), instead
     of waiting SERVER_TIMEOUT for groups that no longer exist."""
@@ -97,10 +97,9 @@ def test_trainer_regenerates_when_the_server_restarts_with_its_groups(model):
     stop(old, old_httpd)
     new, new_httpd, _ = start(model, port=port)
     try:
-        t0 = time.time()
-        t.join(timeout=60)
+        t.join(timeout=60)  # half of SERVER_TIMEOUT: it must not wait for the groups that died
         assert not t.is_alive() and result == [[]]
-        assert time.time() - t0 < 10  # far below SERVER_TIMEOUT
+        assert "the reference server restarted: 2 uploaded groups were lost with it" in capfd.readouterr().err
         # and the next round trains normally on the new server
         got = client.upload_and_pull([group(seed=3)], version=0, rank=0)
         (tensors, meta), = got
@@ -116,8 +115,8 @@ def test_trainer_learns_at_once_of_a_group_whose_reference_forward_failed(model,
     fail_first_forward(server)
     try:
         t0 = time.time()
-        got = RefClient(url, timeout=120.0).upload_and_pull([group(seed=1), group(seed=2)], version=0, rank=0)
-        assert len(got) == 1 and time.time() - t0 < 10
+        got = RefClient(url, timeout=600.0).upload_and_pull([group(seed=1), group(seed=2)], version=0, rank=0)
+        assert len(got) == 1 and time.time() - t0 < 300  # told at once, not after SERVER_TIMEOUT (600 s)
         assert "lost a group: the reference forward failed" in capfd.readouterr().err
         assert server.room.held == {"trainers": 0, "workers": 0} and server.room.held_bytes == 0  # its room came back
     finally:
@@ -180,7 +179,7 @@ def test_a_server_open_beyond_loopback_without_a_token_warns(host, token, warns)
 
 
 # ----------------------------------------------------------------------------- malformed HTTP (waitress)
-def raw_request(port, data, shut=False, wait=10):
+def raw_request(port, data, shut=False, wait=60):
     """Send raw bytes; returns (seconds until the server answered or closed, what it sent)."""
     with socket.create_connection(("127.0.0.1", port)) as s:
         s.settimeout(wait)
@@ -193,11 +192,14 @@ def raw_request(port, data, shut=False, wait=10):
         return time.time() - t0, out
 
 
+IDLE = 3  # s: the quick server's IDLE_TIMEOUT
+
+
 @pytest.fixture
 def quick_server(model, monkeypatch):
     import ref_server
 
-    monkeypatch.setattr(ref_server, "IDLE_TIMEOUT", 2)
+    monkeypatch.setattr(ref_server, "IDLE_TIMEOUT", IDLE)
     server, stop_serving, url = start(model, ref_token="s3cret")
     yield server, int(url.rsplit(":", 1)[1])
     stop(server, stop_serving)
@@ -215,7 +217,7 @@ def quick_server(model, monkeypatch):
 def test_malformed_http_gets_its_answer_at_once_never_a_5xx(quick_server, name, data, status):
     server, port = quick_server
     seconds, out = raw_request(port, data)
-    assert out.split(b" ")[1] == status and seconds < 2, out[:200]
+    assert out.split(b" ")[1] == status, out[:200]  # an answer: the idle close would have sent nothing
     assert requests.get(f"http://127.0.0.1:{port}/health", headers={"Authorization": "Bearer s3cret"},
                         timeout=5).status_code == 200  # still serving
 
@@ -226,19 +228,24 @@ def test_stalled_and_idle_connections_are_closed_and_never_reach_the_app(quick_s
     server, port = quick_server
     short = b"POST /upload HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret\r\nContent-Length: 100\r\n\r\nabc"
     seconds, out = raw_request(port, short)
-    assert out == b"" and 1.5 < seconds < 8  # closed after IDLE_TIMEOUT = 2 s, no 5xx
+    assert out == b"" and IDLE - 1 < seconds < 60  # closed by IDLE_TIMEOUT, not before, and no 5xx
     seconds, out = raw_request(port, short, shut=True)
-    assert out == b"" and seconds < 2
+    assert out == b"" and seconds < IDLE - 1  # the client gave up: closed before any idle timeout
     seconds, out = raw_request(port, b"")
-    assert out == b"" and 1.5 < seconds < 8
+    assert out == b"" and IDLE - 1 < seconds < 60
     assert server.counters["rejected"] == 0 and server.counters["uploaded"] == 0
 
 
 def test_two_hundred_connections_are_accepted_at_once(quick_server):
     server, port = quick_server
-    t0 = time.time()
-    sockets = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(200)]
-    assert time.time() - t0 < 3  # a listen backlog of 1024, not 5 (200 connects took 29 s with wsgiref)
+    sockets, slowest = [], 0.0
+    for _ in range(200):
+        t0 = time.time()
+        sockets.append(socket.create_connection(("127.0.0.1", port), timeout=30))
+        slowest = max(slowest, time.time() - t0)
+    # Past a full listen backlog a connect waits for a SYN retransmission, 1 s at least (wsgiref's backlog
+    # of 5 made 200 connects take 29 s): none of them waited, so the backlog held all 200.
+    assert slowest < 1.0
     for s in sockets:
         s.close()
     r = requests.get(f"http://127.0.0.1:{port}/health", headers={"Authorization": "Bearer s3cret"}, timeout=10)
@@ -276,8 +283,9 @@ def test_the_server_process_stays_within_300_mb_of_its_start_under_hostile_input
         stalled = [socket.create_connection(("127.0.0.1", port)) for _ in range(200)]
         for s in stalled[:50]:
             s.sendall(b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\nabc")
-        time.sleep(3)  # past IDLE_TIMEOUT: they are closed
-        for s in stalled:
+        for s in stalled:  # the server closes each after IDLE_TIMEOUT: read its end of the connection
+            s.settimeout(60)
+            assert s.recv(1) == b""
             s.close()
         grown = rss_mb(srv.proc.pid) - start_mb
         with capsys.disabled():  # shown by `bash scripts/test.sh`, as the load test's line

@@ -149,7 +149,7 @@ def test_the_trainer_survives_the_server_being_killed_mid_run(tiny_model_dir, tm
         srv.proc.kill()  # SIGKILL: whatever it held is gone
         srv.proc.wait()
         srv.log.close()
-        time.sleep(2)
+        wait_for(lambda: "unreachable; retrying" in (tmp_path / "trainer.log").read_text(), timeout=300)
         srv = ServerProcess(tiny_model_dir, port, tmp_path / "server2.log")
         assert proc.wait(timeout=400) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
     finally:

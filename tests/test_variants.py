@@ -320,7 +320,7 @@ def test_gen_logps_are_computed_only_when_asked_and_equal_the_sampling_weights(t
     real = grpo.completion_logps
     monkeypatch.setattr(grpo, "completion_logps", lambda *a, **k: calls.append(1) or real(*a, **k))
     plain, m = short_rollout(tiny_policy, monkeypatch, False, max_new_tokens=16)
-    assert plain and not calls and all("gen_logps" not in t for t, _ in plain) and m["gen_logps_s"] < 0.05
+    assert plain and not calls and all("gen_logps" not in t for t, _ in plain)  # no forward ran
     with_gen, _ = short_rollout(tiny_policy, monkeypatch, False, max_new_tokens=16, with_gen_logps=True)
     assert calls == [1] and all(t["gen_logps"].shape == t["completion_mask"].shape for t, _ in with_gen)
     model = tiny_policy[0]
