@@ -360,26 +360,31 @@ def _rank_gradient(rank, world, port, data, token_mean, normalize, results):
     dist.destroy_process_group()
 
 
-def gradient_over_ranks(world, token_mean, normalize):
+def run_ranks(target, world, *args):
+    """`world` forked gloo ranks, each running target(rank, world, port, *args, results); {rank: what it put}."""
     import multiprocessing as mp
 
     from conftest import free_port
 
+    ctx, port = mp.get_context("fork"), free_port()
+    results = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    out = dict(results.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    return out
+
+
+def gradient_over_ranks(world, token_mean, normalize):
     g = torch.Generator().manual_seed(8)
     mask = torch.rand(7, 4, generator=g) > 0.3
     mask[:, 0] = True
     data = (-torch.rand(7, 4, generator=g, dtype=torch.float64) * 2, -torch.rand(7, 4, generator=g).double(),
             -torch.rand(7, 4, generator=g).double(), torch.randn(7, generator=g).double(), mask)
-    ctx, port = mp.get_context("fork"), free_port()
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_gradient, args=(r, world, port, data, token_mean, normalize, results))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    grads = dict(results.get(timeout=60) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
-        assert p.exitcode == 0
+    grads = run_ranks(_rank_gradient, world, data, token_mean, normalize)
     assert all(grads[r] == grads[0] for r in grads)  # the same averaged gradient on every rank
     return torch.tensor(grads[0])
 
@@ -487,13 +492,13 @@ def test_held_out_questions_never_appear_in_training():
         split_held_out(qs, 100)
 
 
-def _rank_weight_gap(rank, port, nudge, results):
+def _rank_weight_gap(rank, world, port, nudge, results):
     """One gloo rank of two holding a small model; rank 1's weights nudged by `nudge`; weight_gap's answer."""
     import torch.distributed as dist
 
     from features.run_log import weight_gap
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))  # the same weights on both ranks
     if rank == 1:
@@ -507,18 +512,6 @@ def _rank_weight_gap(rank, port, nudge, results):
 def test_weight_gap_shows_ranks_that_hold_different_weights(nudge):
     """max_weight_gap is 0 only when every rank holds rank 0's weights: a rank whose weights drifted by `nudge`
     in one parameter reports that difference (in float64, so even 1e-3 is read exactly enough)."""
-    import multiprocessing as mp
-
-    from conftest import free_port
-
-    ctx, port = mp.get_context("fork"), free_port()
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_weight_gap, args=(r, port, nudge, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    gaps = dict(results.get(timeout=60) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
-        assert p.exitcode == 0
+    gaps = run_ranks(_rank_weight_gap, 2, nudge)
     assert gaps[0] == 0.0  # rank 0 against itself
     assert gaps[1] == pytest.approx(nudge, rel=1e-4, abs=1e-9)

@@ -518,3 +518,101 @@ def test_stop_frees_the_port_and_a_waitress_without_its_socket_map_is_named():
         s.bind(("127.0.0.1", port))  # raises if anything still listens there
     with pytest.raises(RuntimeError, match="no socket map"):
         close_sockets(SimpleNamespace(task_dispatcher=None))
+
+
+def test_a_retry_while_the_first_try_is_in_flight_gets_503_and_then_the_first_answer(model):
+    """Two tries of one upload_id at once (a client that timed out and retried): the second, arriving while the
+    first is still being handled, gets 503 (retry later); its next retry gets the first try's answer."""
+    import threading
+
+    server, stop_serving, url = start(model)
+    gate, real = threading.Event(), server._accept
+    server._accept = lambda *a: gate.wait(30) and real(*a)  # the first try stays in flight until the gate opens
+    try:
+        body = encode_batch(*group(seed=21, n=21, upload_id="slow"))
+        first = []
+        t = threading.Thread(target=lambda: first.append(requests.post(url + "/upload", data=body, timeout=60)))
+        t.start()
+        wait_for(lambda: server.upload_ids.answers.get("slow", None) == "in flight")
+        retry = requests.post(url + "/upload", data=body, timeout=10)
+        assert retry.status_code == 503 and retry.headers["Retry-After"] == "1"
+        gate.set()
+        t.join(timeout=30)
+        assert first[0].status_code == 200 and first[0].json()["groups"] == 1
+        again = requests.post(url + "/upload", data=body, timeout=10)
+        assert again.json() == first[0].json() and server.counters["uploaded"] == 1  # queued once
+    finally:
+        gate.set()
+        stop(server, stop_serving)
+
+
+def test_an_upload_id_refused_with_503_is_forgotten_and_the_oldest_ids_are_evicted(model):
+    """A retry after a 503 (no room) is a new upload, not the 503 again; past UPLOAD_IDS ids the oldest is
+    forgotten, so its late retry is handled anew (queued again)."""
+    server, stop_serving, url = start(model, queue_size=1, upload_ids=2)
+    try:
+        bodies = {uid: encode_batch(*group(seed=30 + i, n=i, upload_id=uid)) for i, uid in enumerate("abc")}
+        assert requests.post(url + "/upload", data=bodies["a"], timeout=10).status_code == 200
+        full = requests.post(url + "/upload", data=bodies["b"], timeout=10)
+        assert full.status_code == 503  # the queue holds a's group: b is refused, and its id forgotten
+        assert "b" not in server.upload_ids.answers
+        pull(url)  # a's group taken: room again
+        assert requests.post(url + "/upload", data=bodies["b"], timeout=10).json()["groups"] == 1  # handled anew
+        pull(url)
+        assert requests.post(url + "/upload", data=bodies["c"], timeout=10).status_code == 200
+        pull(url)
+        assert list(server.upload_ids.answers) == ["b", "c"]  # two remembered: a, the oldest, evicted
+        uploaded = server.counters["uploaded"]
+        assert requests.post(url + "/upload", data=bodies["a"], timeout=10).json()["groups"] == 1
+        assert server.counters["uploaded"] == uploaded + 1 and pull(url)[1]["n"] == 0  # a's late retry: queued
+    finally:
+        stop(server, stop_serving)
+
+
+def test_nan_reference_log_probs_are_never_handed_to_a_trainer(model):
+    server, stop_serving, url = start(model)
+    server.reference_logps = lambda ids, plen, t: torch.full((ids.shape[0], ids.shape[1] - plen), float("nan"))
+    try:
+        body = encode_batch(*group(seed=40, upload_id="nan"))
+        assert requests.post(url + "/upload", data=body, timeout=10).status_code == 200
+        wait_for(lambda: server.counters["ref_errors"] == 1)
+        r = requests.get(url + "/get", timeout=10)
+        assert r.headers["Content-Type"] == "application/json" and "NaN or inf log-probs" in r.json()["error"]
+    finally:
+        stop(server, stop_serving)
+
+
+def test_a_workers_group_whose_forward_failed_is_left_out_of_a_trainers_extras(model, capfd):
+    """The trainer takes EXTRA_GROUPS of the workers' groups; one that comes back as an error is skipped and the
+    rest are taken, so a lost worker group never stops a trainer."""
+    from features.server_client import RefClient
+
+    server, stop_serving, url = start(model)
+    fail_first_forward(server)
+    try:
+        for i in range(3):  # the first one's forward fails
+            body = encode_batch(*group(seed=50 + i, n=50 + i, worker="w1", version=0))
+            assert requests.post(url + "/upload", data=body, timeout=10).status_code == 200
+        wait_for(lambda: server.ready["workers"].qsize() == 3)
+        got = RefClient(url, timeout=60, extra_groups=4).upload_and_pull([group(seed=60, n=60)], version=1, rank=0)
+        assert sorted(meta["n"] for _, meta in got) == [51, 52, 60] and server.ready["workers"].qsize() == 0
+    finally:
+        stop(server, stop_serving)
+
+
+def test_the_server_process_loads_a_reward_model_and_names_it(tiny_model_dir, tokenizer, reward_model, tmp_path):
+    """ref_server.py's main() with REWARD_MODEL: the model is loaded from its folder, /health names it, and a group
+    comes back with the reward model's mean score."""
+    from conftest import ServerProcess
+
+    folder = tmp_path / "rm"
+    reward_model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    srv = ServerProcess(tiny_model_dir, free_port(), tmp_path / "server.log", REWARD_MODEL=str(folder))
+    try:
+        assert srv.health()["reward_model"] == str(folder)
+        tensors, meta = group(G=3, plen=5, tc=4, seed=70, question="What is 1 + 1?", answers=["2", "3", "11"])
+        back, back_meta = upload_and_pull(srv.url, tensors, meta)
+        assert "reward_model_mean" in back_meta and back["rewards"].shape == (3,)
+    finally:
+        srv.stop()

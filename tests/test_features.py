@@ -1,0 +1,219 @@
+"""The feature modules' branches a user hits that a whole run rarely shows: checkpoints refused on resume, the
+run log's files kept aside, TensorBoard's purge, a worker whose checkpoint vanished, the settings check,
+REGROUP's limits, prompts without the example or the prefill, questions from a JSONL file, environment values."""
+import json
+import os
+import random
+
+import pytest
+import torch
+
+import grpo_ref_split as grpo
+from conftest import group
+from features import checkpoints, run_log, worker
+from features.env_overrides import apply_env_overrides
+from features.regroup import RegroupPool
+from rewards import load_questions
+
+
+# ----------------------------------------------------------------------------- checkpoints
+@pytest.mark.parametrize("missing, rank", [("deepspeed", 0), ("rng_rank1.pt", 1)])
+def test_resume_refuses_a_checkpoint_without_deepspeed_or_this_ranks_rng_state(tmp_path, missing, rank):
+    """An older checkpoint (no DeepSpeed state), or one saved with fewer ranks (no RNG state for this rank):
+    a clear message, nothing loaded."""
+    folder = tmp_path / "step_4"
+    (folder / "deepspeed").mkdir(parents=True)
+    torch.save({}, folder / "rng_rank0.pt")
+    if missing == "deepspeed":
+        os.rmdir(folder / "deepspeed")
+
+    class NoEngine:  # resume must stop before it touches the engine
+        def __getattr__(self, name):
+            raise AssertionError(f"the engine was used: {name}")
+
+    with pytest.raises(SystemExit, match=f"step_4 has no DeepSpeed state for rank {rank}.*same --num_gpus"):
+        checkpoints.resume(NoEngine(), random.Random(0), rank, output_dir=str(tmp_path), lora=False)
+
+
+def test_a_fresh_run_is_refused_only_where_a_run_left_checkpoints(tmp_path):
+    checkpoints.refuse_to_overwrite(str(tmp_path / "none"), resume=False)  # nothing there: fine
+    (tmp_path / "step_2.tmp").mkdir()  # a half-written one is no checkpoint
+    checkpoints.refuse_to_overwrite(str(tmp_path), resume=False)
+    (tmp_path / "step_2").mkdir()
+    checkpoints.refuse_to_overwrite(str(tmp_path), resume=True)  # resuming is what it is for
+    with pytest.raises(SystemExit, match="holds checkpoints of an earlier run"):
+        checkpoints.refuse_to_overwrite(str(tmp_path), resume=False)
+
+
+# ----------------------------------------------------------------------------- the run log
+def test_a_fresh_run_sets_an_earlier_runs_files_aside_and_a_resumed_one_keeps_its_lines(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": s}) + "\n" for s in (1, 2, 3)))
+    os.utime(path, (1_700_000_000, 1_700_000_000))
+    with run_log.open_jsonl(str(tmp_path), "metrics.jsonl") as f:  # a fresh run
+        f.write("new\n")
+    assert (tmp_path / "metrics.1700000000.jsonl").read_text().count("\n") == 3  # the earlier run, kept whole
+    assert path.read_text() == "new\n"
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3, 4)))
+    with run_log.open_jsonl(str(tmp_path), "metrics.jsonl", resumed_step=2) as f:  # resumed from step_2
+        f.write(json.dumps({"step": 3}) + "\n")
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
+
+
+def test_tensorboard_drops_the_steps_a_resumed_run_redoes(tmp_path):
+    pytest.importorskip("torch.utils.tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = run_log.RunLog(str(tmp_path), ["reward_correct"], tensorboard=True)
+    for step in (1, 2, 3, 4):
+        first.write(step, {"loss": float(step)})
+    first.close()
+    resumed = run_log.RunLog(str(tmp_path), ["reward_correct"], resumed_step=2, tensorboard=True)
+    for step in (3, 4):
+        resumed.write(step, {"loss": 10.0 * step})
+    resumed.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+
+
+def test_tensorboard_missing_stops_before_any_model_loads(monkeypatch):
+    import importlib
+
+    real = importlib.import_module
+    monkeypatch.setattr(importlib, "import_module", lambda name: (_ for _ in ()).throw(ImportError("no module"))
+                        if name == "torch.utils.tensorboard" else real(name))
+    run_log.check_tensorboard(False)  # off: not even looked for
+    with pytest.raises(SystemExit, match="TENSORBOARD=1 needs the tensorboard package"):
+        run_log.check_tensorboard(True)
+
+
+def test_step_metrics_count_dropped_groups_over_every_rollout():
+    m = {"dropped": 3, "fwd_bwd_s": 1.0, "optim_s": 0.25}
+    out = run_log.step_metrics(m, [({}, {"version": 3}), ({}, {"version": 1})], step=4, attempts=2, step_start=0.0,
+                               questions_per_rollout=4)
+    assert out["zero_var_groups"] == 3 / 8 and "dropped" not in out  # 3 of the 2 x 4 groups sampled
+    assert out["staleness"] == (0 + 2) / 2 and out["groups"] == 2 and out["train_s"] == 1.25
+
+
+def test_gspo_with_a_token_sized_clip_warns(monkeypatch, capfd, tmp_path):
+    monkeypatch.setattr(grpo, "OUTPUT_DIR", str(tmp_path))
+    monkeypatch.setattr(grpo, "GSPO", True)
+    grpo.check_settings()
+    assert "warning: GSPO with CLIP_EPS 0.2 will hardly ever clip" in capfd.readouterr().err
+    monkeypatch.setattr(grpo, "CLIP_EPS", 3e-4)
+    monkeypatch.setattr(grpo, "CLIP_EPS_HIGH", 4e-4)
+    grpo.check_settings()
+    assert "warning" not in capfd.readouterr().err
+
+
+# ----------------------------------------------------------------------------- the generation worker
+class Stop(Exception):
+    pass
+
+
+class FakeClient:
+    """The server as a worker sees it: room always, every upload recorded; the third upload ends the test."""
+
+    def __init__(self):
+        self.uploads = []
+
+    def health(self, *policy_and_mismatch):
+        return {"pending": 0, "ready_workers": 0, "regroup": False, "reward_model": ""}
+
+    def upload(self, groups, **tags):
+        self.uploads.append(tags)
+        if len(self.uploads) == 3:
+            raise Stop
+
+
+def test_a_worker_keeps_its_version_when_a_new_checkpoint_vanishes_as_it_loads(tmp_path, capfd):
+    """The trainer's keep limit deleted step_N while the worker read it (OSError): the worker says so, keeps
+    generating with the weights it has, and picks up the next checkpoint that does load."""
+    (tmp_path / "step_2").mkdir()
+    loads = []
+
+    def load(path, device):
+        loads.append(os.path.basename(str(path)))
+        if path.endswith("step_2"):
+            (tmp_path / "step_2").rmdir()
+            (tmp_path / "step_3").mkdir()  # the trainer saved the next one meanwhile
+            raise OSError("No such file or directory")
+        return ("model", "tokenizer", [2], None) if path == "base" else (f"model of {path}", "tokenizer", [2], None)
+
+    def make_groups(policy, llm, keep_all, rng):
+        return [({}, {})], [{"reward": 1.0}]
+
+    client = FakeClient()
+    with pytest.raises(Stop):
+        worker.run_worker(load, make_groups, client, first="base", seed=0, start_llm=None, output_dir=str(tmp_path),
+                          max_queued=8, allow_mismatch=False)
+    out = capfd.readouterr().out
+    assert "could not load" in out and "step_2" in out and "keeping version 0" in out
+    assert loads == ["base", "step_2", "step_3"] and [u["version"] for u in client.uploads] == [0, 3, 3]
+
+
+def test_a_worker_refuses_to_feed_trainers_that_never_read_the_server():
+    with pytest.raises(SystemExit, match="trainers never read from the server"):
+        worker.run_worker(None, None, None, first="", seed=0, start_llm=None, output_dir="", max_queued=1,
+                          allow_mismatch=False, trainers_read_server=False)
+
+
+# ----------------------------------------------------------------------------- REGROUP's limits
+def test_regroup_keeps_the_newest_answers_per_question_and_forgets_the_stalest_question():
+    pool = RegroupPool(pool_size=6, questions=2)
+    tensors, meta = group(G=4, plen=5, tc=3, seed=1)
+    tensors["rewards"] = torch.zeros(4)
+    assert pool.add(tensors, meta) is None  # all equal: pooled
+    again = {**tensors, "input_ids": tensors["input_ids"].clone()}
+    assert pool.add(again, meta) is None
+    assert sum(len(p) for p in pool.pools.values()) == 6  # 8 answers, the oldest 2 dropped
+    others = [group(G=4, plen=5, tc=3, seed=s) for s in (2, 3)]  # two more questions
+    for t, m in others:
+        t["rewards"] = torch.zeros(4)
+        assert pool.add(t, m) is None
+    assert len(pool.pools) == 2  # the first question, least recently uploaded, forgotten: it held 6
+    assert [len(p) for p in pool.pools.values()] == [4, 4] and pool.regrouped == 0
+
+
+# ----------------------------------------------------------------------------- prompts, questions, environment
+def test_build_prompt_without_the_example_or_the_prefill(tokenizer, monkeypatch):
+    with_all = grpo.build_prompt(tokenizer, "What is 2 + 2?")
+    assert with_all.endswith("<think>") and "What is 3 + 4?" in with_all
+    monkeypatch.setattr(grpo, "EXAMPLE", None)
+    zero_shot = grpo.build_prompt(tokenizer, "What is 2 + 2?")
+    assert "What is 3 + 4?" not in zero_shot and zero_shot.endswith("<think>")
+    monkeypatch.setattr(grpo, "THINK_PREFILL", "")
+    bare = grpo.build_prompt(tokenizer, "What is 2 + 2?")
+    assert bare == zero_shot[: -len("<think>")]  # nothing appended after the assistant header
+    assert grpo.decode(tokenizer, torch.tensor([tokenizer.encode(" 4")])) == [" 4"]  # and nothing put back
+
+
+def test_questions_from_a_jsonl_file_and_a_clear_error_on_a_bad_line(tmp_path):
+    path = tmp_path / "qs.jsonl"
+    path.write_text('{"question": "What is 1 + 1?", "answer": "1 + 1 = 2\\n#### 2"}\n\n'
+                    '{"question": "How many?", "answer": "#### 1,000"}\n')
+    assert load_questions(str(path), 0) == [{"question": "What is 1 + 1?", "gold": "2"},
+                                           {"question": "How many?", "gold": "1000"}]
+    path.write_text('{"question": "q", "answer": "#### 1"}\n{"question": "q"}\n')
+    with pytest.raises(ValueError, match="qs.jsonl:2: need a JSON object with 'question' and 'answer'"):
+        load_questions(str(path), 0)
+
+
+def test_env_overrides_read_lists_and_tuples_as_json_and_refuse_a_bad_boolean(monkeypatch):
+    ns = {"EXAMPLE": ("q", "a"), "TARGETS": ["a"], "FLAG": False}
+    monkeypatch.setenv("EXAMPLE", '["What?", "That."]')
+    monkeypatch.setenv("TARGETS", '["q_proj", "v_proj"]')
+    apply_env_overrides(ns, "x.py")
+    assert ns["EXAMPLE"] == ("What?", "That.") and ns["TARGETS"] == ["q_proj", "v_proj"]
+    monkeypatch.setenv("EXAMPLE", "null")
+    apply_env_overrides(ns, "x.py")
+    assert ns["EXAMPLE"] is None
+    ns["EXAMPLE"] = ("q", "a")
+    monkeypatch.setenv("EXAMPLE", "[not json")
+    with pytest.raises(SystemExit, match="EXAMPLE='\\[not json': not a valid tuple"):
+        apply_env_overrides(ns, "x.py")
+    monkeypatch.delenv("EXAMPLE")
+    monkeypatch.setenv("FLAG", "maybe")
+    with pytest.raises(SystemExit, match="FLAG='maybe': not a valid bool.*1/0/true/false"):
+        apply_env_overrides(ns, "x.py")
