@@ -18,9 +18,8 @@ elif [ "$1" = part3 ]; then
   python3 - <<'PY'
 # Is the bf16 gap between LOGP_FROM_HIDDEN on and off rounding? Both against the same step in fp32.
 import sys, torch, transformers
-from collections import defaultdict
 sys.path.insert(0, "tests")
-import grpo_common, grpo_ref_split as grpo
+import grpo_ref_split as grpo
 from zero2_gradient import rank_groups
 tok = transformers.AutoTokenizer.from_pretrained(".gpu")
 torch.manual_seed(0)
@@ -28,10 +27,10 @@ fp32 = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.fro
 groups = rank_groups(fp32, tok, 0)
 
 def grads(model, hidden):
-    grpo_common.LOGP_FROM_HIDDEN = hidden
+    grpo.LOGP_FROM_HIDDEN = hidden
     model.zero_grad()
     for part in grpo.micro_batches(model, groups, tok.pad_token_id):
-        grpo.policy_loss(model, part, defaultdict(float)).backward()
+        grpo.policy_loss(model, part)[0].backward()
     return {n: p.grad.float().clone() for n, p in model.named_parameters()}
 
 def rel(a, b):

@@ -217,3 +217,26 @@ def test_env_overrides_read_lists_and_tuples_as_json_and_refuse_a_bad_boolean(mo
     monkeypatch.setenv("FLAG", "maybe")
     with pytest.raises(SystemExit, match="FLAG='maybe': not a valid bool.*1/0/true/false"):
         apply_env_overrides(ns, "x.py")
+
+
+# ----------------------------------------------------------------------------- ds_config.json
+def test_ds_config_gets_the_trainers_settings_and_refuses_to_hold_them_itself(tmp_path):
+    """One source of truth: LR, bf16 and the schedule's length come from grpo_ref_split.py; a config file that
+    sets any of them is refused, naming them, instead of being silently overwritten."""
+    from conftest import ROOT
+    from features.zero2 import ds_config
+
+    shipped = os.path.join(ROOT, "ds_config.json")
+    config = ds_config(shipped, lr=3e-6, bf16=False, total_steps=60)
+    assert config["optimizer"]["params"]["lr"] == 3e-6 and config["bf16"] == {"enabled": False}
+    assert config["scheduler"]["params"]["total_num_steps"] == 60
+    with open(shipped) as f:
+        raw = json.load(f)
+    for where, extra in (("optimizer", {"lr": 1e-3}), (None, {"bf16": {"enabled": True}}),
+                         ("scheduler", {"total_num_steps": 5})):
+        bad = json.loads(json.dumps(raw))
+        (bad[where]["params"] if where else bad).update(extra)
+        path = tmp_path / "bad.json"
+        path.write_text(json.dumps(bad))
+        with pytest.raises(SystemExit, match="sets one of lr \\(LR\\), bf16.*remove them"):
+            ds_config(str(path), lr=3e-6, bf16=False, total_steps=60)

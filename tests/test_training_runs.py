@@ -123,16 +123,39 @@ def test_a_fresh_run_refuses_a_folder_with_another_runs_checkpoints(tiny_model_d
 
 
 def test_beta_zero_and_the_variants_train_without_any_server(tiny_model_dir, tmp_path):
+    """BETA=0 with TOKEN_MEAN, MASK_TRUNCATED and CLIP_EPS_HIGH on: no server is ever asked. Against the same run
+    with the three off, step 1 samples the very same answers (seeded) and its loss differs: they reached the loss."""
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: any request would fail the run
-    run = train(tiny_model_dir, dead, tmp_path, 1, BETA=0, MU=2, TOKEN_MEAN=1, MASK_TRUNCATED=1, CLIP_EPS_HIGH=0.28,
-                MAX_NEW_TOKENS=24, SERVER_TIMEOUT=5, EVAL_STEPS=0)
+    common = dict(BETA=0, MU=2, MAX_NEW_TOKENS=24, SERVER_TIMEOUT=5, EVAL_STEPS=0)
+    run = train(tiny_model_dir, dead, tmp_path / "on", 1, TOKEN_MEAN=1, MASK_TRUNCATED=1, CLIP_EPS_HIGH=0.28, **common)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "retrying" not in run.stderr and "kl" not in run.stdout.split("step    1")[1].split("\n")[0]
-    lines = metrics(tmp_path)[0]
+    lines = metrics(tmp_path / "on")[0]
     assert [m["step"] for m in lines] == [1, 2] and all("kl" not in m for m in lines)
     assert all(m["ratio_drift"] > 0 for m in lines)  # MU = 2: the second pass sees a ratio != 1
-    before, after = params(tiny_model_dir), params(tmp_path / "step_2")
+    before, after = params(tiny_model_dir), params(tmp_path / "on" / "step_2")
     assert any(not torch.equal(before[k], after[k]) for k in before)
+    off = train(tiny_model_dir, dead, tmp_path / "off", 1, ALL_STEPS=1, **common)
+    assert off.returncode == 0, off.stderr[-3000:]
+    records = [[r for r in map(json.loads, (tmp_path / name / "completions.jsonl").read_text().splitlines())
+                if r["step"] == 1] for name in ("on", "off")]
+    assert [r["answer"] for r in records[0]] == [r["answer"] for r in records[1]]  # the same samples ...
+    assert any(r["truncated"] for r in records[0])  # ... some of them cut: MASK_TRUNCATED had answers to mask
+    assert metrics(tmp_path / "off")[0][0]["loss"] != pytest.approx(lines[0]["loss"], rel=1e-3)
+
+
+def test_a_run_trains_with_gspo(tiny_model_dir, tmp_path):
+    """GSPO=1 (one ratio per answer) through a whole run, MU=2 so that the ratio is not 1: it finishes, its clip
+    is the paper's, and its loss differs from the same run's per-token ratio from the second pass on."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    common = dict(BETA=0, MU=2, ALL_STEPS=1, CLIP_EPS=3e-4, CLIP_EPS_HIGH=4e-4, SERVER_TIMEOUT=5, EVAL_STEPS=0)
+    gspo = train(tiny_model_dir, dead, tmp_path / "gspo", 1, GSPO=1, **common)
+    assert gspo.returncode == 0, gspo.stderr[-3000:]
+    assert "warning: GSPO" not in gspo.stderr  # the paper's clip: no warning
+    token = train(tiny_model_dir, dead, tmp_path / "token", 1, **common)
+    assert token.returncode == 0, token.stderr[-3000:]
+    (g,), (t,) = metrics(tmp_path / "gspo")[0], metrics(tmp_path / "token")[0]
+    assert g["ratio_drift"] > 0 and g["loss"] != pytest.approx(t["loss"], rel=1e-4)
 
 
 def test_the_trainer_survives_the_server_being_killed_mid_run(tiny_model_dir, tmp_path):
@@ -220,3 +243,16 @@ def test_a_genonly_worker_feeds_the_server_and_follows_new_checkpoints(tiny_mode
         assert lines[0]["staleness"] < 0 and lines[0]["groups"] > waiting
     finally:
         srv.stop()
+
+
+def test_a_task_that_never_gives_different_rewards_stops_the_run_with_advice(tiny_model_dir, tmp_path):
+    """Gold answers no model writes and 1-token answers (no format): every group's rewards are equal, so no
+    group can be trained on; after MAX_ROLLOUTS rollouts the run stops and says what to try."""
+    questions = tmp_path / "never.jsonl"
+    questions.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": "#### 987654321"}) + "\n"
+                                 for i in range(20)))
+    run = train(tiny_model_dir, f"http://127.0.0.1:{free_port()}", tmp_path / "out", 1, BETA=0, MAX_ROLLOUTS=2,
+                MAX_NEW_TOKENS=1, DATASET=str(questions), EVAL_STEPS=0, SERVER_TIMEOUT=5)
+    assert run.returncode != 0
+    assert "2 rollouts in a row gave no group with different rewards" in run.stderr
+    assert not (tmp_path / "out" / "step_1").exists()
