@@ -123,6 +123,7 @@ def test_trainer_learns_at_once_of_a_group_whose_reference_forward_failed(model,
         stop(server, stop_serving)
 
 
+@pytest.mark.slow
 def test_killed_server_clients_retry_and_recover(tiny_model_dir, tmp_path, capfd):
     """SIGKILL with groups queued: the client sees connection errors, backs off, and carries on
     once a new server is up. What was queued in memory is lost by design (uploaded resets to 0)."""
@@ -152,6 +153,7 @@ def test_killed_server_clients_retry_and_recover(tiny_model_dir, tmp_path, capfd
         holder["s"].stop()
 
 
+@pytest.mark.slow
 def test_sigterm_shuts_down_cleanly_and_frees_the_port(tiny_model_dir, tmp_path):
     port = free_port()
     s = ServerProcess(tiny_model_dir, port, tmp_path / "server.log")
@@ -257,6 +259,7 @@ def rss_mb(pid):
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
 
+@pytest.mark.slow
 def test_the_server_process_stays_within_300_mb_of_its_start_under_hostile_input(tiny_model_dir, tmp_path, capsys):
     """Every kind of bad upload ten times, 60 MB bodies that are not safetensors, malformed HTTP, stalled
     bodies and 200 idle connections against `python ref_server.py`: no 5xx, and its memory stays within

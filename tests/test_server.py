@@ -600,6 +600,7 @@ def test_a_workers_group_whose_forward_failed_is_left_out_of_a_trainers_extras(m
         stop(server, stop_serving)
 
 
+@pytest.mark.slow
 def test_the_server_process_loads_a_reward_model_and_names_it(tiny_model_dir, tokenizer, reward_model, tmp_path):
     """ref_server.py's main() with REWARD_MODEL: the model is loaded from its folder, /health names it, and a group
     comes back with the reward model's mean score."""

@@ -136,6 +136,7 @@ def assert_same(want, got, what, tolerance=1e-5):
         assert (t - got[name]).abs().max() <= tolerance * scale, f"{what}: {name}"
 
 
+@pytest.mark.slow
 def test_shared_prefix_under_zero2_on_two_ranks_with_mu_two(zero2_steps):
     """MU = 2 makes prepare_batch take gen_logps with the same forward; the loss then uses them."""
     full = zero2_steps()[0, 0]
@@ -147,6 +148,7 @@ def test_shared_prefix_under_zero2_on_two_ranks_with_mu_two(zero2_steps):
         assert_same(full["grads"], shared["grads"], f"gradient checkpointing {checkpointing}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_micro_batches_give_the_gradient_and_step_of_one_batch(zero2_steps, ranks):
     """TRAIN_MICRO_BATCH = 1 and 2 groups against all at once, shared prompt on and off. On 2 ranks rank 0

@@ -434,6 +434,7 @@ def test_without_regroup_every_upload_is_one_group(model):
         stop(server, httpd)
 
 
+@pytest.mark.slow
 def test_regroup_runs_without_the_trainer_or_the_rewards(tiny_model_dir):
     """The server process never imports the trainer (nor rewards, math-verify): REGROUP computes the
     advantages of a new group from the rewards its answers carry, with features/ alone."""
