@@ -40,10 +40,14 @@ def test_health(live, model):
     assert {k: h[k] for k in server.counters} == server.counters
     assert 0 <= h["uptime_s"] <= time.time() - server.started + 1
     before = dict(server.counters)
-    upload_and_pull(url, *group(seed=11))
+    body = encode_batch(*group(seed=11))
+    assert requests.post(url + "/upload", data=body, timeout=10).status_code == 200
+    wait_for(lambda: server.ready["trainers"].qsize() == 1)
+    h = requests.get(url + "/health", timeout=5).json()  # one group ready, not yet taken: its room is held
+    assert h["uploaded"] == before["uploaded"] + 1 and h["ready"] == 1 and h["held_bytes"] == 2 * len(body)
+    pull(url)
     h = requests.get(url + "/health", timeout=5).json()
-    assert h["uploaded"] == before["uploaded"] + 1 and h["served"] == before["served"] + 1
-    assert h["pending"] == 0 and h["ready"] == 0 and h["held_bytes"] == 0  # the group was taken: room given back
+    assert h["served"] == before["served"] + 1 and h["ready"] == 0 and h["held_bytes"] == 0  # taken: room back
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
