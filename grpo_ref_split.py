@@ -215,15 +215,16 @@ def score(texts, golds, questions):
 
 @torch.no_grad()
 def pack_groups(model, rollout, rewards, advantages, keep_all, with_gen_logps):
-    """(the groups worth training on as (tensors, meta) in the wire format, the number dropped: all answers scored
-    the same, unless keep_all for a server's REGROUP or REWARD_MODEL). with_gen_logps: pi_old (a forward)."""
+    """(the groups worth training on, (tensors, meta); the number dropped: equal rewards, unless keep_all). pi_old by
+    a forward if with_gen_logps (REGROUP, workers), MU > 1 or not SKIP_GEN_LOGPS; else ratio 1 needs none."""
     G, mask, P, T = NUM_PRE_Q, rollout["mask"], rollout["prompt_ids"].shape[1], rollout["mask"].shape[1]
     varied = rewards.view(-1, G).std(1) > 0  # (Q,)
     kept = [q for q in range(len(varied)) if (varied[q] or keep_all) and mask[q * G : (q + 1) * G].any()]
     ids = torch.cat([rollout["prompt_ids"], rollout["completion_ids"]], 1)  # (B, P+T)
     attn = torch.cat([rollout["prompt_mask"], torch.ones_like(rollout["completion_ids"])], 1)  # (B, P+T)
     rows = [q * G + i for q in kept for i in range(G)]
-    gen_logps = logps_of(model, ids[rows], attn[rows], T).cpu() if kept and with_gen_logps else None  # (K, T) pi_old
+    with_gen_logps = kept and (with_gen_logps or MU > 1 or not SKIP_GEN_LOGPS)
+    gen_logps = logps_of(model, ids[rows], attn[rows], T).cpu() if with_gen_logps else None  # (K, T) pi_old
     groups = []
     for j, q in enumerate(kept):
         r = slice(q * G, (q + 1) * G)
@@ -381,7 +382,6 @@ def main():
     health = client.health(model, tokenizer, ALLOW_REF_MISMATCH) if client else {}  # the same model there?
     regroup = bool(health.get("regroup"))  # the pool mixes answers of several policy versions: they need gen_logps
     keep_all = regroup or bool(health.get("reward_model"))  # the server's rewards can differ where ours do not
-    with_gen_logps = MU > 1 or regroup or not SKIP_GEN_LOGPS  # else pi_old = the weights that train: ratio 1
     questions, held_out = split_held_out(load_questions(DATASET, SEED, ARITH_MAX), EVAL_SIZE)
     rng, names = random.Random(SEED + rank), [fn.__name__ for fn, _ in REWARDS]
     start = checkpoints.resume(engine, rng, rank, output_dir=OUTPUT_DIR, lora=LORA_RANK > 0) if RESUME else 0
@@ -398,8 +398,8 @@ def main():
         m, step_start, answers = Counter(), clock(), []  # this step's metrics and sampled answers
         for attempt in range(1, MAX_ROLLOUTS + 1):  # until the server hands back groups (all-equal ones are dropped)
             batch = rng.sample(questions, Q_BATCH_SIZE)  # 1. sample
-            groups, records, stats = rollout(model, tokenizer, eos_ids, gen_config, batch, llm, keep_all,
-                                             with_gen_logps, step, rank)  # 2-4. generate, score, advantages
+            groups, records, stats = rollout(model, tokenizer, eos_ids, gen_config, batch, llm, keep_all, regroup,
+                                             step, rank)  # 2-4. generate, score, advantages
             answers += records
             m.update(stats)
             with timed(m, "wait_s"):  # 5. upload, and pull groups with ref_logps (no server: our own groups)

@@ -360,15 +360,15 @@ def test_on_policy_rows_need_no_gen_logps_for_the_same_loss_and_gradient():
 
 def test_skip_gen_logps_gives_the_plain_paths_loss_and_gradient(tiny_policy, monkeypatch):
     """SKIP_GEN_LOGPS = False is the plain path (a forward of the sampling weights gives pi_old); the
-    shortcut skips that forward. Steps 2-6 of one MU = 1 step: the same loss and gradient either way."""
+    shortcut skips that forward. Steps 2-6 of one MU = 1 step without REGROUP (with_gen_logps False, as main
+    passes it): the constant alone decides, and the loss and gradient are the same either way."""
     model, tok = tiny_policy
     monkeypatch.setattr(grpo, "MU", 1)
     params = [p for p in model.parameters() if p.requires_grad]
     out = {}
     for skip in (True, False):
         monkeypatch.setattr(grpo, "SKIP_GEN_LOGPS", skip)
-        groups, _ = short_rollout(tiny_policy, monkeypatch, False, max_new_tokens=16,
-                                  with_gen_logps=not skip)  # main's rule at MU = 1 without REGROUP
+        groups, _ = short_rollout(tiny_policy, monkeypatch, False, max_new_tokens=16, with_gen_logps=False)
         assert groups and all(("gen_logps" in t) != skip for t, _ in groups)
         g = torch.Generator().manual_seed(5)
         for t, _ in groups:  # what the server would add
