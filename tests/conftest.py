@@ -79,23 +79,39 @@ def sft_target(rng, a, b):
     return f" {a} + {b} </think><answer>{x}</answer>" if rng.random() < 0.7 else f" {x}"
 
 
+def tool_target(rng, a, b):
+    """sft_target, and half of the time a calculator call (its result written out, as the rollout appends it)."""
+    call = f" {a} + {b} = <tool>{a} + {b}</tool><result>{a + b}</result> </think><answer>{a + b}</answer>"
+    return call if rng.random() < 0.5 else sft_target(rng, a, b)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tokenizer, tmp_path_factory):
     """A 2-layer Llama on the SmolLM2 vocabulary, taught the answer format by 150 SFT steps (~30 s)."""
+    return sft_tiny_model(tokenizer, tmp_path_factory.mktemp("tiny_model"), sft_target, mixed=False)
+
+
+@pytest.fixture(scope="session")
+def tool_model_dir(tokenizer, tmp_path_factory):
+    """The same on the mixed task, half of its answers a calculator call (TOOLS's runs)."""
+    return sft_tiny_model(tokenizer, tmp_path_factory.mktemp("tool_model"), tool_target, mixed=True)
+
+
+def sft_tiny_model(tokenizer, folder, target, mixed):
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
     rng = random.Random(0)
     model = LlamaForCausalLM(tiny_config(tokenizer))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    problems = rewards.make_arithmetic(2400, 20, seed=1)
+    problems = rewards.make_arithmetic(2400, 20, seed=1, mixed=mixed)
     for i in range(150):
         rows = problems[i * 16 : (i + 1) * 16]
         prompts = [grpo.build_prompt(tokenizer, r["question"]) for r in rows]
         targets = []
         for r in rows:
             a, b = (int(s) for s in r["answer"].split("=")[0].split("+"))
-            targets.append(tokenizer.encode(sft_target(rng, a, b), add_special_tokens=False) + [tokenizer.eos_token_id])
+            targets.append(tokenizer.encode(target(rng, a, b), add_special_tokens=False) + [tokenizer.eos_token_id])
         ids, attn, Tc = pack(tokenizer, prompts, targets)
         logps = completion_logps(model, ids, attn, Tc, 1.0, chunk=128, from_hidden=True)  # (B, Tc)
         mask = attn[:, -Tc:].bool()  # (B, Tc)
@@ -104,7 +120,6 @@ def tiny_model_dir(tokenizer, tmp_path_factory):
         loss.backward()
         opt.step()
     assert loss.item() < 2.0, f"tiny SFT did not converge (loss {loss.item():.2f})"
-    folder = tmp_path_factory.mktemp("tiny_model")
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)

@@ -1,0 +1,193 @@
+"""Tool use (TOOLS): multi-turn rollouts. The model writes <tool>expression</tool>; generation stops there, the
+toolkit runs the tool on what the model wrote, appends <result>its answer</result> and the model goes on, up to
+max_calls calls and max_new_tokens tokens per answer in all. The result's tokens are not the policy's: the mask
+this module returns marks them, and the trainer leaves them out of the loss, the KL and every ratio metric.
+
+    TOOLS='["calculator"]' bash scripts/run_tool_demo.sh            # docs/tools.md; the trainer's TOOLS constant
+    python -c "from features.tools import calculator; print(calculator('(348 + 517) * 2'))"
+A tool is a plain function from the text between the tags to the text the model gets back; a text starting
+"error:" counts as a tool error. With several tools the model writes <tool>name: text</tool>.
+"""
+import ast
+import math
+import operator
+from fractions import Fraction
+
+import torch
+
+TOOL_OPEN, TOOL_CLOSE = "<tool>", "</tool>"  # what the model writes around a call; generation stops at the close
+RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"  # what the toolkit writes around the tool's answer
+MAX_EXPRESSION_CHARS = 200  # a longer call is refused before it is parsed: bounds time and memory
+MAX_DEPTH = 64  # parentheses or operations nested deeper are refused: bounds the parser's and our recursion
+MAX_NUMBER = 10**15  # any number, written or computed, beyond this is refused: no huge integers, no float overflow
+MAX_RESULT_CHARS = 200  # a tool's answer is cut to this: a tool cannot flood the context
+OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+SIGNS = {ast.USub: operator.neg, ast.UAdd: operator.pos}
+
+
+class CalculatorError(ValueError):
+    """A calculation the calculator refuses; its message is what the model reads."""
+
+
+def calculator(expression: str) -> str:
+    """The value of an expression of numbers, + - * /, unary signs and parentheses, exactly (fractions), as text:
+    "865", "2.5", "0.333333". Anything else (names, calls, **, attributes, strings, lambdas...) returns an error
+    text, never raises and never runs code: the text is parsed by Python's ast and only the allowed nodes are read."""
+    if not isinstance(expression, str):
+        return "error: the expression must be text"
+    if len(expression) > MAX_EXPRESSION_CHARS:
+        return f"error: the expression is longer than {MAX_EXPRESSION_CHARS} characters"
+    depth = 0
+    for c in expression:  # before ast.parse, whose own recursion a deep enough nesting would exhaust
+        depth += (c == "(") - (c == ")")
+        if depth > MAX_DEPTH:
+            return f"error: parentheses nested deeper than {MAX_DEPTH}"
+    try:
+        value = _value(ast.parse(expression.strip(), mode="eval").body, 0)
+    except CalculatorError as e:
+        return f"error: {e}"
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return "error: not an expression of numbers, + - * / and parentheses"
+    if value.denominator == 1:
+        return str(value.numerator)
+    return f"{float(value):.6f}".rstrip("0").rstrip(".")
+
+
+def _value(node, depth) -> Fraction:
+    """The exact value of an allowed ast node; CalculatorError for anything else."""
+    if depth > MAX_DEPTH:
+        raise CalculatorError(f"operations nested deeper than {MAX_DEPTH}")
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):  # not bool, complex or str
+        if not math.isfinite(node.value) or abs(node.value) > MAX_NUMBER:
+            raise CalculatorError(f"a number larger than {MAX_NUMBER}")
+        value = Fraction(repr(node.value)) if isinstance(node.value, float) else Fraction(node.value)
+    elif isinstance(node, ast.UnaryOp) and type(node.op) in SIGNS:
+        value = SIGNS[type(node.op)](_value(node.operand, depth + 1))
+    elif isinstance(node, ast.BinOp) and type(node.op) in OPERATORS:
+        left, right = _value(node.left, depth + 1), _value(node.right, depth + 1)
+        if isinstance(node.op, ast.Div) and right == 0:
+            raise CalculatorError("division by zero")
+        value = OPERATORS[type(node.op)](left, right)
+    else:  # name the operator itself where there is one: "Pow", "FloorDiv"
+        what = type(getattr(node, "op", node)).__name__
+        raise CalculatorError(f"{what} is not allowed: only numbers, + - * / and parentheses")
+    if abs(value) > MAX_NUMBER or value.denominator > MAX_NUMBER:
+        raise CalculatorError(f"a result larger than {MAX_NUMBER}")
+    return value
+
+
+def run_tool(tools, call: str) -> str:
+    """The text the model gets back for `call` (what it wrote between the tags), cut to MAX_RESULT_CHARS. One tool
+    gets the whole call; with several, the call is "name: text". A tool that raises gives an error text."""
+    if len(tools) == 1:
+        fn, argument = tools[0], call
+    else:
+        name, _, argument = call.partition(":")
+        fn = {f.__name__: f for f in tools}.get(name.strip())
+        if fn is None:
+            return f"error: no tool {name.strip()[:40]!r}; write <tool>name: text</tool> with one of " + \
+                ", ".join(f.__name__ for f in tools)
+    try:
+        out = str(fn(argument.strip()))
+    except Exception as e:  # a tool's bug is the model's error text, never a crash of the trainer
+        out = f"error: {type(e).__name__}: {e}"
+    return out[:MAX_RESULT_CHARS]
+
+
+def call_end(tokenizer, segment, eos_ids):
+    """The number of tokens of `segment` up to the one that completes TOOL_CLOSE, if the model closed a call
+    before any EOS; else None (the answer ended, or was cut)."""
+    eos = [k for k, t in enumerate(segment) if t in eos_ids]
+    head = segment[: eos[0]] if eos else segment
+    if TOOL_CLOSE not in tokenizer.decode(head, skip_special_tokens=True):
+        return None
+    return next(k for k in range(1, len(head) + 1)
+                if TOOL_CLOSE in tokenizer.decode(head[:k], skip_special_tokens=True))
+
+
+def tool_rollout(sample, prompts, *, tokenizer, tools, max_calls, max_new_tokens, eos_ids, pad_id) -> dict:
+    """Multi-turn answers to `prompts` (token id lists, one per answer). sample(prefixes, budgets) -> one
+    (token ids, log-probs or None) continuation per prefix, stopping after an EOS or after TOOL_CLOSE. A call past
+    max_calls ends the answer there, as the token budget does. Returns completion_ids (B, T) padded with pad_id,
+    sampler_logps (B, T) or None, tool_mask (B, T) True on the toolkit's tokens, calls and errors (B lists)."""
+    B = len(prompts)
+    ids, tool, logps = [[] for _ in range(B)], [[] for _ in range(B)], [[] for _ in range(B)]
+    calls, errors, active, sampled = [0] * B, [0] * B, list(range(B)), False
+    while active:
+        outs = sample([prompts[i] + ids[i] for i in active], [max_new_tokens - len(ids[i]) for i in active])
+        still = []
+        for i, (segment, segment_logps) in zip(active, outs):
+            segment = list(segment)[: max_new_tokens - len(ids[i])]
+            end = call_end(tokenizer, segment, eos_ids)
+            segment = segment if end is None else segment[:end]  # HF pads a stopped row: drop that padding
+            sampled |= segment_logps is not None
+            ids[i] += segment
+            tool[i] += [False] * len(segment)
+            logps[i] += list(segment_logps or [0.0] * len(segment))[: len(segment)]
+            if end is None or calls[i] >= max_calls or len(ids[i]) >= max_new_tokens:
+                continue  # finished: an EOS, the budget, or one call too many
+            text = tokenizer.decode(ids[i], skip_special_tokens=True)
+            call, _, past = text.rpartition(TOOL_CLOSE)  # past: what the closing token wrote after the tag ("<")
+            answer = run_tool(tools, call.rpartition(TOOL_OPEN)[2])
+            opening = RESULT_OPEN[len(past):] if RESULT_OPEN.startswith(past) else RESULT_OPEN  # "</tool><result>"
+            result = tokenizer(opening + answer + RESULT_CLOSE, add_special_tokens=False,
+                               split_special_tokens=True).input_ids[: max_new_tokens - len(ids[i])]  # text, never EOS
+            ids[i] += result
+            tool[i] += [True] * len(result)
+            logps[i] += [0.0] * len(result)
+            calls[i], errors[i] = calls[i] + 1, errors[i] + answer.startswith("error:")
+            if len(ids[i]) < max_new_tokens:
+                still.append(i)
+        active = still
+    T = max(1, max(map(len, ids)))
+    completion_ids = torch.full((B, T), pad_id)  # (B, T)
+    tool_mask, sampler_logps = torch.zeros(B, T, dtype=torch.bool), torch.zeros(B, T)  # (B, T) each
+    for i in range(B):
+        n = len(ids[i])
+        completion_ids[i, :n], tool_mask[i, :n], sampler_logps[i, :n] = torch.tensor(ids[i], dtype=torch.long), \
+            torch.tensor(tool[i], dtype=torch.bool), torch.tensor(logps[i])
+    return dict(completion_ids=completion_ids, sampler_logps=sampler_logps if sampled else None,
+                tool_mask=tool_mask, tool_calls=calls, tool_errors=errors)
+
+
+def transformers_sampler(model, tokenizer, gen_config):
+    """sample() for tool_rollout from transformers' generate: the prefixes left-padded into one batch, each row
+    stopping at an EOS or at TOOL_CLOSE (generate's stop_strings)."""
+    def sample(prefixes, budgets):
+        width, device = max(map(len, prefixes)), next(model.parameters()).device
+        ids = torch.tensor([[gen_config.pad_token_id] * (width - len(p)) + p for p in prefixes], device=device)
+        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prefixes], device=device)  # (b, width)
+        out = model.generate(input_ids=ids, attention_mask=attn, generation_config=gen_config,
+                             max_new_tokens=max(budgets), stop_strings=[TOOL_CLOSE], tokenizer=tokenizer)
+        return [(row.tolist(), None) for row in out[:, width:].cpu()]
+    return sample
+
+
+def vllm_sampler(llm, temperature, eos_ids):
+    """sample() for tool_rollout from a vLLM engine: one request per prefix, stopping at an EOS or TOOL_CLOSE,
+    with the sampled tokens' log-probs; a continuation's prefix is in the engine's prefix cache already."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    def sample(prefixes, budgets):
+        seeds = torch.randint(2**31, (len(prefixes),)).tolist() if temperature > 0 else [None] * len(prefixes)
+        params = [SamplingParams(n=1, temperature=temperature, top_p=1.0, top_k=0, min_p=0.0, max_tokens=budget,
+                                 stop_token_ids=eos_ids, stop=[TOOL_CLOSE], include_stop_str_in_output=True,
+                                 logprobs=0 if temperature > 0 else None, seed=seed)
+                  for budget, seed in zip(budgets, seeds)]
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prefixes], params, use_tqdm=False)
+        answers = [out.outputs[0] for out in outs]
+        return [(list(a.token_ids), [lp[t].logprob for lp, t in zip(a.logprobs, a.token_ids)] if a.logprobs else None)
+                for a in answers]
+    return sample
+
+
+def generate_with_tools(model, tokenizer, enc, n, *, gen_config, llm, temperature, tools, max_calls, eos_ids) -> dict:
+    """tool_rollout for n answers to each prompt of `enc` (left-padded input_ids, attention_mask; a prompt's n
+    rows consecutive), from vLLM (`llm`) or transformers' generate with gen_config (do_sample=False: greedy)."""
+    prompts = [ids[keep.bool()].tolist() for ids, keep in zip(enc.input_ids.cpu(), enc.attention_mask.cpu())]
+    sample = vllm_sampler(llm, temperature, eos_ids) if llm is not None else \
+        transformers_sampler(model, tokenizer, gen_config)
+    return tool_rollout(sample, [p for p in prompts for _ in range(n)], tokenizer=tokenizer, tools=tools,
+                        max_calls=max_calls, max_new_tokens=gen_config.max_new_tokens, eos_ids=list(eos_ids),
+                        pad_id=gen_config.pad_token_id)
