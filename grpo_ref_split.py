@@ -18,16 +18,12 @@ from collections import Counter
 import torch
 from tqdm import tqdm
 
-from features import checkpoints, evaluation, lora, policy, tools, vllm_engine, worker, zero2
+from features import (checkpoints, env_overrides, evaluation, logprobs, lora, policy, server_client, shared_prefix,
+                      tools, vllm_engine, wire, worker, zero2)
 from features.advantages import group_advantages
 from features.embedded_model import resolve_model_path
-from features.env_overrides import apply_env_overrides
-from features.logprobs import completion_logits, completion_logps
 from features.run_log import (RunLog, answer_records, check_tensorboard, clock, log_step, plot_curves, sample_stats,
                               step_metrics, timed, weight_gap)
-from features.server_client import RefClient
-from features.wire import collate
-from features.shared_prefix import prompt_cache
 import rewards
 from rewards import checked_reward, load_questions, reward_correct, reward_format, split_held_out
 
@@ -98,7 +94,7 @@ TENSORBOARD = False  # True = every metric also as a TensorBoard scalar under OU
 GENONLY = False  # True = this process only generates, scores and uploads (same as the `genonly` argument)
 WORKER_MAX_QUEUED = 8  # a worker waits while the server holds this many groups: bounds queue and staleness
 EXTRA_GROUPS = 4  # a trainer rank also takes up to this many ready groups that workers made, per step
-apply_env_overrides(globals(), "grpo_ref_split.py", functions={"REWARDS": rewards, "TOOLS": tools})  # from the env
+env_overrides.apply_env_overrides(globals(), "grpo_ref_split.py", functions={"REWARDS": rewards, "TOOLS": tools})
 
 
 # ----------------------------------------------------------------------------- GRPO math
@@ -180,25 +176,24 @@ def decode(tokenizer, completion_ids) -> list:
 @torch.no_grad()
 def generate(model, tokenizer, questions, gen_config, eos_ids, llm=None) -> dict:
     """Step 2: NUM_PRE_Q answers per question, a group's rows consecutive; from vLLM (`llm`) with its log-probs."""
-    enc, device = encode_prompts(tokenizer, questions), next(model.parameters()).device
+    enc, device, tool = encode_prompts(tokenizer, questions), next(model.parameters()).device, {}  # tool: TOOLS's
     prompt_ids = enc.input_ids.repeat_interleave(NUM_PRE_Q, 0).to(device)  # (B, P) B = Q * G
     prompt_mask = enc.attention_mask.repeat_interleave(NUM_PRE_Q, 0).to(device)  # (B, P)
     model.eval()  # no dropout, KV cache on even with gradient checkpointing
-    tool = dict(tool_mask=torch.tensor(False))  # TOOLS: multi-turn, each <tool> call answered by a <result>
-    if TOOLS:  # ... whose tokens tool_mask marks (B, T): the loss skips them (features/tools.py)
+    if TOOLS:  # multi-turn: each <tool> call answered by a <result>, whose tokens the loss skips (features/tools.py)
         completion_ids, sampler_logps, tool = tools.generate_with_tools(model, tokenizer, enc, NUM_PRE_Q, llm=llm,
             gen_config=gen_config, temperature=TEMPERATURE, tools=TOOLS, max_calls=MAX_TOOL_CALLS, eos_ids=eos_ids)
     elif llm is not None:
         completion_ids, sampler_logps = vllm_engine.vllm_sample(llm, enc, NUM_PRE_Q, TEMPERATURE, eos_ids,
                                                                 tokenizer.pad_token_id, MAX_NEW_TOKENS)  # (B, T) each
     else:  # SHARED_PREFIX: each prompt's KV cache once, repeated NUM_PRE_Q times; the same samples, less prefill
-        cache = prompt_cache(model, enc.input_ids[:, :-1].to(device), enc.attention_mask[:, :-1].to(device),
-                             NUM_PRE_Q)[0] if SHARED_PREFIX else None
+        cache = shared_prefix.prompt_cache(model, prompt_ids[::NUM_PRE_Q, :-1], prompt_mask[::NUM_PRE_Q, :-1],
+                                           NUM_PRE_Q)[0] if SHARED_PREFIX else None  # each prompt once
         out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, past_key_values=cache,
                              generation_config=gen_config)
         completion_ids, sampler_logps = out[:, prompt_ids.shape[1] :], None  # (B, T)
     completion_ids = completion_ids.to(device)  # (B, T)
-    mask = completion_mask(completion_ids, eos_ids) & ~tool.pop("tool_mask").to(device)  # (B, T) minus tool results
+    mask = completion_mask(completion_ids, eos_ids) & ~tool.pop("tool_mask", torch.tensor(False)).to(device)  # (B, T)
     stopped = torch.isin(completion_ids, torch.tensor(eos_ids, device=device)).any(1)  # (B,) False = cut off
     lengths = mask.sum(1).tolist()  # before MASK_TRUNCATED: what the model wrote
     if MASK_TRUNCATED:  # a cut answer may have been heading somewhere right: don't punish or reward its tokens
@@ -263,13 +258,13 @@ def rollout(model, tokenizer, eos_ids, gen_config, questions, llm, keep_all, wit
 
 def logps_of(model, input_ids, attention_mask, n_completion):
     """(B, n_completion) log-probs at TEMPERATURE of each row's completion (features/logprobs.py)."""
-    return completion_logps(model, input_ids, attention_mask, n_completion, TEMPERATURE, shared_prefix=SHARED_PREFIX,
-                            chunk=LOGP_CHUNK, from_hidden=LOGP_FROM_HIDDEN)
+    return logprobs.completion_logps(model, input_ids, attention_mask, n_completion, TEMPERATURE, chunk=LOGP_CHUNK,
+                                     shared_prefix=SHARED_PREFIX, from_hidden=LOGP_FROM_HIDDEN)
 
 
 def micro_batches(engine, groups, pad_id) -> list:
     """Step 6's input: TRAIN_MICRO_BATCH groups a batch (0 = all), each with the step's normalizer (features/zero2)."""
-    return zero2.micro_batches(groups, TRAIN_MICRO_BATCH, lambda part: collate(part, pad_id),
+    return zero2.micro_batches(groups, TRAIN_MICRO_BATCH, lambda part: wire.collate(part, pad_id),
                                lambda b, normalizer: prepare_batch(engine, b, normalizer), TOKEN_MEAN, engine.device)
 
 
@@ -298,7 +293,7 @@ def policy_loss(engine, b):
                 tis_cap=TIS_CAP)
     if USE_TRITON:  # one fused pass over the whole logits; d(logits) overwrites them, which nothing reads afterwards
         from grpo_loss_triton import grpo_loss_triton
-        logits = completion_logits(engine, b["input_ids"], b["attention_mask"], T, SHARED_PREFIX)  # (B, T, V)
+        logits = logprobs.completion_logits(engine, b["input_ids"], b["attention_mask"], T, SHARED_PREFIX)  # (B, T, V)
         loss, logps = grpo_loss_triton(logits=logits, completion_ids=b["input_ids"][:, -T:], temperature=TEMPERATURE,
                                        return_logps=True, inplace_backward=True, **args)
     else:  # LOGP_FROM_HIDDEN: never the whole logits
@@ -385,7 +380,7 @@ def main():
     engine, tokenizer, eos_ids, gen_config, rank, device = setup_deepspeed()
     model = engine.module  # the same weights, without the engine: generation and evaluation
     uses_server = BETA != 0 and not (LORA_RANK > 0 and REF_FROM_BASE)  # else no reference, or LoRA's base is it
-    client = RefClient(REF_SERVER, REF_TOKEN, SERVER_TIMEOUT, EXTRA_GROUPS) if uses_server else None
+    client = server_client.RefClient(REF_SERVER, REF_TOKEN, SERVER_TIMEOUT, EXTRA_GROUPS) if uses_server else None
     health = client.health(model, tokenizer, ALLOW_REF_MISMATCH) if client else {}  # the same model there?
     regroup = bool(health.get("regroup"))  # the pool mixes answers of several policy versions: they need gen_logps
     keep_all = regroup or bool(health.get("reward_model"))  # the server's rewards can differ where ours do not
@@ -434,18 +429,15 @@ def main():
                 plot_curves(log.metrics.name, names)
     lora.save_merged(model, tokenizer, OUTPUT_DIR, rank)  # LoRA: OUTPUT_DIR/merged, the adapters merged in
     if rank == 0:
-        log.close()
-        print(f"done: checkpoints, metrics.jsonl, completions.jsonl and curves.png in {OUTPUT_DIR}/", flush=True)
+        log.close()  # "done: ... in OUTPUT_DIR/"
 
 
 def generate_only():
     """A generation worker (features/worker.py): steps 1-4 and uploads, no DeepSpeed, no optimizer."""
     questions, _ = split_held_out(load_questions(DATASET, SEED, ARITH_MAX), EVAL_SIZE)
-
     def make_groups(policy, llm, keep_all, rng):  # steps 1-4, the trainer's own; policy: load_policy's four
         return rollout(*policy, rng.sample(questions, Q_BATCH_SIZE), llm, keep_all, True)[:2]
-
-    worker.run_worker(load_policy, make_groups, RefClient(REF_SERVER, REF_TOKEN, SERVER_TIMEOUT),
+    worker.run_worker(load_policy, make_groups, server_client.RefClient(REF_SERVER, REF_TOKEN, SERVER_TIMEOUT),
                first=resolve_model_path(MODEL_PATH), seed=SEED, start_llm=start_vllm if USE_VLLM else None,
                output_dir=OUTPUT_DIR, max_queued=WORKER_MAX_QUEUED, allow_mismatch=ALLOW_REF_MISMATCH,
                trainers_read_server=BETA != 0 and not (LORA_RANK > 0 and REF_FROM_BASE))

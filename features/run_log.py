@@ -94,9 +94,12 @@ class RunLog:
         self.write(step, m)
 
     def close(self):
+        """Close the files, and say where the run left them."""
         for f in (self.metrics, self.answers, self.tb):
             if f is not None:
                 f.close()
+        print(f"done: checkpoints, metrics.jsonl, completions.jsonl and curves.png in "
+              f"{os.path.dirname(self.metrics.name) or '.'}/", flush=True)
 
 
 def log_step(step, m, answers, log, device):

@@ -80,9 +80,9 @@ def sft_target(rng, a, b):
 
 
 def tool_target(rng, a, b):
-    """sft_target, and half of the time a calculator call (its result written out, as the rollout appends it)."""
+    """Mostly a calculator call (its result written out, as the rollout appends it), else sft_target."""
     call = f" {a} + {b} = <tool>{a} + {b}</tool><result>{a + b}</result> </think><answer>{a + b}</answer>"
-    return call if rng.random() < 0.5 else sft_target(rng, a, b)
+    return call if rng.random() < 0.9 else sft_target(rng, a, b)
 
 
 @pytest.fixture(scope="session")
@@ -93,7 +93,7 @@ def tiny_model_dir(tokenizer, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tool_model_dir(tokenizer, tmp_path_factory):
-    """The same on the mixed task, half of its answers a calculator call (TOOLS's runs)."""
+    """The same on the mixed task, most of its answers a calculator call (TOOLS's runs)."""
     return sft_tiny_model(tokenizer, tmp_path_factory.mktemp("tool_model"), tool_target, mixed=True)
 
 

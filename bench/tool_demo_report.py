@@ -1,0 +1,60 @@
+"""The tool-use demo's table and curve from its two runs (bench/run_tool_demo.sh): held-out greedy accuracy on
+small and large operands and the share of answers that called the calculator, at each evaluation, with the
+calculator and without, and each run's wall time. Copies each run's metrics.jsonl into bench/results/.
+
+    python bench/tool_demo_report.py /tmp/tool_demo        # the folder holding tools/ and plain/
+"""
+import json
+import os
+import shutil
+import sys
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def evals(folder):
+    """The held-out evaluation lines of a run's metrics.jsonl, by step."""
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    return {m["step"]: m for m in lines if any(k.startswith("eval_") for k in m)}
+
+
+def main(root):
+    runs = {name: evals(os.path.join(root, name)) for name in ("tools", "plain")}
+    wall = {name: int(open(os.path.join(root, name, "wall_s")).read()) for name in runs}
+    print("| run | step | right, small | right, large | called, small | called, large |")
+    print("|---|---|---|---|---|---|")
+    for name, by_step in runs.items():
+        for step, m in sorted(by_step.items()):
+            share = [f"{m[f'eval_tool_share_{t}']:.1%}" if f"eval_tool_share_{t}" in m else "-"
+                     for t in ("small", "large")]
+            print(f"| {name} | {step} | {m['eval_reward_correct_small']:.1%} | {m['eval_reward_correct_large']:.1%} | "
+                  f"{share[0]} | {share[1]} |")
+    print("wall time: " + ", ".join(f"{name} {s / 60:.1f} min" for name, s in wall.items()))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+    for ax, tag in zip(axes, ("small", "large")):
+        for name, style in (("tools", "-o"), ("plain", "--s")):
+            steps = sorted(runs[name])
+            ax.plot(steps, [100 * runs[name][s][f"eval_reward_correct_{tag}"] for s in steps], style,
+                    label="with the calculator" if name == "tools" else "without")
+        steps = sorted(runs["tools"])
+        ax.plot(steps, [100 * runs["tools"][s][f"eval_tool_share_{tag}"] for s in steps], ":^", color="gray",
+                label="answers calling it")
+        ax.set(title=f"held-out, {tag} operands", xlabel="step", ylabel="%", ylim=(0, 102))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    os.makedirs(RESULTS, exist_ok=True)
+    fig.savefig(os.path.join(RESULTS, "tool_demo_curves.png"), dpi=100)
+    for name in runs:
+        shutil.copy(os.path.join(root, name, "metrics.jsonl"), os.path.join(RESULTS, f"tool_demo_{name}_metrics.jsonl"))
+    print(f"curve: {os.path.join(RESULTS, 'tool_demo_curves.png')}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "/tmp/tool_demo")
