@@ -227,3 +227,31 @@ def test_kernels_compile_ahead_of_time_for_sm90():
                          timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "compiled 8 kernels for sm_90" in run.stdout
+
+
+@pytest.mark.parametrize("token_mean", [False, True])
+def test_tool_tokens_masked_out_equal_the_same_batch_with_them_removed(token_mean):
+    """TOOLS: the toolkit's <result> tokens are masked out of the kernel's loss; it must equal the loss of the batch
+    with those columns removed by hand (value, and the gradient of every token the model wrote)."""
+    full, logits, ids, ref, gen, adv, _ = case(2, 7, 300, seed=5)
+    tool = torch.zeros(2, 7, dtype=torch.bool, device=DEVICE)
+    tool[0, 2:4], tool[1, 1:2] = True, True  # a result inside each answer
+    keep = ~tool
+    args = dict(advantages=adv, beta=0.04, clip_eps=0.2, token_mean=token_mean)
+    loss = grpo_loss_triton(logits=logits, completion_ids=ids, temperature=0.7, ref_logps=ref, gen_logps=gen,
+                            mask=keep, **args)
+    (grad,) = torch.autograd.grad(loss, full)
+    cols = [keep[i].nonzero().squeeze(1) for i in range(2)]  # the model's positions, 5 and 6 of them
+    short = torch.zeros(2, 6, 300, device=DEVICE).requires_grad_()
+    with torch.no_grad():
+        short_logits = torch.stack([torch.cat([logits[i, c], logits[i, :6 - len(c)]]) for i, c in enumerate(cols)])
+    short_ids = torch.stack([torch.cat([ids[i, c], ids[i, :6 - len(c)]]) for i, c in enumerate(cols)])
+    pick = lambda x: torch.stack([torch.cat([x[i, c], x[i, :6 - len(c)]]) for i, c in enumerate(cols)])  # noqa: E731
+    short_mask = torch.arange(6, device=DEVICE)[None, :] < torch.tensor([len(c) for c in cols], device=DEVICE)[:, None]
+    loss_short = grpo_loss_triton(logits=short + short_logits, completion_ids=short_ids, temperature=0.7,
+                                  ref_logps=pick(ref), gen_logps=pick(gen), mask=short_mask, **args)
+    (grad_short,) = torch.autograd.grad(loss_short, short)
+    assert abs(loss.item() - loss_short.item()) < 1e-6
+    for i, c in enumerate(cols):
+        assert torch.allclose(grad[i, 2:-1][c], grad_short[i, : len(c)], atol=1e-6)
+        assert grad[i, 2:-1][tool[i]].abs().max() == 0  # nothing flows into the toolkit's tokens
