@@ -46,7 +46,8 @@ def apply_env_overrides(namespace: dict, file: str, functions=None) -> None:
             sys.exit(f"environment variable {name}={raw!r}: {e.args[0]}")
         namespace[name] = value
         if loud and value != default:
-            print(f"[{file}] {name} = {value!r} (environment; default {default!r})", file=sys.stderr, flush=True)
+            print(f"[{file}] {name} = {named(value)} (environment; default {named(default)})", file=sys.stderr,
+                  flush=True)
     for name in os.environ:  # ALL_STEP=5 would otherwise be ignored without a word
         near = difflib.get_close_matches(name, constants, n=1, cutoff=0.85) if name.isupper() else []
         if loud and near and name not in namespace:
@@ -66,3 +67,13 @@ def named_functions(x, module):
             raise KeyError(f"{x!r} is not a function of {module.__name__} (it has: {', '.join(sorted(functions))})")
         return functions[x]
     return x
+
+
+def named(value) -> str:
+    """repr of a constant's value, with each function written as its name: [(reward_correct, 2.0)]."""
+    if callable(value):
+        return value.__name__
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(named(v) for v in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner}{',' if len(value) == 1 else ''})"
+    return repr(value)

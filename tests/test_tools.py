@@ -214,13 +214,17 @@ def test_a_call_costs_one_and_the_mixed_task_tags_its_questions():
         assert q == {"question": template.format(n=name, x=item, a=a, b=b), "gold": str(a + b)}
 
 
-def test_rewards_and_tools_are_named_in_the_environment(monkeypatch):
+def test_rewards_and_tools_are_named_in_the_environment(monkeypatch, capfd):
     ns = {"REWARDS": [(len, 1.0)], "TOOLS": []}
     monkeypatch.setenv("REWARDS", '[["reward_correct", 2.0], ["reward_tool_cost", 0.25]]')
     monkeypatch.setenv("TOOLS", '["calculator"]')
+    monkeypatch.delenv("RANK", raising=False)
     apply_env_overrides(ns, "x.py", functions={"REWARDS": rewards, "TOOLS": tools})
     assert ns["REWARDS"] == [(rewards.reward_correct, 2.0), (rewards.reward_tool_cost, 0.25)]
     assert ns["TOOLS"] == [calculator]
+    err = capfd.readouterr().err  # what changed, by name
+    assert "[x.py] REWARDS = [(reward_correct, 2.0), (reward_tool_cost, 0.25)] (environment; default [(len, 1.0)])" \
+        in err and "[x.py] TOOLS = [calculator] (environment; default [])" in err
     monkeypatch.setenv("TOOLS", '["calculater"]')
     with pytest.raises(SystemExit, match="'calculater' is not a function of features.tools .*calculator"):
         apply_env_overrides(ns, "x.py", functions={"REWARDS": rewards, "TOOLS": tools})

@@ -551,7 +551,9 @@ def test_a_broken_reward_stops_the_run_naming_it_and_the_completion(monkeypatch,
     assert "<think> 12 </think><answer>12</answer>" in str(e.value)
 
 
-def test_rewards_cannot_be_set_from_the_environment(monkeypatch):
+def test_functions_cannot_be_set_from_the_environment_unless_the_file_names_their_module(monkeypatch):
+    """The trainer passes functions={"REWARDS": rewards, ...} (tests/test_tools.py); a file that does not gets
+    the old refusal, not a list of strings where functions belong."""
     from features.env_overrides import apply_env_overrides
 
     monkeypatch.setenv("REWARDS", "[]")
