@@ -3,7 +3,7 @@ toolkit runs the tool on what the model wrote, appends <result>its answer</resul
 max_calls calls and max_new_tokens tokens per answer in all. The result's tokens are not the policy's: the mask
 this module returns marks them, and the trainer leaves them out of the loss, the KL and every ratio metric.
 
-    TOOLS='["calculator"]' bash scripts/run_tool_demo.sh            # docs/tools.md; the trainer's TOOLS constant
+    bash bench/run_tool_demo.sh                                      # the demo: with the calculator and without
     python -c "from features.tools import calculator; print(calculator('(348 + 517) * 2'))"
 A tool is a plain function from the text between the tags to the text the model gets back; a text starting
 "error:" counts as a tool error. With several tools the model writes <tool>name: text</tool>.

@@ -65,6 +65,21 @@ def test_reference_logps_equal_a_direct_computation(live, model, temperature):
     assert torch.allclose(back["ref_logps"], want, atol=1e-5)
 
 
+def test_a_mask_with_holes_comes_back_unchanged_with_every_positions_logps(live, model):
+    """TOOLS: the toolkit's <result> tokens are False inside completion_mask. The server computes log-probs over
+    the whole row (the results are context for what follows) and hands the mask back as it came."""
+    server, url = live
+    tensors, meta = group(G=3, plen=4, tc=8, seed=21)
+    tensors["completion_mask"][:, 2:5] = False  # a result in the middle of each answer
+    tensors["completion_mask"][1, 7] = False
+    back, _ = upload_and_pull(url, tensors, meta)
+    assert torch.equal(back["completion_mask"], tensors["completion_mask"])
+    with torch.no_grad():
+        ids = tensors["input_ids"]
+        want = torch.log_softmax(model(ids).logits[:, 3:-1], -1).gather(-1, ids[:, 4:, None]).squeeze(-1)  # (3, 8)
+    assert torch.allclose(back["ref_logps"], want, atol=1e-5)
+
+
 def test_trainer_batch_of_padded_groups_gets_the_servers_logps(live, model):
     """The trainer left-pads prompts and right-pads completions; positions must not shift."""
     server, url = live
