@@ -31,7 +31,8 @@ def main():
     golds = [q["gold"] for q in held_out]
     greedy_texts = greedy_answers(model, held_out, encode=lambda qs: grpo.encode_prompts(tokenizer, qs),
                                   decode=lambda ids: grpo.decode(tokenizer, ids), eos_ids=eos_ids,
-                                  pad_id=tokenizer.pad_token_id, max_new_tokens=grpo.MAX_NEW_TOKENS, batch_size=BATCH)[0]
+                                  pad_id=tokenizer.pad_token_id, max_new_tokens=grpo.MAX_NEW_TOKENS,
+                                  batch_size=BATCH)[0]  # (texts, tool calls)
     torch.manual_seed(0)
     sampled_texts = []
     for i in range(0, len(held_out), BATCH):

@@ -7,6 +7,7 @@ call the tool, the share whose call is exactly the question's sum, and the share
     SAMPLES=64 USE_VLLM=0 python bench/probe_tools.py
 GRPO can only reinforce what is sampled: a prompt under which no answer calls the tool teaches nothing about it.
 """
+import importlib.util
 import json
 import os
 import re
@@ -33,12 +34,10 @@ def main():
     path = resolve_model_path(grpo.MODEL_PATH)
     model, tokenizer, eos_ids, gen_config = grpo.load_policy(path, torch.device("cpu"))
     llm = None
-    if os.environ.get("USE_VLLM", "1") == "1":
-        try:
-            import vllm  # noqa: F401
-            llm = grpo.start_vllm(0, model.dtype)
-        except ImportError:
-            print("vLLM is not installed: transformers' generate (slower)")
+    if os.environ.get("USE_VLLM", "1") == "1" and importlib.util.find_spec("vllm"):
+        llm = grpo.start_vllm(0, model.dtype)
+    else:
+        print("without vLLM: transformers' generate (slower)")
     questions = load_questions("arithmetic_mixed", grpo.SEED)[: -grpo.EVAL_SIZE]
     print(f"{'prompt':32s} {'kind':6s} {'answers':>7s} {'call':>6s} {'exact call':>10s} {'right':>6s}")
     for name, (system, example) in PROMPTS.items():

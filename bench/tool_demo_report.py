@@ -10,6 +10,7 @@ import shutil
 import sys
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+LABELS = {"tools": "calculator, call cost 0.25", "tools_cost1": "calculator, call cost 1.0", "plain": "no calculator"}
 
 
 def evals(folder):
@@ -20,34 +21,34 @@ def evals(folder):
 
 
 def main(root):
-    runs = {name: evals(os.path.join(root, name)) for name in ("tools", "plain")}
+    runs = {name: evals(os.path.join(root, name)) for name in LABELS if os.path.exists(os.path.join(root, name))}
     wall = {name: int(open(os.path.join(root, name, "wall_s")).read()) for name in runs}
-    print("| run | step | right, small | right, large | called, small | called, large |")
+    print("| run | step | right, small | right, large | called, small | called, large |")  # held-out, greedy
     print("|---|---|---|---|---|---|")
     for name, by_step in runs.items():
         for step, m in sorted(by_step.items()):
             share = [f"{m[f'eval_tool_share_{t}']:.1%}" if f"eval_tool_share_{t}" in m else "-"
                      for t in ("small", "large")]
-            print(f"| {name} | {step} | {m['eval_reward_correct_small']:.1%} | {m['eval_reward_correct_large']:.1%} | "
-                  f"{share[0]} | {share[1]} |")
-    print("wall time: " + ", ".join(f"{name} {s / 60:.1f} min" for name, s in wall.items()))
+            right = [f"{m[f'eval_reward_correct_{t}']:.1%}" for t in ("small", "large")]
+            print(f"| {LABELS[name]} | {step} | {right[0]} | {right[1]} | {share[0]} | {share[1]} |")
+    print("wall time: " + ", ".join(f"{LABELS[name]} {s / 60:.1f} min" for name, s in wall.items()))
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for ax, tag in zip(axes, ("small", "large")):
-        for name, style in (("tools", "-o"), ("plain", "--s")):
-            steps = sorted(runs[name])
-            ax.plot(steps, [100 * runs[name][s][f"eval_reward_correct_{tag}"] for s in steps], style,
-                    label="with the calculator" if name == "tools" else "without")
-        steps = sorted(runs["tools"])
-        ax.plot(steps, [100 * runs["tools"][s][f"eval_tool_share_{tag}"] for s in steps], ":^", color="gray",
-                label="answers calling it")
+        for (name, by_step), color in zip(runs.items(), ("C0", "C1", "C2")):
+            steps = sorted(by_step)
+            ax.plot(steps, [100 * by_step[s][f"eval_reward_correct_{tag}"] for s in steps], "-o", color=color,
+                    label=f"right: {LABELS[name]}")
+            if f"eval_tool_share_{tag}" in by_step[steps[0]]:
+                ax.plot(steps, [100 * by_step[s][f"eval_tool_share_{tag}"] for s in steps], ":^", color=color,
+                        label=f"called: {LABELS[name]}")
         ax.set(title=f"held-out, {tag} operands", xlabel="step", ylabel="%", ylim=(0, 102))
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6)
     fig.tight_layout()
     os.makedirs(RESULTS, exist_ok=True)
     fig.savefig(os.path.join(RESULTS, "tool_demo_curves.png"), dpi=100)

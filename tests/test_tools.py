@@ -251,7 +251,7 @@ def test_a_run_with_the_calculator_trains_through_the_server(tool_model_dir, too
     answers = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
     assert {a["step"] for a in answers} == {1, 2} and {a["rank"] for a in answers} == set(range(ranks))
     pairs = [p for a in answers for p in re.findall(r"<tool>(.*?)</tool><result>(.*?)</result>", a["answer"])]
-    assert pairs and len(pairs) <= sum(a["tool_calls"] for a in answers), [a["answer"] for a in answers if a["tool_calls"]]
+    assert pairs and len(pairs) <= sum(a["tool_calls"] for a in answers)  # a result the budget cut is not a pair
     assert all(result == calculator(call.strip()) for call, result in pairs)  # the calculator's, in the scored text
     assert all(abs(s["loss"]) < 1e3 and s["max_weight_gap"] == 0.0 for s in steps)
 
