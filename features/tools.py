@@ -9,6 +9,7 @@ A tool is a plain function from the text between the tags to the text the model 
 "error:" counts as a tool error. With several tools the model writes <tool>name: text</tool>.
 """
 import ast
+import copy
 import math
 import operator
 from fractions import Fraction
@@ -157,8 +158,9 @@ def transformers_sampler(model, tokenizer, gen_config):
         width, device = max(map(len, prefixes)), next(model.parameters()).device
         ids = torch.tensor([[gen_config.pad_token_id] * (width - len(p)) + p for p in prefixes], device=device)
         attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prefixes], device=device)  # (b, width)
-        out = model.generate(input_ids=ids, attention_mask=attn, generation_config=gen_config,
-                             max_new_tokens=max(budgets), stop_strings=[TOOL_CLOSE], tokenizer=tokenizer)
+        config = copy.deepcopy(gen_config)  # the trainer's sampling, stopping at a call too
+        config.max_new_tokens, config.stop_strings = max(budgets), [TOOL_CLOSE]
+        out = model.generate(input_ids=ids, attention_mask=attn, generation_config=config, tokenizer=tokenizer)
         return [(row.tolist(), None) for row in out[:, width:].cpu()]
     return sample
 
