@@ -10,7 +10,7 @@ import shutil
 import sys
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-LABELS = {"tools": "calculator, call cost 0.25", "tools_cost1": "calculator, call cost 1.0", "plain": "no calculator"}
+LABELS = {"tools": "calculator, call cost 0.25", "tools_free": "calculator, free calls", "plain": "no calculator"}
 
 
 def evals(folder):
