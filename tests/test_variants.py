@@ -317,8 +317,8 @@ def test_gen_logps_are_computed_only_when_asked_and_equal_the_sampling_weights(t
     """MU = 1 packs no gen_logps (no forward: ratio exp(x - x.detach())); MU > 1, workers and REGROUP
     ask for them, and they are the sampling weights' log-probs of the sampled tokens."""
     calls = []
-    real = grpo.completion_logps
-    monkeypatch.setattr(grpo, "completion_logps", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = grpo.logprobs.completion_logps
+    monkeypatch.setattr(grpo.logprobs, "completion_logps", lambda *a, **k: calls.append(1) or real(*a, **k))
     plain, m = short_rollout(tiny_policy, monkeypatch, False, max_new_tokens=16)
     assert plain and not calls and all("gen_logps" not in t for t, _ in plain)  # no forward ran
     with_gen, _ = short_rollout(tiny_policy, monkeypatch, False, max_new_tokens=16, with_gen_logps=True)
