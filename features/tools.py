@@ -16,6 +16,8 @@ from fractions import Fraction
 
 import torch
 
+from features.vllm_engine import sampled_logps, sampling_params
+
 TOOL_OPEN, TOOL_CLOSE = "<tool>", "</tool>"  # what the model writes around a call; generation stops at the close
 RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"  # what the toolkit writes around the tool's answer
 MAX_EXPRESSION_CHARS = 200  # a longer call is refused before it is parsed: bounds time and memory
@@ -168,19 +170,15 @@ def transformers_sampler(model, tokenizer, gen_config):
 def vllm_sampler(llm, temperature, eos_ids):
     """sample() for tool_rollout from a vLLM engine: one request per prefix, stopping at an EOS or TOOL_CLOSE,
     with the sampled tokens' log-probs; a continuation's prefix is in the engine's prefix cache already."""
-    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     def sample(prefixes, budgets):
         seeds = torch.randint(2**31, (len(prefixes),)).tolist() if temperature > 0 else [None] * len(prefixes)
-        params = [SamplingParams(n=1, temperature=temperature, top_p=1.0, top_k=0, min_p=0.0, max_tokens=budget,
-                                 stop_token_ids=eos_ids, stop=[TOOL_CLOSE], include_stop_str_in_output=True,
-                                 logprobs=0 if temperature > 0 else None, seed=seed)
-                  for budget, seed in zip(budgets, seeds)]
+        params = [sampling_params(temperature, budget, eos_ids, seed, stop=[TOOL_CLOSE],
+                                  include_stop_str_in_output=True) for budget, seed in zip(budgets, seeds)]
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prefixes], params, use_tqdm=False)
         answers = [out.outputs[0] for out in outs]
-        return [(list(a.token_ids), [lp[t].logprob for lp, t in zip(a.logprobs, a.token_ids)] if a.logprobs else None)
-                for a in answers]
+        return [(list(a.token_ids), sampled_logps(a) if a.logprobs else None) for a in answers]
     return sample
 
 

@@ -43,14 +43,12 @@ def vllm_sample(llm, enc, n, temperature, eos_ids, pad_id, max_tokens):
     input_ids and attention_mask; a prompt's n rows consecutive), padded
     with pad_id and 0 after each answer. Sampling is exactly softmax(logits / temperature); 0 = greedy.
     Each prompt's seed is drawn from torch's RNG, which checkpoints keep: a resumed run samples the same."""
-    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     prompts = [TokensPrompt(prompt_token_ids=ids[keep.bool()].tolist())
                for ids, keep in zip(enc.input_ids.cpu(), enc.attention_mask.cpu())]
     seeds = torch.randint(2**31 - n, (len(prompts),)).tolist() if temperature > 0 else [None] * len(prompts)
-    params = [SamplingParams(n=n, temperature=temperature, top_p=1.0, top_k=0, min_p=0.0, max_tokens=max_tokens,
-                             stop_token_ids=eos_ids, logprobs=0 if temperature > 0 else None, seed=seed)
+    params = [sampling_params(temperature, max_tokens, eos_ids, seed, n=n)
               for seed in seeds]  # a prompt's n answers get seeds seed, seed + 1, ...
     outs = llm.generate(prompts, params, use_tqdm=False)
     answers = [a for out in outs for a in sorted(out.outputs, key=lambda a: a.index)]
@@ -58,10 +56,24 @@ def vllm_sample(llm, enc, n, temperature, eos_ids, pad_id, max_tokens):
     sampler_logps = torch.zeros(completion_ids.shape)  # (B, T)
     for i, a in enumerate(answers):
         completion_ids[i, : len(a.token_ids)] = torch.tensor(a.token_ids)
-        if a.logprobs:  # one {token: Logprob} per generated token; logprobs=0 returns just the sampled one's
-            picked = [lp[t].logprob for lp, t in zip(a.logprobs, a.token_ids)]
+        if a.logprobs:
+            picked = sampled_logps(a)
             sampler_logps[i, : len(picked)] = torch.tensor(picked)
     return completion_ids, sampler_logps
+
+
+def sampling_params(temperature, max_tokens, eos_ids, seed, **extra):
+    """Plain sampling at `temperature` (0 = greedy), exactly softmax(logits / temperature): no top-p, top-k or
+    min-p, the sampled tokens' log-probs when sampling; extra: n, stop strings..."""
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=temperature, top_p=1.0, top_k=0, min_p=0.0, max_tokens=max_tokens,
+                          stop_token_ids=eos_ids, logprobs=0 if temperature > 0 else None, seed=seed, **extra)
+
+
+def sampled_logps(answer) -> list:
+    """The log-prob of each token vLLM sampled: logprobs=0 returns one {token: Logprob} per token, the sampled one."""
+    return [lp[t].logprob for lp, t in zip(answer.logprobs, answer.token_ids)]
 
 
 def push_weights(llm, model):
