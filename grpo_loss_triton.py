@@ -27,9 +27,9 @@ def _grpo_fwd_kernel(
     logits_ptr, stride_lb, stride_lt, stride_lv,  # (B, T, V) any strides, fp32 or bf16
     ids_ptr, ref_ptr, gen_ptr, samp_ptr, adv_ptr, weight_ptr,  # ids, ref, gen, samp, weight: contiguous (B, T)
     gen_rows_ptr, samp_rows_ptr,  # (B,) 1.0 where a row carries gen_logps / sampler_logps, 0.0 where not
-    loss_ptr, logp_ptr, lse_ptr, dcoef_ptr,  # outputs, contiguous fp32 (B, T); adv above is (B,)
+    loss_ptr, logp_ptr, lse_ptr, dcoef_ptr, ent_ptr,  # outputs, contiguous fp32 (B, T); adv above is (B,)
     T, V, beta, clip_low, clip_high, inv_temperature, tis_cap,
-    HAS_GEN: tl.constexpr, HAS_REF: tl.constexpr, HAS_TIS: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_GEN: tl.constexpr, HAS_REF: tl.constexpr, HAS_TIS: tl.constexpr, TIS_MASK: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # int64 before any stride product: B*T*V passes 2^31
     b = row // T
@@ -39,11 +39,14 @@ def _grpo_fwd_kernel(
         base = logits_ptr + b * stride_lb + t * stride_lt
         m = -float("inf")  # running max, a float from the start (the compiler rejects an int start)
         s = 0.0  # running sum of exp(x - m)
+        sx = 0.0  # running sum of exp(x - m) * x: the entropy is lse - sx / s
         for start in range(0, V, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(base + cols * stride_lv, mask=cols < V, other=-float("inf")).to(tl.float32) * inv_temperature
             m_new = tl.maximum(m, tl.max(x, 0))
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+            e = tl.exp(x - m_new)
+            s = s * tl.exp(m - m_new) + tl.sum(e, 0)
+            sx = sx * tl.exp(m - m_new) + tl.sum(e * tl.where(cols < V, x, 0.0), 0)  # 0 x -inf would be NaN
             m = m_new
         lse = m + tl.log(s)
         token = tl.load(ids_ptr + row)
@@ -57,7 +60,11 @@ def _grpo_fwd_kernel(
         if HAS_TIS:
             samp = tl.load(samp_ptr + row)
             sampled = tl.load(samp_rows_ptr + b) != 0.0
-            tis = tl.minimum(tl.where(sampled, tl.exp(old - samp), 1.0 + 0.0 * logp), tis_cap)  # as grpo_loss
+            rho = tl.where(sampled, tl.exp(old - samp), 1.0 + 0.0 * logp)
+            if TIS_MASK:  # token_mask: 0 outside [1 / cap, cap], as grpo_ref_split.mismatch_weights
+                tis = tl.where((rho >= 1.0 / tis_cap) & (rho <= tis_cap), rho, 0.0)
+            else:  # token_truncate
+                tis = tl.minimum(rho, tis_cap)
         adv = tl.load(adv_ptr + b)
         unclipped = ratio * adv
         clipped = tl.minimum(tl.maximum(ratio, 1.0 - clip_low), 1.0 + clip_high) * adv
@@ -74,7 +81,9 @@ def _grpo_fwd_kernel(
         tl.store(logp_ptr + row, logp)
         tl.store(lse_ptr + row, lse)
         tl.store(dcoef_ptr + row, -dsurr + beta * (1.0 - tl.exp(d)))
+        tl.store(ent_ptr + row, lse - sx / s)
     else:
+        tl.store(ent_ptr + row, 0.0)
         tl.store(loss_ptr + row, 0.0)
         tl.store(logp_ptr + row, 0.0)
         tl.store(lse_ptr + row, 0.0)
@@ -113,12 +122,14 @@ def _grpo_bwd_kernel(
 
 class _GRPOLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, ids, ref_logps, gen_logps, advantages, mask, beta, clip_eps, clip_eps_high, token_mean,
-                temperature, inplace, normalizer, sampler_logps, tis_cap, gen_rows, sampler_rows):
+    def forward(ctx, logits, ids, ref_logps, gen_logps, advantages, mask, beta, clip_eps, clip_eps_high, loss_type,
+                max_tokens, temperature, inplace, normalizer, sampler_logps, tis_cap, tis_mode, gen_rows, sampler_rows):
         B, T, V = logits.shape
         mask = mask.float()  # (B, T)
-        if token_mean:  # (B, T) each token's share of the loss, as in grpo_ref_split.grpo_loss
+        if loss_type == "dapo":  # (B, T) each token's share of the loss, as in grpo_ref_split.grpo_loss
             weight = mask / (mask.sum().clamp(min=1) if normalizer is None else normalizer)
+        elif loss_type == "dr_grpo":  # every token the same, / (answers x max_tokens)
+            weight = mask / ((B if normalizer is None else normalizer) * max_tokens)
         else:
             weight = mask / mask.sum(-1, keepdim=True).clamp(min=1) / (B if normalizer is None else normalizer)
         ids = ids.contiguous()  # (B, T)
@@ -129,20 +140,21 @@ class _GRPOLoss(torch.autograd.Function):
         every = torch.ones(B, dtype=torch.float32, device=logits.device)  # (B,) no marks given: every row carries them
         gen_rows = every if gen_rows is None else gen_rows.float().contiguous()  # (B,)
         sampler_rows = every if sampler_rows is None else sampler_rows.float().contiguous()  # (B,)
-        loss_tok, logp, lse, dcoef = (torch.empty(B, T, dtype=torch.float32, device=logits.device) for _ in range(4))
+        loss_tok, logp, lse, dcoef, entropy = (torch.empty(B, T, dtype=torch.float32, device=logits.device)
+                                               for _ in range(5))
         _grpo_fwd_kernel[(B * T,)](
             logits, *logits.stride(), ids, ref, gen, samp, advantages.float().contiguous(), weight.contiguous(),
-            gen_rows, sampler_rows, loss_tok, logp, lse, dcoef, T, V, float(beta), float(clip_eps),
+            gen_rows, sampler_rows, loss_tok, logp, lse, dcoef, entropy, T, V, float(beta), float(clip_eps),
             float(clip_eps_high), 1.0 / float(temperature), float(tis_cap), HAS_GEN=gen_logps is not None,
-            HAS_REF=ref_logps is not None, HAS_TIS=has_tis, BLOCK=BLOCK_V,
+            HAS_REF=ref_logps is not None, HAS_TIS=has_tis, TIS_MASK=tis_mode == "token_mask", BLOCK=BLOCK_V,
         )
         ctx.save_for_backward(logits, ids, lse, dcoef * weight)
         ctx.inv_temperature, ctx.inplace = 1.0 / float(temperature), inplace
-        ctx.mark_non_differentiable(logp)
-        return (loss_tok * weight).sum(), logp
+        ctx.mark_non_differentiable(logp, entropy)
+        return (loss_tok * weight).sum(), logp, entropy
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_logp):
+    def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
         logits, ids, lse, dcoef = ctx.saved_tensors
         B, T, V = logits.shape
         dlogp = (dcoef * grad_loss).contiguous()  # (B, T)
@@ -150,12 +162,17 @@ class _GRPOLoss(torch.autograd.Function):
         _grpo_bwd_kernel[(B * T,)](
             logits, *logits.stride(), grad, *grad.stride(), ids, lse, dlogp, T, V, ctx.inv_temperature, BLOCK=BLOCK_V,
         )
-        return grad, *[None] * 16
+        return grad, *[None] * 18
+
+
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo")  # grpo_ref_split's LOSS_TYPE: all three
+TIS_MODES = ("token_truncate", "token_mask")  # of its TIS_MODE: the per-token ones; a sequence's ratio needs a 2nd pass
 
 
 def grpo_loss_triton(*, logits, completion_ids, ref_logps, gen_logps, advantages, mask, beta, clip_eps,
-                     clip_eps_high=None, token_mean=False, temperature=1.0, return_logps=False, inplace_backward=False,
-                     normalizer=None, gen_rows=None, sampler_logps=None, sampler_rows=None, tis_cap=0.0):
+                     clip_eps_high=None, loss_type="grpo", max_tokens=1, temperature=1.0, return_logps=False,
+                     return_entropy=False, inplace_backward=False, normalizer=None, gen_rows=None, sampler_logps=None,
+                     sampler_rows=None, tis_cap=0.0, tis_mode="token_truncate"):
     """The GRPO loss of grpo_ref_split.grpo_loss, computed from logits (B, T, V) in one kernel; the same keywords.
 
     logits[:, t] predicts completion_ids[:, t] (a strided view such as full[:, plen-1:-1] is read
@@ -163,15 +180,22 @@ def grpo_loss_triton(*, logits, completion_ids, ref_logps, gen_logps, advantages
     or a row outside gen_rows (B,) bool, means ratio = 1 (on-policy); ref_logps=None (only with
     beta=0) drops the KL term. sampler_logps count on the rows in sampler_rows (None: every row).
     return_logps=True also returns the per-token log-probs (B, T), detached, for logging KL and clip
-    fraction. inplace_backward=True writes d(logits) over the logits: saves a (B, T, V) buffer, and the
-    caller must not read those logits afterwards.
+    fraction; return_entropy=True also the (B, T) entropy of each token's distribution (0 on masked ones), from
+    the same pass. inplace_backward=True writes d(logits) over the logits: saves a (B, T, V) buffer, and the
+    caller must not read those logits afterwards. tis_mode: token_truncate or token_mask; sequence_* raise.
     """
     if logits.dim() != 3 or logits.shape[:2] != completion_ids.shape:
         raise ValueError(f"logits {tuple(logits.shape)} do not match completion_ids {tuple(completion_ids.shape)}")
     if ref_logps is None and beta != 0:
         raise ValueError("ref_logps=None needs beta=0 (the KL term needs reference log-probs)")
+    if loss_type not in LOSS_TYPES or tis_mode not in TIS_MODES or not max_tokens:
+        raise ValueError(f"grpo_loss_triton supports loss_type in {LOSS_TYPES} (got {loss_type!r}), tis_mode in "
+                         f"{TIS_MODES} (got {tis_mode!r}; sequence modes need an answer's tokens before any token's "
+                         f"gradient: use the PyTorch loss) and max_tokens >= 1 (got {max_tokens})")
     clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
-    loss, logps = _GRPOLoss.apply(logits, completion_ids, ref_logps, gen_logps, advantages, mask,
-                                  beta, clip_eps, clip_eps_high, token_mean, temperature, inplace_backward, normalizer,
-                                  sampler_logps, tis_cap, gen_rows, sampler_rows)
-    return (loss, logps) if return_logps else loss
+    loss, logps, entropy = _GRPOLoss.apply(logits, completion_ids, ref_logps, gen_logps, advantages, mask, beta,
+                                           clip_eps, clip_eps_high, loss_type, max_tokens, temperature,
+                                           inplace_backward, normalizer, sampler_logps, tis_cap, tis_mode, gen_rows,
+                                           sampler_rows)
+    extra = ([logps] if return_logps else []) + ([entropy] if return_entropy else [])
+    return (loss, *extra) if extra else loss

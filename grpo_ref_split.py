@@ -11,21 +11,20 @@
 From simple_GRPO: NUM_PRE_Q, gen_logps (pi_old). Shapes: B answers, P prompt and T answer columns, V vocabulary.
 Features: features/, docs/. Any UPPER_CASE constant below can be set by an environment variable of its name.
 """
-import random
 import sys
 from collections import Counter
 
 import torch
 from tqdm import tqdm
 
-from features import (checkpoints, env_overrides, evaluation, logprobs, lora, policy, server_client, shared_prefix,
-                      tools, vllm_engine, wire, worker, zero2)
-from features.advantages import group_advantages
+from features import (checkpoints, env_overrides, evaluation, logprobs, lora, policy, question_sampler, server_client,
+                      shared_prefix, tools, vllm_engine, wire, worker, zero2)
+from features.advantages import SCALES, group_advantages
 from features.embedded_model import resolve_model_path
-from features.run_log import (RunLog, answer_records, check_tensorboard, clock, log_step, plot_curves, sample_stats,
+from features.run_log import (RunLog, answer_records, check_tensorboard, clock, log_step, loss_metrics, plot_curves,
                               step_metrics, timed, weight_gap)
 import rewards
-from rewards import checked_reward, load_questions, reward_correct, reward_format, split_held_out
+from rewards import load_questions, reward_correct, reward_format, split_held_out
 
 # ----------------------------------------------------------------------------- constants
 # Model and data
@@ -50,14 +49,17 @@ TEMPERATURE = 0.7  # sampling temperature, and every log-prob's; at 1.0 the demo
 BETA = 0.04  # KL penalty weight towards the reference model; 0 = no reference model at all (no server needed)
 CLIP_EPS = 0.2  # PPO clip: the ratio pi / pi_old may fall to 1 - CLIP_EPS ...
 CLIP_EPS_HIGH = 0.2  # ... and rise to 1 + CLIP_EPS_HIGH; DAPO's clip-higher (0.28) lets rare good tokens grow
-TOKEN_MEAN = False  # False = GRPO: mean per answer, then over answers; True = DAPO: one mean over all tokens
+LOSS_TYPE = "grpo"  # "grpo": each answer's token mean, then over answers | "dapo": one mean over all tokens | "dr_grpo"
+SCALE_REWARDS = "group"  # advantages / the std of "group" (GRPO) | "batch" (the rollout's) | "none" (Dr. GRPO: no std)
 GSPO = False  # True = one ratio per answer (its tokens' geometric mean), clipped whole; then CLIP_EPS(_HIGH) 3e-4/4e-4
 MU = 1  # optimizer steps on each batch; > 1 reuses it, and the clipped ratio keeps each step near pi_old
 SKIP_GEN_LOGPS = True  # MU = 1: a rank's own groups need no pi_old forward (ratio 1); False = one anyway
 MASK_TRUNCATED = False  # True = answers cut at MAX_NEW_TOKENS take no part in the loss (DAPO's overlong filter)
 TOOLS = []  # [tools.calculator]: f(text in <tool></tool>) -> the <result> text (features/tools.py); [] = one turn
 MAX_TOOL_CALLS = 3  # tool calls an answer may make; each result's tokens count in MAX_NEW_TOKENS but not in the loss
-MAX_ROLLOUTS = 20  # rollouts a step may take to get one group with different rewards, then the run stops
+DYNAMIC_SAMPLING = False  # True = DAPO: roll out new questions until Q_BATCH_SIZE groups have different rewards
+SAMPLER = "uniform"  # "uniform" | "difficulty": redraw questions whose group varied, fewer uniform ones (docs/loss.md)
+MAX_ROLLOUTS = 20  # rollouts a step may take (for one group with different rewards; DYNAMIC_SAMPLING: Q_BATCH_SIZE)
 REWARDS = [(reward_correct, 2.0), (reward_format, 1.0)]  # (f(answer, gold, question) -> float, weight); format < right
 # Optimisation
 LR = 1e-5  # AdamW learning rate; the rest of the optimizer and its schedule are DS_CONFIG's
@@ -81,9 +83,11 @@ VLLM_GPU_MEMORY = 0.3  # GPU: the share of its memory the engine takes (weights 
 VLLM_CPU_KV_GB = 1  # CPU: GiB of KV cache (unset, vLLM sizes it from the machine's whole RAM)
 VLLM_VERBOSE = False  # True = vLLM's INFO lines (engine config, thread settings); False = its warnings and errors
 TIS_CAP = 2.0  # each token's surrogate x min(pi_old / pi_vllm, TIS_CAP): truncated importance sampling; 0 = off
+TIS_MODE = "token_truncate"  # | "token_mask" (0 outside [1/TIS_CAP, TIS_CAP]) | "sequence_truncate" | "sequence_mask"
 # Evaluation, checkpoints and logs
 EVAL_STEPS = 10  # greedy accuracy on held-out questions before step 1 and every this many steps; 0 = never
 EVAL_SIZE = 128  # held-out questions: the dataset's last EVAL_SIZE, never trained on; fewer gave noisy figures
+EVAL_SAMPLES = 0  # k > 0: also k answers per held-out question at TEMPERATURE, for pass@k and mean@k (k x the time)
 SAVE_STEPS = 10  # save OUTPUT_DIR/step_N every this many steps and at the end: weights + DeepSpeed state
 KEEP_CHECKPOINTS = 2  # newest step_N folders kept; each holds the weights twice and AdamW's two moments
 RESUME = False  # True = continue from the newest step_N: weights, optimizer state, step count, data position
@@ -98,6 +102,10 @@ env_overrides.apply_env_overrides(globals(), "grpo_ref_split.py", functions={"RE
 
 
 # ----------------------------------------------------------------------------- GRPO math
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo")  # LOSS_TYPE's choices
+TIS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TIS_MODE's
+
+
 def completion_mask(completion_ids: torch.Tensor, eos_id) -> torch.Tensor:
     """(B, T) bool: True up to and including the first EOS (an id or ids). Never `ids != pad_id`: models that pad
     with the EOS (SmolLM2, Qwen) would never learn to stop."""
@@ -131,27 +139,42 @@ def log_ratio(logps, old, mask, gspo: bool) -> torch.Tensor:
     return masked_mean(per_token, mask)[:, None].expand_as(per_token) if gspo else per_token  # (B, T)
 
 
+def mismatch_weights(old, sampler_logps, sampler_rows, mask, *, mode, cap) -> torch.Tensor:
+    """(B, T) weights rho = pi_old / pi_vllm on vLLM's tokens (mask, rows in sampler_rows (B,) or all), 1 elsewhere:
+    per token or per answer (its product), truncated at cap or 0 outside [1 / cap, cap]. old, sampler_logps (B, T)."""
+    sampled = mask if sampler_rows is None else mask & sampler_rows[:, None]  # (B, T)
+    log_rho = torch.where(sampled, old - sampler_logps, 0.0)  # (B, T)
+    if mode.startswith("sequence_"):
+        log_rho = log_rho.sum(-1, keepdim=True).expand_as(log_rho)  # (B, T) the answer's ratio on each token
+    rho = torch.exp(log_rho)  # (B, T)
+    if mode.endswith("_truncate"):
+        return rho.clamp(max=cap)  # (B, T)
+    return torch.where((rho >= 1 / cap) & (rho <= cap), rho, 0.0)  # (B, T)
+
+
 def grpo_loss(*, logps, ref_logps, gen_logps, advantages, mask, beta, clip_eps, clip_eps_high=None,
-              token_mean=False, normalizer=None, gen_rows=None, sampler_logps=None, sampler_rows=None, tis_cap=0.0,
-              gspo=False):
+              loss_type="grpo", max_tokens=1, normalizer=None, gen_rows=None, sampler_logps=None, sampler_rows=None,
+              tis_cap=0.0, tis_mode="token_truncate", gspo=False):
     """The clipped GRPO loss with a k3 KL penalty, a scalar; docs/loss.md writes it out and names each argument.
     logps, ref_logps, gen_logps, mask, sampler_logps (B, T); advantages, gen_rows, sampler_rows (B,)."""
-    if ref_logps is None and beta != 0:
-        raise ValueError("ref_logps=None needs beta=0 (the KL term needs reference log-probs)")
+    if (ref_logps is None and beta) or loss_type not in LOSS_TYPES or tis_mode not in TIS_MODES or not max_tokens:
+        raise ValueError(f"grpo_loss: ref_logps=None needs beta=0 (beta {beta}); loss_type {loss_type!r} in "
+                         f"{LOSS_TYPES}; tis_mode {tis_mode!r} in {TIS_MODES}; max_tokens {max_tokens} >= 1")
     mask, clip_eps_high = mask.bool(), clip_eps if clip_eps_high is None else clip_eps_high  # (B, T)
     old = old_logps(logps, gen_logps, gen_rows, mask)  # (B, T)
     ratio, adv = torch.exp(log_ratio(logps, old, mask, gspo)), advantages[:, None]  # (B, T), (B, 1)
     surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high) * adv)  # (B, T)
-    if sampler_logps is not None and tis_cap > 0:  # truncated importance sampling: x min(pi_old / pi_vllm, cap)
-        sampled = mask if sampler_rows is None else mask & sampler_rows[:, None]  # (B, T)
-        surrogate = surrogate * torch.where(sampled, torch.exp(old - sampler_logps), 1.0).clamp(max=tis_cap)
+    if sampler_logps is not None and tis_cap > 0:  # the engines' mismatch: x pi_old / pi_vllm, truncated or masked
+        surrogate = surrogate * mismatch_weights(old, sampler_logps, sampler_rows, mask, mode=tis_mode, cap=tis_cap)
     if ref_logps is not None:
         surrogate = surrogate - beta * k3(torch.where(mask, ref_logps, logps.detach()), logps)  # (B, T)
-    if token_mean:  # DAPO: every token of the batch weighs the same
-        total, count = torch.where(mask, -surrogate, 0.0).sum(), mask.sum().clamp(min=1)
-    else:  # GRPO: per answer, then over answers. Dr. GRPO: total = where(mask, -surrogate, 0).sum() / MAX_NEW_TOKENS
+    if loss_type == "grpo":  # per answer, then over answers: a long answer's tokens weigh less each
         total, count = masked_mean(-surrogate, mask).sum(), mask.shape[0]
-    return total / (count if normalizer is None else normalizer)
+    else:  # DAPO: every token of the batch weighs the same; Dr. GRPO: ... and / a constant, not the token count
+        total = torch.where(mask, -surrogate, 0.0).sum()
+        count = mask.sum().clamp(min=1) if loss_type == "dapo" else mask.shape[0]
+    count = count if normalizer is None else normalizer  # answers (dapo: tokens) of the whole step, all ranks
+    return total / (count * max_tokens if loss_type == "dr_grpo" else count)
 
 
 # ----------------------------------------------------------------------------- one step: prompts, rollout, loss
@@ -187,11 +210,8 @@ def generate(model, tokenizer, questions, gen_config, eos_ids, llm=None) -> dict
         completion_ids, sampler_logps = vllm_engine.vllm_sample(llm, enc, NUM_PRE_Q, TEMPERATURE, eos_ids,
                                                                 tokenizer.pad_token_id, MAX_NEW_TOKENS)  # (B, T) each
     else:  # SHARED_PREFIX: each prompt's KV cache once, repeated NUM_PRE_Q times; the same samples, less prefill
-        cache = shared_prefix.prompt_cache(model, prompt_ids[::NUM_PRE_Q, :-1], prompt_mask[::NUM_PRE_Q, :-1],
-                                           NUM_PRE_Q)[0] if SHARED_PREFIX else None  # each prompt once
-        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, past_key_values=cache,
-                             generation_config=gen_config)
-        completion_ids, sampler_logps = out[:, prompt_ids.shape[1] :], None  # (B, T)
+        completion_ids = shared_prefix.generate(model, prompt_ids, prompt_mask, gen_config, NUM_PRE_Q, SHARED_PREFIX)
+        sampler_logps = None  # the sampler is the trainer's own model: no mismatch to correct
     completion_ids = completion_ids.to(device)  # (B, T)
     mask = completion_mask(completion_ids, eos_ids) & ~tool.pop("tool_mask", torch.tensor(False)).to(device)  # (B, T)
     stopped = torch.isin(completion_ids, torch.tensor(eos_ids, device=device)).any(1)  # (B,) False = cut off
@@ -206,41 +226,24 @@ def generate(model, tokenizer, questions, gen_config, eos_ids, llm=None) -> dict
 
 def score(texts, golds, questions):
     """Step 3: ((N,) the weighted sum of REWARDS, {name: N values}); a reward that fails stops the run, named."""
-    if not len(texts) == len(golds) == len(questions):  # zip would quietly score only a part
-        raise ValueError(f"{len(texts)} answers for {len(golds)} gold answers and {len(questions)} questions")
-    total, each = torch.zeros(len(texts)), {}  # (N,)
-    for fn, weight in REWARDS:
-        each[fn.__name__] = [checked_reward(fn, text, gold, q) for text, gold, q in zip(texts, golds, questions)]
-        total += weight * torch.tensor(each[fn.__name__])
-    return total, each
+    total, each = rewards.score(REWARDS, texts, golds, questions)
+    return torch.tensor(total, dtype=torch.float32), each  # (N,)
 
 
 @torch.no_grad()
 def pack_groups(model, rollout, rewards, advantages, keep_all, with_gen_logps):
-    """(the groups worth training on, (tensors, meta); the number dropped: equal rewards, unless keep_all). pi_old by
-    a forward if with_gen_logps (REGROUP, workers), MU > 1 or not SKIP_GEN_LOGPS; else ratio 1 needs none."""
-    G, mask, P, T = NUM_PRE_Q, rollout["mask"], rollout["prompt_ids"].shape[1], rollout["mask"].shape[1]
-    varied = rewards.view(-1, G).std(1) > 0  # (Q,)
+    """(the groups worth training on, as (tensors, meta); the number dropped: equal rewards, unless keep_all). pi_old
+    by a forward if with_gen_logps (REGROUP, workers), MU > 1 or not SKIP_GEN_LOGPS; else ratio 1 needs none."""
+    G, mask, T = NUM_PRE_Q, rollout["mask"], rollout["mask"].shape[1]
+    varied = rewards.view(-1, G).std(1) > 0  # (Q,) the other groups' advantages are all 0: nothing to learn
     kept = [q for q in range(len(varied)) if (varied[q] or keep_all) and mask[q * G : (q + 1) * G].any()]
     ids = torch.cat([rollout["prompt_ids"], rollout["completion_ids"]], 1)  # (B, P+T)
     attn = torch.cat([rollout["prompt_mask"], torch.ones_like(rollout["completion_ids"])], 1)  # (B, P+T)
     rows = [q * G + i for q in kept for i in range(G)]
     with_gen_logps = kept and (with_gen_logps or MU > 1 or not SKIP_GEN_LOGPS)
     gen_logps = logps_of(model, ids[rows], attn[rows], T).cpu() if with_gen_logps else None  # (K, T) pi_old
-    groups = []
-    for j, q in enumerate(kept):
-        r = slice(q * G, (q + 1) * G)
-        plen = int(rollout["prompt_mask"][q * G].sum())  # the prompt without its left padding
-        tlen = int(mask[r].any(0).nonzero().max()) + 1  # drop columns every row has finished before
-        tensors = dict(input_ids=ids[r, P - plen : P + tlen].cpu(), completion_mask=mask[r, :tlen].cpu(),
-                       advantages=advantages[r], rewards=rewards[r])  # (G, plen + tlen), (G, tlen), (G,), (G,)
-        if gen_logps is not None:
-            tensors["gen_logps"] = gen_logps[j * G : (j + 1) * G, :tlen]  # (G, tlen)
-        if rollout["sampler_logps"] is not None:  # vLLM's own: the loss's truncated importance weights
-            tensors["sampler_logps"] = rollout["sampler_logps"][r, :tlen]  # (G, tlen)
-        groups.append((tensors, {"plen": plen, "temperature": TEMPERATURE, "question": rollout["questions"][q * G],
-                                 "answers": rollout["texts"][r]}))  # question and answers: for a reward model
-    return groups, int((~varied).sum())
+    meta = dict(temperature=TEMPERATURE, scale_rewards=SCALE_REWARDS, batch_std=rewards.std().item())  # the server's
+    return wire.pack_groups(rollout, ids, kept, G, rewards, advantages, gen_logps, meta), int((~varied).sum())
 
 
 def rollout(model, tokenizer, eos_ids, gen_config, questions, llm, keep_all, with_gen_logps, step=0, rank=0):
@@ -250,30 +253,32 @@ def rollout(model, tokenizer, eos_ids, gen_config, questions, llm, keep_all, wit
         out = generate(model, tokenizer, questions, gen_config, eos_ids, llm)  # 2. generate
     with timed(m, "score_s"):
         rewards, each = score(out["texts"], out["golds"], out["questions"])  # 3. score
-    advantages = group_advantages(rewards, NUM_PRE_Q)  # 4. advantages
+    advantages = group_advantages(rewards, NUM_PRE_Q, SCALE_REWARDS)  # 4. advantages
     with timed(m, "gen_logps_s"):
         groups, m["dropped"] = pack_groups(model, out, rewards, advantages, keep_all, with_gen_logps)
     return groups, answer_records(step, rank, out, each, rewards, advantages), m
 
 
-def logps_of(model, input_ids, attention_mask, n_completion):
-    """(B, n_completion) log-probs at TEMPERATURE of each row's completion (features/logprobs.py)."""
+def logps_of(model, input_ids, attention_mask, n_completion, entropy=False):
+    """(B, n_completion) log-probs at TEMPERATURE of each row's completion (features/logprobs.py); entropy:
+    (logps, the policy's entropy at each of those tokens), from the same chunked pass."""
     return logprobs.completion_logps(model, input_ids, attention_mask, n_completion, TEMPERATURE, chunk=LOGP_CHUNK,
-                                     shared_prefix=SHARED_PREFIX, from_hidden=LOGP_FROM_HIDDEN)
+                                     shared_prefix=SHARED_PREFIX, from_hidden=LOGP_FROM_HIDDEN, with_entropy=entropy)
 
 
 def micro_batches(engine, groups, pad_id) -> list:
     """Step 6's input: TRAIN_MICRO_BATCH groups a batch (0 = all), each with the step's normalizer (features/zero2)."""
     return zero2.micro_batches(groups, TRAIN_MICRO_BATCH, lambda part: wire.collate(part, pad_id),
-                               lambda b, normalizer: prepare_batch(engine, b, normalizer), TOKEN_MEAN, engine.device)
+                               lambda b, normalizer: prepare_batch(engine, b, normalizer), LOSS_TYPE == "dapo",
+                               engine.device)
 
 
 @torch.no_grad()
 def prepare_batch(engine, batch, normalizer=None):
-    """The batch on the device with its loss normalizer (default: this batch over all ranks); with MU > 1, pi_old
-    for rows without gen_logps (reuse needs a fixed pi_old); with LoRA's REF_FROM_BASE, ref_logps (adapters off)."""
+    """The batch on the device with its loss normalizer (default: its own count over ranks), pi_old with MU > 1 (reuse
+    needs a fixed one) on rows without gen_logps, and ref_logps from the base with LoRA's REF_FROM_BASE."""
     b = {k: None if v is None else v.to(engine.device) for k, v in batch.items()}
-    b["normalizer"] = zero2.global_count([b["mask"]], TOKEN_MEAN) if normalizer is None else normalizer
+    b["normalizer"] = zero2.global_count([b["mask"]], LOSS_TYPE == "dapo") if normalizer is None else normalizer
     ids, attn, T = b["input_ids"], b["attention_mask"], b["mask"].shape[1]
     if LORA_RANK > 0 and REF_FROM_BASE and BETA != 0:  # the reference is the base under the adapters, right here
         b["ref_logps"] = lora.base_logps(engine, lambda: logps_of(engine.module.eval(), ids, attn, T))  # (B, T)
@@ -288,30 +293,26 @@ def policy_loss(engine, b):
     engine.train()
     T, mask = b["mask"].shape[1], b["mask"]
     args = dict(ref_logps=b["ref_logps"], gen_logps=b["gen_logps"], advantages=b["advantages"], mask=mask, beta=BETA,
-                clip_eps=CLIP_EPS, clip_eps_high=CLIP_EPS_HIGH, token_mean=TOKEN_MEAN, normalizer=b["normalizer"],
-                gen_rows=b["gen_rows"], sampler_logps=b["sampler_logps"], sampler_rows=b["sampler_rows"],
-                tis_cap=TIS_CAP)
+                clip_eps=CLIP_EPS, clip_eps_high=CLIP_EPS_HIGH, loss_type=LOSS_TYPE, max_tokens=MAX_NEW_TOKENS,
+                normalizer=b["normalizer"], gen_rows=b["gen_rows"], sampler_logps=b["sampler_logps"],
+                sampler_rows=b["sampler_rows"], tis_cap=TIS_CAP, tis_mode=TIS_MODE)
     if USE_TRITON:  # one fused pass over the whole logits; d(logits) overwrites them, which nothing reads afterwards
         from grpo_loss_triton import grpo_loss_triton
         logits = logprobs.completion_logits(engine, b["input_ids"], b["attention_mask"], T, SHARED_PREFIX)  # (B, T, V)
-        loss, logps = grpo_loss_triton(logits=logits, completion_ids=b["input_ids"][:, -T:], temperature=TEMPERATURE,
-                                       return_logps=True, inplace_backward=True, **args)
+        loss, logps, entropy = grpo_loss_triton(logits=logits, completion_ids=b["input_ids"][:, -T:],
+                                                temperature=TEMPERATURE, return_logps=True, return_entropy=True,
+                                                inplace_backward=True, **args)
     else:  # LOGP_FROM_HIDDEN: never the whole logits
-        logps = logps_of(engine, b["input_ids"], b["attention_mask"], T)  # (B, T)
+        logps, entropy = logps_of(engine, b["input_ids"], b["attention_mask"], T, entropy=True)  # (B, T) each
         loss = grpo_loss(logps=logps, gspo=GSPO, **args)
-    with torch.no_grad():  # the metrics at the weights before this step, x this batch's share of the step's
-        logps, share, tokens = logps.detach(), b.get("share", 1.0), b.get("token_share", 1.0)  # (B, T)
-        old = old_logps(logps, b["gen_logps"], b["gen_rows"], mask)  # (B, T)
-        ratio, adv, n = torch.exp(log_ratio(logps, old, mask, GSPO)), b["advantages"][:, None], mask.sum().clamp(min=1)
-        low, high = (ratio < 1 - CLIP_EPS) & (adv < 0) & mask, (ratio > 1 + CLIP_EPS_HIGH) & (adv > 0) & mask  # (B, T)
-        m = dict(loss=loss.item() * (share > 0), clip_low=(low.sum() / n).item() * tokens,  # the clip's cuts
-                 clip_high=(high.sum() / n).item() * tokens,
-                 ratio_drift=masked_mean((ratio - 1).abs(), mask).mean().item() * share)  # 0 on-policy
-        if b["ref_logps"] is not None:
-            m["kl"] = masked_mean(k3(b["ref_logps"], logps), mask).mean().item() * share
-        if USE_VLLM:  # the engines' mismatch on the sampled tokens
-            m["sampler_gap"] = vllm_engine.sampler_gap(old, b["sampler_logps"], b["sampler_rows"], mask) * tokens
-    return (loss if share else loss * 0.0), m  # share 0: a repeat that only keeps this rank in step with the others
+    with torch.no_grad():  # the metrics at the weights before this step (features/run_log.py)
+        old = old_logps(logps.detach(), b["gen_logps"], b["gen_rows"], mask)  # (B, T)
+        kl = None if b["ref_logps"] is None else k3(b["ref_logps"], logps.detach())  # (B, T)
+        tis = None if b["sampler_logps"] is None or not TIS_CAP else mismatch_weights(
+            old, b["sampler_logps"], b["sampler_rows"], mask, mode=TIS_MODE, cap=TIS_CAP)  # (B, T)
+        m = loss_metrics(loss, b, old=old, ratio=torch.exp(log_ratio(logps.detach(), old, mask, GSPO)), kl=kl, tis=tis,
+                         entropy=entropy, clip_eps=CLIP_EPS, clip_eps_high=CLIP_EPS_HIGH, vllm=USE_VLLM)
+    return (loss if b.get("share", 1.0) else loss * 0.0), m  # share 0: a repeat that keeps this rank in step
 
 
 def train_step(engine, parts) -> Counter:
@@ -349,20 +350,19 @@ def setup_deepspeed():
     rank, device = zero2.init_distributed(cuda := torch.cuda.is_available())
     torch.manual_seed(SEED + rank)
     model, tokenizer, eos_ids, gen_config = load_policy(resolve_model_path(MODEL_PATH), device)
-    if GRADIENT_CHECKPOINTING:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if LORA_RANK > 0:
-        model = lora.add_lora(model, rank=LORA_RANK, alpha=LORA_ALPHA, targets=LORA_TARGETS, seed=SEED)
+    model = lora.add_lora(model, rank=LORA_RANK, alpha=LORA_ALPHA, targets=LORA_TARGETS, seed=SEED)  # 0: unchanged
     config = zero2.ds_config(DS_CONFIG, lr=LR, bf16=cuda,  # CPU ranks train in fp32: bf16 there is slow and lossy
                              total_steps=ALL_STEPS * MU)  # the scheduler counts optimizer steps, MU per training step
-    return zero2.initialize(model, config), tokenizer, eos_ids, gen_config, rank, device
+    return zero2.initialize(model, config, GRADIENT_CHECKPOINTING), tokenizer, eos_ids, gen_config, rank, device
 
 
 def check_settings():
     """Stop, before any model loads, on constants that cannot work together or an OUTPUT_DIR that holds a run."""
     checkpoints.refuse_to_overwrite(OUTPUT_DIR, RESUME)  # else KEEP_CHECKPOINTS would delete another run's
-    if USE_TRITON and GSPO:  # a sequence's ratio needs all its tokens before any token's gradient: a second pass
-        sys.exit("USE_TRITON does not implement GSPO's per-answer ratio: set GSPO=0, or USE_TRITON=0")
+    env_overrides.check_choices(globals(), LOSS_TYPE=LOSS_TYPES, TIS_MODE=TIS_MODES, SCALE_REWARDS=SCALES,
+                                SAMPLER=question_sampler.SAMPLERS)
+    if USE_TRITON and (GSPO or TIS_MODE.startswith("sequence_")):  # an answer's ratio needs all its tokens first
+        sys.exit("USE_TRITON has no per-answer ratio (GSPO, TIS_MODE sequence_*): set those off, or USE_TRITON=0")
     check_tensorboard(TENSORBOARD)
     if GSPO and max(CLIP_EPS, CLIP_EPS_HIGH) > 0.01:  # an answer's mean drift is far smaller than a token's
         print(f"warning: GSPO with CLIP_EPS {CLIP_EPS} will hardly ever clip (the paper: 3e-4 / 4e-4)", file=sys.stderr)
@@ -385,45 +385,45 @@ def main():
     regroup = bool(health.get("regroup"))  # the pool mixes answers of several policy versions: they need gen_logps
     keep_all = regroup or bool(health.get("reward_model"))  # the server's rewards can differ where ours do not
     questions, held_out = split_held_out(load_questions(DATASET, SEED, ARITH_MAX), EVAL_SIZE)
-    rng, names = random.Random(SEED + rank), [fn.__name__ for fn, _ in REWARDS]
-    start = checkpoints.resume(engine, rng, rank, output_dir=OUTPUT_DIR, lora=LORA_RANK > 0) if RESUME else 0
+    sampler, names = question_sampler.QuestionSampler(questions, SEED + rank, SAMPLER), [f.__name__ for f, _ in REWARDS]
+    start = checkpoints.resume(engine, sampler, rank, output_dir=OUTPUT_DIR, lora=LORA_RANK > 0) if RESUME else 0
     llm = start_vllm(SEED + rank, model.dtype) if USE_VLLM else None  # one engine on every rank
     if llm is not None and start > 0:  # it loaded MODEL_PATH: give it the resumed weights
         vllm_engine.push_weights(llm, model)
     log = RunLog(OUTPUT_DIR, names, resumed_step=start, completions_every=LOG_COMPLETIONS_STEPS,
                  tensorboard=TENSORBOARD) if rank == 0 else None
     evaluate = dict(encode=lambda qs: encode_prompts(tokenizer, qs), decode=lambda ids: decode(tokenizer, ids),
-                    score=score, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id, max_new_tokens=MAX_NEW_TOKENS, llm=llm,
-                    tools=TOOLS, max_calls=MAX_TOOL_CALLS, tokenizer=tokenizer)
+                    score=score, eos_ids=eos_ids, tokenizer=tokenizer, max_new_tokens=MAX_NEW_TOKENS, llm=llm,
+                    tools=TOOLS, max_calls=MAX_TOOL_CALLS, samples=EVAL_SAMPLES, sample_config=gen_config)
     if EVAL_STEPS > 0 and start == 0:
         evaluation.log_eval(0, model, held_out, log, rank, **evaluate)
     for step in tqdm(range(start + 1, ALL_STEPS + 1), disable=rank != 0, desc="GRPO", dynamic_ncols=True):
-        m, step_start, answers = Counter(), clock(), []  # this step's metrics and sampled answers
-        for attempt in range(1, MAX_ROLLOUTS + 1):  # until the server hands back groups (all-equal ones are dropped)
-            batch = rng.sample(questions, Q_BATCH_SIZE)  # 1. sample
-            groups, records, stats = rollout(model, tokenizer, eos_ids, gen_config, batch, llm, keep_all, regroup,
-                                             step, rank)  # 2-4. generate, score, advantages
+        m, step_start, answers, groups = Counter(), clock(), [], []  # this step's metrics, answers and groups
+        for attempt in range(1, MAX_ROLLOUTS + 1):  # until groups with different rewards (all-equal ones are dropped)
+            batch = sampler.sample(Q_BATCH_SIZE - len(groups) if DYNAMIC_SAMPLING else Q_BATCH_SIZE)  # 1. sample
+            new, records, stats = rollout(model, tokenizer, eos_ids, gen_config, batch, llm, keep_all, regroup,
+                                          step, rank)  # 2-4. generate, score, advantages
             answers += records
+            sampler.record(records, NUM_PRE_Q)  # SAMPLER "difficulty": which questions varied
             m.update(stats)
             with timed(m, "wait_s"):  # 5. upload, and pull groups with ref_logps (no server: our own groups)
-                groups = client.upload_and_pull(groups, step - 1, rank) if client else \
-                    [(tensors, {**meta, "version": step - 1}) for tensors, meta in groups]
-            if groups:
+                groups += client.upload_and_pull(new, step - 1, rank) if client else \
+                    [(tensors, {**meta, "version": step - 1}) for tensors, meta in new]
+            if len(groups) >= (Q_BATCH_SIZE if DYNAMIC_SAMPLING else 1):  # DAPO's dynamic sampling: a full batch
                 break
         else:
-            sys.exit(f"{MAX_ROLLOUTS} rollouts in a row gave no group with different rewards: the task is too hard or "
-                     "too easy for this model (try THINK_PREFILL, EXAMPLE, ARITH_MAX, MAX_NEW_TOKENS or the weights)")
+            question_sampler.out_of_rollouts(len(groups), MAX_ROLLOUTS, Q_BATCH_SIZE if DYNAMIC_SAMPLING else 1)
         m.update(train_step(engine, micro_batches(engine, groups, tokenizer.pad_token_id)))  # 6-7. loss, step
         m["max_weight_gap"] = weight_gap(model)  # 0: every rank, on every node, holds the same weights
         if llm is not None:
             with timed(m, "push_s"):
                 vllm_engine.push_weights(llm, model)  # ... whose weights the next rollouts come from
-        m.update(sample_stats(answers, NUM_PRE_Q, names))  # every rollout of the step, not only the last
-        log_step(step, step_metrics(m, groups, step, attempt, step_start, Q_BATCH_SIZE), answers, log, device)
+        m = step_metrics(m, groups, answers, step, attempt, step_start, NUM_PRE_Q, names)  # all the step's rollouts
+        log_step(step, m, answers, log, device)
         if EVAL_STEPS > 0 and (step % EVAL_STEPS == 0 or step == ALL_STEPS):
             evaluation.log_eval(step, model, held_out, log, rank, **evaluate)
         if step % SAVE_STEPS == 0 or step == ALL_STEPS:
-            checkpoints.save_checkpoint(engine, tokenizer, step, rng, rank, output_dir=OUTPUT_DIR,
+            checkpoints.save_checkpoint(engine, tokenizer, step, sampler, rank, output_dir=OUTPUT_DIR,
                                         keep=KEEP_CHECKPOINTS, lora=LORA_RANK > 0)
             if rank == 0:
                 plot_curves(log.metrics.name, names)

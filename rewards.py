@@ -81,6 +81,16 @@ def checked_reward(fn, completion: str, gold: str, question: str) -> float:
     return float(value)
 
 
+def score(reward_fns, texts, golds, questions):
+    """(each answer's weighted sum of the rewards, {name: each answer's value}) of N answers; reward_fns:
+    [(f, weight)] (the trainer's REWARDS). A reward that fails stops the run, named (checked_reward)."""
+    if not len(texts) == len(golds) == len(questions):  # zip would quietly score only a part
+        raise ValueError(f"{len(texts)} answers for {len(golds)} gold answers and {len(questions)} questions")
+    each = {fn.__name__: [checked_reward(fn, text, gold, q) for text, gold, q in zip(texts, golds, questions)]
+            for fn, _ in reward_fns}
+    return [sum(w * each[fn.__name__][i] for fn, w in reward_fns) for i in range(len(texts))], each
+
+
 def extract_gsm8k_answer(solution: str) -> str:
     """GSM8K's gold answer: the text after '####', commas removed ('1,000' -> '1000')."""
     if "####" not in solution:

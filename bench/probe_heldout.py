@@ -1,7 +1,7 @@
 """What a trained checkpoint still gets wrong on the held-out questions, greedy and sampled.
 
 Loads CHECKPOINT (a step_N folder of a run), answers the trainer's EVAL_SIZE held-out questions
-greedily (the trainer's own `greedy_answers`, transformers) and SAMPLES times each at TEMPERATURE, then
+greedily (the trainer's own `held_out_answers`, transformers) and SAMPLES times each at TEMPERATURE, then
 prints both accuracies, how often the samples get the greedy misses right (0 = the model does not
 know those sums; GRPO only learns from questions whose samples disagree), and the first misses.
 
@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo_ref_split as grpo  # noqa: E402
-from features.evaluation import greedy_answers  # noqa: E402
+from features.evaluation import held_out_answers  # noqa: E402
 from rewards import load_questions, split_held_out  # noqa: E402
 
 CHECKPOINT = os.environ.get("CHECKPOINT", "output/step_30")  # a run's step_N folder (weights + tokenizer)
@@ -29,10 +29,10 @@ def main():
     model.eval()
     _, held_out = split_held_out(load_questions(grpo.DATASET, grpo.SEED, grpo.ARITH_MAX), grpo.EVAL_SIZE)
     golds = [q["gold"] for q in held_out]
-    greedy_texts = greedy_answers(model, held_out, encode=lambda qs: grpo.encode_prompts(tokenizer, qs),
-                                  decode=lambda ids: grpo.decode(tokenizer, ids), eos_ids=eos_ids,
-                                  pad_id=tokenizer.pad_token_id, max_new_tokens=grpo.MAX_NEW_TOKENS,
-                                  batch_size=BATCH)[0]  # (texts, tool calls)
+    greedy_texts = held_out_answers(model, held_out, encode=lambda qs: grpo.encode_prompts(tokenizer, qs),
+                                    decode=lambda ids: grpo.decode(tokenizer, ids), eos_ids=eos_ids,
+                                    pad_id=tokenizer.pad_token_id, max_new_tokens=grpo.MAX_NEW_TOKENS,
+                                    batch_size=BATCH)[0]  # (texts, tool calls)
     torch.manual_seed(0)
     sampled_texts = []
     for i in range(0, len(held_out), BATCH):

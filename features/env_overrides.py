@@ -55,6 +55,14 @@ def apply_env_overrides(namespace: dict, file: str, functions=None) -> None:
                   f"{near[0]}? It is ignored.", file=sys.stderr, flush=True)
 
 
+def check_choices(namespace: dict, **choices) -> None:
+    """Stop with a clear message when a constant that names one of a few options holds none of them:
+    check_choices(globals(), LOSS_TYPE=("grpo", "dapo", "dr_grpo"))."""
+    for name, options in choices.items():
+        if namespace[name] not in options:
+            sys.exit(f"{name} = {namespace[name]!r}: one of {', '.join(map(repr, options))}")
+
+
 def named_functions(x, module):
     """A JSON value with each function name replaced by the function of `module` it names; lists become tuples
     (a (function, weight) pair). KeyError, naming the choices, for a name that is not a function there."""

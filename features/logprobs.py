@@ -15,11 +15,15 @@ from features.shared_prefix import model_outputs, same_prompt_runs, shared_prefi
 LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
-def per_token_logps_plain(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def per_token_logps_plain(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0, with_entropy=False):
     """The definition: (B, T) log softmax(logits / T)[ids]. The paths below must match it in value and gradient.
-    Costs two (B, T, V) fp32 buffers (log_softmax and its gradient)."""
+    Costs two (B, T, V) fp32 buffers (log_softmax and its gradient). with_entropy: (logps, (B, T) entropy of
+    softmax(logits / T), -sum p log p, detached)."""
     logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, T, V)
-    return logp_all.gather(-1, ids[..., None]).squeeze(-1)  # (B, T)
+    logps = logp_all.gather(-1, ids[..., None]).squeeze(-1)  # (B, T)
+    if with_entropy:
+        return logps, -(logp_all.exp() * logp_all).sum(-1).detach()  # (B, T), (B, T)
+    return logps
 
 
 def spans(n: int, chunk: int) -> list:
@@ -38,19 +42,22 @@ class _TokenLogps(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, ids, temperature, inplace, chunk):
+    def forward(ctx, logits, ids, temperature, inplace, chunk, with_entropy):
         logps = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)  # (B, T)
-        lse = torch.empty_like(logps)  # (B, T)
+        lse, entropy = torch.empty_like(logps), torch.zeros_like(logps)  # (B, T) each
         for b, s in _row_chunks(logits, chunk):
             z = logits[b, s].float() / temperature  # (c, V) a chunk of a view: nothing is copied whole
             lse[b, s] = torch.logsumexp(z, dim=-1)  # (c,)
             logps[b, s] = z.gather(-1, ids[b, s, None]).squeeze(-1) - lse[b, s]  # (c,)
+            if with_entropy:
+                entropy[b, s] = chunk_entropy(z, lse[b, s])  # (c,)
         ctx.save_for_backward(logits, ids, lse)
         ctx.temperature, ctx.inplace, ctx.chunk = temperature, inplace, chunk
-        return logps
+        ctx.mark_non_differentiable(entropy)
+        return logps, entropy
 
     @staticmethod
-    def backward(ctx, grad_logps):  # grad_logps (B, T)
+    def backward(ctx, grad_logps, _grad_entropy):  # grad_logps (B, T)
         logits, ids, lse = ctx.saved_tensors
         temp = ctx.temperature
         grad = logits if ctx.inplace else torch.empty_like(logits)  # (B, T, V) in the logits' dtype
@@ -59,7 +66,13 @@ class _TokenLogps(torch.autograd.Function):
             p = torch.exp(logits[b, s].float() / temp - lse[b, s, None])  # (c, V) softmax, recomputed
             p.mul_(-g).scatter_add_(-1, ids[b, s, None], g)  # d logp / d z = onehot - softmax
             grad[b, s] = p / temp  # read before written: in place is safe chunk by chunk
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
+
+
+def chunk_entropy(z: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """(c,) entropy of softmax(z) for a chunk of logits z (c, V) with their logsumexp lse (c,): lse - sum p z.
+    One more (c, V) exp, never (B, T, V): the metric that shows an entropy collapse, at no memory cost."""
+    return lse - (torch.exp(z - lse[:, None]) * z).sum(-1)  # (c,)
 
 
 def _row_chunks(logits, chunk):
@@ -69,18 +82,20 @@ def _row_chunks(logits, chunk):
 
 
 def per_token_logps(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0, *, chunk: int,
-                    inplace_backward: bool = False) -> torch.Tensor:
+                    inplace_backward: bool = False, with_entropy: bool = False):
     """(B, T) fp32 log-probs of `ids` under softmax(logits / temperature); logits[:, t] predicts ids[:, t].
 
     The memory-saving form of per_token_logps_plain (chunk = 0 selects the plain one).
     inplace_backward=True writes d(logits) over the logits (the caller must not read them after
     backward): saves a (B, T, V) buffer, as the Triton kernel's option of the same name.
+    with_entropy: (logps, (B, T) entropies), from the same chunks.
     """
     if logits.shape[:2] != ids.shape:
         raise ValueError(f"logits {tuple(logits.shape)} do not match ids {tuple(ids.shape)}")
     if chunk == 0:
-        return per_token_logps_plain(logits, ids, temperature)
-    return _TokenLogps.apply(logits, ids, float(temperature), inplace_backward, chunk)
+        return per_token_logps_plain(logits, ids, temperature, with_entropy)
+    logps, entropy = _TokenLogps.apply(logits, ids, float(temperature), inplace_backward, chunk, with_entropy)
+    return (logps, entropy) if with_entropy else logps
 
 
 class _HiddenLogps(torch.autograd.Function):
@@ -93,20 +108,23 @@ class _HiddenLogps(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, ids, temperature, chunk):
+    def forward(ctx, hidden, weight, ids, temperature, chunk, with_entropy):
         h, flat = hidden.reshape(-1, hidden.shape[-1]), ids.reshape(-1)  # (N, H), (N,)
         logps = torch.empty(flat.shape, dtype=torch.float32, device=hidden.device)  # (N,)
-        lse = torch.empty_like(logps)  # (N,)
+        lse, entropy = torch.empty_like(logps), torch.zeros_like(logps)  # (N,) each
         for s in spans(len(flat), chunk):
             z = (h[s] @ weight.T).float().div_(temperature)  # (c, V) the only logits that exist
             lse[s] = torch.logsumexp(z, dim=-1)  # (c,)
             logps[s] = z.gather(-1, flat[s, None]).squeeze(-1) - lse[s]  # (c,)
+            if with_entropy:
+                entropy[s] = chunk_entropy(z, lse[s])  # (c,)
         ctx.save_for_backward(hidden, weight, ids, lse)
         ctx.temperature, ctx.chunk = temperature, chunk
-        return logps.view(ids.shape)  # (B, T)
+        ctx.mark_non_differentiable(entropy)
+        return logps.view(ids.shape), entropy.view(ids.shape)  # (B, T) each
 
     @staticmethod
-    def backward(ctx, grad_logps):  # grad_logps (B, T)
+    def backward(ctx, grad_logps, _grad_entropy):  # grad_logps (B, T)
         hidden, weight, ids, lse = ctx.saved_tensors
         temp = ctx.temperature
         h, flat, grad = hidden.reshape(-1, hidden.shape[-1]), ids.reshape(-1), grad_logps.reshape(-1).float()
@@ -123,7 +141,7 @@ class _HiddenLogps(torch.autograd.Function):
                 d_weight.addmm_(d_z.T, h[s])  # (V, H) in place: no (V, H) temporary
             elif d_weight is not None:
                 d_weight += d_z.T @ h[s]  # (V, H) a bf16 temporary, summed in fp32
-        return d_hidden.view_as(hidden), None if d_weight is None else d_weight.to(weight.dtype), None, None, None
+        return d_hidden.view_as(hidden), None if d_weight is None else d_weight.to(weight.dtype), None, None, None, None
 
 
 def lm_head_weight(model) -> torch.Tensor:
@@ -139,15 +157,17 @@ def lm_head_weight(model) -> torch.Tensor:
 
 
 def hidden_logps(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0, *,
-                 chunk: int) -> torch.Tensor:
+                 chunk: int, with_entropy: bool = False):
     """(B, T) fp32 log softmax(hidden @ weight.T / temperature)[ids], `chunk` tokens of logits at a time.
 
     hidden (B, T, H) is the LM head's input; weight (V, H) its weight (lm_head_weight). Equal, in value
-    and in the gradients of hidden and weight, to per_token_logps_plain on the full logits.
+    and in the gradients of hidden and weight, to per_token_logps_plain on the full logits. with_entropy:
+    (logps, (B, T) entropy of each token's distribution, detached), from the same chunks.
     """
     if hidden.shape[:2] != ids.shape:
         raise ValueError(f"hidden states {tuple(hidden.shape)} do not match ids {tuple(ids.shape)}")
-    return _HiddenLogps.apply(hidden, weight, ids, float(temperature), chunk)
+    logps, entropy = _HiddenLogps.apply(hidden, weight, ids, float(temperature), chunk, with_entropy)
+    return (logps, entropy) if with_entropy else logps
 
 
 def completion_logits(model, input_ids, attention_mask, n_completion: int, shared_prefix: bool = False,
@@ -179,17 +199,19 @@ def completion_logits(model, input_ids, attention_mask, n_completion: int, share
 
 
 def completion_logps(model, input_ids, attention_mask, n_completion: int, temperature: float, micro_batch: int = 0,
-                     shared_prefix: bool = False, *, chunk: int, from_hidden: bool):
+                     shared_prefix: bool = False, *, chunk: int, from_hidden: bool, with_entropy: bool = False):
     """(B, n_completion) log-probs of the last `n_completion` tokens of each row, micro_batch rows at a time.
     from_hidden: from the hidden states, `chunk` tokens of logits at a time (hidden_logps); else from the
-    whole logits (per_token_logps)."""
+    whole logits (per_token_logps). with_entropy: (logps, (B, n_completion) entropies), from the same pass."""
     step, out = micro_batch or input_ids.shape[0], []
     for i in range(0, input_ids.shape[0], step):
         ids, attn = input_ids[i : i + step], attention_mask[i : i + step]  # (b, L) each
         states = completion_logits(model, ids, attn, n_completion, shared_prefix, hidden=from_hidden)
         targets = ids[:, -n_completion:]  # (b, T)
         if from_hidden:  # states (b, T, H)
-            out.append(hidden_logps(states, lm_head_weight(model), targets, temperature, chunk=chunk))  # (b, T)
+            out.append(hidden_logps(states, lm_head_weight(model), targets, temperature, chunk=chunk,
+                                    with_entropy=with_entropy))  # (b, T) or ((b, T), (b, T))
         else:  # states (b, T, V): nothing else reads these logits, so their gradient may overwrite them
-            out.append(per_token_logps(states, targets, temperature, chunk=chunk, inplace_backward=True))  # (b, T)
-    return torch.cat(out)  # (B, T)
+            out.append(per_token_logps(states, targets, temperature, chunk=chunk, inplace_backward=True,
+                                       with_entropy=with_entropy))  # (b, T) or ((b, T), (b, T))
+    return tuple(torch.cat(parts) for parts in zip(*out)) if with_entropy else torch.cat(out)  # (B, T) (each)

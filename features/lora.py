@@ -10,8 +10,11 @@ import torch
 
 
 def add_lora(model, *, rank, alpha, targets, seed):
-    """The model with LoRA adapters (peft) on `targets`, the only parameters that train. B starts at 0, so the
-    policy starts as the model itself; A's random start is drawn from `seed` alone, the same on every rank."""
+    """The model with LoRA adapters (peft) on `targets`, the only parameters that train (rank 0: the model as it
+    is). B starts at 0, so the policy starts as the model itself; A's random start is drawn from `seed` alone, the
+    same on every rank."""
+    if rank == 0:
+        return model
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, task_type="CAUSAL_LM")

@@ -65,7 +65,8 @@ class RegroupPool:
         out = dict(input_ids=padded("input_ids", plen + tlen, 0),  # (G, plen + tlen) the padding is masked out
                    completion_mask=padded("completion_mask", tlen, False),  # (G, tlen)
                    rewards=torch.stack([r["rewards"] for r in chosen]))  # (G,)
-        out["advantages"] = group_advantages(out["rewards"], g)  # (G,) relative to this new group
+        out["advantages"] = group_advantages(out["rewards"], g, meta.get("scale_rewards", "group"),
+                                             meta.get("batch_std"))  # (G,) relative to this new group
         for name in OPTIONAL:  # gen_logps, sampler_logps: kept when every chosen answer has them
             if all(name in r for r in chosen):
                 out[name] = padded(name, tlen, 0.0)  # (G, tlen)

@@ -30,5 +30,7 @@ def add_reward_model(tensors, meta, reward_model, weight):
     """The group with weight x score added to each reward, advantages redone, and the mean score in meta."""
     scores = reward_scores(reward_model, meta["question"], meta["answers"])  # (G,)
     rewards = tensors["rewards"] + weight * scores  # (G,)
-    tensors = {**tensors, "rewards": rewards, "advantages": group_advantages(rewards, len(scores))}  # (G,) each
+    tensors = {**tensors, "rewards": rewards, "advantages": group_advantages(rewards, len(scores),
+                                                                           meta.get("scale_rewards", "group"),
+                                                                           meta.get("batch_std"))}  # (G,) each
     return tensors, {**meta, "reward_model_mean": scores.mean().item()}

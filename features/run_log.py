@@ -15,6 +15,8 @@ import time
 import torch
 from tqdm import tqdm
 
+from features.vllm_engine import sampler_gap
+
 SAMPLE_CHARS = 200  # of the one sampled answer printed under each step: enough to see the format appear
 
 
@@ -136,6 +138,30 @@ def weight_gap(model) -> float:
     return (sums - first).abs().max().item()
 
 
+@torch.no_grad()
+def loss_metrics(loss, b, *, old, ratio, entropy, kl, tis, clip_eps, clip_eps_high, vllm) -> dict:
+    """A (micro-)batch's loss metrics at the weights before the step, each x the batch's share of the step's (its
+    answers, or its tokens for per-token ones), so the step's sum over micro-batches is the whole batch's value:
+    loss; clip_low/high (tokens the clip cut: ratio below 1 - clip_eps with A < 0, above 1 + clip_eps_high with
+    A > 0); ratio_drift (|ratio - 1| per answer, 0 on-policy); entropy (per token); kl (k3 per answer); with vLLM,
+    sampler_gap and tis_masked (tokens whose importance weight is 0). b: the batch (mask, advantages,
+    sampler_logps, sampler_rows, share, token_share); old, ratio, entropy, kl, tis (B, T): the importance weights
+    (kl and tis may be None)."""
+    mask, adv, share, tokens = b["mask"], b["advantages"][:, None], b.get("share", 1.0), b.get("token_share", 1.0)
+    n, per_answer = mask.sum().clamp(min=1), mask.sum(-1).clamp(min=1)  # (), (B,)
+    low, high = (ratio < 1 - clip_eps) & (adv < 0) & mask, (ratio > 1 + clip_eps_high) & (adv > 0) & mask  # (B, T)
+    m = dict(loss=loss.item() * (share > 0), clip_low=(low.sum() / n).item() * tokens,
+             clip_high=(high.sum() / n).item() * tokens, entropy=(torch.where(mask, entropy, 0.0).sum() / n).item()
+             * tokens, ratio_drift=(torch.where(mask, (ratio - 1).abs(), 0.0).sum(-1) / per_answer).mean().item()
+             * share)
+    if kl is not None:
+        m["kl"] = (torch.where(mask, kl, 0.0).sum(-1) / per_answer).mean().item() * share
+    if vllm:  # the engines' mismatch on the sampled tokens, and the share of the tokens TIS_MODE masks
+        m["sampler_gap"] = sampler_gap(old, b["sampler_logps"], b["sampler_rows"], mask) * tokens
+        m["tis_masked"] = 0.0 if tis is None else (((tis == 0) & mask).sum() / n).item() * tokens
+    return m
+
+
 def answer_records(step, rank, rollout, each, rewards, advantages) -> list:
     """One dict per sampled answer, a line of completions.jsonl: what the model wrote and how it scored.
     each: {reward name: its N values}; rewards, advantages (N,)."""
@@ -227,13 +253,16 @@ def timed(metrics, key: str):
     metrics[key] += clock() - start
 
 
-def step_metrics(m, groups, step, attempts, step_start, questions_per_rollout) -> dict:
-    """The step's metrics with the derived ones: zero_var_groups (of all the rollouts' groups), groups, staleness,
-    reward_model (the server's REWARD_MODEL mean score; the reward metric holds the rule rewards only), train_s,
-    seconds."""
-    out = dict(m, zero_var_groups=m["dropped"] / (attempts * questions_per_rollout), groups=len(groups),
+def step_metrics(m, groups, answers, step, attempts, step_start, group_size, reward_names) -> dict:
+    """The step's metrics with the derived ones: sample_stats over every rollout's answers, rollouts, answers
+    generated and trained (this rank's: their ratio over a run is the rollouts' cost per answer that trains),
+    zero_var_groups (of all the rollouts' groups), groups, staleness, reward_model (the server's REWARD_MODEL mean
+    score; the reward metric holds the rule rewards only), train_s, seconds."""
+    out = dict(m, **sample_stats(answers, group_size, reward_names), rollouts=attempts, groups=len(groups),
+               answers_generated=len(answers), answers_trained=sum(len(t["advantages"]) for t, _ in groups),
+               zero_var_groups=m["dropped"] * group_size / len(answers), train_s=m["fwd_bwd_s"] + m["optim_s"],
                staleness=sum(step - 1 - meta.get("version", step - 1) for _, meta in groups) / len(groups),
-               train_s=m["fwd_bwd_s"] + m["optim_s"], seconds=clock() - step_start)
+               seconds=clock() - step_start)
     del out["dropped"]
     scores = [meta["reward_model_mean"] for _, meta in groups if "reward_model_mean" in meta]
     if scores:

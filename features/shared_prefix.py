@@ -120,3 +120,12 @@ def layer_flags(model, **flags):
             for name in flags:
                 del layer.__dict__[name]
             layer.__dict__.update(old)
+
+
+def generate(model, prompt_ids, prompt_mask, gen_config, repeats: int, shared: bool = True):
+    """(B, T) transformers' generate on prompts already repeated `repeats` times each (rows prompt 0 x repeats, ...):
+    with `shared`, each prompt's KV cache is computed once and repeated, the same samples for less prefill."""
+    cache = prompt_cache(model, prompt_ids[::repeats, :-1], prompt_mask[::repeats, :-1], repeats)[0] if shared else None
+    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, past_key_values=cache,
+                         generation_config=gen_config)
+    return out[:, prompt_ids.shape[1] :]  # (B, T)

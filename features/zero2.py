@@ -49,10 +49,13 @@ def init_distributed(cuda: bool):
     return rank, device
 
 
-def initialize(model, config):
-    """The ZeRO-2 engine over the model's trainable parameters (LoRA: the adapters only), its first step's rate set."""
+def initialize(model, config, gradient_checkpointing=False):
+    """The ZeRO-2 engine over the model's trainable parameters (LoRA: the adapters only), its first step's rate set;
+    gradient_checkpointing: activations recomputed in backward (non-reentrant: works with frozen inputs and LoRA)."""
     import deepspeed
 
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     trainable = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, config=config)
     if engine.lr_scheduler is not None:  # its rate for the first step is set only at its first step()

@@ -318,8 +318,8 @@ def test_truncated_importance_sampling_weights_each_token_by_hand():
     assert with_gen == pytest.approx(-(w_gen * torch.exp(logps - gen) * adv[:, None]).mean().item(), rel=1e-6)
 
 
-@pytest.mark.parametrize("token_mean", [False, True])
-def test_padding_with_logp_minus_100_leaves_loss_and_gradient_finite(token_mean):
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_padding_with_logp_minus_100_leaves_loss_and_gradient_finite(loss_type):
     """k3 on padding with logp = -100 against ref 0 overflows (exp(100) is inf in fp32); the padding
     must not matter at all: the same loss and gradient as with harmless padding."""
     torch.manual_seed(3)
@@ -333,7 +333,7 @@ def test_padding_with_logp_minus_100_leaves_loss_and_gradient_finite(token_mean)
         pad_ref, pad_gen = ref.clone(), gen.clone()
         pad_ref[~mask], pad_gen[~mask] = 0.0, 0.0
         loss = grpo_loss(logps=logps, ref_logps=pad_ref, gen_logps=pad_gen, advantages=adv, mask=mask, beta=0.04,
-                         clip_eps=0.2, token_mean=token_mean)
+                         clip_eps=0.2, loss_type=loss_type, max_tokens=4)
         (g,) = torch.autograd.grad(loss, logps)
         assert torch.isfinite(loss) and torch.isfinite(g).all()
         results.append((loss.item(), g))
@@ -342,7 +342,7 @@ def test_padding_with_logp_minus_100_leaves_loss_and_gradient_finite(token_mean)
     assert masked_mean(torch.tensor([[1.0, float("inf")]]), torch.tensor([[True, False]])).item() == 1.0
 
 
-def _rank_gradient(rank, world, port, data, token_mean, normalize, results):
+def _rank_gradient(rank, world, port, data, loss_type, normalize, results):
     """One gloo rank: its share of the answers, the loss, then DeepSpeed's gradient average over ranks."""
     import torch.distributed as dist
 
@@ -352,9 +352,9 @@ def _rank_gradient(rank, world, port, data, token_mean, normalize, results):
     rows = [slice(0, 5), slice(5, 7)][rank] if world == 2 else slice(0, 7)  # 5 answers on rank 0, 2 on rank 1
     x, ref, gen, adv, mask = (t[rows] for t in data)
     w = torch.ones(x.shape[1], dtype=torch.float64, requires_grad=True)  # a weight every rank shares
-    normalizer = global_count([mask], token_mean) if normalize else None
+    normalizer = global_count([mask], loss_type == "dapo") if normalize else None
     grpo_loss(logps=x * w, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2,
-              token_mean=token_mean, normalizer=normalizer).backward()
+              loss_type=loss_type, max_tokens=4, normalizer=normalizer).backward()
     dist.all_reduce(w.grad)
     results.put((rank, (w.grad / world).tolist()))
     dist.destroy_process_group()
@@ -378,23 +378,23 @@ def run_ranks(target, world, *args):
     return out
 
 
-def gradient_over_ranks(world, token_mean, normalize):
+def gradient_over_ranks(world, loss_type, normalize):
     g = torch.Generator().manual_seed(8)
     mask = torch.rand(7, 4, generator=g) > 0.3
     mask[:, 0] = True
     data = (-torch.rand(7, 4, generator=g, dtype=torch.float64) * 2, -torch.rand(7, 4, generator=g).double(),
             -torch.rand(7, 4, generator=g).double(), torch.randn(7, generator=g).double(), mask)
-    grads = run_ranks(_rank_gradient, world, data, token_mean, normalize)
+    grads = run_ranks(_rank_gradient, world, data, loss_type, normalize)
     assert all(grads[r] == grads[0] for r in grads)  # the same averaged gradient on every rank
     return torch.tensor(grads[0])
 
 
-@pytest.mark.parametrize("token_mean", [False, True])
-def test_two_ranks_with_unequal_batches_give_the_gradient_of_one_rank_holding_all(token_mean):
-    one = gradient_over_ranks(1, token_mean, normalize=True)
-    two = gradient_over_ranks(2, token_mean, normalize=True)
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_two_ranks_with_unequal_batches_give_the_gradient_of_one_rank_holding_all(loss_type):
+    one = gradient_over_ranks(1, loss_type, normalize=True)
+    two = gradient_over_ranks(2, loss_type, normalize=True)
     assert torch.allclose(one, two, atol=1e-12), (one, two)
-    own_counts = gradient_over_ranks(2, token_mean, normalize=False)  # each rank dividing by its own count
+    own_counts = gradient_over_ranks(2, loss_type, normalize=False)  # each rank dividing by its own count
     assert not torch.allclose(one, own_counts, atol=1e-3)
 
 

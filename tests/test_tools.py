@@ -147,9 +147,9 @@ def removed_by_hand(x, keep):
     return out, mask
 
 
-@pytest.mark.parametrize("token_mean, gspo, tis", [(False, False, 0.0), (True, False, 0.0), (False, True, 0.0),
-                                                    (False, False, 2.0)])
-def test_the_loss_with_tool_tokens_masked_equals_the_loss_without_them(token_mean, gspo, tis):
+@pytest.mark.parametrize("loss_type, gspo, tis", [("grpo", False, 0.0), ("dapo", False, 0.0), ("dr_grpo", False, 0.0),
+                                                   ("grpo", True, 0.0), ("grpo", False, 2.0)])
+def test_the_loss_with_tool_tokens_masked_equals_the_loss_without_them(loss_type, gspo, tis):
     g = torch.Generator().manual_seed(0)
     B, T = 4, 12
     logps = (-torch.rand(B, T, generator=g) * 3).requires_grad_()
@@ -160,7 +160,7 @@ def test_the_loss_with_tool_tokens_masked_equals_the_loss_without_them(token_mea
     tool[0, 3:6], tool[2, 1:3], tool[3, 4:5], tool[3, 8:10] = True, True, True, True  # results, one row without
     keep = answer & ~tool
     ref[tool], gen[tool], sampler[tool] = 50.0, -80.0, 30.0  # junk where the toolkit wrote: must not count
-    kw = dict(advantages=adv, beta=0.04, clip_eps=0.2, token_mean=token_mean, gspo=gspo, tis_cap=tis)
+    kw = dict(advantages=adv, beta=0.04, clip_eps=0.2, loss_type=loss_type, max_tokens=T, gspo=gspo, tis_cap=tis)
     loss = grpo.grpo_loss(logps=logps, ref_logps=ref, gen_logps=gen, mask=keep,
                           sampler_logps=sampler if tis else None, **kw)
     (grad,) = torch.autograd.grad(loss, logps)
@@ -188,7 +188,7 @@ def test_tool_metrics_count_calls_errors_and_accuracy_with_and_without_a_call():
 def test_evaluation_reports_each_tag_and_the_tool_share(monkeypatch):
     questions = [dict(question=f"q{i}", gold="1", tag=t) for i, t in enumerate(["small", "large", "large", "small"])]
     texts = ["<answer>1</answer>", "<answer>1</answer>", "<answer>2</answer>", "<answer>2</answer>"]
-    monkeypatch.setattr("features.evaluation.greedy_answers", lambda *a, **k: (texts, [0, 1, 2, 1]))
+    monkeypatch.setattr("features.evaluation.held_out_answers", lambda *a, **k: (texts, [0, 1, 2, 1]))
 
     def score(texts, golds, qs):
         return None, {"reward_correct": [rewards.reward_correct(t, g) for t, g in zip(texts, golds)]}

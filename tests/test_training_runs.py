@@ -123,11 +123,12 @@ def test_a_fresh_run_refuses_a_folder_with_another_runs_checkpoints(tiny_model_d
 
 
 def test_beta_zero_and_the_variants_train_without_any_server(tiny_model_dir, tmp_path):
-    """BETA=0 with TOKEN_MEAN, MASK_TRUNCATED and CLIP_EPS_HIGH on: no server is ever asked. Against the same run
+    """BETA=0 with LOSS_TYPE dapo, MASK_TRUNCATED and CLIP_EPS_HIGH on: no server is ever asked. Against the same run
     with the three off, step 1 samples the very same answers (seeded) and its loss differs: they reached the loss."""
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: any request would fail the run
     common = dict(BETA=0, MU=2, MAX_NEW_TOKENS=16, SERVER_TIMEOUT=5, EVAL_STEPS=0)  # 16: the longer sums are cut
-    run = train(tiny_model_dir, dead, tmp_path / "on", 1, TOKEN_MEAN=1, MASK_TRUNCATED=1, CLIP_EPS_HIGH=0.28, **common)
+    run = train(tiny_model_dir, dead, tmp_path / "on", 1, LOSS_TYPE="dapo", MASK_TRUNCATED=1, CLIP_EPS_HIGH=0.28,
+                **common)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "retrying" not in run.stderr and "kl" not in run.stdout.split("step    1")[1].split("\n")[0]
     lines = metrics(tmp_path / "on")[0]

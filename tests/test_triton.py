@@ -142,14 +142,14 @@ def test_inplace_backward_writes_the_gradient_over_the_logits():
     assert torch.allclose(leaf.detach(), want[:, 2:-1], atol=1e-5)
 
 
-@pytest.mark.parametrize("clip_eps_high, token_mean, with_ref, normalizer", [
-    (0.6, False, True, None), (0.2, True, True, None), (0.6, True, False, None), (0.2, False, True, 5.5),
-    (0.2, True, True, 17.0)])
-def test_variants_equal_the_pytorch_path(clip_eps_high, token_mean, with_ref, normalizer):
+@pytest.mark.parametrize("clip_eps_high, loss_type, with_ref, normalizer", [
+    (0.6, "grpo", True, None), (0.2, "dapo", True, None), (0.6, "dapo", False, None), (0.2, "grpo", True, 5.5),
+    (0.2, "dapo", True, 17.0), (0.2, "dr_grpo", True, None), (0.2, "dr_grpo", True, 5.5)])
+def test_variants_equal_the_pytorch_path(clip_eps_high, loss_type, with_ref, normalizer):
     full, logits, ids, ref, gen, adv, mask = case(3, 7, 1100, seed=13)
     beta = 0.04 if with_ref else 0.0
     ref = ref if with_ref else None
-    kw = dict(clip_eps_high=clip_eps_high, token_mean=token_mean, normalizer=normalizer)
+    kw = dict(clip_eps_high=clip_eps_high, loss_type=loss_type, normalizer=normalizer, max_tokens=9)
     lt = grpo_loss_triton(logits=logits, completion_ids=ids, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask,
                           beta=beta, clip_eps=0.2, temperature=1.0, **kw)
     (gt,) = torch.autograd.grad(lt, full)
@@ -206,11 +206,14 @@ AOT = textwrap.dedent("""
         common = dict(logits_ptr="*" + dt, stride_lb="i64", stride_lt="i64", stride_lv="i64", ids_ptr="*i64")
         fwd = dict(common, ref_ptr="*fp32", gen_ptr="*fp32", samp_ptr="*fp32", adv_ptr="*fp32", weight_ptr="*fp32",
                    gen_rows_ptr="*fp32", samp_rows_ptr="*fp32",
-                   loss_ptr="*fp32", logp_ptr="*fp32", lse_ptr="*fp32", dcoef_ptr="*fp32", T="i32", V="i32",
-                   beta="fp32", clip_low="fp32", clip_high="fp32", inv_temperature="fp32", tis_cap="fp32",
-                   HAS_GEN="constexpr", HAS_REF="constexpr", HAS_TIS="constexpr", BLOCK="constexpr")
-        for has_gen, has_ref, has_tis in ((True, True, False), (False, True, True), (True, False, True)):
-            consts = {{"HAS_GEN": has_gen, "HAS_REF": has_ref, "HAS_TIS": has_tis, "BLOCK": K.BLOCK_V}}
+                   loss_ptr="*fp32", logp_ptr="*fp32", lse_ptr="*fp32", dcoef_ptr="*fp32", ent_ptr="*fp32",
+                   T="i32", V="i32", beta="fp32", clip_low="fp32", clip_high="fp32", inv_temperature="fp32",
+                   tis_cap="fp32", HAS_GEN="constexpr", HAS_REF="constexpr", HAS_TIS="constexpr",
+                   TIS_MASK="constexpr", BLOCK="constexpr")
+        for has_gen, has_ref, has_tis, tis_mask in ((True, True, False, False), (False, True, True, False),
+                                                    (True, False, True, True)):
+            consts = {{"HAS_GEN": has_gen, "HAS_REF": has_ref, "HAS_TIS": has_tis, "TIS_MASK": tis_mask,
+                       "BLOCK": K.BLOCK_V}}
             k = triton.compile(ASTSource(K._grpo_fwd_kernel, fwd, consts), target=target)
             assert "cubin" in k.asm and k.asm["cubin"], "no cubin"
         bwd = dict(common, grad_ptr="*" + dt, stride_gb="i64", stride_gt="i64", stride_gv="i64", ids_ptr="*i64",
@@ -229,15 +232,15 @@ def test_kernels_compile_ahead_of_time_for_sm90():
     assert "compiled 8 kernels for sm_90" in run.stdout
 
 
-@pytest.mark.parametrize("token_mean", [False, True])
-def test_tool_tokens_masked_out_equal_the_same_batch_with_them_removed(token_mean):
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_tool_tokens_masked_out_equal_the_same_batch_with_them_removed(loss_type):
     """TOOLS: the toolkit's <result> tokens are masked out of the kernel's loss; it must equal the loss of the batch
     with those columns removed by hand (value, and the gradient of every token the model wrote)."""
     full, logits, ids, ref, gen, adv, _ = case(2, 7, 300, seed=5)
     tool = torch.zeros(2, 7, dtype=torch.bool, device=DEVICE)
     tool[0, 2:4], tool[1, 1:2] = True, True  # a result inside each answer
     keep = ~tool
-    args = dict(advantages=adv, beta=0.04, clip_eps=0.2, token_mean=token_mean)
+    args = dict(advantages=adv, beta=0.04, clip_eps=0.2, loss_type=loss_type, max_tokens=7)
     loss = grpo_loss_triton(logits=logits, completion_ids=ids, temperature=0.7, ref_logps=ref, gen_logps=gen,
                             mask=keep, **args)
     (grad,) = torch.autograd.grad(loss, full)

@@ -42,7 +42,7 @@ def test_token_mean_weighs_every_token_the_same():
     adv = -per_token[:, 0]  # the loss is -A per token with ratio 1, beta 0
     seq = grpo_loss(logps=logps, ref_logps=None, gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2)
     tok = grpo_loss(logps=logps, ref_logps=None, gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2,
-                    token_mean=True)
+                    loss_type="dapo")
     assert seq.item() == pytest.approx((1.0 + 4.0) / 2)  # each answer weighs 1/2
     assert tok.item() == pytest.approx((4 * 1.0 + 4.0) / 5)  # each token weighs 1/5
 
@@ -185,10 +185,10 @@ def fresh_model(tokenizer):
 
 
 def test_the_default_step_is_the_plain_grpo_step_bit_for_bit(fresh_model):
-    """Every variant off by default (GSPO, LoRA, TOKEN_MEAN, TIS without vLLM rows, MASK_TRUNCATED): policy_loss gives
+    """Every variant off by default (GSPO, LoRA, LOSS_TYPE, TIS without vLLM rows, MASK_TRUNCATED): policy_loss gives
     the loss and gradient of the GRPO step as it read before any variant existed, its lines verbatim here."""
-    assert (grpo.GSPO, grpo.LORA_RANK, grpo.TOKEN_MEAN, grpo.USE_VLLM, grpo.MASK_TRUNCATED) == (False, 0, False, False,
-                                                                                                False)
+    assert (grpo.GSPO, grpo.LORA_RANK, grpo.LOSS_TYPE, grpo.USE_VLLM, grpo.MASK_TRUNCATED) == (False, 0, "grpo", False,
+                                                                                               False)
     b = batch_for(fresh_model)
     b["gen_logps"] = b["ref_logps"] - 0.05 * torch.arange(6.0)  # (4, 6) pi_old away from the weights now ...
     b["gen_logps"][1] = 7.0  # ... but for one row trained on-policy, whose values must not count
@@ -578,8 +578,9 @@ def test_sample_metrics_cover_every_rollout_of_the_step(monkeypatch):
 
 def test_the_reward_models_mean_score_is_a_metric_of_the_step():
     m = Counter(dropped=0, fwd_bwd_s=1.0, optim_s=0.5)
-    groups = [({}, {"version": 4, "reward_model_mean": 0.2}), ({}, {"version": 4, "reward_model_mean": 0.6})]
-    out = step_metrics(m, groups, step=5, attempts=1, step_start=clock(), questions_per_rollout=4)
+    answers, adv = [dict(reward=1.0, length=3, truncated=False)] * 8, {"advantages": torch.zeros(4)}
+    groups = [(adv, {"version": 4, "reward_model_mean": 0.2}), (adv, {"version": 4, "reward_model_mean": 0.6})]
+    out = step_metrics(m, groups, answers, step=5, attempts=1, step_start=clock(), group_size=4, reward_names=[])
     assert out["reward_model"] == pytest.approx(0.4) and out["staleness"] == 0 and out["train_s"] == 1.5
     plain = Counter(dropped=0, fwd_bwd_s=1.0, optim_s=0.5)
-    assert "reward_model" not in step_metrics(plain, [({}, {})], 1, 1, clock(), 4)
+    assert "reward_model" not in step_metrics(plain, [(adv, {})], answers, 1, 1, clock(), 4, [])

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The objectives comparison: the demo (scripts/run_demo.sh: 30 steps, vLLM, the reference server) with each
+# setting below and two seeds, back to back, pass@4 at every held-out evaluation (EVAL_SAMPLES=4). A finished run
+# (its wall_s written) is skipped, so the script can be stopped and started again; each run's metrics.jsonl is
+# copied to $RESULTS as it finishes. Then bench/objectives_report.py prints the table.
+#   bash bench/run_objectives.sh                       # 10 runs, 20-30 min each on 2 CPU cores; OUT=/tmp/objectives
+#   RUNS="default dynamic" SEEDS=42 bash bench/run_objectives.sh
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT=${OUT:-/tmp/objectives}
+RESULTS=${RESULTS:-bench/results}
+RUNS=${RUNS:-default dynamic difficulty dr_grpo cosine}
+SEEDS=${SEEDS:-42 43}
+export EVAL_SAMPLES=${EVAL_SAMPLES:-4}
+mkdir -p "$OUT" "$RESULTS"
+for seed in $SEEDS; do
+  for run in $RUNS; do
+    dir="$OUT/${run}_s$seed"
+    if [ -e "$dir/wall_s" ]; then echo "$dir done: skipped"; continue; fi
+    rm -rf "$dir"
+    case $run in
+      default) settings=() ;;
+      dynamic) settings=(DYNAMIC_SAMPLING=1) ;;
+      difficulty) settings=(SAMPLER=difficulty) ;;
+      dr_grpo) settings=(LOSS_TYPE=dr_grpo SCALE_REWARDS=none) ;;
+      cosine) settings=(DS_CONFIG=bench/ds_config_cosine.json) ;;  # LR falls to a tenth over the run
+      *) echo "unknown run $run: default, dynamic, difficulty, dr_grpo or cosine" >&2; exit 1 ;;
+    esac
+    echo "=== $run, seed $seed: ${settings[*]:-the defaults} -> $dir"
+    start=$(date +%s)
+    env "${settings[@]}" SEED="$seed" OUTPUT_DIR="$dir" bash scripts/run_demo.sh > "$OUT/${run}_s$seed.log" 2>&1
+    echo $(( $(date +%s) - start )) > "$dir/wall_s"
+    cp "$dir/metrics.jsonl" "$RESULTS/objectives_${run}_s${seed}_metrics.jsonl"
+    echo $(( $(date +%s) - start )) > "$RESULTS/objectives_${run}_s${seed}_wall_s"
+  done
+done
+.venv/bin/python bench/objectives_report.py "$RESULTS"

@@ -1,0 +1,85 @@
+"""Which training questions a rollout draws (SAMPLER): "uniform", or "difficulty", which draws again the questions
+whose latest group had different rewards and draws less often the ones whose group did not.
+
+A group whose answers all got the same reward has advantages 0 and trains nothing: a question the policy always
+gets right (mastered) or always wrong (out of reach) costs a rollout and teaches nothing. prime-rl keeps easy,
+normal and hard pools by pass rate; verl and OpenRLHF filter a dataset by pass rate beforehand. Here each question
+keeps one record, its latest group's outcome, which needs no pass over the dataset:
+  - varied (different rewards): it joins the replay pool; up to REPLAY_SHARE of each draw comes from the pool,
+    oldest first, and a question is replayed at most MAX_REPLAYS times in a row (else a few questions the policy
+    never settles would take over the run);
+  - uniform (all the same): fresh draws weigh it UNIFORM_KEEP, against 1 for a question not seen or varied.
+A step that rolls out MAX_ROLLOUTS times without the groups it wants calls out_of_rollouts.
+Held-out questions are never in `questions`, so evaluation is untouched. The sampler is the run's random.Random
+too (getstate/setstate), so a checkpoint keeps the records with the data position.
+
+    SAMPLER=difficulty bash scripts/run_demo.sh
+"""
+import random
+import sys
+
+from tqdm import tqdm
+
+SAMPLERS = ("uniform", "difficulty")
+REPLAY_SHARE = 0.5  # of each draw at most, from the replay pool; the rest are new questions (exploration)
+MAX_REPLAYS = 2  # a question trained this many times in a row goes back among the fresh ones
+UNIFORM_KEEP = 0.1  # a question whose latest group was uniform weighs this in fresh draws (the others 1)
+
+
+class QuestionSampler:
+    """sample(n) -> n distinct questions; record(answer records, group size) after each rollout."""
+
+    def __init__(self, questions, seed, mode="uniform"):
+        if mode not in SAMPLERS:
+            raise ValueError(f"SAMPLER = {mode!r}: one of {', '.join(SAMPLERS)}")
+        self.questions, self.mode, self.rng = questions, mode, random.Random(seed)
+        self.pool = {}  # question text -> replays so far; insertion order = oldest first
+        self.uniform = set()  # question texts whose latest group had equal rewards
+
+    def sample(self, n: int) -> list:
+        if self.mode == "uniform":  # exactly random.Random(seed).sample: the draws of runs before this module
+            return self.rng.sample(self.questions, n)
+        if not 0 <= n <= len(self.questions):
+            raise ValueError(f"cannot draw {n} questions out of {len(self.questions)}")
+        by_text = {q["question"]: q for q in self.questions}
+        replays = [by_text[t] for t in list(self.pool)[: int(n * REPLAY_SHARE)] if t in by_text]
+        rest = [q for q in self.questions if q["question"] not in self.pool]
+        if len(rest) < n - len(replays):  # a dataset smaller than its pool: fresh draws may be pooled ones too
+            rest = [q for q in self.questions if q not in replays]
+        # Weighted draws without replacement (Efraimidis-Spirakis): the largest u ** (1 / weight) win.
+        keys = [self.rng.random() ** (1 / (UNIFORM_KEEP if q["question"] in self.uniform else 1.0)) for q in rest]
+        best = sorted(range(len(rest)), key=keys.__getitem__, reverse=True)[: n - len(replays)]
+        return replays + [rest[i] for i in best]
+
+    def record(self, answers, group_size: int) -> None:
+        """Each group's outcome, from the rollout's answer records (consecutive groups of `group_size`)."""
+        if self.mode == "uniform":
+            return
+        for i in range(0, len(answers), group_size):
+            text = answers[i]["question"]
+            varied = len({a["reward"] for a in answers[i : i + group_size]}) > 1
+            replays = self.pool.pop(text, -1) + 1  # -1: it was a fresh draw
+            if varied and replays < MAX_REPLAYS:
+                self.pool[text] = replays  # re-inserted last: the others are replayed first
+                self.uniform.discard(text)
+            elif not varied:
+                self.uniform.add(text)
+
+    def getstate(self):
+        return {"rng": self.rng.getstate(), "pool": list(self.pool.items()), "uniform": sorted(self.uniform)}
+
+    def setstate(self, state):
+        """A checkpoint's state; one saved before this module holds the random.Random state alone."""
+        if not isinstance(state, dict):
+            return self.rng.setstate(state)
+        self.rng.setstate(state["rng"])
+        self.pool, self.uniform = dict(state["pool"]), set(state["uniform"])
+
+
+def out_of_rollouts(found: int, rollouts: int, wanted: int) -> None:
+    """A step's `rollouts` gave `found` of the `wanted` groups with different rewards: none stops the run (nothing to
+    train on, and more tries would not help); some (DYNAMIC_SAMPLING) get a warning, and the step trains on them."""
+    say = (f"{rollouts} rollouts in a row gave {found} of the {wanted} groups with different rewards wanted: the task "
+           "is too hard or too easy for this model (try THINK_PREFILL, EXAMPLE, ARITH_MAX, MAX_NEW_TOKENS, "
+           "SAMPLER=difficulty, MAX_ROLLOUTS or the weights)")
+    sys.exit(say) if not found else tqdm.write(f"warning: {say}; training on those {found}")
