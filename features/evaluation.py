@@ -27,7 +27,7 @@ def evaluate(model, questions, *, encode, decode, score, eos_ids, max_new_tokens
              max_calls=0, tokenizer=None, samples=0, sample_config=None) -> dict:
     """{"eval_<reward name>": mean} over the greedy answers to `questions` (from the vLLM engine `llm` if given);
     with tools, eval_tool_share too (answers that called a tool). samples = k > 0: also eval_<name>_mean@k over k
-    answers per question sampled with sample_config (its temperature), and eval_pass@j for j = 1, 2, 4, ... and k
+    answers per question sampled with sample_config (its temperature), and eval_pass@j for j = 2, 4, ... and k
     (needs reward_correct). Questions with a "tag" also get each mean per tag: eval_<name>_<tag>. encode(questions)
     -> the tokenized prompts; decode(completion_ids) -> texts; score(texts, golds, questions) -> (total, {reward name:
     values}): the trainer's own three; tokenizer: for tools and the pad id (or pad_id)."""
@@ -49,7 +49,7 @@ def evaluate(model, questions, *, encode, decode, score, eos_ids, max_new_tokens
 
 def sampled_scores(model, questions, k, sample_config, score, args) -> dict:
     """Per question: each reward's mean over k sampled answers ("<name>_mean@k") and, with CORRECT among the
-    rewards, the unbiased pass@j for j = 1, 2, 4, ... < k and k ("pass@j")."""
+    rewards, the unbiased pass@j for j = 2, 4, ... < k and k ("pass@j"; pass@1 would equal CORRECT's mean@k)."""
     if sample_config is None or not sample_config.do_sample:
         raise ValueError("EVAL_SAMPLES needs the sampling generation config (temperature > 0)")
     texts, _ = held_out_answers(model, questions, per_question=k, gen_config=sample_config, **args)
@@ -59,7 +59,7 @@ def sampled_scores(model, questions, k, sample_config, score, args) -> dict:
            for name, v in each.items()}
     if CORRECT in each:
         right = [sum(v > 0 for v in each[CORRECT][i * k : (i + 1) * k]) for i in range(len(questions))]
-        for j in sorted({2**e for e in range(k.bit_length()) if 2**e < k} | {k}):
+        for j in sorted({2**e for e in range(1, k.bit_length()) if 2**e < k} | {k} - {1}):  # pass@1 is the mean@k
             out[f"pass@{j}"] = [pass_at_k(k, c, j) for c in right]
     return out
 
@@ -89,7 +89,8 @@ def held_out_answers(model, questions, *, encode, decode, eos_ids, pad_id, max_n
                                                       max_calls=max_calls, eos_ids=eos_ids)
                 calls += out["tool_calls"]
             elif llm is not None:
-                answers, _ = vllm_sample(llm, enc, per_question, temperature, eos_ids, pad_id, max_new_tokens)  # (b, T)
+                answers, _ = vllm_sample(llm, enc, per_question, temperature, eos_ids, pad_id, max_new_tokens,
+                                         seeded=False)  # (b * per_question, T)
             else:
                 ids, attn = (t.repeat_interleave(per_question, 0) for t in (enc.input_ids, enc.attention_mask))
                 answers = model.generate(input_ids=ids, attention_mask=attn,

@@ -15,13 +15,14 @@ too (getstate/setstate), so a checkpoint keeps the records with the data positio
 
     SAMPLER=difficulty bash scripts/run_demo.sh
 """
+import math
 import random
 import sys
 
 from tqdm import tqdm
 
 SAMPLERS = ("uniform", "difficulty")
-REPLAY_SHARE = 0.5  # of each draw at most, from the replay pool; the rest are new questions (exploration)
+REPLAY_SHARE = 0.75  # of each draw at most (rounded up), from the replay pool; the rest are new questions
 MAX_REPLAYS = 2  # a question trained this many times in a row goes back among the fresh ones
 UNIFORM_KEEP = 0.1  # a question whose latest group was uniform weighs this in fresh draws (the others 1)
 
@@ -42,7 +43,7 @@ class QuestionSampler:
         if not 0 <= n <= len(self.questions):
             raise ValueError(f"cannot draw {n} questions out of {len(self.questions)}")
         by_text = {q["question"]: q for q in self.questions}
-        replays = [by_text[t] for t in list(self.pool)[: int(n * REPLAY_SHARE)] if t in by_text]
+        replays = [by_text[t] for t in list(self.pool)[: math.ceil(n * REPLAY_SHARE)] if t in by_text]
         rest = [q for q in self.questions if q["question"] not in self.pool]
         if len(rest) < n - len(replays):  # a dataset smaller than its pool: fresh draws may be pooled ones too
             rest = [q for q in self.questions if q not in replays]

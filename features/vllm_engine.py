@@ -38,16 +38,19 @@ def start_vllm(model_path, seed, dtype, *, eager, gpu_memory, cpu_kv_gb, verbose
     return llm
 
 
-def vllm_sample(llm, enc, n, temperature, eos_ids, pad_id, max_tokens):
+def vllm_sample(llm, enc, n, temperature, eos_ids, pad_id, max_tokens, seeded=True):
     """(completion_ids, sampler_logps), each (B, T) for B = n x the prompts of `enc` (the tokenizer's left-padded
     input_ids and attention_mask; a prompt's n rows consecutive), padded
     with pad_id and 0 after each answer. Sampling is exactly softmax(logits / temperature); 0 = greedy.
-    Each prompt's seed is drawn from torch's RNG, which checkpoints keep: a resumed run samples the same."""
+    Each prompt's seed is drawn from torch's RNG, which checkpoints keep: a resumed run samples the same.
+    seeded=False: the engine's own stream instead (held-out sampling: vLLM on CPU cannot rewind a seeded request
+    whose long prompt batch it prefills in chunks, "CPU Generator does not use offset")."""
     from vllm.inputs import TokensPrompt
 
     prompts = [TokensPrompt(prompt_token_ids=ids[keep.bool()].tolist())
                for ids, keep in zip(enc.input_ids.cpu(), enc.attention_mask.cpu())]
-    seeds = torch.randint(2**31 - n, (len(prompts),)).tolist() if temperature > 0 else [None] * len(prompts)
+    seeded = seeded and temperature > 0
+    seeds = torch.randint(2**31 - n, (len(prompts),)).tolist() if seeded else [None] * len(prompts)
     params = [sampling_params(temperature, max_tokens, eos_ids, seed, n=n)
               for seed in seeds]  # a prompt's n answers get seeds seed, seed + 1, ...
     outs = llm.generate(prompts, params, use_tqdm=False)
