@@ -80,7 +80,8 @@ class QuestionSampler:
 def out_of_rollouts(found: int, rollouts: int, wanted: int) -> None:
     """A step's `rollouts` gave `found` of the `wanted` groups with different rewards: none stops the run (nothing to
     train on, and more tries would not help); some (DYNAMIC_SAMPLING) get a warning, and the step trains on them."""
-    say = (f"{rollouts} rollouts in a row gave {found} of the {wanted} groups with different rewards wanted: the task "
-           "is too hard or too easy for this model (try THINK_PREFILL, EXAMPLE, ARITH_MAX, MAX_NEW_TOKENS, "
-           "SAMPLER=difficulty, MAX_ROLLOUTS or the weights)")
+    got = f"only {found} of the {wanted} groups" if found else "no group"
+    say = (f"{rollouts} rollouts in a row gave {got} with different rewards: the task is too hard or too easy for "
+           "this model (try THINK_PREFILL, EXAMPLE, ARITH_MAX, MAX_NEW_TOKENS, SAMPLER=difficulty, MAX_ROLLOUTS or "
+           "the weights)")
     sys.exit(say) if not found else tqdm.write(f"warning: {say}; training on those {found}")

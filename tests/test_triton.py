@@ -162,17 +162,20 @@ def test_variants_equal_the_pytorch_path(clip_eps_high, loss_type, with_ref, nor
     assert abs(plain.item() - lp.item()) > 1e-4  # the variant changed the loss
 
 
-@pytest.mark.parametrize("with_gen", [True, False])
-def test_truncated_importance_sampling_equals_the_pytorch_path(with_gen):
-    """vLLM's own log-probs (sampler_logps) weight each token's surrogate by min(pi_old / pi_sampler, cap);
-    a row outside sampler_rows (sampled by the trainer; its values junk) weighs 1. Some weights are cut at the cap."""
+@pytest.mark.parametrize("with_gen, tis_mode", [(True, "token_truncate"), (False, "token_truncate"),
+                                                (True, "token_mask"), (False, "token_mask")])
+def test_truncated_importance_sampling_equals_the_pytorch_path(with_gen, tis_mode):
+    """vLLM's own log-probs (sampler_logps) weight each token's surrogate by min(pi_old / pi_sampler, cap), or
+    (token_mask) by the ratio inside [1 / cap, cap] and 0 outside; a row outside sampler_rows (sampled by the
+    trainer; its values junk) weighs 1. Some weights are cut at the cap or masked."""
     full, logits, ids, ref, gen, adv, mask = case(3, 6, 900, seed=5)
     gen = gen if with_gen else None
     with torch.no_grad():
         noise = torch.randn(3, 6, generator=torch.Generator().manual_seed(1)).to(DEVICE)  # (3, 6)
         sampler = per_token_logps(logits, ids, 0.7, chunk=128) + noise
     sampler[2] = -50.0
-    kw = dict(sampler_logps=sampler, sampler_rows=torch.tensor([True, True, False], device=DEVICE), tis_cap=1.5)
+    kw = dict(sampler_logps=sampler, sampler_rows=torch.tensor([True, True, False], device=DEVICE), tis_cap=1.5,
+              tis_mode=tis_mode)
     lt = grpo_loss_triton(logits=logits, completion_ids=ids, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask,
                           beta=0.04, clip_eps=0.2, temperature=0.7, **kw)
     (gt,) = torch.autograd.grad(lt, full)
@@ -183,6 +186,20 @@ def test_truncated_importance_sampling_equals_the_pytorch_path(with_gen):
     plain = grpo_loss(logps=per_token_logps(logits, ids, 0.7, chunk=128), ref_logps=ref, gen_logps=gen, advantages=adv,
                       mask=mask, beta=0.04, clip_eps=0.2)
     assert abs(plain.item() - lp.item()) > 1e-4  # the weights changed the loss
+
+
+def test_sequence_mismatch_modes_are_refused_and_entropy_equals_the_pytorch_path():
+    full, logits, ids, ref, gen, adv, mask = case(2, 5, 700, seed=9)
+    kw = dict(logits=logits, completion_ids=ids, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.04,
+              clip_eps=0.2, temperature=0.7)
+    for mode in ("sequence_truncate", "sequence_mask"):
+        with pytest.raises(ValueError, match="sequence modes need an answer's tokens"):
+            grpo_loss_triton(sampler_logps=ref, tis_cap=2.0, tis_mode=mode, **kw)
+    loss, logps, entropy = grpo_loss_triton(return_logps=True, return_entropy=True, **kw)
+    want_logps, want = per_token_logps(logits.detach(), ids, 0.7, chunk=0, with_entropy=True)
+    assert torch.allclose(entropy[mask], want[mask], atol=1e-4) and (entropy[~mask] == 0).all()
+    assert torch.allclose(logps[mask], want_logps[mask], atol=1e-5)
+    assert grpo_loss_triton(return_entropy=True, **kw)[1].shape == (2, 5)  # (loss, entropy) alone
 
 
 def test_rejects_mismatched_shapes():
