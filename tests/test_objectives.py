@@ -6,12 +6,15 @@ the mismatch modes, the entropy from the chunked pass, pass@k, the difficulty-aw
 import itertools
 import math
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import grpo_ref_split as grpo
+from conftest import ROOT, ServerProcess, free_port, kill_group, metrics, train, trainer_env, wait_for
 from features import env_overrides, logprobs, question_sampler
 from features.advantages import group_advantages
 from features.evaluation import pass_at_k, sampled_scores
@@ -306,3 +309,73 @@ def test_a_constant_outside_its_choices_stops_the_run_before_any_model_loads(mon
         grpo.check_settings()
     with pytest.raises(SystemExit, match="X = 3: one of 1, 2"):
         env_overrides.check_choices({"X": 3}, X=(1, 2))
+
+
+def test_the_sampler_state_survives_a_checkpoints_weights_only_load(tmp_path):
+    sampler = QuestionSampler(QUESTIONS, 1, "difficulty")
+    sampler.record(records({"q3": True, "q4": False}), 4)
+    torch.save({"python": sampler.getstate()}, tmp_path / "rng.pt")  # as checkpoints.save_checkpoint does
+    again = QuestionSampler(QUESTIONS, 2, "difficulty")
+    again.setstate(torch.load(tmp_path / "rng.pt", weights_only=True)["python"])
+    assert again.pool == sampler.pool and again.uniform == sampler.uniform and again.sample(4) == sampler.sample(4)
+
+
+# ----------------------------------------------------------------------------- whole runs
+def completions(out):
+    import json
+
+    return [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+
+
+def varied_groups(answers, group_size):
+    """{(step, rank): [varied?] of each group that rank sampled at that step}."""
+    out = {}
+    for i in range(0, len(answers), group_size):
+        g = answers[i : i + group_size]
+        out.setdefault((g[0]["step"], g[0]["rank"]), []).append(len({a["reward"] for a in g}) > 1)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_dynamic_sampling_trains_every_rank_on_a_full_batch_of_varied_groups(server, tiny_model_dir, tmp_path,
+                                                                             ranks):
+    """DYNAMIC_SAMPLING: each rank rolls out new questions until it holds Q_BATCH_SIZE (2) groups with different
+    rewards; groups with equal rewards are generated, logged and never trained. SAMPLER=difficulty rides along (its
+    records go into the checkpoints). The loss's normalisation over ranks is tests/test_grpo_math.py's."""
+    run = train(tiny_model_dir, server.url, tmp_path, ranks, DYNAMIC_SAMPLING=1, SAMPLER="difficulty", ALL_STEPS=3,
+                EVAL_STEPS=0, LR="3e-3")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    lines = metrics(tmp_path)[0]
+    assert [m["groups"] for m in lines] == [2.0] * 3  # the mean over ranks of 2 each
+    assert all(m["answers_trained"] == 2 * 4 for m in lines)
+    by_rank = varied_groups(completions(tmp_path), 4)
+    assert sorted(by_rank) == [(s, r) for s in (1, 2, 3) for r in range(ranks)]  # every rank logged every step
+    for (step, rank), varied in by_rank.items():
+        assert sum(varied) == 2 and varied[-1], (step, rank, varied)  # stopped at the second varied group
+    generated = sum(m["answers_generated"] for m in lines) * ranks  # the metrics are means over ranks
+    assert generated == 4 * sum(len(v) for v in by_rank.values())
+    assert any(len(v) > 2 for v in by_rank.values()) or generated == 3 * ranks * 8  # some step re-sampled, or none had to
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_with_regroup_and_a_worker(tiny_model_dir, tmp_path):
+    """REGROUP's server (which sends only groups with different rewards, mixed across uploads) and a genonly worker
+    whose groups a trainer rank takes as extras: with DYNAMIC_SAMPLING the run trains on at least Q_BATCH_SIZE
+    groups each step."""
+    srv = ServerProcess(tiny_model_dir, free_port(), tmp_path / "server.log", REGROUP="1")
+    log = open(tmp_path / "worker.log", "w")
+    worker = subprocess.Popen([sys.executable, "grpo_ref_split.py", "genonly"], cwd=ROOT, stdout=log,
+                              stderr=subprocess.STDOUT, start_new_session=True,
+                              env=trainer_env(tiny_model_dir, srv.url, tmp_path / "out", WORKER_MAX_QUEUED=2))
+    try:
+        wait_for(lambda: srv.health()["ready_workers"] > 0, timeout=300)
+        run = train(tiny_model_dir, srv.url, tmp_path / "out", 1, DYNAMIC_SAMPLING=1, EVAL_STEPS=0, EXTRA_GROUPS=2)
+        assert run.returncode == 0, run.stderr[-3000:]
+        lines = metrics(tmp_path / "out")[0]
+        assert len(lines) == 2 and all(m["groups"] >= 2 for m in lines)
+        assert any(m["groups"] > 2 for m in lines)  # the worker's groups came as extras
+    finally:
+        kill_group(worker)
+        log.close()
+        srv.stop()
