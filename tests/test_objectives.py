@@ -355,7 +355,6 @@ def test_dynamic_sampling_trains_every_rank_on_a_full_batch_of_varied_groups(ser
         assert sum(varied) == 2 and varied[-1], (step, rank, varied)  # stopped at the second varied group
     generated = sum(m["answers_generated"] for m in lines) * ranks  # the metrics are means over ranks
     assert generated == 4 * sum(len(v) for v in by_rank.values())
-    assert any(len(v) > 2 for v in by_rank.values()) or generated == 3 * ranks * 8  # some step re-sampled, or none had to
 
 
 @pytest.mark.slow
