@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The objectives comparison: the demo (scripts/run_demo.sh: 30 steps, vLLM, the reference server) with each
-# setting below and two seeds, back to back, pass@4 at every held-out evaluation (EVAL_SAMPLES=4). A finished run
-# (its wall_s written) is skipped, so the script can be stopped and started again; each run's metrics.jsonl is
-# copied to $RESULTS as it finishes. Then bench/objectives_report.py prints the table.
+# setting below and two seeds, back to back, pass@4 at every held-out evaluation (EVAL_SAMPLES=4). Each run's
+# metrics.jsonl and wall time are copied to $RESULTS as it finishes; a run already there is skipped, so the
+# script can be stopped and started again (in a later session too). Then bench/objectives_report.py prints the
+# table.
 #   bash bench/run_objectives.sh                       # 10 runs, 20-30 min each on 2 CPU cores; OUT=/tmp/objectives
 #   RUNS="default dynamic" SEEDS=42 bash bench/run_objectives.sh
 set -euo pipefail
@@ -16,7 +17,7 @@ mkdir -p "$OUT" "$RESULTS"
 for seed in $SEEDS; do
   for run in $RUNS; do
     dir="$OUT/${run}_s$seed"
-    if [ -e "$dir/wall_s" ]; then echo "$dir done: skipped"; continue; fi
+    if [ -e "$RESULTS/objectives_${run}_s${seed}_wall_s" ]; then echo "${run}_s$seed done: skipped"; continue; fi
     rm -rf "$dir"
     case $run in
       default) settings=() ;;
@@ -29,7 +30,6 @@ for seed in $SEEDS; do
     echo "=== $run, seed $seed: ${settings[*]:-the defaults} -> $dir"
     start=$(date +%s)
     env "${settings[@]}" SEED="$seed" OUTPUT_DIR="$dir" bash scripts/run_demo.sh > "$OUT/${run}_s$seed.log" 2>&1
-    echo $(( $(date +%s) - start )) > "$dir/wall_s"
     cp "$dir/metrics.jsonl" "$RESULTS/objectives_${run}_s${seed}_metrics.jsonl"
     echo $(( $(date +%s) - start )) > "$RESULTS/objectives_${run}_s${seed}_wall_s"
   done
