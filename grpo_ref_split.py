@@ -58,7 +58,7 @@ MASK_TRUNCATED = False  # True = answers cut at MAX_NEW_TOKENS take no part in t
 TOOLS = []  # [tools.calculator]: f(text in <tool></tool>) -> the <result> text (features/tools.py); [] = one turn
 MAX_TOOL_CALLS = 3  # tool calls an answer may make; each result's tokens count in MAX_NEW_TOKENS but not in the loss
 DYNAMIC_SAMPLING = False  # True = DAPO: roll out new questions until Q_BATCH_SIZE groups have different rewards
-SAMPLER = "uniform"  # "uniform" | "difficulty": redraw questions whose group varied, fewer uniform ones (docs/loss.md)
+SAMPLER = "uniform"  # | "difficulty": redraw questions whose group varied, fewer uniform ones (docs/sampling.md)
 MAX_ROLLOUTS = 20  # rollouts a step may take (for one group with different rewards; DYNAMIC_SAMPLING: Q_BATCH_SIZE)
 REWARDS = [(reward_correct, 2.0), (reward_format, 1.0)]  # (f(answer, gold, question) -> float, weight); format < right
 # Optimisation
