@@ -32,6 +32,7 @@ for seed in $SEEDS; do
     env "${settings[@]}" SEED="$seed" OUTPUT_DIR="$dir" bash scripts/run_demo.sh > "$OUT/${run}_s$seed.log" 2>&1
     cp "$dir/metrics.jsonl" "$RESULTS/objectives_${run}_s${seed}_metrics.jsonl"
     echo $(( $(date +%s) - start )) > "$RESULTS/objectives_${run}_s${seed}_wall_s"
+    rm -rf "$dir"/step_*  # the checkpoints (about 2 GB each): ten runs' would fill the disk
   done
 done
 .venv/bin/python bench/objectives_report.py "$RESULTS"
