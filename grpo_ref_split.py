@@ -88,7 +88,7 @@ TIS_MODE = "token_truncate"  # | "token_mask" (0 outside [1/TIS_CAP, TIS_CAP]) |
 EVAL_STEPS = 10  # greedy accuracy on held-out questions before step 1 and every this many steps; 0 = never
 EVAL_SIZE = 128  # held-out questions: the dataset's last EVAL_SIZE, never trained on; fewer gave noisy figures
 EVAL_SAMPLES = 0  # k > 0: also k answers per held-out question at TEMPERATURE, for pass@k and mean@k (k x the time)
-SAVE_STEPS = 10  # save OUTPUT_DIR/step_N every this many steps and at the end: weights + DeepSpeed state
+SAVE_STEPS = 10  # OUTPUT_DIR/step_N (weights + DeepSpeed state) every this many steps and at the end; 0 = the end only
 KEEP_CHECKPOINTS = 2  # newest step_N folders kept; each holds the weights twice and AdamW's two moments
 RESUME = False  # True = continue from the newest step_N: weights, optimizer state, step count, data position
 OUTPUT_DIR = "output"  # checkpoints, metrics.jsonl, completions.jsonl and curves.png
@@ -422,7 +422,7 @@ def main():
         log_step(step, m, answers, log, device)
         if EVAL_STEPS > 0 and (step % EVAL_STEPS == 0 or step == ALL_STEPS):
             evaluation.log_eval(step, model, held_out, log, rank, **evaluate)
-        if step % SAVE_STEPS == 0 or step == ALL_STEPS:
+        if step == ALL_STEPS or SAVE_STEPS and step % SAVE_STEPS == 0:
             checkpoints.save_checkpoint(engine, tokenizer, step, sampler, rank, output_dir=OUTPUT_DIR,
                                         keep=KEEP_CHECKPOINTS, lora=LORA_RANK > 0)
             if rank == 0:

@@ -66,7 +66,7 @@ def sampled_scores(model, questions, k, sample_config, score, args) -> dict:
 
 @torch.no_grad()
 def held_out_answers(model, questions, *, encode, decode, eos_ids, pad_id, max_new_tokens, batch_size=EVAL_BATCH,
-                   llm=None, tools=(), max_calls=0, tokenizer=None, per_question=1, gen_config=None) -> tuple:
+                     llm=None, tools=(), max_calls=0, tokenizer=None, per_question=1, gen_config=None) -> tuple:
     """(the completion text of each question, its tool calls): greedy, or with gen_config (a sampling one)
     `per_question` answers each, a question's answers consecutive. fork_rng guards the training stream (sampling
     draws from it, and vLLM's seeds come from it): evaluating never changes training."""

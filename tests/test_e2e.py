@@ -111,9 +111,10 @@ def test_use_triton_trains_one_step_like_the_pytorch_path(server, tiny_model_dir
 
 
 def test_evaluation_is_logged_and_does_not_change_training(server, tiny_model_dir, tmp_path):
-    for name, every in (("no_eval", "0"), ("eval", "1")):
-        run = train(tiny_model_dir, server.url, tmp_path / name, 1, EVAL_STEPS=every, SAVE_STEPS="2")
+    for name, every, save in (("no_eval", "0", "0"), ("eval", "1", "2")):  # SAVE_STEPS 0: only at the end
+        run = train(tiny_model_dir, server.url, tmp_path / name, 1, EVAL_STEPS=every, SAVE_STEPS=save)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "no_eval").glob("step_*")) == ["step_2"]
     train_lines, evals = metrics(tmp_path / "eval")
     assert [m["step"] for m in evals] == [0, 1, 2]  # before step 1, then every step
     assert all(0 <= m["eval_reward_correct"] <= 1 and 0 <= m["eval_reward_format"] <= 1 for m in evals)
