@@ -236,12 +236,13 @@ def main():
         print(exposure_warning(HOST, REF_TOKEN), file=sys.stderr, flush=True)
     reward_model = load_reward_model(REWARD_MODEL, dtype, device) if REWARD_MODEL else None
     server = RefServer(model, MODEL_PATH or "SmolLM2-135M-Instruct (embedded)", reward_model, REWARD_MODEL)
-    stop = serve(server, HOST, PORT)
     done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM):  # before serve(): a stop sent once it answers is always caught
         signal.signal(sig, lambda *_: done.set())
+    stop = serve(server, HOST, PORT)
     print(f"reference server ready on http://{HOST}:{PORT} ({path}, {device}, vocab {server.vocab_size})", flush=True)
-    done.wait()
+    while not done.wait(timeout=0.5):  # an untimed wait sleeps on through a signal the kernel gave another thread
+        pass
     print("shutting down", flush=True)
     stop()
 

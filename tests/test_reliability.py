@@ -1,5 +1,6 @@
 """The reference server under load and faults: nothing lost or duplicated while it runs, clients
 that recover from a killed server, and a trainer that regenerates instead of hanging."""
+import ctypes
 import os
 import signal
 import socket
@@ -153,12 +154,23 @@ def test_killed_server_clients_retry_and_recover(tiny_model_dir, tmp_path, capfd
         holder["s"].stop()
 
 
+def signal_a_thread(pid, sig):
+    """Send `sig` to one of the process's threads other than the main one (Linux tgkill), as the kernel may."""
+    tid = max(int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid)
+    if ctypes.CDLL(None, use_errno=True).tgkill(pid, tid, sig) != 0:
+        raise OSError(ctypes.get_errno(), "tgkill failed")
+
+
 @pytest.mark.slow
-def test_sigterm_shuts_down_cleanly_and_frees_the_port(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("to", ["process", "another thread"])
+def test_sigterm_shuts_down_cleanly_and_frees_the_port(tiny_model_dir, tmp_path, to):
     port = free_port()
     s = ServerProcess(tiny_model_dir, port, tmp_path / "server.log")
     request_with_retry("POST", s.url + "/upload", data=encode_batch(*group(seed=1)))
-    s.proc.send_signal(signal.SIGTERM)
+    if to == "process":
+        s.proc.send_signal(signal.SIGTERM)
+    else:  # the main thread is asleep in its wait: it must still see the signal soon
+        signal_a_thread(s.proc.pid, signal.SIGTERM)
     assert s.proc.wait(timeout=15) == 0
     s.log.close()
     assert "shutting down" in (tmp_path / "server.log").read_text()
