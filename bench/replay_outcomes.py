@@ -1,6 +1,7 @@
 """How often a group has different rewards (so it trains), by whether its question is new to the rank or drawn
 again, and by the accuracy of that question's group before: what any sampler that redraws questions
-(SAMPLER=difficulty, features/question_sampler.py) can gain. Reads a run's completions.jsonl (every answer).
+(SAMPLER=difficulty, features/question_sampler.py) can gain: the run's answers generated per answer trained, and
+what that would have been had every question drawn again varied. Reads a run's completions.jsonl (every answer).
 
     python bench/replay_outcomes.py /tmp/objectives/difficulty_s42/completions.jsonl [group size, 8] [split step, 10]
 """
@@ -35,9 +36,16 @@ def main():
     path = sys.argv[1]
     group_size = int(sys.argv[2]) if len(sys.argv) > 2 else 8
     split = int(sys.argv[3]) if len(sys.argv) > 3 else 10
+    out = outcomes(path, group_size, split)
     print("| phase | question | groups | varied |\n|---|---|---|---|")
-    for (phase, kind), varied in sorted(outcomes(path, group_size, split).items()):
+    for (phase, kind), varied in sorted(out.items()):
         print(f"| {phase} | {kind} | {len(varied)} | {sum(varied) / len(varied):.2f} |")
+    # Only groups with different rewards train, so answers generated per answer trained = groups / varied groups.
+    groups = sum(len(varied) for varied in out.values())
+    again = sum(len(varied) for (_, kind), varied in out.items() if kind != "new")
+    new_varied = sum(sum(varied) for (_, kind), varied in out.items() if kind == "new")
+    print(f"answers generated per trained: {groups / sum(map(sum, out.values())):.2f}; had every question drawn again "
+          f"varied: {groups / (again + new_varied):.2f} ({again} of {groups} groups were drawn again)")
 
 
 if __name__ == "__main__":
