@@ -69,8 +69,7 @@ SETTINGS = ("REF_TOKEN", "MAX_BODY_BYTES", "MAX_ROWS", "MAX_GROUP_TOKENS", "QUEU
 # ----------------------------------------------------------------------------- the server
 class RefServer:
     """The queues, the forward thread and the bottle app around one reference model. Its settings: the SETTINGS
-    constants as they are when it is built (read then, so a patched constant reaches it), or keywords in lower
-    case (queue_size=2)."""
+    constants as they are when it is built (so a patched constant reaches it), or lower-case keywords (queue_size=2)."""
 
     def __init__(self, model, model_name, reward_model=None, reward_model_name="", **overrides):
         unknown = set(overrides) - {name.lower() for name in SETTINGS}
