@@ -6,6 +6,7 @@
 
     python ref_server.py &                       # start the reference model first
     deepspeed grpo_ref_split.py                  # every local GPU; CPU only: --num_gpus 1 (or 2)
+    python grpo_ref_split.py                     # one process, no launcher
     RESUME=1 deepspeed grpo_ref_split.py         # continue from the newest OUTPUT_DIR/step_N
     python grpo_ref_split.py genonly             # an extra generation worker (any spare GPU or machine)
 From simple_GRPO: NUM_PRE_Q, gen_logps (pi_old). Shapes: B answers, P prompt and T answer columns, V vocabulary.
@@ -19,7 +20,7 @@ from tqdm import tqdm
 
 from features import (checkpoints, env_overrides, evaluation, logprobs, lora, policy, question_sampler, server_client,
                       shared_prefix, tools, vllm_engine, wire, worker, zero2)
-from features.advantages import SCALES, group_advantages
+from features.advantages import SCALES, group_advantages, scale_to_step, upload_scale
 from features.embedded_model import resolve_model_path
 from features.run_log import (RunLog, answer_records, check_tensorboard, clock, log_step, loss_metrics, plot_curves,
                               step_metrics, timed, weight_gap)
@@ -50,7 +51,7 @@ BETA = 0.04  # KL penalty weight towards the reference model; 0 = no reference m
 CLIP_EPS = 0.2  # PPO clip: the ratio pi / pi_old may fall to 1 - CLIP_EPS ...
 CLIP_EPS_HIGH = 0.2  # ... and rise to 1 + CLIP_EPS_HIGH; DAPO's clip-higher (0.28) lets rare good tokens grow
 LOSS_TYPE = "grpo"  # "grpo": each answer's token mean, then over answers | "dapo": one mean over all tokens | "dr_grpo"
-SCALE_REWARDS = "group"  # advantages / the std of "group" (GRPO) | "batch" (the rollout's) | "none" (Dr. GRPO: no std)
+SCALE_REWARDS = "group"  # advantages / the std of "group" (GRPO) | "batch" (the step's, all ranks) | "none" (Dr. GRPO)
 GSPO = False  # True = one ratio per answer (its tokens' geometric mean), clipped whole; then CLIP_EPS(_HIGH) 3e-4/4e-4
 MU = 1  # optimizer steps on each batch; > 1 reuses it, and the clipped ratio keeps each step near pi_old
 SKIP_GEN_LOGPS = True  # MU = 1: a rank's own groups need no pi_old forward (ratio 1); False = one anyway
@@ -213,8 +214,13 @@ def generate(model, tokenizer, questions, gen_config, eos_ids, llm=None) -> dict
         completion_ids = shared_prefix.generate(model, prompt_ids, prompt_mask, gen_config, NUM_PRE_Q, SHARED_PREFIX)
         sampler_logps = None  # the sampler is the trainer's own model: no mismatch to correct
     completion_ids = completion_ids.to(device)  # (B, T)
-    mask = completion_mask(completion_ids, eos_ids) & ~tool.pop("tool_mask", torch.tensor(False)).to(device)  # (B, T)
-    stopped = torch.isin(completion_ids, torch.tensor(eos_ids, device=device)).any(1)  # (B,) False = cut off
+    if TOOLS:  # from each answer's real length: one cut after a call has no EOS, and its padding is one
+        mask = tool.pop("policy_mask").to(device)  # (B, T) the policy's own tokens
+        stopped = tool.pop("stopped").to(device)  # (B,) False = cut off (the budget, or one call too many)
+        del tool["tool_mask"]
+    else:
+        mask = completion_mask(completion_ids, eos_ids)  # (B, T)
+        stopped = torch.isin(completion_ids, torch.tensor(eos_ids, device=device)).any(1)  # (B,) False = cut off
     lengths = mask.sum(1).tolist()  # before MASK_TRUNCATED: what the model wrote
     if MASK_TRUNCATED:  # a cut answer may have been heading somewhere right: don't punish or reward its tokens
         mask &= stopped[:, None]  # (B, T)
@@ -232,8 +238,9 @@ def score(texts, golds, questions):
 
 @torch.no_grad()
 def pack_groups(model, rollout, rewards, advantages, keep_all, with_gen_logps):
-    """(the groups worth training on, as (tensors, meta); the number dropped: equal rewards, unless keep_all). pi_old
-    by a forward if with_gen_logps (REGROUP, workers), MU > 1 or not SKIP_GEN_LOGPS; else ratio 1 needs none."""
+    """(the groups worth training on, as (tensors, meta); (D,) the rewards of those dropped for equal rewards, unless
+    keep_all). pi_old by a forward if with_gen_logps (REGROUP, workers), MU > 1 or not SKIP_GEN_LOGPS; else ratio 1
+    needs none."""
     G, mask, T = NUM_PRE_Q, rollout["mask"], rollout["mask"].shape[1]
     varied = rewards.view(-1, G).std(1) > 0  # (Q,) the other groups' advantages are all 0: nothing to learn
     kept = [q for q in range(len(varied)) if (varied[q] or keep_all) and mask[q * G : (q + 1) * G].any()]
@@ -242,21 +249,33 @@ def pack_groups(model, rollout, rewards, advantages, keep_all, with_gen_logps):
     rows = [q * G + i for q in kept for i in range(G)]
     with_gen_logps = kept and (with_gen_logps or MU > 1 or not SKIP_GEN_LOGPS)
     gen_logps = logps_of(model, ids[rows], attn[rows], T).cpu() if with_gen_logps else None  # (K, T) pi_old
-    meta = dict(temperature=TEMPERATURE, scale_rewards=SCALE_REWARDS, batch_std=rewards.std().item())  # the server's
-    return wire.pack_groups(rollout, ids, kept, G, rewards, advantages, gen_logps, meta), int((~varied).sum())
+    meta = dict(temperature=TEMPERATURE, scale_rewards=SCALE_REWARDS)  # what the server redoes advantages with
+    dropped = rewards.view(-1, G)[~varied].view(-1)  # (D,) SCALE_REWARDS "batch" counts them in the step's std
+    return wire.pack_groups(rollout, ids, kept, G, rewards, advantages, gen_logps, meta), dropped
 
 
 def rollout(model, tokenizer, eos_ids, gen_config, questions, llm, keep_all, with_gen_logps, step=0, rank=0):
-    """Steps 2-4 on `questions`, the policy first as load_policy returns it: (groups, answer records, metrics)."""
+    """Steps 2-4 on `questions`, the policy first as load_policy returns it: (groups, answer records, metrics, (D,)
+    the rewards of the groups dropped for equal rewards)."""
     m = Counter()
     with timed(m, "generate_s"):
         out = generate(model, tokenizer, questions, gen_config, eos_ids, llm)  # 2. generate
     with timed(m, "score_s"):
         rewards, each = score(out["texts"], out["golds"], out["questions"])  # 3. score
-    advantages = group_advantages(rewards, NUM_PRE_Q, SCALE_REWARDS)  # 4. advantages
+    advantages = group_advantages(rewards, NUM_PRE_Q, upload_scale(SCALE_REWARDS))  # 4. ("batch": centred)
     with timed(m, "gen_logps_s"):
-        groups, m["dropped"] = pack_groups(model, out, rewards, advantages, keep_all, with_gen_logps)
-    return groups, answer_records(step, rank, out, each, rewards, advantages), m
+        groups, dropped = pack_groups(model, out, rewards, advantages, keep_all, with_gen_logps)
+    m["dropped"] = len(dropped) // NUM_PRE_Q
+    return groups, answer_records(step, rank, out, each, rewards, advantages), m, dropped
+
+
+def sampled_by_these_weights(groups, version) -> tuple:
+    """(the pulled groups the policy at `version` may train on, the number dropped). A group sampled by other
+    weights (pulled a step late, past upload_and_pull's deadline) needs those weights' log-probs (gen_logps) as
+    pi_old; without them its ratio would be 1, as if the current weights had sampled it. Workers' and regrouped
+    groups carry them; a rank's own late group at MU = 1 with SKIP_GEN_LOGPS does not, and is dropped."""
+    usable = [(t, meta) for t, meta in groups if meta.get("version", version) == version or "gen_logps" in t]
+    return usable, len(groups) - len(usable)
 
 
 def logps_of(model, input_ids, attention_mask, n_completion, entropy=False):
@@ -363,9 +382,14 @@ def check_settings():
                                 SAMPLER=question_sampler.SAMPLERS)
     if USE_TRITON and (GSPO or TIS_MODE.startswith("sequence_")):  # an answer's ratio needs all its tokens first
         sys.exit("USE_TRITON has no per-answer ratio (GSPO, TIS_MODE sequence_*): set those off, or USE_TRITON=0")
+    if TIS_CAP < 0 or 0 < TIS_CAP <= 1:  # at a cap <= 1 the mask modes drop every token, truncation shrinks all
+        sys.exit(f"TIS_CAP = {TIS_CAP}: the importance weights' cap must be above 1 (2.0 is common), or 0 = off")
     check_tensorboard(TENSORBOARD)
     if GSPO and max(CLIP_EPS, CLIP_EPS_HIGH) > 0.01:  # an answer's mean drift is far smaller than a token's
         print(f"warning: GSPO with CLIP_EPS {CLIP_EPS} will hardly ever clip (the paper: 3e-4 / 4e-4)", file=sys.stderr)
+    if GSPO and LOSS_TYPE != "grpo":  # GSPO's ratio is the answer's: a token sum weighs it by its length, as TRL warns
+        print(f"warning: GSPO with LOSS_TYPE {LOSS_TYPE!r} weighs each answer's sequence loss by its length; "
+              'GSPO is defined with LOSS_TYPE "grpo"', file=sys.stderr)
 
 
 def start_vllm(seed, dtype):
@@ -399,20 +423,27 @@ def main():
         evaluation.log_eval(0, model, held_out, log, rank, **evaluate)
     for step in tqdm(range(start + 1, ALL_STEPS + 1), disable=rank != 0, desc="GRPO", dynamic_ncols=True):
         m, step_start, answers, groups = Counter(), clock(), [], []  # this step's metrics, answers and groups
+        dropped = []  # the rewards of the groups dropped for equal rewards, per rollout
         for attempt in range(1, MAX_ROLLOUTS + 1):  # until groups with different rewards (all-equal ones are dropped)
             batch = sampler.sample(Q_BATCH_SIZE - len(groups) if DYNAMIC_SAMPLING else Q_BATCH_SIZE)  # 1. sample
-            new, records, stats = rollout(model, tokenizer, eos_ids, gen_config, batch, llm, keep_all, regroup,
-                                          step, rank)  # 2-4. generate, score, advantages
+            new, records, stats, equal = rollout(model, tokenizer, eos_ids, gen_config, batch, llm, keep_all,
+                                                 regroup, step, rank)  # 2-4. generate, score, advantages
             answers += records
+            dropped.append(equal)
             sampler.record(records, NUM_PRE_Q)  # SAMPLER "difficulty": which questions varied
             m.update(stats)
             with timed(m, "wait_s"):  # 5. upload, and pull groups with ref_logps (no server: our own groups)
-                groups += client.upload_and_pull(new, step - 1, rank) if client else \
+                pulled = client.upload_and_pull(new, step - 1, rank) if client else \
                     [(tensors, {**meta, "version": step - 1}) for tensors, meta in new]
+            pulled, late = sampled_by_these_weights(pulled, step - 1)
+            m["late_groups_dropped"] += late
+            groups += pulled
             if len(groups) >= (Q_BATCH_SIZE if DYNAMIC_SAMPLING else 1):  # DAPO's dynamic sampling: a full batch
                 break
         else:
             question_sampler.out_of_rollouts(len(groups), MAX_ROLLOUTS, Q_BATCH_SIZE if DYNAMIC_SAMPLING else 1)
+        if SCALE_REWARDS == "batch":  # every rank: the std of all the step's rewards, on all ranks
+            groups = scale_to_step(groups, torch.cat(dropped), device)
         m.update(train_step(engine, micro_batches(engine, groups, tokenizer.pad_token_id)))  # 6-7. loss, step
         m["max_weight_gap"] = weight_gap(model)  # 0: every rank, on every node, holds the same weights
         if llm is not None:

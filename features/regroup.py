@@ -9,7 +9,7 @@ import threading
 
 import torch
 
-from features.advantages import group_advantages
+from features.advantages import group_advantages, upload_scale
 from features.wire import OPTIONAL
 
 
@@ -65,8 +65,8 @@ class RegroupPool:
         out = dict(input_ids=padded("input_ids", plen + tlen, 0),  # (G, plen + tlen) the padding is masked out
                    completion_mask=padded("completion_mask", tlen, False),  # (G, tlen)
                    rewards=torch.stack([r["rewards"] for r in chosen]))  # (G,)
-        out["advantages"] = group_advantages(out["rewards"], g, meta.get("scale_rewards", "group"),
-                                             meta.get("batch_std"))  # (G,) relative to this new group
+        scale = upload_scale(meta.get("scale_rewards", "group"))  # "batch": the trainer divides by its step's std
+        out["advantages"] = group_advantages(out["rewards"], g, scale)  # (G,) relative to this new group
         for name in OPTIONAL:  # gen_logps, sampler_logps: kept when every chosen answer has them
             if all(name in r for r in chosen):
                 out[name] = padded(name, tlen, 0.0)  # (G, tlen)

@@ -6,7 +6,7 @@ group's advantages, since only the server knows the last reward.
 """
 import torch
 
-from features.advantages import group_advantages
+from features.advantages import group_advantages, upload_scale
 
 
 def load_reward_model(name, dtype, device):
@@ -30,7 +30,7 @@ def add_reward_model(tensors, meta, reward_model, weight):
     """The group with weight x score added to each reward, advantages redone, and the mean score in meta."""
     scores = reward_scores(reward_model, meta["question"], meta["answers"])  # (G,)
     rewards = tensors["rewards"] + weight * scores  # (G,)
-    tensors = {**tensors, "rewards": rewards, "advantages": group_advantages(rewards, len(scores),
-                                                                           meta.get("scale_rewards", "group"),
-                                                                           meta.get("batch_std"))}  # (G,) each
+    scale = upload_scale(meta.get("scale_rewards", "group"))  # "batch": the trainer divides by its step's std
+    advantages = group_advantages(rewards, len(scores), scale)  # (G,)
+    tensors = {**tensors, "rewards": rewards, "advantages": advantages}
     return tensors, {**meta, "reward_model_mean": scores.mean().item()}

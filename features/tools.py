@@ -111,18 +111,29 @@ def call_end(tokenizer, segment, eos_ids):
 def tool_rollout(sample, prompts, *, tokenizer, tools, max_calls, max_new_tokens, eos_ids, pad_id) -> dict:
     """Multi-turn answers to `prompts` (token id lists, one per answer). sample(prefixes, budgets) -> one
     (token ids, log-probs or None) continuation per prefix, stopping after an EOS or after TOOL_CLOSE. A call past
-    max_calls ends the answer there, as the token budget does. Returns completion_ids (B, T) padded with pad_id,
-    sampler_logps (B, T) or None, tool_mask (B, T) True on the toolkit's tokens, calls and errors (B lists)."""
+    max_calls ends the answer there, as the token budget does: it is cut, not stopped. Returns completion_ids
+    (B, T) padded with pad_id, sampler_logps (B, T) or None, tool_mask (B, T) True on the toolkit's tokens,
+    policy_mask (B, T) True on the policy's own tokens (up to and including a sampled EOS; never the tool's or
+    the padding), stopped (B,) True where the policy sampled an EOS, calls and errors (B lists).
+
+    The mask comes from each answer's real length, not from the first pad: the pad id is the EOS for SmolLM2 and
+    Qwen, and an answer cut after a call has none, so a first-pad rule would train on a token never sampled."""
     B = len(prompts)
     ids, tool, logps = [[] for _ in range(B)], [[] for _ in range(B)], [[] for _ in range(B)]
     calls, errors, active, sampled = [0] * B, [0] * B, list(range(B)), False
+    stopped = [False] * B
     while active:
         outs = sample([prompts[i] + ids[i] for i in active], [max_new_tokens - len(ids[i]) for i in active])
         still = []
         for i, (segment, segment_logps) in zip(active, outs):
             segment = list(segment)[: max_new_tokens - len(ids[i])]
             end = call_end(tokenizer, segment, eos_ids)
-            segment = segment if end is None else segment[:end]  # HF pads a stopped row: drop that padding
+            eos = next((k for k, t in enumerate(segment) if t in eos_ids), None)
+            if end is not None:
+                segment = segment[:end]  # up to the call's close; HF pads a stopped row: drop that padding
+            elif eos is not None:
+                segment = segment[: eos + 1]  # up to and including the EOS; the rest is padding
+                stopped[i] = True
             sampled |= segment_logps is not None
             ids[i] += segment
             tool[i] += [False] * len(segment)
@@ -144,13 +155,18 @@ def tool_rollout(sample, prompts, *, tokenizer, tools, max_calls, max_new_tokens
         active = still
     T = max(1, max(map(len, ids)))
     completion_ids = torch.full((B, T), pad_id)  # (B, T)
-    tool_mask, sampler_logps = torch.zeros(B, T, dtype=torch.bool), torch.zeros(B, T)  # (B, T) each
+    tool_mask = torch.zeros(B, T, dtype=torch.bool)  # (B, T)
+    policy_mask = torch.zeros(B, T, dtype=torch.bool)  # (B, T)
+    sampler_logps = torch.zeros(B, T)  # (B, T)
     for i in range(B):
         n = len(ids[i])
-        completion_ids[i, :n], tool_mask[i, :n], sampler_logps[i, :n] = torch.tensor(ids[i], dtype=torch.long), \
-            torch.tensor(tool[i], dtype=torch.bool), torch.tensor(logps[i])
+        completion_ids[i, :n] = torch.tensor(ids[i], dtype=torch.long)
+        tool_mask[i, :n] = torch.tensor(tool[i], dtype=torch.bool)
+        policy_mask[i, :n] = ~tool_mask[i, :n]
+        sampler_logps[i, :n] = torch.tensor(logps[i])
     return dict(completion_ids=completion_ids, sampler_logps=sampler_logps if sampled else None,
-                tool_mask=tool_mask, tool_calls=calls, tool_errors=errors)
+                tool_mask=tool_mask, policy_mask=policy_mask, stopped=torch.tensor(stopped), tool_calls=calls,
+                tool_errors=errors)
 
 
 def transformers_sampler(model, tokenizer, gen_config):
@@ -185,7 +201,7 @@ def vllm_sampler(llm, temperature, eos_ids):
 def generate_with_tools(model, tokenizer, enc, n, *, gen_config, llm, temperature, tools, max_calls, eos_ids):
     """tool_rollout for n answers to each prompt of `enc` (left-padded input_ids, attention_mask; a prompt's n
     rows consecutive), from vLLM (`llm`) or transformers' generate with gen_config (do_sample=False: greedy):
-    (completion_ids, sampler_logps, {tool_mask, tool_calls, tool_errors})."""
+    (completion_ids, sampler_logps, {tool_mask, policy_mask, stopped, tool_calls, tool_errors})."""
     prompts = [ids[keep.bool()].tolist() for ids, keep in zip(enc.input_ids.cpu(), enc.attention_mask.cpu())]
     sample = vllm_sampler(llm, temperature, eos_ids) if llm is not None else \
         transformers_sampler(model, tokenizer, gen_config)

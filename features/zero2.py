@@ -7,6 +7,7 @@ and on CPU ranks the cleanup of DeepSpeed's shared-memory files.
 import contextlib
 import json
 import os
+import socket
 import sys
 
 import torch
@@ -38,10 +39,27 @@ def remove_shm_names(rank):
                   f"{os.environ.get('MASTER_PORT')}_{rank}")
 
 
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what `deepspeed` sets
+
+
+def one_process_without_launcher():
+    """`python grpo_ref_split.py` with no launcher: the rank variables of a world of one (a free local port), so
+    DeepSpeed starts one process instead of looking for MPI (which fails without mpi4py), as `python train.py`
+    runs nanoGPT. A launcher's variables are never touched."""
+    if any(name in os.environ for name in LAUNCHER_VARIABLES):
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    print("no launcher: one process (`deepspeed grpo_ref_split.py` runs one per GPU)", file=sys.stderr, flush=True)
+
+
 def init_distributed(cuda: bool):
     """(rank, device) after DeepSpeed's process group is up: NCCL on GPUs, gloo on CPU ranks."""
     import deepspeed
 
+    one_process_without_launcher()
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     rank = torch.distributed.get_rank()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")

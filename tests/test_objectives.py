@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import grpo_ref_split as grpo
 from conftest import ROOT, ServerProcess, free_port, kill_group, metrics, train, trainer_env, wait_for
 from features import env_overrides, logprobs, question_sampler
-from features.advantages import group_advantages
+from features.advantages import group_advantages, scale_to_step
 from features.evaluation import pass_at_k, sampled_scores
 from features.question_sampler import QuestionSampler, out_of_rollouts
 from features.regroup import RegroupPool
@@ -76,16 +76,21 @@ def test_each_reward_scaling_by_hand():
     assert torch.allclose(group_advantages(r, 4, "none"), torch.tensor(centred))
     assert torch.allclose(group_advantages(r, 4, "group"),
                           torch.tensor([c / ((g1 if i < 4 else g2) + eps) for i, c in enumerate(centred)]))
-    assert torch.allclose(group_advantages(r, 4, "batch"), torch.tensor([c / (batch + eps) for c in centred]))
-    assert torch.allclose(group_advantages(r[:4], 4, "batch", batch_std=batch),  # one group, its rollout's std
+    assert torch.allclose(group_advantages(r, 4, "batch", batch_std=batch),
+                          torch.tensor([c / (batch + eps) for c in centred]))
+    assert torch.allclose(group_advantages(r[:4], 4, "batch", batch_std=batch),  # one group, the step's std
                           torch.tensor([c / (batch + eps) for c in centred[:4]]))
+    assert torch.allclose(scale_to_step([({"rewards": r[:4]}, {}), ({"rewards": r[4:]}, {})], torch.zeros(0),
+                                        "cpu")[1][0]["advantages"], torch.tensor([c / (batch + eps) for c in centred[4:]]))
     with pytest.raises(ValueError, match="SCALE_REWARDS"):
         group_advantages(r, 4, "batch_std")
+    with pytest.raises(ValueError, match="needs batch_std"):  # only the trainer knows the step's std
+        group_advantages(r, 4, "batch")
 
 
 def test_a_regrouped_group_keeps_the_rollouts_reward_scaling():
     """The server recomputes a regrouped group's advantages with the scaling its uploads name (meta): no std
-    division for Dr. GRPO's "none", the rollout's std for "batch"."""
+    division for Dr. GRPO's "none"; for "batch" only centred, since the trainer divides by its step's std."""
     def regrouped(meta):
         pool = RegroupPool(pool_size=8, questions=4)
         ids = torch.randint(0, 50, (4, 7), generator=torch.Generator().manual_seed(1))
@@ -95,7 +100,7 @@ def test_a_regrouped_group_keeps_the_rollouts_reward_scaling():
         assert pool.add(first, {"plen": 3, **meta}) is None  # equal rewards: held back
         second = dict(first, rewards=torch.tensor([2.0, 2.0, 2.0, 2.0]))
         return pool.add(second, {"plen": 3, **meta})[0]
-    for meta, scale in ((dict(scale_rewards="none"), 1.0), (dict(scale_rewards="batch", batch_std=4.0), 4.0 + 1e-4),
+    for meta, scale in ((dict(scale_rewards="none"), 1.0), (dict(scale_rewards="batch"), 1.0),
                         ({}, None)):
         out = regrouped(meta)
         want = out["rewards"] - out["rewards"].mean()  # (4,)

@@ -102,7 +102,8 @@ def test_a_tool_call_gets_its_result_and_only_the_models_tokens_count(tokenizer)
     want1 = enc(" 3 + 4 = 7 </think><answer>7</answer>") + [eos]
     assert out["completion_ids"][1, : len(want1)].tolist() == want1 and not out["tool_mask"][1].any()
     assert out["sampler_logps"] is None  # transformers gives none; vLLM's come with its tokens
-    mask = grpo.completion_mask(out["completion_ids"], [eos]) & ~out["tool_mask"]  # what generate() trains on
+    mask = out["policy_mask"]  # what generate() trains on: each answer's own tokens, up to its EOS
+    assert out["stopped"].tolist() == [True, True, True]
     assert mask[0].tolist() == [not t for t in tool0] + [True] * (len(want0) - len(tool0)) + \
         [False] * (mask.shape[1] - len(want0))
 

@@ -281,8 +281,8 @@ def short_rollout(tiny_policy, monkeypatch, masked, keep_all=False, max_new_toke
                            eos_token_id=[tok.eos_token_id])
     torch.manual_seed(3)
     questions = [{"question": f"What is {a} + {a + 1}?", "gold": str(2 * a + 1)} for a in range(1, 9)]
-    groups, records, m = grpo.rollout(model, tok, [tok.eos_token_id], cfg, questions, None, keep_all,
-                                      with_gen_logps)  # steps 2-4 as the trainer runs them
+    groups, records, m, _ = grpo.rollout(model, tok, [tok.eos_token_id], cfg, questions, None, keep_all,
+                                         with_gen_logps)  # steps 2-4 as the trainer runs them
     m.update(sample_stats(records, 4, [fn.__name__ for fn, _ in grpo.REWARDS]))  # as main() does
     return groups, m
 
