@@ -1,15 +1,17 @@
 """Fused GRPO loss in Triton: from the policy logits to the loss and back in one pass each way.
 
-The PyTorch path (grpo_ref_split.grpo_loss on features/logprobs.per_token_logps) is the reference; this
-kernel computes the same value and gradient but reads each row of logits once with an online
-logsumexp and fuses the ratio, clip, k3 KL and loss per token into that program. Its backward
-recomputes the softmax from the saved per-row logsumexp and writes d(logits) directly (into the
-logits' own storage with inplace_backward=True), so no (B, T, V) fp32 buffer is ever made.
+The PyTorch path (grpo_ref_split.grpo_loss on features/logprobs.per_token_logps) is the
+reference; this kernel computes the same value and gradient but reads each row of logits once
+with an online logsumexp and fuses the ratio, clip, k3 KL and loss per token into that program.
+Its backward recomputes the softmax from the saved per-row logsumexp and writes d(logits)
+directly (into the logits' own storage with inplace_backward=True), so no (B, T, V) fp32 buffer
+is ever made.
 
 Used by the trainer when USE_TRITON = True (a GPU). On CPU it runs under Triton's interpreter:
 
     TRITON_INTERPRET=1 python -m pytest tests/test_triton.py      # set before this module is imported
 """
+
 import os
 
 # Triton 3.9 warns at every compile unless this is set; "1" keeps its current default (fused FMAs).
@@ -24,12 +26,35 @@ BLOCK_V = 1024  # vocabulary columns per inner-loop iteration (a multiple of 32;
 
 @triton.jit
 def _grpo_fwd_kernel(
-    logits_ptr, stride_lb, stride_lt, stride_lv,  # (B, T, V) any strides, fp32 or bf16
-    ids_ptr, ref_ptr, gen_ptr, samp_ptr, adv_ptr, weight_ptr,  # ids, ref, gen, samp, weight: contiguous (B, T)
-    gen_rows_ptr, samp_rows_ptr,  # (B,) 1.0 where a row carries gen_logps / sampler_logps, 0.0 where not
-    loss_ptr, logp_ptr, lse_ptr, dcoef_ptr, ent_ptr,  # outputs, contiguous fp32 (B, T); adv above is (B,)
-    T, V, beta, clip_low, clip_high, inv_temperature, tis_cap,
-    HAS_GEN: tl.constexpr, HAS_REF: tl.constexpr, HAS_TIS: tl.constexpr, TIS_MASK: tl.constexpr, BLOCK: tl.constexpr,
+    logits_ptr,
+    stride_lb,
+    stride_lt,
+    stride_lv,  # (B, T, V) any strides, fp32 or bf16
+    ids_ptr,
+    ref_ptr,
+    gen_ptr,
+    samp_ptr,
+    adv_ptr,
+    weight_ptr,  # ids, ref, gen, samp, weight: contiguous (B, T)
+    gen_rows_ptr,
+    samp_rows_ptr,  # (B,) 1.0 where a row carries gen_logps / sampler_logps, 0.0 where not
+    loss_ptr,
+    logp_ptr,
+    lse_ptr,
+    dcoef_ptr,
+    ent_ptr,  # outputs, contiguous fp32 (B, T); adv above is (B,)
+    T,
+    V,
+    beta,
+    clip_low,
+    clip_high,
+    inv_temperature,
+    tis_cap,
+    HAS_GEN: tl.constexpr,
+    HAS_REF: tl.constexpr,
+    HAS_TIS: tl.constexpr,
+    TIS_MASK: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # int64 before any stride product: B*T*V passes 2^31
     b = row // T
@@ -42,11 +67,16 @@ def _grpo_fwd_kernel(
         sx = 0.0  # running sum of exp(x - m) * x: the entropy is lse - sx / s
         for start in range(0, V, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            x = tl.load(base + cols * stride_lv, mask=cols < V, other=-float("inf")).to(tl.float32) * inv_temperature
+            x = (
+                tl.load(base + cols * stride_lv, mask=cols < V, other=-float("inf")).to(tl.float32)
+                * inv_temperature
+            )
             m_new = tl.maximum(m, tl.max(x, 0))
             e = tl.exp(x - m_new)
             s = s * tl.exp(m - m_new) + tl.sum(e, 0)
-            sx = sx * tl.exp(m - m_new) + tl.sum(e * tl.where(cols < V, x, 0.0), 0)  # 0 x -inf would be NaN
+            sx = sx * tl.exp(m - m_new) + tl.sum(
+                e * tl.where(cols < V, x, 0.0), 0
+            )  # 0 x -inf would be NaN
             m = m_new
         lse = m + tl.log(s)
         token = tl.load(ids_ptr + row)
@@ -56,7 +86,9 @@ def _grpo_fwd_kernel(
             gen = tl.load(gen_ptr + row)
             old = tl.where(tl.load(gen_rows_ptr + b) != 0.0, gen, logp)
         ratio = tl.exp(logp - old)  # on-policy: exp(logp - logp.detach()), 1 with gradient logp's
-        tis = 1.0 + 0.0 * logp  # truncated importance weight min(pi_old / pi_sampler, cap), a constant
+        tis = (
+            1.0 + 0.0 * logp
+        )  # truncated importance weight min(pi_old / pi_sampler, cap), a constant
         if HAS_TIS:
             samp = tl.load(samp_ptr + row)
             sampled = tl.load(samp_rows_ptr + b) != 0.0
@@ -74,7 +106,8 @@ def _grpo_fwd_kernel(
             d = 0.0 * logp
         kl = tl.exp(d) - d - 1.0
         loss = -(tis * tl.minimum(unclipped, clipped) - beta * kl)
-        # d loss / d logp: the surrogate passes tis * ratio * A unless the clipped branch is the smaller
+        # d loss / d logp: the surrogate passes tis * ratio * A unless the clipped branch is the
+        # smaller
         # one (then the clamp is flat there); the KL term adds beta * (1 - exp(d)).
         dsurr = tl.where(unclipped <= clipped, tis * unclipped, 0.0)
         tl.store(loss_ptr + row, loss)
@@ -92,10 +125,20 @@ def _grpo_fwd_kernel(
 
 @triton.jit
 def _grpo_bwd_kernel(
-    logits_ptr, stride_lb, stride_lt, stride_lv,  # (B, T, V) as in forward
-    grad_ptr, stride_gb, stride_gt, stride_gv,  # (B, T, V) output; may be the logits' own storage
-    ids_ptr, lse_ptr, dlogp_ptr,  # contiguous (B, T)
-    T, V, inv_temperature,
+    logits_ptr,
+    stride_lb,
+    stride_lt,
+    stride_lv,  # (B, T, V) as in forward
+    grad_ptr,
+    stride_gb,
+    stride_gt,
+    stride_gv,  # (B, T, V) output; may be the logits' own storage
+    ids_ptr,
+    lse_ptr,
+    dlogp_ptr,  # contiguous (B, T)
+    T,
+    V,
+    inv_temperature,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -110,43 +153,106 @@ def _grpo_bwd_kernel(
         scale = dlogp * inv_temperature
         for start in range(0, V, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            x = tl.load(base + cols * stride_lv, mask=cols < V, other=0.0).to(tl.float32) * inv_temperature
+            x = (
+                tl.load(base + cols * stride_lv, mask=cols < V, other=0.0).to(tl.float32)
+                * inv_temperature
+            )
             p = tl.exp(x - lse)  # softmax, recomputed: nothing of size V was saved
             g = (tl.where(cols == token, 1.0, 0.0) - p) * scale
             tl.store(gbase + cols * stride_gv, g.to(grad_ptr.dtype.element_ty), mask=cols < V)
     else:  # masked row: exact zeros (its lse is 0, and exp(x - 0) * 0 could be inf * 0 = NaN)
         for start in range(0, V, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            tl.store(gbase + cols * stride_gv, tl.zeros([BLOCK], dtype=grad_ptr.dtype.element_ty), mask=cols < V)
+            tl.store(
+                gbase + cols * stride_gv,
+                tl.zeros([BLOCK], dtype=grad_ptr.dtype.element_ty),
+                mask=cols < V,
+            )
 
 
 class _GRPOLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, ids, ref_logps, gen_logps, advantages, mask, beta, clip_eps, clip_eps_high, loss_type,
-                max_tokens, temperature, inplace, normalizer, sampler_logps, tis_cap, tis_mode, gen_rows, sampler_rows):
+    def forward(
+        ctx,
+        logits,
+        ids,
+        ref_logps,
+        gen_logps,
+        advantages,
+        mask,
+        beta,
+        clip_eps,
+        clip_eps_high,
+        loss_type,
+        max_tokens,
+        temperature,
+        inplace,
+        normalizer,
+        sampler_logps,
+        tis_cap,
+        tis_mode,
+        gen_rows,
+        sampler_rows,
+    ):
         B, T, V = logits.shape
         mask = mask.float()  # (B, T)
-        if loss_type == "dapo":  # (B, T) each token's share of the loss, as in grpo_ref_split.grpo_loss
+        if (
+            loss_type == "dapo"
+        ):  # (B, T) each token's share of the loss, as in grpo_ref_split.grpo_loss
             weight = mask / (mask.sum().clamp(min=1) if normalizer is None else normalizer)
         elif loss_type == "dr_grpo":  # every token the same, / (answers x max_tokens)
             weight = mask / ((B if normalizer is None else normalizer) * max_tokens)
         else:
-            weight = mask / mask.sum(-1, keepdim=True).clamp(min=1) / (B if normalizer is None else normalizer)
+            weight = (
+                mask
+                / mask.sum(-1, keepdim=True).clamp(min=1)
+                / (B if normalizer is None else normalizer)
+            )
         ids = ids.contiguous()  # (B, T)
-        ref = mask if ref_logps is None else ref_logps.float().contiguous()  # (B, T) unread when None
-        gen = ref if gen_logps is None else gen_logps.float().contiguous()  # (B, T) unread when None
+        ref = (
+            mask if ref_logps is None else ref_logps.float().contiguous()
+        )  # (B, T) unread when None
+        gen = (
+            ref if gen_logps is None else gen_logps.float().contiguous()
+        )  # (B, T) unread when None
         has_tis = sampler_logps is not None and tis_cap > 0
         samp = sampler_logps.float().contiguous() if has_tis else ref  # (B, T) unread without TIS
-        every = torch.ones(B, dtype=torch.float32, device=logits.device)  # (B,) no marks given: every row carries them
+        every = torch.ones(
+            B, dtype=torch.float32, device=logits.device
+        )  # (B,) no marks given: every row carries them
         gen_rows = every if gen_rows is None else gen_rows.float().contiguous()  # (B,)
         sampler_rows = every if sampler_rows is None else sampler_rows.float().contiguous()  # (B,)
-        loss_tok, logp, lse, dcoef, entropy = (torch.empty(B, T, dtype=torch.float32, device=logits.device)
-                                               for _ in range(5))
+        loss_tok, logp, lse, dcoef, entropy = (
+            torch.empty(B, T, dtype=torch.float32, device=logits.device) for _ in range(5)
+        )
         _grpo_fwd_kernel[(B * T,)](
-            logits, *logits.stride(), ids, ref, gen, samp, advantages.float().contiguous(), weight.contiguous(),
-            gen_rows, sampler_rows, loss_tok, logp, lse, dcoef, entropy, T, V, float(beta), float(clip_eps),
-            float(clip_eps_high), 1.0 / float(temperature), float(tis_cap), HAS_GEN=gen_logps is not None,
-            HAS_REF=ref_logps is not None, HAS_TIS=has_tis, TIS_MASK=tis_mode == "token_mask", BLOCK=BLOCK_V,
+            logits,
+            *logits.stride(),
+            ids,
+            ref,
+            gen,
+            samp,
+            advantages.float().contiguous(),
+            weight.contiguous(),
+            gen_rows,
+            sampler_rows,
+            loss_tok,
+            logp,
+            lse,
+            dcoef,
+            entropy,
+            T,
+            V,
+            float(beta),
+            float(clip_eps),
+            float(clip_eps_high),
+            1.0 / float(temperature),
+            float(tis_cap),
+            HAS_GEN=gen_logps is not None,
+            HAS_REF=ref_logps is not None,
+            HAS_TIS=has_tis,
+            TIS_MASK=tis_mode == "token_mask",
+            BLOCK=BLOCK_V,
         )
         ctx.save_for_backward(logits, ids, lse, dcoef * weight)
         ctx.inv_temperature, ctx.inplace = 1.0 / float(temperature), inplace
@@ -160,42 +266,98 @@ class _GRPOLoss(torch.autograd.Function):
         dlogp = (dcoef * grad_loss).contiguous()  # (B, T)
         grad = logits if ctx.inplace else torch.empty_like(logits)  # (B, T, V)
         _grpo_bwd_kernel[(B * T,)](
-            logits, *logits.stride(), grad, *grad.stride(), ids, lse, dlogp, T, V, ctx.inv_temperature, BLOCK=BLOCK_V,
+            logits,
+            *logits.stride(),
+            grad,
+            *grad.stride(),
+            ids,
+            lse,
+            dlogp,
+            T,
+            V,
+            ctx.inv_temperature,
+            BLOCK=BLOCK_V,
         )
         return grad, *[None] * 18
 
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")  # grpo_ref_split's LOSS_TYPE: all three
-TIS_MODES = ("token_truncate", "token_mask")  # of its TIS_MODE: the per-token ones; a sequence's ratio needs a 2nd pass
+TIS_MODES = (
+    "token_truncate",
+    "token_mask",
+)  # of its TIS_MODE: the per-token ones; a sequence's ratio needs a 2nd pass
 
 
-def grpo_loss_triton(*, logits, completion_ids, ref_logps, gen_logps, advantages, mask, beta, clip_eps,
-                     clip_eps_high=None, loss_type="grpo", max_tokens=1, temperature=1.0, return_logps=False,
-                     return_entropy=False, inplace_backward=False, normalizer=None, gen_rows=None, sampler_logps=None,
-                     sampler_rows=None, tis_cap=0.0, tis_mode="token_truncate"):
-    """The GRPO loss of grpo_ref_split.grpo_loss, computed from logits (B, T, V) in one kernel; the same keywords.
+def grpo_loss_triton(
+    *,
+    logits,
+    completion_ids,
+    ref_logps,
+    gen_logps,
+    advantages,
+    mask,
+    beta,
+    clip_eps,
+    clip_eps_high=None,
+    loss_type="grpo",
+    max_tokens=1,
+    temperature=1.0,
+    return_logps=False,
+    return_entropy=False,
+    inplace_backward=False,
+    normalizer=None,
+    gen_rows=None,
+    sampler_logps=None,
+    sampler_rows=None,
+    tis_cap=0.0,
+    tis_mode="token_truncate",
+):
+    """The GRPO loss of grpo_ref_split.grpo_loss, computed from logits (B, T, V) in one kernel; the
+    same keywords.
 
-    logits[:, t] predicts completion_ids[:, t] (a strided view such as full[:, plen-1:-1] is read
-    in place, never copied); ref_logps, gen_logps, mask (B, T); advantages (B,); gen_logps=None,
-    or a row outside gen_rows (B,) bool, means ratio = 1 (on-policy); ref_logps=None (only with
-    beta=0) drops the KL term. sampler_logps count on the rows in sampler_rows (None: every row).
+    logits[:, t] predicts completion_ids[:, t] (a strided view such as full[:, plen-1:-1] is read in
+    place, never copied); ref_logps, gen_logps, mask (B, T); advantages (B,); gen_logps=None, or a
+    row outside gen_rows (B,) bool, means ratio = 1 (on-policy); ref_logps=None (only with beta=0)
+    drops the KL term. sampler_logps count on the rows in sampler_rows (None: every row).
     return_logps=True also returns the per-token log-probs (B, T), detached, for logging KL and clip
-    fraction; return_entropy=True also the (B, T) entropy of each token's distribution (0 on masked ones), from
-    the same pass. inplace_backward=True writes d(logits) over the logits: saves a (B, T, V) buffer, and the
-    caller must not read those logits afterwards. tis_mode: token_truncate or token_mask; sequence_* raise.
+    fraction; return_entropy=True also the (B, T) entropy of each token's distribution (0 on masked
+    ones), from the same pass. inplace_backward=True writes d(logits) over the logits: saves a (B,
+    T, V) buffer, and the caller must not read those logits afterwards. tis_mode: token_truncate or
+    token_mask; sequence_* raise.
     """
     if logits.dim() != 3 or logits.shape[:2] != completion_ids.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} do not match completion_ids {tuple(completion_ids.shape)}")
+        raise ValueError(
+            f"logits {tuple(logits.shape)} do not match completion_ids {tuple(completion_ids.shape)}"
+        )
     if ref_logps is None and beta != 0:
         raise ValueError("ref_logps=None needs beta=0 (the KL term needs reference log-probs)")
     if loss_type not in LOSS_TYPES or tis_mode not in TIS_MODES or not max_tokens:
-        raise ValueError(f"grpo_loss_triton supports loss_type in {LOSS_TYPES} (got {loss_type!r}), tis_mode in "
-                         f"{TIS_MODES} (got {tis_mode!r}; sequence modes need an answer's tokens before any token's "
-                         f"gradient: use the PyTorch loss) and max_tokens >= 1 (got {max_tokens})")
+        raise ValueError(
+            f"grpo_loss_triton supports loss_type in {LOSS_TYPES} (got {loss_type!r}), tis_mode in "
+            f"{TIS_MODES} (got {tis_mode!r}; sequence modes need an answer's tokens before any token's "
+            f"gradient: use the PyTorch loss) and max_tokens >= 1 (got {max_tokens})"
+        )
     clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
-    loss, logps, entropy = _GRPOLoss.apply(logits, completion_ids, ref_logps, gen_logps, advantages, mask, beta,
-                                           clip_eps, clip_eps_high, loss_type, max_tokens, temperature,
-                                           inplace_backward, normalizer, sampler_logps, tis_cap, tis_mode, gen_rows,
-                                           sampler_rows)
+    loss, logps, entropy = _GRPOLoss.apply(
+        logits,
+        completion_ids,
+        ref_logps,
+        gen_logps,
+        advantages,
+        mask,
+        beta,
+        clip_eps,
+        clip_eps_high,
+        loss_type,
+        max_tokens,
+        temperature,
+        inplace_backward,
+        normalizer,
+        sampler_logps,
+        tis_cap,
+        tis_mode,
+        gen_rows,
+        sampler_rows,
+    )
     extra = ([logps] if return_logps else []) + ([entropy] if return_entropy else [])
     return (loss, *extra) if extra else loss

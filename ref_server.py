@@ -1,9 +1,10 @@
 """Reference server: holds the frozen reference model and turns scored groups into ready batches.
 
-Generators POST a scored group to /upload; a thread adds the reference model's log-probs of the completion
-tokens (ref_logps) and queues it; trainers GET /get to take one (204 when none is ready). Workers' groups
-(metadata "worker") wait apart, for GET /get?from=workers. docs/server.md: the protocol and its limits.
-Give it its own GPU (or machine); any UPPER_CASE constant below can be set by an environment variable:
+Generators POST a scored group to /upload; a thread adds the reference model's log-probs of the
+completion tokens (ref_logps) and queues it; trainers GET /get to take one (204 when none is
+ready). Workers' groups (metadata "worker") wait apart, for GET /get?from=workers.
+docs/server.md: the protocol and its limits. Give it its own GPU (or machine); any UPPER_CASE
+constant below can be set by an environment variable:
 
     python ref_server.py                              # CPU here, the embedded SmolLM2-135M
     CUDA_VISIBLE_DEVICES=7 python ref_server.py       # the usual GPU layout
@@ -27,7 +28,8 @@ from features.http_server import json_errors, start_http
 from features.logprobs import completion_logps
 from features.regroup import RegroupPool
 from features.reward_model import add_reward_model, load_reward_model
-from features.server_guard import Room, TooLarge, UploadIds, exposure_warning, token_ok, validate_group
+from features.server_guard import (Room, TooLarge, UploadIds, exposure_warning, token_ok,
+                                   validate_group)
 from features.wire import decode_batch, encode_batch
 
 # ----------------------------------------------------------------------------- constants
@@ -37,92 +39,114 @@ MODEL_PATH = ""  # hub id or local folder; "" = the embedded SmolLM2-135M-Instru
 HOST = "127.0.0.1"  # loopback only; "0.0.0.0" serves other machines (set REF_TOKEN then)
 PORT = 59875  # TCP port; the trainer's REF_SERVER must point here
 REF_TOKEN = ""  # shared secret sent as "Authorization: Bearer ..."; "" = no auth
-# Limits (a bad or hostile client can cost at most this much)
-MAX_BODY_BYTES = 64 * 2**20  # bytes per upload; a larger Content-Length gets 413 before the body is read
+# Limits: what a bad or hostile client can cost at most (docs/server.md)
+MAX_BODY_BYTES = 64 * 2**20  # bytes per upload; a larger Content-Length gets 413 unread
 MAX_ROWS = 512  # completions per uploaded group
-MAX_GROUP_TOKENS = 65536  # rows x length per group (16 answers x 4096 tokens); more gets 413: one forward's memory
-QUEUE_SIZE = 64  # groups held (waiting for the forward, or ready) per kind, trainers' and workers'; full -> 503
+MAX_GROUP_TOKENS = 65536  # rows x length per group (16 x 4096); more gets 413: one forward's memory
+QUEUE_SIZE = 64  # groups held per kind (trainers', workers'), waiting or ready; full -> 503
 MAX_QUEUED_BYTES = 2 * 2**30  # bytes held in all queues together; full -> 503 with Retry-After
 HTTP_THREADS = 8  # requests handled at once; more wait in the listen backlog
-BACKLOG = 1024  # connections waiting for a thread: a burst of ranks and workers, never refused at connect
-IDLE_TIMEOUT = 30  # s before an idle or stalled connection (say, a body that never arrives) is closed
-UPLOAD_IDS = 4096  # upload ids remembered: a retried upload gets its first answer and is never queued twice
+BACKLOG = 1024  # connections waiting for a thread: a burst of ranks is never refused at connect
+IDLE_TIMEOUT = 30  # s before an idle or stalled connection (a body that never comes) is closed
+UPLOAD_IDS = 4096  # upload ids remembered: a retried upload gets its first answer, queued once
 # The reference forward
 REF_MICRO_BATCH = 8  # rows per reference forward: bounds activation memory, not throughput
-SHARED_PREFIX = True  # a group's prompt runs once, its KV cache shared by the rows; False = full rows
+SHARED_PREFIX = True  # a group's prompt runs once, its KV cache shared by the rows; False = full
 LOGP_CHUNK = 128  # tokens whose logits exist at once (features/logprobs.py); 0 = all at once
-LOGP_FROM_HIDDEN = True  # log-probs from the LM head's input in chunks; False = from the model's whole logits
-# Reward model (a learned reward beside the trainer's rule rewards)
-REWARD_MODEL = ""  # AutoModelForSequenceClassification id or folder; "" = none. It scores (question, answer) ...
-REWARD_MODEL_WEIGHT = 1.0  # ... and this times its score is added to each answer's reward; advantages are redone here
-# Regroup (simple_GRPO's regroup_ver)
-REGROUP = False  # True = pool each question's answers; send out groups mixed across uploads with reward variance
-REGROUP_POOL = 64  # answers kept per question, oldest dropped first
+LOGP_FROM_HIDDEN = True  # log-probs from the LM head's input, in chunks; False = whole logits
+# Reward model: a learned reward beside the trainer's rule rewards (docs/server.md)
+REWARD_MODEL = ""  # AutoModelForSequenceClassification id or folder; "" = none
+REWARD_MODEL_WEIGHT = 1.0  # this x its score is added to each reward; advantages are redone here
+# Regroup: simple_GRPO's regroup_ver (docs/server.md)
+REGROUP = False  # True = pool each question's answers; send out mixed groups with reward variance
+REGROUP_POOL = 64  # answers kept per question, the oldest dropped first
 REGROUP_QUESTIONS = 4096  # questions remembered, the least recently uploaded forgotten first
-apply_env_overrides(globals(), "ref_server.py")  # any constant above: `PORT=6000 python ref_server.py`
-
-SETTINGS = ("REF_TOKEN", "MAX_BODY_BYTES", "MAX_ROWS", "MAX_GROUP_TOKENS", "QUEUE_SIZE", "MAX_QUEUED_BYTES",
-            "UPLOAD_IDS", "REF_MICRO_BATCH", "SHARED_PREFIX", "LOGP_CHUNK", "LOGP_FROM_HIDDEN", "REWARD_MODEL_WEIGHT",
-            "REGROUP", "REGROUP_POOL", "REGROUP_QUESTIONS")  # what a RefServer reads; HTTP ones are serve()'s
+apply_env_overrides(globals(), "ref_server.py")  # `PORT=6000 python ref_server.py`
 
 
 # ----------------------------------------------------------------------------- the server
 class RefServer:
-    """The queues, the forward thread and the bottle app around one reference model. Its settings: the SETTINGS
-    constants as they are when it is built (so a patched constant reaches it), or lower-case keywords (queue_size=2)."""
+    """The queues, the forward thread and the bottle app around one reference model. Each setting
+    defaults to its constant above as it is when the server is built; a keyword sets it
+    (queue_size=2)."""
 
-    def __init__(self, model, model_name, reward_model=None, reward_model_name="", **overrides):
-        unknown = set(overrides) - {name.lower() for name in SETTINGS}
-        if unknown:
-            raise TypeError(f"RefServer has no settings {sorted(unknown)}; it has {[s.lower() for s in SETTINGS]}")
-        self.s = {name.lower(): globals()[name] for name in SETTINGS} | overrides
-        self.model, self.model_name = model, model_name
+    def __init__(self, model, model_name, *, reward_model=None, reward_model_name="",
+                 ref_token=None, max_body_bytes=None, max_rows=None, max_group_tokens=None,
+                 queue_size=None, max_queued_bytes=None, upload_ids=None, ref_micro_batch=None,
+                 shared_prefix=None, logp_chunk=None, logp_from_hidden=None,
+                 reward_model_weight=None, regroup=None, regroup_pool=None, regroup_questions=None):
+        def setting(value, constant):  # None: the module's constant, read now, not at import
+            return constant if value is None else value
+
+        self.ref_token = setting(ref_token, REF_TOKEN)
+        self.max_body_bytes = setting(max_body_bytes, MAX_BODY_BYTES)
+        self.max_rows = setting(max_rows, MAX_ROWS)
+        self.max_group_tokens = setting(max_group_tokens, MAX_GROUP_TOKENS)
+        self.ref_micro_batch = setting(ref_micro_batch, REF_MICRO_BATCH)
+        self.shared_prefix = setting(shared_prefix, SHARED_PREFIX)
+        self.logp_chunk = setting(logp_chunk, LOGP_CHUNK)
+        self.logp_from_hidden = setting(logp_from_hidden, LOGP_FROM_HIDDEN)
+        self.reward_model_weight = setting(reward_model_weight, REWARD_MODEL_WEIGHT)
+        self.model = model
+        self.model_name = model_name
         self.device = next(model.parameters()).device
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.max_len = getattr(model.config, "max_position_embeddings", None) or 2**31
-        self.fingerprint = model_fingerprint(model)  # trainers check they start from the same model
-        self.reward_model, self.reward_model_name = reward_model, reward_model_name  # (model, tokenizer) or None
-        self.pending = queue.Queue()  # (tensors, meta, kind, nbytes) waiting for the reference forward
-        self.ready = {"trainers": queue.Queue(), "workers": queue.Queue()}  # (body, content type, nbytes)
-        self.room = Room(self.s["queue_size"], self.s["max_queued_bytes"])
+        self.fingerprint = model_fingerprint(model)  # trainers check they start from this model
+        self.reward_model = reward_model  # (model, tokenizer) or None
+        self.reward_model_name = reward_model_name
+        # An upload waits in `pending` for the forward thread, then in its kind's `ready` queue.
+        self.pending = queue.Queue()  # (tensors, meta, kind, nbytes)
+        self.ready = {"trainers": queue.Queue(), "workers": queue.Queue()}  # (body, type, nbytes)
+        self.room = Room(setting(queue_size, QUEUE_SIZE),
+                         setting(max_queued_bytes, MAX_QUEUED_BYTES))
         self.counters = dict(uploaded=0, served=0, rejected=0, busy=0, ref_errors=0)
-        self.pool = RegroupPool(self.s["regroup_pool"], self.s["regroup_questions"]) if self.s["regroup"] else None
-        self.upload_ids = UploadIds(self.s["upload_ids"])
+        self.pool = None  # REGROUP's pool of answers per question
+        if setting(regroup, REGROUP):
+            self.pool = RegroupPool(setting(regroup_pool, REGROUP_POOL),
+                                    setting(regroup_questions, REGROUP_QUESTIONS))
+        self.upload_ids = UploadIds(setting(upload_ids, UPLOAD_IDS))
         self.lock = threading.Lock()
         self.started = time.time()
-        self.instance = uuid.uuid4().hex  # changes on restart: clients learn their queued groups are gone
+        self.instance = uuid.uuid4().hex  # new on restart: clients learn their groups are gone
         self.stopping = threading.Event()
         self.worker = threading.Thread(target=self._work, name="ref-forward", daemon=True)
         self.app = self._build_app()
 
     def reference_logps(self, input_ids, plen, temperature):
-        """(G, L - plen) reference log-probs of the completion tokens, REF_MICRO_BATCH rows at a time."""
+        """(G, L - plen) reference log-probs of the completion tokens, at the sampling temperature,
+        ref_micro_batch rows at a time."""
         ids = input_ids.to(self.device)  # (G, L)
         with torch.no_grad():
-            return completion_logps(self.model, ids, torch.ones_like(ids), ids.shape[1] - plen, temperature,
-                                    self.s["ref_micro_batch"], self.s["shared_prefix"], chunk=self.s["logp_chunk"],
-                                    from_hidden=self.s["logp_from_hidden"]).cpu()  # (G, T)
+            logps = completion_logps(self.model, ids, torch.ones_like(ids), ids.shape[1] - plen,
+                                     temperature, self.ref_micro_batch, self.shared_prefix,
+                                     chunk=self.logp_chunk, from_hidden=self.logp_from_hidden)
+        return logps.cpu()  # (G, T)
 
     def _work(self):
+        """The forward thread: each pending group gets its ref_logps and goes to a ready queue."""
         while not self.stopping.is_set():
             try:
-                tensors, meta, kind, nbytes = self.pending.get(timeout=0.2)  # a stop() is seen this soon
+                tensors, meta, kind, nbytes = self.pending.get(timeout=0.2)  # sees a stop() soon
             except queue.Empty:
                 continue
             try:
-                tensors["ref_logps"] = self.reference_logps(tensors["input_ids"], meta["plen"],
-                                                            meta.get("temperature", 1.0))  # (G, T)
-                if not torch.isfinite(tensors["ref_logps"]).all():  # never hand a trainer NaN or inf
+                temperature = meta.get("temperature", 1.0)
+                ref_logps = self.reference_logps(tensors["input_ids"], meta["plen"], temperature)
+                if not torch.isfinite(ref_logps).all():  # never hand a trainer NaN or inf
                     raise FloatingPointError("the reference forward gave NaN or inf log-probs")
-                if self.reward_model is not None:  # the last reward is known here: advantages are redone here
-                    tensors, meta = add_reward_model(tensors, meta, self.reward_model, self.s["reward_model_weight"])
+                tensors["ref_logps"] = ref_logps  # (G, T)
+                if self.reward_model is not None:  # the last reward is known only here
+                    tensors, meta = add_reward_model(tensors, meta, self.reward_model,
+                                                     self.reward_model_weight)
                 item = (encode_batch(tensors, meta), "application/octet-stream", nbytes)
-            except Exception as e:  # e.g. out of memory: this group is lost, and whoever takes it next is told
+            except Exception as e:  # out of memory, say: this group is lost, and its taker told
                 self._count("ref_errors")
                 traceback.print_exc()
-                error = {"error": f"the reference forward failed: {e!r}", "upload_id": meta.get("upload_id")}
+                error = {"error": f"the reference forward failed: {e!r}",
+                         "upload_id": meta.get("upload_id")}
                 item = (json.dumps(error).encode(), "application/json", nbytes)
-            self.ready[kind].put(item)  # room was taken at upload
+            self.ready[kind].put(item)  # its room was taken at upload
 
     def _count(self, name):
         with self.lock:
@@ -137,11 +161,14 @@ class RefServer:
         self._refuse(503, "queue full, retry later", "busy", {"Retry-After": "1"})
 
     def _accept(self, tensors, meta, nbytes):
+        """Queue a valid upload for the forward (REGROUP: pool it; queue a group if one formed)."""
         kind = "workers" if meta.get("worker") else "trainers"
-        if not self.room.take(kind, nbytes):  # before regrouping: a refused upload takes no answers out of a pool
+        if not self.room.take(kind, nbytes):  # first: a refusal takes nothing out of a pool
             self._busy()
-        group = self.pool.add(tensors, meta) if self.pool else (tensors, meta)
-        if group is None:  # pooled: no group with reward variance for this question yet
+        group = (tensors, meta)
+        if self.pool is not None:
+            group = self.pool.add(tensors, meta)  # None: no group with reward variance yet
+        if group is None:
             self.room.give_back(kind, nbytes)
         else:
             self.pending.put((*group, kind, nbytes))
@@ -154,67 +181,76 @@ class RefServer:
 
         @app.hook("before_request")
         def check_token():  # the raw header: bottle's own decoding fails on non-UTF-8
-            if not token_ok(bottle.request.environ.get("HTTP_AUTHORIZATION", ""), self.s["ref_token"]):
-                self._refuse(401, "missing or wrong token (send 'Authorization: Bearer <REF_TOKEN>')")
+            if not token_ok(bottle.request.environ.get("HTTP_AUTHORIZATION", ""), self.ref_token):
+                self._refuse(401, "missing or wrong token "
+                                  "(send 'Authorization: Bearer <REF_TOKEN>')")
 
         @app.post("/upload")
         def upload():
-            length = bottle.request.content_length  # waitress refused a body over MAX_BODY_BYTES at its headers
+            length = bottle.request.content_length  # waitress refused one over max_body_bytes
             if length < 0:
                 self._refuse(411, "Content-Length is required")
             body = bottle.request.environ["wsgi.input"].read(length)
             try:
                 tensors, meta = decode_batch(body)
-                meta = validate_group(tensors, meta, self.vocab_size, self.s["max_rows"], self.max_len,
-                                      self.s["max_group_tokens"])
-                if self.reward_model is not None and (meta.get("question") is None or meta.get("answers") is None):
-                    raise ValueError("this server has a REWARD_MODEL: metadata needs question and answers")
+                meta = validate_group(tensors, meta, self.vocab_size, self.max_rows, self.max_len,
+                                      self.max_group_tokens)
+                needs_text = meta.get("question") is None or meta.get("answers") is None
+                if self.reward_model is not None and needs_text:
+                    raise ValueError("this server has a REWARD_MODEL: "
+                                     "metadata needs question and answers")
             except ValueError as e:
                 self._refuse(413 if isinstance(e, TooLarge) else 400, str(e))
-            uid, answer = meta.get("upload_id"), None  # a retry of an upload whose answer the client never read
+            uid = meta.get("upload_id")  # a retry of an upload whose answer the client never read
             first = self.upload_ids.claim(uid)
-            if first == UploadIds.IN_FLIGHT:  # the first try is still being handled: the next retry gets its answer
+            if first == UploadIds.IN_FLIGHT:  # the first try still runs: a later retry gets it
                 self._busy()
             if first != UploadIds.NEW:
                 return first
+            answer = None
             try:
-                answer = self._accept(tensors, meta, 2 * len(body))  # the tensors, then the encoded batch
+                answer = self._accept(tensors, meta, 2 * len(body))  # tensors, then encoding
                 return answer
-            finally:  # refused (503): answer None, the id is forgotten, so a retry is handled anew
+            finally:  # refused (503): answer None, the id is forgotten, a retry is handled anew
                 self.upload_ids.settle(uid, answer)
 
         @app.get("/get")
         def get():
             headers = {"X-Ref-Instance": self.instance}
             kind = "workers" if bottle.request.query.get("from") == "workers" else "trainers"
-            if bottle.request.method == "HEAD":  # bottle routes HEAD here too: answer, but take nothing
-                return bottle.HTTPResponse(status=200 if self.ready[kind].qsize() else 204, headers=headers)
-            try:  # workers' groups are kept apart so a trainer rank never takes another rank's group as an extra
+            if bottle.request.method == "HEAD":  # bottle routes HEAD here too: answer, take nothing
+                status = 200 if self.ready[kind].qsize() else 204
+                return bottle.HTTPResponse(status=status, headers=headers)
+            try:  # workers' groups wait apart: a rank never takes another rank's group as an extra
                 body, content_type, nbytes = self.ready[kind].get_nowait()
             except queue.Empty:
                 return bottle.HTTPResponse(status=204, headers=headers)
             self.room.give_back(kind, nbytes)
             if content_type == "application/octet-stream":
                 self._count("served")
-            return bottle.HTTPResponse(body, status=200, headers={"Content-Type": content_type, **headers})
+            headers["Content-Type"] = content_type
+            return bottle.HTTPResponse(body, status=200, headers=headers)
 
         @app.get("/health")
         def health():
             with self.lock:
-                counters = dict(self.counters, regrouped=self.pool.regrouped if self.pool else 0)
-            return dict(model=self.model_name, vocab_size=self.vocab_size, fingerprint=self.fingerprint,
-                        device=str(self.device), reward_model=self.reward_model_name, instance=self.instance,
+                counters = dict(self.counters)
+            counters["regrouped"] = self.pool.regrouped if self.pool else 0
+            return dict(model=self.model_name, vocab_size=self.vocab_size,
+                        fingerprint=self.fingerprint, device=str(self.device),
+                        reward_model=self.reward_model_name, instance=self.instance,
                         pending=self.pending.qsize(), ready=self.ready["trainers"].qsize(),
-                        ready_workers=self.ready["workers"].qsize(), held_bytes=self.room.held_bytes,
-                        regroup=self.pool is not None, uptime_s=round(time.time() - self.started, 1), **counters)
+                        ready_workers=self.ready["workers"].qsize(),
+                        held_bytes=self.room.held_bytes, regroup=self.pool is not None,
+                        uptime_s=round(time.time() - self.started, 1), **counters)
         return json_errors(app)
 
 
 def serve(server: RefServer, host: str, port: int):
     """Start the forward thread and the HTTP server (features/http_server.py); returns stop()."""
     server.worker.start()
-    stop_http = start_http(server.app, host, port, threads=HTTP_THREADS, backlog=BACKLOG, idle_timeout=IDLE_TIMEOUT,
-                           max_body=server.s["max_body_bytes"])
+    stop_http = start_http(server.app, host, port, threads=HTTP_THREADS, backlog=BACKLOG,
+                           idle_timeout=IDLE_TIMEOUT, max_body=server.max_body_bytes)
 
     def stop():
         server.stopping.set()
@@ -230,17 +266,22 @@ def main():
     path = resolve_model_path(MODEL_PATH)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval().requires_grad_(False)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    model.requires_grad_(False)
     if exposure_warning(HOST, REF_TOKEN):
         print(exposure_warning(HOST, REF_TOKEN), file=sys.stderr, flush=True)
-    reward_model = load_reward_model(REWARD_MODEL, dtype, device) if REWARD_MODEL else None
-    server = RefServer(model, MODEL_PATH or "SmolLM2-135M-Instruct (embedded)", reward_model, REWARD_MODEL)
+    reward_model = None
+    if REWARD_MODEL:
+        reward_model = load_reward_model(REWARD_MODEL, dtype, device)
+    name = MODEL_PATH or "SmolLM2-135M-Instruct (embedded)"
+    server = RefServer(model, name, reward_model=reward_model, reward_model_name=REWARD_MODEL)
     done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # before serve(): a stop sent once it answers is always caught
+    for sig in (signal.SIGINT, signal.SIGTERM):  # before serve(): a stop once it answers is caught
         signal.signal(sig, lambda *_: done.set())
     stop = serve(server, HOST, PORT)
-    print(f"reference server ready on http://{HOST}:{PORT} ({path}, {device}, vocab {server.vocab_size})", flush=True)
-    while not done.wait(timeout=0.5):  # an untimed wait sleeps on through a signal the kernel gave another thread
+    print(f"reference server ready on http://{HOST}:{PORT} ({path}, {device}, "
+          f"vocab {server.vocab_size})", flush=True)
+    while not done.wait(timeout=0.5):  # untimed, it sleeps through a signal sent to another thread
         pass
     print("shutting down", flush=True)
     stop()

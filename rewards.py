@@ -19,7 +19,7 @@ import threading
 
 from math_verify import parse, verify
 
-from features.tools import TOOL_CLOSE
+TOOL_CLOSE = "</tool>"  # how a tool call ends; features/tools.py uses the same (a test checks)
 
 # One <think> block, then one <answer> block, nothing else around them (the EOS is stripped by
 # decoding). Tags may not nest or repeat: a model that learns to emit "<answer>" twice gets 0.
@@ -63,31 +63,37 @@ def reward_correct(completion: str, gold: str, question: str | None = None) -> f
         return 0.0
 
 
-def reward_tool_cost(completion: str, gold: str | None = None, question: str | None = None) -> float:
-    """-1.0 per tool call (each </tool> the model wrote): with a small weight, a call costs a little, so that the
-    model learns to call only where the tool makes it right (TOOLS, features/tools.py)."""
+def reward_tool_cost(completion: str, gold=None, question=None) -> float:
+    """-1.0 per tool call (each </tool> the model wrote): with a small weight, a call costs a
+    little, so that the model learns to call only where the tool makes it right (TOOLS,
+    features/tools.py)."""
     return -float(completion.count(TOOL_CLOSE))
 
 
 def checked_reward(fn, completion: str, gold: str, question: str) -> float:
-    """fn(completion, gold, question) as a float; a reward that raises or gives no finite number stops the run,
-    naming the function and the completion: nothing is silently turned into 0."""
+    """fn(completion, gold, question) as a float; a reward that raises or gives no finite number
+    stops the run, naming the function and the completion: nothing is silently turned into 0."""
     try:
         value = fn(completion, gold, question)
     except Exception as e:
         sys.exit(f"reward {fn.__name__} raised {e!r} on the completion {completion!r}")
     if not isinstance(value, numbers.Real) or not math.isfinite(value):  # numpy floats are fine
-        sys.exit(f"reward {fn.__name__} returned {value!r}, not a finite number, on the completion {completion!r}")
+        sys.exit(f"reward {fn.__name__} returned {value!r}, not a finite number, "
+                 f"on the completion {completion!r}")
     return float(value)
 
 
 def score(reward_fns, texts, golds, questions):
-    """(each answer's weighted sum of the rewards, {name: each answer's value}) of N answers; reward_fns:
-    [(f, weight)] (the trainer's REWARDS). A reward that fails stops the run, named (checked_reward)."""
+    """(each answer's weighted sum of the rewards, {name: each answer's value}) of N answers;
+    reward_fns: [(f, weight)] (the trainer's REWARDS). A reward that fails stops the run, named
+    (checked_reward)."""
     if not len(texts) == len(golds) == len(questions):  # zip would quietly score only a part
-        raise ValueError(f"{len(texts)} answers for {len(golds)} gold answers and {len(questions)} questions")
-    each = {fn.__name__: [checked_reward(fn, text, gold, q) for text, gold, q in zip(texts, golds, questions)]
-            for fn, _ in reward_fns}
+        raise ValueError(f"{len(texts)} answers for {len(golds)} gold answers "
+                         f"and {len(questions)} questions")
+    each = {}  # reward name -> each answer's value
+    for fn, _ in reward_fns:
+        each[fn.__name__] = [checked_reward(fn, text, gold, question)
+                             for text, gold, question in zip(texts, golds, questions)]
     return [sum(w * each[fn.__name__][i] for fn, w in reward_fns) for i in range(len(texts))], each
 
 
@@ -99,7 +105,8 @@ def extract_gsm8k_answer(solution: str) -> str:
 
 
 # ----------------------------------------------------------------------------- questions
-NAMES = ["Ava", "Ben", "Chloe", "Dev", "Emma", "Finn", "Grace", "Hugo", "Iris", "Jack", "Lena", "Omar"]
+NAMES = ["Ava", "Ben", "Chloe", "Dev", "Emma", "Finn", "Grace", "Hugo", "Iris", "Jack", "Lena",
+         "Omar"]
 ITEMS = ["apples", "marbles", "stickers", "books", "pencils", "coins", "cookies", "shells"]
 TEMPLATES = [
     "{n} has {a} {x}. {n} gets {b} more {x}. How many {x} does {n} have now?",
@@ -109,12 +116,12 @@ TEMPLATES = [
 ]
 
 
-LARGE = (100, 999)  # "arithmetic_mixed": the large operands, which this 135M model rarely adds right in its head
+LARGE = (100, 999)  # "arithmetic_mixed": operands this 135M model rarely adds right in its head
 
 
 def make_arithmetic(n: int, max_operand: int, seed: int, mixed: bool = False) -> list[dict]:
-    """`n` GSM8K-format addition word problems ({"question", "answer": "... #### N"}), seeded. mixed: half of
-    them (at random) with LARGE operands, each question tagged "small" or "large"."""
+    """`n` GSM8K-format addition word problems ({"question", "answer": "... #### N"}), seeded.
+    mixed: half of them (at random) with LARGE operands, each question tagged "small" or "large"."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
@@ -128,8 +135,9 @@ def make_arithmetic(n: int, max_operand: int, seed: int, mixed: bool = False) ->
 
 
 def load_questions(dataset: str, seed: int, arith_max: int = 20) -> list[dict]:
-    """A list of {"question", "gold"} (and "tag" where the task has kinds of questions): "arithmetic" (operands
-    1..arith_max), "arithmetic_mixed" (half of them 100..999), a GSM8K-style .jsonl, or a hub id."""
+    """A list of {"question", "gold"} (and "tag" where the task has kinds of questions):
+    "arithmetic" (operands 1..arith_max), "arithmetic_mixed" (half of them 100..999), a
+    GSM8K-style .jsonl, or a hub id."""
     if dataset in ("arithmetic", "arithmetic_mixed"):
         rows = make_arithmetic(5000, arith_max, seed, mixed=dataset == "arithmetic_mixed")
     elif dataset.endswith(".jsonl"):
@@ -139,9 +147,11 @@ def load_questions(dataset: str, seed: int, arith_max: int = 20) -> list[dict]:
                 try:
                     if line.strip():
                         row = json.loads(line)
-                        rows.append({"question": str(row["question"]), "answer": str(row["answer"])})
+                        rows.append({"question": str(row["question"]),
+                                     "answer": str(row["answer"])})
                 except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise ValueError(f"{dataset}:{i}: need a JSON object with 'question' and 'answer' ({e})")
+                    raise ValueError(f"{dataset}:{i}: need a JSON object with 'question' "
+                                     f"and 'answer' ({e})")
     else:
         import datasets
 
@@ -149,13 +159,15 @@ def load_questions(dataset: str, seed: int, arith_max: int = 20) -> list[dict]:
     if not rows:
         raise ValueError(f"dataset {dataset!r} has no questions")
     tags = [{"tag": r["tag"]} if "tag" in r else {} for r in rows]
-    return [{"question": r["question"], "gold": extract_gsm8k_answer(r["answer"]), **t} for r, t in zip(rows, tags)]
+    return [{"question": r["question"], "gold": extract_gsm8k_answer(r["answer"]), **tag}
+            for r, tag in zip(rows, tags)]
 
 
 def split_held_out(questions: list[dict], n: int) -> tuple[list[dict], list[dict]]:
     """(train, held_out): the last n questions, and the rest minus any with the same text."""
     if not 0 < n < len(questions):
-        raise ValueError(f"EVAL_SIZE={n}: need 1..{len(questions) - 1} held-out questions out of {len(questions)}")
+        raise ValueError(f"EVAL_SIZE={n}: need 1..{len(questions) - 1} held-out questions "
+                         f"out of {len(questions)}")
     held_out = questions[-n:]
     texts = {q["question"] for q in held_out}
     return [q for q in questions[:-n] if q["question"] not in texts], held_out

@@ -203,6 +203,7 @@ def test_evaluation_reports_each_tag_and_the_tool_share(monkeypatch):
 def test_a_call_costs_one_and_the_mixed_task_tags_its_questions():
     assert rewards.reward_tool_cost("<tool>1+1</tool><result>2</result> <tool>2</tool>") == -2.0
     assert rewards.reward_tool_cost("<answer>2</answer>") == 0.0
+    assert rewards.TOOL_CLOSE == tools.TOOL_CLOSE  # the task counts the tag the rollout stops at
     mixed = rewards.load_questions("arithmetic_mixed", 3)
     large = [q for q in mixed if q["tag"] == "large"]
     assert 0.45 < len(large) / len(mixed) < 0.55 and {q["tag"] for q in mixed} == {"small", "large"}
