@@ -5,8 +5,8 @@ A group whose answers all got the same reward has advantages 0 and trains nothin
 gets right (mastered) or always wrong (out of reach) costs a rollout and teaches nothing. prime-rl keeps easy,
 normal and hard pools by pass rate; verl and OpenRLHF filter a dataset by pass rate beforehand. Here each question
 keeps one record, its latest group's outcome, which needs no pass over the dataset:
-  - varied (different rewards): it joins the replay pool; up to REPLAY_SHARE of each draw comes from the pool,
-    oldest first, and a question is replayed at most MAX_REPLAYS times in a row (else a few questions the policy
+  - varied (different rewards): it joins the replay pool; up to REPLAY_SHARE (the trainer's) of each draw comes
+    from the pool, oldest first, and a question is replayed at most MAX_REPLAYS times in a row (else a few questions the policy
     never settles would take over the run);
   - uniform (all the same): fresh draws weigh it UNIFORM_KEEP, against 1 for a question not seen or varied.
 A step that rolls out MAX_ROLLOUTS times without the groups it wants calls out_of_rollouts.
@@ -22,7 +22,6 @@ import sys
 from tqdm import tqdm
 
 SAMPLERS = ("uniform", "difficulty")
-REPLAY_SHARE = 0.75  # of each draw at most (rounded up), from the replay pool; the rest are new questions
 MAX_REPLAYS = 2  # a question trained this many times in a row goes back among the fresh ones
 UNIFORM_KEEP = 0.1  # a question whose latest group was uniform weighs this in fresh draws (the others 1)
 
@@ -30,10 +29,13 @@ UNIFORM_KEEP = 0.1  # a question whose latest group was uniform weighs this in f
 class QuestionSampler:
     """sample(n) -> n distinct questions; record(answer records, group size) after each rollout."""
 
-    def __init__(self, questions, seed, mode="uniform"):
+    def __init__(self, questions, seed, mode="uniform", replay_share=0.75):
+        """replay_share: of each draw at most this share (rounded up) comes from the replay pool (the trainer's
+        REPLAY_SHARE); the rest are new questions."""
         if mode not in SAMPLERS:
             raise ValueError(f"SAMPLER = {mode!r}: one of {', '.join(SAMPLERS)}")
         self.questions, self.mode, self.rng = questions, mode, random.Random(seed)
+        self.replay_share = replay_share
         self.pool = {}  # question text -> replays so far; insertion order = oldest first
         self.uniform = set()  # question texts whose latest group had equal rewards
 
@@ -43,7 +45,7 @@ class QuestionSampler:
         if not 0 <= n <= len(self.questions):
             raise ValueError(f"cannot draw {n} questions out of {len(self.questions)}")
         by_text = {q["question"]: q for q in self.questions}
-        replays = [by_text[t] for t in list(self.pool)[: math.ceil(n * REPLAY_SHARE)] if t in by_text]
+        replays = [by_text[t] for t in list(self.pool)[: math.ceil(n * self.replay_share)] if t in by_text]
         rest = [q for q in self.questions if q["question"] not in self.pool]
         if len(rest) < n - len(replays):  # a dataset smaller than its pool: fresh draws may be pooled ones too
             rest = [q for q in self.questions if q not in replays]

@@ -147,7 +147,7 @@ def loss_metrics(loss, b, *, old, ratio, entropy, kl, tis, clip_eps, clip_eps_hi
     sampler_gap and tis_masked (tokens whose importance weight is 0). b: the batch (mask, advantages,
     sampler_logps, sampler_rows, share, token_share); old, ratio, entropy, kl, tis (B, T): the importance weights
     (kl and tis may be None)."""
-    mask, adv, share, tokens = b["mask"], b["advantages"][:, None], b.get("share", 1.0), b.get("token_share", 1.0)
+    mask, adv, share, tokens = b.mask, b.advantages[:, None], b.share, b.token_share
     n, per_answer = mask.sum().clamp(min=1), mask.sum(-1).clamp(min=1)  # (), (B,)
     low, high = (ratio < 1 - clip_eps) & (adv < 0) & mask, (ratio > 1 + clip_eps_high) & (adv > 0) & mask  # (B, T)
     m = dict(loss=loss.item() * (share > 0), clip_low=(low.sum() / n).item() * tokens,
@@ -157,19 +157,20 @@ def loss_metrics(loss, b, *, old, ratio, entropy, kl, tis, clip_eps, clip_eps_hi
     if kl is not None:
         m["kl"] = (torch.where(mask, kl, 0.0).sum(-1) / per_answer).mean().item() * share
     if vllm:  # the engines' mismatch on the sampled tokens, and the share of the tokens TIS_MODE masks
-        m["sampler_gap"] = sampler_gap(old, b["sampler_logps"], b["sampler_rows"], mask) * tokens
+        m["sampler_gap"] = sampler_gap(old, b.sampler_logps, b.sampler_rows, mask) * tokens
         m["tis_masked"] = 0.0 if tis is None else (((tis == 0) & mask).sum() / n).item() * tokens
     return m
 
 
 def answer_records(step, rank, rollout, each, rewards, advantages) -> list:
     """One dict per sampled answer, a line of completions.jsonl: what the model wrote and how it scored.
-    each: {reward name: its N values}; rewards, advantages (N,)."""
-    return [dict(step=step, rank=rank, question=rollout["questions"][i], gold=rollout["golds"][i],
-                 answer=rollout["texts"][i], reward=rewards[i].item(),
+    rollout: the trainer's Rollout; each: {reward name: its N values}; rewards, advantages (N,)."""
+    tool = {k: getattr(rollout, k) for k in ("tool_calls", "tool_errors") if getattr(rollout, k) is not None}
+    return [dict(step=step, rank=rank, question=rollout.questions[i], gold=rollout.golds[i],
+                 answer=rollout.texts[i], reward=rewards[i].item(),
                  **{name: values[i] for name, values in each.items()}, advantage=advantages[i].item(),
-                 length=rollout["lengths"][i], truncated=rollout["truncated"][i],
-                 **{k: rollout[k][i] for k in ("tool_calls", "tool_errors") if k in rollout})
+                 length=rollout.lengths[i], truncated=rollout.truncated[i],
+                 **{k: values[i] for k, values in tool.items()})
             for i in range(len(rewards))]
 
 

@@ -93,21 +93,21 @@ def collate(groups, pad_id):
 
 
 def pack_groups(rollout, ids, kept, group_size, rewards, advantages, gen_logps, meta) -> list:
-    """The kept groups of a rollout (a generate() dict) as (tensors, meta) in UPLOAD_SPEC's layout: each prompt
+    """The kept groups of a rollout (the trainer's Rollout) as (tensors, meta) in UPLOAD_SPEC's layout: each prompt
     without its left padding, the columns every answer finished before dropped. ids (B, P + T) prompt + answer
     rows; kept: group indices; gen_logps (K, T) the kept rows' pi_old, or None; meta: fields every group carries."""
-    G, P, mask = group_size, rollout["prompt_ids"].shape[1], rollout["mask"]
+    G, P, mask = group_size, rollout.prompt_ids.shape[1], rollout.mask
     groups = []
     for j, q in enumerate(kept):
         r = slice(q * G, (q + 1) * G)
-        plen = int(rollout["prompt_mask"][q * G].sum())  # the prompt without its left padding
+        plen = int(rollout.prompt_mask[q * G].sum())  # the prompt without its left padding
         tlen = int(mask[r].any(0).nonzero().max()) + 1  # drop columns every row has finished before
         tensors = dict(input_ids=ids[r, P - plen : P + tlen].cpu(), completion_mask=mask[r, :tlen].cpu(),
                        advantages=advantages[r], rewards=rewards[r])  # (G, plen + tlen), (G, tlen), (G,), (G,)
         if gen_logps is not None:
             tensors["gen_logps"] = gen_logps[j * G : (j + 1) * G, :tlen]  # (G, tlen)
-        if rollout["sampler_logps"] is not None:  # vLLM's own: the loss's importance weights
-            tensors["sampler_logps"] = rollout["sampler_logps"][r, :tlen]  # (G, tlen)
-        groups.append((tensors, {"plen": plen, "question": rollout["questions"][q * G],
-                                 "answers": rollout["texts"][r], **meta}))  # question and answers: a reward model's
+        if rollout.sampler_logps is not None:  # vLLM's own: the loss's importance weights
+            tensors["sampler_logps"] = rollout.sampler_logps[r, :tlen]  # (G, tlen)
+        groups.append((tensors, {"plen": plen, "question": rollout.questions[q * G],
+                                 "answers": rollout.texts[r], **meta}))  # question and answers: a reward model's
     return groups

@@ -5,6 +5,7 @@ and on CPU ranks the cleanup of DeepSpeed's shared-memory files.
     deepspeed --num_gpus 1 grpo_ref_split.py         # setup_deepspeed() there calls them
 """
 import contextlib
+import dataclasses
 import json
 import os
 import socket
@@ -90,14 +91,15 @@ def micro_batches(groups, size, collate, prepare, token_mean, device) -> list:
         raise ValueError(f"TRAIN_MICRO_BATCH = {size}: need groups per micro-batch >= 1, or 0 = all")
     size = size or len(groups)
     parts = [collate(groups[i : i + size]) for i in range(0, len(groups), size)]
-    normalizer = global_count([p["mask"].to(device) for p in parts], token_mean)
-    rows, tokens = sum(len(p["mask"]) for p in parts), sum(int(p["mask"].sum()) for p in parts)
-    parts = [dict(prepare(p, normalizer), share=len(p["mask"]) / rows,
-                  token_share=int(p["mask"].sum()) / max(tokens, 1)) for p in parts]
+    normalizer = global_count([p.mask.to(device) for p in parts], token_mean)
+    rows, tokens = sum(len(p.mask) for p in parts), sum(int(p.mask.sum()) for p in parts)
+    parts = [dataclasses.replace(prepare(p, normalizer), share=len(p.mask) / rows,
+                                 token_share=int(p.mask.sum()) / max(tokens, 1)) for p in parts]
     most = torch.tensor(len(parts), device=device)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
-    return parts + [dict(parts[-1], share=0.0, token_share=0.0)] * (int(most) - len(parts))
+    repeat = dataclasses.replace(parts[-1], share=0.0, token_share=0.0)
+    return parts + [repeat] * (int(most) - len(parts))
 
 
 def global_count(masks, token_mean: bool) -> float:

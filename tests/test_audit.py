@@ -118,15 +118,15 @@ def test_an_answer_cut_by_the_call_budget_trains_only_its_sampled_tokens_and_cou
     enc = lambda t: tokenizer.encode(t, add_special_tokens=False)  # noqa: E731
     first, result, second = enc(" <tool>1 + 1</tool>"), enc("<result>2</result>"), enc(" <tool>2 + 2</tool>")
     want = [True] * len(first) + [False] * len(result) + [True] * len(second)  # token by token
-    assert out["mask"][0].tolist() == want + [False] * (out["mask"].shape[1] - len(want))
-    assert out["completion_ids"][0, len(want)].item() == eos  # the padding the old mask took for a sampled EOS
-    assert out["truncated"] == [True, False] and out["lengths"][0] == len(first) + len(second)
+    assert out.mask[0].tolist() == want + [False] * (out.mask.shape[1] - len(want))
+    assert out.completion_ids[0, len(want)].item() == eos  # the padding the old mask took for a sampled EOS
+    assert out.truncated == [True, False] and out.lengths[0] == len(first) + len(second)
     answer = enc(LONG) + [eos]  # longer than answer 0: its row is padded after the call
-    assert len(answer) > len(want) and out["mask"][1].tolist() == [True] * len(answer)
+    assert len(answer) > len(want) and out.mask[1].tolist() == [True] * len(answer)
     monkeypatch.setattr(grpo, "MASK_TRUNCATED", True)  # DAPO's overlong filter now sees it
     script = {1: [" <tool>1 + 1</tool>", " <tool>2 + 2</tool>"], 2: [LONG]}
     masked = grpo.generate(model, tokenizer, question, None, [eos])
-    assert not masked["mask"][0].any() and masked["mask"][1].sum() == len(answer)
+    assert not masked.mask[0].any() and masked.mask[1].sum() == len(answer)
 
 
 # ----------------------------------------------------------------------------- 4. a group a step late

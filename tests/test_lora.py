@@ -120,9 +120,9 @@ def test_reference_from_the_disabled_adapters_equals_the_servers_on_the_base(mod
                 p.normal_(0, 0.5)  # a trained adapter: the policy is no longer the base
     batch = collate([({k: v for k, v in tensors.items()}, meta)], pad_id=0)
     assert batch["ref_logps"] is None  # nothing went to a server
-    b = grpo.prepare_batch(PlainEngine(policy, lr=0.0), batch, normalizer=1.0)
-    torch.testing.assert_close(b["ref_logps"], served["ref_logps"], rtol=0, atol=1e-5)
-    own = completion_logps(policy, b["input_ids"], b["attention_mask"], 4, meta["temperature"], chunk=grpo.LOGP_CHUNK,
+    b = grpo.prepare_batch(PlainEngine(policy, lr=0.0), grpo.Batch(**batch), normalizer=1.0)
+    torch.testing.assert_close(b.ref_logps, served["ref_logps"], rtol=0, atol=1e-5)
+    own = completion_logps(policy, b.input_ids, b.attention_mask, 4, meta["temperature"], chunk=grpo.LOGP_CHUNK,
                            from_hidden=grpo.LOGP_FROM_HIDDEN)
     assert (own - served["ref_logps"]).abs().max() > 1e-3  # with the adapters on it would have differed
 

@@ -20,7 +20,8 @@ from features.advantages import group_advantages, scale_to_step
 from features.evaluation import pass_at_k, sampled_scores
 from features.question_sampler import QuestionSampler, out_of_rollouts
 from features.regroup import RegroupPool
-from grpo_ref_split import grpo_loss, mismatch_weights
+from grpo_ref_split import mismatch_weights
+from reference_loss import torch_loss
 
 
 # ----------------------------------------------------------------------------- Dr. GRPO
@@ -34,27 +35,27 @@ def lengths_batch():
 def test_dr_grpo_sums_tokens_over_a_constant_and_differs_from_grpo_by_each_answers_length():
     logps, mask, adv = lengths_batch()
     kw = dict(ref_logps=None, gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2)
-    dr = grpo_loss(logps=logps, loss_type="dr_grpo", max_tokens=8, **kw)
+    dr = torch_loss(logps=logps, loss_type="dr_grpo", max_tokens=8, **kw)
     (g_dr,) = torch.autograd.grad(dr, logps)
     assert dr.item() == pytest.approx(-(4 * 1.0 + 2 * -2.0 + 1 * 0.5) / (3 * 8))  # token sum / (G x MAX_NEW_TOKENS)
     want = torch.where(mask, -adv[:, None] / (3 * 8), 0.0)  # every token 1 / (G L), whatever its answer's length
     assert torch.allclose(g_dr, want)
-    gr = grpo_loss(logps=logps, loss_type="grpo", **kw)
+    gr = torch_loss(logps=logps, loss_type="grpo", **kw)
     (g_grpo,) = torch.autograd.grad(gr, logps)
     assert gr.item() == pytest.approx(-(1.0 - 2.0 + 0.5) / 3)  # GRPO: each answer's token mean, then the mean
     # The paper's point (arXiv 2503.20783, sec. 3.1): GRPO's token weight 1 / (G |o_i|) favours short answers;
     # Dr. GRPO's is 1 / (G L). Per token the gradients differ by exactly |o_i| / L.
     length = mask.sum(1, keepdim=True).float()  # (3, 1)
     assert torch.allclose(torch.where(mask, g_grpo * length / 8, 0.0), g_dr)
-    dapo = grpo_loss(logps=logps, loss_type="dapo", **kw)
+    dapo = torch_loss(logps=logps, loss_type="dapo", **kw)
     assert dapo.item() == pytest.approx(-(4 * 1.0 + 2 * -2.0 + 0.5) / 7)  # and DAPO: / the 7 tokens
 
 
 def test_dr_grpo_normalizer_counts_answers_of_every_rank():
     logps, mask, adv = lengths_batch()
     kw = dict(ref_logps=None, gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2, max_tokens=8)
-    alone = grpo_loss(logps=logps, loss_type="dr_grpo", **kw)
-    shared = grpo_loss(logps=logps, loss_type="dr_grpo", normalizer=6.0, **kw)  # 6 answers over the ranks / world
+    alone = torch_loss(logps=logps, loss_type="dr_grpo", **kw)
+    shared = torch_loss(logps=logps, loss_type="dr_grpo", normalizer=6.0, **kw)  # 6 answers over the ranks / world
     assert shared.item() == pytest.approx(alone.item() * 3 / 6)
 
 
@@ -63,7 +64,7 @@ def test_the_loss_refuses_unknown_types_and_modes():
     kw = dict(ref_logps=None, gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2)
     for bad in (dict(loss_type="dr-grpo"), dict(tis_mode="sequence"), dict(loss_type="dr_grpo", max_tokens=0)):
         with pytest.raises(ValueError, match="loss_type"):
-            grpo_loss(logps=logps, **kw, **bad)
+            torch_loss(logps=logps, **kw, **bad)
 
 
 # ----------------------------------------------------------------------------- reward scaling
@@ -141,7 +142,7 @@ def test_a_masked_answer_leaves_the_loss_and_its_gradient():
     logps = torch.full((2, 2), -1.0, requires_grad=True)
     kw = dict(ref_logps=None, gen_logps=None, advantages=torch.tensor([1.0, -1.0]), mask=torch.ones(2, 2).bool(),
               beta=0.0, clip_eps=0.2, sampler_logps=logps.detach() - log_rho, tis_cap=2.0)
-    loss = grpo_loss(logps=logps, tis_mode="sequence_mask", **kw)
+    loss = torch_loss(logps=logps, tis_mode="sequence_mask", **kw)
     (g,) = torch.autograd.grad(loss, logps)
     assert (g[1] == 0).all() and (g[0] != 0).all()  # the whole answer 1 is out
     seq = math.exp(0.3)

@@ -80,8 +80,8 @@ def test_generation_from_the_shared_prompt_cache_samples_the_same_answers(tiny_m
         monkeypatch.setattr(grpo, "SHARED_PREFIX", shared)
         torch.manual_seed(5)
         samples[shared] = grpo.generate(model, tok, questions, cfg, [tok.eos_token_id])
-    assert torch.equal(samples[False]["completion_ids"], samples[True]["completion_ids"])
-    assert len(set(samples[True]["texts"])) > 2  # sampled, not one greedy answer repeated
+    assert torch.equal(samples[False].completion_ids, samples[True].completion_ids)
+    assert len(set(samples[True].texts)) > 2  # sampled, not one greedy answer repeated
 
 
 def test_rows_that_share_a_prompt_are_found_by_comparing_prompts():

@@ -11,6 +11,7 @@ import torch
 
 from conftest import free_port, metrics, train
 import grpo_ref_split as grpo
+from reference_loss import torch_loss
 import rewards
 from features import tools
 from features.env_overrides import apply_env_overrides
@@ -162,12 +163,12 @@ def test_the_loss_with_tool_tokens_masked_equals_the_loss_without_them(loss_type
     keep = answer & ~tool
     ref[tool], gen[tool], sampler[tool] = 50.0, -80.0, 30.0  # junk where the toolkit wrote: must not count
     kw = dict(advantages=adv, beta=0.04, clip_eps=0.2, loss_type=loss_type, max_tokens=T, gspo=gspo, tis_cap=tis)
-    loss = grpo.grpo_loss(logps=logps, ref_logps=ref, gen_logps=gen, mask=keep,
+    loss = torch_loss(logps=logps, ref_logps=ref, gen_logps=gen, mask=keep,
                           sampler_logps=sampler if tis else None, **kw)
     (grad,) = torch.autograd.grad(loss, logps)
     short = removed_by_hand(logps.detach(), keep)[0].requires_grad_()
     mask = removed_by_hand(logps.detach(), keep)[1]
-    loss_short = grpo.grpo_loss(logps=short, ref_logps=removed_by_hand(ref, keep)[0], mask=mask,
+    loss_short = torch_loss(logps=short, ref_logps=removed_by_hand(ref, keep)[0], mask=mask,
                                 gen_logps=removed_by_hand(gen, keep)[0],
                                 sampler_logps=removed_by_hand(sampler, keep)[0] if tis else None, **kw)
     (grad_short,) = torch.autograd.grad(loss_short, short)
@@ -286,9 +287,9 @@ def test_generate_trains_on_the_models_tokens_and_records_the_calls(monkeypatch,
     enc = lambda t: tokenizer.encode(t, add_special_tokens=False)  # noqa: E731
     call, result, rest = enc(" 348 + 517 = <tool>348 + 517</tool>"), enc("<result>865</result>"), \
         enc(" </think><answer>865</answer>") + [eos]
-    assert out["mask"][0].tolist()[: len(call + result + rest)] == [True] * len(call) + [False] * len(result) + \
-        [True] * len(rest) and not out["mask"][0, len(call + result + rest) :].any()
-    assert out["lengths"] == [len(call) + len(rest), len(enc(" 7 </think><answer>7</answer>")) + 1]
-    assert out["tool_calls"] == [1, 0] and out["tool_errors"] == [0, 0] and out["truncated"] == [False, False]
-    assert out["texts"][0] == "<think> 348 + 517 = <tool>348 + 517</tool><result>865</result> </think><answer>865" \
+    assert out.mask[0].tolist()[: len(call + result + rest)] == [True] * len(call) + [False] * len(result) + \
+        [True] * len(rest) and not out.mask[0, len(call + result + rest) :].any()
+    assert out.lengths == [len(call) + len(rest), len(enc(" 7 </think><answer>7</answer>")) + 1]
+    assert out.tool_calls == [1, 0] and out.tool_errors == [0, 0] and out.truncated == [False, False]
+    assert out.texts[0] == "<think> 348 + 517 = <tool>348 + 517</tool><result>865</result> </think><answer>865" \
         "</answer>"

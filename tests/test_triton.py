@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 
 from conftest import ROOT  # noqa: E402
 from grpo_loss_triton import BLOCK_V, grpo_loss_triton  # noqa: E402
-from grpo_ref_split import grpo_loss  # noqa: E402
+from reference_loss import torch_loss  # noqa: E402
 from features.logprobs import per_token_logps  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("error")
@@ -45,7 +45,7 @@ def both(full, logits, ids, ref, gen, adv, mask, temperature, beta=0.04, eps=0.2
                                        **args)
     (grad_t,) = torch.autograd.grad(loss_t, full)
     logps = per_token_logps(logits, ids, temperature, chunk=128)
-    loss_p = grpo_loss(logps=logps, **args)
+    loss_p = torch_loss(logps=logps, **args)
     (grad_p,) = torch.autograd.grad(loss_p, full)
     return (loss_t, logps_t, grad_t), (loss_p, logps.detach(), grad_p)
 
@@ -153,11 +153,11 @@ def test_variants_equal_the_pytorch_path(clip_eps_high, loss_type, with_ref, nor
     lt = grpo_loss_triton(logits=logits, completion_ids=ids, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask,
                           beta=beta, clip_eps=0.2, temperature=1.0, **kw)
     (gt,) = torch.autograd.grad(lt, full)
-    lp = grpo_loss(logps=per_token_logps(logits, ids, 1.0, chunk=128), ref_logps=ref, gen_logps=gen, advantages=adv,
+    lp = torch_loss(logps=per_token_logps(logits, ids, 1.0, chunk=128), ref_logps=ref, gen_logps=gen, advantages=adv,
                    mask=mask, beta=beta, clip_eps=0.2, **kw)
     (gp,) = torch.autograd.grad(lp, full)
     assert abs(lt.item() - lp.item()) < 1e-5 and torch.allclose(gt, gp, atol=1e-5, rtol=1e-5)
-    plain = grpo_loss(logps=per_token_logps(logits, ids, 1.0, chunk=128), ref_logps=ref, gen_logps=gen, advantages=adv,
+    plain = torch_loss(logps=per_token_logps(logits, ids, 1.0, chunk=128), ref_logps=ref, gen_logps=gen, advantages=adv,
                       mask=mask, beta=beta, clip_eps=0.2)
     assert abs(plain.item() - lp.item()) > 1e-4  # the variant changed the loss
 
@@ -179,11 +179,11 @@ def test_truncated_importance_sampling_equals_the_pytorch_path(with_gen, tis_mod
     lt = grpo_loss_triton(logits=logits, completion_ids=ids, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask,
                           beta=0.04, clip_eps=0.2, temperature=0.7, **kw)
     (gt,) = torch.autograd.grad(lt, full)
-    lp = grpo_loss(logps=per_token_logps(logits, ids, 0.7, chunk=128), ref_logps=ref, gen_logps=gen, advantages=adv,
+    lp = torch_loss(logps=per_token_logps(logits, ids, 0.7, chunk=128), ref_logps=ref, gen_logps=gen, advantages=adv,
                    mask=mask, beta=0.04, clip_eps=0.2, **kw)
     (gp,) = torch.autograd.grad(lp, full)
     assert abs(lt.item() - lp.item()) < 1e-5 and torch.allclose(gt, gp, atol=1e-5, rtol=1e-5)
-    plain = grpo_loss(logps=per_token_logps(logits, ids, 0.7, chunk=128), ref_logps=ref, gen_logps=gen, advantages=adv,
+    plain = torch_loss(logps=per_token_logps(logits, ids, 0.7, chunk=128), ref_logps=ref, gen_logps=gen, advantages=adv,
                       mask=mask, beta=0.04, clip_eps=0.2)
     assert abs(plain.item() - lp.item()) > 1e-4  # the weights changed the loss
 

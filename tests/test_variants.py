@@ -2,6 +2,7 @@
 they log, and the server's REGROUP mode: each shown to change what it should."""
 import math
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import requests
@@ -9,11 +10,12 @@ import torch
 from transformers import GenerationConfig
 
 import grpo_ref_split as grpo
+import rewards
 from conftest import group, pull, start, stop
 from features.logprobs import completion_logps
 from features.run_log import clock, sample_stats, step_metrics
 from features.wire import collate, encode_batch
-from grpo_ref_split import grpo_loss
+from reference_loss import torch_loss
 
 
 # ----------------------------------------------------------------------------- the loss
@@ -22,15 +24,15 @@ def test_clip_eps_high_lets_a_good_token_grow_further():
     logps = torch.tensor([[-1.0]], requires_grad=True)
     gen, ref, adv = torch.tensor([[-1.22]]), torch.tensor([[-1.0]]), torch.tensor([1.0])
     mask = torch.ones(1, 1, dtype=torch.bool)
-    sym = grpo_loss(logps=logps, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2)
-    high = grpo_loss(logps=logps, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2,
+    sym = torch_loss(logps=logps, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2)
+    high = torch_loss(logps=logps, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2,
                      clip_eps_high=0.28)
     assert sym.item() == pytest.approx(-1.2, rel=1e-6)
     assert high.item() == pytest.approx(-math.exp(0.22), rel=1e-6)
     assert torch.autograd.grad(sym, logps)[0].item() == 0.0  # clipped: no policy gradient
     assert torch.autograd.grad(high, logps)[0].item() == pytest.approx(-math.exp(0.22), rel=1e-6)
     # and the low side is still CLIP_EPS: ratio e^-0.3 with A = -1 is clipped at 0.8 either way
-    low = grpo_loss(logps=logps, ref_logps=ref, gen_logps=gen + 0.52, advantages=-adv, mask=mask, beta=0.0,
+    low = torch_loss(logps=logps, ref_logps=ref, gen_logps=gen + 0.52, advantages=-adv, mask=mask, beta=0.0,
                     clip_eps=0.2, clip_eps_high=0.28)
     assert low.item() == pytest.approx(0.8, rel=1e-6)
 
@@ -40,8 +42,8 @@ def test_token_mean_weighs_every_token_the_same():
     mask = torch.tensor([[True, True, True, True], [True, False, False, False]])
     logps = torch.zeros(2, 4)
     adv = -per_token[:, 0]  # the loss is -A per token with ratio 1, beta 0
-    seq = grpo_loss(logps=logps, ref_logps=None, gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2)
-    tok = grpo_loss(logps=logps, ref_logps=None, gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2,
+    seq = torch_loss(logps=logps, ref_logps=None, gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2)
+    tok = torch_loss(logps=logps, ref_logps=None, gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2,
                     loss_type="dapo")
     assert seq.item() == pytest.approx((1.0 + 4.0) / 2)  # each answer weighs 1/2
     assert tok.item() == pytest.approx((4 * 1.0 + 4.0) / 5)  # each token weighs 1/5
@@ -54,11 +56,11 @@ def test_beta_zero_needs_no_reference_log_probs():
     torch.manual_seed(0)
     logps, gen = -torch.rand(3, 5), -torch.rand(3, 5)
     adv, mask = torch.randn(3), torch.rand(3, 5) > 0.3
-    without = grpo_loss(logps=logps, ref_logps=None, gen_logps=gen, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2)
+    without = torch_loss(logps=logps, ref_logps=None, gen_logps=gen, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2)
     want = naive_loss(logps.tolist(), [[0.0] * 5] * 3, gen.tolist(), adv.tolist(), mask.tolist(), 0.0, 0.2)
     assert without.item() == pytest.approx(want, rel=1e-6)
     with pytest.raises(ValueError, match="needs beta=0"):
-        grpo_loss(logps=logps, ref_logps=None, gen_logps=gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2)
+        torch_loss(logps=logps, ref_logps=None, gen_logps=gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2)
 
 
 def test_gspo_matches_a_hand_computation_in_value_and_gradient():
@@ -69,7 +71,7 @@ def test_gspo_matches_a_hand_computation_in_value_and_gradient():
     ref = torch.tensor([[-0.9, -0.7, -1.5], [-0.4, -1.0, 0.0]])
     mask = torch.tensor([[True, True, True], [True, True, False]])
     adv, beta, lo, hi = torch.tensor([1.0, -1.0]), 0.1, 3e-2, 4e-2
-    loss = grpo_loss(logps=logps, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=beta, clip_eps=lo,
+    loss = torch_loss(logps=logps, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=beta, clip_eps=lo,
                      clip_eps_high=hi, gspo=True)
     (grad,) = torch.autograd.grad(loss, logps)
 
@@ -91,7 +93,7 @@ def test_gspo_matches_a_hand_computation_in_value_and_gradient():
     # answer 1: s = 0.995 inside [0.97, 1.04]: its surrogate's gradient -s A / n / 2 = +0.249 flows
     assert grad[1, 0].item() == pytest.approx(math.exp(-0.005) / 2 / 2 + beta * (1 - math.exp(-0.1)) / 2 / 2, rel=1e-5)
     # the token-level loss on the same numbers differs: the ratio really is per answer
-    assert abs(grpo_loss(logps=logps, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=beta, clip_eps=lo,
+    assert abs(torch_loss(logps=logps, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=beta, clip_eps=lo,
                          clip_eps_high=hi).item() - want) > 1e-3
 
 
@@ -100,9 +102,9 @@ def test_gspo_on_policy_is_the_mean_token_gradient_and_refused_by_triton(monkeyp
     logps, adv = -torch.rand(3, 5, requires_grad=True), torch.randn(3)
     mask = torch.rand(3, 5) > 0.3
     mask[:, 0] = True
-    seq = grpo_loss(logps=logps, ref_logps=None, gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=3e-4,
+    seq = torch_loss(logps=logps, ref_logps=None, gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=3e-4,
                     clip_eps_high=4e-4, gspo=True)
-    tok = grpo_loss(logps=logps, ref_logps=None, gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=3e-4,
+    tok = torch_loss(logps=logps, ref_logps=None, gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=3e-4,
                     clip_eps_high=4e-4)
     # ratio 1: both are -mean(A) in value, and -A_i / n_i on each valid token in gradient (GRPO's per-answer mean)
     assert seq.item() == pytest.approx(tok.item()) == pytest.approx(-adv.mean().item())
@@ -118,14 +120,14 @@ def test_clip_fractions_count_only_the_cut_gradients(fresh_model, monkeypatch):
     0.74), then only the tokens whose gradient the clip cuts count: ratio > 1 + CLIP_EPS_HIGH with A > 0, ratio
     < 1 - CLIP_EPS with A < 0, over the valid tokens (3 of 4)."""
     b = batch_for(fresh_model)
-    b = {k: v[:1] if torch.is_tensor(v) else v for k, v in b.items()}  # one answer
-    b["mask"] = torch.tensor([[True, True, True, False, False, False]])
-    now = grpo.logps_of(fresh_model, b["input_ids"], b["attention_mask"], 6).detach()  # (1, 6)
-    b["gen_logps"] = now - torch.tensor([[0.3, -0.3, 0.3, -0.3, 0.3, 0.3]])  # ratios 1.35, 0.74, 1.35, (0.74)
+    b = grpo.Batch(**{k: v[:1] if torch.is_tensor(v) else v for k, v in vars(b).items()})  # one answer
+    b.mask = torch.tensor([[True, True, True, False, False, False]])
+    now = grpo.logps_of(fresh_model, b.input_ids, b.attention_mask, 6).detach()  # (1, 6)
+    b.gen_logps = now - torch.tensor([[0.3, -0.3, 0.3, -0.3, 0.3, 0.3]])  # ratios 1.35, 0.74, 1.35, (0.74)
     engine = PlainEngine(fresh_model, lr=0.0)
     for adv, eps_high, want in ((1.0, 0.2, (0.0, 2 / 3)), (-1.0, 0.2, (1 / 3, 0.0)), (1.0, 0.4, (0.0, 0.0))):
         monkeypatch.setattr(grpo, "CLIP_EPS_HIGH", eps_high)
-        _, m = grpo.policy_loss(engine, {**b, "advantages": torch.tensor([adv]), "normalizer": 1.0})
+        _, m = grpo.policy_loss(engine, replace(b, advantages=torch.tensor([adv]), normalizer=1.0))
         assert (m["clip_low"], m["clip_high"]) == pytest.approx(want)
 
 
@@ -169,9 +171,9 @@ def batch_for(model, seed=0):
     with torch.no_grad():
         ref = completion_logps(model, ids, attn, 6, 0.7, chunk=grpo.LOGP_CHUNK,
                                from_hidden=grpo.LOGP_FROM_HIDDEN)  # (B, Tc)
-    return dict(input_ids=ids, attention_mask=attn, mask=torch.ones(4, 6, dtype=torch.bool), ref_logps=ref,
-                gen_logps=None, gen_rows=None, sampler_logps=None, sampler_rows=None, normalizer=None,
-                advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]))
+    return grpo.Batch(input_ids=ids, attention_mask=attn, mask=torch.ones(4, 6, dtype=torch.bool), ref_logps=ref,
+                      gen_logps=None, gen_rows=None, sampler_logps=None, sampler_rows=None, normalizer=None,
+                      advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]))
 
 
 @pytest.fixture
@@ -190,22 +192,22 @@ def test_the_default_step_is_the_plain_grpo_step_bit_for_bit(fresh_model):
     assert (grpo.GSPO, grpo.LORA_RANK, grpo.LOSS_TYPE, grpo.USE_VLLM, grpo.MASK_TRUNCATED) == (False, 0, "grpo", False,
                                                                                                False)
     b = batch_for(fresh_model)
-    b["gen_logps"] = b["ref_logps"] - 0.05 * torch.arange(6.0)  # (4, 6) pi_old away from the weights now ...
-    b["gen_logps"][1] = 7.0  # ... but for one row trained on-policy, whose values must not count
-    b["gen_rows"] = torch.tensor([True, False, True, True])
-    b["mask"][2, 4:] = False
+    b.gen_logps = b.ref_logps - 0.05 * torch.arange(6.0)  # (4, 6) pi_old away from the weights now ...
+    b.gen_logps[1] = 7.0  # ... but for one row trained on-policy, whose values must not count
+    b.gen_rows = torch.tensor([True, False, True, True])
+    b.mask[2, 4:] = False
     params = list(fresh_model.parameters())
-    loss, _ = grpo.policy_loss(PlainEngine(fresh_model, lr=0.0), {**b, "normalizer": 4.0})
+    loss, _ = grpo.policy_loss(PlainEngine(fresh_model, lr=0.0), replace(b, normalizer=4.0))
     grads = torch.autograd.grad(loss, params)
 
-    logps = completion_logps(fresh_model, b["input_ids"], b["attention_mask"], 6, grpo.TEMPERATURE,
+    logps = completion_logps(fresh_model, b.input_ids, b.attention_mask, 6, grpo.TEMPERATURE,
                              shared_prefix=grpo.SHARED_PREFIX, chunk=grpo.LOGP_CHUNK,
                              from_hidden=grpo.LOGP_FROM_HIDDEN)  # (B, T)
-    mask, pad = b["mask"].bool(), logps.detach()
-    gen = torch.where(mask & b["gen_rows"][:, None], b["gen_logps"], pad)
-    ref = torch.where(mask, b["ref_logps"], pad)
+    mask, pad = b.mask.bool(), logps.detach()
+    gen = torch.where(mask & b.gen_rows[:, None], b.gen_logps, pad)
+    ref = torch.where(mask, b.ref_logps, pad)
     ratio = torch.exp(logps - gen)
-    adv = b["advantages"][:, None]
+    adv = b.advantages[:, None]
     surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - grpo.CLIP_EPS, 1 + grpo.CLIP_EPS_HIGH) * adv)
     per_token = -(surrogate - grpo.BETA * grpo.k3(ref, logps))
     plain = grpo.masked_mean(per_token, mask).sum() / 4.0
@@ -219,9 +221,10 @@ def test_mu_two_reuses_the_batch_with_a_real_ratio(fresh_model, monkeypatch):
     monkeypatch.setattr(grpo, "MU", 2)
     engine = PlainEngine(fresh_model, lr=1e-2)
     b = batch_for(fresh_model)
-    passes, real = [], grpo.backward
-    monkeypatch.setattr(grpo, "backward", lambda e, parts: passes.append(real(e, parts)) or passes[-1])
-    m = grpo.train_step(engine, [{**b, "gen_logps": b["ref_logps"]}])  # pi_old = the weights now
+    passes, real = [], grpo.policy_loss  # one batch: one policy_loss a pass
+    monkeypatch.setattr(grpo, "policy_loss", lambda e, batch: passes.append(real(e, batch)) or passes[-1])
+    m = grpo.train_step(engine, [replace(b, gen_logps=b.ref_logps)])  # pi_old = the weights now
+    passes = [metrics for _, metrics in passes]
     assert len(passes) == 2 and engine.steps == 2
     first, second = passes
     assert first["ratio_drift"] < 1e-5 and first["clip_low"] == first["clip_high"] == 0
@@ -233,8 +236,8 @@ def test_mu_two_reuses_the_batch_with_a_real_ratio(fresh_model, monkeypatch):
 
 def test_a_micro_batch_repeated_with_share_zero_adds_no_gradient_and_no_metric(fresh_model):
     """What a rank with fewer micro-batches runs to keep ZeRO-2's reductions in step with the others."""
-    b = {**batch_for(fresh_model), "advantages": torch.tensor([1.0, 0.5, 0.2, 0.1])}  # a loss that is not 0
-    loss, m = grpo.policy_loss(PlainEngine(fresh_model, lr=1e-2), {**b, "share": 0.0, "token_share": 0.0})
+    b = replace(batch_for(fresh_model), advantages=torch.tensor([1.0, 0.5, 0.2, 0.1]))  # a loss that is not 0
+    loss, m = grpo.policy_loss(PlainEngine(fresh_model, lr=1e-2), replace(b, share=0.0, token_share=0.0))
     loss.backward()
     assert loss.item() == 0 and {"loss", "kl", "clip_low"} <= set(m) and all(v == 0 for v in m.values())
     assert all(p.grad is not None and p.grad.abs().max() == 0 for p in fresh_model.parameters())
@@ -253,8 +256,8 @@ def test_train_step_with_mu_two_fixes_pi_old_before_the_first_update(fresh_model
         monkeypatch.setattr(grpo, "MU", mu)
         engine = PlainEngine(model, lr=1e-2)
         batch = grpo.prepare_batch(engine, b)  # MU > 1 without gen_logps: pi_old is fixed here
-        assert (batch["gen_logps"] is None) == (mu == 1)
-        assert batch["gen_rows"] is None  # none given, or (MU > 1) every row's now
+        assert (batch.gen_logps is None) == (mu == 1)
+        assert batch.gen_rows is None  # none given, or (MU > 1) every row's now
         results[mu] = (grpo.train_step(engine, [batch]), model)  # main's steps 6-7
         assert engine.steps == mu
     assert results[1][0]["ratio_drift"] == 0.0  # one on-policy pass: ratio exactly 1
@@ -346,7 +349,7 @@ def test_on_policy_rows_need_no_gen_logps_for_the_same_loss_and_gradient():
 
     results = []
     for g, r, pi_old in ((None, None, logps.detach()), (mixed, rows, explicit)):
-        loss = grpo_loss(logps=logps, ref_logps=ref, gen_logps=g, gen_rows=r, advantages=adv, mask=mask, beta=0.04,
+        loss = torch_loss(logps=logps, ref_logps=ref, gen_logps=g, gen_rows=r, advantages=adv, mask=mask, beta=0.04,
                          clip_eps=0.2)
         grad = torch.autograd.grad(loss, logps)[0]
         # The reference shares no code: the plain-Python loss with pi_old given outright (the current
@@ -374,7 +377,8 @@ def test_skip_gen_logps_gives_the_plain_paths_loss_and_gradient(tiny_policy, mon
         for t, _ in groups:  # what the server would add
             t["ref_logps"] = -torch.rand(t["completion_mask"].shape, generator=g)  # (G, T)
         engine = PlainEngine(model, lr=0.0)
-        loss, _ = grpo.policy_loss(engine, grpo.prepare_batch(engine, collate(groups, tok.pad_token_id)))
+        batch = grpo.Batch(**collate(groups, tok.pad_token_id))
+        loss, _ = grpo.policy_loss(engine, grpo.prepare_batch(engine, batch))
         out[skip] = loss.item(), torch.autograd.grad(loss, params)
     assert out[True][0] == pytest.approx(out[False][0], rel=1e-5, abs=1e-7)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(out[True][1], out[False][1]))
@@ -516,17 +520,17 @@ def test_sampling_ignores_the_models_own_generation_config(tiny_model_dir, tmp_p
 def test_score_sums_the_weighted_rewards_and_logs_each_by_name(monkeypatch):
     texts = ["<think> 3 + 4 </think><answer>7</answer>", "<think> 3 + 4 </think><answer>8</answer>", "<think> 7"]
     golds, questions = ["7", "7", "7"], ["What is 3 + 4?"] * 3
-    total, each = grpo.score(texts, golds, questions)
-    assert total.tolist() == [2.0 * 1 + 1.0 * 1, 2.0 * 0 + 1.0 * 1, 2.0 * 1 + 1.0 * 0]  # the defaults, by hand
+    total, each = rewards.score(grpo.REWARDS, texts, golds, questions)
+    assert total == [2.0 * 1 + 1.0 * 1, 2.0 * 0 + 1.0 * 1, 2.0 * 1 + 1.0 * 0]  # the defaults, by hand
     assert each == {"reward_correct": [1.0, 0.0, 1.0], "reward_format": [1.0, 1.0, 0.0]}
 
     def reward_short(completion, gold, question):  # a third reward is one more pair
         return -len(completion) / 100
 
     monkeypatch.setattr(grpo, "REWARDS", grpo.REWARDS + [(reward_short, 0.5)])
-    longer, each = grpo.score(texts, golds, questions)
-    want = [t - 0.5 * len(x) / 100 for t, x in zip(total.tolist(), texts)]
-    assert longer.tolist() == pytest.approx(want) and each["reward_short"] == [-len(x) / 100 for x in texts]
+    longer, each = rewards.score(grpo.REWARDS, texts, golds, questions)
+    want = [t - 0.5 * len(x) / 100 for t, x in zip(total, texts)]
+    assert longer == pytest.approx(want) and each["reward_short"] == [-len(x) / 100 for x in texts]
 
     import numpy as np
 
@@ -534,7 +538,7 @@ def test_score_sums_the_weighted_rewards_and_logs_each_by_name(monkeypatch):
         return np.float64(0.25)
 
     monkeypatch.setattr(grpo, "REWARDS", [(reward_numpy, 2.0)])
-    assert grpo.score(texts, golds, questions)[0].tolist() == [0.5] * 3
+    assert rewards.score(grpo.REWARDS, texts, golds, questions)[0] == [0.5] * 3
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -547,7 +551,7 @@ def test_a_broken_reward_stops_the_run_naming_it_and_the_completion(monkeypatch,
     bad.__name__ = "reward_broken"
     monkeypatch.setattr(grpo, "REWARDS", [(bad, 1.0)])
     with pytest.raises(SystemExit, match=f"reward reward_broken {message}") as e:
-        grpo.score(["<think> 12 </think><answer>12</answer>"], ["12"], ["q"])
+        rewards.score(grpo.REWARDS, ["<think> 12 </think><answer>12</answer>"], ["12"], ["q"])
     assert "<think> 12 </think><answer>12</answer>" in str(e.value)
 
 

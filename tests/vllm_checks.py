@@ -51,25 +51,25 @@ def main(path):
     # Sampling: shapes, stops, and vLLM's log-probs of its own tokens against the trainer's at TEMPERATURE.
     torch.manual_seed(1)
     r = grpo.generate(model, tokenizer, questions[:2], gen_config, eos_ids, llm)
-    ids = torch.cat([r["prompt_ids"], r["completion_ids"]], 1)  # (B, P+T)
-    attn = torch.cat([r["prompt_mask"], torch.ones_like(r["completion_ids"])], 1)  # (B, P+T)
-    T = r["completion_ids"].shape[1]
+    ids = torch.cat([r.prompt_ids, r.completion_ids], 1)  # (B, P+T)
+    attn = torch.cat([r.prompt_mask, torch.ones_like(r.completion_ids)], 1)  # (B, P+T)
+    T = r.completion_ids.shape[1]
     trainer = completion_logps(model, ids, attn, T, grpo.TEMPERATURE, chunk=grpo.LOGP_CHUNK,
                                from_hidden=grpo.LOGP_FROM_HIDDEN)  # (B, T)
-    mask = r["mask"]  # (B, T)
-    ended = torch.isin(r["completion_ids"], torch.tensor(eos_ids)).any(1)  # (B,)
-    report.update(rows=r["completion_ids"].shape[0],
-                  sampled_gap=(trainer - r["sampler_logps"])[mask].abs().max().item(),
+    mask = r.mask  # (B, T)
+    ended = torch.isin(r.completion_ids, torch.tensor(eos_ids)).any(1)  # (B,)
+    report.update(rows=r.completion_ids.shape[0],
+                  sampled_gap=(trainer - r.sampler_logps)[mask].abs().max().item(),
                   stopped_or_full=bool((ended | (mask.sum(1) == grpo.MAX_NEW_TOKENS)).all()),
-                  padding_after_stop=bool((r["completion_ids"][~mask] == tokenizer.pad_token_id).all()),
-                  distinct_in_group=[len({tuple(x) for x in r["completion_ids"][g * 4 : g * 4 + 4].tolist()})
+                  padding_after_stop=bool((r.completion_ids[~mask] == tokenizer.pad_token_id).all()),
+                  distinct_in_group=[len({tuple(x) for x in r.completion_ids[g * 4 : g * 4 + 4].tolist()})
                                      for g in range(2)])
     torch.manual_seed(1)
-    again = grpo.generate(model, tokenizer, questions[:2], gen_config, eos_ids, llm)["completion_ids"]
+    again = grpo.generate(model, tokenizer, questions[:2], gen_config, eos_ids, llm).completion_ids
     torch.manual_seed(2)
-    other = grpo.generate(model, tokenizer, questions[:2], gen_config, eos_ids, llm)["completion_ids"]
-    report.update(same_seed_same_samples=torch.equal(again, r["completion_ids"]),
-                  other_seed_other_samples=not torch.equal(other[:, : T], r["completion_ids"][:, : other.shape[1]]))
+    other = grpo.generate(model, tokenizer, questions[:2], gen_config, eos_ids, llm).completion_ids
+    report.update(same_seed_same_samples=torch.equal(again, r.completion_ids),
+                  other_seed_other_samples=not torch.equal(other[:, : T], r.completion_ids[:, : other.shape[1]]))
 
     # Greedy evaluation: vLLM's answers against transformers' greedy ones.
     enc = grpo.encode_prompts(tokenizer, questions)
@@ -87,7 +87,7 @@ def main(path):
     report["eval_transformers"] = evaluate(model, held, **args)
 
     # Weight push: a fixed completion, read by vLLM before and after the trainer's weights change.
-    plen = r["prompt_ids"].shape[1]
+    plen = r.prompt_ids.shape[1]
     fixed, fixed_attn = ids[:4], attn[:4]
     old = completion_logps(model, fixed, fixed_attn, T, 1.0, chunk=grpo.LOGP_CHUNK,
                            from_hidden=grpo.LOGP_FROM_HIDDEN)  # (4, T) the weights vLLM holds

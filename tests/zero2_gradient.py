@@ -7,6 +7,7 @@ setting, the full averaged gradient, the weights after the step, and every rank'
 """
 import os
 import sys
+from collections import Counter
 
 import torch
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
@@ -42,15 +43,20 @@ def one_step():
     """A fresh engine, one optimizer step over micro_batches; (grads, weights after, gen_logps, mask)."""
     engine, tokenizer, *_ = grpo.setup_deepspeed()
     rank = torch.distributed.get_rank()
-    parts = grpo.micro_batches(engine, rank_groups(engine, tokenizer, rank), tokenizer.pad_token_id)
-    m = grpo.backward(engine, parts)
+    parts = grpo.batches_of(engine, rank_groups(engine, tokenizer, rank), tokenizer.pad_token_id)
+    m = Counter()  # train_step's step 6, without its optimizer step
+    for i, part in enumerate(parts):
+        engine.set_gradient_accumulation_boundary(i == len(parts) - 1)
+        loss, metrics = grpo.policy_loss(engine, part)
+        engine.backward(loss)
+        m.update(metrics)
     grads = {name: safe_get_full_grad(p).cpu() for name, p in engine.module.named_parameters()}
     before = {name: safe_get_full_fp32_param(p).cpu() for name, p in engine.module.named_parameters()}
     engine.step()
     weights = {name: safe_get_full_fp32_param(p).cpu() for name, p in engine.module.named_parameters()}
     moved = max((weights[name] - w).abs().max().item() for name, w in before.items())
-    real = [p for p in parts if p["share"] > 0]
-    mine = {k: torch.cat([p[k].float().cpu() for p in real]) for k in ("gen_logps", "mask")}  # (B, T) each
+    real = [p for p in parts if p.share > 0]
+    mine = {k: torch.cat([getattr(p, k).float().cpu() for p in real]) for k in ("gen_logps", "mask")}  # (B, T)
     everyone = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, mine)
     return dict(grads=grads, weights=weights, moved=moved, parts=len(parts), loss=m["loss"],
