@@ -1,15 +1,15 @@
 """Fused GRPO loss in Triton: from the policy logits to the loss and back in one pass each way.
 
-The PyTorch path (grpo_ref_split.grpo_loss on features/logprobs.per_token_logps) is the
-reference; this kernel computes the same value and gradient but reads each row of logits once
-with an online logsumexp and fuses the ratio, clip, k3 KL and loss per token into that program.
-Its backward recomputes the softmax from the saved per-row logsumexp and writes d(logits)
-directly (into the logits' own storage with inplace_backward=True), so no (B, T, V) fp32 buffer
-is ever made.
+The PyTorch path (grpo_ref_split.grpo_loss and reduce_loss; tests/reference_loss.py with these
+keywords) is the reference; this kernel computes the same value and gradient but reads each row
+of logits once with an online logsumexp and fuses the ratio, clip, k3 KL and loss per token into
+that program. Its backward recomputes the softmax from the saved per-row logsumexp and writes
+d(logits) directly (into the logits' own storage with inplace_backward=True), so no (B, T, V)
+fp32 buffer is ever made.
 
 Used by the trainer when USE_TRITON = True (a GPU). On CPU it runs under Triton's interpreter:
 
-    TRITON_INTERPRET=1 python -m pytest tests/test_triton.py      # set before this module is imported
+    TRITON_INTERPRET=1 python -m pytest tests/test_triton.py   # set before this module is imported
 """
 
 import os
@@ -327,14 +327,16 @@ def grpo_loss_triton(
     """
     if logits.dim() != 3 or logits.shape[:2] != completion_ids.shape:
         raise ValueError(
-            f"logits {tuple(logits.shape)} do not match completion_ids {tuple(completion_ids.shape)}"
+            f"logits {tuple(logits.shape)} do not match "
+            f"completion_ids {tuple(completion_ids.shape)}"
         )
     if ref_logps is None and beta != 0:
         raise ValueError("ref_logps=None needs beta=0 (the KL term needs reference log-probs)")
     if loss_type not in LOSS_TYPES or tis_mode not in TIS_MODES or not max_tokens:
         raise ValueError(
             f"grpo_loss_triton supports loss_type in {LOSS_TYPES} (got {loss_type!r}), tis_mode in "
-            f"{TIS_MODES} (got {tis_mode!r}; sequence modes need an answer's tokens before any token's "
+            f"{TIS_MODES} (got {tis_mode!r}; sequence modes need an answer's tokens before "
+            "any token's "
             f"gradient: use the PyTorch loss) and max_tokens >= 1 (got {max_tokens})"
         )
     clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
@@ -361,3 +363,22 @@ def grpo_loss_triton(
     )
     extra = ([logps] if return_logps else []) + ([entropy] if return_entropy else [])
     return (loss, *extra) if extra else loss
+
+
+def batch_loss(engine, batch, *, temperature, shared_prefix, **loss_keywords):
+    """The trainer's USE_TRITON step 6: (loss, logps, entropy) of a Batch (grpo_ref_split.py) from
+    its completion logits in one fused pass; d(logits) is written over them, which nothing reads
+    afterwards. loss_keywords: beta, clip_eps, clip_eps_high, loss_type, max_tokens, tis_cap,
+    tis_mode."""
+    from features.logprobs import completion_logits
+
+    T = batch.mask.shape[1]
+    logits = completion_logits(engine, batch.input_ids, batch.attention_mask, T,
+                               shared_prefix)  # (B, T, V)
+    return grpo_loss_triton(logits=logits, completion_ids=batch.input_ids[:, -T:],
+                            temperature=temperature, return_logps=True, return_entropy=True,
+                            inplace_backward=True, ref_logps=batch.ref_logps,
+                            gen_logps=batch.gen_logps, gen_rows=batch.gen_rows,
+                            advantages=batch.advantages, mask=batch.mask,
+                            normalizer=batch.normalizer, sampler_logps=batch.sampler_logps,
+                            sampler_rows=batch.sampler_rows, **loss_keywords)

@@ -12,13 +12,12 @@ One step on every rank, as main() runs it:
     RESUME=1 deepspeed grpo_ref_split.py    # continue from the newest OUTPUT_DIR/step_N
     python grpo_ref_split.py genonly        # an extra generation worker (a spare GPU or machine)
 
-Read it top to bottom: the constants, the GRPO math, one step, the loop. A default step needs only
-this file, rewards.py and ref_server.py. Where the default runs a faster equal of a plain
-definition (a shared prompt, chunked log-probs, vLLM), the plain one is here and one line picks
-the fast one from features/, whose tests hold it equal. What GRPO can have and this leaves out: a
-value model (the group is the baseline), a learned reward by default (REWARD_MODEL on the server
-adds one), and process rewards per step of reasoning. Shapes: B answers, P prompt and T answer
-columns, V vocabulary. Any UPPER_CASE constant can be set by an environment variable of its name.
+Read top to bottom: constants, the GRPO math, one step, the loop; with rewards.py and ref_server.py
+that is all of a default step. Where it runs a faster equal (a shared prompt, chunked log-probs,
+vLLM) the plain definition is here and one line picks the fast path in features/, tested equal.
+Left out of GRPO: a value model (the group is the baseline) and process rewards per reasoning step.
+Shapes: B answers, P prompt and T answer columns, V vocabulary. Any UPPER_CASE constant can be set
+by an environment variable of its name.
 """
 import functools
 import sys
@@ -29,12 +28,13 @@ import torch
 from tqdm import tqdm
 
 import rewards
-from features import (checkpoints, env_overrides, evaluation, logprobs, lora, question_sampler,
-                      quiet, server_client, shared_prefix, tools, vllm_engine, wire, worker, zero2)
+from features import (checkpoints, env_overrides, evaluation, logprobs, lora, policy,
+                      question_sampler, quiet, refusals, server_client, shared_prefix, tools,
+                      vllm_engine, wire, worker, zero2)
 from features.advantages import SCALES, STD_EPS, group_advantages, scale_to_step, upload_scale
 from features.embedded_model import resolve_model_path
-from features.run_log import (RunLog, answer_records, check_tensorboard, clock, log_step,
-                              loss_metrics, plot_curves, step_metrics, timed, weight_gap)
+from features.run_log import (RunLog, answer_records, clock, log_step, loss_metrics, plot_curves,
+                              step_metrics, timed, weight_gap)
 from rewards import reward_correct, reward_format
 
 # ----------------------------------------------------------------------------- constants
@@ -48,27 +48,27 @@ MAX_NEW_TOKENS = 64  # answer budget in tokens; longer answers are cut (and stil
 TEMPERATURE = 0.7  # sampling temperature, and every log-prob's; 1.0 hardly learned (docs/tuning.md)
 BETA = 0.04  # KL penalty weight towards the reference model; 0 = no reference, no server
 CLIP_EPS = 0.2  # PPO clip: the ratio pi / pi_old may fall to 1 - CLIP_EPS ...
-CLIP_EPS_HIGH = 0.2  # ... and rise to 1 + CLIP_EPS_HIGH; DAPO's clip-higher (0.28) lets rare tokens grow
+CLIP_EPS_HIGH = 0.2  # ... and rise to 1 + CLIP_EPS_HIGH; DAPO's 0.28 lets rare good tokens grow
 LR = 1e-5  # AdamW learning rate; the optimizer's other settings and its schedule are DS_CONFIG's
 ALL_STEPS = 30  # training steps
 SEED = 42  # seeds questions and sampling (rank r uses SEED + r)
 REF_SERVER = "http://127.0.0.1:59875"  # where `python ref_server.py` listens
 REF_TOKEN = ""  # must equal the server's REF_TOKEN when it has one
-DS_CONFIG = "ds_config.json"  # ZeRO-2, AdamW, clipping, schedule; LR and bf16 are set here, not there
+DS_CONFIG = "ds_config.json"  # ZeRO-2, AdamW, clipping, schedule; LR and bf16 are set here
 OUTPUT_DIR = "output"  # checkpoints, metrics.jsonl, completions.jsonl and curves.png
 # The prompt (docs/rewards.md)
 SYSTEM_PROMPT = ("You are a helpful assistant. Think about the problem step by step inside <think> "
                  "</think> tags, then write only the final number inside <answer> </answer> tags.")
-EXAMPLE = ("What is 3 + 4?", "<think> 3 + 4 = 7 </think><answer>7</answer>")  # one shot; None = none
-THINK_PREFILL = "<think>"  # after the assistant header; "" = none (small models then rarely use tags)
+EXAMPLE = ("What is 3 + 4?", "<think> 3 + 4 = 7 </think><answer>7</answer>")  # None = zero-shot
+THINK_PREFILL = "<think>"  # after the assistant header; "" = none (small models then skip tags)
 ARITH_MAX = 20  # the built-in task's operands lie in 1..ARITH_MAX (a range the 135M model learns)
 # Loss variants (docs/loss.md)
 LOSS_TYPE = "grpo"  # answers' token means, then their mean | "dapo": all tokens' mean | "dr_grpo"
 SCALE_REWARDS = "group"  # advantages / the std of: "group" (GRPO) | "batch" (the step's) | "none"
-GSPO = False  # True = one ratio per answer (its tokens' geometric mean); set CLIP_EPS 3e-4, HIGH 4e-4
+GSPO = False  # True = one ratio per answer (tokens' geometric mean); CLIP_EPS 3e-4, HIGH 4e-4
 MU = 1  # optimizer steps on each batch; > 1 reuses it, the clipped ratio keeping each near pi_old
 SKIP_GEN_LOGPS = True  # MU = 1: a rank's own groups need no pi_old forward (ratio 1); False = one
-MASK_TRUNCATED = False  # True = answers cut at MAX_NEW_TOKENS leave the loss (DAPO's overlong filter)
+MASK_TRUNCATED = False  # True = answers cut at MAX_NEW_TOKENS leave the loss (DAPO overlong filter)
 # Which questions a step trains on (docs/sampling.md)
 DYNAMIC_SAMPLING = False  # True = DAPO: roll out until Q_BATCH_SIZE groups have different rewards
 SAMPLER = "uniform"  # | "difficulty": redraw questions whose group varied, fewer uniform ones
@@ -134,9 +134,8 @@ def completion_mask(completion_ids: torch.Tensor, eos_id) -> torch.Tensor:
 
 
 def advantages_in_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(N,) GRPO's advantages: each reward against its group's, A = (r - mean) / (std + STD_EPS).
-    SCALE_REWARDS "batch" and "none" are features/advantages.group_advantages (the server uses
-    it too); a test holds this equal to its "group"."""
+    """(N,) GRPO's advantages A = (r - its group's mean) / (the group's std + STD_EPS); the other
+    SCALE_REWARDS are features/advantages.group_advantages, tested equal to this on "group"."""
     grouped = scores.float().view(-1, group_size)  # (Q, G)
     centred = grouped - grouped.mean(1, keepdim=True)  # (Q, G)
     return (centred / (grouped.std(1, keepdim=True) + STD_EPS)).view(-1)  # (N,)
@@ -159,16 +158,14 @@ def k3(ref_logps: torch.Tensor, logps: torch.Tensor) -> torch.Tensor:
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(B,) mean of x over each row's True positions (0 for an empty row); selects, since inf x 0
-    would be NaN."""
+    """(B,) mean of x over each row's True positions (0 if none); selects, as inf x 0 is NaN."""
     mask = mask.bool()  # (B, T)
     return torch.where(mask, x, 0.0).sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
 
 
 def old_logps(logps, gen_logps, gen_rows, mask) -> torch.Tensor:
     """(B, T) pi_old: gen_logps on the rows that carry them (gen_rows (B,), None = all), else logps
-    detached (ratio 1, whose gradient is the policy gradient's). Padding gets logps too, so nothing
-    there overflows."""
+    detached (ratio 1, the policy gradient's gradient); padding too, so nothing overflows."""
     if gen_logps is None:
         return logps.detach()  # (B, T)
     given = mask.bool() if gen_rows is None else mask.bool() & gen_rows[:, None]  # (B, T)
@@ -176,8 +173,7 @@ def old_logps(logps, gen_logps, gen_rows, mask) -> torch.Tensor:
 
 
 def gspo_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """GSPO: (B, T) each answer's mean log-ratio over its tokens, on every token: one ratio per
-    answer, clipped whole."""
+    """GSPO: (B, T) each answer's mean log-ratio on its every token: one ratio, clipped whole."""
     return masked_mean(log_ratio, mask)[:, None].expand_as(log_ratio)  # (B, T)
 
 
@@ -197,10 +193,9 @@ def mismatch_weights(old, sampler_logps, sampler_rows, mask, *, mode, cap) -> to
 
 def grpo_loss(*, logps, old_logps, ref_logps, advantages, mask, beta, clip_eps, clip_eps_high,
               weights=None, gspo=False) -> torch.Tensor:
-    """(B, T) the clipped GRPO loss of each token, DeepSeekMath's, with r = pi / pi_old:
-    -(min(r A, clip(r, 1 - clip_eps, 1 + clip_eps_high) A) - beta k3). reduce_loss averages it.
-    logps, old_logps, ref_logps (None: beta 0), mask, weights (vLLM's mismatch) (B, T);
-    advantages (B,). docs/loss.md writes it out."""
+    """(B, T) DeepSeekMath's clipped loss per token, r = pi / pi_old: -(min(r A, clip(r, 1 - eps,
+    1 + eps_high) A) - beta k3); reduce_loss averages it (docs/loss.md). logps, old_logps,
+    ref_logps (None: beta 0), mask, weights (vLLM's mismatch) (B, T); advantages (B,)."""
     if ref_logps is None and beta:
         raise ValueError(f"grpo_loss: ref_logps=None needs beta=0 (beta {beta})")
     mask = mask.bool()  # (B, T)
@@ -220,10 +215,9 @@ def grpo_loss(*, logps, old_logps, ref_logps, advantages, mask, beta, clip_eps, 
 
 
 def reduce_loss(per_token, mask, *, loss_type="grpo", normalizer=None, max_tokens=1):
-    """The scalar loss from the (B, T) per-token losses. "grpo": each answer's token mean, summed
-    over answers; "dapo": every token summed; "dr_grpo": summed too. Then divided by the answers
-    (dapo: the tokens) of the whole step over all ranks per rank (normalizer; None = this batch's
-    own count), and dr_grpo also by max_tokens, Dr. GRPO's constant."""
+    """The scalar loss of (B, T) per-token losses: "grpo" sums each answer's token mean, "dapo" and
+    "dr_grpo" every token; / the step's answers (dapo: tokens) on all ranks per rank (normalizer;
+    None = this batch's), and dr_grpo also / max_tokens, Dr. GRPO's constant."""
     if loss_type not in LOSS_TYPES or not max_tokens:
         raise ValueError(f"loss_type {loss_type!r} in {LOSS_TYPES}; max_tokens {max_tokens} >= 1")
     mask = mask.bool()  # (B, T)
@@ -274,28 +268,11 @@ class Batch:
 
 
 def load_policy(path, device):
-    """(model, tokenizer, eos_ids, gen_config): a causal LM (a LoRA checkpoint onto MODEL_PATH)
-    sampling plain softmax(logits / TEMPERATURE), the distribution every log-prob assumes."""
-    from transformers import AutoTokenizer, GenerationConfig
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model = lora.load_model(path, device, base_path=resolve_model_path(MODEL_PATH))
-    eos_ids = model.generation_config.eos_token_id
-    if isinstance(eos_ids, int):
-        eos_ids = [eos_ids]
-    eos_ids = list(eos_ids or [tokenizer.eos_token_id])
-    # generate() fills what is unset from the model's generation_config (Qwen2.5-Instruct: top_k
-    # 20, top_p 0.8, repetition_penalty 1.05), and its samples are then not softmax(logits / T).
-    # So the model keeps none: sampling comes from these arguments alone.
-    bos_id = model.generation_config.bos_token_id
-    model.generation_config = GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_ids,
-                                               pad_token_id=tokenizer.pad_token_id)
-    gen_config = GenerationConfig(do_sample=True, temperature=TEMPERATURE, top_k=0, top_p=1.0,
-                                  max_new_tokens=MAX_NEW_TOKENS, eos_token_id=eos_ids,
-                                  pad_token_id=tokenizer.pad_token_id)
-    return model, tokenizer, eos_ids, gen_config
+    """(model, tokenizer, eos_ids, gen_config) sampling plain softmax(logits / TEMPERATURE), the
+    distribution every log-prob assumes: no model default (top_k, top_p...) may change it
+    (features/policy.py). Workers call it too, on each new checkpoint."""
+    return policy.load_policy(path, device, base_path=resolve_model_path(MODEL_PATH),
+                              temperature=TEMPERATURE, max_new_tokens=MAX_NEW_TOKENS)
 
 
 def build_prompt(tokenizer, question: str) -> str:
@@ -366,9 +343,8 @@ def generate(model, tokenizer, questions, gen_config, eos_ids, llm=None) -> Roll
 
 
 def logps_of(model, input_ids, attention_mask, n_completion, entropy=False):
-    """(B, T) log-probs at TEMPERATURE: per_token_logps, or by default its faster equal, the
-    shared prompt and chunked log-probs from hidden states (features/logprobs.py). entropy:
-    (logps, (B, T) the policy's entropy at each token), from the same pass."""
+    """(B, T) log-probs at TEMPERATURE: per_token_logps, or its faster equal by default, a shared
+    prompt and chunks from hidden states (features/logprobs.py); entropy: (logps, entropy)."""
     if not (SHARED_PREFIX or LOGP_FROM_HIDDEN or LOGP_CHUNK or entropy):  # every fast path off
         return per_token_logps(model, input_ids, attention_mask, n_completion)
     return logprobs.completion_logps(model, input_ids, attention_mask, n_completion, TEMPERATURE,
@@ -378,10 +354,9 @@ def logps_of(model, input_ids, attention_mask, n_completion, entropy=False):
 
 @torch.no_grad()
 def pack_groups(model, rollout: Rollout, scores, advantages, keep_all, with_gen_logps):
-    """Step 5's upload: the groups worth training on as (tensors, meta) pairs, and (D,) the rewards
-    of those dropped for equal rewards (their advantages are all 0: nothing to learn), unless
-    keep_all. pi_old by a forward if with_gen_logps (REGROUP, workers), MU > 1 or not
-    SKIP_GEN_LOGPS; else none is needed (ratio 1)."""
+    """Step 5's upload: the groups worth training on as (tensors, meta), and (D,) the rewards of
+    those dropped for equal rewards (advantages all 0: nothing to learn), unless keep_all. pi_old
+    by a forward if with_gen_logps (REGROUP, workers), MU > 1 or not SKIP_GEN_LOGPS."""
     G = NUM_PRE_Q
     T = rollout.mask.shape[1]
     varied = scores.view(-1, G).std(1) > 0  # (Q,)
@@ -421,11 +396,9 @@ def rollout(model, tokenizer, eos_ids, gen_config, questions, llm, keep_all, wit
 
 
 def sampled_by_these_weights(groups, version) -> tuple:
-    """(the pulled groups the policy at `version` may train on, the number dropped). A group
-    sampled by other weights (pulled a step late, past upload_and_pull's deadline) needs their
-    log-probs (gen_logps) as pi_old; without them its ratio would be 1, as if the current weights
-    had sampled it. Workers' and regrouped groups carry them; a rank's own late group at MU = 1
-    with SKIP_GEN_LOGPS does not, and is dropped."""
+    """(the pulled groups the policy at `version` may train on, the number dropped). A group that
+    other weights sampled (a step late) needs their log-probs as pi_old (gen_logps), else its ratio
+    would be 1 as if these weights had sampled it: workers' and regrouped groups carry them."""
     usable = [(tensors, meta) for tensors, meta in groups
               if meta.get("version", version) == version or "gen_logps" in tensors]
     return usable, len(groups) - len(usable)
@@ -456,24 +429,20 @@ def policy_loss(engine, b: Batch):
     """Step 6: (the GRPO loss of a (micro-)batch under the current weights, its metrics)."""
     engine.train()
     T = b.mask.shape[1]
-    if USE_TRITON:  # one fused pass over the whole logits, then d(logits) written over them
-        from grpo_loss_triton import grpo_loss_triton
-        logits = logprobs.completion_logits(engine, b.input_ids, b.attention_mask, T,
-                                            SHARED_PREFIX)  # (B, T, V)
-        loss, logps, entropy = grpo_loss_triton(
-            logits=logits, completion_ids=b.input_ids[:, -T:], temperature=TEMPERATURE,
-            return_logps=True, return_entropy=True, inplace_backward=True,
-            ref_logps=b.ref_logps, gen_logps=b.gen_logps, gen_rows=b.gen_rows,
-            advantages=b.advantages, mask=b.mask, beta=BETA, clip_eps=CLIP_EPS,
-            clip_eps_high=CLIP_EPS_HIGH, loss_type=LOSS_TYPE, max_tokens=MAX_NEW_TOKENS,
-            normalizer=b.normalizer, sampler_logps=b.sampler_logps, sampler_rows=b.sampler_rows,
-            tis_cap=TIS_CAP, tis_mode=TIS_MODE)
-        old = old_logps(logps, b.gen_logps, b.gen_rows, b.mask)  # (B, T)
-        weights = tis_weights(old, b)  # (B, T) or None
+    if USE_TRITON:  # the same loss fused in one pass over the logits (grpo_loss_triton.py, GPU)
+        import grpo_loss_triton
+        loss, logps, entropy = grpo_loss_triton.batch_loss(
+            engine, b, temperature=TEMPERATURE, shared_prefix=SHARED_PREFIX, beta=BETA,
+            clip_eps=CLIP_EPS, clip_eps_high=CLIP_EPS_HIGH, loss_type=LOSS_TYPE,
+            max_tokens=MAX_NEW_TOKENS, tis_cap=TIS_CAP, tis_mode=TIS_MODE)
     else:
         logps, entropy = logps_of(engine, b.input_ids, b.attention_mask, T, entropy=True)
-        old = old_logps(logps, b.gen_logps, b.gen_rows, b.mask)  # (B, T) pi_old
-        weights = tis_weights(old, b)  # (B, T) vLLM's mismatch, or None
+    old = old_logps(logps, b.gen_logps, b.gen_rows, b.mask)  # (B, T) pi_old
+    weights = None  # vLLM's mismatch pi_old / pi_vllm, truncated or masked (TIS_MODE)
+    if b.sampler_logps is not None and TIS_CAP:
+        weights = mismatch_weights(old, b.sampler_logps, b.sampler_rows, b.mask.bool(),
+                                   mode=TIS_MODE, cap=TIS_CAP)  # (B, T)
+    if not USE_TRITON:
         per_token = grpo_loss(logps=logps, old_logps=old, ref_logps=b.ref_logps,
                               advantages=b.advantages, mask=b.mask, beta=BETA, clip_eps=CLIP_EPS,
                               clip_eps_high=CLIP_EPS_HIGH, weights=weights, gspo=GSPO)  # (B, T)
@@ -491,14 +460,6 @@ def policy_loss(engine, b: Batch):
     if not b.share:  # a repeat that keeps this rank in step with the others: no gradient
         loss = loss * 0.0
     return loss, m
-
-
-def tis_weights(old, b: Batch):
-    """(B, T) vLLM's mismatch weights pi_old / pi_vllm (TIS_MODE, TIS_CAP), or None without them."""
-    if b.sampler_logps is None or not TIS_CAP:
-        return None
-    return mismatch_weights(old, b.sampler_logps, b.sampler_rows, b.mask.bool(), mode=TIS_MODE,
-                            cap=TIS_CAP)
 
 
 def train_step(engine, batches) -> Counter:
@@ -534,24 +495,14 @@ def batches_of(engine, groups, pad_id) -> list:
 
 # ----------------------------------------------------------------------------- set-up
 def check_settings():
-    """Stop, before any model loads, on constants that cannot work together or an OUTPUT_DIR that
-    holds another run."""
-    checkpoints.refuse_to_overwrite(OUTPUT_DIR, RESUME)  # KEEP_CHECKPOINTS would delete its steps
-    env_overrides.check_choices(globals(), LOSS_TYPE=LOSS_TYPES, TIS_MODE=TIS_MODES,
-                                SCALE_REWARDS=SCALES, SAMPLER=question_sampler.SAMPLERS)
-    if USE_TRITON and (GSPO or TIS_MODE.startswith("sequence_")):  # they need a whole answer
-        sys.exit("USE_TRITON has no per-answer ratio (GSPO, TIS_MODE sequence_*): set those off, "
-                 "or USE_TRITON=0")
-    if TIS_CAP < 0 or 0 < TIS_CAP <= 1:  # at <= 1 the mask modes drop every token
-        sys.exit(f"TIS_CAP = {TIS_CAP}: the importance weights' cap must be above 1 "
-                 "(2.0 is common), or 0 = off")
-    check_tensorboard(TENSORBOARD)
-    if GSPO and max(CLIP_EPS, CLIP_EPS_HIGH) > 0.01:  # an answer's mean drift is far smaller
-        print(f"warning: GSPO with CLIP_EPS {CLIP_EPS} will hardly ever clip "
-              "(the paper: 3e-4 / 4e-4)", file=sys.stderr)
-    if GSPO and LOSS_TYPE != "grpo":  # TRL warns the same
-        print(f"warning: GSPO with LOSS_TYPE {LOSS_TYPE!r} weighs each answer's sequence loss by "
-              'its length; GSPO is defined with LOSS_TYPE "grpo"', file=sys.stderr)
+    """Stop, before any model loads, on settings that cannot work (features/refusals.py)."""
+    choices = dict(LOSS_TYPE=(LOSS_TYPE, LOSS_TYPES), TIS_MODE=(TIS_MODE, TIS_MODES),
+                   SCALE_REWARDS=(SCALE_REWARDS, SCALES),
+                   SAMPLER=(SAMPLER, question_sampler.SAMPLERS))
+    refusals.check_settings(output_dir=OUTPUT_DIR, resume=RESUME, choices=choices,
+                            use_triton=USE_TRITON, gspo=GSPO, tis_mode=TIS_MODE, tis_cap=TIS_CAP,
+                            tensorboard=TENSORBOARD, clip_eps=CLIP_EPS,
+                            clip_eps_high=CLIP_EPS_HIGH, loss_type=LOSS_TYPE)
 
 
 def setup_deepspeed():
@@ -589,59 +540,60 @@ def training_questions():
 
 # ----------------------------------------------------------------------------- the loop
 def main():
-    check_settings()
+    check_settings()  # before any model loads
     quiet.quiet_libraries(VERBOSE)
     engine, tokenizer, eos_ids, gen_config, rank, device = setup_deepspeed()
     model = engine.module  # the same weights without the engine: generation and evaluation
-    client = None
+    client = None  # no server: no reference at all (BETA 0), or LoRA's base is the reference
     if uses_server():
         client = server_client.RefClient(REF_SERVER, REF_TOKEN, SERVER_TIMEOUT, EXTRA_GROUPS)
     health = client.health(model, tokenizer, ALLOW_REF_MISMATCH) if client else {}  # same model?
-    regroup = bool(health.get("regroup"))  # pooled answers of older weights: they need gen_logps
-    keep_all = regroup or bool(health.get("reward_model"))  # the server's rewards may differ
+    regroup = bool(health.get("regroup"))  # it pools answers of older weights: send gen_logps
+    keep_all = regroup or bool(health.get("reward_model"))  # its rewards may differ from ours
     questions, held_out = training_questions()
     sampler = question_sampler.QuestionSampler(questions, SEED + rank, SAMPLER, REPLAY_SHARE)
-    reward_names = [fn.__name__ for fn, _ in REWARDS]
-    start = 0
+    start = 0  # the last step done: a resumed checkpoint's
     if RESUME:
         start = checkpoints.resume(engine, sampler, rank, output_dir=OUTPUT_DIR, lora=LORA_RANK > 0)
-    llm = start_vllm(SEED + rank, model.dtype) if USE_VLLM else None  # one engine on every rank
+    llm = start_vllm(SEED + rank, model.dtype) if USE_VLLM else None  # one engine per rank
     if llm is not None and start > 0:  # it loaded MODEL_PATH: give it the resumed weights
         vllm_engine.push_weights(llm, model)
-    log = None  # rank 0 writes the run log
+    reward_names = [fn.__name__ for fn, _ in REWARDS]
+    log = None  # rank 0 writes metrics.jsonl and completions.jsonl
     if rank == 0:
         log = RunLog(OUTPUT_DIR, reward_names, resumed_step=start,
                      completions_every=LOG_COMPLETIONS_STEPS, tensorboard=TENSORBOARD)
-    evaluate = dict(encode=functools.partial(encode_prompts, tokenizer),
-                    decode=functools.partial(decode, tokenizer),
-                    score=functools.partial(rewards.score, REWARDS), eos_ids=eos_ids,
-                    tokenizer=tokenizer, max_new_tokens=MAX_NEW_TOKENS, llm=llm, tools=TOOLS,
-                    max_calls=MAX_TOOL_CALLS, samples=EVAL_SAMPLES, sample_config=gen_config)
+    evaluate = functools.partial(  # evaluate(step): held-out greedy accuracy into the log
+        evaluation.log_eval, model=model, questions=held_out, log=log, rank=rank,
+        encode=functools.partial(encode_prompts, tokenizer), tokenizer=tokenizer,
+        decode=functools.partial(decode, tokenizer), eos_ids=eos_ids,
+        score=functools.partial(rewards.score, REWARDS), max_new_tokens=MAX_NEW_TOKENS, llm=llm,
+        tools=TOOLS, max_calls=MAX_TOOL_CALLS, samples=EVAL_SAMPLES, sample_config=gen_config)
     if EVAL_STEPS > 0 and start == 0:
-        evaluation.log_eval(0, model, held_out, log, rank, **evaluate)
+        evaluate(0)
     wanted = Q_BATCH_SIZE if DYNAMIC_SAMPLING else 1  # groups with different rewards a step needs
-    steps = tqdm(range(start + 1, ALL_STEPS + 1), disable=rank != 0, desc="GRPO", dynamic_ncols=True)
-    for step in steps:
+    steps = range(start + 1, ALL_STEPS + 1)
+    for step in tqdm(steps, disable=rank != 0, desc="GRPO", dynamic_ncols=True):
         m = Counter()  # this step's metrics
         step_start = clock()
         answers = []  # every answer the step sampled, for the log
-        groups = []  # (tensors, meta) pairs the step trains on
+        groups = []  # the (tensors, meta) pairs the step trains on
         dropped = []  # the rewards of groups dropped for equal rewards, per rollout
         for attempt in range(1, MAX_ROLLOUTS + 1):  # until groups with different rewards
             n_questions = Q_BATCH_SIZE - len(groups) if DYNAMIC_SAMPLING else Q_BATCH_SIZE
             drawn = sampler.sample(n_questions)  # 1. sample
             new, records, stats, equal = rollout(model, tokenizer, eos_ids, gen_config, drawn, llm,
                                                  keep_all, regroup, step, rank)  # 2-4.
+            sampler.record(records, NUM_PRE_Q)  # SAMPLER "difficulty": which groups varied
             answers += records
             dropped.append(equal)
-            sampler.record(records, NUM_PRE_Q)  # SAMPLER "difficulty": which questions varied
             m.update(stats)
-            with timed(m, "wait_s"):  # 5. upload; pull groups with ref_logps (no server: ours)
-                pulled = pull_groups(client, new, step, rank)
+            with timed(m, "wait_s"):
+                pulled = pull_groups(client, new, step, rank)  # 5. upload, pull with ref_logps
             pulled, late = sampled_by_these_weights(pulled, step - 1)
             m["late_groups_dropped"] += late
             groups += pulled
-            if len(groups) >= wanted:  # DAPO's dynamic sampling: a full batch
+            if len(groups) >= wanted:
                 break
         else:
             question_sampler.out_of_rollouts(len(groups), MAX_ROLLOUTS, wanted)
@@ -655,10 +607,9 @@ def main():
                 vllm_engine.push_weights(llm, model)  # the next rollouts' weights
         m = step_metrics(m, groups, answers, step, attempt, step_start, NUM_PRE_Q, reward_names)
         log_step(step, m, answers, log, device)
-        end_of_run = step == ALL_STEPS
-        if EVAL_STEPS > 0 and (step % EVAL_STEPS == 0 or end_of_run):
-            evaluation.log_eval(step, model, held_out, log, rank, **evaluate)
-        if end_of_run or (SAVE_STEPS and step % SAVE_STEPS == 0):
+        if EVAL_STEPS > 0 and (step % EVAL_STEPS == 0 or step == ALL_STEPS):
+            evaluate(step)
+        if step == ALL_STEPS or (SAVE_STEPS and step % SAVE_STEPS == 0):
             checkpoints.save_checkpoint(engine, tokenizer, step, sampler, rank,
                                         output_dir=OUTPUT_DIR, keep=KEEP_CHECKPOINTS,
                                         lora=LORA_RANK > 0)
@@ -670,16 +621,15 @@ def main():
 
 
 def pull_groups(client, new, step, rank) -> list:
-    """Step 5: upload our groups and take back as many ready ones, with ref_logps (any rank's),
-    retrying through a busy or restarted server (features/server_client.py). Without a server
-    (BETA 0, LoRA's base): our own groups."""
+    """Step 5: upload our groups, take back as many ready ones with ref_logps (any rank's),
+    through a busy or restarted server (features/server_client.py). No server: our own."""
     if client is None:
         return [(tensors, {**meta, "version": step - 1}) for tensors, meta in new]
     return client.upload_and_pull(new, step - 1, rank)
 
 
 def generate_only():
-    """A generation worker (features/worker.py): steps 1-4 and uploads; no DeepSpeed, no optimizer."""
+    """A generation worker (features/worker.py): steps 1-4 and uploads; no optimizer."""
     questions, _ = training_questions()
 
     def make_groups(policy, llm, keep_all, rng):  # steps 1-4, the trainer's own

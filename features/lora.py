@@ -28,17 +28,6 @@ def add_lora(model, *, rank, alpha, targets, seed):
     return model
 
 
-def load_model(path, device, *, base_path):
-    """A causal LM from `path` in fp32 on `device`; a LoRA checkpoint (adapters only, adapter_config.json) is
-    loaded onto the model at base_path."""
-    from transformers import AutoModelForCausalLM
-
-    adapters = os.path.exists(os.path.join(path, "adapter_config.json"))
-    model = AutoModelForCausalLM.from_pretrained(base_path if adapters else path, dtype=torch.float32)
-    model = model.to(device)
-    return load_adapters(model, path) if adapters else model
-
-
 def load_adapters(model, path):
     """A LoRA checkpoint (adapters only, saved by the trainer) put onto its base `model`."""
     from peft import PeftModel

@@ -12,10 +12,11 @@ import requests
 from features.fingerprint import model_fingerprint
 from features.wire import decode_batch, encode_batch
 
-POLL_FIRST_S, POLL_MAX_S = 0.02, 0.05  # /get polls while a forward runs: a group is at most POLL_MAX_S late
-RETRY_FIRST_S, RETRY_MAX_S = 0.2, 5.0  # backoff between retries of an unreachable or busy server
-NOTE_EVERY_S = 10.0  # a retrying client says so on stderr at most this often
-READ_TIMEOUT_S = 60.0  # a request the server has not answered by then is retried (a stuck server)
+# Internal timings of the plumbing; SERVER_TIMEOUT (the trainer's) is the one to tune.
+_POLL_FIRST_S, _POLL_MAX_S = 0.02, 0.05  # /get polls while a forward runs: a group is at most _POLL_MAX_S late
+_RETRY_FIRST_S, _RETRY_MAX_S = 0.2, 5.0  # backoff between retries of an unreachable or busy server
+_NOTE_EVERY_S = 10.0  # a retrying client says so on stderr at most this often
+_READ_TIMEOUT_S = 60.0  # a request the server has not answered by then is retried (a stuck server)
 
 
 class ServerError(RuntimeError):
@@ -23,11 +24,11 @@ class ServerError(RuntimeError):
 
 
 def request_with_retry(method, url, token="", data=None, give_up_after=600.0, what="reference server",
-                       read_timeout=READ_TIMEOUT_S):
+                       read_timeout=_READ_TIMEOUT_S):
     """One HTTP request; connection errors, timeouts and 503 (queue full) are retried with backoff.
     A retried upload is safe when it carries an upload_id: the server answers a repeat, queues nothing."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    start, delay, last_note = time.time(), RETRY_FIRST_S, 0.0
+    start, delay, last_note = time.time(), _RETRY_FIRST_S, 0.0
     while True:
         try:
             r = requests.request(method, url, data=data, headers=headers, timeout=read_timeout)
@@ -44,11 +45,11 @@ def request_with_retry(method, url, token="", data=None, give_up_after=600.0, wh
         if waited > give_up_after:
             raise TimeoutError(f"{what} at {url} still {problem} after {waited:.0f} s; "
                                "is `python ref_server.py` running?")
-        if time.time() - last_note > NOTE_EVERY_S:
+        if time.time() - last_note > _NOTE_EVERY_S:
             print(f"[retry] {what} {problem}; retrying for up to {give_up_after:.0f} s", file=sys.stderr, flush=True)
             last_note = time.time()
         time.sleep(delay)
-        delay = min(delay * 2, RETRY_MAX_S)
+        delay = min(delay * 2, _RETRY_MAX_S)
 
 
 class RefClient:
@@ -98,7 +99,7 @@ class RefClient:
         forward failed comes back as an error: one group fewer, said on stderr.
         """
         instance, owed = self.upload(groups, version=version, rank=rank)
-        got, deadline, delay = [], time.time() + self.timeout, POLL_FIRST_S
+        got, deadline, delay = [], time.time() + self.timeout, _POLL_FIRST_S
         while owed > len(got) and time.time() < deadline:
             r = self.request("GET", "/get")
             if r.status_code == 200 and r.headers.get("Content-Type") == "application/json":  # its forward failed
@@ -107,14 +108,14 @@ class RefClient:
                 owed -= 1
             elif r.status_code == 200:
                 got.append(decode_batch(r.content))
-                delay = POLL_FIRST_S
+                delay = _POLL_FIRST_S
             if r.headers.get("X-Ref-Instance") != instance:
                 print(f"[rank {rank}] the reference server restarted: {owed - len(got)} uploaded groups "
                       "were lost with it; regenerating", file=sys.stderr, flush=True)
                 break
             if r.status_code == 204:  # the reference forward is still running; a 204 poll is a tiny request
                 time.sleep(delay)
-                delay = min(delay * 2, POLL_MAX_S)
+                delay = min(delay * 2, _POLL_MAX_S)
         for _ in range(self.extra_groups):
             r = self.request("GET", "/get?from=workers")
             if r.status_code != 200:

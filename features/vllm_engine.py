@@ -30,7 +30,7 @@ def start_vllm(model_path, seed, dtype, *, eager, gpu_memory, cpu_kv_gb, verbose
     python_rng = random.getstate()
     with torch.random.fork_rng(devices=range(torch.cuda.device_count())):  # LLM(seed=...) reseeds torch and random
         llm = LLM(model=model_path, dtype=str(dtype).removeprefix("torch."), seed=seed, enforce_eager=eager,
-                  gpu_memory_utilization=gpu_memory,
+                  gpu_memory_utilization=gpu_memory, use_tqdm_on_load=verbose,
                   logprobs_mode="processed_logprobs",  # log-probs of softmax(logits / T), as the trainer's; default T=1
                   generation_config="vllm",  # not the model's sampling defaults (Qwen: top_k 20...): see load_policy
                   distributed_executor_backend="external_launcher" if distributed else None)

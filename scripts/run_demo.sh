@@ -13,4 +13,7 @@ until grep -q "reference server ready" ref_server.log; do  # a server that dies 
 done
 NUM_GPUS=${NUM_GPUS:-1}  # CPU here: 1 rank; on a GPU machine leave --num_gpus out to use them all
 # vLLM generates the demo's rollouts: 0.85x transformers' step time here (bench/bench_step_anatomy.py, COMPARE=vllm)
-USE_VLLM=${USE_VLLM:-1} deepspeed --num_gpus "$NUM_GPUS" grpo_ref_split.py
+# Quiet unless VERBOSE=1: the launcher's INFO lines go, and DeepSpeed is told it runs on CPU (no "unable to detect").
+command -v nvidia-smi > /dev/null || export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
+[ "${VERBOSE:-0}" = 1 ] && LOG_LEVEL=info || LOG_LEVEL=warning
+USE_VLLM=${USE_VLLM:-1} deepspeed --log_level "$LOG_LEVEL" --num_gpus "$NUM_GPUS" grpo_ref_split.py

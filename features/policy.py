@@ -1,0 +1,34 @@
+"""Loading the policy: a transformers causal LM (or a LoRA checkpoint onto its base) whose sampling comes from
+the trainer's constants alone, so that its samples are exactly softmax(logits / TEMPERATURE).
+
+    python -c "import torch; from features.policy import load_policy"     # the trainer, workers and benches call it
+"""
+import os
+
+import torch
+
+from features.lora import load_adapters
+
+
+def load_policy(path, device, *, base_path, temperature, max_new_tokens):
+    """(model, tokenizer, eos_ids, gen_config) with plain sampling: what every log-prob assumes. A LoRA checkpoint
+    (adapters only, adapter_config.json) is loaded onto base_path."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    adapters = os.path.exists(os.path.join(path, "adapter_config.json"))
+    model = AutoModelForCausalLM.from_pretrained(base_path if adapters else path, dtype=torch.float32).to(device)
+    model = load_adapters(model, path) if adapters else model
+    eos_ids = model.generation_config.eos_token_id
+    eos_ids = [eos_ids] if isinstance(eos_ids, int) else list(eos_ids or [tokenizer.eos_token_id])
+    # generate() fills every setting left unset from the model's own generation_config (Qwen2.5-Instruct:
+    # repetition_penalty 1.05, top_k 20, top_p 0.8), and its samples are then not softmax(logits / T), the
+    # distribution every log-prob assumes. So the model keeps none: sampling comes from the arguments alone.
+    model.generation_config = GenerationConfig(bos_token_id=model.generation_config.bos_token_id,
+                                               eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id)
+    gen_config = GenerationConfig(do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
+                                  max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                                  eos_token_id=eos_ids)
+    return model, tokenizer, eos_ids, gen_config

@@ -1,0 +1,131 @@
+"""Issue 37's lesson: the plain definitions in grpo_ref_split.py equal the fast paths the default runs (value and
+gradient), and the rules a reader relies on hold (line widths and budgets, one-way imports, quiet libraries).
+
+    bash scripts/test.sh -k lesson
+"""
+import ast
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import grpo_ref_split as grpo
+from conftest import ROOT, tiny_config
+from features import quiet
+from features.advantages import group_advantages
+
+READ_BY_PEOPLE = ("grpo_ref_split.py", "ref_server.py", "rewards.py", "grpo_loss_triton.py")
+
+
+@pytest.fixture
+def left_padded(tokenizer):
+    """A tiny Llama and 2 groups of 3 rows: prompts of different lengths (left-padded), then 5 answer tokens."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_config(tokenizer)).eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(5, 400, (n,), generator=g) for n in (6, 4)]
+    rows, masks = [], []
+    for prompt in prompts:
+        for _ in range(3):
+            answer = torch.randint(5, 400, (5,), generator=g)
+            pad = 6 - len(prompt)
+            rows.append(torch.cat([torch.full((pad,), tokenizer.pad_token_id), prompt, answer]))
+            masks.append(torch.cat([torch.zeros(pad, dtype=torch.long), torch.ones(len(prompt) + 5, dtype=torch.long)]))
+    return model, torch.stack(rows), torch.stack(masks)
+
+
+def test_the_plain_log_probs_equal_the_default_fast_path_in_value_and_gradient(left_padded, monkeypatch):
+    """per_token_logps (logits -> log_softmax(logits / T) -> gather) against what the default runs: one forward of
+    each shared prompt, chunks of the LM head from hidden states (features/logprobs.py)."""
+    model, ids, attn = left_padded
+    params = [p for p in model.parameters()]
+    weights = torch.randn(6, 5, generator=torch.Generator().manual_seed(2))  # a loss that weighs every token
+    for name in ("SHARED_PREFIX", "LOGP_FROM_HIDDEN"):
+        assert getattr(grpo, name)  # the default runs the fast path
+    fast = grpo.logps_of(model, ids, attn, 5)  # (6, 5)
+    fast_grads = torch.autograd.grad((fast * weights).sum(), params)
+    for name, off in (("SHARED_PREFIX", False), ("LOGP_FROM_HIDDEN", False), ("LOGP_CHUNK", 0)):
+        monkeypatch.setattr(grpo, name, off)
+    plain = grpo.logps_of(model, ids, attn, 5)  # every fast path off: the lesson's definition
+    assert torch.equal(plain, grpo.per_token_logps(model, ids, attn, 5))
+    plain_grads = torch.autograd.grad((plain * weights).sum(), params)
+    torch.testing.assert_close(fast, plain, rtol=0, atol=2e-5)
+    for f, p in zip(fast_grads, plain_grads):
+        torch.testing.assert_close(f, p, rtol=1e-4, atol=1e-6)
+    monkeypatch.setattr(grpo, "TEMPERATURE", 1.0)  # the temperature is every log-prob's
+    assert (grpo.per_token_logps(model, ids, attn, 5) - plain).abs().max() > 1e-3
+
+
+def test_the_lessons_group_advantages_are_the_features_for_group_scaling():
+    scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 3.0, 3.0, 3.0, 0.5, 2.0, 0.0, 1.0])
+    assert torch.equal(grpo.advantages_in_groups(scores, 4), group_advantages(scores, 4, "group"))
+    assert grpo.advantages_in_groups(scores, 4)[4:8].tolist() == [0.0] * 4  # all equal: nothing to learn
+
+
+# ----------------------------------------------------------------------------- rules a reader relies on
+@pytest.mark.parametrize("name", READ_BY_PEOPLE)
+def test_lines_people_read_fit_in_100_columns_without_backslashes(name):
+    lines = open(os.path.join(ROOT, name)).read().splitlines()
+    wide = [i + 1 for i, line in enumerate(lines) if len(line) > 100]
+    continued = [i + 1 for i, line in enumerate(lines) if line.rstrip().endswith("\\")]
+    assert not wide and not continued, f"{name}: lines over 100 columns {wide}, backslash continuations {continued}"
+
+
+def test_the_two_main_files_keep_their_budgets():
+    assert len(open(os.path.join(ROOT, "grpo_ref_split.py")).read().splitlines()) <= 650
+    assert len(open(os.path.join(ROOT, "ref_server.py")).read().splitlines()) <= 300
+
+
+def test_the_training_loop_reads_as_the_seven_steps():
+    """main()'s loop over steps stays short enough to read at once, and names its steps."""
+    tree = ast.parse(open(os.path.join(ROOT, "grpo_ref_split.py")).read())
+    main = next(f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "main")
+    loop = next(n for n in ast.walk(main) if isinstance(n, ast.For) and getattr(n.target, "id", "") == "step")
+    assert loop.end_lineno - loop.lineno + 1 <= 45
+    text = ast.get_source_segment(open(os.path.join(ROOT, "grpo_ref_split.py")).read(), loop)
+    for step in ("1. sample", "2-4.", "5. upload", "6-7."):
+        assert step in text
+
+
+@pytest.mark.parametrize("module, forbidden", [
+    ("rewards", ("features", "grpo_ref_split", "ref_server")),  # the task stands alone
+    ("ref_server", ("grpo_ref_split", "rewards")),  # the server never imports the trainer or the task
+])
+def test_imports_run_one_way(module, forbidden):
+    code = (f"import sys; import {module}; "
+            f"print(sorted(m for m in sys.modules if m.split('.')[0] in {forbidden!r}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
+
+
+def test_no_feature_module_imports_the_trainer():
+    for name in os.listdir(os.path.join(ROOT, "features")):
+        if name.endswith(".py"):
+            tree = ast.parse(open(os.path.join(ROOT, "features", name)).read())
+            imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+            imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+            assert "grpo_ref_split" not in imported, name
+
+
+def test_quiet_raises_the_libraries_log_levels_unless_verbose():
+    from transformers.utils import logging as transformers_logging
+
+    deepspeed_logger = logging.getLogger("DeepSpeed")
+    before = (transformers_logging.get_verbosity(), deepspeed_logger.level)
+    try:
+        transformers_logging.set_verbosity_info()
+        deepspeed_logger.setLevel(logging.INFO)
+        quiet.quiet_libraries(verbose=True)  # VERBOSE: everything, as it comes
+        assert transformers_logging.get_verbosity() == logging.INFO and deepspeed_logger.level == logging.INFO
+        quiet.quiet_libraries(verbose=False)
+        assert transformers_logging.get_verbosity() == logging.ERROR and deepspeed_logger.level == logging.WARNING
+    finally:
+        transformers_logging.set_verbosity(before[0])
+        deepspeed_logger.setLevel(before[1])
+        transformers_logging.enable_progress_bar()
