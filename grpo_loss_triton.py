@@ -172,28 +172,9 @@ def _grpo_bwd_kernel(
 
 class _GRPOLoss(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx,
-        logits,
-        ids,
-        ref_logps,
-        gen_logps,
-        advantages,
-        mask,
-        beta,
-        clip_eps,
-        clip_eps_high,
-        loss_type,
-        max_tokens,
-        temperature,
-        inplace,
-        normalizer,
-        sampler_logps,
-        tis_cap,
-        tis_mode,
-        gen_rows,
-        sampler_rows,
-    ):
+    def forward(ctx, logits, ids, ref_logps, gen_logps, advantages, mask, beta, clip_eps,
+                clip_eps_high, loss_type, max_tokens, temperature, inplace, normalizer,
+                sampler_logps, tis_cap, tis_mode, gen_rows, sampler_rows):
         B, T, V = logits.shape
         mask = mask.float()  # (B, T)
         if (
@@ -340,27 +321,10 @@ def grpo_loss_triton(
             f"gradient: use the PyTorch loss) and max_tokens >= 1 (got {max_tokens})"
         )
     clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
-    loss, logps, entropy = _GRPOLoss.apply(
-        logits,
-        completion_ids,
-        ref_logps,
-        gen_logps,
-        advantages,
-        mask,
-        beta,
-        clip_eps,
-        clip_eps_high,
-        loss_type,
-        max_tokens,
-        temperature,
-        inplace_backward,
-        normalizer,
-        sampler_logps,
-        tis_cap,
-        tis_mode,
-        gen_rows,
-        sampler_rows,
-    )
+    loss, logps, entropy = _GRPOLoss.apply(logits, completion_ids, ref_logps, gen_logps, advantages,
+                                           mask, beta, clip_eps, clip_eps_high, loss_type,
+                                           max_tokens, temperature, inplace_backward, normalizer,
+                                           sampler_logps, tis_cap, tis_mode, gen_rows, sampler_rows)
     extra = ([logps] if return_logps else []) + ([entropy] if return_entropy else [])
     return (loss, *extra) if extra else loss
 

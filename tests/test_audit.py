@@ -18,9 +18,9 @@ from features import reward_model, zero2
 from features.advantages import scale_to_step
 from features.regroup import RegroupPool
 from features.server_client import RefClient
-from features.tools import calculator, tool_rollout
+from features.tools import calculator
 from test_grpo_math import run_ranks
-from test_tools import scripted
+from test_tools import scripted_generate_with_tools
 
 EPS = 1e-4  # STD_EPS
 
@@ -103,16 +103,10 @@ def test_an_answer_cut_by_the_call_budget_trains_only_its_sampled_tokens_and_cou
     id: a first-pad mask trained on that pad as if the policy had stopped, and called the answer stopped."""
     eos = tokenizer.eos_token_id
     script = {1: [" <tool>1 + 1</tool>", " <tool>2 + 2</tool>"], 2: [LONG]}
-
-    def scripted_tools(model, tokenizer, enc, n, **kw):
-        out = tool_rollout(scripted(tokenizer, script, []), [[1], [2]], tokenizer=tokenizer, tools=kw["tools"],
-                           max_calls=kw["max_calls"], max_new_tokens=64, eos_ids=[eos], pad_id=eos)
-        return out.pop("completion_ids"), out.pop("sampler_logps"), out
-
     monkeypatch.setattr(grpo, "TOOLS", [calculator])
     monkeypatch.setattr(grpo, "MAX_TOOL_CALLS", 1)
     monkeypatch.setattr(grpo, "NUM_PRE_Q", 2)
-    monkeypatch.setattr(grpo.tools, "generate_with_tools", scripted_tools)
+    monkeypatch.setattr(grpo.tools, "generate_with_tools", scripted_generate_with_tools(script, eos))
     question = [dict(question="What is 1 + 1?", gold="2")]
     out = grpo.generate(model, tokenizer, question, None, [eos])
     enc = lambda t: tokenizer.encode(t, add_special_tokens=False)  # noqa: E731
@@ -124,7 +118,7 @@ def test_an_answer_cut_by_the_call_budget_trains_only_its_sampled_tokens_and_cou
     answer = enc(LONG) + [eos]  # longer than answer 0: its row is padded after the call
     assert len(answer) > len(want) and out.mask[1].tolist() == [True] * len(answer)
     monkeypatch.setattr(grpo, "MASK_TRUNCATED", True)  # DAPO's overlong filter now sees it
-    script = {1: [" <tool>1 + 1</tool>", " <tool>2 + 2</tool>"], 2: [LONG]}
+    script.update({1: [" <tool>1 + 1</tool>", " <tool>2 + 2</tool>"], 2: [LONG]})  # the stand-in pops its texts
     masked = grpo.generate(model, tokenizer, question, None, [eos])
     assert not masked.mask[0].any() and masked.mask[1].sum() == len(answer)
 

@@ -268,21 +268,25 @@ def tool_server(tool_model_dir, tmp_path_factory):
     server.stop()
 
 
+def scripted_generate_with_tools(script, eos):
+    """A stand-in for tools.generate_with_tools: two answers (rows 1 and 2 of `script`) from the scripted sampler,
+    through the real tool_rollout with the trainer's tools and call budget."""
+    def generate_with_tools(model, tokenizer, enc, n, **kw):
+        out = tool_rollout(scripted(tokenizer, script, []), [[1], [2]], tokenizer=tokenizer, tools=kw["tools"],
+                           max_calls=kw["max_calls"], max_new_tokens=64, eos_ids=[eos], pad_id=eos)
+        return out.pop("completion_ids"), out.pop("sampler_logps"), out
+    return generate_with_tools
+
+
 def test_generate_trains_on_the_models_tokens_and_records_the_calls(monkeypatch, model, tokenizer):
     """The trainer's step 2 with TOOLS: the loss mask leaves the results out, lengths count the model's tokens,
     the texts the rewards score hold each call and its result."""
     eos = tokenizer.eos_token_id
     script = {1: [" 348 + 517 = <tool>348 + 517</tool>", " </think><answer>865</answer>"],
               2: [" 7 </think><answer>7</answer>"]}
-
-    def scripted_tools(model, tokenizer, enc, n, **kw):
-        out = tool_rollout(scripted(tokenizer, script, []), [[1], [2]], tokenizer=tokenizer, tools=kw["tools"],
-                           max_calls=kw["max_calls"], max_new_tokens=64, eos_ids=[eos], pad_id=eos)
-        return out.pop("completion_ids"), out.pop("sampler_logps"), out
-
     monkeypatch.setattr(grpo, "TOOLS", [calculator])
     monkeypatch.setattr(grpo, "NUM_PRE_Q", 2)
-    monkeypatch.setattr(grpo.tools, "generate_with_tools", scripted_tools)
+    monkeypatch.setattr(grpo.tools, "generate_with_tools", scripted_generate_with_tools(script, eos))
     out = grpo.generate(model, tokenizer, [dict(question="What is 348 + 517?", gold="865")], None, [eos])
     enc = lambda t: tokenizer.encode(t, add_special_tokens=False)  # noqa: E731
     call, result, rest = enc(" 348 + 517 = <tool>348 + 517</tool>"), enc("<result>865</result>"), \
