@@ -163,7 +163,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, x, 0.0).sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
 
 
-def old_logps(logps, gen_logps, gen_rows, mask) -> torch.Tensor:
+def pi_old_logps(logps, gen_logps, gen_rows, mask) -> torch.Tensor:
     """(B, T) pi_old: gen_logps on the rows that carry them (gen_rows (B,), None = all), else logps
     detached (ratio 1, the policy gradient's gradient); padding too, so nothing overflows."""
     if gen_logps is None:
@@ -353,24 +353,24 @@ def logps_of(model, input_ids, attention_mask, n_completion, entropy=False):
 
 
 @torch.no_grad()
-def pack_groups(model, rollout: Rollout, scores, advantages, keep_all, with_gen_logps):
+def pack_groups(model, sampled: Rollout, scores, advantages, keep_all, with_gen_logps):
     """Step 5's upload: the groups worth training on as (tensors, meta), and (D,) the rewards of
     those dropped for equal rewards (advantages all 0: nothing to learn), unless keep_all. pi_old
     by a forward if with_gen_logps (REGROUP, workers), MU > 1 or not SKIP_GEN_LOGPS."""
     G = NUM_PRE_Q
-    T = rollout.mask.shape[1]
+    T = sampled.mask.shape[1]
     varied = scores.view(-1, G).std(1) > 0  # (Q,)
     kept = [q for q in range(len(varied))
-            if (varied[q] or keep_all) and rollout.mask[q * G:(q + 1) * G].any()]
-    ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)  # (B, P+T)
-    attn = torch.cat([rollout.prompt_mask, torch.ones_like(rollout.completion_ids)], 1)  # (B, P+T)
+            if (varied[q] or keep_all) and sampled.mask[q * G:(q + 1) * G].any()]
+    ids = torch.cat([sampled.prompt_ids, sampled.completion_ids], 1)  # (B, P+T)
+    attn = torch.cat([sampled.prompt_mask, torch.ones_like(sampled.completion_ids)], 1)  # (B, P+T)
     rows = [q * G + i for q in kept for i in range(G)]
     gen_logps = None  # (K, T) pi_old of the kept rows
     if kept and (with_gen_logps or MU > 1 or not SKIP_GEN_LOGPS):
         gen_logps = logps_of(model, ids[rows], attn[rows], T).cpu()
     meta = dict(temperature=TEMPERATURE, scale_rewards=SCALE_REWARDS)  # the server redoes with it
     dropped = scores.view(-1, G)[~varied].view(-1)  # (D,) SCALE_REWARDS "batch" counts them
-    groups = wire.pack_groups(rollout, ids, kept, G, scores, advantages, gen_logps, meta)
+    groups = wire.pack_groups(sampled, ids, kept, G, scores, advantages, gen_logps, meta)
     return groups, dropped
 
 
@@ -420,7 +420,7 @@ def prepare_batch(engine, batch: Batch, normalizer=None) -> Batch:
         b.ref_logps = lora.base_logps(engine, base_logps)  # (B, T)
     if MU > 1 and (b.gen_logps is None or not b.gen_rows.all()):
         now = logps_of(engine.module.eval(), b.input_ids, b.attention_mask, T)  # (B, T)
-        b.gen_logps = old_logps(now, b.gen_logps, b.gen_rows, b.mask)  # (B, T) every row's
+        b.gen_logps = pi_old_logps(now, b.gen_logps, b.gen_rows, b.mask)  # (B, T) every row's
         b.gen_rows = None
     return b
 
@@ -437,7 +437,7 @@ def policy_loss(engine, b: Batch):
             max_tokens=MAX_NEW_TOKENS, tis_cap=TIS_CAP, tis_mode=TIS_MODE)
     else:
         logps, entropy = logps_of(engine, b.input_ids, b.attention_mask, T, entropy=True)
-    old = old_logps(logps, b.gen_logps, b.gen_rows, b.mask)  # (B, T) pi_old
+    old = pi_old_logps(logps, b.gen_logps, b.gen_rows, b.mask)  # (B, T) pi_old
     weights = None  # vLLM's mismatch pi_old / pi_vllm, truncated or masked (TIS_MODE)
     if b.sampler_logps is not None and TIS_CAP:
         weights = mismatch_weights(old, b.sampler_logps, b.sampler_rows, b.mask.bool(),
@@ -632,8 +632,8 @@ def generate_only():
     """A generation worker (features/worker.py): steps 1-4 and uploads; no optimizer."""
     questions, _ = training_questions()
 
-    def make_groups(policy, llm, keep_all, rng):  # steps 1-4, the trainer's own
-        groups, records, _, _ = rollout(*policy, rng.sample(questions, Q_BATCH_SIZE), llm,
+    def make_groups(loaded, llm, keep_all, rng):  # steps 1-4, the trainer's own
+        groups, records, _, _ = rollout(*loaded, rng.sample(questions, Q_BATCH_SIZE), llm,
                                         keep_all, True)
         return groups, records
     client = server_client.RefClient(REF_SERVER, REF_TOKEN, SERVER_TIMEOUT)

@@ -42,8 +42,8 @@ def extract_answer(completion: str) -> str | None:
     answers = ANSWER_RE.findall(completion)
     if answers:
         return answers[-1].strip()
-    numbers = NUMBER_RE.findall(completion)
-    return numbers[-1] if numbers else None
+    found = NUMBER_RE.findall(completion)
+    return found[-1] if found else None
 
 
 def reward_correct(completion: str, gold: str, question: str | None = None) -> float:
@@ -129,7 +129,9 @@ def make_arithmetic(n: int, max_operand: int, seed: int, mixed: bool = False) ->
         low, high = LARGE if large else (1, max_operand)
         a, b = rng.randint(low, high), rng.randint(low, high)
         question = rng.choice(TEMPLATES).format(n=rng.choice(NAMES), x=rng.choice(ITEMS), a=a, b=b)
-        tag = {"tag": "large" if large else "small"} if mixed else {}
+        tag = {}  # "arithmetic_mixed" tags each question with the size of its operands
+        if mixed:
+            tag = {"tag": "large" if large else "small"}
         out.append({"question": question, "answer": f"{a} + {b} = {a + b}\n#### {a + b}", **tag})
     return out
 

@@ -4,7 +4,7 @@ The Triton tests and benches compare the kernel with it; the loss tests call it 
 
     python -m pytest tests/test_triton.py        # TRITON_INTERPRET=1 is set there on CPU
 """
-from grpo_ref_split import TIS_MODES, grpo_loss, mismatch_weights, old_logps, reduce_loss
+from grpo_ref_split import TIS_MODES, grpo_loss, mismatch_weights, pi_old_logps, reduce_loss
 
 
 def torch_loss(*, logps, ref_logps, gen_logps, advantages, mask, beta, clip_eps, clip_eps_high=None,
@@ -14,7 +14,7 @@ def torch_loss(*, logps, ref_logps, gen_logps, advantages, mask, beta, clip_eps,
     if tis_mode not in TIS_MODES:
         raise ValueError(f"loss_type and tis_mode: tis_mode {tis_mode!r} is not one of {TIS_MODES}")
     mask = mask.bool()  # (B, T)
-    old = old_logps(logps, gen_logps, gen_rows, mask)  # (B, T)
+    old = pi_old_logps(logps, gen_logps, gen_rows, mask)  # (B, T)
     weights = None
     if sampler_logps is not None and tis_cap > 0:
         weights = mismatch_weights(old, sampler_logps, sampler_rows, mask, mode=tis_mode, cap=tis_cap)

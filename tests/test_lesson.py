@@ -129,3 +129,20 @@ def test_quiet_raises_the_libraries_log_levels_unless_verbose():
         transformers_logging.set_verbosity(before[0])
         deepspeed_logger.setLevel(before[1])
         transformers_logging.enable_progress_bar()
+
+
+@pytest.mark.parametrize("name", READ_BY_PEOPLE)
+def test_no_local_name_shadows_the_files_functions_or_modules_and_no_nested_conditionals(name):
+    tree = ast.parse(open(os.path.join(ROOT, name)).read())
+    top = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    top |= {(a.asname or a.name).split(".")[0] for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
+            for a in n.names}
+    shadows = []
+    for fn in ast.walk(tree):
+        if isinstance(fn, ast.FunctionDef):
+            names = {a.arg for a in fn.args.args + fn.args.kwonlyargs + fn.args.posonlyargs}
+            names |= {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+            shadows += [f"{fn.name}: {n}" for n in sorted(names & top)]
+    nested = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.IfExp)
+              and any(c is not n and isinstance(c, ast.IfExp) for c in ast.walk(n))]
+    assert not shadows and not nested, f"{name}: shadowing {shadows}, nested conditional expressions {nested}"
