@@ -38,7 +38,8 @@ CHILD = """
 import json, resource, sys, time, torch
 sys.path.insert(0, {root!r})
 from features.logprobs import hidden_logps, per_token_logps
-from grpo_ref_split import grpo_loss
+sys.path.insert(0, {root!r} + "/tests")
+from reference_loss import torch_loss  # the trainer's PyTorch loss with the kernel's keywords
 gpu = torch.cuda.is_available()
 dev, dtype = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)
 B, T, V, H, variants, repeats = {B}, {T}, {V}, {H}, {variants!r}, {repeats}
@@ -64,7 +65,7 @@ def memory():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 def step(variant):
-    grpo_loss(logps=logps(variant), ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.04,
+    torch_loss(logps=logps(variant), ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.04,
               clip_eps=0.2).backward()
     hidden.grad = head.grad = None
 

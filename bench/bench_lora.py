@@ -44,8 +44,7 @@ def child():
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the RSS now
     start = time.perf_counter()
-    grpo.backward(engine, grpo.micro_batches(engine, groups, tokenizer.pad_token_id))
-    engine.step()
+    grpo.train_step(engine, grpo.batches_of(engine, groups, tokenizer.pad_token_id))  # steps 6-7
     seconds, peak = time.perf_counter() - start, hwm_bytes()
     with tempfile.TemporaryDirectory() as out:  # what save_checkpoint writes per step
         save_checkpoint(engine, tokenizer, 1, __import__("random").Random(0), 0, output_dir=out, keep=1,

@@ -64,9 +64,7 @@ def child(n_groups):
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the RSS now
     start = time.perf_counter()
-    parts = grpo.micro_batches(engine, groups, tokenizer.pad_token_id)
-    grpo.backward(engine, parts)
-    engine.step()
+    grpo.train_step(engine, grpo.batches_of(engine, groups, tokenizer.pad_token_id))  # steps 6-7
     print(json.dumps({"peak_bytes": hwm_bytes(), "seconds": time.perf_counter() - start}))
 
 

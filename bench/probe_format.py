@@ -15,6 +15,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo_ref_split as grpo  # noqa: E402
+import rewards  # noqa: E402
 from features.embedded_model import resolve_model_path  # noqa: E402
 from rewards import load_questions  # noqa: E402
 
@@ -30,7 +31,7 @@ def main():
         out = model.generate(input_ids=enc.input_ids.repeat_interleave(G, 0),
                              attention_mask=enc.attention_mask.repeat_interleave(G, 0), generation_config=gen_config)
     texts = grpo.decode(tokenizer, out[:, enc.input_ids.shape[1]:])
-    _, each = grpo.score(texts, [q["gold"] for q in questions for _ in range(G)],
+    _, each = rewards.score(grpo.REWARDS, texts, [q["gold"] for q in questions for _ in range(G)],
                          [q["question"] for q in questions for _ in range(G)])
     m = {name: sum(values) / len(values) for name, values in each.items()}
     closed = sum("</think>" in t for t in texts)

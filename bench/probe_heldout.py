@@ -14,6 +14,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo_ref_split as grpo  # noqa: E402
+import rewards  # noqa: E402
 from features.evaluation import held_out_answers  # noqa: E402
 from rewards import load_questions, split_held_out  # noqa: E402
 
@@ -42,8 +43,8 @@ def main():
                                  attention_mask=enc.attention_mask.repeat_interleave(SAMPLES, 0),
                                  generation_config=gen_config)  # plain sampling at TEMPERATURE, as in training
         sampled_texts += grpo.decode(tokenizer, out[:, enc.input_ids.shape[1] :])
-    _, greedy = grpo.score(greedy_texts, golds, [q["question"] for q in held_out])
-    _, sampled = grpo.score(sampled_texts, [g for g in golds for _ in range(SAMPLES)],
+    _, greedy = rewards.score(grpo.REWARDS, greedy_texts, golds, [q["question"] for q in held_out])
+    _, sampled = rewards.score(grpo.REWARDS, sampled_texts, [g for g in golds for _ in range(SAMPLES)],
                             [q["question"] for q in held_out for _ in range(SAMPLES)])
     right = greedy["reward_correct"]  # (N,) 1.0 / 0.0
     per_question = [sum(sampled["reward_correct"][i * SAMPLES : (i + 1) * SAMPLES]) / SAMPLES
