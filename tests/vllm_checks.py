@@ -4,6 +4,7 @@ line of measurements that tests/test_vllm.py asserts on.
 
     python tests/vllm_checks.py MODEL_FOLDER
 """
+import functools
 import json
 import os
 import random
@@ -13,6 +14,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo_ref_split as grpo  # noqa: E402
+import rewards  # noqa: E402
 from features.evaluation import evaluate  # noqa: E402
 from features.logprobs import completion_logps  # noqa: E402
 from features.lora import add_lora  # noqa: E402
@@ -82,7 +84,8 @@ def main(path):
     report["greedy_questions"] = len(questions)
     held = load_questions("arithmetic", 4)[:40]  # more than evaluate's transformers batch of 16
     args = dict(encode=lambda qs: grpo.encode_prompts(tokenizer, qs), decode=lambda ids: grpo.decode(tokenizer, ids),
-                score=grpo.score, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id, max_new_tokens=grpo.MAX_NEW_TOKENS)
+                score=functools.partial(rewards.score, grpo.REWARDS), eos_ids=eos_ids,
+                pad_id=tokenizer.pad_token_id, max_new_tokens=grpo.MAX_NEW_TOKENS)
     report["eval_vllm"] = evaluate(model, held, llm=llm, **args)
     report["eval_transformers"] = evaluate(model, held, **args)
 
