@@ -22,7 +22,7 @@ by an environment variable of its name.
 import functools
 import sys
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
