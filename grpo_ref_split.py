@@ -80,6 +80,7 @@ LOGP_FROM_HIDDEN = True  # log-probs from the LM head's input in chunks; False =
 LOGP_CHUNK = 128  # tokens whose logits exist at once: (LOGP_CHUNK, V), not (B, T, V); 0 = all
 TRAIN_MICRO_BATCH = 0  # groups per forward+backward, gradients added up; 0 = all at once (fastest)
 GRADIENT_CHECKPOINTING = False  # recompute activations in backward: one more forward, less memory
+OFFLOAD_OPTIMIZER = False  # True = AdamW's state and fp32 weights in CPU memory, stepped there
 USE_TRITON = False  # True = the fused Triton loss (grpo_loss_triton.py, GPU)
 # The reference server (docs/server.md, docs/reliability.md)
 SERVER_TIMEOUT = 600.0  # s to keep retrying an unreachable or busy server before giving up
@@ -159,8 +160,7 @@ def k3(ref_logps: torch.Tensor, logps: torch.Tensor) -> torch.Tensor:
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(B,) mean of x over each row's True positions (0 if none); selects, as inf x 0 is NaN."""
-    mask = mask.bool()  # (B, T)
-    return torch.where(mask, x, 0.0).sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
+    return torch.where(mask.bool(), x, 0.0).sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
 
 
 def pi_old_logps(logps, gen_logps, gen_rows, mask) -> torch.Tensor:
@@ -413,7 +413,7 @@ def prepare_batch(engine, batch: Batch, normalizer=None) -> Batch:
     if normalizer is None:
         normalizer = zero2.global_count([b.mask], LOSS_TYPE == "dapo")
     b.normalizer = normalizer
-    T = b.mask.shape[1]
+    T = b.mask.shape[1]  # answer columns
     if LORA_RANK > 0 and REF_FROM_BASE and BETA != 0:  # the reference: the base, adapters off
         def base_logps():
             return logps_of(engine.module.eval(), b.input_ids, b.attention_mask, T)
@@ -514,7 +514,8 @@ def setup_deepspeed():
     model = lora.add_lora(model, rank=LORA_RANK, alpha=LORA_ALPHA, targets=LORA_TARGETS,
                           seed=SEED)  # LORA_RANK 0: unchanged
     # CPU ranks train in fp32 (bf16 is slow and lossy there); the scheduler counts optimizer steps.
-    config = zero2.ds_config(DS_CONFIG, lr=LR, bf16=cuda, total_steps=ALL_STEPS * MU)
+    config = zero2.ds_config(DS_CONFIG, lr=LR, bf16=cuda, total_steps=ALL_STEPS * MU,
+                             offload_optimizer=OFFLOAD_OPTIMIZER)
     engine = zero2.initialize(model, config, GRADIENT_CHECKPOINTING)
     return engine, tokenizer, eos_ids, gen_config, rank, device
 
@@ -621,8 +622,7 @@ def main():
 
 
 def pull_groups(client, new, step, rank) -> list:
-    """Step 5: upload our groups, take back as many ready ones with ref_logps (any rank's),
-    through a busy or restarted server (features/server_client.py). No server: our own."""
+    """Step 5: upload our groups, pull as many ready ones with ref_logps; no server: our own."""
     if client is None:
         return [(tensors, {**meta, "version": step - 1}) for tensors, meta in new]
     return client.upload_and_pull(new, step - 1, rank)

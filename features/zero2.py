@@ -13,12 +13,14 @@ import sys
 
 import torch
 
-SET_BY_TRAINER = "lr (LR), bf16 (on GPUs, not on CPU) and the scheduler's total_num_steps (ALL_STEPS x MU)"
+SET_BY_TRAINER = ("lr (LR), bf16 (on GPUs, not on CPU), the scheduler's total_num_steps (ALL_STEPS x MU) and "
+                  "zero_optimization.offload_optimizer (OFFLOAD_OPTIMIZER)")
 
 
-def ds_config(path, *, lr, bf16, total_steps) -> dict:
+def ds_config(path, *, lr, bf16, total_steps, offload_optimizer=False) -> dict:
     """The DeepSpeed config at `path` with SET_BY_TRAINER filled in; a file that sets any of them itself is refused,
-    so no value there is silently overwritten."""
+    so no value there is silently overwritten. offload_optimizer: ZeRO-Offload, AdamW's two moments and the fp32
+    master weights held and stepped in CPU memory by DeepSpeed's CPU Adam (pinned on GPUs for fast copies)."""
     with open(path) as f:
         config = json.load(f)
     scheduler = config.get("scheduler", {}).get("params", {})
@@ -28,6 +30,12 @@ def ds_config(path, *, lr, bf16, total_steps) -> dict:
     config["bf16"] = {"enabled": bf16}
     if "scheduler" in config:  # DeepSpeed's own; it counts optimizer steps
         config["scheduler"]["params"]["total_num_steps"] = total_steps
+    if offload_optimizer:
+        if "offload_optimizer" in config["zero_optimization"]:
+            sys.exit(f"{path} sets offload_optimizer: OFFLOAD_OPTIMIZER sets it; remove it from {path}")
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": bf16}
+        for name in ("torch_adam", "fused"):  # torch's AdamW steps on the GPU; DeepSpeedCPUAdam on the CPU
+            config["optimizer"]["params"].pop(name, None)
     return config
 
 

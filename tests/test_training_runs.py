@@ -257,3 +257,29 @@ def test_a_task_that_never_gives_different_rewards_stops_the_run_with_advice(tin
     assert run.returncode != 0
     assert "2 rollouts in a row gave no group with different rewards" in run.stderr
     assert not (tmp_path / "out" / "step_1").exists()
+
+
+def test_optimizer_offload_trains_like_the_plain_optimizer_and_resumes_bit_for_bit(tiny_model_dir, tmp_path):
+    """OFFLOAD_OPTIMIZER=1 (ZeRO-Offload: DeepSpeed's CPU Adam steps AdamW's state in CPU memory) against torch's
+    AdamW on the device: the same losses step for step and the same weights within fp32 rounding. Then resume: step 3
+    from the offloaded step_2 checkpoint equals the uninterrupted offloaded run's step 3 exactly."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    run = dict(BETA=0, ALL_STEPS=3, SAVE_STEPS=1, KEEP_CHECKPOINTS=3, EVAL_STEPS=0, SERVER_TIMEOUT=5)
+    plain = train(tiny_model_dir, dead, tmp_path / "plain", 1, **run)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    offload = train(tiny_model_dir, dead, tmp_path / "offload", 1, OFFLOAD_OPTIMIZER=1, **run)
+    assert offload.returncode == 0, offload.stderr[-3000:]
+    losses = [[m["loss"] for m in metrics(tmp_path / name)[0]] for name in ("plain", "offload")]
+    assert len(losses[1]) == 3 and losses[1] == pytest.approx(losses[0], rel=1e-5, abs=1e-7)
+    want, got = params(tmp_path / "plain" / "step_3"), params(tmp_path / "offload" / "step_3")
+    assert any(not torch.equal(want[k], params(tiny_model_dir)[k]) for k in want)  # it trained
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "offload", resumed)
+    shutil.rmtree(resumed / "step_3")
+    again = train(tiny_model_dir, dead, resumed, 1, OFFLOAD_OPTIMIZER=1, RESUME=1, **run)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {resumed / 'step_2'} (step 2)" in again.stdout + again.stderr
+    straight, continued = params(tmp_path / "offload" / "step_3"), params(resumed / "step_3")
+    assert all(torch.equal(straight[k], continued[k]) for k in straight)
