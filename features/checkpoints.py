@@ -10,6 +10,8 @@ import sys
 
 import torch
 
+from features import zero2
+
 
 def checkpoints(output_dir):
     """Complete output_dir/step_N folders, oldest first (a half-written one is still step_N.tmp)."""
@@ -68,6 +70,7 @@ def resume(engine, rng, rank, *, output_dir, lora):
                  "fewer ranks; resume with the same --num_gpus, or load its weights with MODEL_PATH instead")
     _, client = engine.load_checkpoint(folder, tag="deepspeed",  # weights, optimizer and scheduler state
                                        load_module_strict=not lora)  # LoRA: the frozen base is not in it
+    zero2.replay_cpu_adam_steps(engine)  # OFFLOAD_OPTIMIZER: bit for bit, as the uninterrupted run
     if engine.lr_scheduler is not None:  # the rate of the step it stopped at, whatever the optimizer state held
         engine.lr_scheduler.step(engine.lr_scheduler.last_batch_iteration)
     state = torch.load(rng_file, weights_only=True)

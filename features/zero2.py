@@ -39,6 +39,29 @@ def ds_config(path, *, lr, bf16, total_steps, offload_optimizer=False) -> dict:
     return config
 
 
+def replay_cpu_adam_steps(engine):
+    """After a resume with OFFLOAD_OPTIMIZER: bring DeepSpeed's CPU Adam's C++ step counter to the saved step.
+
+    The C++ optimizer keeps beta1^t and beta2^t by multiplying once per step, but a fresh process that
+    meets step t computes pow(beta, t), which rounds differently in the last bit, so the resumed run would
+    drift from the uninterrupted one by about 1e-7. Calls on empty tensors walk the counter through
+    1..t the way the uninterrupted run did; they touch no weight.
+    """
+    cpu_adam = getattr(getattr(engine, "optimizer", None), "optimizer", None)
+    if not hasattr(cpu_adam, "ds_opt_adam"):  # not DeepSpeedCPUAdam: torch's AdamW needs nothing
+        return
+    steps = [state["step"] for state in cpu_adam.state.values() if "step" in state]
+    if not steps:
+        return
+    group = cpu_adam.param_groups[0]
+    beta1, beta2 = group["betas"]
+    empty = torch.empty(0, dtype=torch.float32)
+    for step in range(1, int(max(steps)) + 1):
+        cpu_adam.ds_opt_adam.adam_update(cpu_adam.opt_id, step, group["lr"], beta1, beta2, group["eps"],
+                                         group["weight_decay"], group["bias_correction"], empty, empty,
+                                         empty, empty)
+
+
 def remove_shm_names(rank):
     """DeepSpeed's CPU all-reduce maps a /dev/shm file per rank and never deletes it: runs pile them up in RAM.
     Once every rank has mapped its file, the name can go (the memory lives until the process exits)."""

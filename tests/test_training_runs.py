@@ -283,3 +283,21 @@ def test_optimizer_offload_trains_like_the_plain_optimizer_and_resumes_bit_for_b
     assert f"resumed from {resumed / 'step_2'} (step 2)" in again.stdout + again.stderr
     straight, continued = params(tmp_path / "offload" / "step_3"), params(resumed / "step_3")
     assert all(torch.equal(straight[k], continued[k]) for k in straight)
+
+
+def test_optimizer_offload_with_lora_micro_batches_and_two_passes_trains_like_the_plain_optimizer(
+        tiny_model_dir, tmp_path):
+    """OFFLOAD_OPTIMIZER with LORA_RANK, TRAIN_MICRO_BATCH = 1 and MU = 2: the adapters' AdamW state on the
+    CPU gives the losses and adapter weights of torch's AdamW within fp32 rounding."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    run = dict(BETA=0, ALL_STEPS=2, EVAL_STEPS=0, SERVER_TIMEOUT=5, LORA_RANK=4, TRAIN_MICRO_BATCH=1, MU=2)
+    for name, offload in (("plain", 0), ("offload", 1)):
+        done = train(tiny_model_dir, dead, tmp_path / name, 1, OFFLOAD_OPTIMIZER=offload, **run)
+        assert done.returncode == 0, done.stderr[-3000:]
+    losses = [[m["loss"] for m in metrics(tmp_path / name)[0]] for name in ("plain", "offload")]
+    assert len(losses[1]) == 2 and losses[1] == pytest.approx(losses[0], rel=1e-5, abs=1e-7)
+    from safetensors.torch import load_file
+    want, got = (load_file(tmp_path / name / "step_2" / "adapter_model.safetensors") for name in ("plain", "offload"))
+    assert want.keys() == got.keys() and any(v.abs().sum() > 0 for v in want.values())
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
