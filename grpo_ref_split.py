@@ -28,9 +28,9 @@ import torch
 from tqdm import tqdm
 
 import rewards
-from features import (checkpoints, env_overrides, evaluation, logprobs, lora, policy,
-                      question_sampler, quiet, refusals, server_client, shared_prefix, tools,
-                      vllm_engine, wire, worker, zero2)
+from features import (checkpoints, env_overrides, evaluation, logprobs, lora, memory_plan,
+                      policy, question_sampler, quiet, refusals, server_client, shared_prefix,
+                      tools, vllm_engine, wire, worker, zero2)
 from features.advantages import SCALES, STD_EPS, group_advantages, scale_to_step, upload_scale
 from features.embedded_model import resolve_model_path
 from features.run_log import (RunLog, answer_records, clock, log_step, loss_metrics, plot_curves,
@@ -81,6 +81,7 @@ LOGP_CHUNK = 128  # tokens whose logits exist at once: (LOGP_CHUNK, V), not (B, 
 TRAIN_MICRO_BATCH = 0  # groups per forward+backward, gradients added up; 0 = all at once (fastest)
 GRADIENT_CHECKPOINTING = False  # recompute activations in backward: one more forward, less memory
 OFFLOAD_OPTIMIZER = False  # True = AdamW's state and fp32 weights in CPU memory, stepped there
+MEMORY_PLAN = True  # print what each device will hold and stop if it cannot fit; False = skip it
 USE_TRITON = False  # True = the fused Triton loss (grpo_loss_triton.py, GPU)
 # The reference server (docs/server.md, docs/reliability.md)
 SERVER_TIMEOUT = 600.0  # s to keep retrying an unreachable or busy server before giving up
@@ -520,6 +521,20 @@ def setup_deepspeed():
     return engine, tokenizer, eos_ids, gen_config, rank, device
 
 
+def check_memory(questions):
+    """The memory plan (features/memory_plan.py): printed, and a stop before any weight loads if
+    it cannot fit the device this rank sees."""
+    longest = max((q["question"] for q in questions[:256]), key=len)
+    setting = memory_plan.Setting(
+        offload_optimizer=OFFLOAD_OPTIMIZER, lora_rank=LORA_RANK, lora_targets=LORA_TARGETS,
+        gradient_checkpointing=GRADIENT_CHECKPOINTING, q_batch_size=Q_BATCH_SIZE,
+        train_micro_batch=TRAIN_MICRO_BATCH, group_size=NUM_PRE_Q, new_tokens=MAX_NEW_TOKENS,
+        logp_chunk=LOGP_CHUNK, logp_from_hidden=LOGP_FROM_HIDDEN, shared_prefix=SHARED_PREFIX,
+        use_vllm=USE_VLLM, vllm_gpu_memory=VLLM_GPU_MEMORY)
+    memory_plan.check(resolve_model_path(MODEL_PATH), setting,
+                      prompt=functools.partial(build_prompt, question=longest))
+
+
 def start_vllm(seed, dtype):
     """USE_VLLM's in-process engine with MODEL_PATH's weights (features/vllm_engine.py)."""
     return vllm_engine.start_vllm(resolve_model_path(MODEL_PATH), seed, dtype, eager=VLLM_EAGER,
@@ -543,6 +558,9 @@ def training_questions():
 def main():
     check_settings()  # before any model loads
     quiet.quiet_libraries(VERBOSE)
+    questions, held_out = training_questions()
+    if MEMORY_PLAN:
+        check_memory(questions)  # will this setting fit? before the weights load
     engine, tokenizer, eos_ids, gen_config, rank, device = setup_deepspeed()
     model = engine.module  # the same weights without the engine: generation and evaluation
     client = None  # no server: no reference at all (BETA 0), or LoRA's base is the reference
@@ -551,7 +569,6 @@ def main():
     health = client.health(model, tokenizer, ALLOW_REF_MISMATCH) if client else {}  # same model?
     regroup = bool(health.get("regroup"))  # it pools answers of older weights: send gen_logps
     keep_all = regroup or bool(health.get("reward_model"))  # its rewards may differ from ours
-    questions, held_out = training_questions()
     sampler = question_sampler.QuestionSampler(questions, SEED + rank, SAMPLER, REPLAY_SHARE)
     start = 0  # the last step done: a resumed checkpoint's
     if RESUME:

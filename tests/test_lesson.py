@@ -77,7 +77,8 @@ def test_lines_people_read_fit_in_100_columns_without_backslashes(name):
 
 
 def test_the_two_main_files_keep_their_budgets():
-    assert len(open(os.path.join(ROOT, "grpo_ref_split.py")).read().splitlines()) <= 650
+    # 650 after the lesson redesign, then 17 more lines for the memory plan (issue 38)
+    assert len(open(os.path.join(ROOT, "grpo_ref_split.py")).read().splitlines()) <= 670
     assert len(open(os.path.join(ROOT, "ref_server.py")).read().splitlines()) <= 300
 
 

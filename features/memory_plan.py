@@ -1,0 +1,275 @@
+"""The memory plan: what one training setting holds on each trainer GPU, in the CPU memory of its
+machine and on the reference server's GPU, from the model's config alone (no weights are loaded) and the
+trainer's constants. The trainer prints it at start-up and stops before loading the model when the
+setting cannot fit the device it sees.
+
+    python features/memory_plan.py                    # the embedded model at the demo's settings
+    MODEL_PATH=Qwen/Qwen2.5-7B-Instruct BF16=1 GPU_GB=80 RANKS=1 OFFLOAD_OPTIMIZER=1 \
+        GRADIENT_CHECKPOINTING=1 TRAIN_MICRO_BATCH=1 python features/memory_plan.py
+
+The model states (weights, gradients, AdamW's moments and fp32 master weights) come from DeepSpeed's
+own ZeRO-2 estimate. The activations come from tracing one forward of the model on PyTorch's meta
+device (shapes only, no memory) and adding up what autograd saves for backward, so any architecture
+transformers builds is counted as it is. What the plan leaves out: the CUDA context and the cuBLAS and
+NCCL workspaces, the caching allocator's fragmentation, and the few tensors of the loss itself. A
+plan above the whole device stops the trainer; one above FIT_SHARE of it may not fit
+(bench/bench_memory_plan.py measures the plan against a step's peak).
+"""
+import dataclasses
+import os
+import sys
+
+import torch
+
+FIT_SHARE = 0.75  # a plan above this share of a device "may not fit": it has run below measured peaks
+GIB = 2**30
+
+
+@dataclasses.dataclass
+class ModelShape:
+    """What the plan needs of a model, read from its config."""
+    params: int  # every parameter, tied ones once
+    trainable: int  # what AdamW steps: params, or the LoRA adapters' parameters
+    layers: int  # decoder layers
+    hidden: int  # the residual stream's width
+    kv_width: int  # key/value heads x head size: the KV cache per token per layer is 2 x this
+    vocab: int  # the LM head's outputs
+    saved_per_token: float  # bytes autograd keeps for backward per token per layer (training dtype)
+    saved_per_token_fp32: float  # the same in fp32 (CPU training)
+
+
+@dataclasses.dataclass
+class Setting:
+    """A trainer setting, each field named as the trainer's constant it comes from."""
+    ranks: int = 1  # trainer processes (one GPU each)
+    ranks_per_node: int = 1  # trainer processes on one machine: they share its CPU memory
+    bf16: bool = True  # GPUs train in bf16; CPU ranks in fp32
+    offload_optimizer: bool = False  # OFFLOAD_OPTIMIZER
+    lora_rank: int = 0  # LORA_RANK
+    lora_targets: str = "all-linear"  # LORA_TARGETS
+    gradient_checkpointing: bool = False  # GRADIENT_CHECKPOINTING
+    q_batch_size: int = 4  # Q_BATCH_SIZE: groups per rank per step
+    train_micro_batch: int = 0  # TRAIN_MICRO_BATCH: groups per forward+backward, 0 = all
+    group_size: int = 8  # NUM_PRE_Q
+    prompt_tokens: int = 128  # the longest prompt, in tokens
+    new_tokens: int = 64  # MAX_NEW_TOKENS
+    logp_chunk: int = 128  # LOGP_CHUNK, 0 = all tokens at once
+    logp_from_hidden: bool = True  # LOGP_FROM_HIDDEN
+    shared_prefix: bool = True  # SHARED_PREFIX: a group's prompt runs once
+    use_vllm: bool = False  # USE_VLLM
+    vllm_gpu_memory: float = 0.3  # VLLM_GPU_MEMORY: the share of the GPU vLLM takes
+    reduce_bucket_size: int = 500_000_000  # DeepSpeed's zero_optimization.reduce_bucket_size
+
+
+@dataclasses.dataclass
+class Row:
+    """One line of the plan: bytes on a trainer GPU, the trainer machine's CPU, the server's GPU."""
+    what: str
+    trainer: int = 0
+    cpu: int = 0
+    server: int = 0
+
+
+def saved_bytes_per_token(model) -> float:
+    """Bytes autograd saves per token per layer in one training forward of `model` (on the meta device).
+
+    The meta device runs attention's plain path, which also saves the (heads, T, T) weights; GPUs and
+    PyTorch's CPU attention do not. Tracing two lengths and extrapolating to length 0 keeps only the
+    per-token part, which is what flash and memory-efficient attention save.
+    """
+    weights = {p.untyped_storage()._cdata for p in model.parameters()}
+    layers = model.config.num_hidden_layers  # a peft model passes its base's config on
+    per_token = []
+    for length in (64, 128):
+        saved = {}
+
+        def pack(tensor):
+            storage = tensor.untyped_storage()
+            if storage._cdata not in weights:  # a weight is not an activation
+                saved[storage._cdata] = storage.nbytes()
+            return tensor
+
+        ids = torch.zeros(1, length, dtype=torch.long, device="meta")  # (1, length)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            model.get_decoder()(input_ids=ids)
+        per_token.append(sum(saved.values()) / (length * layers))
+    return 2 * per_token[0] - per_token[1]  # the line through both, at length 0
+
+
+def model_shape(model_path: str, *, lora_rank=0, lora_targets="all-linear") -> ModelShape:
+    """The ModelShape of a hub id or local folder: its config.json only, the model built on the meta
+    device (LoRA's adapters by peft, as the trainer adds them)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    traced = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+            params = sum({p.untyped_storage()._cdata: p.numel() for p in model.parameters()}.values())
+            if lora_rank > 0:  # a frozen layer saves less for backward: trace the adapted model
+                from peft import LoraConfig, get_peft_model
+
+                lora = LoraConfig(r=lora_rank, target_modules=lora_targets, task_type="CAUSAL_LM")
+                model = get_peft_model(model, lora)
+        model.train()
+        traced[dtype] = saved_bytes_per_token(model)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    heads = config.num_attention_heads
+    head_size = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return ModelShape(params=params, trainable=trainable, layers=config.num_hidden_layers,
+                      hidden=config.hidden_size, kv_width=kv_heads * head_size,
+                      vocab=config.vocab_size, saved_per_token=traced[torch.bfloat16],
+                      saved_per_token_fp32=traced[torch.float32])
+
+
+def model_states(shape: ModelShape, s: Setting) -> Row:
+    """Weights, gradients and AdamW's state. bf16: DeepSpeed's ZeRO-2 estimate for the trained
+    parameters (2 bytes of weights each, and 18 split over the ranks: bf16 and fp32 gradients, fp32
+    master weights, two moments; or all but the weights in CPU memory with offload), and 2 bytes for each
+    frozen one. fp32 (CPU): 4 bytes of weights and 16 split over the ranks (gradients, a master copy,
+    the moments), DeepSpeed having no estimate for it."""
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    frozen = shape.params - shape.trainable
+    nodes = max(1, s.ranks // s.ranks_per_node)
+    if not s.bf16:
+        split = 16 * shape.trainable // s.ranks
+        if s.offload_optimizer:
+            return Row("weights, gradients, AdamW (fp32)", 4 * shape.params, split * s.ranks_per_node)
+        return Row("weights, gradients, AdamW (fp32)", 4 * shape.params + split)
+    cpu, gpu = estimate_zero2_model_states_mem_needs(shape.trainable, s.ranks_per_node, nodes,
+                                                     cpu_offload=s.offload_optimizer)
+    return Row("weights, gradients, AdamW (DeepSpeed's estimate)", gpu + 2 * frozen, cpu)
+
+
+def step_tokens(s: Setting) -> int:
+    """Tokens in one forward+backward: a micro-batch's groups (SHARED_PREFIX: each prompt once)."""
+    groups = s.train_micro_batch or s.q_batch_size
+    prompts = groups if s.shared_prefix else groups * s.group_size
+    return prompts * s.prompt_tokens + groups * s.group_size * s.new_tokens
+
+
+def plan(shape: ModelShape, s: Setting, device_bytes: int) -> list:
+    """The plan's rows; the last is the total, a trainer GPU's being its peak."""
+    item = 2 if s.bf16 else 4
+    per_token = shape.saved_per_token if s.bf16 else shape.saved_per_token_fp32
+    tokens = step_tokens(s)
+    states = model_states(shape, s)
+    bucket = s.reduce_bucket_size  # a GPU's caching allocator reserves all of it
+    if not s.bf16:  # the CPU maps only the pages the gradients are written to
+        bucket = min(bucket, shape.trainable)
+    rows = [states, Row("gradient bucket (reduce_bucket_size)", bucket * item)]
+    if s.gradient_checkpointing:  # each layer's input, and one layer's activations in backward
+        kept = tokens * (shape.layers * shape.hidden * item + per_token)
+    else:
+        kept = tokens * shape.layers * per_token
+    rows.append(Row(f"activations of {tokens:,} tokens", int(kept)))
+    answer_tokens = (s.train_micro_batch or s.q_batch_size) * s.group_size * s.new_tokens
+    logit_tokens = min(s.logp_chunk or answer_tokens, answer_tokens)
+    if not s.logp_from_hidden:
+        logit_tokens = answer_tokens
+    # logits, their fp32 log-softmax and its gradient
+    rows.append(Row(f"logits of {logit_tokens:,} tokens", logit_tokens * shape.vocab * (item + 8)))
+    sequences = s.q_batch_size * s.group_size
+    cache = 2 * shape.layers * shape.kv_width * item * sequences * (s.prompt_tokens + s.new_tokens)
+    if s.use_vllm:
+        rows.append(Row("vLLM (VLLM_GPU_MEMORY)", int(s.vllm_gpu_memory * device_bytes)))
+    else:  # generation comes before the step, so only the larger of the two counts
+        rows.append(Row("generation KV cache (before the step)", cache))
+    server_tokens = s.group_size * (s.prompt_tokens + s.new_tokens)
+    server = 2 * shape.params + server_tokens * per_token + min(server_tokens, 128) * shape.vocab * 8
+    rows.append(Row("reference server: bf16 weights, one group's forward", server=int(server)))
+    held = states.trainer + rows[1].trainer  # from the first step to the end
+    step = rows[2].trainer + rows[3].trainer  # during a forward+backward
+    peak = held + max(step, cache)  # generation comes before the step
+    if s.use_vllm:  # vLLM holds its share the whole run
+        peak = held + step + rows[4].trainer
+    rows.append(Row("total", peak, states.cpu, int(server)))
+    return rows
+
+
+def verdict(rows, device_bytes: int) -> str:
+    """"fits", "may not fit" or "does not fit". The plan has fallen below a step's measured peak
+    (bench/RESULTS.md), so only a plan above the whole device is sure not to fit."""
+    total = rows[-1].trainer
+    if total > device_bytes:
+        return "does not fit"
+    if total > FIT_SHARE * device_bytes:
+        return "may not fit"
+    return "fits"
+
+
+def table(rows, device_bytes: int, device_name: str) -> str:
+    """The plan as text, with its verdict for the device."""
+    lines = [f"{'memory plan (GiB)':<52}{'trainer':>9}{'CPU':>9}{'server':>9}"]
+    for r in rows:
+        lines.append(f"{r.what:<52}{r.trainer / GIB:>9.2f}{r.cpu / GIB:>9.2f}{r.server / GIB:>9.2f}")
+    share = rows[-1].trainer / device_bytes
+    lines.append(f"{verdict(rows, device_bytes)}: {share:.0%} of {device_name} "
+                 f"({device_bytes / GIB:.1f} GiB); it fits below {FIT_SHARE:.0%}")
+    return "\n".join(lines)
+
+
+def device_seen(ranks_per_node: int):
+    """(bytes, name) of the memory one trainer rank may use: its GPU, or its share of the free RAM."""
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        props = torch.cuda.get_device_properties(local)
+        return props.total_memory, props.name
+    with open("/proc/meminfo") as f:
+        free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+    return free // ranks_per_node, f"1/{ranks_per_node} of this machine's free RAM"
+
+
+def check(model_path: str, s: Setting, *, prompt):
+    """Print the plan (rank 0) and stop every rank, before any weight loads, if it does not fit.
+    Fills in what the launcher and the device say (ranks, bf16) and the prompt's length, from
+    prompt(tokenizer): the longest prompt the run will see."""
+    from transformers import AutoTokenizer
+
+    s.ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    s.ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    s.bf16 = torch.cuda.is_available()  # the trainer's rule: bf16 on GPUs, fp32 on CPU
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    s.prompt_tokens = len(tokenizer(prompt(tokenizer), add_special_tokens=False).input_ids)
+    shape = model_shape(model_path, lora_rank=s.lora_rank, lora_targets=s.lora_targets)
+    device_bytes, name = device_seen(s.ranks_per_node)
+    rows = plan(shape, s, device_bytes)
+    if os.environ.get("RANK", "0") == "0":
+        print(table(rows, device_bytes, name), flush=True)
+    if verdict(rows, device_bytes) == "does not fit":
+        sys.exit(f"the memory plan above does not fit {name}: set OFFLOAD_OPTIMIZER=1, LORA_RANK, "
+                 "GRADIENT_CHECKPOINTING=1 or TRAIN_MICRO_BATCH=1 (docs/gpus.md), or use more ranks")
+
+
+def setting_from_env(env) -> Setting:
+    """A Setting from environment variables named as the trainer's constants (BF16 for the dtype)."""
+    setting = Setting()
+    for field in dataclasses.fields(Setting):
+        text = env.get(field.name.upper())
+        if text is None:
+            continue
+        if isinstance(field.default, bool):
+            setattr(setting, field.name, text.lower() in ("1", "true"))
+        else:
+            setattr(setting, field.name, type(field.default)(text))
+    return setting
+
+
+def main():
+    from features.embedded_model import resolve_model_path
+
+    setting = setting_from_env(os.environ)
+    model_path = resolve_model_path(os.environ.get("MODEL_PATH", ""))
+    shape = model_shape(model_path, lora_rank=setting.lora_rank, lora_targets=setting.lora_targets)
+    gpu_gb = float(os.environ.get("GPU_GB", "80"))
+    device_bytes = int(gpu_gb * 10**9)
+    print(f"{shape.params:,} parameters, {shape.trainable:,} trained; {setting}")
+    print(table(plan(shape, setting, device_bytes), device_bytes, f"a {gpu_gb:g} GB GPU"))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    main()
