@@ -135,10 +135,10 @@ def completion_mask(completion_ids: torch.Tensor, eos_id) -> torch.Tensor:
     return positions[None, :] <= first[:, None]  # (B, T)
 
 
-def advantages_in_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+def advantages_in_groups(scores: torch.Tensor, num_pre_q: int) -> torch.Tensor:
     """(N,) GRPO's advantages A = (r - its group's mean) / (the group's std + STD_EPS); the other
     SCALE_REWARDS are features/advantages.group_advantages, tested equal to this on "group"."""
-    grouped = scores.float().view(-1, group_size)  # (Q, G)
+    grouped = scores.float().view(-1, num_pre_q)  # (Q, G)
     centred = grouped - grouped.mean(1, keepdim=True)  # (Q, G)
     return (centred / (grouped.std(1, keepdim=True) + STD_EPS)).view(-1)  # (N,)
 
@@ -528,7 +528,7 @@ def check_memory(questions):
     setting = memory_plan.Setting(
         offload_optimizer=OFFLOAD_OPTIMIZER, lora_rank=LORA_RANK, lora_targets=LORA_TARGETS,
         gradient_checkpointing=GRADIENT_CHECKPOINTING, q_batch_size=Q_BATCH_SIZE,
-        train_micro_batch=TRAIN_MICRO_BATCH, group_size=NUM_PRE_Q, new_tokens=MAX_NEW_TOKENS,
+        train_micro_batch=TRAIN_MICRO_BATCH, num_pre_q=NUM_PRE_Q, max_new_tokens=MAX_NEW_TOKENS,
         logp_chunk=LOGP_CHUNK, logp_from_hidden=LOGP_FROM_HIDDEN, shared_prefix=SHARED_PREFIX,
         use_vllm=USE_VLLM, vllm_gpu_memory=VLLM_GPU_MEMORY)
     memory_plan.check(resolve_model_path(MODEL_PATH), setting,

@@ -87,8 +87,8 @@ def planned(changes: dict, prompt_tokens: int) -> int:
     setting = memory_plan.Setting(
         ranks=1, ranks_per_node=1, bf16=False, offload_optimizer=False, lora_rank=value("LORA_RANK"),
         gradient_checkpointing=bool(value("GRADIENT_CHECKPOINTING")), q_batch_size=grpo.Q_BATCH_SIZE,
-        train_micro_batch=value("TRAIN_MICRO_BATCH"), group_size=grpo.NUM_PRE_Q,
-        prompt_tokens=prompt_tokens, new_tokens=value("MAX_NEW_TOKENS"), logp_chunk=grpo.LOGP_CHUNK,
+        train_micro_batch=value("TRAIN_MICRO_BATCH"), num_pre_q=grpo.NUM_PRE_Q,
+        prompt_tokens=prompt_tokens, max_new_tokens=value("MAX_NEW_TOKENS"), logp_chunk=grpo.LOGP_CHUNK,
         logp_from_hidden=grpo.LOGP_FROM_HIDDEN, shared_prefix=grpo.SHARED_PREFIX)
     shape = memory_plan.model_shape(resolve_model_path(grpo.MODEL_PATH), lora_rank=setting.lora_rank,
                                     lora_targets=grpo.LORA_TARGETS)

@@ -50,9 +50,9 @@ class Setting:
     gradient_checkpointing: bool = False  # GRADIENT_CHECKPOINTING
     q_batch_size: int = 4  # Q_BATCH_SIZE: groups per rank per step
     train_micro_batch: int = 0  # TRAIN_MICRO_BATCH: groups per forward+backward, 0 = all
-    group_size: int = 8  # NUM_PRE_Q
+    num_pre_q: int = 8  # NUM_PRE_Q
     prompt_tokens: int = 128  # the longest prompt, in tokens
-    new_tokens: int = 64  # MAX_NEW_TOKENS
+    max_new_tokens: int = 64  # MAX_NEW_TOKENS
     logp_chunk: int = 128  # LOGP_CHUNK, 0 = all tokens at once
     logp_from_hidden: bool = True  # LOGP_FROM_HIDDEN
     shared_prefix: bool = True  # SHARED_PREFIX: a group's prompt runs once
@@ -141,14 +141,15 @@ def model_states(shape: ModelShape, s: Setting) -> Row:
         return Row("weights, gradients, AdamW (fp32)", 4 * shape.params + split)
     cpu, gpu = estimate_zero2_model_states_mem_needs(shape.trainable, s.ranks_per_node, nodes,
                                                      cpu_offload=s.offload_optimizer)
+    # DeepSpeed's CPU figure: AdamW's state with offload, else each rank's fp32 copy as it loads
     return Row("weights, gradients, AdamW (DeepSpeed's estimate)", gpu + 2 * frozen, cpu)
 
 
 def step_tokens(s: Setting) -> int:
     """Tokens in one forward+backward: a micro-batch's groups (SHARED_PREFIX: each prompt once)."""
     groups = s.train_micro_batch or s.q_batch_size
-    prompts = groups if s.shared_prefix else groups * s.group_size
-    return prompts * s.prompt_tokens + groups * s.group_size * s.new_tokens
+    prompts = groups if s.shared_prefix else groups * s.num_pre_q
+    return prompts * s.prompt_tokens + groups * s.num_pre_q * s.max_new_tokens
 
 
 def plan(shape: ModelShape, s: Setting, device_bytes: int) -> list:
@@ -166,19 +167,19 @@ def plan(shape: ModelShape, s: Setting, device_bytes: int) -> list:
     else:
         kept = tokens * shape.layers * per_token
     rows.append(Row(f"activations of {tokens:,} tokens", int(kept)))
-    answer_tokens = (s.train_micro_batch or s.q_batch_size) * s.group_size * s.new_tokens
+    answer_tokens = (s.train_micro_batch or s.q_batch_size) * s.num_pre_q * s.max_new_tokens
     logit_tokens = min(s.logp_chunk or answer_tokens, answer_tokens)
     if not s.logp_from_hidden:
         logit_tokens = answer_tokens
     # logits, their fp32 log-softmax and its gradient
     rows.append(Row(f"logits of {logit_tokens:,} tokens", logit_tokens * shape.vocab * (item + 8)))
-    sequences = s.q_batch_size * s.group_size
-    cache = 2 * shape.layers * shape.kv_width * item * sequences * (s.prompt_tokens + s.new_tokens)
+    sequences = s.q_batch_size * s.num_pre_q
+    cache = 2 * shape.layers * shape.kv_width * item * sequences * (s.prompt_tokens + s.max_new_tokens)
     if s.use_vllm:
         rows.append(Row("vLLM (VLLM_GPU_MEMORY)", int(s.vllm_gpu_memory * device_bytes)))
     else:  # generation comes before the step, so only the larger of the two counts
         rows.append(Row("generation KV cache (before the step)", cache))
-    server_tokens = s.group_size * (s.prompt_tokens + s.new_tokens)
+    server_tokens = s.num_pre_q * (s.prompt_tokens + s.max_new_tokens)
     server = 2 * shape.params + server_tokens * per_token + min(server_tokens, 128) * shape.vocab * 8
     rows.append(Row("reference server: bf16 weights, one group's forward", server=int(server)))
     held = states.trainer + rows[1].trainer  # from the first step to the end
@@ -186,7 +187,12 @@ def plan(shape: ModelShape, s: Setting, device_bytes: int) -> list:
     peak = held + max(step, cache)  # generation comes before the step
     if s.use_vllm:  # vLLM holds its share the whole run
         peak = held + step + rows[4].trainer
-    rows.append(Row("total", peak, states.cpu, int(server)))
+    fp32_weights = 4 * shape.params  # each rank loads them on its CPU, then its GPU, then casts
+    loading = Row("loading: fp32 weights before DeepSpeed casts them", fp32_weights,
+                  fp32_weights * s.ranks_per_node)
+    rows.append(loading)
+    cpu = max(states.cpu, loading.cpu)
+    rows.append(Row("total", max(peak, loading.trainer), cpu, int(server)))
     return rows
 
 
@@ -267,7 +273,7 @@ def main():
     gpu_gb = float(os.environ.get("GPU_GB", "80"))
     device_bytes = int(gpu_gb * 10**9)
     print(f"{shape.params:,} parameters, {shape.trainable:,} trained; {setting}")
-    print(table(plan(shape, setting, device_bytes), device_bytes, f"a {gpu_gb:g} GB GPU"))
+    print(table(plan(shape, setting, device_bytes), device_bytes, f"one {gpu_gb:g} GB GPU"))
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ def test_activations_follow_the_micro_batch_and_checkpointing():
     gradient checkpointing, each layer's input and one layer's saved tensors."""
     shape = memory_plan.ModelShape(params=10, trainable=10, layers=4, hidden=8, kv_width=4, vocab=16,
                                    saved_per_token=100.0, saved_per_token_fp32=200.0)
-    base = dict(q_batch_size=4, group_size=8, prompt_tokens=10, new_tokens=20)
+    base = dict(q_batch_size=4, num_pre_q=8, prompt_tokens=10, max_new_tokens=20)
     whole = memory_plan.plan(shape, memory_plan.Setting(**base), 10**12)
     tokens = 4 * 10 + 4 * 8 * 20
     assert whole[2].trainer == tokens * 4 * 100
