@@ -30,7 +30,7 @@ from tqdm import tqdm
 import rewards
 from features import (checkpoints, env_overrides, evaluation, logprobs, lora, memory_plan,
                       policy, question_sampler, quiet, refusals, server_client, shared_prefix,
-                      tools, vllm_engine, wire, worker, zero2)
+                      tools, vllm_engine, weight_sync, wire, worker, zero2)
 from features.advantages import SCALES, STD_EPS, group_advantages, scale_to_step, upload_scale
 from features.embedded_model import resolve_model_path
 from features.run_log import (RunLog, answer_records, clock, log_step, loss_metrics, plot_curves,
@@ -115,6 +115,11 @@ VERBOSE = False  # True = other libraries' notices and loading bars; False = the
 GENONLY = False  # True = this process only generates, scores and uploads (as `genonly`)
 WORKER_MAX_QUEUED = 8  # a worker waits while the server holds this many groups: bounds staleness
 EXTRA_GROUPS = 4  # a trainer rank also takes up to this many workers' groups per step
+MAX_STALENESS = 10  # steps a group's weights may lag the trained ones; older groups are dropped
+WEIGHT_SYNC_STEPS = 0  # > 0: rank 0 serves its weights to workers this often; 0 = step_N on disk
+WEIGHT_SYNC_HOST = "127.0.0.1"  # where rank 0 serves them; "0.0.0.0" for other machines
+WEIGHT_SYNC_PORT = 59876  # the port it serves them on
+WEIGHTS_FROM = ""  # a worker: the trainer's http://host:WEIGHT_SYNC_PORT; "" = OUTPUT_DIR's step_N
 env_overrides.apply_env_overrides(globals(), "grpo_ref_split.py",
                                   functions={"REWARDS": rewards, "TOOLS": tools})
 
@@ -397,12 +402,17 @@ def rollout(model, tokenizer, eos_ids, gen_config, questions, llm, keep_all, wit
 
 
 def sampled_by_these_weights(groups, version) -> tuple:
-    """(the pulled groups the policy at `version` may train on, the number dropped). A group that
+    """(the pulled groups the policy at `version` may train on, the counts dropped). A group that
     other weights sampled (a step late) needs their log-probs as pi_old (gen_logps), else its ratio
-    would be 1 as if these weights had sampled it: workers' and regrouped groups carry them."""
-    usable = [(tensors, meta) for tensors, meta in groups
-              if meta.get("version", version) == version or "gen_logps" in tensors]
-    return usable, len(groups) - len(usable)
+    would be 1 as if these weights had sampled it: workers' and regrouped groups carry them. One
+    sampled more than MAX_STALENESS versions ago is dropped (docs/workers.md)."""
+    def lag(meta):  # versions between the sampling weights and these
+        return version - meta.get("version", version)
+    fresh = [(tensors, meta) for tensors, meta in groups if lag(meta) <= MAX_STALENESS]
+    usable = [(tensors, meta) for tensors, meta in fresh
+              if lag(meta) == 0 or "gen_logps" in tensors]
+    stale = len(groups) - len(fresh)
+    return usable, Counter(late_groups_dropped=len(fresh) - len(usable), stale_groups_dropped=stale)
 
 
 @torch.no_grad()
@@ -576,6 +586,9 @@ def main():
     llm = start_vllm(SEED + rank, model.dtype) if USE_VLLM else None  # one engine per rank
     if llm is not None and start > 0:  # it loaded MODEL_PATH: give it the resumed weights
         vllm_engine.push_weights(llm, model)
+    publisher = weight_sync.start_publisher(  # workers' weights over HTTP (WEIGHT_SYNC_STEPS)
+        model, start, rank=rank, every=WEIGHT_SYNC_STEPS, host=WEIGHT_SYNC_HOST,
+        port=WEIGHT_SYNC_PORT, token=REF_TOKEN, lora_merged=lora.merged_state_dict)
     reward_names = [fn.__name__ for fn, _ in REWARDS]
     log = None  # rank 0 writes metrics.jsonl and completions.jsonl
     if rank == 0:
@@ -608,8 +621,8 @@ def main():
             m.update(stats)
             with timed(m, "wait_s"):
                 pulled = pull_groups(client, new, step, rank)  # 5. upload, pull with ref_logps
-            pulled, late = sampled_by_these_weights(pulled, step - 1)
-            m["late_groups_dropped"] += late
+            pulled, dropped_counts = sampled_by_these_weights(pulled, step - 1)
+            m.update(dropped_counts)  # late_groups_dropped, stale_groups_dropped
             groups += pulled
             if len(groups) >= wanted:
                 break
@@ -620,6 +633,7 @@ def main():
         batches = batches_of(engine, groups, tokenizer.pad_token_id)
         m.update(train_step(engine, batches))  # 6-7. the loss, the optimizer step
         m["max_weight_gap"] = weight_gap(model)  # 0: every rank holds the same weights
+        weight_sync.publish_every(publisher, model, step, WEIGHT_SYNC_STEPS, lora.merged_state_dict)
         if llm is not None:
             with timed(m, "push_s"):
                 vllm_engine.push_weights(llm, model)  # the next rollouts' weights
@@ -654,10 +668,14 @@ def generate_only():
                                         keep_all, True)
         return groups, records
     client = server_client.RefClient(REF_SERVER, REF_TOKEN, SERVER_TIMEOUT)
+    fetch_weights = None  # WEIGHTS_FROM: new weights over HTTP, else OUTPUT_DIR's step_N
+    if WEIGHTS_FROM:
+        fetch_weights = functools.partial(weight_sync.WeightFetcher, WEIGHTS_FROM, REF_TOKEN)
     worker.run_worker(load_policy, make_groups, client, first=resolve_model_path(MODEL_PATH),
                       seed=SEED, start_llm=start_vllm if USE_VLLM else None,
                       output_dir=OUTPUT_DIR, max_queued=WORKER_MAX_QUEUED,
-                      allow_mismatch=ALLOW_REF_MISMATCH, trainers_read_server=uses_server())
+                      allow_mismatch=ALLOW_REF_MISMATCH, trainers_read_server=uses_server(),
+                      fetch_weights=fetch_weights)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import os
 import statistics
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 import torch
@@ -140,10 +141,10 @@ def test_a_group_pulled_a_step_late_without_its_sampling_log_probs_is_dropped_an
     finally:
         stop(server, stop_serving)
     assert [meta["version"] for _, meta in got] == [0]  # step 1's group, pulled at step 2
-    assert grpo.sampled_by_these_weights(got, version=1) == ([], 1)
+    assert grpo.sampled_by_these_weights(got, version=1) == ([], Counter(late_groups_dropped=1))
     with_logps = [(dict(got[0][0], gen_logps=torch.zeros(3, 4)), got[0][1])]  # what a worker's group carries
-    assert grpo.sampled_by_these_weights(with_logps, version=1) == (with_logps, 0)
-    assert grpo.sampled_by_these_weights(got, version=0) == (got, 0)  # the weights that sampled it
+    assert grpo.sampled_by_these_weights(with_logps, version=1) == (with_logps, Counter())
+    assert grpo.sampled_by_these_weights(got, version=0) == (got, Counter())  # the weights that sampled it
 
 
 # ----------------------------------------------------------------------------- settings refused or warned at start

@@ -1,0 +1,195 @@
+"""Weights to workers over HTTP (features/weight_sync.py) and the staleness bound: versions served and
+fetched whole, a transfer cut halfway resumed, a version replaced mid-transfer never mixed, the guard."""
+import socket
+import threading
+
+import pytest
+import requests
+import torch
+
+import grpo_ref_split as grpo
+from conftest import free_port, wait_for
+from features import weight_sync
+
+
+def weights(seed, n=3, size=300_000):
+    g = torch.Generator().manual_seed(seed)
+    return {f"layer{i}.weight": torch.randn(size, generator=g) for i in range(n)}
+
+
+@pytest.fixture
+def publisher():
+    port = free_port()
+    pub = weight_sync.WeightPublisher("127.0.0.1", port, token="")
+    pub.url = f"http://127.0.0.1:{port}"
+    yield pub
+    pub.stop()
+
+
+class CuttingProxy:
+    """A TCP relay to `upstream` that closes an answer after relaying `after` bytes of it, `cuts`
+    times: a link that drops halfway through a transfer (short answers pass whole)."""
+
+    def __init__(self, upstream_port, after, cuts):
+        self.after = after
+        self.cuts = cuts
+        self.lock = threading.Lock()
+        self.upstream = upstream_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.connections = 0
+        threading.Thread(target=self.accept, daemon=True).start()
+
+    def accept(self):
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            upstream = socket.create_connection(("127.0.0.1", self.upstream))
+            threading.Thread(target=self.pipe, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self.pipe, args=(upstream, client, True), daemon=True).start()
+
+    def cut_now(self, sent):
+        with self.lock:
+            if self.cuts > 0 and sent >= self.after:
+                self.cuts -= 1
+                return True
+        return False
+
+    def pipe(self, source, target, answers):
+        sent = 0
+        try:
+            while True:
+                data = source.recv(65536)
+                if not data:
+                    break
+                target.sendall(data)
+                sent += len(data)
+                if answers and self.cut_now(sent):
+                    break
+        except OSError:
+            pass
+        for s in (source, target):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+
+def test_a_worker_fetches_each_published_version_whole(publisher):
+    """Versions 1 then 2: each arrives bit for bit, tied names sent once, with the size and sha256
+    that /weights/info announced."""
+    fetcher = weight_sync.WeightFetcher(publisher.url, "", version=0, poll_s=0.05)
+    try:
+        first = weights(1)
+        publisher.publish(first, 1)
+        wait_for(lambda: fetcher.ready is not None, timeout=60)
+        version, got = fetcher.take()
+        assert version == 1 and got.keys() == first.keys()
+        assert all(torch.equal(got[k], first[k]) for k in first)
+        assert fetcher.take() is None  # handed over once
+        second = weights(2)
+        publisher.publish(second, 2)
+        wait_for(lambda: fetcher.ready is not None, timeout=60)
+        version, got = fetcher.take()
+        assert version == 2 and all(torch.equal(got[k], second[k]) for k in second)
+    finally:
+        fetcher.stop()
+    shared = torch.nn.Linear(4, 4).weight
+    publisher.publish({"embed.weight": shared, "head.weight": shared}, 3)
+    info = requests.get(publisher.url + "/weights/info", timeout=10).json()
+    body = requests.get(publisher.url + "/weights", params={"version": 3}, timeout=10).content
+    from safetensors.torch import load
+
+    assert info["version"] == 3 and info["size"] == len(body)
+    assert list(load(body)) == ["embed.weight"]  # a tied tensor once, as the model names it
+
+
+def test_a_transfer_cut_halfway_resumes_and_ends_on_the_whole_version(publisher):
+    """The link drops twice in the middle of the answer: the worker resumes with Range requests and
+    swaps in exactly the published tensors; it never hands over a partial file."""
+    published = weights(3)
+    publisher.publish(published, 1)
+    proxy = CuttingProxy(int(publisher.url.rsplit(":", 1)[1]), after=1_500_000, cuts=2)
+    fetcher = weight_sync.WeightFetcher(proxy.url, "", version=0, poll_s=0.05, retry_s=0.05)
+    try:
+        wait_for(lambda: fetcher.ready is not None, timeout=60)
+        version, got = fetcher.take()
+    finally:
+        fetcher.stop()
+    assert version == 1 and all(torch.equal(got[k], published[k]) for k in published)
+    assert fetcher.counts["resumed"] >= 1 and proxy.connections >= 3
+
+
+def test_a_version_replaced_mid_transfer_is_never_mixed(publisher):
+    """The first transfer is cut; before the worker resumes, version 2 replaces version 1: the resume
+    of version 1 is refused (409), and the worker ends on version 2 whole, never on a mix."""
+    publisher.publish(weights(4), 1)
+    proxy = CuttingProxy(int(publisher.url.rsplit(":", 1)[1]), after=1_000_000, cuts=1)
+    second = weights(5)
+    original = requests.get
+
+    def get(url, *args, **kwargs):  # before any resume: the trainer publishes version 2
+        if "Range" in kwargs.get("headers", {}) and publisher.current[0] == 1:
+            publisher.publish(second, 2)
+        return original(url, *args, **kwargs)
+
+    weight_sync.requests.get = get
+    fetcher = weight_sync.WeightFetcher(proxy.url, "", version=0, poll_s=0.05, retry_s=0.05)
+    try:
+        wait_for(lambda: fetcher.ready is not None, timeout=60)
+        version, got = fetcher.take()
+    finally:
+        fetcher.stop()
+        weight_sync.requests.get = original
+    assert fetcher.counts["replaced"] == 1
+    assert version == 2 and all(torch.equal(got[k], second[k]) for k in second)
+
+
+def test_the_weight_channel_is_read_only_and_guarded():
+    """With a token: 401 without it; no route writes weights (405); a bad version or range is a 4xx
+    that names the problem; before the first publication /weights/info is 404."""
+    port = free_port()
+    pub = weight_sync.WeightPublisher("127.0.0.1", port, token="s3cret")
+    url = f"http://127.0.0.1:{port}"
+    auth = {"Authorization": "Bearer s3cret"}
+    try:
+        assert requests.get(url + "/weights/info", headers=auth, timeout=10).status_code == 404
+        pub.publish(weights(6, n=1, size=1000), 7)
+        assert requests.get(url + "/weights/info", timeout=10).status_code == 401
+        wrong = {"Authorization": "Bearer nope"}
+        assert requests.get(url + "/weights", params={"version": 7}, headers=wrong,
+                            timeout=10).status_code == 401
+        for method in (requests.post, requests.put):
+            answer = method(url + "/weights", data=b"x" * 100, headers=auth, timeout=10)
+            assert answer.status_code in (401, 405) and answer.status_code != 200
+        assert requests.post(url + "/weights", data=b"x", headers=auth, timeout=10).status_code == 405
+        bad = requests.get(url + "/weights", params={"version": "seven"}, headers=auth, timeout=10)
+        assert bad.status_code == 400 and "version" in bad.json()["error"]
+        old = requests.get(url + "/weights", params={"version": 6}, headers=auth, timeout=10)
+        assert old.status_code == 409
+        for header in ("bytes=99999999-", "bytes=0-10", "items=3-"):
+            ranged = requests.get(url + "/weights", params={"version": 7},
+                                  headers={**auth, "Range": header}, timeout=10)
+            assert ranged.status_code == 416, header
+        whole = requests.get(url + "/weights", params={"version": 7}, headers=auth, timeout=10)
+        tail = requests.get(url + "/weights", params={"version": 7},
+                            headers={**auth, "Range": "bytes=100-"}, timeout=10)
+        assert tail.status_code == 206 and tail.content == whole.content[100:]
+    finally:
+        pub.stop()
+
+
+def test_groups_older_than_max_staleness_are_dropped_and_counted(monkeypatch):
+    """At version 12 with MAX_STALENESS 3: a worker's group of version 9 (with gen_logps) trains, one of
+    version 8 is dropped as stale; a group of the current version always trains."""
+    monkeypatch.setattr(grpo, "MAX_STALENESS", 3)
+    logps = {"gen_logps": torch.zeros(1)}
+    groups = [(logps, {"version": 12}), (logps, {"version": 9}), (logps, {"version": 8}),
+              ({}, {"version": 12}), (logps, {"version": 2})]
+    kept, counts = grpo.sampled_by_these_weights(groups, 12)
+    assert [meta["version"] for _, meta in kept] == [12, 9, 12]
+    assert counts["stale_groups_dropped"] == 2 and counts["late_groups_dropped"] == 0
