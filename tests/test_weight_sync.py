@@ -193,3 +193,50 @@ def test_groups_older_than_max_staleness_are_dropped_and_counted(monkeypatch):
     kept, counts = grpo.sampled_by_these_weights(groups, 12)
     assert [meta["version"] for _, meta in kept] == [12, 9, 12]
     assert counts["stale_groups_dropped"] == 2 and counts["late_groups_dropped"] == 0
+
+
+def test_a_worker_without_a_shared_disk_swaps_in_weights_served_over_http(tiny_model_dir, tmp_path):
+    """A genonly worker with WEIGHTS_FROM and an OUTPUT_DIR it shares with nobody: the weights the
+    trainer's publisher serves as version 3 reach it over HTTP, and its groups then carry version 3
+    and the new weights' log-probs (gen_logps), not the old ones."""
+    import subprocess
+    import sys
+    import time
+
+    from transformers import AutoModelForCausalLM
+
+    from conftest import ROOT, ServerProcess, kill_group, pull, trainer_env
+
+    srv = ServerProcess(tiny_model_dir, free_port(), tmp_path / "server.log")
+    port = free_port()
+    pub = weight_sync.WeightPublisher("127.0.0.1", port, token="")
+    env = trainer_env(tiny_model_dir, srv.url, tmp_path / "worker_out", WORKER_MAX_QUEUED=2,
+                      MAX_NEW_TOKENS=24, WEIGHTS_FROM=f"http://127.0.0.1:{port}")
+    log_path = tmp_path / "worker.log"
+    worker = subprocess.Popen([sys.executable, "grpo_ref_split.py", "genonly"], cwd=ROOT, env=env,
+                              stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    try:
+        tensors, meta = pull(srv.url, timeout=300, path="/get?from=workers")
+        assert meta["version"] == 0
+        moved = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        with torch.no_grad():
+            for p in moved.parameters():
+                p.add_(torch.randn_like(p, generator=torch.Generator().manual_seed(0)) * 0.02)
+        pub.publish(weight_sync.policy_weights(moved, None), 3)
+        deadline = time.time() + 300
+        while meta["version"] != 3:
+            assert time.time() < deadline, log_path.read_text()[-2000:]
+            tensors, meta = pull(srv.url, timeout=300, path="/get?from=workers")
+        assert "swapped in the trainer's weights: policy version 3" in log_path.read_text()
+        ids, mask = tensors["input_ids"], tensors["completion_mask"]
+        with torch.no_grad():
+            new, old = (grpo.logps_of(m.eval(), ids, torch.ones_like(ids), mask.shape[1]) for m in
+                        (moved, AutoModelForCausalLM.from_pretrained(tiny_model_dir)))  # (G, T)
+        assert (tensors["gen_logps"] - new)[mask].abs().max() < 1e-4
+        assert (tensors["gen_logps"] - old)[mask].abs().max() > 1e-2
+        assert not list(tmp_path.glob("**/step_*"))  # no checkpoint anywhere: nothing shared on disk
+    finally:
+        kill_group(worker)
+        pub.stop()
+        srv.stop()
