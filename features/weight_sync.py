@@ -137,6 +137,7 @@ class WeightFetcher:
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         self.counts = {"resumed": 0, "bad_checksum": 0, "replaced": 0}
+        self.progress = (0, 0)  # (bytes downloaded, bytes in all) of the transfer under way
         self.thread = threading.Thread(target=self._run, name="weights", daemon=True)
         self.thread.start()
 
@@ -184,6 +185,7 @@ class WeightFetcher:
                         body.clear()  # a whole answer starts at byte 0
                     for chunk in answer.iter_content(CHUNK_BYTES):
                         body += chunk
+                        self.progress = (len(body), info["size"])
             except requests.RequestException:
                 self.counts["resumed"] += 1
                 self.stopping.wait(self.retry_s)

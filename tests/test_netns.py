@@ -1,0 +1,123 @@
+"""Across real network hosts on this machine: Linux network namespaces joined by a veth pair give the
+trainer and a worker their own addresses, and `ip link set ... down` cuts the link between them.
+Root is needed; without it (or without `ip`) these tests skip and say why."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from conftest import ROOT, kill_group, wait_for
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
+                                reason="network namespaces need root and iproute2's `ip`")
+
+
+def ip(*args):
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+@pytest.fixture
+def two_hosts():
+    """Hosts 'trainer' (10.77.N.1) and 'worker' (10.77.N.2) joined by one veth pair; yields
+    (namespaces, addresses, the worker's end of the link)."""
+    tag = uuid.uuid4().hex[:6]
+    subnet = int(tag, 16) % 200 + 20
+    names = {"trainer": f"gt{tag}", "worker": f"gw{tag}"}
+    ends = {"trainer": f"vt{tag}", "worker": f"vw{tag}"}
+    addresses = {"trainer": f"10.77.{subnet}.1", "worker": f"10.77.{subnet}.2"}
+    for ns in names.values():
+        ip("netns", "add", ns)
+    try:
+        ip("link", "add", ends["trainer"], "type", "veth", "peer", "name", ends["worker"])
+        for host in names:
+            ip("link", "set", ends[host], "netns", names[host])
+            ip("-n", names[host], "addr", "add", f"{addresses[host]}/24", "dev", ends[host])
+            ip("-n", names[host], "link", "set", ends[host], "up")
+            ip("-n", names[host], "link", "set", "lo", "up")
+        yield names, addresses, ends["worker"]
+    finally:
+        for ns in names.values():
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+PUBLISHER = """
+import hashlib, json, sys, time, torch
+sys.path.insert(0, {root!r})
+from features import weight_sync
+pub = weight_sync.WeightPublisher({host!r}, {port}, token="t0ken")
+g = torch.Generator().manual_seed(7)
+tensors = {{f"w{{i}}": torch.randn(2_500_000, generator=g) for i in range(4)}}  # 40 MB
+pub.publish(tensors, 5)
+digest = hashlib.sha256(b"".join(tensors[k].numpy().tobytes() for k in sorted(tensors))).hexdigest()
+open({out!r}, "w").write(json.dumps({{"version": 5, "digest": digest}}))
+time.sleep(3600)
+"""
+
+FETCHER = """
+import hashlib, json, sys, time, requests
+sys.path.insert(0, {root!r})
+from features import weight_sync
+weight_sync.CHUNK_BYTES = 16384
+plain = requests.models.Response.iter_content
+def slow(self, *args, **kwargs):  # a slow reader: the transfer lasts long enough to cut
+    for chunk in plain(self, *args, **kwargs):
+        time.sleep(0.002)
+        yield chunk
+requests.models.Response.iter_content = slow
+f = weight_sync.WeightFetcher({url!r}, "t0ken", version=0, poll_s=0.2, retry_s=0.5, timeout_s=2)
+while (got := f.take()) is None:
+    open({progress!r}, "w").write(json.dumps(f.progress))
+    time.sleep(0.05)
+version, tensors = got
+digest = hashlib.sha256(b"".join(tensors[k].numpy().tobytes() for k in sorted(tensors))).hexdigest()
+open({out!r}, "w").write(json.dumps({{"version": version, "digest": digest, **f.counts}}))
+"""
+
+
+def test_a_worker_whose_link_goes_down_mid_transfer_ends_on_the_whole_version(two_hosts, tmp_path):
+    """The trainer's host serves 40 MB of weights; the worker's host downloads them slowly; a third
+    of the way in its link is set down for 4 s, then up: the worker resumes and ends with exactly
+    the published tensors (the same digest), never a partial or mixed file."""
+    names, addresses, worker_link = two_hosts
+    port = 59876
+    published, fetched, progress = (tmp_path / n for n in ("published.json", "fetched.json",
+                                                           "progress.json"))
+    script = PUBLISHER.format(root=ROOT, host=addresses["trainer"], port=port, out=str(published))
+    trainer = subprocess.Popen(["ip", "netns", "exec", names["trainer"], sys.executable, "-c", script],
+                               start_new_session=True, stderr=open(tmp_path / "trainer.log", "w"))
+    worker = None
+    try:
+        wait_for(published.exists, timeout=120)
+        url = f"http://{addresses['trainer']}:{port}"
+        script = FETCHER.format(root=ROOT, url=url, out=str(fetched), progress=str(progress))
+        worker = subprocess.Popen(["ip", "netns", "exec", names["worker"], sys.executable, "-c", script],
+                                  start_new_session=True, stderr=open(tmp_path / "worker.log", "w"))
+
+        def fraction():
+            try:
+                done, size = json.loads(progress.read_text())
+            except (OSError, ValueError):
+                return 0.0
+            return done / size if size else 0.0
+
+        wait_for(lambda: fraction() > 0.3, timeout=120)
+        assert fraction() < 0.9, "the transfer ran too fast to cut in the middle"
+        ip("-n", names["worker"], "link", "set", worker_link, "down")
+        time.sleep(4)  # the cut lasts; the worker's reads time out and it retries
+        assert not fetched.exists()
+        ip("-n", names["worker"], "link", "set", worker_link, "up")
+        wait_for(fetched.exists, timeout=180)
+        time.sleep(0.2)
+        want, got = json.loads(published.read_text()), json.loads(fetched.read_text())
+        assert got["version"] == want["version"] == 5
+        assert got["digest"] == want["digest"]
+        assert got["resumed"] >= 1 and got["bad_checksum"] == 0
+    finally:
+        for proc in (worker, trainer):
+            if proc is not None:
+                kill_group(proc)
