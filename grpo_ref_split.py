@@ -29,8 +29,8 @@ from tqdm import tqdm
 
 import rewards
 from features import (checkpoints, env_overrides, evaluation, logprobs, lora, memory_plan,
-                      policy, question_sampler, quiet, refusals, server_client, shared_prefix,
-                      tools, vllm_engine, weight_sync, wire, worker, zero2)
+                      pass_rates, policy, question_sampler, quiet, refusals, server_client,
+                      shared_prefix, tools, vllm_engine, weight_sync, wire, worker, zero2)
 from features.advantages import SCALES, STD_EPS, group_advantages, scale_to_step, upload_scale
 from features.embedded_model import resolve_model_path
 from features.run_log import (RunLog, answer_records, clock, log_step, loss_metrics, plot_curves,
@@ -71,8 +71,9 @@ SKIP_GEN_LOGPS = True  # MU = 1: a rank's own groups need no pi_old forward (rat
 MASK_TRUNCATED = False  # True = answers cut at MAX_NEW_TOKENS leave the loss (DAPO overlong filter)
 # Which questions a step trains on (docs/sampling.md)
 DYNAMIC_SAMPLING = False  # True = DAPO: roll out until Q_BATCH_SIZE groups have different rewards
-SAMPLER = "uniform"  # | "difficulty": redraw questions whose group varied, fewer uniform ones
+SAMPLER = "uniform"  # | "difficulty": redraw varied ones | "learnability": weight p (1 - p)
 REPLAY_SHARE = 0.75  # SAMPLER "difficulty": at most this share of a draw replays varied questions
+PASS_RATE_QUESTIONS = 0  # > 0: before step 1, NUM_PRE_Q answers to this many, for "learnability"
 MAX_ROLLOUTS = 20  # rollouts a step may take before it gives up on a group with different rewards
 # Speed and memory: faster equals of the plain step (docs/gpus.md)
 SHARED_PREFIX = True  # each group's prompt runs once, its KV cache shared; False = full rows
@@ -580,10 +581,12 @@ def main():
     regroup = bool(health.get("regroup"))  # it pools answers of older weights: send gen_logps
     keep_all = regroup or bool(health.get("reward_model"))  # its rewards may differ from ours
     sampler = question_sampler.QuestionSampler(questions, SEED + rank, SAMPLER, REPLAY_SHARE)
+    llm = start_vllm(SEED + rank, model.dtype) if USE_VLLM else None  # one engine per rank
+    if PASS_RATE_QUESTIONS:  # how hard each question is, before step 1 (or read back on RESUME)
+        pass_rate_pass(model, tokenizer, eos_ids, gen_config, llm, sampler, rank)
     start = 0  # the last step done: a resumed checkpoint's
     if RESUME:
         start = checkpoints.resume(engine, sampler, rank, output_dir=OUTPUT_DIR, lora=LORA_RANK > 0)
-    llm = start_vllm(SEED + rank, model.dtype) if USE_VLLM else None  # one engine per rank
     if llm is not None and start > 0:  # it loaded MODEL_PATH: give it the resumed weights
         vllm_engine.push_weights(llm, model)
     publisher = weight_sync.start_publisher(  # workers' weights over HTTP (WEIGHT_SYNC_STEPS)
@@ -650,6 +653,22 @@ def main():
     lora.save_merged(model, tokenizer, OUTPUT_DIR, rank)  # LoRA: OUTPUT_DIR/merged
     if rank == 0:
         log.close()  # "done: ... in OUTPUT_DIR/"
+
+
+def pass_rate_pass(model, tokenizer, eos_ids, gen_config, llm, sampler, rank):
+    """NUM_PRE_Q answers to each of the first PASS_RATE_QUESTIONS training questions from the
+    starting policy (features/pass_rates.py); the sampler then draws from those, weighted by
+    their pass rates (SAMPLER "learnability"). Held-out questions are not among them."""
+    def answer_passes(part):  # for each question, its answers' right (True) or wrong
+        out = generate(model, tokenizer, part, gen_config, eos_ids, llm)
+        _, each = rewards.score(REWARDS, out.texts, out.golds, out.questions)
+        right = [value > 0 for value in each[question_sampler.PASS_KEY]]
+        return [right[i : i + NUM_PRE_Q] for i in range(0, len(right), NUM_PRE_Q)]
+    chosen = sampler.questions[:PASS_RATE_QUESTIONS]
+    rates = pass_rates.measure(chosen, answer_passes, output_dir=OUTPUT_DIR, batch=Q_BATCH_SIZE,
+                               rank=rank, world=torch.distributed.get_world_size())
+    sampler.questions = [q for q in sampler.questions if q["question"] in rates]
+    sampler.set_pass_rates(rates)
 
 
 def pull_groups(client, new, step, rank) -> list:

@@ -9,6 +9,11 @@ keeps one record, its latest group's outcome, which needs no pass over the datas
     from the pool, oldest first, and a question is replayed at most MAX_REPLAYS times in a row (else a few questions the policy
     never settles would take over the run);
   - uniform (all the same): fresh draws weigh it UNIFORM_KEEP, against 1 for a question not seen or varied.
+"learnability" draws each question with weight p (1 - p), p its pass rate: measured before step 1 by
+features/pass_rates.py (k answers each from the starting policy), then the share of right answers
+(PASS_KEY) in its latest group. A mastered (p = 1) or out-of-reach (p = 0) question weighs 0 and is
+drawn only when too few others are left; p (1 - p) is the variance of a right/wrong reward, so it is
+the expected spread of a group's rewards, which is what the advantage needs.
 A step that rolls out MAX_ROLLOUTS times without the groups it wants calls out_of_rollouts.
 Held-out questions are never in `questions`, so evaluation is untouched. The sampler is the run's random.Random
 too (getstate/setstate), so a checkpoint keeps the records with the data position.
@@ -21,7 +26,9 @@ import sys
 
 from tqdm import tqdm
 
-SAMPLERS = ("uniform", "difficulty")
+SAMPLERS = ("uniform", "difficulty", "learnability")
+PASS_KEY = "reward_correct"  # the answer record's reward that is positive when the answer is right
+UNKNOWN_PASS_RATE = 0.5  # "learnability": a question without a measured pass rate counts as this
 MAX_REPLAYS = 2  # a question trained this many times in a row goes back among the fresh ones
 UNIFORM_KEEP = 0.1  # a question whose latest group was uniform weighs this in fresh draws (the others 1)
 
@@ -38,12 +45,15 @@ class QuestionSampler:
         self.replay_share = replay_share
         self.pool = {}  # question text -> replays so far; insertion order = oldest first
         self.uniform = set()  # question texts whose latest group had equal rewards
+        self.pass_rates = {}  # "learnability": question text -> its latest pass rate
 
     def sample(self, n: int) -> list:
         if self.mode == "uniform":  # exactly random.Random(seed).sample: the draws of runs before this module
             return self.rng.sample(self.questions, n)
         if not 0 <= n <= len(self.questions):
             raise ValueError(f"cannot draw {n} questions out of {len(self.questions)}")
+        if self.mode == "learnability":
+            return self.learnable(n)
         by_text = {q["question"]: q for q in self.questions}
         replays = [by_text[t] for t in list(self.pool)[: math.ceil(n * self.replay_share)] if t in by_text]
         rest = [q for q in self.questions if q["question"] not in self.pool]
@@ -54,9 +64,35 @@ class QuestionSampler:
         best = sorted(range(len(rest)), key=keys.__getitem__, reverse=True)[: n - len(replays)]
         return replays + [rest[i] for i in best]
 
+    def weight(self, question) -> float:
+        """"learnability": p (1 - p) of the question's pass rate p."""
+        p = self.pass_rates.get(question["question"], UNKNOWN_PASS_RATE)
+        return p * (1 - p)
+
+    def learnable(self, n: int) -> list:
+        """n distinct questions drawn with weights p (1 - p), without replacement (Efraimidis-Spirakis:
+        the largest u ** (1 / weight) win); weight-0 questions only fill up when too few others are left."""
+        keys = []
+        for q in self.questions:
+            u = self.rng.random()
+            w = self.weight(q)
+            keys.append(u ** (1 / w) if w > 0 else u - 1)  # weight 0: below every positive key
+        best = sorted(range(len(self.questions)), key=keys.__getitem__, reverse=True)[:n]
+        return [self.questions[i] for i in best]
+
+    def set_pass_rates(self, rates: dict) -> None:
+        """Measured pass rates {question text: p} (features/pass_rates.py), before step 1."""
+        self.pass_rates.update(rates)
+
     def record(self, answers, group_size: int) -> None:
         """Each group's outcome, from the rollout's answer records (consecutive groups of `group_size`)."""
         if self.mode == "uniform":
+            return
+        if self.mode == "learnability":
+            for i in range(0, len(answers), group_size):
+                group = answers[i : i + group_size]
+                right = sum(a[PASS_KEY] > 0 for a in group)
+                self.pass_rates[group[0]["question"]] = right / len(group)
             return
         for i in range(0, len(answers), group_size):
             text = answers[i]["question"]
@@ -69,7 +105,8 @@ class QuestionSampler:
                 self.uniform.add(text)
 
     def getstate(self):
-        return {"rng": self.rng.getstate(), "pool": list(self.pool.items()), "uniform": sorted(self.uniform)}
+        return {"rng": self.rng.getstate(), "pool": list(self.pool.items()), "uniform": sorted(self.uniform),
+                "pass_rates": dict(self.pass_rates)}
 
     def setstate(self, state):
         """A checkpoint's state; one saved before this module holds the random.Random state alone."""
@@ -77,6 +114,7 @@ class QuestionSampler:
             return self.rng.setstate(state)
         self.rng.setstate(state["rng"])
         self.pool, self.uniform = dict(state["pool"]), set(state["uniform"])
+        self.pass_rates = dict(state.get("pass_rates", {}))
 
 
 def out_of_rollouts(found: int, rollouts: int, wanted: int) -> None:

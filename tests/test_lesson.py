@@ -77,8 +77,8 @@ def test_lines_people_read_fit_in_100_columns_without_backslashes(name):
 
 
 def test_the_two_main_files_keep_their_budgets():
-    # 650 after the lesson redesign; then the memory plan (issue 38) and weight sync (issue 40)
-    assert len(open(os.path.join(ROOT, "grpo_ref_split.py")).read().splitlines()) <= 690
+    # 650 after the lesson redesign; then the memory plan, weight sync and the pass-rate pass
+    assert len(open(os.path.join(ROOT, "grpo_ref_split.py")).read().splitlines()) <= 710
     assert len(open(os.path.join(ROOT, "ref_server.py")).read().splitlines()) <= 300
 
 

@@ -1,0 +1,52 @@
+"""The pass-rate pass: before step 1, k answers to each training question from the starting policy,
+and each question's share of right answers, stored beside the run (OUTPUT_DIR/pass_rates.json) for
+SAMPLER = "learnability" (features/question_sampler.py). A resumed run, or one whose OUTPUT_DIR
+already holds the file, reads it instead of measuring again. Held-out questions are never passed in.
+
+    SAMPLER=learnability PASS_RATE_QUESTIONS=256 bash scripts/run_demo.sh
+"""
+import json
+import os
+import time
+
+import torch
+from tqdm import tqdm
+
+FILE = "pass_rates.json"
+
+
+def measure(questions, answer_passes, *, output_dir, batch, rank, world):
+    """{question text: pass rate} for `questions`; answer_passes(some questions) -> for each, the list of
+    its k answers' right/wrong. Rank r measures questions r, r + world, ...; every rank returns all."""
+    path = os.path.join(output_dir, FILE)
+    if os.path.exists(path):
+        with open(path) as f:
+            stored = json.load(f)
+        print(f"[rank {rank}] pass rates of {len(stored['rates'])} questions read from {path}", flush=True)
+        return stored["rates"]
+    mine = questions[rank::world]
+    rates = {}
+    start = time.time()
+    for i in tqdm(range(0, len(mine), batch), disable=rank != 0, desc="pass rates", dynamic_ncols=True):
+        part = mine[i : i + batch]
+        for q, passes in zip(part, answer_passes(part)):
+            rates[q["question"]] = sum(passes) / len(passes)
+    rates = gather(rates, world)
+    if rank == 0:
+        os.makedirs(output_dir, exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump({"rates": rates, "seconds": round(time.time() - start, 1)}, f)
+        os.replace(path + ".tmp", path)  # whole or absent
+    return rates
+
+
+def gather(rates: dict, world: int) -> dict:
+    """Every rank's {question: rate} merged, on every rank."""
+    if world == 1 or not torch.distributed.is_initialized():
+        return rates
+    parts = [None] * world
+    torch.distributed.all_gather_object(parts, rates)
+    merged = {}
+    for part in parts:
+        merged.update(part)
+    return merged
