@@ -11,7 +11,8 @@ import re
 import sys
 
 SETTINGS = {"default": "default (GRPO)", "dynamic": "DYNAMIC_SAMPLING=1", "difficulty": "SAMPLER=difficulty",
-            "dr_grpo": "LOSS_TYPE=dr_grpo SCALE_REWARDS=none", "cosine": "LR cosine to 0.1x"}
+            "dr_grpo": "LOSS_TYPE=dr_grpo SCALE_REWARDS=none", "cosine": "LR cosine to 0.1x",
+            "learnability": "SAMPLER=learnability, pass of 256", "learn_dynamic": "learnability + DYNAMIC"}
 STEPS = (0, 10, 20, 30)
 
 

@@ -25,7 +25,10 @@ for seed in $SEEDS; do
       difficulty) settings=(SAMPLER=difficulty) ;;
       dr_grpo) settings=(LOSS_TYPE=dr_grpo SCALE_REWARDS=none) ;;
       cosine) settings=(DS_CONFIG=bench/ds_config_cosine.json) ;;  # LR falls to a tenth over the run
-      *) echo "unknown run $run: default, dynamic, difficulty, dr_grpo or cosine" >&2; exit 1 ;;
+      learnability) settings=(SAMPLER=learnability PASS_RATE_QUESTIONS=256) ;;  # the pass counts in wall
+      learn_dynamic) settings=(SAMPLER=learnability PASS_RATE_QUESTIONS=256 DYNAMIC_SAMPLING=1) ;;
+      *) echo "unknown run $run: default, dynamic, difficulty, dr_grpo, cosine, learnability or" \
+              "learn_dynamic" >&2; exit 1 ;;
     esac
     echo "=== $run, seed $seed: ${settings[*]:-the defaults} -> $dir"
     start=$(date +%s)
