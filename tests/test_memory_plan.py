@@ -3,7 +3,6 @@ arithmetic, and the trainer's stop before any weight loads when a setting cannot
 import os
 import subprocess
 
-import pytest
 import torch
 
 from conftest import ROOT, free_port, trainer_cmd, trainer_env
