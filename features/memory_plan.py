@@ -238,9 +238,14 @@ def check(model_path: str, s: Setting, *, prompt):
     s.ranks = int(os.environ.get("WORLD_SIZE", "1"))
     s.ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     s.bf16 = torch.cuda.is_available()  # the trainer's rule: bf16 on GPUs, fp32 on CPU
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    s.prompt_tokens = len(tokenizer(prompt(tokenizer), add_special_tokens=False).input_ids)
-    shape = model_shape(model_path, lora_rank=s.lora_rank, lora_targets=s.lora_targets)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        s.prompt_tokens = len(tokenizer(prompt(tokenizer), add_special_tokens=False).input_ids)
+        shape = model_shape(model_path, lora_rank=s.lora_rank, lora_targets=s.lora_targets)
+    except Exception as e:  # a model the meta device cannot build: train without a plan, and say so
+        print(f"memory plan skipped: {model_path} could not be planned ({type(e).__name__}: {e})",
+              file=sys.stderr, flush=True)
+        return
     device_bytes, name = device_seen(s.ranks_per_node)
     rows = plan(shape, s, device_bytes)
     if os.environ.get("RANK", "0") == "0":
