@@ -23,9 +23,15 @@ def summary(path):
     evals = {m["step"]: m for m in lines if "eval_reward_correct" in m}
     train = [m for m in lines if "answers_generated" in m]
     wall = path.replace("_metrics.jsonl", "_wall_s")
+    passes = path.replace("_metrics.jsonl", "_pass_rates.json")  # PASS_RATE_QUESTIONS x NUM_PRE_Q more
+    before = 0
+    if os.path.exists(passes):
+        with open(passes) as f:
+            before = 8 * len(json.load(f)["rates"])  # the demo's NUM_PRE_Q answers to each
     return dict(greedy={s: evals[s]["eval_reward_correct"] for s in STEPS if s in evals},
                 pass4={s: evals[s].get("eval_pass@4") for s in STEPS if s in evals},
-                ratio=sum(m["answers_generated"] for m in train) / max(1, sum(m["answers_trained"] for m in train)),
+                ratio=(before + sum(m["answers_generated"] for m in train))
+                / max(1, sum(m["answers_trained"] for m in train)),
                 minutes=int(open(wall).read()) / 60 if os.path.exists(wall) else float("nan"), steps=len(train))
 
 

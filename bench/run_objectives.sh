@@ -34,6 +34,9 @@ for seed in $SEEDS; do
     start=$(date +%s)
     env "${settings[@]}" SEED="$seed" OUTPUT_DIR="$dir" bash scripts/run_demo.sh > "$OUT/${run}_s$seed.log" 2>&1
     cp "$dir/metrics.jsonl" "$RESULTS/objectives_${run}_s${seed}_metrics.jsonl"
+    if [ -e "$dir/pass_rates.json" ]; then  # the pass's answers count as generated ones too
+      cp "$dir/pass_rates.json" "$RESULTS/objectives_${run}_s${seed}_pass_rates.json"
+    fi
     echo $(( $(date +%s) - start )) > "$RESULTS/objectives_${run}_s${seed}_wall_s"
     rm -rf "$dir"/step_*  # the checkpoints (about 2 GB each): ten runs' would fill the disk
   done
