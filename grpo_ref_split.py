@@ -591,7 +591,7 @@ def main():
         vllm_engine.push_weights(llm, model)
     publisher = weight_sync.start_publisher(  # workers' weights over HTTP (WEIGHT_SYNC_STEPS)
         model, start, rank=rank, every=WEIGHT_SYNC_STEPS, host=WEIGHT_SYNC_HOST,
-        port=WEIGHT_SYNC_PORT, token=REF_TOKEN, lora_merged=lora.merged_state_dict)
+        port=WEIGHT_SYNC_PORT, token=REF_TOKEN)
     reward_names = [fn.__name__ for fn, _ in REWARDS]
     log = None  # rank 0 writes metrics.jsonl and completions.jsonl
     if rank == 0:
@@ -636,7 +636,7 @@ def main():
         batches = batches_of(engine, groups, tokenizer.pad_token_id)
         m.update(train_step(engine, batches))  # 6-7. the loss, the optimizer step
         m["max_weight_gap"] = weight_gap(model)  # 0: every rank holds the same weights
-        weight_sync.publish_every(publisher, model, step, WEIGHT_SYNC_STEPS, lora.merged_state_dict)
+        weight_sync.publish_every(publisher, model, step, WEIGHT_SYNC_STEPS)  # to workers
         if llm is not None:
             with timed(m, "push_s"):
                 vllm_engine.push_weights(llm, model)  # the next rollouts' weights

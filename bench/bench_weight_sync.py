@@ -1,6 +1,6 @@
 """What one weight sync to workers costs (features/weight_sync.py) for the embedded model: the bytes,
 rank 0's seconds to serialize and hash them (publish), and a worker's seconds to download, check and
-load them over loopback (no link limit: the network's own time is bytes / link speed on top).
+load them over loopback, full weights and LoRA's adapters (no link limit: the network's own time is bytes / link speed on top).
 
     python bench/bench_weight_sync.py       # ~1 minute; ROUNDS syncs, medians
 
@@ -30,25 +30,30 @@ def main():
         port = s.getsockname()[1]
     publisher = weight_sync.WeightPublisher("127.0.0.1", port, token="")
     rows = []
-    for dtype in (torch.float32, torch.bfloat16):  # CPU trainers hold fp32, GPU ones bf16
+    from features import lora
+
+    for dtype, rank in ((torch.float32, 0), (torch.bfloat16, 0), (torch.float32, 16)):
         model = AutoModelForCausalLM.from_pretrained(resolve_model_path(""), dtype=dtype)
+        policy = lora.add_lora(model, rank=rank, alpha=32, targets="all-linear", seed=0)
+        worker = AutoModelForCausalLM.from_pretrained(resolve_model_path(""), dtype=dtype)
         publish_s, fetch_s = [], []
         for version in range(1, ROUNDS + 1):
             start = time.perf_counter()
-            weight_sync.publish_every(publisher, model, version, 1, lora_merged=None)
+            weight_sync.publish_every(publisher, policy, version, 1)
             publish_s.append(time.perf_counter() - start)
             start = time.perf_counter()
             fetcher = weight_sync.WeightFetcher(f"http://127.0.0.1:{port}", "", version - 1,
                                                 poll_s=0.01)
             while (fetched := fetcher.take()) is None:
                 time.sleep(0.005)
-            weight_sync.swap_in(model, fetched[1])
+            weight_sync.swap_in(model if rank == 0 else worker, fetched[1])
             fetch_s.append(time.perf_counter() - start)
             fetcher.stop()
         size = len(publisher.current[1])
-        rows.append({"dtype": str(dtype), "bytes": size, "publish_s": statistics.median(publish_s),
+        name = f"{dtype}" + (f", LoRA {rank} adapters" if rank else "")
+        rows.append({"weights": name, "bytes": size, "publish_s": statistics.median(publish_s),
                      "fetch_and_swap_s": statistics.median(fetch_s)})
-        print(f"{str(dtype):<16} {size / 1e6:8.1f} MB | publish (serialize + sha256) "
+        print(f"{name:<32} {size / 1e6:8.1f} MB | publish (serialize + sha256) "
               f"{rows[-1]['publish_s']:.2f} s | download + check + swap in {rows[-1]['fetch_and_swap_s']:.2f} s",
               flush=True)
     publisher.stop()

@@ -94,32 +94,43 @@ class WeightPublisher:
             self.current = (version, body, sha)
 
 
-def start_publisher(model, version, *, rank, every, host, port, token, lora_merged):
+def start_publisher(model, version, *, rank, every, host, port, token):
     """Rank 0's WeightPublisher serving `model` as `version` (the step it starts from), or None: on
     other ranks, and when every is 0 (workers read OUTPUT_DIR's checkpoints instead)."""
     if rank != 0 or every <= 0:
         return None
     publisher = WeightPublisher(host, port, token)
     with torch.no_grad():
-        publisher.publish(policy_weights(model, lora_merged), version)
+        publisher.publish(policy_weights(model), version)
     print(f"weights for workers: http://{host}:{port}/weights (every {every} steps)", flush=True)
     return publisher
 
 
-def policy_weights(model, lora_merged) -> dict:
+def policy_weights(model) -> dict:
     """What a worker loads: the trained weights under the plain model's names, each once (a tied
-    embedding and head are one tensor). LoRA: lora_merged(model), the adapters merged in."""
-    if hasattr(model, "get_base_model"):
-        return lora_merged(model)
-    return dict(model.named_parameters())
+    embedding and head are one tensor). LoRA: the adapters alone, "lora_A:<weight>" and
+    "lora_B:<weight>" with B already times the adapter's scaling, so the worker adds B @ A to
+    the base weight it holds (about 1% of the bytes)."""
+    if not hasattr(model, "get_base_model"):
+        return dict(model.named_parameters())
+    from peft.tuners.lora import LoraLayer
+
+    adapters = {}
+    for name, layer in model.get_base_model().named_modules():
+        if isinstance(layer, LoraLayer):
+            adapter = layer.active_adapters[0]
+            weight = f"{name}.weight"
+            adapters[f"lora_A:{weight}"] = layer.lora_A[adapter].weight
+            adapters[f"lora_B:{weight}"] = layer.lora_B[adapter].weight * layer.scaling[adapter]
+    return adapters
 
 
-def publish_every(publisher, model, step: int, every: int, lora_merged):
+def publish_every(publisher, model, step: int, every: int):
     """After step `step`: publish the weights as version `step` when it is a multiple of `every`
     (rank 0 holds the publisher; other ranks pass None)."""
     if publisher is not None and every > 0 and step % every == 0:
         with torch.no_grad():
-            publisher.publish(policy_weights(model, lora_merged), step)
+            publisher.publish(policy_weights(model), step)
 
 
 class WeightFetcher:
@@ -199,11 +210,21 @@ class WeightFetcher:
 
 
 def swap_in(model, tensors: dict):
-    """Load a fetched version into the worker's model in place; every name must be the model's."""
+    """Load a fetched version into the worker's model in place; every name must be the model's.
+    LoRA adapters ("lora_A:<weight>", "lora_B:<weight>") set weight = its base + B @ A, the base
+    being the weight as it was before the first adapters came (kept aside, once)."""
     own = dict(model.named_parameters())
-    unknown = sorted(set(tensors) - set(own))
+    targets = {name.split(":", 1)[1] for name in tensors if name.startswith("lora_A:")}
+    plain = {name: value for name, value in tensors.items() if ":" not in name}
+    unknown = sorted((set(plain) | targets) - set(own))
     if unknown:
         raise ValueError(f"weights for parameters this model does not have: {unknown[:5]}")
+    base = model.__dict__.setdefault("lora_base_weights", {})  # a plain attribute, not a buffer
     with torch.no_grad():
-        for name, value in tensors.items():
+        for name, value in plain.items():
             own[name].copy_(value.to(own[name].dtype))
+        for name in targets:
+            if name not in base:
+                base[name] = own[name].detach().clone()
+            delta = tensors[f"lora_B:{name}"].float() @ tensors[f"lora_A:{name}"].float()  # (out, in)
+            own[name].copy_((base[name].float() + delta).to(own[name].dtype))

@@ -223,7 +223,7 @@ def test_a_worker_without_a_shared_disk_swaps_in_weights_served_over_http(tiny_m
         with torch.no_grad():
             for p in moved.parameters():
                 p.add_(torch.randn_like(p, generator=torch.Generator().manual_seed(0)) * 0.02)
-        pub.publish(weight_sync.policy_weights(moved, None), 3)
+        pub.publish(weight_sync.policy_weights(moved), 3)
         deadline = time.time() + 300
         while meta["version"] != 3:
             assert time.time() < deadline, log_path.read_text()[-2000:]
@@ -240,3 +240,32 @@ def test_a_worker_without_a_shared_disk_swaps_in_weights_served_over_http(tiny_m
         kill_group(worker)
         pub.stop()
         srv.stop()
+
+
+def test_lora_sends_the_adapters_alone_and_the_worker_merges_them(tiny_model_dir, publisher):
+    """A LoRA policy publishes only its adapters (B times its scaling): a few percent of the full
+    weights' bytes; a plain worker model that swaps them in twice holds the merged weights each
+    time (peft's own merge, lora.merged_state_dict), not base + both deltas."""
+    from transformers import AutoModelForCausalLM
+
+    from features import lora
+
+    policy = lora.add_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), rank=4, alpha=8,
+                           targets="all-linear", seed=0)
+    worker = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    full_bytes = sum(p.numel() * p.element_size() for p in worker.parameters())
+    for version in (1, 2):
+        with torch.no_grad():
+            for name, p in policy.named_parameters():
+                if "lora_B" in name:  # B starts at 0: give the adapters something to say
+                    p.add_(torch.randn_like(p) * 0.05)
+        weight_sync.publish_every(publisher, policy, version, 1)
+        body = requests.get(publisher.url + "/weights", params={"version": version}, timeout=30).content
+        assert len(body) < 0.2 * full_bytes
+        from safetensors.torch import load
+
+        weight_sync.swap_in(worker, load(body))
+        merged = lora.merged_state_dict(policy)
+        own = worker.state_dict()
+        for name, value in merged.items():
+            torch.testing.assert_close(own[name], value, rtol=1e-5, atol=1e-6)
