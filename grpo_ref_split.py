@@ -541,7 +541,7 @@ def check_memory(questions):
         gradient_checkpointing=GRADIENT_CHECKPOINTING, q_batch_size=Q_BATCH_SIZE,
         train_micro_batch=TRAIN_MICRO_BATCH, num_pre_q=NUM_PRE_Q, max_new_tokens=MAX_NEW_TOKENS,
         logp_chunk=LOGP_CHUNK, logp_from_hidden=LOGP_FROM_HIDDEN, shared_prefix=SHARED_PREFIX,
-        use_vllm=USE_VLLM, vllm_gpu_memory=VLLM_GPU_MEMORY)
+        use_vllm=USE_VLLM, vllm_gpu_memory=VLLM_GPU_MEMORY, vllm_cpu_kv_gb=VLLM_CPU_KV_GB)
     memory_plan.check(resolve_model_path(MODEL_PATH), setting,
                       prompt=functools.partial(build_prompt, question=longest))
 

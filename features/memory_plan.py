@@ -58,6 +58,7 @@ class Setting:
     shared_prefix: bool = True  # SHARED_PREFIX: a group's prompt runs once
     use_vllm: bool = False  # USE_VLLM
     vllm_gpu_memory: float = 0.3  # VLLM_GPU_MEMORY: the share of the GPU vLLM takes
+    vllm_cpu_kv_gb: float = 1.0  # VLLM_CPU_KV_GB: on CPU, vLLM's KV cache beside its own weights
     reduce_bucket_size: int = 500_000_000  # DeepSpeed's zero_optimization.reduce_bucket_size
 
 
@@ -175,8 +176,11 @@ def plan(shape: ModelShape, s: Setting, device_bytes: int) -> list:
     rows.append(Row(f"logits of {logit_tokens:,} tokens", logit_tokens * shape.vocab * (item + 8)))
     sequences = s.q_batch_size * s.num_pre_q
     cache = 2 * shape.layers * shape.kv_width * item * sequences * (s.prompt_tokens + s.max_new_tokens)
-    if s.use_vllm:
+    if s.use_vllm and s.bf16:
         rows.append(Row("vLLM (VLLM_GPU_MEMORY)", int(s.vllm_gpu_memory * device_bytes)))
+    elif s.use_vllm:  # CPU: its own fp32 copy of the weights and VLLM_CPU_KV_GB of cache
+        vllm_bytes = 4 * shape.params + int(s.vllm_cpu_kv_gb * GIB)
+        rows.append(Row("vLLM (its weights, VLLM_CPU_KV_GB)", vllm_bytes))
     else:  # generation comes before the step, so only the larger of the two counts
         rows.append(Row("generation KV cache (before the step)", cache))
     server_tokens = s.num_pre_q * (s.prompt_tokens + s.max_new_tokens)
@@ -226,6 +230,8 @@ def device_seen(ranks_per_node: int):
         return props.total_memory, props.name
     with open("/proc/meminfo") as f:
         free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+    if ranks_per_node == 1:
+        return free, "this machine's free RAM"
     return free // ranks_per_node, f"1/{ranks_per_node} of this machine's free RAM"
 
 

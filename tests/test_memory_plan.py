@@ -87,3 +87,15 @@ def test_a_setting_that_cannot_fit_stops_before_any_weight_loads(tiny_model_dir,
     assert "the memory plan above does not fit" in text and "OFFLOAD_OPTIMIZER=1" in text
     assert "Loading weights" not in text
     assert not out.exists() or not os.listdir(out)
+
+
+def test_vllm_takes_its_share_of_a_gpu_and_its_weights_and_cache_on_a_cpu():
+    """GPU: VLLM_GPU_MEMORY of the device, held through the step. CPU: its own fp32 weights and
+    VLLM_CPU_KV_GB of cache, not a share of the machine's RAM."""
+    shape = memory_plan.ModelShape(params=1000, trainable=1000, layers=2, hidden=8, kv_width=4,
+                                   vocab=16, saved_per_token=1.0, saved_per_token_fp32=2.0)
+    gpu = memory_plan.plan(shape, memory_plan.Setting(use_vllm=True, vllm_gpu_memory=0.3), 10**10)
+    assert gpu[4].trainer == 3 * 10**9
+    cpu = memory_plan.plan(shape, memory_plan.Setting(use_vllm=True, bf16=False, vllm_cpu_kv_gb=2.0),
+                           10**10)
+    assert cpu[4].trainer == 4 * 1000 + 2 * 2**30
