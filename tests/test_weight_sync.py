@@ -108,20 +108,28 @@ def test_a_worker_fetches_each_published_version_whole(publisher):
     assert list(load(body)) == ["embed.weight"]  # a tied tensor once, as the model names it
 
 
+def fetch_once(url, cleanup=None):
+    """The first version a fresh WeightFetcher at `url` checks and hands over, and its counts."""
+    fetcher = weight_sync.WeightFetcher(url, "", version=0, poll_s=0.05, retry_s=0.05)
+    try:
+        wait_for(lambda: fetcher.ready is not None, timeout=60)
+        version, got = fetcher.take()
+    finally:
+        fetcher.stop()
+        if cleanup is not None:
+            cleanup()
+    return version, got, fetcher.counts
+
+
 def test_a_transfer_cut_halfway_resumes_and_ends_on_the_whole_version(publisher):
     """The link drops twice in the middle of the answer: the worker resumes with Range requests and
     swaps in exactly the published tensors; it never hands over a partial file."""
     published = weights(3)
     publisher.publish(published, 1)
     proxy = CuttingProxy(int(publisher.url.rsplit(":", 1)[1]), after=1_500_000, cuts=2)
-    fetcher = weight_sync.WeightFetcher(proxy.url, "", version=0, poll_s=0.05, retry_s=0.05)
-    try:
-        wait_for(lambda: fetcher.ready is not None, timeout=60)
-        version, got = fetcher.take()
-    finally:
-        fetcher.stop()
+    version, got, counts = fetch_once(proxy.url)
     assert version == 1 and all(torch.equal(got[k], published[k]) for k in published)
-    assert fetcher.counts["resumed"] >= 1 and proxy.connections >= 3
+    assert counts["resumed"] >= 1 and proxy.connections >= 3
 
 
 def test_a_version_replaced_mid_transfer_is_never_mixed(publisher):
@@ -138,14 +146,11 @@ def test_a_version_replaced_mid_transfer_is_never_mixed(publisher):
         return original(url, *args, **kwargs)
 
     weight_sync.requests.get = get
-    fetcher = weight_sync.WeightFetcher(proxy.url, "", version=0, poll_s=0.05, retry_s=0.05)
-    try:
-        wait_for(lambda: fetcher.ready is not None, timeout=60)
-        version, got = fetcher.take()
-    finally:
-        fetcher.stop()
+
+    def restore():
         weight_sync.requests.get = original
-    assert fetcher.counts["replaced"] == 1
+    version, got, counts = fetch_once(proxy.url, cleanup=restore)
+    assert counts["replaced"] == 1
     assert version == 2 and all(torch.equal(got[k], second[k]) for k in second)
 
 
