@@ -16,8 +16,7 @@ Read top to bottom: constants, the GRPO math, one step, the loop; with rewards.p
 that is all of a default step. Where it runs a faster equal (a shared prompt, chunked log-probs,
 vLLM) the plain definition is here and one line picks the fast path in features/, tested equal.
 Left out of GRPO: a value model (the group is the baseline) and process rewards per reasoning step.
-Shapes: B answers, P prompt and T answer columns, V vocabulary. Any UPPER_CASE constant can be set
-by an environment variable of its name.
+Shapes: B answers, P prompt and T answer columns, V vocabulary. Constants: env vars of their name.
 """
 import functools
 import sys
@@ -52,7 +51,7 @@ CLIP_EPS_HIGH = 0.2  # ... and rise to 1 + CLIP_EPS_HIGH; DAPO's 0.28 lets rare 
 LR = 1e-5  # AdamW learning rate; the optimizer's other settings and its schedule are DS_CONFIG's
 ALL_STEPS = 30  # training steps
 SEED = 42  # seeds questions and sampling (rank r uses SEED + r)
-REF_SERVER = "http://127.0.0.1:59875"  # where `python ref_server.py` listens
+REF_SERVER = "http://127.0.0.1:59875"  # where ref_server.py listens; several: comma-separated
 REF_TOKEN = ""  # must equal the server's REF_TOKEN when it has one
 DS_CONFIG = "ds_config.json"  # ZeRO-2, AdamW, clipping, schedule; LR and bf16 are set here
 OUTPUT_DIR = "output"  # checkpoints, metrics.jsonl, completions.jsonl and curves.png
@@ -185,9 +184,8 @@ def gspo_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def mismatch_weights(old, sampler_logps, sampler_rows, mask, *, mode, cap) -> torch.Tensor:
-    """(B, T) weights rho = pi_old / pi_vllm on vLLM's tokens (mask, rows in sampler_rows (B,) or
-    all), 1 elsewhere: per token or per answer (its product), truncated at cap or 0 outside
-    [1 / cap, cap]. old, sampler_logps (B, T)."""
+    """(B, T) weights rho = pi_old / pi_vllm on vLLM's tokens (mask; sampler_rows (B,) or all), else
+    1: per token or per answer (its product), truncated at cap or 0 outside [1 / cap, cap]."""
     sampled = mask if sampler_rows is None else mask & sampler_rows[:, None]  # (B, T)
     log_rho = torch.where(sampled, old - sampler_logps, 0.0)  # (B, T)
     if mode.startswith("sequence_"):
@@ -275,9 +273,8 @@ class Batch:
 
 
 def load_policy(path, device):
-    """(model, tokenizer, eos_ids, gen_config) sampling plain softmax(logits / TEMPERATURE), the
-    distribution every log-prob assumes: no model default (top_k, top_p...) may change it
-    (features/policy.py). Workers call it too, on each new checkpoint."""
+    """(model, tokenizer, eos_ids, gen_config) sampling plain softmax(logits / TEMPERATURE), as
+    every log-prob assumes: no model default (top_k, top_p...) changes it (features/policy.py)."""
     return policy.load_policy(path, device, base_path=resolve_model_path(MODEL_PATH),
                               temperature=TEMPERATURE, max_new_tokens=MAX_NEW_TOKENS)
 
@@ -337,8 +334,7 @@ def generate(model, tokenizer, questions, gen_config, eos_ids, llm=None) -> Roll
         del tool["tool_mask"]
     else:
         mask = completion_mask(completion_ids, eos_ids)  # (B, T)
-        eos = torch.tensor(eos_ids, device=device)
-        stopped = torch.isin(completion_ids, eos).any(1)  # (B,) False = cut off
+        stopped = torch.isin(completion_ids, torch.tensor(eos_ids, device=device)).any(1)  # (B,)
     lengths = mask.sum(1).tolist()  # before MASK_TRUNCATED: what the model wrote
     if MASK_TRUNCATED:  # a cut answer may have been heading somewhere right: no reward or blame
         mask &= stopped[:, None]  # (B, T)
@@ -400,20 +396,6 @@ def rollout(model, tokenizer, eos_ids, gen_config, questions, llm, keep_all, wit
     m["dropped"] = len(dropped) // NUM_PRE_Q
     records = answer_records(step, rank, out, each, scores, advantages)
     return groups, records, m, dropped
-
-
-def sampled_by_these_weights(groups, version) -> tuple:
-    """(the pulled groups the policy at `version` may train on, the counts dropped). A group that
-    other weights sampled (a step late) needs their log-probs as pi_old (gen_logps), else its ratio
-    would be 1 as if these weights had sampled it: workers' and regrouped groups carry them. One
-    sampled more than MAX_STALENESS versions ago is dropped (docs/workers.md)."""
-    def lag(meta):  # versions between the sampling weights and these
-        return version - meta.get("version", version)
-    fresh = [(tensors, meta) for tensors, meta in groups if lag(meta) <= MAX_STALENESS]
-    usable = [(tensors, meta) for tensors, meta in fresh
-              if lag(meta) == 0 or "gen_logps" in tensors]
-    stale = len(groups) - len(fresh)
-    return usable, Counter(late_groups_dropped=len(fresh) - len(usable), stale_groups_dropped=stale)
 
 
 @torch.no_grad()
@@ -513,8 +495,8 @@ def check_settings():
                    SAMPLER=(SAMPLER, question_sampler.SAMPLERS))
     refusals.check_settings(output_dir=OUTPUT_DIR, resume=RESUME, choices=choices,
                             use_triton=USE_TRITON, gspo=GSPO, tis_mode=TIS_MODE, tis_cap=TIS_CAP,
-                            tensorboard=TENSORBOARD, clip_eps=CLIP_EPS,
-                            clip_eps_high=CLIP_EPS_HIGH, loss_type=LOSS_TYPE)
+                            tensorboard=TENSORBOARD, clip_eps=CLIP_EPS, clip_eps_high=CLIP_EPS_HIGH,
+                            loss_type=LOSS_TYPE)
 
 
 def setup_deepspeed():
@@ -532,20 +514,6 @@ def setup_deepspeed():
     return engine, tokenizer, eos_ids, gen_config, rank, device
 
 
-def check_memory(questions):
-    """The memory plan (features/memory_plan.py): printed, and a stop before any weight loads if
-    it cannot fit the device this rank sees."""
-    longest = max((q["question"] for q in questions[:256]), key=len)
-    setting = memory_plan.Setting(
-        offload_optimizer=OFFLOAD_OPTIMIZER, lora_rank=LORA_RANK, lora_targets=LORA_TARGETS,
-        gradient_checkpointing=GRADIENT_CHECKPOINTING, q_batch_size=Q_BATCH_SIZE,
-        train_micro_batch=TRAIN_MICRO_BATCH, num_pre_q=NUM_PRE_Q, max_new_tokens=MAX_NEW_TOKENS,
-        logp_chunk=LOGP_CHUNK, logp_from_hidden=LOGP_FROM_HIDDEN, shared_prefix=SHARED_PREFIX,
-        use_vllm=USE_VLLM, vllm_gpu_memory=VLLM_GPU_MEMORY, vllm_cpu_kv_gb=VLLM_CPU_KV_GB)
-    memory_plan.check(resolve_model_path(MODEL_PATH), setting,
-                      prompt=functools.partial(build_prompt, question=longest))
-
-
 def start_vllm(seed, dtype):
     """USE_VLLM's in-process engine with MODEL_PATH's weights (features/vllm_engine.py)."""
     return vllm_engine.start_vllm(resolve_model_path(MODEL_PATH), seed, dtype, eager=VLLM_EAGER,
@@ -554,8 +522,7 @@ def start_vllm(seed, dtype):
 
 
 def uses_server() -> bool:
-    """Whether the reference comes from ref_server.py: not at BETA 0 (no reference at all), nor
-    with LoRA's REF_FROM_BASE (the base under the adapters is the reference, here)."""
+    """Whether ref_server.py gives the reference: not at BETA 0, nor with LoRA's REF_FROM_BASE."""
     return BETA != 0 and not (LORA_RANK > 0 and REF_FROM_BASE)
 
 
@@ -570,8 +537,9 @@ def main():
     check_settings()  # before any model loads
     quiet.quiet_libraries(VERBOSE)
     questions, held_out = training_questions()
-    if MEMORY_PLAN:
-        check_memory(questions)  # will this setting fit? before the weights load
+    if MEMORY_PLAN:  # will this setting fit? printed, and a stop before the weights load
+        memory_plan.check(resolve_model_path(MODEL_PATH), memory_plan.setting_from(globals()),
+                          build_prompt=build_prompt, questions=questions)
     engine, tokenizer, eos_ids, gen_config, rank, device = setup_deepspeed()
     model = engine.module  # the same weights without the engine: generation and evaluation
     client = None  # no server: no reference at all (BETA 0), or LoRA's base is the reference
@@ -583,7 +551,11 @@ def main():
     sampler = question_sampler.QuestionSampler(questions, SEED + rank, SAMPLER, REPLAY_SHARE)
     llm = start_vllm(SEED + rank, model.dtype) if USE_VLLM else None  # one engine per rank
     if PASS_RATE_QUESTIONS:  # how hard each question is, before step 1 (or read back on RESUME)
-        pass_rate_pass(model, tokenizer, eos_ids, gen_config, llm, sampler, rank)
+        sample = functools.partial(generate, model, tokenizer, gen_config=gen_config,
+                                   eos_ids=eos_ids, llm=llm)  # NUM_PRE_Q answers to each
+        pass_rates.pass_rate_pass(sampler, sample, functools.partial(rewards.score, REWARDS),
+                                  count=PASS_RATE_QUESTIONS, group=NUM_PRE_Q,
+                                  output_dir=OUTPUT_DIR, batch=Q_BATCH_SIZE, rank=rank)
     start = 0  # the last step done: a resumed checkpoint's
     if RESUME:
         start = checkpoints.resume(engine, sampler, rank, output_dir=OUTPUT_DIR, lora=LORA_RANK > 0)
@@ -622,9 +594,10 @@ def main():
             answers += records
             dropped.append(equal)
             m.update(stats)
-            with timed(m, "wait_s"):
-                pulled = pull_groups(client, new, step, rank)  # 5. upload, pull with ref_logps
-            pulled, dropped_counts = sampled_by_these_weights(pulled, step - 1)
+            with timed(m, "wait_s"):  # 5. upload; pull them back with ref_logps (no server: ours)
+                pulled = server_client.upload_and_pull(client, new, step - 1, rank)
+            pulled, dropped_counts = server_client.sampled_by(pulled, step - 1,
+                                                              max_staleness=MAX_STALENESS)
             m.update(dropped_counts)  # late_groups_dropped, stale_groups_dropped
             groups += pulled
             if len(groups) >= wanted:
@@ -655,46 +628,19 @@ def main():
         log.close()  # "done: ... in OUTPUT_DIR/"
 
 
-def pass_rate_pass(model, tokenizer, eos_ids, gen_config, llm, sampler, rank):
-    """NUM_PRE_Q answers to each of the first PASS_RATE_QUESTIONS training questions from the
-    starting policy (features/pass_rates.py); the sampler then draws from those, weighted by
-    their pass rates (SAMPLER "learnability"). Held-out questions are not among them."""
-    def answer_passes(part):  # for each question, its answers' right (True) or wrong
-        out = generate(model, tokenizer, part, gen_config, eos_ids, llm)
-        _, each = rewards.score(REWARDS, out.texts, out.golds, out.questions)
-        right = [value > 0 for value in each[question_sampler.PASS_KEY]]
-        return [right[i : i + NUM_PRE_Q] for i in range(0, len(right), NUM_PRE_Q)]
-    chosen = sampler.questions[:PASS_RATE_QUESTIONS]
-    rates = pass_rates.measure(chosen, answer_passes, output_dir=OUTPUT_DIR, batch=Q_BATCH_SIZE,
-                               rank=rank, world=torch.distributed.get_world_size())
-    sampler.questions = [q for q in sampler.questions if q["question"] in rates]
-    sampler.set_pass_rates(rates)
-
-
-def pull_groups(client, new, step, rank) -> list:
-    """Step 5: upload our groups, pull as many ready ones with ref_logps; no server: our own."""
-    if client is None:
-        return [(tensors, {**meta, "version": step - 1}) for tensors, meta in new]
-    return client.upload_and_pull(new, step - 1, rank)
-
-
 def generate_only():
     """A generation worker (features/worker.py): steps 1-4 and uploads; no optimizer."""
     questions, _ = training_questions()
 
-    def make_groups(loaded, llm, keep_all, rng):  # steps 1-4, the trainer's own
-        groups, records, _, _ = rollout(*loaded, rng.sample(questions, Q_BATCH_SIZE), llm,
-                                        keep_all, True)
-        return groups, records
+    def make_groups(loaded, llm, keep_all, rng):  # steps 1-4, the trainer's own, with pi_old
+        drawn = rng.sample(questions, Q_BATCH_SIZE)
+        return rollout(*loaded, drawn, llm, keep_all, with_gen_logps=True)[:2]  # groups, records
     client = server_client.RefClient(REF_SERVER, REF_TOKEN, SERVER_TIMEOUT)
-    fetch_weights = None  # WEIGHTS_FROM: new weights over HTTP, else OUTPUT_DIR's step_N
-    if WEIGHTS_FROM:
-        fetch_weights = functools.partial(weight_sync.WeightFetcher, WEIGHTS_FROM, REF_TOKEN)
     worker.run_worker(load_policy, make_groups, client, first=resolve_model_path(MODEL_PATH),
                       seed=SEED, start_llm=start_vllm if USE_VLLM else None,
                       output_dir=OUTPUT_DIR, max_queued=WORKER_MAX_QUEUED,
                       allow_mismatch=ALLOW_REF_MISMATCH, trainers_read_server=uses_server(),
-                      fetch_weights=fetch_weights)
+                      weights_from=WEIGHTS_FROM, token=REF_TOKEN)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Reference server: holds the frozen reference model and turns scored groups into ready batches.
 
 Generators POST a scored group to /upload; a thread adds the reference model's log-probs of the
-completion tokens (ref_logps) and queues it; trainers GET /get to take one (204 when none is
-ready). Workers' groups (metadata "worker") wait apart, for GET /get?from=workers.
+completion tokens (ref_logps) and queues it for the rank that sent it: GET /get?rank=N takes one
+(204 when none is ready). Workers' groups (metadata "worker") wait apart, for /get?from=workers.
 docs/server.md: the protocol and its limits. Give it its own GPU (or machine); any UPPER_CASE
 constant below can be set by an environment variable:
 
@@ -28,8 +28,8 @@ from features.http_server import json_errors, start_http
 from features.logprobs import completion_logps
 from features.regroup import RegroupPool
 from features.reward_model import add_reward_model, load_reward_model
-from features.server_guard import (Room, TooLarge, UploadIds, exposure_warning, token_ok,
-                                   validate_group)
+from features.server_guard import (MAX_RANKS, Room, TooLarge, UploadIds, exposure_warning,
+                                   token_ok, validate_group)
 from features.wire import decode_batch, encode_batch
 
 # ----------------------------------------------------------------------------- constants
@@ -95,9 +95,8 @@ class RefServer:
         self.fingerprint = model_fingerprint(model)  # trainers check they start from this model
         self.reward_model = reward_model  # (model, tokenizer) or None
         self.reward_model_name = reward_model_name
-        # An upload waits in `pending` for the forward thread, then in its kind's `ready` queue.
-        self.pending = queue.Queue()  # (tensors, meta, kind, nbytes)
-        self.ready = {"trainers": queue.Queue(), "workers": queue.Queue()}  # (body, type, nbytes)
+        self.pending = queue.Queue()  # (tensors, meta, key, nbytes) waiting for the forward thread
+        self.ready = {"workers": queue.Queue()}  # key -> (body, type, nbytes): "workers" or a rank
         self.room = Room(setting(queue_size, QUEUE_SIZE),
                          setting(max_queued_bytes, MAX_QUEUED_BYTES))
         self.counters = dict(uploaded=0, served=0, rejected=0, busy=0, ref_errors=0)
@@ -127,7 +126,7 @@ class RefServer:
         """The forward thread: each pending group gets its ref_logps and goes to a ready queue."""
         while not self.stopping.is_set():
             try:
-                tensors, meta, kind, nbytes = self.pending.get(timeout=0.2)  # sees a stop() soon
+                tensors, meta, key, nbytes = self.pending.get(timeout=0.2)  # sees a stop() soon
             except queue.Empty:
                 continue
             try:
@@ -146,7 +145,12 @@ class RefServer:
                 error = {"error": f"the reference forward failed: {e!r}",
                          "upload_id": meta.get("upload_id")}
                 item = (json.dumps(error).encode(), "application/json", nbytes)
-            self.ready[kind].put(item)  # its room was taken at upload
+            self.queue_of(key).put(item)  # its room was taken at upload
+
+    def queue_of(self, key):
+        """The ready queue of "workers" or of a trainer rank, which takes back its own groups."""
+        with self.lock:
+            return self.ready.setdefault(key, queue.Queue())
 
     def _count(self, name):
         with self.lock:
@@ -171,7 +175,8 @@ class RefServer:
         if group is None:
             self.room.give_back(kind, nbytes)
         else:
-            self.pending.put((*group, kind, nbytes))
+            key = "workers" if kind == "workers" else meta.get("rank", 0)
+            self.pending.put((*group, key, nbytes))
         self._count("uploaded")
         return {"ok": True, "groups": int(group is not None), "pending": self.pending.qsize(),
                 "instance": self.instance}
@@ -218,11 +223,14 @@ class RefServer:
         def get():
             headers = {"X-Ref-Instance": self.instance}
             kind = "workers" if bottle.request.query.get("from") == "workers" else "trainers"
+            rank = bottle.request.query.get("rank", "0")  # a rank takes back the groups it sent
+            if not rank.isdigit() or int(rank) >= MAX_RANKS:
+                self._refuse(400, f"rank must be an int in 0..{MAX_RANKS - 1}, got {rank[:20]!r}")
+            ready = self.queue_of(kind if kind == "workers" else int(rank))
             if bottle.request.method == "HEAD":  # bottle routes HEAD here too: answer, take nothing
-                status = 200 if self.ready[kind].qsize() else 204
-                return bottle.HTTPResponse(status=status, headers=headers)
+                return bottle.HTTPResponse(status=200 if ready.qsize() else 204, headers=headers)
             try:  # workers' groups wait apart: a rank never takes another rank's group as an extra
-                body, content_type, nbytes = self.ready[kind].get_nowait()
+                body, content_type, nbytes = ready.get_nowait()
             except queue.Empty:
                 return bottle.HTTPResponse(status=204, headers=headers)
             self.room.give_back(kind, nbytes)
@@ -235,11 +243,12 @@ class RefServer:
         def health():
             with self.lock:
                 counters = dict(self.counters)
+                ready = sum(q.qsize() for key, q in self.ready.items() if key != "workers")
             counters["regrouped"] = self.pool.regrouped if self.pool else 0
             return dict(model=self.model_name, vocab_size=self.vocab_size,
                         fingerprint=self.fingerprint, device=str(self.device),
                         reward_model=self.reward_model_name, instance=self.instance,
-                        pending=self.pending.qsize(), ready=self.ready["trainers"].qsize(),
+                        pending=self.pending.qsize(), ready=ready,
                         ready_workers=self.ready["workers"].qsize(),
                         held_bytes=self.room.held_bytes, regroup=self.pool is not None,
                         uptime_s=round(time.time() - self.started, 1), **counters)

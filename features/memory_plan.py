@@ -235,18 +235,21 @@ def device_seen(ranks_per_node: int):
     return free // ranks_per_node, f"1/{ranks_per_node} of this machine's free RAM"
 
 
-def check(model_path: str, s: Setting, *, prompt):
+def check(model_path: str, s: Setting, *, build_prompt, questions):
     """Print the plan (rank 0) and stop every rank, before any weight loads, if it does not fit.
-    Fills in what the launcher and the device say (ranks, bf16) and the prompt's length, from
-    prompt(tokenizer): the longest prompt the run will see."""
+    Fills in what the launcher and the device say (ranks, bf16) and the prompt's length:
+    build_prompt(tokenizer, question) of the longest of the first 256 questions."""
     from transformers import AutoTokenizer
+
+    longest = max((q["question"] for q in questions[:256]), key=len)
 
     s.ranks = int(os.environ.get("WORLD_SIZE", "1"))
     s.ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     s.bf16 = torch.cuda.is_available()  # the trainer's rule: bf16 on GPUs, fp32 on CPU
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        s.prompt_tokens = len(tokenizer(prompt(tokenizer), add_special_tokens=False).input_ids)
+        prompt = build_prompt(tokenizer, longest)
+        s.prompt_tokens = len(tokenizer(prompt, add_special_tokens=False).input_ids)
         shape = model_shape(model_path, lora_rank=s.lora_rank, lora_targets=s.lora_targets)
     except Exception as e:  # a model the meta device cannot build: train without a plan, and say so
         print(f"memory plan skipped: {model_path} could not be planned ({type(e).__name__}: {e})",
@@ -261,24 +264,26 @@ def check(model_path: str, s: Setting, *, prompt):
                  "GRADIENT_CHECKPOINTING=1 or TRAIN_MICRO_BATCH=1 (docs/gpus.md), or use more ranks")
 
 
-def setting_from_env(env) -> Setting:
-    """A Setting from environment variables named as the trainer's constants (BF16 for the dtype)."""
+def setting_from(constants) -> Setting:
+    """A Setting from the trainer's constants: each field read from its UPPER_CASE name in `constants`
+    (the trainer's globals(), or os.environ's text, BF16 there for the dtype); absent names keep the default."""
     setting = Setting()
     for field in dataclasses.fields(Setting):
-        text = env.get(field.name.upper())
-        if text is None:
+        value = constants.get(field.name.upper())
+        if value is None:
             continue
-        if isinstance(field.default, bool):
-            setattr(setting, field.name, text.lower() in ("1", "true"))
-        else:
-            setattr(setting, field.name, type(field.default)(text))
+        if isinstance(value, str) and isinstance(field.default, bool):  # environment text
+            value = value.lower() in ("1", "true")
+        elif isinstance(value, str):
+            value = type(field.default)(value)
+        setattr(setting, field.name, value)
     return setting
 
 
 def main():
     from features.embedded_model import resolve_model_path
 
-    setting = setting_from_env(os.environ)
+    setting = setting_from(os.environ)
     model_path = resolve_model_path(os.environ.get("MODEL_PATH", ""))
     shape = model_shape(model_path, lora_rank=setting.lora_rank, lora_targets=setting.lora_targets)
     gpu_gb = float(os.environ.get("GPU_GB", "80"))

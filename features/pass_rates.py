@@ -12,7 +12,26 @@ import time
 import torch
 from tqdm import tqdm
 
+from features.question_sampler import PASS_KEY
+
 FILE = "pass_rates.json"
+
+
+def pass_rate_pass(sampler, sample, score, *, count, group, output_dir, batch, rank, pass_key=PASS_KEY):
+    """Measure (or read back) the pass rates of the sampler's first `count` questions and keep the
+    sampler to those, weighted by them. sample(questions) -> the trainer's Rollout of `group` answers
+    to each; score(texts, golds, questions) -> (totals, {reward name: values}); an answer passes when
+    its pass_key reward is above 0."""
+    def answer_passes(part):  # for each question, its answers' right (True) or wrong
+        out = sample(part)
+        _, each = score(out.texts, out.golds, out.questions)
+        right = [value > 0 for value in each[pass_key]]
+        return [right[i : i + group] for i in range(0, len(right), group)]
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    rates = measure(sampler.questions[:count], answer_passes, output_dir=output_dir, batch=batch,
+                    rank=rank, world=world)
+    sampler.questions = [q for q in sampler.questions if q["question"] in rates]
+    sampler.set_pass_rates(rates)
 
 
 def measure(questions, answer_passes, *, output_dir, batch, rank, world):

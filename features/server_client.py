@@ -6,6 +6,7 @@ and pulling ready groups back, through restarts, timeouts and a busy server.
 import sys
 import time
 import uuid
+from collections import Counter
 
 import requests
 
@@ -17,6 +18,10 @@ _POLL_FIRST_S, _POLL_MAX_S = 0.02, 0.05  # /get polls while a forward runs: a gr
 _RETRY_FIRST_S, _RETRY_MAX_S = 0.2, 5.0  # backoff between retries of an unreachable or busy server
 _NOTE_EVERY_S = 10.0  # a retrying client says so on stderr at most this often
 _READ_TIMEOUT_S = 60.0  # a request the server has not answered by then is retried (a stuck server)
+_FAILOVER_S = 15.0  # several servers: one silent this long is skipped, its groups sent to another
+_DOWN_RETRY_S = 30.0  # a skipped server is asked again after this long (it may have restarted)
+_HEALTH_TIMEOUT_S = 5.0  # a /health answer slower than this counts as not answering
+_REMEMBERED_IDS = 4096  # upload ids sent again elsewhere, remembered so a late copy is dropped
 
 
 class ServerError(RuntimeError):
@@ -53,73 +58,242 @@ def request_with_retry(method, url, token="", data=None, give_up_after=600.0, wh
 
 
 class RefClient:
-    """A trainer's (or worker's) connection to the reference server at `url` (REF_SERVER)."""
+    """A trainer's (or worker's) connection to the reference servers at `urls` (REF_SERVER: one URL,
+    or several separated by commas, each holding the same reference model). Each group goes to the
+    server with the least work pending and comes back from it; a server that stops answering (for
+    _FAILOVER_S, when there are others) is skipped, and the groups it held are uploaded again to
+    another. With one server it is waited for, up to `timeout` (SERVER_TIMEOUT)."""
 
-    def __init__(self, url, token="", timeout=600.0, extra_groups=0):
-        self.url, self.token, self.timeout, self.extra_groups = url, token, timeout, extra_groups
+    def __init__(self, urls, token="", timeout=600.0, extra_groups=0):
+        self.urls = [url.strip().rstrip("/") for url in urls.split(",") if url.strip()]
+        if not self.urls:
+            raise ValueError(f"REF_SERVER names no server: {urls!r}")
+        self.token, self.timeout, self.extra_groups = token, timeout, extra_groups
+        self.url = self.urls[0]
+        self.fingerprint = None  # the reference model every server must hold (the first handshake)
+        self.down = {}  # url -> when it last failed to answer; skipped for _DOWN_RETRY_S
+        self.sent_again = {}  # upload ids uploaded again elsewhere (insertion-ordered, bounded)
 
     def request(self, method, path, data=None):
         return request_with_retry(method, self.url + path, self.token, data, give_up_after=self.timeout)
 
-    def health(self, model=None, tokenizer=None, allow_mismatch=False) -> dict:
-        """The server's /health, after checking (given the policy, before any update) that it holds the model
-        this policy starts from: the same vocabulary, config and weights, unless allow_mismatch."""
-        health = self.request("GET", "/health").json()
-        if model is None:
-            return health
-        vocab = model.get_output_embeddings().weight.shape[0]
-        if health["vocab_size"] != vocab or len(tokenizer) > health["vocab_size"]:
-            sys.exit(f"reference server at {self.url} holds {health['model']} with vocab {health['vocab_size']}, "
-                     f"but this policy has vocab {vocab} (tokenizer {len(tokenizer)}): start it with the same "
-                     "MODEL_PATH")
-        ours = model_fingerprint(model)
-        differ = [k for k in ours if health["fingerprint"].get(k) != ours[k]]
-        if differ and not allow_mismatch:
-            sys.exit(f"reference server at {self.url} holds {health['model']}, whose {' and '.join(differ)} differ "
-                     f"from this policy's ({health['fingerprint']} against {ours}): start it with the same "
-                     "MODEL_PATH, or set ALLOW_REF_MISMATCH=1 to train against another reference on purpose")
-        return health
+    def _give_up_after(self):  # one server: wait for it; several: move on to another soon
+        return self.timeout if len(self.urls) == 1 else min(self.timeout, _FAILOVER_S)
 
-    def upload(self, groups, **tags):
-        """POST each group with `tags` added to its metadata; returns (server instance, groups it made ready)."""
-        instance, made_ready = None, 0
-        for tensors, meta in groups:  # a fresh upload_id per group: a retry after a timeout is not queued twice
-            body = encode_batch(tensors, {**meta, **tags, "upload_id": uuid.uuid4().hex})
-            r = self.request("POST", "/upload", body).json()
-            instance, made_ready = r["instance"], made_ready + r["groups"]  # REGROUP may hold one back (0)
-        return instance, made_ready
+    def _call(self, method, url, path, data=None):
+        give_up = self._give_up_after()
+        return request_with_retry(method, url + path, self.token, data, give_up_after=give_up,
+                                  read_timeout=min(_READ_TIMEOUT_S, max(give_up, 1.0)))
+
+    def health(self, model=None, tokenizer=None, allow_mismatch=False) -> dict:
+        """Given the policy (before any update): every server's /health, after checking it holds the
+        model this policy starts from (vocabulary, config and weights, unless allow_mismatch) and the
+        same one as the others; the first's. Without: the least loaded server's (its "url" added)."""
+        if model is None:
+            url, health = self.least_loaded()[0]
+            return {**health, "url": url}
+        answers = [self._call("GET", url, "/health").json() for url in self.urls]
+        first = answers[0]
+        for url, health in zip(self.urls, answers):
+            check_reference(url, health, model, tokenizer, allow_mismatch)
+            differ = [k for k in ("fingerprint", "regroup", "reward_model") if health[k] != first[k]]
+            if differ:
+                sys.exit(f"reference servers {self.urls[0]} and {url} differ in {differ}: every "
+                         "server in REF_SERVER must run the same MODEL_PATH and settings")
+        self.fingerprint = answers[0]["fingerprint"]
+        return answers[0]
+
+    def least_loaded(self) -> list:
+        """[(url, /health)] of the servers answering now, the fewest groups pending first; waits up
+        to `timeout` while none answers. A server holding another model than the handshake's is
+        skipped (a restart with other weights)."""
+        start, delay, last_note = time.time(), _RETRY_FIRST_S, 0.0
+        while True:
+            live = []
+            for url in self.urls:
+                if time.time() - self.down.get(url, -1e9) < _DOWN_RETRY_S:
+                    continue
+                try:
+                    health = self._call_once("GET", url, "/health").json()
+                except (requests.RequestException, ValueError):
+                    self.down[url] = time.time()
+                    continue
+                if self.fingerprint and health.get("fingerprint") != self.fingerprint:
+                    print(f"reference server {url} now holds another model: skipped", file=sys.stderr,
+                          flush=True)
+                    self.down[url] = time.time()
+                    continue
+                live.append((url, health))
+            if live:
+                return sorted(live, key=lambda pair: pair[1]["pending"])
+            waited = time.time() - start
+            if waited > self.timeout:
+                raise TimeoutError(f"no reference server of {self.urls} answered for {waited:.0f} s; "
+                                   "is `python ref_server.py` running?")
+            if time.time() - last_note > _NOTE_EVERY_S:
+                print(f"[retry] no reference server answers; retrying for up to {self.timeout:.0f} s",
+                      file=sys.stderr, flush=True)
+                last_note = time.time()
+            self.down.clear()  # none answers: try them all again after the pause
+            time.sleep(delay)
+            delay = min(delay * 2, _RETRY_MAX_S)
+
+    def _call_once(self, method, url, path):
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        r = requests.request(method, url + path, headers=headers, timeout=_HEALTH_TIMEOUT_S)
+        if r.status_code in (401, 403):  # a wrong token is a setting to fix, not a server to skip
+            raise ServerError(f"reference server at {url} answered {r.status_code}: {r.text[:300]}")
+        r.raise_for_status()
+        return r
+
+    def upload(self, groups, **tags) -> dict:
+        """POST each group, `tags` and a fresh upload_id added to its metadata, to the server with the
+        least work pending (counting what this call sent). Returns {upload_id: (url, instance)} of
+        the groups made ready (REGROUP may hold one back). A server that stops answering is skipped."""
+        loads = {url: health["pending"] for url, health in self.least_loaded()}
+        sent = {}
+        for tensors, meta in groups:  # the upload_id stays with the group: a retry is never queued twice
+            meta = {**meta, **tags, "upload_id": meta.get("upload_id") or uuid.uuid4().hex}
+            while True:
+                url = min(loads, key=loads.get)
+                try:
+                    answer = self._call("POST", url, "/upload", encode_batch(tensors, meta)).json()
+                    break
+                except TimeoutError:
+                    self._gone(url)
+                    del loads[url]
+                    loads = loads or {u: health["pending"] for u, health in self.least_loaded()}
+            loads[url] += 1
+            if answer["groups"]:
+                sent[meta["upload_id"]] = (url, answer["instance"])
+        return sent
+
+    def _gone(self, url):
+        """A server that stopped answering: skip it for a while; raise if it is the only one."""
+        if len(self.urls) == 1:
+            raise TimeoutError(f"reference server at {url} stopped answering for {self.timeout:.0f} s; "
+                               "is `python ref_server.py` running?")
+        print(f"reference server {url} stopped answering: skipped", file=sys.stderr, flush=True)
+        self.down[url] = time.time()
 
     def upload_and_pull(self, groups, version, rank):
-        """Step 5: upload our groups, then take back as many ready groups (any rank's) as ours made ready,
-        with their ref_logps, and up to extra_groups more that genonly workers left waiting.
+        """Step 5: upload our groups, take each back from its server with its ref_logps, and up to
+        extra_groups more that genonly workers left waiting.
 
-        Every rank takes what it gave, so no rank can starve. If the server restarted meanwhile (a
-        new instance id), the groups it held are gone: we return short at once and the caller
-        regenerates, so nothing is trained twice and nothing waits forever. A group whose reference
-        forward failed comes back as an error: one group fewer, said on stderr.
-        """
-        instance, owed = self.upload(groups, version=version, rank=rank)
-        got, deadline, delay = [], time.time() + self.timeout, _POLL_FIRST_S
-        while owed > len(got) and time.time() < deadline:
-            r = self.request("GET", "/get")
-            if r.status_code == 200 and r.headers.get("Content-Type") == "application/json":  # its forward failed
-                print(f"[rank {rank}] the reference server lost a group: {r.json()['error']}", file=sys.stderr,
-                      flush=True)
-                owed -= 1
-            elif r.status_code == 200:
-                got.append(decode_batch(r.content))
-                delay = _POLL_FIRST_S
-            if r.headers.get("X-Ref-Instance") != instance:
-                print(f"[rank {rank}] the reference server restarted: {owed - len(got)} uploaded groups "
-                      "were lost with it; regenerating", file=sys.stderr, flush=True)
-                break
-            if r.status_code == 204:  # the reference forward is still running; a 204 poll is a tiny request
+        A rank takes back exactly the groups it sent (GET /get?rank=N), so when a server stops
+        answering or restarts (a new instance id), the ones it still held are known and uploaded
+        again to another server (or the restarted one) under the same upload ids; one of them that
+        the first server hands over later is dropped: nothing is trained twice, nothing waits
+        forever. A group whose reference forward failed comes back as an error: one group fewer,
+        said on stderr. A group of an earlier step that missed its deadline is returned too (its
+        version tells sampled_by whether it may train)."""
+        waiting = {}
+        for tensors, meta in groups:
+            uid = uuid.uuid4().hex
+            waiting[uid] = (tensors, {**meta, "upload_id": uid})
+        got, deadline = [], time.time() + self.timeout
+        while waiting:  # past the deadline, groups sent again come back as late ones next step
+            sent = self.upload(waiting.values(), version=version, rank=rank)
+            back, again = self._pull(sent, rank, deadline)
+            got += back
+            waiting = {uid: waiting[uid] for uid in again}
+            self.sent_again.update(dict.fromkeys(again))
+            while len(self.sent_again) > _REMEMBERED_IDS:
+                self.sent_again.pop(next(iter(self.sent_again)))
+        return got + self._extras()
+
+    def _pull(self, sent, rank, deadline):
+        """(groups back, upload ids to send again) of `sent` ({upload_id: (url, instance)})."""
+        owed, back, again, delay = dict(sent), [], [], _POLL_FIRST_S
+        while owed and time.time() < deadline:
+            progress = False
+            for url in {url for url, _ in owed.values()}:
+                try:
+                    r = self._call("GET", url, f"/get?rank={rank}")
+                except TimeoutError:
+                    self._gone(url)
+                    lost = [uid for uid, (where, _) in owed.items() if where == url]
+                    again += lost
+                    owed = {uid: place for uid, place in owed.items() if uid not in lost}
+                    continue
+                if r.status_code == 200 and r.headers.get("Content-Type") == "application/json":
+                    error = r.json()  # its forward failed: that group will not come
+                    print(f"[rank {rank}] the reference server lost a group: {error['error']}",
+                          file=sys.stderr, flush=True)
+                    owed.pop(error.get("upload_id"), None)
+                    progress = True
+                elif r.status_code == 200:
+                    tensors, meta = decode_batch(r.content)
+                    progress = True
+                    uid = meta.get("upload_id")
+                    if uid not in owed and uid in self.sent_again:  # its other copy is (or was) ours
+                        print(f"[rank {rank}] dropped a second copy of a group that was uploaded "
+                              f"again, handed over by {url}", file=sys.stderr, flush=True)
+                        continue
+                    owed.pop(uid, None)
+                    back.append((tensors, meta))
+                instance = r.headers.get("X-Ref-Instance")
+                lost = [uid for uid, (where, held_by) in owed.items() if where == url and held_by != instance]
+                if lost:
+                    print(f"[rank {rank}] the reference server {url} restarted: {len(lost)} uploaded groups "
+                          "were lost with it; uploading them again", file=sys.stderr, flush=True)
+                    again += lost
+                    owed = {uid: place for uid, place in owed.items() if uid not in lost}
+            if not progress:  # the reference forward is still running; a 204 poll is a tiny request
                 time.sleep(delay)
                 delay = min(delay * 2, _POLL_MAX_S)
-        for _ in range(self.extra_groups):
-            r = self.request("GET", "/get?from=workers")
-            if r.status_code != 200:
-                break
-            if r.headers.get("Content-Type") != "application/json":  # not a group whose forward failed
-                got.append(decode_batch(r.content))
-        return got
+            else:
+                delay = _POLL_FIRST_S
+        return back, again
+
+    def _extras(self):
+        """Up to extra_groups of the groups genonly workers left waiting, from any server answering."""
+        extras = []
+        for url, _ in self.least_loaded() if self.extra_groups else []:
+            while len(extras) < self.extra_groups:
+                try:
+                    r = self._call("GET", url, "/get?from=workers")
+                except TimeoutError:
+                    break
+                if r.status_code != 200:
+                    break
+                if r.headers.get("Content-Type") != "application/json":  # not a failed forward's
+                    extras.append(decode_batch(r.content))
+        return extras
+
+
+def check_reference(url, health, model, tokenizer, allow_mismatch):
+    """Stop unless the server at `url` (its /health) holds the model this policy starts from: the
+    same vocabulary, config and weights, unless allow_mismatch."""
+    vocab = model.get_output_embeddings().weight.shape[0]
+    if health["vocab_size"] != vocab or len(tokenizer) > health["vocab_size"]:
+        sys.exit(f"reference server at {url} holds {health['model']} with vocab {health['vocab_size']}, "
+                 f"but this policy has vocab {vocab} (tokenizer {len(tokenizer)}): start it with the same "
+                 "MODEL_PATH")
+    ours = model_fingerprint(model)
+    differ = [k for k in ours if health["fingerprint"].get(k) != ours[k]]
+    if differ and not allow_mismatch:
+        sys.exit(f"reference server at {url} holds {health['model']}, whose {' and '.join(differ)} differ "
+                 f"from this policy's ({health['fingerprint']} against {ours}): start it with the same "
+                 "MODEL_PATH, or set ALLOW_REF_MISMATCH=1 to train against another reference on purpose")
+
+
+def upload_and_pull(client, groups, version, rank) -> list:
+    """Step 5 (RefClient.upload_and_pull); no server (client None: BETA 0, or LoRA's base as the
+    reference): our own groups, tagged with the policy version that sampled them."""
+    if client is None:
+        return [(tensors, {**meta, "version": version}) for tensors, meta in groups]
+    return client.upload_and_pull(groups, version, rank)
+
+
+def sampled_by(groups, version, *, max_staleness) -> tuple:
+    """(the pulled groups the policy at `version` may train on, the counts dropped). A group that other
+    weights sampled (a step late) needs their log-probs as pi_old (gen_logps), else its ratio would be 1
+    as if these weights had sampled it: workers' and regrouped groups carry them. One sampled more than
+    max_staleness versions ago is dropped (docs/workers.md)."""
+    def lag(meta):  # versions between the sampling weights and these
+        return version - meta.get("version", version)
+    fresh = [(tensors, meta) for tensors, meta in groups if lag(meta) <= max_staleness]
+    usable = [(tensors, meta) for tensors, meta in fresh if lag(meta) == 0 or "gen_logps" in tensors]
+    stale = len(groups) - len(fresh)
+    return usable, Counter(late_groups_dropped=len(fresh) - len(usable), stale_groups_dropped=stale)

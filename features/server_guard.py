@@ -15,6 +15,7 @@ from features.wire import OPTIONAL, UPLOAD_SPEC
 
 MAX_NAME_CHARS = 200  # metadata worker and upload_id: a name, never a payload
 TEMPERATURES = (0.01, 100)  # below 0.01, logits / T overflow to inf and the log-probs are NaN
+MAX_RANKS = 4096  # trainer ranks a server keeps ready queues for
 META_TYPES = {"version": int, "rank": int, "worker": str, "upload_id": str, "regrouped": bool,
               "question": str, "answers": list}  # optional fields; question and answers feed REWARD_MODEL
 
@@ -53,6 +54,9 @@ def validate_group(tensors: dict, meta: dict, vocab_size: int, max_rows: int, ma
                                   and name in ("worker", "upload_id")):
             wanted = f"a string of at most {MAX_NAME_CHARS} characters" if kind is str else f"a {kind.__name__}"
             raise ValueError(f"metadata {name} must be {wanted}, got {str(value)[:MAX_NAME_CHARS // 2]!r}")
+    rank = meta.get("rank")
+    if rank is not None and not 0 <= rank < MAX_RANKS:  # each rank gets a ready queue of its own
+        raise ValueError(f"metadata rank must be an int in 0..{MAX_RANKS - 1}, got {rank!r}")
     answers = meta.get("answers")
     if answers is not None and (len(answers) != g or not all(isinstance(a, str) for a in answers)):
         raise ValueError(f"metadata answers must be a list of {g} strings, one per row")

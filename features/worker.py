@@ -14,19 +14,19 @@ import torch
 
 from features.checkpoints import checkpoints
 from features.vllm_engine import push_weights
-from features.weight_sync import swap_in
+from features.weight_sync import WeightFetcher, swap_in
 
 WAIT_S = 1.0  # a worker whose groups nobody takes yet looks again after this long
 
 
 def run_worker(load, make_groups, client, *, first, seed, start_llm, output_dir, max_queued, allow_mismatch,
-               trainers_read_server=True, fetch_weights=None):
+               trainers_read_server=True, weights_from="", token=""):
     """Forever: pick up the newest checkpoint, wait while the server holds max_queued groups (trainers are behind:
     the pile would only grow stale), else make groups and upload them. The trainer's own functions come in:
     load(path, device) -> policy, make_groups(policy, llm, keep_all, rng) -> (groups, answer records), and
     start_llm(seed, dtype) -> a vLLM engine (None: transformers generates). trainers_read_server False (BETA = 0,
-    or LoRA's reference from the base) stops it at once: it would feed nobody. fetch_weights(version) -> a
-    features/weight_sync.WeightFetcher: new weights over the network instead of OUTPUT_DIR's checkpoints."""
+    or LoRA's reference from the base) stops it at once: it would feed nobody. weights_from (WEIGHTS_FROM): the
+    trainer's weight server (features/weight_sync.py, with `token`), instead of OUTPUT_DIR's checkpoints."""
     if not trainers_read_server:  # BETA = 0, or LoRA with REF_FROM_BASE (REF_FROM_BASE=0 on both sends LoRA groups)
         sys.exit("GENONLY: with BETA = 0, or LoRA with REF_FROM_BASE, trainers never read from the server: a worker "
                  "would feed nobody")
@@ -39,7 +39,7 @@ def run_worker(load, make_groups, client, *, first, seed, start_llm, output_dir,
     keep_all = bool(health["regroup"] or health["reward_model"])  # the server may still tell equal groups apart
     llm = start_llm(seed + os.getpid(), policy[0].dtype) if start_llm else None
     waiting = False
-    fetcher = fetch_weights(version) if fetch_weights else None
+    fetcher = WeightFetcher(weights_from, token, version) if weights_from else None
     while True:
         fetched = fetcher.take() if fetcher else None
         if fetched:  # checked whole (size and sha256) before it got here

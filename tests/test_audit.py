@@ -15,7 +15,7 @@ import torch
 
 import grpo_ref_split as grpo
 from conftest import ROOT, group, start, stop, wait_for
-from features import reward_model, zero2
+from features import reward_model, server_client, zero2
 from features.advantages import scale_to_step
 from features.regroup import RegroupPool
 from features.server_client import RefClient
@@ -134,17 +134,21 @@ def test_a_group_pulled_a_step_late_without_its_sampling_log_probs_is_dropped_an
         late, _ = group(seed=1)
         del late["gen_logps"]  # MU = 1, SKIP_GEN_LOGPS: a rank's own group carries none
         assert RefClient(url, timeout=0.0).upload_and_pull([(late, {"plen": 5})], version=0, rank=0) == []
-        wait_for(lambda: server.ready["trainers"].qsize() == 1)
+        wait_for(lambda: server.queue_of(0).qsize() == 1)
         on_time, _ = group(seed=2)
         del on_time["gen_logps"]
         got = RefClient(url, timeout=60.0).upload_and_pull([(on_time, {"plen": 5})], version=1, rank=0)
     finally:
         stop(server, stop_serving)
-    assert [meta["version"] for _, meta in got] == [0]  # step 1's group, pulled at step 2
-    assert grpo.sampled_by_these_weights(got, version=1) == ([], Counter(late_groups_dropped=1))
+    assert [meta["version"] for _, meta in got] == [0, 1]  # step 1's group, pulled at step 2 beside its own
+    late_one = got[:1]
+
+    def sampled_by(groups, version):
+        return server_client.sampled_by(groups, version, max_staleness=grpo.MAX_STALENESS)
+    assert sampled_by(got, version=1) == (got[1:], Counter(late_groups_dropped=1))
     with_logps = [(dict(got[0][0], gen_logps=torch.zeros(3, 4)), got[0][1])]  # what a worker's group carries
-    assert grpo.sampled_by_these_weights(with_logps, version=1) == (with_logps, Counter())
-    assert grpo.sampled_by_these_weights(got, version=0) == (got, Counter())  # the weights that sampled it
+    assert sampled_by(with_logps, version=1) == (with_logps, Counter())
+    assert sampled_by(late_one, version=0) == (late_one, Counter())  # the weights that sampled it
 
 
 # ----------------------------------------------------------------------------- settings refused or warned at start

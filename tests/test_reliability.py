@@ -75,10 +75,10 @@ def test_load_every_group_comes_back_exactly_once(model, capsys):
         stop(server, httpd)
 
 
-def test_trainer_regenerates_when_the_server_restarts_with_its_groups(model, capfd):
+def test_trainer_uploads_again_when_the_server_restarts_with_its_groups(model, capfd):
     """upload_and_pull() uploads, the server dies with the groups queued, a new one comes up on the same
-    port: the trainer notices the new instance and returns short at once (to regenerate), instead
-    of waiting SERVER_TIMEOUT for groups that no longer exist."""
+    port: the trainer notices the new instance and uploads the lost groups again under their ids, instead
+    of waiting SERVER_TIMEOUT for groups that no longer exist; each comes back once."""
     port = free_port()
     old, old_httpd, url = start(model, port=port)
     gate = threading.Event()
@@ -99,8 +99,10 @@ def test_trainer_regenerates_when_the_server_restarts_with_its_groups(model, cap
     new, new_httpd, _ = start(model, port=port)
     try:
         t.join(timeout=60)  # half of SERVER_TIMEOUT: it must not wait for the groups that died
-        assert not t.is_alive() and result == [[]]
-        assert "the reference server restarted: 2 uploaded groups were lost with it" in capfd.readouterr().err
+        assert not t.is_alive() and len(result[0]) == 2
+        assert sorted(tensors["rewards"].tolist() for tensors, _ in result[0]) == sorted(
+            g[0]["rewards"].tolist() for g in groups)  # the two lost groups, each once
+        assert "restarted: 2 uploaded groups were lost with it; uploading them again" in capfd.readouterr().err
         # and the next round trains normally on the new server
         got = client.upload_and_pull([group(seed=3)], version=0, rank=0)
         (tensors, meta), = got

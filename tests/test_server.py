@@ -35,14 +35,14 @@ def test_health(live, model):
     assert h["vocab_size"] == VOCAB and h["device"] == "cpu" and h["model"] == "tiny"
     assert h["fingerprint"] == model_fingerprint(model) and h["instance"] == server.instance
     assert h["reward_model"] == "" and h["regroup"] is False and h["regrouped"] == 0
-    assert h["pending"] == server.pending.qsize() and h["ready"] == server.ready["trainers"].qsize()
+    assert h["pending"] == server.pending.qsize() and h["ready"] == server.queue_of(0).qsize()
     assert h["ready_workers"] == 0 and h["held_bytes"] == server.room.held_bytes
     assert {k: h[k] for k in server.counters} == server.counters
     assert 0 <= h["uptime_s"] <= time.time() - server.started + 1
     before = dict(server.counters)
     body = encode_batch(*group(seed=11))
     assert requests.post(url + "/upload", data=body, timeout=10).status_code == 200
-    wait_for(lambda: server.ready["trainers"].qsize() == 1)
+    wait_for(lambda: server.queue_of(0).qsize() == 1)
     h = requests.get(url + "/health", timeout=5).json()  # one group ready, not yet taken: its room is held
     assert h["uploaded"] == before["uploaded"] + 1 and h["ready"] == 1 and h["held_bytes"] == 2 * len(body)
     pull(url)
@@ -232,11 +232,11 @@ def test_head_get_answers_and_takes_nothing(live):
     assert requests.head(url + "/get", timeout=10).status_code == 204
     tensors, meta = group(seed=11, n=11)
     assert requests.post(url + "/upload", data=encode_batch(tensors, meta), timeout=10).status_code == 200
-    wait_for(lambda: server.ready["trainers"].qsize() == 1)
+    wait_for(lambda: server.queue_of(0).qsize() == 1)
     for _ in range(3):
         r = requests.head(url + "/get", timeout=10)
         assert r.status_code == 200 and r.headers["X-Ref-Instance"] == server.instance and not r.content
-    assert server.ready["trainers"].qsize() == 1  # still there
+    assert server.queue_of(0).qsize() == 1  # still there
     assert pull(url)[1]["n"] == 11
 
 
@@ -245,7 +245,7 @@ def test_a_repeated_upload_id_gets_its_first_answer_and_queues_nothing(live):
     body = encode_batch(*group(seed=12, n=12, upload_id="retry-me"))
     uploaded = server.counters["uploaded"]
     first = requests.post(url + "/upload", data=body, timeout=10).json()
-    wait_for(lambda: server.ready["trainers"].qsize() == 1)
+    wait_for(lambda: server.queue_of(0).qsize() == 1)
     again = requests.post(url + "/upload", data=body, timeout=10).json()  # a client retrying after a timeout
     assert again == first and server.counters["uploaded"] == uploaded + 1
     assert pull(url)[1]["n"] == 12
@@ -313,7 +313,7 @@ def test_full_queues_answer_503_and_the_client_retries_until_there_is_room(model
         assert requests.post(url + "/upload", data=bodies[0]).status_code == 200
         r = requests.post(url + "/upload", data=bodies[1])  # room for one group, taken until it is pulled
         assert r.status_code == 503 and r.headers["Retry-After"] == "1" and server.counters["busy"] == 1
-        wait_for(lambda: server.ready["trainers"].qsize() == 1)
+        wait_for(lambda: server.queue_of(0).qsize() == 1)
         import threading
 
         threading.Timer(1.0, lambda: pull(url)).start()  # a trainer catches up later

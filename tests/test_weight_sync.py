@@ -9,7 +9,7 @@ import torch
 
 import grpo_ref_split as grpo
 from conftest import free_port, wait_for
-from features import weight_sync
+from features import server_client, weight_sync
 
 
 def weights(seed, n=3, size=300_000):
@@ -188,14 +188,13 @@ def test_the_weight_channel_is_read_only_and_guarded():
         pub.stop()
 
 
-def test_groups_older_than_max_staleness_are_dropped_and_counted(monkeypatch):
+def test_groups_older_than_max_staleness_are_dropped_and_counted():
     """At version 12 with MAX_STALENESS 3: a worker's group of version 9 (with gen_logps) trains, one of
     version 8 is dropped as stale; a group of the current version always trains."""
-    monkeypatch.setattr(grpo, "MAX_STALENESS", 3)
     logps = {"gen_logps": torch.zeros(1)}
     groups = [(logps, {"version": 12}), (logps, {"version": 9}), (logps, {"version": 8}),
               ({}, {"version": 12}), (logps, {"version": 2})]
-    kept, counts = grpo.sampled_by_these_weights(groups, 12)
+    kept, counts = server_client.sampled_by(groups, 12, max_staleness=3)
     assert [meta["version"] for _, meta in kept] == [12, 9, 12]
     assert counts["stale_groups_dropped"] == 2 and counts["late_groups_dropped"] == 0
 
