@@ -1,0 +1,156 @@
+"""Several reference servers (REF_SERVER="http://a:59875,http://b:59875"): uploads go to the server
+with the least work pending, each rank takes back the groups it sent, a server that stops answering
+is skipped and the groups it held are uploaded again elsewhere, each trained once; every server
+must hold the same reference model. In-process servers on loopback; tests/test_netns.py runs the
+same across network namespaces."""
+import threading
+
+import pytest
+import requests
+import torch
+
+from conftest import group, start, stop, wait_for
+from features import server_client
+from features.server_client import RefClient
+from features.wire import encode_batch
+
+
+@pytest.fixture
+def fast_failover(monkeypatch):
+    monkeypatch.setattr(server_client, "_FAILOVER_S", 2.0)
+
+
+def hold_forwards(server):
+    """The server's reference forward waits until the returned event is set (a busy GPU)."""
+    gate, real = threading.Event(), server.reference_logps
+
+    def held(*args):
+        gate.wait()
+        return real(*args)
+
+    server.reference_logps = held
+    return gate
+
+
+def test_the_same_group_gets_the_same_reference_log_probs_from_either_server(model):
+    """Two servers with the same reference model: a group pulled through each carries equal
+    ref_logps (bit for bit), whichever one computed them."""
+    a, stop_a, url_a = start(model)
+    b, stop_b, url_b = start(model)
+    try:
+        one = RefClient(url_a, timeout=60).upload_and_pull([group(seed=5)], version=0, rank=0)
+        two = RefClient(url_b, timeout=60).upload_and_pull([group(seed=5)], version=0, rank=0)
+    finally:
+        stop(a, stop_a)
+        stop(b, stop_b)
+    assert a.counters["served"] == b.counters["served"] == 1
+    assert torch.equal(one[0][0]["ref_logps"], two[0][0]["ref_logps"])
+
+
+def test_groups_go_to_the_server_with_the_least_work_pending(model):
+    """Server A's forward is held with three groups waiting; a client of A and B sends its next three
+    groups to B (B's load, counting what it just sent, stays below A's 3), and gets all back."""
+    a, stop_a, url_a = start(model)
+    b, stop_b, url_b = start(model)
+    gate = hold_forwards(a)
+    try:
+        for seed in (1, 2, 9, 10):  # another rank's groups: one in A's forward, three waiting
+            requests.post(url_a + "/upload", data=encode_batch(*group(seed=seed, rank=1)), timeout=10)
+        wait_for(lambda: requests.get(url_a + "/health").json()["pending"] == 3)
+        client = RefClient(f"{url_a},{url_b}", timeout=60)
+        got = client.upload_and_pull([group(seed=s) for s in (3, 4, 5)], version=0, rank=0)
+        assert b.counters["uploaded"] == 3 and a.counters["uploaded"] == 4
+        assert sorted(t["rewards"][0].item() for t, _ in got) == sorted(
+            group(seed=s)[0]["rewards"][0].item() for s in (3, 4, 5))
+    finally:
+        gate.set()
+        stop(a, stop_a)
+        stop(b, stop_b)
+
+
+def test_a_server_that_stops_with_groups_held_is_skipped_and_they_come_back_from_the_other(
+        model, fast_failover, capfd):
+    """Two groups, one to each server; A's forward is held, then A stops with its group. The client
+    skips A, uploads that group again to B under the same upload id, and returns both groups once
+    each; the next round goes to B alone."""
+    a, stop_a, url_a = start(model)
+    b, stop_b, url_b = start(model)
+    gate = hold_forwards(a)
+    client = RefClient(f"{url_a},{url_b}", timeout=120)
+    result = []
+    sent = [group(seed=1), group(seed=2)]
+    t = threading.Thread(target=lambda: result.append(client.upload_and_pull(sent, 0, 0)))
+    t.start()
+    try:
+        wait_for(lambda: a.counters["uploaded"] == 1 and b.counters["served"] == 1)
+        gate.set()
+        a.reference_logps = lambda *args: (_ for _ in ()).throw(RuntimeError("killed"))
+        stop(a, stop_a)  # a server gone with its group: connections now refused
+        t.join(timeout=60)
+        assert not t.is_alive()
+        got = result[0]
+        assert sorted(tt["rewards"][0].item() for tt, _ in got) == sorted(
+            g[0]["rewards"][0].item() for g in sent)  # both, each once
+        assert len({meta["upload_id"] for _, meta in got}) == 2
+        assert b.counters["uploaded"] == 2  # the one A held, uploaded again
+        assert "stopped answering: skipped" in capfd.readouterr().err
+        again = client.upload_and_pull([group(seed=3)], 1, 0)
+        assert len(again) == 1 and b.counters["uploaded"] == 3
+    finally:
+        gate.set()
+        stop(b, stop_b)
+
+
+def test_a_second_copy_of_a_group_uploaded_again_is_dropped(model, capfd):
+    """A group the client already uploaded again elsewhere, handed over later by the first server
+    (it came back after a pause): dropped, not trained twice; the round's own group comes back."""
+    a, stop_a, url_a = start(model)
+    client = RefClient(url_a, timeout=60)
+    tensors, meta = group(seed=7)
+    client.sent_again["the-old-id"] = None
+    try:
+        body = encode_batch(tensors, {**meta, "rank": 0, "version": 0, "upload_id": "the-old-id"})
+        requests.post(url_a + "/upload", data=body, timeout=10)
+        wait_for(lambda: a.queue_of(0).qsize() == 1)
+        got = client.upload_and_pull([group(seed=8)], 1, 0)
+    finally:
+        stop(a, stop_a)
+    assert [m["version"] for _, m in got] == [1]
+    assert "dropped a second copy of a group that was uploaded again" in capfd.readouterr().err
+
+
+def test_each_rank_takes_back_only_its_own_groups(model):
+    """Rank 1's ready group stays for rank 1: rank 0's pull never takes it."""
+    a, stop_a, url_a = start(model)
+    try:
+        requests.post(url_a + "/upload", data=encode_batch(*group(seed=1, rank=1)), timeout=10)
+        wait_for(lambda: a.queue_of(1).qsize() == 1)
+        got = RefClient(url_a, timeout=60).upload_and_pull([group(seed=2)], 0, 0)
+        assert [m["rank"] for _, m in got] == [0] and a.queue_of(1).qsize() == 1
+        assert requests.get(url_a + "/get?rank=x").status_code == 400
+        assert requests.get(url_a + "/get?rank=99999").status_code == 400
+    finally:
+        stop(a, stop_a)
+
+
+def test_every_server_must_hold_the_same_reference_model(model, tokenizer):
+    """The handshake checks each server in REF_SERVER: one holding other weights stops the trainer
+    at start, naming it, even with ALLOW_REF_MISMATCH (the servers must agree with each other)."""
+    other = type(model)(model.config).eval()
+    with torch.no_grad():
+        for p_other, p in zip(other.parameters(), model.parameters()):
+            p_other.copy_(p + 0.01)
+    a, stop_a, url_a = start(model)
+    b, stop_b, url_b = start(other)
+    try:
+        client = RefClient(f"{url_a},{url_b}", timeout=30)
+        with pytest.raises(SystemExit, match=f"reference server at {url_b} holds"):
+            client.health(model, tokenizer)
+        with pytest.raises(SystemExit, match="differ in \\['fingerprint'\\]"):
+            client.health(model, tokenizer, allow_mismatch=True)
+        assert RefClient(f"{url_a}, {url_a}/", timeout=30).health(model, tokenizer)["model"] == "tiny"
+    finally:
+        stop(a, stop_a)
+        stop(b, stop_b)
+    with pytest.raises(ValueError, match="names no server"):
+        RefClient(" , ")
