@@ -1,5 +1,5 @@
-"""Across real network hosts on this machine: Linux network namespaces joined by a veth pair give the
-trainer and a worker their own addresses, and `ip link set ... down` cuts the link between them.
+"""Across real network hosts on this machine: Linux network namespaces joined by veth pairs give the
+trainer, workers and reference servers their own addresses; `ip link set ... down` cuts a link.
 Root is needed; without it (or without `ip`) these tests skip and say why."""
 import json
 import os
@@ -10,8 +10,9 @@ import time
 import uuid
 
 import pytest
+import requests
 
-from conftest import ROOT, kill_group, wait_for
+from conftest import ROOT, kill_group, metrics, trainer_cmd, trainer_env, wait_for
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
                                 reason="network namespaces need root and iproute2's `ip`")
@@ -120,4 +121,95 @@ def test_a_worker_whose_link_goes_down_mid_transfer_ends_on_the_whole_version(tw
     finally:
         for proc in (worker, trainer):
             if proc is not None:
+                kill_group(proc)
+
+
+@pytest.fixture
+def four_hosts():
+    """Hosts 'trainer', 'ref_a', 'ref_b' and 'worker', each a network namespace with its own
+    address (10.78.N.1-4), joined by veth pairs to a bridge that also gives this test process
+    10.78.N.254; yields (namespaces, addresses)."""
+    tag = uuid.uuid4().hex[:6]
+    subnet = int(tag, 16) % 200 + 20
+    hosts = ["trainer", "ref_a", "ref_b", "worker"]
+    names = {host: f"g{i}{tag}" for i, host in enumerate(hosts)}
+    addresses = {host: f"10.78.{subnet}.{i + 1}" for i, host in enumerate(hosts)}
+    bridge = f"br{tag}"
+    ip("link", "add", bridge, "type", "bridge")
+    try:
+        ip("addr", "add", f"10.78.{subnet}.254/24", "dev", bridge)
+        ip("link", "set", bridge, "up")
+        for i, host in enumerate(hosts):
+            ns, inside, outside = names[host], f"v{i}{tag}", f"p{i}{tag}"
+            ip("netns", "add", ns)
+            ip("link", "add", inside, "type", "veth", "peer", "name", outside)
+            ip("link", "set", inside, "netns", ns)
+            ip("link", "set", outside, "master", bridge)
+            ip("link", "set", outside, "up")
+            ip("-n", ns, "addr", "add", f"{addresses[host]}/24", "dev", inside)
+            ip("-n", ns, "link", "set", inside, "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+        yield names, addresses
+    finally:
+        for ns in names.values():
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        subprocess.run(["ip", "link", "del", bridge], capture_output=True)
+
+
+def test_a_run_on_four_hosts_loses_a_reference_server_and_drops_a_stale_worker(
+        four_hosts, tiny_model_dir, tmp_path):
+    """A trainer, two reference servers and a worker on four hosts. Server A is killed once step 1
+    is logged: the run finishes on B, every step training exactly its own groups that had reward
+    variance (none lost, none twice). The worker never gets new weights (its OUTPUT_DIR is its
+    own), so with MAX_STALENESS 1 its groups are dropped and counted from step 3 on."""
+    names, addresses = four_hosts
+    servers, procs = {}, []
+
+    def run_on(host, command, log, **env):
+        proc = subprocess.Popen(["ip", "netns", "exec", names[host], *command], cwd=ROOT,
+                                env={**os.environ, **{k: str(v) for k, v in env.items()}},
+                                stdout=open(tmp_path / log, "w"), stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        procs.append(proc)
+        return proc
+
+    try:
+        for host in ("ref_a", "ref_b"):
+            servers[host] = run_on(host, [sys.executable, "ref_server.py"], f"{host}.log",
+                                   MODEL_PATH=tiny_model_dir, HOST=addresses[host], PORT=59875)
+        urls = ",".join(f"http://{addresses[host]}:59875" for host in ("ref_a", "ref_b"))
+
+        def both_up():
+            try:
+                return all(requests.get(url + "/health", timeout=2).ok for url in urls.split(","))
+            except requests.RequestException:
+                return False
+        wait_for(both_up, timeout=180)
+        out = tmp_path / "out"
+        settings = dict(ALL_STEPS=5, SAVE_STEPS=0, EVAL_STEPS=0, MAX_STALENESS=1, EXTRA_GROUPS=2)
+        worker = run_on("worker", [sys.executable, "grpo_ref_split.py", "genonly"], "worker.log",
+                        **trainer_env(tiny_model_dir, urls, tmp_path / "worker_out",
+                                      WORKER_MAX_QUEUED=4, **settings))
+        trainer = run_on("trainer", trainer_cmd(1), "trainer.log",
+                         **trainer_env(tiny_model_dir, urls, out, **settings))
+        wait_for(lambda: (out / "metrics.jsonl").exists() and any(
+            "answers_trained" in line for line in (out / "metrics.jsonl").read_text().splitlines()),
+            timeout=400)
+        kill_group(servers["ref_a"])  # mid-run, with whatever it held
+        assert trainer.wait(timeout=500) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
+        assert worker.poll() is None  # still generating, against B
+        steps, _ = metrics(out)
+        assert [m["step"] for m in steps] == [1, 2, 3, 4, 5]
+        for m in steps:
+            own = round(m["answers_generated"] * (1 - m["zero_var_groups"]))  # varied groups' answers
+            if m["step"] >= 3:  # the worker's groups are 2 or more versions behind: none trains
+                assert m["answers_trained"] == own, m
+            else:
+                assert m["answers_trained"] >= own, m
+        assert sum(m.get("stale_groups_dropped", 0) for m in steps[2:]) >= 1
+        health_b = requests.get(urls.split(",")[1] + "/health", timeout=5).json()
+        assert health_b["served"] >= 1 and health_b["ref_errors"] == 0
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
                 kill_group(proc)
