@@ -224,7 +224,7 @@ class RefServer:
             headers = {"X-Ref-Instance": self.instance}
             kind = "workers" if bottle.request.query.get("from") == "workers" else "trainers"
             rank = bottle.request.query.get("rank", "0")  # a rank takes back the groups it sent
-            if not rank.isdigit() or int(rank) >= MAX_RANKS:
+            if not (rank.isascii() and rank.isdigit() and len(rank) < 6 and int(rank) < MAX_RANKS):
                 self._refuse(400, f"rank must be an int in 0..{MAX_RANKS - 1}, got {rank[:20]!r}")
             ready = self.queue_of(kind if kind == "workers" else int(rank))
             if bottle.request.method == "HEAD":  # bottle routes HEAD here too: answer, take nothing

@@ -128,7 +128,8 @@ def test_each_rank_takes_back_only_its_own_groups(model):
         got = RefClient(url_a, timeout=60).upload_and_pull([group(seed=2)], 0, 0)
         assert [m["rank"] for _, m in got] == [0] and a.queue_of(1).qsize() == 1
         assert requests.get(url_a + "/get?rank=x").status_code == 400
-        assert requests.get(url_a + "/get?rank=99999").status_code == 400
+        for bad in ("99999", "\u00b2", "9" * 5000, "-1"):
+            assert requests.get(url_a + "/get", params={"rank": bad}).status_code == 400, bad
     finally:
         stop(a, stop_a)
 
