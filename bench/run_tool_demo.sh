@@ -5,6 +5,7 @@
 # and draws the curve.
 #   bash bench/run_tool_demo.sh                    # 15-20 min a run on 2 CPU cores with vLLM; OUT=/tmp/tool_demo
 #   RUNS="tools plain" bash bench/run_tool_demo.sh # some of them: tools (cost 0.25), tools_free (0.0), plain
+#   RUNS=tools_none SEED=43 OUT=/tmp/tool_s43 bash bench/run_tool_demo.sh  # cost 0.25, SCALE_REWARDS=none
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-/tmp/tool_demo}
@@ -19,14 +20,15 @@ for run in $RUNS; do
   if [ -e "$OUT/$run" ]; then echo "$OUT/$run exists: move it away or set OUT" >&2; exit 1; fi
   start=$(date +%s)
   case $run in
-    tools|tools_free)
-      cost=$([ "$run" = tools ] && echo 0.25 || echo 0.0)
+    tools|tools_free|tools_none)  # tools_none: Dr. GRPO's unscaled advantages keep the cost's scale
+      cost=$([ "$run" = tools_free ] && echo 0.0 || echo 0.25)
+      scale=$([ "$run" = tools_none ] && echo none || echo group)
       TOOLS='["calculator"]' SYSTEM_PROMPT="$(prompt SYSTEM_PROMPT)" EXAMPLE="$(prompt EXAMPLE)" \
-        REWARDS="$(rewards "$cost")" OUTPUT_DIR="$OUT/$run" bash scripts/run_demo.sh ;;
+        SCALE_REWARDS="$scale" REWARDS="$(rewards "$cost")" OUTPUT_DIR="$OUT/$run" bash scripts/run_demo.sh ;;
     plain)
       REWARDS="$(rewards 0.25)" OUTPUT_DIR="$OUT/$run" bash scripts/run_demo.sh ;;
-    *) echo "unknown run $run: tools, tools_free or plain" >&2; exit 1 ;;
+    *) echo "unknown run $run: tools, tools_free, tools_none or plain" >&2; exit 1 ;;
   esac
   echo $(( $(date +%s) - start )) > "$OUT/$run/wall_s"
 done
-.venv/bin/python bench/tool_demo_report.py "$OUT"
+.venv/bin/python bench/tool_demo_report.py "$OUT" "${SEED:+_s$SEED}"  # a seed names its copies

@@ -3,6 +3,7 @@ small and large operands and the share of answers that called the calculator, at
 calculator and without, and each run's wall time. Copies each run's metrics.jsonl into bench/results/.
 
     python bench/tool_demo_report.py /tmp/tool_demo        # the folder holding tools/ and plain/
+    python bench/tool_demo_report.py /tmp/tool_s43 _s43    # copies named tool_demo_<run>_s43_*
 """
 import json
 import os
@@ -10,7 +11,8 @@ import shutil
 import sys
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-LABELS = {"tools": "calculator, call cost 0.25", "tools_free": "calculator, free calls", "plain": "no calculator"}
+LABELS = {"tools": "calculator, call cost 0.25", "tools_free": "calculator, free calls",
+          "tools_none": "calculator, call cost 0.25, SCALE_REWARDS none", "plain": "no calculator"}
 
 
 def evals(folder):
@@ -20,7 +22,7 @@ def evals(folder):
     return {m["step"]: m for m in lines if any(k.startswith("eval_") for k in m)}
 
 
-def main(root):
+def main(root, suffix=""):
     runs = {name: evals(os.path.join(root, name)) for name in LABELS if os.path.exists(os.path.join(root, name))}
     wall = {name: int(open(os.path.join(root, name, "wall_s")).read()) for name in runs}
     print("| run | step | right, small | right, large | called, small | called, large |")  # held-out, greedy
@@ -51,11 +53,13 @@ def main(root):
         ax.legend(fontsize=6)
     fig.tight_layout()
     os.makedirs(RESULTS, exist_ok=True)
-    fig.savefig(os.path.join(RESULTS, "tool_demo_curves.png"), dpi=100)
+    curve = os.path.join(RESULTS, f"tool_demo_curves{suffix}.png")
+    fig.savefig(curve, dpi=100)
     for name in runs:
-        shutil.copy(os.path.join(root, name, "metrics.jsonl"), os.path.join(RESULTS, f"tool_demo_{name}_metrics.jsonl"))
-    print(f"curve: {os.path.join(RESULTS, 'tool_demo_curves.png')}")
+        shutil.copy(os.path.join(root, name, "metrics.jsonl"),
+                    os.path.join(RESULTS, f"tool_demo_{name}{suffix}_metrics.jsonl"))
+    print(f"curve: {curve}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "/tmp/tool_demo")
+    main(sys.argv[1] if len(sys.argv) > 1 else "/tmp/tool_demo", *sys.argv[2:3])
