@@ -10,8 +10,9 @@ import os
 import re
 import sys
 
-SETTINGS = {"default": "default (GRPO)", "dynamic": "DYNAMIC_SAMPLING=1", "difficulty": "SAMPLER=difficulty",
-            "dr_grpo": "LOSS_TYPE=dr_grpo SCALE_REWARDS=none", "cosine": "LR cosine to 0.1x",
+SETTINGS = {"default": "default (LR cosine to 0.1x)", "flat": "flat LR (the default until 2026-11-25)",
+            "dynamic": "DYNAMIC_SAMPLING=1, flat LR", "difficulty": "SAMPLER=difficulty, flat LR",
+            "dr_grpo": "LOSS_TYPE=dr_grpo SCALE_REWARDS=none, flat LR",
             "learnability": "SAMPLER=learnability, pass of 256", "learn_dynamic": "learnability + DYNAMIC"}
 STEPS = (0, 10, 20, 30)
 

@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-/tmp/objectives}
 RESULTS=${RESULTS:-bench/results}
-RUNS=${RUNS:-default dynamic difficulty dr_grpo cosine}
+RUNS=${RUNS:-default flat dynamic difficulty dr_grpo}
 SEEDS=${SEEDS:-42 43}
 export EVAL_SAMPLES=${EVAL_SAMPLES:-4}
 mkdir -p "$OUT" "$RESULTS"
@@ -24,10 +24,10 @@ for seed in $SEEDS; do
       dynamic) settings=(DYNAMIC_SAMPLING=1) ;;
       difficulty) settings=(SAMPLER=difficulty) ;;
       dr_grpo) settings=(LOSS_TYPE=dr_grpo SCALE_REWARDS=none) ;;
-      cosine) settings=(DS_CONFIG=bench/ds_config_cosine.json) ;;  # LR falls to a tenth over the run
+      flat) settings=(DS_CONFIG=bench/ds_config_flat.json) ;;  # a constant LR, the default until 2026-11-25
       learnability) settings=(SAMPLER=learnability PASS_RATE_QUESTIONS=256) ;;  # the pass counts in wall
       learn_dynamic) settings=(SAMPLER=learnability PASS_RATE_QUESTIONS=256 DYNAMIC_SAMPLING=1) ;;
-      *) echo "unknown run $run: default, dynamic, difficulty, dr_grpo, cosine, learnability or" \
+      *) echo "unknown run $run: default, flat, dynamic, difficulty, dr_grpo, learnability or" \
               "learn_dynamic" >&2; exit 1 ;;
     esac
     echo "=== $run, seed $seed: ${settings[*]:-the defaults} -> $dir"
