@@ -131,8 +131,8 @@ class RefClient:
                 raise TimeoutError(f"no reference server of {self.urls} answered for {waited:.0f} s; "
                                    "is `python ref_server.py` running?")
             if time.time() - last_note > _NOTE_EVERY_S:
-                print(f"[retry] no reference server answers; retrying for up to {self.timeout:.0f} s",
-                      file=sys.stderr, flush=True)
+                print(f"[retry] reference server {', '.join(self.urls)} unreachable; retrying for up "
+                      f"to {self.timeout:.0f} s", file=sys.stderr, flush=True)
                 last_note = time.time()
             self.down.clear()  # none answers: try them all again after the pause
             time.sleep(delay)
