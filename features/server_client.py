@@ -69,13 +69,9 @@ class RefClient:
         if not self.urls:
             raise ValueError(f"REF_SERVER names no server: {urls!r}")
         self.token, self.timeout, self.extra_groups = token, timeout, extra_groups
-        self.url = self.urls[0]
         self.fingerprint = None  # the reference model every server must hold (the first handshake)
         self.down = {}  # url -> when it last failed to answer; skipped for _DOWN_RETRY_S
         self.sent_again = {}  # upload ids uploaded again elsewhere (insertion-ordered, bounded)
-
-    def request(self, method, path, data=None):
-        return request_with_retry(method, self.url + path, self.token, data, give_up_after=self.timeout)
 
     def _give_up_after(self):  # one server: wait for it; several: move on to another soon
         return self.timeout if len(self.urls) == 1 else min(self.timeout, _FAILOVER_S)
