@@ -201,6 +201,13 @@ class RefClient:
     def _pull(self, sent, rank, deadline):
         """(groups back, upload ids to send again) of `sent` ({upload_id: (url, instance)})."""
         owed, back, again, delay = dict(sent), [], [], _POLL_FIRST_S
+
+        def take_lost(url, instance=None):  # owed groups `url` no longer holds (instance: the live one)
+            lost = [uid for uid, (where, held_by) in owed.items()
+                    if where == url and held_by != instance]
+            for uid in lost:
+                del owed[uid]
+            return lost
         while owed and time.time() < deadline:
             progress = False
             for url in {url for url, _ in owed.values()}:
@@ -208,9 +215,7 @@ class RefClient:
                     r = self._call("GET", url, f"/get?rank={rank}")
                 except TimeoutError:
                     self._gone(url)
-                    lost = [uid for uid, (where, _) in owed.items() if where == url]
-                    again += lost
-                    owed = {uid: place for uid, place in owed.items() if uid not in lost}
+                    again += take_lost(url)
                     continue
                 if r.status_code == 200 and r.headers.get("Content-Type") == "application/json":
                     error = r.json()  # its forward failed: that group will not come
@@ -225,16 +230,14 @@ class RefClient:
                     if uid not in owed and uid in self.sent_again:  # its other copy is (or was) ours
                         print(f"[rank {rank}] dropped a second copy of a group that was uploaded "
                               f"again, handed over by {url}", file=sys.stderr, flush=True)
-                        continue
-                    owed.pop(uid, None)
-                    back.append((tensors, meta))
-                instance = r.headers.get("X-Ref-Instance")
-                lost = [uid for uid, (where, held_by) in owed.items() if where == url and held_by != instance]
+                    else:
+                        owed.pop(uid, None)
+                        back.append((tensors, meta))
+                lost = take_lost(url, r.headers.get("X-Ref-Instance"))
                 if lost:
                     print(f"[rank {rank}] the reference server {url} restarted: {len(lost)} uploaded groups "
                           "were lost with it; uploading them again", file=sys.stderr, flush=True)
                     again += lost
-                    owed = {uid: place for uid, place in owed.items() if uid not in lost}
             if not progress:  # the reference forward is still running; a 204 poll is a tiny request
                 time.sleep(delay)
                 delay = min(delay * 2, _POLL_MAX_S)
