@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The tool-use demo: seeded runs on the mixed task (DATASET=arithmetic_mixed: half of the questions with operands
-# 100..999) with the calculator (TOOLS, the worked call of bench/tool_prompt.json), a call costing 0.25 or nothing,
-# and the same run without it (the project's prompt), back to back; then bench/tool_demo_report.py prints the table
-# and draws the curve.
-#   bash bench/run_tool_demo.sh                    # 15-20 min a run on 2 CPU cores with vLLM; OUT=/tmp/tool_demo
-#   RUNS="tools plain" bash bench/run_tool_demo.sh # some of them: tools (cost 0.25), tools_free (0.0), plain
-#   RUNS=tools_none SEED=43 OUT=/tmp/tool_s43 bash bench/run_tool_demo.sh  # cost 0.25, SCALE_REWARDS=none
+# 100..999) with the calculator (TOOLS, the worked call of bench/tool_prompt.json) and a call costing 0.25, and the
+# same run without it (the project's prompt), back to back; then bench/tool_demo_report.py prints the table and
+# draws the curve. The calculator runs use SCALE_REWARDS=none: Dr. GRPO's unscaled advantages keep the cost's
+# scale, where group scaling turned it into a large advantage for the rare answer that skipped the call.
+#   bash bench/run_tool_demo.sh                       # 10-20 min a run on 2 CPU cores with vLLM; OUT=/tmp/tool_demo
+#   RUNS=tools SEED=43 OUT=/tmp/tool_s43 bash bench/run_tool_demo.sh  # another seed; copies named _s43
+#   RUNS="tools_group tools_free" bash bench/run_tool_demo.sh  # group-scaled advantages; free calls (both group)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-/tmp/tool_demo}
-RUNS=${RUNS:-tools tools_free plain}
+RUNS=${RUNS:-tools plain}
 export DATASET=arithmetic_mixed
 prompt() {  # a constant of bench/tool_prompt.json as its environment variable reads it (a list as JSON)
   python3 -c "import json, sys; v = json.load(open('bench/tool_prompt.json'))[sys.argv[1]]
@@ -20,14 +21,14 @@ for run in $RUNS; do
   if [ -e "$OUT/$run" ]; then echo "$OUT/$run exists: move it away or set OUT" >&2; exit 1; fi
   start=$(date +%s)
   case $run in
-    tools|tools_free|tools_none)  # tools_none: Dr. GRPO's unscaled advantages keep the cost's scale
+    tools|tools_group|tools_free)  # the last two are the settings the demo ran before (group scaling)
       cost=$([ "$run" = tools_free ] && echo 0.0 || echo 0.25)
-      scale=$([ "$run" = tools_none ] && echo none || echo group)
+      scale=$([ "$run" = tools ] && echo none || echo group)
       TOOLS='["calculator"]' SYSTEM_PROMPT="$(prompt SYSTEM_PROMPT)" EXAMPLE="$(prompt EXAMPLE)" \
         SCALE_REWARDS="$scale" REWARDS="$(rewards "$cost")" OUTPUT_DIR="$OUT/$run" bash scripts/run_demo.sh ;;
     plain)
       REWARDS="$(rewards 0.25)" OUTPUT_DIR="$OUT/$run" bash scripts/run_demo.sh ;;
-    *) echo "unknown run $run: tools, tools_free, tools_none or plain" >&2; exit 1 ;;
+    *) echo "unknown run $run: tools, tools_group, tools_free or plain" >&2; exit 1 ;;
   esac
   echo $(( $(date +%s) - start )) > "$OUT/$run/wall_s"
 done

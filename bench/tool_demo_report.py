@@ -1,4 +1,4 @@
-"""The tool-use demo's table and curve from its two runs (bench/run_tool_demo.sh): held-out greedy accuracy on
+"""The tool-use demo's table and curve from its runs (bench/run_tool_demo.sh): held-out greedy accuracy on
 small and large operands and the share of answers that called the calculator, at each evaluation, with the
 calculator and without, and each run's wall time. Copies each run's metrics.jsonl into bench/results/.
 
@@ -7,12 +7,14 @@ calculator and without, and each run's wall time. Copies each run's metrics.json
 """
 import json
 import os
+import pathlib
 import shutil
 import sys
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-LABELS = {"tools": "calculator, call cost 0.25", "tools_free": "calculator, free calls",
-          "tools_none": "calculator, call cost 0.25, SCALE_REWARDS none", "plain": "no calculator"}
+LABELS = {"tools": "calculator, call cost 0.25", "tools_group": "calculator, call cost 0.25, group-scaled",
+          "tools_free": "calculator, free calls, group-scaled", "plain": "no calculator"}
+COLORS = ("C0", "C1", "C2", "C3")  # one per run in LABELS
 
 
 def evals(folder):
@@ -24,7 +26,8 @@ def evals(folder):
 
 def main(root, suffix=""):
     runs = {name: evals(os.path.join(root, name)) for name in LABELS if os.path.exists(os.path.join(root, name))}
-    wall = {name: int(open(os.path.join(root, name, "wall_s")).read()) for name in runs}
+    walls = {name: os.path.join(root, name, "wall_s") for name in runs}
+    wall = {name: int(pathlib.Path(path).read_text()) for name, path in walls.items() if os.path.exists(path)}
     print("| run | step | right, small | right, large | called, small | called, large |")  # held-out, greedy
     print("|---|---|---|---|---|---|")
     for name, by_step in runs.items():
@@ -41,7 +44,7 @@ def main(root, suffix=""):
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for ax, tag in zip(axes, ("small", "large")):
-        for (name, by_step), color in zip(runs.items(), ("C0", "C1", "C2")):
+        for (name, by_step), color in zip(runs.items(), COLORS):
             steps = sorted(by_step)
             ax.plot(steps, [100 * by_step[s][f"eval_reward_correct_{tag}"] for s in steps], "-o", color=color,
                     label=f"right: {LABELS[name]}")
