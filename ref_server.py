@@ -24,6 +24,7 @@ import torch
 from features.embedded_model import resolve_model_path
 from features.env_overrides import apply_env_overrides
 from features.fingerprint import model_fingerprint
+from features.handout import Handouts, parse_get
 from features.http_server import json_errors, start_http
 from features.logprobs import completion_logps
 from features.regroup import RegroupPool
@@ -96,7 +97,8 @@ class RefServer:
         self.reward_model = reward_model  # (model, tokenizer) or None
         self.reward_model_name = reward_model_name
         self.pending = queue.Queue()  # (tensors, meta, key, nbytes) waiting for the forward thread
-        self.ready = {"workers": queue.Queue()}  # key -> (body, type, nbytes): "workers" or a rank
+        self.ready = {"workers": queue.Queue()}  # "workers" or a rank -> (body, type, nbytes, id)
+        self.handouts = Handouts()  # the group each rank was handed and has not acknowledged
         self.room = Room(setting(queue_size, QUEUE_SIZE),
                          setting(max_queued_bytes, MAX_QUEUED_BYTES))
         self.counters = dict(uploaded=0, served=0, rejected=0, busy=0, ref_errors=0)
@@ -129,6 +131,7 @@ class RefServer:
                 tensors, meta, key, nbytes = self.pending.get(timeout=0.2)  # sees a stop() soon
             except queue.Empty:
                 continue
+            uid = meta.get("upload_id") or uuid.uuid4().hex  # what a taker acknowledges it by
             try:
                 temperature = meta.get("temperature", 1.0)
                 ref_logps = self.reference_logps(tensors["input_ids"], meta["plen"], temperature)
@@ -138,13 +141,14 @@ class RefServer:
                 if self.reward_model is not None:  # the last reward is known only here
                     tensors, meta = add_reward_model(tensors, meta, self.reward_model,
                                                      self.reward_model_weight)
-                item = (encode_batch(tensors, meta), "application/octet-stream", nbytes)
+                body = encode_batch(tensors, meta)
+                item = (body, "application/octet-stream", nbytes, uid)
             except Exception as e:  # out of memory, say: this group is lost, and its taker told
                 self._count("ref_errors")
                 traceback.print_exc()
                 error = {"error": f"the reference forward failed: {e!r}",
                          "upload_id": meta.get("upload_id")}
-                item = (json.dumps(error).encode(), "application/json", nbytes)
+                item = (json.dumps(error).encode(), "application/json", nbytes, uid)
             self.queue_of(key).put(item)  # its room was taken at upload
 
     def queue_of(self, key):
@@ -222,21 +226,22 @@ class RefServer:
         @app.get("/get")
         def get():
             headers = {"X-Ref-Instance": self.instance}
-            kind = "workers" if bottle.request.query.get("from") == "workers" else "trainers"
-            rank = bottle.request.query.get("rank", "0")  # a rank takes back the groups it sent
-            if not (rank.isascii() and rank.isdigit() and len(rank) < 6 and int(rank) < MAX_RANKS):
-                self._refuse(400, f"rank must be an int in 0..{MAX_RANKS - 1}, got {rank[:20]!r}")
-            ready = self.queue_of(kind if kind == "workers" else int(rank))
+            try:  # who asks, and what it acknowledges (features/handout.py)
+                kind, rank, ack = parse_get(bottle.request.query, MAX_RANKS)
+            except ValueError as e:
+                self._refuse(400, str(e))
+            ready = self.queue_of(kind if kind == "workers" else rank)
             if bottle.request.method == "HEAD":  # bottle routes HEAD here too: answer, take nothing
                 return bottle.HTTPResponse(status=200 if ready.qsize() else 204, headers=headers)
-            try:  # workers' groups wait apart: a rank never takes another rank's group as an extra
-                body, content_type, nbytes = ready.get_nowait()
-            except queue.Empty:
+            item, fresh, gone = self.handouts.take((kind, rank), ready, ack)
+            for _, _, nbytes, _ in gone:
+                self.room.give_back(kind, nbytes)
+            if item is None:
                 return bottle.HTTPResponse(status=204, headers=headers)
-            self.room.give_back(kind, nbytes)
-            if content_type == "application/octet-stream":
+            body, content_type, _, uid = item
+            if fresh and content_type == "application/octet-stream":
                 self._count("served")
-            headers["Content-Type"] = content_type
+            headers.update({"Content-Type": content_type, "X-Upload-Id": uid})
             return bottle.HTTPResponse(body, status=200, headers=headers)
 
         @app.get("/health")

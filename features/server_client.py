@@ -6,7 +6,8 @@ and pulling ready groups back, through restarts, timeouts and a busy server.
 import sys
 import time
 import uuid
-from collections import Counter
+from collections import Counter, OrderedDict
+from urllib.parse import urlencode
 
 import requests
 
@@ -21,7 +22,7 @@ _READ_TIMEOUT_S = 60.0  # a request the server has not answered by then is retri
 _FAILOVER_S = 15.0  # several servers: one silent this long is skipped, its groups sent to another
 _DOWN_RETRY_S = 30.0  # a skipped server is asked again after this long (it may have restarted)
 _HEALTH_TIMEOUT_S = 5.0  # a /health answer slower than this counts as not answering
-_REMEMBERED_IDS = 4096  # upload ids sent again elsewhere, remembered so a late copy is dropped
+_REMEMBERED_IDS = 65536  # upload ids already handed to the trainer: a second copy is dropped
 
 
 class ServerError(RuntimeError):
@@ -42,7 +43,8 @@ def request_with_retry(method, url, token="", data=None, give_up_after=600.0, wh
             if r.status_code != 503:
                 raise ServerError(f"{what} answered {r.status_code} to {method} {url}: {r.text[:300]}")
             problem = "busy (503, queue full)"
-        except requests.ConnectionError:
+        except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError,
+                requests.exceptions.ContentDecodingError):  # refused, reset, or cut mid-body
             problem = "unreachable"
         except requests.Timeout:  # a read timeout: the server may be stuck, or just slow
             problem = f"silent for {read_timeout:g} s"
@@ -71,7 +73,8 @@ class RefClient:
         self.token, self.timeout, self.extra_groups = token, timeout, extra_groups
         self.fingerprint = None  # the reference model every server must hold (the first handshake)
         self.down = {}  # url -> when it last failed to answer; skipped for _DOWN_RETRY_S
-        self.sent_again = {}  # upload ids uploaded again elsewhere (insertion-ordered, bounded)
+        self.received = OrderedDict()  # upload ids already taken back (bounded): copies are dropped
+        self.acks = {}  # (url, workers?) -> the upload id it handed us last, acknowledged next call
 
     def _give_up_after(self):  # one server: wait for it; several: move on to another soon
         return self.timeout if len(self.urls) == 1 else min(self.timeout, _FAILOVER_S)
@@ -178,11 +181,13 @@ class RefClient:
 
         A rank takes back exactly the groups it sent (GET /get?rank=N), so when a server stops
         answering or restarts (a new instance id), the ones it still held are known and uploaded
-        again to another server (or the restarted one) under the same upload ids; one of them that
-        the first server hands over later is dropped: nothing is trained twice, nothing waits
-        forever. A group whose reference forward failed comes back as an error: one group fewer,
-        said on stderr. A group of an earlier step that missed its deadline is returned too (its
-        version tells sampled_by whether it may train)."""
+        again to another server (or the restarted one) under the same upload ids. Every take
+        acknowledges the one before (features/handout.py), so an answer lost on the way is handed
+        again; and a group is taken back once: any later copy of an upload id (a slow server's
+        first copy, a worker's group that sits on two servers) is dropped. A group whose reference
+        forward failed comes back as an error: one group fewer, said on stderr. A group of an
+        earlier step that missed its deadline is returned too (its version tells sampled_by
+        whether it may train)."""
         waiting = {}
         for tensors, meta in groups:
             uid = uuid.uuid4().hex
@@ -193,10 +198,33 @@ class RefClient:
             back, again = self._pull(sent, rank, deadline)
             got += back
             waiting = {uid: waiting[uid] for uid in again}
-            self.sent_again.update(dict.fromkeys(again))
-            while len(self.sent_again) > _REMEMBERED_IDS:
-                self.sent_again.pop(next(iter(self.sent_again)))
-        return got + self._extras()
+        return got + self._extras(rank)
+
+    def _take(self, url, rank, workers=False):
+        """(answer, upload id, (tensors, meta) or None for a failed forward) of one GET /get of this
+        rank's next group (workers': theirs) from `url`, acknowledging the one it handed us last;
+        the upload id None when nothing is ready. Raises TimeoutError as _call does."""
+        query = {"rank": rank, "ack": self.acks.get((url, workers), "")}
+        if workers:
+            query["from"] = "workers"
+        r = self._call("GET", url, "/get?" + urlencode(query))
+        if r.status_code != 200:
+            return r, None, None
+        group = None
+        if r.headers.get("Content-Type") != "application/json":  # JSON: its forward failed
+            group = decode_batch(r.content)
+        uid = r.headers.get("X-Upload-Id", "")
+        self.acks[(url, workers)] = uid
+        return r, uid, group
+
+    def _first_copy(self, uid) -> bool:
+        """Whether the group `uid` comes back for the first time (remembered from now on)."""
+        if uid in self.received:
+            return False
+        self.received[uid] = None
+        while len(self.received) > _REMEMBERED_IDS:
+            self.received.popitem(last=False)
+        return True
 
     def _pull(self, sent, rank, deadline):
         """(groups back, upload ids to send again) of `sent` ({upload_id: (url, instance)})."""
@@ -212,27 +240,23 @@ class RefClient:
             progress = False
             for url in {url for url, _ in owed.values()}:
                 try:
-                    r = self._call("GET", url, f"/get?rank={rank}")
+                    r, uid, group = self._take(url, rank)
                 except TimeoutError:
                     self._gone(url)
                     again += take_lost(url)
                     continue
-                if r.status_code == 200 and r.headers.get("Content-Type") == "application/json":
-                    error = r.json()  # its forward failed: that group will not come
-                    print(f"[rank {rank}] the reference server lost a group: {error['error']}",
+                handed = r.status_code == 200
+                progress = progress or handed
+                if handed and not self._first_copy(uid):  # its other copy came back already
+                    print(f"[rank {rank}] dropped a second copy of a group, handed over by {url}",
                           file=sys.stderr, flush=True)
-                    owed.pop(error.get("upload_id"), None)
-                    progress = True
-                elif r.status_code == 200:
-                    tensors, meta = decode_batch(r.content)
-                    progress = True
-                    uid = meta.get("upload_id")
-                    if uid not in owed and uid in self.sent_again:  # its other copy is (or was) ours
-                        print(f"[rank {rank}] dropped a second copy of a group that was uploaded "
-                              f"again, handed over by {url}", file=sys.stderr, flush=True)
-                    else:
-                        owed.pop(uid, None)
-                        back.append((tensors, meta))
+                elif handed and group is None:  # its forward failed: that group will not come
+                    print(f"[rank {rank}] the reference server lost a group: {r.json()['error']}",
+                          file=sys.stderr, flush=True)
+                    owed.pop(uid, None)
+                elif handed:
+                    owed.pop(uid, None)
+                    back.append(group)
                 lost = take_lost(url, r.headers.get("X-Ref-Instance"))
                 if lost:
                     print(f"[rank {rank}] the reference server {url} restarted: {len(lost)} uploaded groups "
@@ -245,19 +269,20 @@ class RefClient:
                 delay = _POLL_FIRST_S
         return back, again
 
-    def _extras(self):
-        """Up to extra_groups of the groups genonly workers left waiting, from any server answering."""
+    def _extras(self, rank):
+        """Up to extra_groups of the groups genonly workers left waiting, from any server answering;
+        each upload id once, however many servers hold a copy."""
         extras = []
         for url, _ in self.least_loaded() if self.extra_groups else []:
             while len(extras) < self.extra_groups:
                 try:
-                    r = self._call("GET", url, "/get?from=workers")
+                    r, uid, group = self._take(url, rank, workers=True)
                 except TimeoutError:
                     break
                 if r.status_code != 200:
                     break
-                if r.headers.get("Content-Type") != "application/json":  # not a failed forward's
-                    extras.append(decode_batch(r.content))
+                if self._first_copy(uid) and group is not None:  # not a failed forward's
+                    extras.append(group)
         return extras
 
 
