@@ -358,8 +358,8 @@ def logps_of(model, input_ids, attention_mask, n_completion, entropy=False):
 @torch.no_grad()
 def pack_groups(model, sampled: Rollout, scores, advantages, keep_all, with_gen_logps):
     """Step 5's upload: the groups worth training on as (tensors, meta), and (D,) the rewards of
-    those dropped for equal rewards (advantages all 0: nothing to learn), unless keep_all. pi_old
-    by a forward if with_gen_logps (REGROUP, workers), MU > 1 or not SKIP_GEN_LOGPS."""
+    the rest (equal rewards unless keep_all, or no answer token to train). pi_old by a forward if
+    with_gen_logps (REGROUP, workers), MU > 1 or not SKIP_GEN_LOGPS."""
     G = NUM_PRE_Q
     T = sampled.mask.shape[1]
     varied = scores.view(-1, G).std(1) > 0  # (Q,)
@@ -372,7 +372,8 @@ def pack_groups(model, sampled: Rollout, scores, advantages, keep_all, with_gen_
     if kept and (with_gen_logps or MU > 1 or not SKIP_GEN_LOGPS):
         gen_logps = logps_of(model, ids[rows], attn[rows], T).cpu()
     meta = dict(temperature=TEMPERATURE, scale_rewards=SCALE_REWARDS)  # the server redoes with it
-    dropped = scores.view(-1, G)[~varied].view(-1)  # (D,) SCALE_REWARDS "batch" counts them
+    left_out = [q for q in range(len(varied)) if q not in kept]  # "batch" counts them, once
+    dropped = scores.view(-1, G)[left_out].view(-1)  # (D,) the rewards not uploaded
     groups = wire.pack_groups(sampled, ids, kept, G, scores, advantages, gen_logps, meta)
     return groups, dropped
 
@@ -380,7 +381,7 @@ def pack_groups(model, sampled: Rollout, scores, advantages, keep_all, with_gen_
 def rollout(model, tokenizer, eos_ids, gen_config, questions, llm, keep_all, with_gen_logps,
             step=0, rank=0):
     """Steps 2-4 on `questions`: (groups to upload, answer records, metrics, (D,) the rewards of
-    the groups dropped for equal rewards)."""
+    the groups not uploaded)."""
     m = Counter()
     with timed(m, "generate_s"):
         out = generate(model, tokenizer, questions, gen_config, eos_ids, llm)  # 2. generate
@@ -393,7 +394,7 @@ def rollout(model, tokenizer, eos_ids, gen_config, questions, llm, keep_all, wit
         advantages = group_advantages(scores, NUM_PRE_Q, upload_scale(SCALE_REWARDS))  # (N,)
     with timed(m, "gen_logps_s"):
         groups, dropped = pack_groups(model, out, scores, advantages, keep_all, with_gen_logps)
-    m["dropped"] = len(dropped) // NUM_PRE_Q
+    m["dropped"] = int((scores.view(-1, NUM_PRE_Q).std(1) == 0).sum())  # groups of equal rewards
     records = answer_records(step, rank, out, each, scores, advantages)
     return groups, records, m, dropped
 

@@ -43,6 +43,7 @@ def main():
             publish_s.append(time.perf_counter() - start)
             start = time.perf_counter()
             fetcher = weight_sync.WeightFetcher(f"http://127.0.0.1:{port}", "", version - 1,
+                                                max_bytes=weight_sync.weights_budget(worker),
                                                 poll_s=0.01)
             while (fetched := fetcher.take()) is None:
                 time.sleep(0.005)

@@ -10,7 +10,7 @@ import threading
 import torch
 
 from features.advantages import group_advantages, upload_scale
-from features.wire import OPTIONAL
+from features.wire import OPTIONAL, sampled_version
 
 
 class RegroupPool:
@@ -35,7 +35,7 @@ class RegroupPool:
         prompt = tensors["input_ids"][0, :plen]  # (plen,) one prompt per group: the question's identity
         key = (hashlib.sha256(prompt.numpy().tobytes()).hexdigest(), meta.get("temperature", 1.0))
         rows = [{name: t[i] for name, t in tensors.items() if name != "advantages"}  # recomputed per new group
-                | {"version": meta.get("version", 0), "answer": (meta.get("answers") or [None] * g)[i]}
+                | {"version": sampled_version(meta), "answer": (meta.get("answers") or [None] * g)[i]}
                 for i in range(g)]
         with self.lock:
             pool = (self.pools.pop(key, []) + rows)[-self.pool_size :]

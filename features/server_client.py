@@ -12,7 +12,7 @@ from urllib.parse import urlencode
 import requests
 
 from features.fingerprint import model_fingerprint
-from features.wire import decode_batch, encode_batch
+from features.wire import decode_batch, encode_batch, sampled_version
 
 # Internal timings of the plumbing; SERVER_TIMEOUT (the trainer's) is the one to tune.
 _POLL_FIRST_S, _POLL_MAX_S = 0.02, 0.05  # /get polls while a forward runs: a group is at most _POLL_MAX_S late
@@ -314,10 +314,14 @@ def sampled_by(groups, version, *, max_staleness) -> tuple:
     """(the pulled groups the policy at `version` may train on, the counts dropped). A group that other
     weights sampled (a step late) needs their log-probs as pi_old (gen_logps), else its ratio would be 1
     as if these weights had sampled it: workers' and regrouped groups carry them. One sampled more than
-    max_staleness versions ago is dropped (docs/workers.md)."""
+    max_staleness versions ago is dropped (docs/workers.md), and so is one sampled by weights newer
+    than these (a crashed run's leftovers after RESUME, a worker on a later published version): its
+    pi_old is not a policy this run has been. A group without a version counts as the oldest, 0."""
     def lag(meta):  # versions between the sampling weights and these
-        return version - meta.get("version", version)
-    fresh = [(tensors, meta) for tensors, meta in groups if lag(meta) <= max_staleness]
+        return version - sampled_version(meta)
+    fresh = [(tensors, meta) for tensors, meta in groups if 0 <= lag(meta) <= max_staleness]
     usable = [(tensors, meta) for tensors, meta in fresh if lag(meta) == 0 or "gen_logps" in tensors]
-    stale = len(groups) - len(fresh)
-    return usable, Counter(late_groups_dropped=len(fresh) - len(usable), stale_groups_dropped=stale)
+    ahead = sum(1 for _, meta in groups if lag(meta) < 0)
+    stale = len(groups) - len(fresh) - ahead
+    return usable, Counter(late_groups_dropped=len(fresh) - len(usable), stale_groups_dropped=stale,
+                           ahead_groups_dropped=ahead)

@@ -109,11 +109,12 @@ class UploadIds:
                 self.answers[uid] = answer
 
 
-def exposure_warning(host: str, token: str) -> str | None:
-    """A warning when the server is reachable beyond this machine with no token to guard it."""
+def exposure_warning(host: str, token: str, what: str = "upload and read batches") -> str | None:
+    """A warning when a server (the reference server, the weight publisher) is reachable beyond this
+    machine with no token to guard it; `what` says what anyone could then do."""
     if host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.") or token:
         return None
-    return f"WARNING: serving on {host} without REF_TOKEN: anyone who reaches this port can upload and read batches"
+    return f"WARNING: serving on {host} without REF_TOKEN: anyone who reaches this port can {what}"
 
 
 class Room:

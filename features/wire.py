@@ -25,6 +25,12 @@ MAX_META_CHARS, MAX_META_DEPTH = 2**22, 8  # metadata: numbers, names, and the a
 QUOTE_CHARS = 200  # how much of a bad input an error message quotes: enough to recognise, never megabytes
 
 
+def sampled_version(meta: dict) -> int:
+    """The policy version (training step) of the weights that sampled a group; one uploaded without a
+    version counts as the oldest, 0 (the trainer's staleness rule and REGROUP's both read it here)."""
+    return meta.get("version") or 0
+
+
 def encode_batch(tensors: dict, meta: dict) -> bytes:
     """safetensors bytes of `tensors` with `meta` as JSON in the header: no pickle."""
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}

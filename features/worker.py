@@ -14,7 +14,7 @@ import torch
 
 from features.checkpoints import checkpoints
 from features.vllm_engine import push_weights
-from features.weight_sync import WeightFetcher, swap_in
+from features.weight_sync import WeightFetcher, check_weights, swap_in, weights_budget
 
 WAIT_S = 1.0  # a worker whose groups nobody takes yet looks again after this long
 
@@ -39,13 +39,16 @@ def run_worker(load, make_groups, client, *, first, seed, start_llm, output_dir,
     keep_all = bool(health["regroup"] or health["reward_model"])  # the server may still tell equal groups apart
     llm = start_llm(seed + os.getpid(), policy[0].dtype) if start_llm else None
     waiting = False
-    fetcher = WeightFetcher(weights_from, token, version) if weights_from else None
+    fetcher = None
+    if weights_from:  # it refuses a file larger than this model's weights, or not theirs
+        fetcher = WeightFetcher(weights_from, token, version, max_bytes=weights_budget(policy[0]),
+                                check=lambda tensors: check_weights(policy[0], tensors))
     while True:
         fetched = fetcher.take() if fetcher else None
-        if fetched:  # checked whole (size and sha256) before it got here
+        if fetched:  # checked whole (size, sha256, every name, shape, dtype) before it got here
             swap_in(policy[0], fetched[1])
             if llm is not None:
-                push_weights(llm, policy[0])
+                push_weights(llm, policy[0])  # a push that fails is fatal: vLLM may hold a mix
             version = fetched[0]
             print(f"[{name}] swapped in the trainer's weights: policy version {version}", flush=True)
         newest = None if fetcher else (checkpoints(output_dir) or [None])[-1]
@@ -70,4 +73,6 @@ def run_worker(load, make_groups, client, *, first, seed, start_llm, output_dir,
         groups, records = make_groups(policy, llm, keep_all, rng)
         client.upload(groups, version=version, worker=name)
         reward = sum(r["reward"] for r in records) / len(records)
-        print(f"[{name}] version {version} | uploaded {len(groups)} groups | reward {reward:.3f}", flush=True)
+        refused = f" | refused versions {fetcher.counts['refused']}" if fetcher else ""
+        print(f"[{name}] version {version} | uploaded {len(groups)} groups | reward {reward:.3f}{refused}",
+              flush=True)

@@ -60,17 +60,16 @@ time.sleep(3600)
 """
 
 FETCHER = """
-import hashlib, json, sys, time, requests
+import hashlib, json, sys, time, urllib3
 sys.path.insert(0, {root!r})
 from features import weight_sync
 weight_sync.CHUNK_BYTES = 16384
-plain = requests.models.Response.iter_content
+plain = urllib3.response.HTTPResponse.read1
 def slow(self, *args, **kwargs):  # a slow reader: the transfer lasts long enough to cut
-    for chunk in plain(self, *args, **kwargs):
-        time.sleep(0.002)
-        yield chunk
-requests.models.Response.iter_content = slow
-f = weight_sync.WeightFetcher({url!r}, "t0ken", version=0, poll_s=0.2, retry_s=0.5, timeout_s=2)
+    time.sleep(0.002)
+    return plain(self, *args, **kwargs)
+urllib3.response.HTTPResponse.read1 = slow
+f = weight_sync.WeightFetcher({url!r}, "t0ken", version=0, max_bytes=2**30, poll_s=0.2, retry_s=0.5, timeout_s=2)
 while (got := f.take()) is None:
     open({progress!r}, "w").write(json.dumps(f.progress))
     time.sleep(0.05)

@@ -82,7 +82,7 @@ class CuttingProxy:
 def test_a_worker_fetches_each_published_version_whole(publisher):
     """Versions 1 then 2: each arrives bit for bit, tied names sent once, with the size and sha256
     that /weights/info announced."""
-    fetcher = weight_sync.WeightFetcher(publisher.url, "", version=0, poll_s=0.05)
+    fetcher = weight_sync.WeightFetcher(publisher.url, "", version=0, max_bytes=2**30, poll_s=0.05)
     try:
         first = weights(1)
         publisher.publish(first, 1)
@@ -110,7 +110,8 @@ def test_a_worker_fetches_each_published_version_whole(publisher):
 
 def fetch_once(url, cleanup=None):
     """The first version a fresh WeightFetcher at `url` checks and hands over, and its counts."""
-    fetcher = weight_sync.WeightFetcher(url, "", version=0, poll_s=0.05, retry_s=0.05)
+    fetcher = weight_sync.WeightFetcher(url, "", version=0, max_bytes=2**30, poll_s=0.05,
+                                        retry_s=0.05)
     try:
         wait_for(lambda: fetcher.ready is not None, timeout=60)
         version, got = fetcher.take()
