@@ -1,20 +1,46 @@
 """The HTTP server under ref_server.py: waitress, with bounded threads and backlog, idle or stalled connections
-closed, malformed HTTP and a Content-Length over the body limit answered before the app sees them, and a
-stop that frees the port.
+closed, a request still arriving past its deadline closed (a client that trickles one header line a second
+never times out as idle), malformed HTTP and a Content-Length over the body limit answered before the app
+sees them, and a stop that frees the port.
 
     python ref_server.py                  # serve() in ref_server.py starts it
 """
 import json
 import threading
+import time
 
 
-def start_http(app, host, port, *, threads, backlog, idle_timeout, max_body):
-    """Serve the WSGI `app` on a daemon thread; returns stop(), which ends the loop and frees the port."""
+def start_http(app, host, port, *, threads, backlog, idle_timeout, max_body, request_deadline=None):
+    """Serve the WSGI `app` on a daemon thread; returns stop(), which ends the loop and frees the port.
+    A request (headers and body) must arrive whole within request_deadline seconds of its first byte
+    (default idle_timeout), so no client holds one of the `backlog` connections for long."""
+    from waitress.channel import HTTPChannel
+    from waitress.parser import HTTPRequestParser
     from waitress.server import create_server
 
+    class TimedParser(HTTPRequestParser):  # remembers when its request's first byte came
+        def __init__(self, adj):
+            super().__init__(adj)
+            self.began = time.monotonic()
+
+    class TimedChannel(HTTPChannel):
+        parser_class = TimedParser
+
     httpd = create_server(app, host=host, port=port, threads=threads, backlog=backlog, connection_limit=backlog,
-                          channel_timeout=idle_timeout, cleanup_interval=max(1, idle_timeout // 3),
+                          channel_timeout=idle_timeout, cleanup_interval=1,
                           max_request_body_size=max_body, ident="ref_server")
+    httpd.channel_class = TimedChannel
+    deadline = request_deadline or idle_timeout
+    idle_cleanup = httpd.maintenance
+
+    def maintenance(now):  # every cleanup_interval: idle channels, then requests past their deadline
+        idle_cleanup(now)
+        for channel in list(httpd.active_channels.values()):
+            request = getattr(channel, "request", None)
+            if isinstance(request, TimedParser) and time.monotonic() - request.began > deadline:
+                channel.will_close = True
+
+    httpd.maintenance = maintenance
     stopping = threading.Event()
 
     def run():

@@ -30,7 +30,7 @@ CHUNK_BYTES = 1 << 16  # read this much at a time: a cut loses at most this much
 MAX_DIGITS = 18  # a version or a Range offset: ASCII digits, at most this many (below 2**63)
 RANGE = re.compile(r"bytes=([0-9]{1,%d})-$" % MAX_DIGITS)  # the one Range form a worker sends
 MAX_INFO_BYTES = 4096  # /weights/info is a small JSON object; a longer answer is refused
-MIN_RATE = 2**20  # bytes/s a transfer must average (after a minute's grace) or it is given up
+MIN_RATE = 2**20  # bytes/s a transfer must average (after its grace time) or it is given up
 MAX_BACKOFF_S = 60.0  # a worker refused or cut short waits twice as long each time, up to this
 TRANSIENT = (requests.RequestException, urllib3.exceptions.HTTPError, OSError)  # link or peer away
 
@@ -161,7 +161,7 @@ class WeightFetcher:
     ValueError when they cannot go into its model (check_weights), before take() sees them."""
 
     def __init__(self, url: str, token: str, version: int, *, max_bytes: int, check=None,
-                 poll_s=2.0, retry_s=1.0, timeout_s=30.0, min_rate=MIN_RATE):
+                 poll_s=2.0, retry_s=1.0, timeout_s=30.0, min_rate=MIN_RATE, grace_s=60.0):
         self.url = url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.headers["Accept-Encoding"] = "identity"  # never a compressed body (a gzip bomb)
@@ -171,7 +171,8 @@ class WeightFetcher:
         self.poll_s = poll_s
         self.retry_s = retry_s
         self.timeout_s = timeout_s
-        self.min_rate = min_rate
+        self.min_rate = min_rate  # a transfer's deadline: grace_s + its size / min_rate
+        self.grace_s = grace_s
         self.ready = None  # (version, state dict) waiting for take()
         self.refused_sha = None  # a file refused once is not downloaded again
         self.lock = threading.Lock()
@@ -249,7 +250,7 @@ class WeightFetcher:
         from safetensors.torch import load
 
         body = bytearray()
-        deadline = time.time() + 60 + info["size"] / self.min_rate
+        deadline = time.time() + self.grace_s + info["size"] / self.min_rate
         wait_s = self.retry_s
         while len(body) < info["size"] and not self.stopping.is_set():
             if time.time() > deadline:
