@@ -6,11 +6,13 @@ gradients as full rows (tests/test_shared_prefix.py); the prompt's cost no longe
 """
 import contextlib
 import functools
+import threading
 
 import torch
 
 # What transformers' GradientCheckpointingLayer reads on each layer: this module switches them per block.
 LAYER_FLAGS = ("gradient_checkpointing", "_can_checkpoint_with_cache")
+_FLAGS_LOCK = threading.RLock()  # one block at a time: two threads on one model would undo each other
 
 
 def model_outputs(model, hidden: bool, keep, **inputs) -> torch.Tensor:
@@ -110,16 +112,17 @@ def layer_flags(model, **flags):
         raise RuntimeError(f"this transformers' GradientCheckpointingLayer does not read {unknown}: the shared "
                            "prompt cannot switch its checkpointing; set SHARED_PREFIX = False")
     layers = [mod for mod in model.modules() if isinstance(mod, GradientCheckpointingLayer)]
-    saved = [{name: layer.__dict__[name] for name in flags if name in layer.__dict__} for layer in layers]
-    for layer in layers:
-        layer.__dict__.update(flags)
-    try:
-        yield
-    finally:
-        for layer, old in zip(layers, saved):
-            for name in flags:
-                del layer.__dict__[name]
-            layer.__dict__.update(old)
+    with _FLAGS_LOCK:  # two in-process reference servers may share one model (tests do)
+        saved = [{name: layer.__dict__[name] for name in flags if name in layer.__dict__} for layer in layers]
+        for layer in layers:
+            layer.__dict__.update(flags)
+        try:
+            yield
+        finally:
+            for layer, old in zip(layers, saved):
+                for name in flags:
+                    del layer.__dict__[name]
+                layer.__dict__.update(old)
 
 
 def generate(model, prompt_ids, prompt_mask, gen_config, repeats: int, shared: bool = True):

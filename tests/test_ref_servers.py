@@ -4,6 +4,7 @@ is skipped and the groups it held are uploaded again elsewhere, each trained onc
 must hold the same reference model. In-process servers on loopback; tests/test_netns.py runs the
 same across network namespaces."""
 import threading
+import time
 
 import pytest
 import requests
@@ -155,3 +156,158 @@ def test_every_server_must_hold_the_same_reference_model(model, tokenizer):
         stop(b, stop_b)
     with pytest.raises(ValueError, match="names no server"):
         RefClient(" , ")
+
+
+def test_a_group_taken_with_ack_is_handed_again_until_acknowledged(model):
+    """GET /get?rank=0&ack=... keeps the group it hands out: asked again without acknowledging it
+    (its answer was lost), the same group comes back; acknowledged by its X-Upload-Id, it is gone
+    and its room given back. A plain GET (no ack) takes a group for good."""
+    a, stop_a, url_a = start(model)
+    try:
+        for seed, uid in ((1, "first"), (2, "second")):
+            body = encode_batch(*group(seed=seed, rank=0, upload_id=uid))
+            assert requests.post(url_a + "/upload", data=body, timeout=10).status_code == 200
+        wait_for(lambda: a.queue_of(0).qsize() == 2)
+        one = requests.get(url_a + "/get", params={"rank": 0, "ack": ""}, timeout=10)
+        again = requests.get(url_a + "/get", params={"rank": 0, "ack": ""}, timeout=10)
+        assert one.headers["X-Upload-Id"] == again.headers["X-Upload-Id"] == "first"
+        assert one.content == again.content and a.counters["served"] == 1
+        two = requests.get(url_a + "/get", params={"rank": 0, "ack": "first"}, timeout=10)
+        assert two.headers["X-Upload-Id"] == "second"
+        done = requests.get(url_a + "/get", params={"rank": 0, "ack": "second"}, timeout=10)
+        assert done.status_code == 204 and a.room.held_bytes == 0
+        assert requests.get(url_a + "/get", params={"rank": 0, "ack": "x" * 300}).status_code == 400
+        requests.post(url_a + "/upload", data=encode_batch(*group(seed=3, rank=0)), timeout=10)
+        wait_for(lambda: a.queue_of(0).qsize() == 1)
+        assert requests.get(url_a + "/get", timeout=10).status_code == 200
+        assert requests.get(url_a + "/get", timeout=10).status_code == 204  # taken for good
+    finally:
+        stop(a, stop_a)
+
+
+class CutOnce:
+    """A TCP relay to `port` that cuts the first answer longer than `after` bytes short: a server
+    killed mid-response, or a link lost while a group is on its way."""
+
+    def __init__(self, port, after):
+        import socket
+
+        self.port = port
+        self.after = after
+        self.cut = False
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self.accept, daemon=True).start()
+
+    def accept(self):
+        import socket
+
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.port))
+            threading.Thread(target=self.pipe, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self.pipe, args=(upstream, client, True), daemon=True).start()
+
+    def pipe(self, source, target, answers):
+        import socket
+
+        sent = 0
+        try:
+            while data := source.recv(65536):
+                if answers and not self.cut and sent + len(data) > self.after:
+                    self.cut = True
+                    target.sendall(data[: self.after - sent])
+                    break
+                target.sendall(data)
+                sent += len(data)
+        except OSError:
+            pass
+        for s in (source, target):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+
+def test_an_answer_cut_mid_body_is_asked_again_and_the_group_comes_once(model):
+    """The first /get answer (a group of 8 x 300 tokens) is cut halfway, as when the server dies
+    mid-response: the client does not crash, asks again, and gets that group once, at once, not
+    after SERVER_TIMEOUT."""
+    a, stop_a, url_a = start(model)
+    relay = CutOnce(int(url_a.rsplit(":", 1)[1]), after=5000)
+    try:
+        client = RefClient(relay.url, timeout=60)
+        began = time.time()
+        got = client.upload_and_pull([group(G=8, plen=100, tc=200, seed=4)], 0, 0)
+        assert relay.cut and len(got) == 1 and time.time() - began < 20
+        assert torch.equal(got[0][0]["input_ids"], group(G=8, plen=100, tc=200, seed=4)[0]["input_ids"])
+        assert client.upload_and_pull([group(seed=5)], 1, 0)[0][1]["version"] == 1  # nothing late
+    finally:
+        stop(a, stop_a)
+
+
+def test_a_slow_server_s_late_copy_of_a_group_sent_again_is_never_trained_twice(
+        model, fast_failover, monkeypatch, capfd):
+    """Server A answers uploads after the failover time (alive, only slow): the client sends the
+    group again to B and trains it from there. A then queues its own copy; when the next step's
+    group goes to A, A's copy is dropped and only the new group comes back."""
+    monkeypatch.setattr(server_client, "_DOWN_RETRY_S", 0.0)
+    a, stop_a, url_a = start(model)
+    b, stop_b, url_b = start(model)
+    real_accept = a._accept
+
+    def slow_accept(*args):
+        time.sleep(3.0)
+        return real_accept(*args)
+
+    a._accept = slow_accept
+    client = RefClient(f"{url_a},{url_b}", timeout=60)
+    try:
+        first = client.upload_and_pull([group(seed=1)], 0, 0)
+        assert [m["version"] for _, m in first] == [0] and b.counters["uploaded"] == 1
+        wait_for(lambda: a.queue_of(0).qsize() == 1)  # A's late copy, ready
+        a._accept = real_accept
+        client.down[url_b] = time.time() + 3600  # the next upload goes to A
+        second = client.upload_and_pull([group(seed=2)], 1, 0)
+        assert [m["version"] for _, m in second] == [1]
+        assert "dropped a second copy of a group" in capfd.readouterr().err
+    finally:
+        stop(a, stop_a)
+        stop(b, stop_b)
+
+
+def test_a_workers_group_on_two_servers_is_taken_once(model):
+    """A worker's upload that failed over sits on both servers under one upload id: a trainer rank
+    taking extras from both takes it once."""
+    a, stop_a, url_a = start(model)
+    b, stop_b, url_b = start(model)
+    try:
+        body = encode_batch(*group(seed=6, worker="w1", version=0, upload_id="w1-group"))
+        for url in (url_a, url_b):
+            assert requests.post(url + "/upload", data=body, timeout=10).status_code == 200
+        wait_for(lambda: a.ready["workers"].qsize() == 1 and b.ready["workers"].qsize() == 1)
+        client = RefClient(f"{url_a},{url_b}", timeout=60, extra_groups=4)
+        got = client.upload_and_pull([group(seed=7)], 0, 0)
+        assert sorted(m.get("worker", "") for _, m in got) == ["", "w1"]
+    finally:
+        stop(a, stop_a)
+        stop(b, stop_b)
+
+
+def test_groups_sampled_by_newer_weights_are_dropped_and_counted():
+    """After RESUME from step 5, a group of version 9 (a crashed run's leftover, a worker ahead) is
+    dropped and counted as ahead; a group with no version counts as the oldest (0) here and in
+    REGROUP alike, so at version 5 it is late (kept only with gen_logps)."""
+    from features.wire import sampled_version
+
+    logps = {"gen_logps": torch.zeros(1)}
+    groups = [(logps, {"version": 9}), (logps, {"version": 5}), ({}, {}), (logps, {})]
+    kept, counts = server_client.sampled_by(groups, 5, max_staleness=10)
+    assert [meta.get("version") for _, meta in kept] == [5, None]
+    assert counts == {"ahead_groups_dropped": 1, "late_groups_dropped": 1,
+                      "stale_groups_dropped": 0}
+    assert sampled_version({}) == sampled_version({"version": None}) == 0
