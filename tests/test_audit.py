@@ -203,3 +203,37 @@ def test_python_grpo_ref_split_trains_as_one_process(tiny_model_dir, tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert "no launcher: one process" in run.stderr and "mpi4py" not in run.stderr
     assert (tmp_path / "out" / "step_1").is_dir()
+
+
+# ----------------------------------------------------------------------------- 4. each reward once
+def rollout_of(rewards_per_group, masked_groups=()):
+    """A Rollout of len(rewards_per_group) groups of 4 answers, 3 prompt and 2 answer tokens each;
+    the answers of `masked_groups` have no token left to train (MASK_TRUNCATED)."""
+    n = 4 * len(rewards_per_group)
+    mask = torch.ones(n, 2, dtype=torch.bool)
+    for q in masked_groups:
+        mask[4 * q:4 * q + 4] = False
+    return grpo.Rollout(prompt_ids=torch.ones(n, 3, dtype=torch.long),
+                        prompt_mask=torch.ones(n, 3, dtype=torch.long),
+                        completion_ids=torch.full((n, 2), 2), mask=mask, sampler_logps=None,
+                        texts=["a"] * n, lengths=[2] * n, truncated=[False] * n, golds=["1"] * n,
+                        questions=["q"] * n)
+
+
+@pytest.mark.parametrize("keep_all", [False, True])
+def test_batch_scaling_counts_every_generated_reward_once(keep_all, monkeypatch):
+    """The issue's numbers: groups [1, 1, 1, 1] and [0, 1, 2, 3], and a varied group whose answers
+    are all masked. Whether the server keeps equal groups (REGROUP, a reward model: keep_all) or not,
+    each reward enters the step's std once: 12 rewards, std 0.996 (the old count, with [1, 1, 1, 1]
+    uploaded and listed as dropped too, gave 0.718 on the first two groups)."""
+    monkeypatch.setattr(grpo, "SKIP_GEN_LOGPS", True)
+    monkeypatch.setattr(grpo, "NUM_PRE_Q", 4)
+    rewards = [[1.0] * 4, [0.0, 1.0, 2.0, 3.0], [0.0, 2.0, 0.0, 2.0]]
+    scores = torch.tensor(sum(rewards, []))
+    sampled = rollout_of(rewards, masked_groups=(2,))
+    groups, dropped = grpo.pack_groups(None, sampled, scores, torch.zeros(12), keep_all, False)
+    assert len(groups) == (2 if keep_all else 1)
+    scaled = scale_to_step(groups, dropped, "cpu")
+    varied = [tensors for tensors, _ in scaled if tensors["rewards"].std() > 0][0]
+    everything = sum(rewards, [])
+    assert varied["advantages"].tolist() == pytest.approx(by_hand(rewards[1], everything), rel=1e-5)
