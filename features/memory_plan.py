@@ -16,6 +16,7 @@ plan above the whole device stops the trainer; one above FIT_SHARE of it may not
 (bench/bench_memory_plan.py measures the plan against a step's peak).
 """
 import dataclasses
+import json
 import os
 import sys
 
@@ -196,30 +197,46 @@ def plan(shape: ModelShape, s: Setting, device_bytes: int) -> list:
                   fp32_weights * s.ranks_per_node)
     rows.append(loading)
     cpu = max(states.cpu, loading.cpu)
+    if not s.bf16:  # CPU ranks: what is offloaded lives in the same RAM as the rank's own share
+        peak += states.cpu // s.ranks_per_node
     rows.append(Row("total", max(peak, loading.trainer), cpu, int(server)))
     return rows
 
 
-def verdict(rows, device_bytes: int) -> str:
-    """"fits", "may not fit" or "does not fit". The plan has fallen below a step's measured peak
-    (bench/RESULTS.md), so only a plan above the whole device is sure not to fit."""
-    total = rows[-1].trainer
-    if total > device_bytes:
+def verdict(rows, device_bytes: int, cpu_bytes=None) -> str:
+    """"fits", "may not fit" or "does not fit", for the trainer's device and, given cpu_bytes (a GPU
+    machine's RAM), for the CPU column too: AdamW's state with OFFLOAD_OPTIMIZER lives there. The plan
+    has fallen below a step's measured peak (bench/RESULTS.md), so only a plan above the whole device
+    (or RAM) is sure not to fit."""
+    total = rows[-1]
+    shares = [total.trainer / device_bytes]
+    if cpu_bytes:
+        shares.append(total.cpu / cpu_bytes)
+    if max(shares) > 1:
         return "does not fit"
-    if total > FIT_SHARE * device_bytes:
+    if max(shares) > FIT_SHARE:
         return "may not fit"
     return "fits"
 
 
-def table(rows, device_bytes: int, device_name: str) -> str:
-    """The plan as text, with its verdict for the device."""
+def table(rows, device_bytes: int, device_name: str, cpu_bytes=None) -> str:
+    """The plan as text, with its verdict for the device (and the machine's RAM, given cpu_bytes)."""
     lines = [f"{'memory plan (GiB)':<52}{'trainer':>9}{'CPU':>9}{'server':>9}"]
     for r in rows:
         lines.append(f"{r.what:<52}{r.trainer / GIB:>9.2f}{r.cpu / GIB:>9.2f}{r.server / GIB:>9.2f}")
     share = rows[-1].trainer / device_bytes
-    lines.append(f"{verdict(rows, device_bytes)}: {share:.0%} of {device_name} "
-                 f"({device_bytes / GIB:.1f} GiB); it fits below {FIT_SHARE:.0%}")
+    ram = ""
+    if cpu_bytes:
+        ram = f", CPU {rows[-1].cpu / cpu_bytes:.0%} of the machine's RAM ({cpu_bytes / GIB:.1f} GiB)"
+    lines.append(f"{verdict(rows, device_bytes, cpu_bytes)}: {share:.0%} of {device_name} "
+                 f"({device_bytes / GIB:.1f} GiB){ram}; it fits below {FIT_SHARE:.0%}")
     return "\n".join(lines)
+
+
+def free_ram() -> int:
+    """Bytes of this machine's available RAM (MemAvailable)."""
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
 
 
 def device_seen(ranks_per_node: int):
@@ -228,8 +245,7 @@ def device_seen(ranks_per_node: int):
         local = int(os.environ.get("LOCAL_RANK", "0"))
         props = torch.cuda.get_device_properties(local)
         return props.total_memory, props.name
-    with open("/proc/meminfo") as f:
-        free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+    free = free_ram()
     if ranks_per_node == 1:
         return free, "this machine's free RAM"
     return free // ranks_per_node, f"1/{ranks_per_node} of this machine's free RAM"
@@ -256,12 +272,15 @@ def check(model_path: str, s: Setting, *, build_prompt, questions):
               file=sys.stderr, flush=True)
         return
     device_bytes, name = device_seen(s.ranks_per_node)
+    cpu_bytes = free_ram() if s.bf16 else None  # on CPU ranks the trainer column counts it already
     rows = plan(shape, s, device_bytes)
     if os.environ.get("RANK", "0") == "0":
-        print(table(rows, device_bytes, name), flush=True)
-    if verdict(rows, device_bytes) == "does not fit":
-        sys.exit(f"the memory plan above does not fit {name}: set OFFLOAD_OPTIMIZER=1, LORA_RANK, "
-                 "GRADIENT_CHECKPOINTING=1 or TRAIN_MICRO_BATCH=1 (docs/gpus.md), or use more ranks")
+        print(table(rows, device_bytes, name, cpu_bytes), flush=True)
+    if verdict(rows, device_bytes, cpu_bytes) == "does not fit":
+        short = name if rows[-1].trainer > device_bytes else "this machine's RAM (the CPU column)"
+        sys.exit(f"the memory plan above does not fit {short}: set OFFLOAD_OPTIMIZER=1 (GPU) or 0 "
+                 "(RAM), LORA_RANK, GRADIENT_CHECKPOINTING=1 or TRAIN_MICRO_BATCH=1 (docs/gpus.md), "
+                 "or use more ranks or machines")
 
 
 def setting_from(constants) -> Setting:
@@ -277,6 +296,12 @@ def setting_from(constants) -> Setting:
         elif isinstance(value, str):
             value = type(field.default)(value)
         setattr(setting, field.name, value)
+    ds_config = constants.get("DS_CONFIG")  # the trainer's DeepSpeed config may set the bucket
+    if ds_config and os.path.exists(ds_config):
+        with open(ds_config) as f:
+            bucket = json.load(f).get("zero_optimization", {}).get("reduce_bucket_size")
+        if bucket is not None:
+            setting.reduce_bucket_size = int(float(bucket))
     return setting
 
 
@@ -288,8 +313,9 @@ def main():
     shape = model_shape(model_path, lora_rank=setting.lora_rank, lora_targets=setting.lora_targets)
     gpu_gb = float(os.environ.get("GPU_GB", "80"))
     device_bytes = int(gpu_gb * 10**9)
+    cpu_bytes = int(float(os.environ.get("CPU_GB", "0")) * 10**9) or None  # checked when given
     print(f"{shape.params:,} parameters, {shape.trainable:,} trained; {setting}")
-    print(table(plan(shape, setting, device_bytes), device_bytes, f"one {gpu_gb:g} GB GPU"))
+    print(table(plan(shape, setting, device_bytes), device_bytes, f"one {gpu_gb:g} GB GPU", cpu_bytes))
 
 
 if __name__ == "__main__":

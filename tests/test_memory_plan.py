@@ -1,5 +1,7 @@
 """The memory plan (features/memory_plan.py): its counts against the model itself and against hand
 arithmetic, and the trainer's stop before any weight loads when a setting cannot fit."""
+import dataclasses
+import json
 import os
 import subprocess
 
@@ -99,3 +101,31 @@ def test_vllm_takes_its_share_of_a_gpu_and_its_weights_and_cache_on_a_cpu():
     cpu = memory_plan.plan(shape, memory_plan.Setting(use_vllm=True, bf16=False, vllm_cpu_kv_gb=2.0),
                            10**10)
     assert cpu[4].trainer == 4 * 1000 + 2 * 2**30
+
+
+def test_the_verdict_reads_the_cpu_column_and_the_ds_configs_bucket(tmp_path):
+    """Qwen2.5-7B's shape with OFFLOAD_OPTIMIZER on one 80 GB GPU: the GPU side fits, but AdamW's
+    168 GB of CPU state (DeepSpeed's estimate) does not fit a host with 64 GiB of RAM, and does fit
+    one with 512 GiB. On CPU ranks the offloaded state counts in the rank's own RAM share. The
+    gradient bucket is DS_CONFIG's reduce_bucket_size when it sets one."""
+    shape = memory_plan.ModelShape(params=7_600_000_000, trainable=7_600_000_000, layers=28,
+                                   hidden=3584, kv_width=512, vocab=152064, saved_per_token=1.0,
+                                   saved_per_token_fp32=1.0)
+    offload = memory_plan.Setting(offload_optimizer=True, gradient_checkpointing=True,
+                                  train_micro_batch=1, max_new_tokens=512, prompt_tokens=256)
+    rows = memory_plan.plan(shape, offload, 80 * 10**9)
+    assert rows[-1].cpu == 16 * 7.6e9 * 1.5
+    assert memory_plan.verdict(rows, 80 * 10**9) == "fits"
+    assert memory_plan.verdict(rows, 80 * 10**9, cpu_bytes=64 * 2**30) == "does not fit"
+    assert memory_plan.verdict(rows, 80 * 10**9, cpu_bytes=512 * 2**30) == "fits"
+    assert "of the machine's RAM" in memory_plan.table(rows, 80 * 10**9, "GPU", 64 * 2**30)
+    small = memory_plan.ModelShape(**{**shape.__dict__, "params": 10**8, "trainable": 10**8})
+    cpu = memory_plan.Setting(bf16=False, ranks=2, ranks_per_node=2)
+    on_cpu = memory_plan.plan(small, cpu, 10**12)
+    with_offload = memory_plan.plan(small, dataclasses.replace(cpu, offload_optimizer=True), 10**12)
+    assert with_offload[-1].trainer == on_cpu[-1].trainer  # the same bytes, in the same RAM
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": 2e7}}))
+    setting = memory_plan.setting_from({"DS_CONFIG": str(config)})
+    assert setting.reduce_bucket_size == 20_000_000
+    assert memory_plan.setting_from({"DS_CONFIG": "ds_config.json"}).reduce_bucket_size == 500_000_000
