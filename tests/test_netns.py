@@ -212,3 +212,93 @@ def test_a_run_on_four_hosts_loses_a_reference_server_and_drops_a_stale_worker(
         for proc in procs:
             if proc.poll() is None:
                 kill_group(proc)
+
+
+RELAY = """
+import os, socket, sys, threading, time
+listen, upstream, mode, limit = {listen!r}, {upstream}, {mode!r}, {limit}
+began = time.time()
+def pipe(src, dst, answers):
+    sent = 0
+    try:
+        while data := src.recv(65536):
+            if answers and mode == "slow" and time.time() - began < limit:
+                time.sleep(4.0)  # alive, but slower than the client's failover time
+            if answers and mode == "die" and len(data) + sent > limit:
+                dst.sendall(data[: max(0, limit - sent)])
+                os._exit(0)  # the server is killed in the middle of an answer
+            dst.sendall(data)
+            sent += len(data)
+    except OSError:
+        pass
+    for s in (src, dst):
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        s.close()
+server = socket.create_server((listen, 59875))
+while True:
+    client, _ = server.accept()
+    up = socket.create_connection(("127.0.0.1", upstream))
+    threading.Thread(target=pipe, args=(client, up, False), daemon=True).start()
+    threading.Thread(target=pipe, args=(up, client, True), daemon=True).start()
+"""
+
+
+@pytest.mark.parametrize("fault", ["die", "slow"])
+def test_groups_through_a_server_killed_mid_answer_or_slow_past_failover_come_back_once(
+        fault, four_hosts, tiny_model_dir, tmp_path, monkeypatch):
+    """Two reference servers on their own hosts; this process uploads 5 steps of 2 groups (8 x 300
+    tokens) through RefClient. 'die': server A's host is killed in the middle of its first group
+    answer. 'slow': A answers 4 s late for its first 12 s (alive, past the 2 s failover time), so
+    its copies of groups sent again to B are handed over later. Either way every group comes back
+    exactly once, and nothing else does."""
+    from conftest import group
+    from features import server_client
+
+    monkeypatch.setattr(server_client, "_FAILOVER_S", 2.0)
+    monkeypatch.setattr(server_client, "_DOWN_RETRY_S", 1.0)
+    names, addresses = four_hosts
+    procs = []
+
+    def run_on(host, command, log, **env):
+        proc = subprocess.Popen(["ip", "netns", "exec", names[host], *command], cwd=ROOT,
+                                env={**os.environ, **{k: str(v) for k, v in env.items()}},
+                                stdout=open(tmp_path / log, "w"), stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        procs.append(proc)
+        return proc
+
+    try:
+        for host in ("ref_a", "ref_b"):
+            run_on(host, [sys.executable, "ref_server.py"], f"{host}.log",
+                   MODEL_PATH=tiny_model_dir, HOST="127.0.0.1", PORT=59870)
+        urls = [f"http://{addresses[host]}:59875" for host in ("ref_a", "ref_b")]
+        wait_for(lambda: all((tmp_path / f"{h}.log").read_text().count("ready on") for h in
+                             ("ref_a", "ref_b")), timeout=180)
+        limit = 5000 if fault == "die" else 12
+        run_on("ref_a", [sys.executable, "-c", RELAY.format(listen=addresses["ref_a"],
+               upstream=59870, mode=fault, limit=limit)], "relay_a.log")
+        run_on("ref_b", [sys.executable, "-c", RELAY.format(listen=addresses["ref_b"],
+               upstream=59870, mode="pass", limit=0)], "relay_b.log")
+
+        def both_up():
+            try:
+                return all(requests.get(url + "/health", timeout=8).ok for url in urls)
+            except requests.RequestException:
+                return False
+        wait_for(both_up, timeout=60)
+        client = server_client.RefClient(",".join(urls), timeout=120)
+        sent, back = {}, []
+        for step in range(5):
+            groups = [group(G=8, plen=100, tc=200, seed=10 * step + i) for i in range(2)]
+            for tensors, _ in groups:
+                sent[tensors["input_ids"][0, :8].tolist().__repr__()] = step
+            back += client.upload_and_pull(groups, step, 0)
+        keys = [tensors["input_ids"][0, :8].tolist().__repr__() for tensors, _ in back]
+        assert sorted(keys) == sorted(sent), (len(keys), len(sent))  # each once, none lost
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                kill_group(proc)

@@ -274,6 +274,8 @@ def test_optimizer_offload_trains_like_the_plain_optimizer_and_resumes_bit_for_b
     assert len(losses[1]) == 3 and losses[1] == pytest.approx(losses[0], rel=1e-5, abs=1e-7)
     want, got = params(tmp_path / "plain" / "step_3"), params(tmp_path / "offload" / "step_3")
     assert any(not torch.equal(want[k], params(tiny_model_dir)[k]) for k in want)  # it trained
+    import os as _os; _d = torch.cat([(got[k].float() - want[k].float()).abs().flatten() for k in want]); _m = torch.cat([(want[k].float()).abs().flatten() for k in want])
+    open(_os.environ.get("DIFFS", "/tmp/diffs.txt"), "a").write(f"{_d.numel()} max {_d.max():.3e} mean {_d.mean():.3e} p99 {_d.quantile(0.99) if _d.numel() < 16_000_000 else 0:.3e} maxval {_m.max():.3e}\n")
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
     resumed = tmp_path / "resumed"
@@ -300,5 +302,7 @@ def test_optimizer_offload_with_lora_micro_batches_and_two_passes_trains_like_th
     from safetensors.torch import load_file
     want, got = (load_file(tmp_path / name / "step_2" / "adapter_model.safetensors") for name in ("plain", "offload"))
     assert want.keys() == got.keys() and any(v.abs().sum() > 0 for v in want.values())
+    import os as _os; _d = torch.cat([(got[k].float() - want[k].float()).abs().flatten() for k in want]); _m = torch.cat([(want[k].float()).abs().flatten() for k in want])
+    open(_os.environ.get("DIFFS", "/tmp/diffs.txt"), "a").write(f"{_d.numel()} max {_d.max():.3e} mean {_d.mean():.3e} p99 {_d.quantile(0.99) if _d.numel() < 16_000_000 else 0:.3e} maxval {_m.max():.3e}\n")
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
