@@ -374,8 +374,7 @@ def pack_groups(model, sampled: Rollout, scores, advantages, keep_all, with_gen_
     meta = dict(temperature=TEMPERATURE, scale_rewards=SCALE_REWARDS)  # the server redoes with it
     left_out = [q for q in range(len(varied)) if q not in kept]  # "batch" counts them, once
     dropped = scores.view(-1, G)[left_out].view(-1)  # (D,) the rewards not uploaded
-    groups = wire.pack_groups(sampled, ids, kept, G, scores, advantages, gen_logps, meta)
-    return groups, dropped
+    return wire.pack_groups(sampled, ids, kept, G, scores, advantages, gen_logps, meta), dropped
 
 
 def rollout(model, tokenizer, eos_ids, gen_config, questions, llm, keep_all, with_gen_logps,

@@ -12,7 +12,6 @@ constant below can be set by an environment variable:
 import json
 import queue
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -29,7 +28,7 @@ from features.http_server import json_errors, start_http
 from features.logprobs import completion_logps
 from features.regroup import RegroupPool
 from features.reward_model import add_reward_model, load_reward_model
-from features.server_guard import (MAX_RANKS, Room, TooLarge, UploadIds, exposure_warning,
+from features.server_guard import (MAX_RANKS, Room, TooLarge, UploadIds, warn_if_exposed,
                                    token_ok, validate_group)
 from features.wire import decode_batch, encode_batch
 
@@ -141,8 +140,7 @@ class RefServer:
                 if self.reward_model is not None:  # the last reward is known only here
                     tensors, meta = add_reward_model(tensors, meta, self.reward_model,
                                                      self.reward_model_weight)
-                body = encode_batch(tensors, meta)
-                item = (body, "application/octet-stream", nbytes, uid)
+                item = (encode_batch(tensors, meta), "application/octet-stream", nbytes, uid)
             except Exception as e:  # out of memory, say: this group is lost, and its taker told
                 self._count("ref_errors")
                 traceback.print_exc()
@@ -233,9 +231,7 @@ class RefServer:
             ready = self.queue_of(kind if kind == "workers" else rank)
             if bottle.request.method == "HEAD":  # bottle routes HEAD here too: answer, take nothing
                 return bottle.HTTPResponse(status=200 if ready.qsize() else 204, headers=headers)
-            item, fresh, gone = self.handouts.take((kind, rank), ready, ack)
-            for _, _, nbytes, _ in gone:
-                self.room.give_back(kind, nbytes)
+            item, fresh = self.handouts.take((kind, rank), ready, ack, self.room.give_back)
             if item is None:
                 return bottle.HTTPResponse(status=204, headers=headers)
             body, content_type, _, uid = item
@@ -282,11 +278,8 @@ def main():
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     model.requires_grad_(False)
-    if exposure_warning(HOST, REF_TOKEN):
-        print(exposure_warning(HOST, REF_TOKEN), file=sys.stderr, flush=True)
-    reward_model = None
-    if REWARD_MODEL:
-        reward_model = load_reward_model(REWARD_MODEL, dtype, device)
+    warn_if_exposed(HOST, REF_TOKEN)
+    reward_model = load_reward_model(REWARD_MODEL, dtype, device) if REWARD_MODEL else None
     name = MODEL_PATH or "SmolLM2-135M-Instruct (embedded)"
     server = RefServer(model, name, reward_model=reward_model, reward_model_name=REWARD_MODEL)
     done = threading.Event()

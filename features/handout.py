@@ -21,28 +21,27 @@ class Handouts:
         self.held = {}  # taker -> item
         self.lock = threading.Lock()
 
-    def take(self, taker, ready: queue.Queue, ack):
-        """(the item to answer with or None, whether it is handed out for the first time, [items now
-        gone for good: give their room back]).
-        ack None: a plain take, the held item (if any) or the next one leaves at once. ack a string:
-        the held item is dropped if it is that id, then the held item (or the next one, now held)."""
+    def take(self, taker, ready: queue.Queue, ack, give_back):
+        """(the item to answer with or None, whether it is handed out for the first time). taker
+        is (kind, rank); give_back(kind, nbytes) frees the room of an item gone for good. ack None:
+        a plain take, the held item (if any) or the next one leaves at once. ack a string: the held
+        item is dropped if it is that id, then the held item (or the next one, now held)."""
         with self.lock:
             held = self.held.pop(taker, None)
-            gone = []
             if held is not None and ack is not None and ack == held[3]:
-                gone.append(held)
+                give_back(taker[0], held[2])
                 held = None
             fresh = held is None
             if fresh:
                 try:
                     held = ready.get_nowait()
                 except queue.Empty:
-                    return None, False, gone
+                    return None, False
             if ack is None:
-                gone.append(held)
+                give_back(taker[0], held[2])
             else:
                 self.held[taker] = held
-            return held, fresh, gone
+            return held, fresh
 
 
 def parse_get(query, max_ranks):

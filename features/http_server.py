@@ -1,7 +1,7 @@
 """The HTTP server under ref_server.py: waitress, with bounded threads and backlog, idle or stalled connections
-closed, a request still arriving past its deadline closed (a client that trickles one header line a second
-never times out as idle), malformed HTTP and a Content-Length over the body limit answered before the app
-sees them, and a stop that frees the port.
+closed, a request still arriving past its deadline closed (a client that trickles one header line
+a second never times out as idle), malformed HTTP and a Content-Length over the body limit answered
+before the app sees them, and a stop that frees the port.
 
     python ref_server.py                  # serve() in ref_server.py starts it
 """
@@ -11,9 +11,9 @@ import time
 
 
 def start_http(app, host, port, *, threads, backlog, idle_timeout, max_body, request_deadline=None):
-    """Serve the WSGI `app` on a daemon thread; returns stop(), which ends the loop and frees the port.
-    A request (headers and body) must arrive whole within request_deadline seconds of its first byte
-    (default idle_timeout), so no client holds one of the `backlog` connections for long."""
+    """Serve the WSGI `app` on a daemon thread; returns stop(), which ends the loop and frees the
+    port. A request (headers and body) must arrive whole within request_deadline seconds of its
+    first byte (default idle_timeout), so no client holds one of the `backlog` connections long."""
     from waitress.channel import HTTPChannel
     from waitress.parser import HTTPRequestParser
     from waitress.server import create_server
@@ -33,7 +33,7 @@ def start_http(app, host, port, *, threads, backlog, idle_timeout, max_body, req
     deadline = request_deadline or idle_timeout
     idle_cleanup = httpd.maintenance
 
-    def maintenance(now):  # every cleanup_interval: idle channels, then requests past their deadline
+    def maintenance(now):  # each second: idle channels, then requests past their deadline
         idle_cleanup(now)
         for channel in list(httpd.active_channels.values()):
             request = getattr(channel, "request", None)

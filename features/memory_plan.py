@@ -204,10 +204,10 @@ def plan(shape: ModelShape, s: Setting, device_bytes: int) -> list:
 
 
 def verdict(rows, device_bytes: int, cpu_bytes=None) -> str:
-    """"fits", "may not fit" or "does not fit", for the trainer's device and, given cpu_bytes (a GPU
-    machine's RAM), for the CPU column too: AdamW's state with OFFLOAD_OPTIMIZER lives there. The plan
-    has fallen below a step's measured peak (bench/RESULTS.md), so only a plan above the whole device
-    (or RAM) is sure not to fit."""
+    """"fits", "may not fit" or "does not fit", for the trainer's device and, given cpu_bytes (a
+    GPU machine's RAM), for the CPU column too: AdamW's state with OFFLOAD_OPTIMIZER lives there.
+    The plan has fallen below a step's measured peak (bench/RESULTS.md), so only a plan above the
+    whole device (or RAM) is sure not to fit."""
     total = rows[-1]
     shares = [total.trainer / device_bytes]
     if cpu_bytes:
@@ -220,14 +220,15 @@ def verdict(rows, device_bytes: int, cpu_bytes=None) -> str:
 
 
 def table(rows, device_bytes: int, device_name: str, cpu_bytes=None) -> str:
-    """The plan as text, with its verdict for the device (and the machine's RAM, given cpu_bytes)."""
+    """The plan as text, with its verdict for the device (and the RAM, given cpu_bytes)."""
     lines = [f"{'memory plan (GiB)':<52}{'trainer':>9}{'CPU':>9}{'server':>9}"]
     for r in rows:
         lines.append(f"{r.what:<52}{r.trainer / GIB:>9.2f}{r.cpu / GIB:>9.2f}{r.server / GIB:>9.2f}")
     share = rows[-1].trainer / device_bytes
     ram = ""
     if cpu_bytes:
-        ram = f", CPU {rows[-1].cpu / cpu_bytes:.0%} of the machine's RAM ({cpu_bytes / GIB:.1f} GiB)"
+        ram_share = rows[-1].cpu / cpu_bytes
+        ram = f", CPU {ram_share:.0%} of the machine's RAM ({cpu_bytes / GIB:.1f} GiB)"
     lines.append(f"{verdict(rows, device_bytes, cpu_bytes)}: {share:.0%} of {device_name} "
                  f"({device_bytes / GIB:.1f} GiB){ram}; it fits below {FIT_SHARE:.0%}")
     return "\n".join(lines)
@@ -278,9 +279,9 @@ def check(model_path: str, s: Setting, *, build_prompt, questions):
         print(table(rows, device_bytes, name, cpu_bytes), flush=True)
     if verdict(rows, device_bytes, cpu_bytes) == "does not fit":
         short = name if rows[-1].trainer > device_bytes else "this machine's RAM (the CPU column)"
-        sys.exit(f"the memory plan above does not fit {short}: set OFFLOAD_OPTIMIZER=1 (GPU) or 0 "
-                 "(RAM), LORA_RANK, GRADIENT_CHECKPOINTING=1 or TRAIN_MICRO_BATCH=1 (docs/gpus.md), "
-                 "or use more ranks or machines")
+        sys.exit(f"the memory plan above does not fit {short}: set OFFLOAD_OPTIMIZER=1 (GPU) or "
+                 "0 (RAM), LORA_RANK, GRADIENT_CHECKPOINTING=1 or TRAIN_MICRO_BATCH=1 "
+                 "(docs/gpus.md), or use more ranks or machines")
 
 
 def setting_from(constants) -> Setting:
@@ -315,7 +316,8 @@ def main():
     device_bytes = int(gpu_gb * 10**9)
     cpu_bytes = int(float(os.environ.get("CPU_GB", "0")) * 10**9) or None  # checked when given
     print(f"{shape.params:,} parameters, {shape.trainable:,} trained; {setting}")
-    print(table(plan(shape, setting, device_bytes), device_bytes, f"one {gpu_gb:g} GB GPU", cpu_bytes))
+    rows = plan(shape, setting, device_bytes)
+    print(table(rows, device_bytes, f"one {gpu_gb:g} GB GPU", cpu_bytes))
 
 
 if __name__ == "__main__":

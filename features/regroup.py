@@ -34,9 +34,9 @@ class RegroupPool:
         g, plen = tensors["input_ids"].shape[0], meta["plen"]
         prompt = tensors["input_ids"][0, :plen]  # (plen,) one prompt per group: the question's identity
         key = (hashlib.sha256(prompt.numpy().tobytes()).hexdigest(), meta.get("temperature", 1.0))
+        answers = meta.get("answers") or [None] * g
         rows = [{name: t[i] for name, t in tensors.items() if name != "advantages"}  # recomputed per new group
-                | {"version": sampled_version(meta), "answer": (meta.get("answers") or [None] * g)[i]}
-                for i in range(g)]
+                | {"version": sampled_version(meta), "answer": answers[i]} for i in range(g)]
         with self.lock:
             pool = (self.pools.pop(key, []) + rows)[-self.pool_size :]
             rewards = torch.stack([r["rewards"] for r in pool])  # (n,)

@@ -7,6 +7,7 @@ unguarded. A bad or hostile client gets a 4xx naming the problem, and can cost a
 """
 import collections
 import hmac
+import sys
 import threading
 
 import torch
@@ -115,6 +116,13 @@ def exposure_warning(host: str, token: str, what: str = "upload and read batches
     if host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.") or token:
         return None
     return f"WARNING: serving on {host} without REF_TOKEN: anyone who reaches this port can {what}"
+
+
+def warn_if_exposed(host: str, token: str, what: str = "upload and read batches"):
+    """Print exposure_warning on stderr when there is one."""
+    warning = exposure_warning(host, token, what)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
 
 
 class Room:

@@ -12,7 +12,7 @@ import torch
 
 # What transformers' GradientCheckpointingLayer reads on each layer: this module switches them per block.
 LAYER_FLAGS = ("gradient_checkpointing", "_can_checkpoint_with_cache")
-_FLAGS_LOCK = threading.RLock()  # one block at a time: two threads on one model would undo each other
+_FLAGS_LOCK = threading.RLock()  # one block at a time: two threads on one model undo each other
 
 
 def model_outputs(model, hidden: bool, keep, **inputs) -> torch.Tensor:
@@ -113,7 +113,8 @@ def layer_flags(model, **flags):
                            "prompt cannot switch its checkpointing; set SHARED_PREFIX = False")
     layers = [mod for mod in model.modules() if isinstance(mod, GradientCheckpointingLayer)]
     with _FLAGS_LOCK:  # two in-process reference servers may share one model (tests do)
-        saved = [{name: layer.__dict__[name] for name in flags if name in layer.__dict__} for layer in layers]
+        saved = [{name: layer.__dict__[name] for name in flags if name in layer.__dict__}
+                 for layer in layers]
         for layer in layers:
             layer.__dict__.update(flags)
         try:

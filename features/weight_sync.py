@@ -24,7 +24,7 @@ import torch
 import urllib3
 
 from features.http_server import json_errors, start_http
-from features.server_guard import exposure_warning, token_ok
+from features.server_guard import token_ok, warn_if_exposed
 
 CHUNK_BYTES = 1 << 16  # read this much at a time: a cut loses at most this much of a download
 MAX_DIGITS = 18  # a version or a Range offset: ASCII digits, at most this many (below 2**63)
@@ -36,7 +36,7 @@ TRANSIENT = (requests.RequestException, urllib3.exceptions.HTTPError, OSError)  
 
 
 class Refused(ValueError):
-    """What a weight server sent cannot be used (malformed, too large, too slow, not the model's)."""
+    """What a weight server sent cannot be used: malformed, too large, too slow, not the model's."""
 
 
 class WeightPublisher:
@@ -118,9 +118,7 @@ def start_publisher(model, version, *, rank, every, host, port, token):
     other ranks, and when every is 0 (workers read OUTPUT_DIR's checkpoints instead)."""
     if rank != 0 or every <= 0:
         return None
-    if exposure_warning(host, token, "download the trained weights"):
-        print(exposure_warning(host, token, "download the trained weights"), file=sys.stderr,
-              flush=True)
+    warn_if_exposed(host, token, "download the trained weights")
     publisher = WeightPublisher(host, port, token)
     with torch.no_grad():
         publisher.publish(policy_weights(model), version)
@@ -221,7 +219,7 @@ class WeightFetcher:
         return answer
 
     def _info(self) -> dict:
-        """/weights/info checked: {"version": int >= 0, "size": int in 1..max_bytes, "sha256": hex}."""
+        """/weights/info checked: {"version": int >= 0, "size": 1..max_bytes, "sha256": hex}."""
         with self._get("/weights/info") as answer:
             if answer.status_code != 200:
                 return {"version": -1, "size": 0, "sha256": ""}  # none published yet
@@ -236,7 +234,8 @@ class WeightFetcher:
         size = info.get("size")
         sha = info.get("sha256")
         if type(version) is not int or not 0 <= version < 2**63:
-            raise Refused(f"/weights/info version must be an int in 0..2**63-1, got {version!r:.40}")
+            raise Refused(f"/weights/info version must be an int in 0..2**63-1, "
+                          f"got {version!r:.40}")
         if type(size) is not int or not 0 < size <= self.max_bytes:
             raise Refused(f"/weights/info size must be an int in 1..{self.max_bytes} (this "
                           f"worker's weights), got {size!r:.40}")

@@ -26,8 +26,8 @@ QUOTE_CHARS = 200  # how much of a bad input an error message quotes: enough to 
 
 
 def sampled_version(meta: dict) -> int:
-    """The policy version (training step) of the weights that sampled a group; one uploaded without a
-    version counts as the oldest, 0 (the trainer's staleness rule and REGROUP's both read it here)."""
+    """The policy version (training step) of the weights that sampled a group; one uploaded
+    without a version counts as the oldest, 0 (the trainer's staleness rule and REGROUP's)."""
     return meta.get("version") or 0
 
 

@@ -74,5 +74,5 @@ def run_worker(load, make_groups, client, *, first, seed, start_llm, output_dir,
         client.upload(groups, version=version, worker=name)
         reward = sum(r["reward"] for r in records) / len(records)
         refused = f" | refused versions {fetcher.counts['refused']}" if fetcher else ""
-        print(f"[{name}] version {version} | uploaded {len(groups)} groups | reward {reward:.3f}{refused}",
-              flush=True)
+        print(f"[{name}] version {version} | uploaded {len(groups)} groups | reward {reward:.3f}"
+              f"{refused}", flush=True)

@@ -69,7 +69,8 @@ def slow(self, *args, **kwargs):  # a slow reader: the transfer lasts long enoug
     time.sleep(0.002)
     return plain(self, *args, **kwargs)
 urllib3.response.HTTPResponse.read1 = slow
-f = weight_sync.WeightFetcher({url!r}, "t0ken", version=0, max_bytes=2**30, poll_s=0.2, retry_s=0.5, timeout_s=2)
+f = weight_sync.WeightFetcher({url!r}, "t0ken", version=0, max_bytes=2**30, poll_s=0.2, retry_s=0.5,
+                             timeout_s=2)
 while (got := f.take()) is None:
     open({progress!r}, "w").write(json.dumps(f.progress))
     time.sleep(0.05)

@@ -244,7 +244,8 @@ def test_an_answer_cut_mid_body_is_asked_again_and_the_group_comes_once(model):
         began = time.time()
         got = client.upload_and_pull([group(G=8, plen=100, tc=200, seed=4)], 0, 0)
         assert relay.cut and len(got) == 1 and time.time() - began < 20
-        assert torch.equal(got[0][0]["input_ids"], group(G=8, plen=100, tc=200, seed=4)[0]["input_ids"])
+        sent = group(G=8, plen=100, tc=200, seed=4)[0]["input_ids"]
+        assert torch.equal(got[0][0]["input_ids"], sent)
         assert client.upload_and_pull([group(seed=5)], 1, 0)[0][1]["version"] == 1  # nothing late
     finally:
         stop(a, stop_a)

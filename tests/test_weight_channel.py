@@ -1,8 +1,8 @@
 """The weights channel under hostile peers (features/weight_sync.py): a hostile client of the
 publisher (bad versions and ranges, idle and trickling connections, clients that never read), and a
-hostile weight server for the worker (malformed info documents, files that are not the model's, bombs
-and endless bodies). Each case is bounded in time; each ends with the worker still polling and taking
-the next valid version, or with the publisher still serving a legitimate download."""
+hostile weight server for the worker (malformed info documents, files that are not the model's,
+bombs and endless bodies). Each case is bounded in time; each ends with the worker still polling and
+taking the next valid version, or with the publisher still serving a legitimate download."""
 import hashlib
 import json
 import socket
@@ -192,7 +192,7 @@ def good(version, tensors):
 
 
 class Plan:
-    """What the scripted server says: `bad_info` / `bad_body` until switched, then a good version 2."""
+    """What the scripted server says: a bad info or body until switched, then a good version 2."""
 
     def __init__(self, info, body):
         self.info = info
@@ -272,9 +272,11 @@ BAD_FILES = {
     "NaN": {"a.weight": torch.full((1000,), float("nan")), "b.weight": torch.zeros(4, 3)},
     "inf": {"a.weight": torch.zeros(1000), "b.weight": torch.full((4, 3), float("inf"))},
     "lora_A alone": {"lora_A:b.weight": torch.zeros(2, 3)},
-    "lora of a 1-D weight": {"lora_A:a.weight": torch.zeros(2, 1), "lora_B:a.weight": torch.zeros(1000, 2)},
+    "lora of a 1-D weight": {"lora_A:a.weight": torch.zeros(2, 1),
+                             "lora_B:a.weight": torch.zeros(1000, 2)},
     "lora shapes": {"lora_A:b.weight": torch.zeros(2, 5), "lora_B:b.weight": torch.zeros(4, 2)},
-    "lora rank mismatch": {"lora_A:b.weight": torch.zeros(2, 3), "lora_B:b.weight": torch.zeros(4, 3)},
+    "lora rank mismatch": {"lora_A:b.weight": torch.zeros(2, 3),
+                           "lora_B:b.weight": torch.zeros(4, 3)},
     "lora and plain": {"lora_A:b.weight": torch.zeros(2, 3), "lora_B:b.weight": torch.zeros(4, 2),
                        "a.weight": torch.zeros(1000)},
     "no tensors": {},
@@ -362,13 +364,12 @@ def trickle(body):
 
 
 def test_a_worker_backs_off_from_answers_that_come_short():
-    """A server that cuts every transfer after 100 bytes: the worker resumes, each time waiting twice
-    as long, so 4 s bring a handful of requests, not one every retry_s."""
+    """A server that cuts every transfer after 100 bytes: the worker resumes, each time waiting
+    twice as long, so 4 s bring a handful of requests, not one every retry_s."""
     info, body = good(1, tensors_of(4))
+    head = f"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: {len(body)}\r\n\r\n"
     server = Scripted(lambda path, h: [http("200 OK", json.dumps(info).encode())]
-                      if "info" in path else [http("200 OK", body[:100]
-                                                   ).replace(b"Content-Length: 100",
-                                                             f"Content-Length: {len(body)}".encode())])
+                      if "info" in path else [head.encode() + body[:100]])
     fetcher = fetcher_for(server.url, retry_s=0.05)
     try:
         time.sleep(4)
