@@ -219,12 +219,15 @@ RELAY = """
 import os, socket, sys, threading, time
 listen, upstream, mode, limit = {listen!r}, {upstream}, {mode!r}, {limit}
 began = time.time()
-def pipe(src, dst, answers):
+def pipe(src, dst, answers, state):
     sent = 0
     try:
         while data := src.recv(65536):
-            if answers and mode == "slow" and time.time() - began < limit:
-                time.sleep(4.0)  # alive, but slower than the client's failover time
+            if not answers and sent == 0:
+                state["upload"] = data.startswith(b"POST /upload")
+            slow = mode == "slow" and time.time() - began < limit and state.get("upload")
+            if answers and sent == 0 and slow:
+                time.sleep(4.0)  # an upload's answer: alive, but slower than the failover time
             if answers and mode == "die" and len(data) + sent > limit:
                 dst.sendall(data[: max(0, limit - sent)])
                 os._exit(0)  # the server is killed in the middle of an answer
@@ -242,19 +245,20 @@ server = socket.create_server((listen, 59875))
 while True:
     client, _ = server.accept()
     up = socket.create_connection(("127.0.0.1", upstream))
-    threading.Thread(target=pipe, args=(client, up, False), daemon=True).start()
-    threading.Thread(target=pipe, args=(up, client, True), daemon=True).start()
+    state = {{}}
+    threading.Thread(target=pipe, args=(client, up, False, state), daemon=True).start()
+    threading.Thread(target=pipe, args=(up, client, True, state), daemon=True).start()
 """
 
 
 @pytest.mark.parametrize("fault", ["die", "slow"])
 def test_groups_through_a_server_killed_mid_answer_or_slow_past_failover_come_back_once(
-        fault, four_hosts, tiny_model_dir, tmp_path, monkeypatch):
-    """Two reference servers on their own hosts; this process uploads 5 steps of 2 groups (8 x 300
+        fault, four_hosts, tiny_model_dir, tmp_path, monkeypatch, capfd):
+    """Two reference servers on their own hosts; this process uploads 8 steps of 2 groups (8 x 300
     tokens) through RefClient. 'die': server A's host is killed in the middle of its first group
-    answer. 'slow': A answers 4 s late for its first 12 s (alive, past the 2 s failover time), so
-    its copies of groups sent again to B are handed over later. Either way every group comes back
-    exactly once, and nothing else does."""
+    answer. 'slow': A answers uploads 4 s late for its first 8 s (alive, past the 2 s failover
+    time), so it queues copies of groups the client sends again to B, and hands them over when later
+    steps poll it. Either way every group comes back exactly once, and nothing else does."""
     from conftest import group
     from features import server_client
 
@@ -278,7 +282,7 @@ def test_groups_through_a_server_killed_mid_answer_or_slow_past_failover_come_ba
         urls = [f"http://{addresses[host]}:59875" for host in ("ref_a", "ref_b")]
         wait_for(lambda: all((tmp_path / f"{h}.log").read_text().count("ready on") for h in
                              ("ref_a", "ref_b")), timeout=180)
-        limit = 5000 if fault == "die" else 12
+        limit = 5000 if fault == "die" else 8
         run_on("ref_a", [sys.executable, "-c", RELAY.format(listen=addresses["ref_a"],
                upstream=59870, mode=fault, limit=limit)], "relay_a.log")
         run_on("ref_b", [sys.executable, "-c", RELAY.format(listen=addresses["ref_b"],
@@ -292,13 +296,17 @@ def test_groups_through_a_server_killed_mid_answer_or_slow_past_failover_come_ba
         wait_for(both_up, timeout=60)
         client = server_client.RefClient(",".join(urls), timeout=120)
         sent, back = {}, []
-        for step in range(5):
+        for step in range(8):
             groups = [group(G=8, plen=100, tc=200, seed=10 * step + i) for i in range(2)]
             for tensors, _ in groups:
                 sent[tensors["input_ids"][0, :8].tolist().__repr__()] = step
             back += client.upload_and_pull(groups, step, 0)
+            time.sleep(1.0)  # later steps come after A's slow spell
         keys = [tensors["input_ids"][0, :8].tolist().__repr__() for tensors, _ in back]
         assert sorted(keys) == sorted(sent), (len(keys), len(sent))  # each once, none lost
+        err = capfd.readouterr().err
+        if fault == "slow":  # the case happened: A's late copies came and were dropped
+            assert "dropped a second copy of a group" in err, err[-2000:]
     finally:
         for proc in procs:
             if proc.poll() is None:
