@@ -4,6 +4,7 @@
 #   bash bench/gpu_checks.sh part1   # Triton tests on the compiled kernels, bench_kernel.py
 #   bash bench/gpu_checks.sh part2   # a bf16 ZeRO-2 gradient three ways, bench_logprob_memory.py
 #   bash bench/gpu_checks.sh part3   # the gradient in bf16, LOGP_FROM_HIDDEN on and off, against fp32
+#   bash bench/gpu_checks.sh part4   # bf16 CUDA weights over the weight channel; the plan's CPU verdict
 set -u
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -14,6 +15,45 @@ if [ "$1" = part1 ]; then
 t.__version__, d.__version__)"
   python3 -m pytest -q -p no:cacheprovider tests/test_triton.py 2>&1 | tail -8
   python3 bench/bench_kernel.py && cp bench/results/kernel.json "$OUT"/
+elif [ "$1" = part4 ]; then
+  python3 - <<'PY'
+# A bf16 CUDA policy published, fetched, checked and swapped into a bf16 CUDA worker; a corrupted
+# version refused with the worker untouched; the memory plan's verdict against this host's RAM.
+import hashlib, socket, time, torch, transformers
+from features import memory_plan, weight_sync
+cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                               num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                               tie_word_embeddings=True)
+torch.manual_seed(0)
+policy = transformers.LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
+worker = transformers.LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+pub = weight_sync.start_publisher(policy, 1, rank=0, every=1, host="127.0.0.1", port=port, token="")
+f = weight_sync.WeightFetcher(f"http://127.0.0.1:{port}", "", 0, poll_s=0.05,
+                              max_bytes=weight_sync.weights_budget(worker),
+                              check=lambda t: weight_sync.check_weights(worker, t))
+start = time.time()
+while (got := f.take()) is None:
+    time.sleep(0.01)
+weight_sync.swap_in(worker, got[1])
+same = all(torch.equal(a, b) for a, b in zip(policy.parameters(), worker.parameters()))
+print(f"bf16 on {torch.cuda.get_device_name()}: version {got[0]} fetched, checked and swapped in "
+      f"{time.time() - start:.2f} s, {len(pub.current[1]) / 2**20:.1f} MiB, equal: {same}")
+with torch.no_grad():
+    next(policy.parameters()).view(-1)[0] = float("nan")
+weight_sync.publish_every(pub, policy, 2, 1)
+time.sleep(3)
+print(f"a NaN version: refused {f.counts['refused']}, worker still version-1 weights: "
+      f"{all(torch.equal(a, b) for a, b in list(zip(policy.parameters(), worker.parameters()))[1:])}")
+f.stop(); pub.stop()
+shape = memory_plan.model_shape("bench/configs/qwen2.5-7b")
+setting = memory_plan.Setting(offload_optimizer=True, gradient_checkpointing=True,
+                              train_micro_batch=1, max_new_tokens=512, prompt_tokens=256)
+gpu = torch.cuda.get_device_properties(0).total_memory
+rows = memory_plan.plan(shape, setting, gpu)
+print(memory_plan.table(rows, gpu, torch.cuda.get_device_name(), memory_plan.free_ram()))
+PY
 elif [ "$1" = part3 ]; then
   python3 - <<'PY'
 # Is the bf16 gap between LOGP_FROM_HIDDEN on and off rounding? Both against the same step in fp32.
