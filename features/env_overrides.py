@@ -2,6 +2,7 @@
 
     ALL_STEPS=2 deepspeed --num_gpus 1 grpo_ref_split.py       # grpo_ref_split.py and ref_server.py call it
 """
+import ast
 import difflib
 import inspect
 import json
@@ -19,6 +20,12 @@ def apply_env_overrides(namespace: dict, file: str, functions=None) -> None:
     functions = functions or {}
     loud = os.environ.get("RANK", "0") == "0"  # under deepspeed every rank would print the same lines
     constants = [n for n in namespace if n.isupper()]
+    own = own_constants(namespace)
+    imported = [n for n in constants if n not in own and n in os.environ]
+    if imported:  # it would change this file's copy and not the module's: the two would differ
+        sys.exit(f"environment variable {imported[0]}: {imported[0]} is not a setting of {file} (it is "
+                 "imported from another module there); edit it where it is defined")
+    constants = [n for n in constants if n in own]
     for name in constants:
         if name not in os.environ:
             continue
@@ -53,6 +60,23 @@ def apply_env_overrides(namespace: dict, file: str, functions=None) -> None:
         if loud and near and name not in namespace:
             print(f"[{file}] WARNING: environment variable {name} is not a constant of {file}; did you mean "
                   f"{near[0]}? It is ignored.", file=sys.stderr, flush=True)
+
+
+def own_constants(namespace: dict) -> set:
+    """The UPPER_CASE names the module of `namespace` assigns itself at its top level (read from its
+    source), not those it imports; every UPPER_CASE name when there is no source file (a plain dict)."""
+    path = namespace.get("__file__")
+    if not path or not os.path.exists(path):
+        return {n for n in namespace if n.isupper()}
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    own = set()
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        for target in targets:
+            names = target.elts if isinstance(target, ast.Tuple) else [target]
+            own |= {t.id for t in names if isinstance(t, ast.Name) and t.id.isupper()}
+    return own
 
 
 def check_choices(namespace: dict, **choices) -> None:

@@ -4,13 +4,15 @@ REGROUP's limits, prompts without the example or the prefill, questions from a J
 import json
 import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import grpo_ref_split as grpo
-from conftest import group
-from features import checkpoints, run_log, worker
+from conftest import ROOT, group
+from features import checkpoints, env_overrides, run_log, worker
 from features.env_overrides import apply_env_overrides
 from features.regroup import RegroupPool
 from rewards import load_questions
@@ -220,6 +222,20 @@ def test_env_overrides_read_lists_and_tuples_as_json_and_refuse_a_bad_boolean(mo
     monkeypatch.setenv("FLAG", "maybe")
     with pytest.raises(SystemExit, match="FLAG='maybe': not a valid bool.*1/0/true/false"):
         apply_env_overrides(ns, "x.py")
+
+
+def test_only_a_files_own_constants_are_settings(monkeypatch):
+    """STD_EPS=0.5 used to change the trainer's imported copy of features.advantages.STD_EPS but not
+    the module's, so advantages_in_groups and group_advantages (held equal by the tests) differed.
+    An imported constant named in the environment now stops at start, naming it, for the trainer
+    and for ref_server.py (MAX_RANKS); the file's own constants still take their variable."""
+    for name, module in (("STD_EPS", "grpo_ref_split"), ("SCALES", "grpo_ref_split"),
+                         ("MAX_RANKS", "ref_server")):
+        run = subprocess.run([sys.executable, "-c", f"import {module}"], cwd=ROOT, text=True,
+                             env={**os.environ, name: "3"}, capture_output=True, timeout=120)
+        assert run.returncode != 0 and f"{name} is not a setting of {module}.py" in run.stderr
+    assert env_overrides.own_constants(vars(grpo)) >= {"ALL_STEPS", "BETA", "REWARDS"}
+    assert "STD_EPS" not in env_overrides.own_constants(vars(grpo))
 
 
 # ----------------------------------------------------------------------------- ds_config.json
