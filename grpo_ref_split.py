@@ -148,14 +148,17 @@ def advantages_in_groups(scores: torch.Tensor, num_pre_q: int) -> torch.Tensor:
     return (centred / (grouped.std(1, keepdim=True) + STD_EPS)).view(-1)  # (N,)
 
 
-def per_token_logps(model, input_ids, attention_mask, n_completion: int) -> torch.Tensor:
+def per_token_logps(model, input_ids, attention_mask, n_completion: int, with_entropy=False):
     """(B, T) log-probs at TEMPERATURE of each row's last n_completion tokens, the definition:
-    logits -> log_softmax(logits / T) -> the sampled token's. Costs (B, T, V) fp32 twice."""
+    logits -> log_softmax(logits / TEMPERATURE) -> each token's; with_entropy: also the entropy."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # (B, P+T, V)
     logits = logits[:, -n_completion - 1 : -1]  # (B, T, V): position t predicts token t + 1
-    logp_all = torch.log_softmax(logits.float() / TEMPERATURE, dim=-1)  # (B, T, V)
+    logp_all = torch.log_softmax(logits.float() / TEMPERATURE, dim=-1)  # (B, T, V), its grad too
     completion_ids = input_ids[:, -n_completion:, None]  # (B, T, 1)
-    return logp_all.gather(-1, completion_ids).squeeze(-1)  # (B, T)
+    logps = logp_all.gather(-1, completion_ids).squeeze(-1)  # (B, T)
+    if not with_entropy:
+        return logps
+    return logps, -(logp_all.exp() * logp_all).sum(-1).detach()  # (B, T), (B, T) no gradient
 
 
 def k3(ref_logps: torch.Tensor, logps: torch.Tensor) -> torch.Tensor:
@@ -348,8 +351,8 @@ def generate(model, tokenizer, questions, gen_config, eos_ids, llm=None) -> Roll
 def logps_of(model, input_ids, attention_mask, n_completion, entropy=False):
     """(B, T) log-probs at TEMPERATURE: per_token_logps, or its faster equal by default, a shared
     prompt and chunks from hidden states (features/logprobs.py); entropy: (logps, entropy)."""
-    if not (SHARED_PREFIX or LOGP_FROM_HIDDEN or LOGP_CHUNK or entropy):  # every fast path off
-        return per_token_logps(model, input_ids, attention_mask, n_completion)
+    if not (SHARED_PREFIX or LOGP_FROM_HIDDEN or LOGP_CHUNK):  # every fast path off: the lesson's
+        return per_token_logps(model, input_ids, attention_mask, n_completion, entropy)
     return logprobs.completion_logps(model, input_ids, attention_mask, n_completion, TEMPERATURE,
                                      chunk=LOGP_CHUNK, shared_prefix=SHARED_PREFIX,
                                      from_hidden=LOGP_FROM_HIDDEN, with_entropy=entropy)
@@ -357,9 +360,8 @@ def logps_of(model, input_ids, attention_mask, n_completion, entropy=False):
 
 @torch.no_grad()
 def pack_groups(model, sampled: Rollout, scores, advantages, keep_all, with_gen_logps):
-    """Step 5's upload: the groups worth training on as (tensors, meta), and (D,) the rewards of
-    the rest (equal rewards unless keep_all, or no answer token to train). pi_old by a forward if
-    with_gen_logps (REGROUP, workers), MU > 1 or not SKIP_GEN_LOGPS."""
+    """Step 5's upload: ((tensors, meta) of the groups worth training, (D,) the others' rewards:
+    equal unless keep_all, or none to train); pi_old if with_gen_logps, MU > 1, SKIP_GEN_LOGPS 0."""
     G = NUM_PRE_Q
     T = sampled.mask.shape[1]
     varied = scores.view(-1, G).std(1) > 0  # (Q,)
@@ -372,15 +374,13 @@ def pack_groups(model, sampled: Rollout, scores, advantages, keep_all, with_gen_
     if kept and (with_gen_logps or MU > 1 or not SKIP_GEN_LOGPS):
         gen_logps = logps_of(model, ids[rows], attn[rows], T).cpu()
     meta = dict(temperature=TEMPERATURE, scale_rewards=SCALE_REWARDS)  # the server redoes with it
-    left_out = [q for q in range(len(varied)) if q not in kept]  # "batch" counts them, once
-    dropped = scores.view(-1, G)[left_out].view(-1)  # (D,) the rewards not uploaded
+    dropped = scores.view(-1, G)[[q for q in range(len(varied)) if q not in kept]].view(-1)  # (D,)
     return wire.pack_groups(sampled, ids, kept, G, scores, advantages, gen_logps, meta), dropped
 
 
 def rollout(model, tokenizer, eos_ids, gen_config, questions, llm, keep_all, with_gen_logps,
             step=0, rank=0):
-    """Steps 2-4 on `questions`: (groups to upload, answer records, metrics, (D,) the rewards of
-    the groups not uploaded)."""
+    """Steps 2-4 on `questions`: (groups to upload, answer records, metrics, (D,) other rewards)."""
     m = Counter()
     with timed(m, "generate_s"):
         out = generate(model, tokenizer, questions, gen_config, eos_ids, llm)  # 2. generate

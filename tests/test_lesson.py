@@ -61,6 +61,40 @@ def test_the_plain_log_probs_equal_the_default_fast_path_in_value_and_gradient(l
     assert (grpo.per_token_logps(model, ids, attn, 5) - plain).abs().max() > 1e-3
 
 
+def test_with_every_fast_path_off_the_lessons_definition_is_what_trains(left_padded, monkeypatch):
+    """The loss asks for the entropy too; with SHARED_PREFIX, LOGP_FROM_HIDDEN and LOGP_CHUNK off,
+    per_token_logps still computes what it needs: features/logprobs.py made to fail, a step's loss
+    and gradient come, equal to the default's fast path, and the entropy metric is the definition's."""
+    model, ids, attn = left_padded
+    batch = grpo.Batch(input_ids=ids, attention_mask=attn, mask=torch.ones(6, 5, dtype=torch.bool),
+                       advantages=torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0]),
+                       ref_logps=torch.full((6, 5), -3.0), gen_logps=None, gen_rows=None,
+                       sampler_logps=None, sampler_rows=None, normalizer=6.0)
+    params = list(model.parameters())
+    fast_loss, fast_m = grpo.policy_loss(model, batch)
+    fast_grads = torch.autograd.grad(fast_loss, params)
+    for name, off in (("SHARED_PREFIX", False), ("LOGP_FROM_HIDDEN", False), ("LOGP_CHUNK", 0)):
+        monkeypatch.setattr(grpo, name, off)
+
+    def broken(*args, **kwargs):
+        raise AssertionError("features/logprobs.py ran with every fast path off")
+
+    monkeypatch.setattr(grpo.logprobs, "completion_logps", broken)
+    loss, m = grpo.policy_loss(model, batch)
+    grads = torch.autograd.grad(loss, params)
+    assert any(g.abs().sum() > 0 for g in grads)
+    torch.testing.assert_close(loss, fast_loss, rtol=0, atol=2e-5)
+    # The paths add the same fp32 terms in other orders (a log-softmax over V = 49,152, chunks,
+    # a shared prompt): rounding grows like sqrt(V) x 2**-24 ~ 1.3e-5 of the gradient's size, so
+    # the whole gradient is held to 1e-4 of its norm; a single element near 0 can differ more.
+    gap = sum(((g - f) ** 2).sum() for g, f in zip(grads, fast_grads)) ** 0.5
+    size = sum((f ** 2).sum() for f in fast_grads) ** 0.5
+    assert gap <= 1e-4 * size, (gap, size)
+    _, entropy = grpo.per_token_logps(model, ids, attn, 5, with_entropy=True)
+    assert m["entropy"] == pytest.approx(entropy.mean().item(), rel=1e-5)
+    assert m["entropy"] == pytest.approx(fast_m["entropy"], rel=1e-4)
+
+
 def test_the_lessons_group_advantages_are_the_features_for_group_scaling():
     scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 3.0, 3.0, 3.0, 0.5, 2.0, 0.0, 1.0])
     assert torch.equal(grpo.advantages_in_groups(scores, 4), group_advantages(scores, 4, "group"))
