@@ -93,7 +93,7 @@ def _grpo_fwd_kernel(
             samp = tl.load(samp_ptr + row)
             sampled = tl.load(samp_rows_ptr + b) != 0.0
             rho = tl.where(sampled, tl.exp(old - samp), 1.0 + 0.0 * logp)
-            if TIS_MASK:  # token_mask: 0 outside [1 / cap, cap], as grpo_ref_split.mismatch_weights
+            if TIS_MASK:  # token_mask: 0 outside [1 / cap, cap], as vllm_engine.mismatch_weights
                 tis = tl.where((rho >= 1.0 / tis_cap) & (rho <= tis_cap), rho, 0.0)
             else:  # token_truncate
                 tis = tl.minimum(rho, tis_cap)

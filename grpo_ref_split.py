@@ -20,6 +20,8 @@ Shapes: B answers, P prompt and T answer columns, V vocabulary. Constants: env v
 """
 import functools
 import sys
+import time
+import uuid
 from collections import Counter
 from dataclasses import dataclass
 
@@ -114,7 +116,7 @@ VERBOSE = False  # True = other libraries' notices and loading bars; False = the
 # Extra generation workers, `python grpo_ref_split.py genonly` (docs/workers.md)
 GENONLY = False  # True = this process only generates, scores and uploads (as `genonly`)
 WORKER_MAX_QUEUED = 8  # a worker waits while the server holds this many groups: bounds staleness
-EXTRA_GROUPS = 4  # a trainer rank also takes up to this many workers' groups per step
+EXTRA_GROUPS = 0  # > 0 with genonly workers: each rank also takes this many of their groups
 MAX_STALENESS = 10  # steps a group's weights may lag the trained ones; older groups are dropped
 WEIGHT_SYNC_STEPS = 0  # > 0: rank 0 serves its weights to workers this often; 0 = step_N on disk
 WEIGHT_SYNC_HOST = "127.0.0.1"  # where rank 0 serves them; "0.0.0.0" for other machines
@@ -184,19 +186,6 @@ def pi_old_logps(logps, gen_logps, gen_rows, mask) -> torch.Tensor:
 def gspo_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """GSPO: (B, T) each answer's mean log-ratio on its every token: one ratio, clipped whole."""
     return masked_mean(log_ratio, mask)[:, None].expand_as(log_ratio)  # (B, T)
-
-
-def mismatch_weights(old, sampler_logps, sampler_rows, mask, *, mode, cap) -> torch.Tensor:
-    """(B, T) weights rho = pi_old / pi_vllm on vLLM's tokens (mask; sampler_rows (B,) or all), else
-    1: per token or per answer (its product), truncated at cap or 0 outside [1 / cap, cap]."""
-    sampled = mask if sampler_rows is None else mask & sampler_rows[:, None]  # (B, T)
-    log_rho = torch.where(sampled, old - sampler_logps, 0.0)  # (B, T)
-    if mode.startswith("sequence_"):
-        log_rho = log_rho.sum(-1, keepdim=True).expand_as(log_rho)  # (B, T) the answer's ratio
-    rho = torch.exp(log_rho)  # (B, T)
-    if mode.endswith("_truncate"):
-        return rho.clamp(max=cap)  # (B, T)
-    return torch.where((rho >= 1 / cap) & (rho <= cap), rho, 0.0)  # (B, T)
 
 
 def grpo_loss(*, logps, old_logps, ref_logps, advantages, mask, beta, clip_eps, clip_eps_high,
@@ -349,8 +338,7 @@ def generate(model, tokenizer, questions, gen_config, eos_ids, llm=None) -> Roll
 
 
 def logps_of(model, input_ids, attention_mask, n_completion, entropy=False):
-    """(B, T) log-probs at TEMPERATURE: per_token_logps, or its faster equal by default, a shared
-    prompt and chunks from hidden states (features/logprobs.py); entropy: (logps, entropy)."""
+    """(B, T) log-probs at TEMPERATURE (and entropies): per_token_logps, or its fast equal."""
     if not (SHARED_PREFIX or LOGP_FROM_HIDDEN or LOGP_CHUNK):  # every fast path off: the lesson's
         return per_token_logps(model, input_ids, attention_mask, n_completion, entropy)
     return logprobs.completion_logps(model, input_ids, attention_mask, n_completion, TEMPERATURE,
@@ -398,6 +386,38 @@ def rollout(model, tokenizer, eos_ids, gen_config, questions, llm, keep_all, wit
     return groups, records, m, dropped
 
 
+def upload_and_pull(groups: list, version: int, rank: int) -> list:
+    """Step 5 with one reference server, as simple_GRPO does it: POST each group, then GET this
+    rank's groups back with their ref_logps. Each GET acknowledges the one taken before (a lost
+    answer comes again); what a restarted server lost is sent again. Else RefClient's (main())."""
+    if not uses_server():  # BETA 0, or LoRA's base as the reference: our own groups
+        return server_client.own_groups(groups, version, rank)
+    def ask(method, path, body=None):  # asked again while busy or unreachable; a 4xx stops
+        return server_client.request_with_retry(method, REF_SERVER + path, REF_TOKEN, body,
+                                                give_up_after=SERVER_TIMEOUT)
+    owed = {uuid.uuid4().hex: group for group in groups}  # upload_id -> (tensors, meta)
+    where = {}  # upload_id -> the server instance that holds it
+    back = []  # (tensors, meta) with ref_logps, in the order they came
+    ack = ""  # the upload_id taken last
+    deadline = time.time() + SERVER_TIMEOUT
+    while owed and time.time() < deadline:
+        for uid in [uid for uid in owed if uid not in where]:  # new, or lost in a restart
+            tagged = {**owed[uid][1], "version": version, "rank": rank, "upload_id": uid}
+            answer = ask("POST", "/upload", wire.encode_batch(owed[uid][0], tagged)).json()
+            where[uid] = answer["instance"]
+        answer = ask("GET", f"/get?rank={rank}&ack={ack}")
+        live = answer.headers.get("X-Ref-Instance")
+        where = {uid: held for uid, held in where.items() if held == live}
+        if answer.status_code == 204:  # its reference forward is still running
+            time.sleep(0.05)
+            continue
+        ack = answer.headers.get("X-Upload-Id", "")
+        if ack in owed and answer.headers.get("Content-Type") == "application/octet-stream":
+            back.append(wire.decode_batch(answer.content))  # else its forward failed: one fewer
+        owed.pop(ack, None)
+    return back
+
+
 @torch.no_grad()
 def prepare_batch(engine, batch: Batch, normalizer=None) -> Batch:
     """The batch on the device with its loss normalizer (default: its own count over ranks), pi_old
@@ -407,14 +427,12 @@ def prepare_batch(engine, batch: Batch, normalizer=None) -> Batch:
     if normalizer is None:
         normalizer = zero2.global_count([b.mask], LOSS_TYPE == "dapo")
     b.normalizer = normalizer
-    T = b.mask.shape[1]  # answer columns
+    def current_logps():  # (B, T) under the weights as they are now
+        return logps_of(engine.module.eval(), b.input_ids, b.attention_mask, b.mask.shape[1])
     if LORA_RANK > 0 and REF_FROM_BASE and BETA != 0:  # the reference: the base, adapters off
-        def base_logps():
-            return logps_of(engine.module.eval(), b.input_ids, b.attention_mask, T)
-        b.ref_logps = lora.base_logps(engine, base_logps)  # (B, T)
-    if MU > 1 and (b.gen_logps is None or not b.gen_rows.all()):
-        now = logps_of(engine.module.eval(), b.input_ids, b.attention_mask, T)  # (B, T)
-        b.gen_logps = pi_old_logps(now, b.gen_logps, b.gen_rows, b.mask)  # (B, T) every row's
+        b.ref_logps = lora.base_logps(engine, current_logps)  # (B, T)
+    if MU > 1 and (b.gen_logps is None or not b.gen_rows.all()):  # (B, T) every row's pi_old
+        b.gen_logps = pi_old_logps(current_logps(), b.gen_logps, b.gen_rows, b.mask)
         b.gen_rows = None
     return b
 
@@ -422,7 +440,6 @@ def prepare_batch(engine, batch: Batch, normalizer=None) -> Batch:
 def policy_loss(engine, b: Batch):
     """Step 6: (the GRPO loss of a (micro-)batch under the current weights, its metrics)."""
     engine.train()
-    T = b.mask.shape[1]
     if USE_TRITON:  # the same loss fused in one pass over the logits (grpo_loss_triton.py, GPU)
         import grpo_loss_triton
         loss, logps, entropy = grpo_loss_triton.batch_loss(
@@ -430,12 +447,13 @@ def policy_loss(engine, b: Batch):
             clip_eps=CLIP_EPS, clip_eps_high=CLIP_EPS_HIGH, loss_type=LOSS_TYPE,
             max_tokens=MAX_NEW_TOKENS, tis_cap=TIS_CAP, tis_mode=TIS_MODE)
     else:
-        logps, entropy = logps_of(engine, b.input_ids, b.attention_mask, T, entropy=True)
+        logps, entropy = logps_of(engine, b.input_ids, b.attention_mask, b.mask.shape[1],
+                                  entropy=True)
     old = pi_old_logps(logps, b.gen_logps, b.gen_rows, b.mask)  # (B, T) pi_old
     weights = None  # vLLM's mismatch pi_old / pi_vllm, truncated or masked (TIS_MODE)
     if b.sampler_logps is not None and TIS_CAP:
-        weights = mismatch_weights(old, b.sampler_logps, b.sampler_rows, b.mask.bool(),
-                                   mode=TIS_MODE, cap=TIS_CAP)  # (B, T)
+        weights = vllm_engine.mismatch_weights(old, b.sampler_logps, b.sampler_rows,
+                                               b.mask.bool(), mode=TIS_MODE, cap=TIS_CAP)  # (B, T)
     if not USE_TRITON:
         per_token = grpo_loss(logps=logps, old_logps=old, ref_logps=b.ref_logps,
                               advantages=b.advantages, mask=b.mask, beta=BETA, clip_eps=CLIP_EPS,
@@ -490,13 +508,8 @@ def batches_of(engine, groups, pad_id) -> list:
 # ----------------------------------------------------------------------------- set-up
 def check_settings():
     """Stop, before any model loads, on settings that cannot work (features/refusals.py)."""
-    choices = dict(LOSS_TYPE=(LOSS_TYPE, LOSS_TYPES), TIS_MODE=(TIS_MODE, TIS_MODES),
-                   SCALE_REWARDS=(SCALE_REWARDS, SCALES),
-                   SAMPLER=(SAMPLER, question_sampler.SAMPLERS))
-    refusals.check_settings(output_dir=OUTPUT_DIR, resume=RESUME, choices=choices,
-                            use_triton=USE_TRITON, gspo=GSPO, tis_mode=TIS_MODE, tis_cap=TIS_CAP,
-                            tensorboard=TENSORBOARD, clip_eps=CLIP_EPS, clip_eps_high=CLIP_EPS_HIGH,
-                            loss_type=LOSS_TYPE)
+    refusals.check_settings(globals(), LOSS_TYPE=LOSS_TYPES, TIS_MODE=TIS_MODES,
+                            SCALE_REWARDS=SCALES, SAMPLER=question_sampler.SAMPLERS)
 
 
 def setup_deepspeed():
@@ -526,17 +539,12 @@ def uses_server() -> bool:
     return BETA != 0 and not (LORA_RANK > 0 and REF_FROM_BASE)
 
 
-def training_questions():
-    """(training questions, held-out questions): the dataset's last EVAL_SIZE are never trained."""
-    everything = rewards.load_questions(DATASET, SEED, ARITH_MAX)
-    return rewards.split_held_out(everything, EVAL_SIZE)
-
-
 # ----------------------------------------------------------------------------- the loop
 def main():
     check_settings()  # before any model loads
     quiet.quiet_libraries(VERBOSE)
-    questions, held_out = training_questions()
+    dataset = rewards.load_questions(DATASET, SEED, ARITH_MAX)  # its last EVAL_SIZE never train
+    questions, held_out = rewards.split_held_out(dataset, EVAL_SIZE)
     if MEMORY_PLAN:  # will this setting fit? printed, and a stop before the weights load
         memory_plan.check(resolve_model_path(MODEL_PATH), memory_plan.setting_from(globals()),
                           build_prompt=build_prompt, questions=questions)
@@ -548,6 +556,8 @@ def main():
     health = client.health(model, tokenizer, ALLOW_REF_MISMATCH) if client else {}  # same model?
     regroup = bool(health.get("regroup"))  # it pools answers of older weights: send gen_logps
     keep_all = regroup or bool(health.get("reward_model"))  # its rewards may differ from ours
+    several = "," in REF_SERVER or EXTRA_GROUPS > 0 or regroup  # servers, workers: RefClient's
+    exchange = client.upload_and_pull if client and several else upload_and_pull  # step 5
     sampler = question_sampler.QuestionSampler(questions, SEED + rank, SAMPLER, REPLAY_SHARE)
     llm = start_vllm(SEED + rank, model.dtype) if USE_VLLM else None  # one engine per rank
     if PASS_RATE_QUESTIONS:  # how hard each question is, before step 1 (or read back on RESUME)
@@ -565,10 +575,8 @@ def main():
         model, start, rank=rank, every=WEIGHT_SYNC_STEPS, host=WEIGHT_SYNC_HOST,
         port=WEIGHT_SYNC_PORT, token=REF_TOKEN)
     reward_names = [fn.__name__ for fn, _ in REWARDS]
-    log = None  # rank 0 writes metrics.jsonl and completions.jsonl
-    if rank == 0:
-        log = RunLog(OUTPUT_DIR, reward_names, resumed_step=start,
-                     completions_every=LOG_COMPLETIONS_STEPS, tensorboard=TENSORBOARD)
+    log = RunLog(OUTPUT_DIR, reward_names, resumed_step=start, tensorboard=TENSORBOARD,
+                 completions_every=LOG_COMPLETIONS_STEPS) if rank == 0 else None  # rank 0 writes
     evaluate = functools.partial(  # evaluate(step): held-out greedy accuracy into the log
         evaluation.log_eval, model=model, questions=held_out, log=log, rank=rank,
         encode=functools.partial(encode_prompts, tokenizer), tokenizer=tokenizer,
@@ -595,7 +603,7 @@ def main():
             dropped.append(equal)
             m.update(stats)
             with timed(m, "wait_s"):  # 5. upload; pull them back with ref_logps (no server: ours)
-                pulled = server_client.upload_and_pull(client, new, step - 1, rank)
+                pulled = exchange(new, step - 1, rank)
             pulled, dropped_counts = server_client.sampled_by(pulled, step - 1,
                                                               max_staleness=MAX_STALENESS)
             m.update(dropped_counts)  # late_groups_dropped, stale_groups_dropped
@@ -618,9 +626,8 @@ def main():
         if EVAL_STEPS > 0 and (step % EVAL_STEPS == 0 or step == ALL_STEPS):
             evaluate(step)
         if step == ALL_STEPS or (SAVE_STEPS and step % SAVE_STEPS == 0):
-            checkpoints.save_checkpoint(engine, tokenizer, step, sampler, rank,
-                                        output_dir=OUTPUT_DIR, keep=KEEP_CHECKPOINTS,
-                                        lora=LORA_RANK > 0)
+            checkpoints.save_checkpoint(engine, tokenizer, step, sampler, rank, lora=LORA_RANK > 0,
+                                        output_dir=OUTPUT_DIR, keep=KEEP_CHECKPOINTS)
             if rank == 0:
                 plot_curves(log.metrics.name, reward_names)
     lora.save_merged(model, tokenizer, OUTPUT_DIR, rank)  # LoRA: OUTPUT_DIR/merged
@@ -628,23 +635,16 @@ def main():
         log.close()  # "done: ... in OUTPUT_DIR/"
 
 
-def generate_only():
-    """A generation worker (features/worker.py): steps 1-4 and uploads; no optimizer."""
-    questions, _ = training_questions()
-
-    def make_groups(loaded, llm, keep_all, rng):  # steps 1-4, the trainer's own, with pi_old
-        drawn = rng.sample(questions, Q_BATCH_SIZE)
-        return rollout(*loaded, drawn, llm, keep_all, with_gen_logps=True)[:2]  # groups, records
-    client = server_client.RefClient(REF_SERVER, REF_TOKEN, SERVER_TIMEOUT)
-    worker.run_worker(load_policy, make_groups, client, first=resolve_model_path(MODEL_PATH),
-                      seed=SEED, start_llm=start_vllm if USE_VLLM else None,
-                      output_dir=OUTPUT_DIR, max_queued=WORKER_MAX_QUEUED,
-                      allow_mismatch=ALLOW_REF_MISMATCH, trainers_read_server=uses_server(),
-                      weights_from=WEIGHTS_FROM, token=REF_TOKEN)
-
-
 if __name__ == "__main__":
-    if GENONLY or "genonly" in sys.argv[1:]:  # anywhere: `deepspeed` adds --local_rank=N
-        generate_only()
-    else:
+    if GENONLY or "genonly" in sys.argv[1:]:  # a generation worker: steps 1-4, no optimizer
+        worker.run_worker(load_policy, functools.partial(rollout, with_gen_logps=True),
+                          server_client.RefClient(REF_SERVER, REF_TOKEN, SERVER_TIMEOUT),
+                          questions=rewards.split_held_out(rewards.load_questions(
+                              DATASET, SEED, ARITH_MAX), EVAL_SIZE)[0], q_batch_size=Q_BATCH_SIZE,
+                          first=resolve_model_path(MODEL_PATH), seed=SEED,
+                          start_llm=start_vllm if USE_VLLM else None, output_dir=OUTPUT_DIR,
+                          max_queued=WORKER_MAX_QUEUED, allow_mismatch=ALLOW_REF_MISMATCH,
+                          trainers_read_server=uses_server(), weights_from=WEIGHTS_FROM,
+                          token=REF_TOKEN)  # (features/worker.py)
+    else:  # `deepspeed` adds --local_rank=N: "genonly" may stand anywhere
         main()

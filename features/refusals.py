@@ -9,19 +9,22 @@ from features import checkpoints, env_overrides
 from features.run_log import check_tensorboard
 
 
-def check_settings(*, output_dir, resume, choices, use_triton, gspo, tis_mode, tis_cap, tensorboard,
-                   clip_eps, clip_eps_high, loss_type):
-    """Stop on settings that cannot work together or an output_dir that holds another run; warn on GSPO
-    settings it was not made for. choices: {constant: (its value, its options)}."""
-    checkpoints.refuse_to_overwrite(output_dir, resume)  # KEEP_CHECKPOINTS would delete another run's
-    values = {name: value for name, (value, _) in choices.items()}
-    env_overrides.check_choices(values, **{name: options for name, (_, options) in choices.items()})
-    if use_triton and (gspo or tis_mode.startswith("sequence_")):  # they need a whole answer's tokens
+def check_settings(constants: dict, **choices):
+    """Stop on settings that cannot work together or an OUTPUT_DIR that holds another run; warn on
+    GSPO settings it was not made for. constants: the trainer's (its globals()), read by name;
+    choices: {constant: its options}."""
+    gspo = constants["GSPO"]
+    tis_cap = constants["TIS_CAP"]
+    clip_eps = constants["CLIP_EPS"]
+    loss_type = constants["LOSS_TYPE"]
+    checkpoints.refuse_to_overwrite(constants["OUTPUT_DIR"], constants["RESUME"])  # would delete another run's
+    env_overrides.check_choices(constants, **choices)
+    if constants["USE_TRITON"] and (gspo or constants["TIS_MODE"].startswith("sequence_")):  # a whole answer's
         sys.exit("USE_TRITON has no per-answer ratio (GSPO, TIS_MODE sequence_*): set those off, or USE_TRITON=0")
     if tis_cap < 0 or 0 < tis_cap <= 1:  # at <= 1 the mask modes drop every token, truncation shrinks all
         sys.exit(f"TIS_CAP = {tis_cap}: the importance weights' cap must be above 1 (2.0 is common), or 0 = off")
-    check_tensorboard(tensorboard)
-    if gspo and max(clip_eps, clip_eps_high) > 0.01:  # an answer's mean drift is far smaller than a token's
+    check_tensorboard(constants["TENSORBOARD"])
+    if gspo and max(clip_eps, constants["CLIP_EPS_HIGH"]) > 0.01:  # an answer's mean drift is far smaller
         print(f"warning: GSPO with CLIP_EPS {clip_eps} will hardly ever clip (the paper: 3e-4 / 4e-4)",
               file=sys.stderr)
     if gspo and loss_type != "grpo":  # each answer's one ratio would count once per token (TRL warns too)

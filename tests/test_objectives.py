@@ -20,7 +20,7 @@ from features.advantages import group_advantages, scale_to_step
 from features.evaluation import pass_at_k, sampled_scores
 from features.question_sampler import QuestionSampler, out_of_rollouts
 from features.regroup import RegroupPool
-from grpo_ref_split import mismatch_weights
+from features.vllm_engine import mismatch_weights
 from reference_loss import torch_loss
 
 

@@ -312,3 +312,71 @@ def test_groups_sampled_by_newer_weights_are_dropped_and_counted():
     assert counts == {"ahead_groups_dropped": 1, "late_groups_dropped": 1,
                       "stale_groups_dropped": 0}
     assert sampled_version({}) == sampled_version({"version": None}) == 0
+
+
+def exchanges(monkeypatch, url):
+    """Step 5's two clients against one server at `url`: the lesson's plain upload_and_pull and the
+    sturdy RefClient, as (name, function(groups, version, rank))."""
+    import grpo_ref_split as grpo
+
+    monkeypatch.setattr(grpo, "REF_SERVER", url)
+    monkeypatch.setattr(grpo, "SERVER_TIMEOUT", 60.0)
+    return [("plain", grpo.upload_and_pull), ("sturdy", RefClient(url, timeout=60).upload_and_pull)]
+
+
+@pytest.mark.parametrize("which", ["plain", "sturdy"])
+def test_both_step_5_clients_bring_each_group_back_once_with_the_same_ref_logps(
+        which, model, monkeypatch):
+    """The same three groups through either client: each comes back once, tagged with the version
+    and rank, with ref_logps equal bit for bit to what the server computes for it."""
+    server, stop_serving, url = start(model)
+    try:
+        exchange = dict(exchanges(monkeypatch, url))[which]
+        sent = [group(seed=s) for s in (11, 12, 13)]
+        got = exchange(sent, 4, 0)
+        assert [m["version"] for _, m in got] == [4, 4, 4] and [m["rank"] for _, m in got] == [0] * 3
+        assert sorted(t["rewards"][0].item() for t, _ in got) == sorted(
+            t["rewards"][0].item() for t, _ in sent)
+        for tensors, meta in got:
+            want = server.reference_logps(tensors["input_ids"], meta["plen"], 1.0)
+            assert torch.equal(tensors["ref_logps"], want)
+        assert server.counters["served"] == 3
+    finally:
+        stop(server, stop_serving)
+
+
+@pytest.mark.parametrize("which", ["plain", "sturdy"])
+def test_both_step_5_clients_survive_a_restarted_server(which, model, monkeypatch):
+    """The server's forward is held with two groups uploaded; it stops and a new one starts on the
+    same port (a new instance, empty queues): either client uploads what was lost again and gets
+    each group back once."""
+    server, stop_serving, url = start(model)
+    port = int(url.rsplit(":", 1)[1])
+    gate = threading.Event()
+
+    def dies_in_forward(*args):  # released only once the server no longer answers
+        gate.wait()
+        raise RuntimeError("killed")
+
+    server.reference_logps = dies_in_forward
+    exchange = dict(exchanges(monkeypatch, url))[which]
+    result = []
+    sent = [group(seed=21), group(seed=22)]
+    t = threading.Thread(target=lambda: result.append(exchange(sent, 0, 0)))
+    t.start()
+    again = None
+    try:
+        wait_for(lambda: server.counters["uploaded"] == 2)
+        threading.Timer(1.0, gate.set).start()  # after its HTTP server has stopped
+        stop(server, stop_serving)
+        again, stop_again, _ = start(model, port=port)
+        t.join(timeout=60)
+        assert not t.is_alive()
+        got = result[0]
+        assert sorted(tt["rewards"][0].item() for tt, _ in got) == sorted(
+            g[0]["rewards"][0].item() for g in sent)
+        assert again.counters["uploaded"] == 2 and again.counters["served"] == 2
+    finally:
+        gate.set()
+        if again is not None:
+            stop(again, stop_again)
