@@ -73,6 +73,7 @@ class RefClient:
         self.token, self.timeout, self.extra_groups = token, timeout, extra_groups
         self.fingerprint = None  # the reference model every server must hold (the first handshake)
         self.down = {}  # url -> when it last failed to answer; skipped for _DOWN_RETRY_S
+        self.uploaded = OrderedDict()  # upload ids this client sent (bounded): nothing else is ours
         self.received = OrderedDict()  # upload ids already taken back (bounded): copies are dropped
         self.acks = {}  # (url, workers?) -> the upload id it handed us last, acknowledged next call
 
@@ -153,6 +154,7 @@ class RefClient:
         sent = {}
         for tensors, meta in groups:  # the upload_id stays with the group: a retry is never queued twice
             meta = {**meta, **tags, "upload_id": meta.get("upload_id") or uuid.uuid4().hex}
+            remember(self.uploaded, meta["upload_id"])
             while True:
                 url = min(loads, key=loads.get)
                 try:
@@ -221,9 +223,7 @@ class RefClient:
         """Whether the group `uid` comes back for the first time (remembered from now on)."""
         if uid in self.received:
             return False
-        self.received[uid] = None
-        while len(self.received) > _REMEMBERED_IDS:
-            self.received.popitem(last=False)
+        remember(self.received, uid)
         return True
 
     def _pull(self, sent, rank, deadline):
@@ -247,7 +247,10 @@ class RefClient:
                     continue
                 handed = r.status_code == 200
                 progress = progress or handed
-                if handed and not self._first_copy(uid):  # its other copy came back already
+                if handed and uid not in self.uploaded:  # a leftover of another run on this rank
+                    print(f"[rank {rank}] dropped a group this trainer did not upload (an earlier "
+                          f"run's), handed over by {url}", file=sys.stderr, flush=True)
+                elif handed and not self._first_copy(uid):  # its other copy came back already
                     print(f"[rank {rank}] dropped a second copy of a group, handed over by {url}",
                           file=sys.stderr, flush=True)
                 elif handed and group is None:  # its forward failed: that group will not come
@@ -284,6 +287,13 @@ class RefClient:
                 if self._first_copy(uid) and group is not None:  # not a failed forward's
                     extras.append(group)
         return extras
+
+
+def remember(ids: OrderedDict, uid):
+    """Add `uid` to a bounded memory of upload ids, the oldest forgotten past _REMEMBERED_IDS."""
+    ids[uid] = None
+    while len(ids) > _REMEMBERED_IDS:
+        ids.popitem(last=False)
 
 
 def check_reference(url, health, model, tokenizer, allow_mismatch):

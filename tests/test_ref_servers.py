@@ -108,6 +108,7 @@ def test_a_second_copy_of_a_group_uploaded_again_is_dropped(model, capfd):
     a, stop_a, url_a = start(model)
     client = RefClient(url_a, timeout=60)
     tensors, meta = group(seed=7)
+    client.uploaded["the-old-id"] = None  # ours, and taken back already
     client.received["the-old-id"] = None
     try:
         body = encode_batch(tensors, {**meta, "rank": 0, "version": 0, "upload_id": "the-old-id"})
@@ -118,6 +119,22 @@ def test_a_second_copy_of_a_group_uploaded_again_is_dropped(model, capfd):
         stop(a, stop_a)
     assert [m["version"] for _, m in got] == [1]
     assert "dropped a second copy of a group" in capfd.readouterr().err
+
+
+def test_a_group_another_run_left_on_this_ranks_queue_is_not_trained(model, capfd):
+    """An earlier run (crashed, or ended with its last group taken but not yet acknowledged) left a
+    group of version 0 in rank 0's queue: a new run's client takes it (the queue is rank 0's) but
+    drops it, since it never uploaded it; a group of the same version would otherwise train."""
+    a, stop_a, url_a = start(model)
+    try:
+        body = encode_batch(*group(seed=30, rank=0, version=0, upload_id="an-earlier-run"))
+        requests.post(url_a + "/upload", data=body, timeout=10)
+        wait_for(lambda: a.queue_of(0).qsize() == 1)
+        got = RefClient(url_a, timeout=60).upload_and_pull([group(seed=31)], 0, 0)
+    finally:
+        stop(a, stop_a)
+    assert [t["rewards"][0].item() for t, _ in got] == [group(seed=31)[0]["rewards"][0].item()]
+    assert "dropped a group this trainer did not upload" in capfd.readouterr().err
 
 
 def test_each_rank_takes_back_only_its_own_groups(model):

@@ -241,8 +241,8 @@ def test_a_genonly_worker_feeds_the_server_and_follows_new_checkpoints(tiny_mode
         assert srv.health()["ready_workers"] == 0
         assert run.returncode == 0, run.stderr[-3000:]
         lines = metrics(tmp_path / "trainer")[0]
-        # staleness = the trainer's version (step - 1) minus each group's: the worker's claim 3 here
-        assert lines[0]["staleness"] < 0 and lines[0]["groups"] > waiting
+        # the worker's groups claim version 3, newer than the trainer's 0: dropped and counted, not trained
+        assert lines[0]["ahead_groups_dropped"] >= waiting and lines[0]["staleness"] == 0
     finally:
         srv.stop()
 
