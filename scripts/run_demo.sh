@@ -18,5 +18,5 @@ until grep -q "reference server ready" ref_server.log; do  # a server that dies 
 done
 NUM_GPUS=${NUM_GPUS:-1}  # CPU here: 1 rank; on a GPU machine leave --num_gpus out to use them all
 # vLLM generates the demo's rollouts: 0.85x transformers' step time here (bench/bench_step_anatomy.py, COMPARE=vllm)
-[ "${VERBOSE:-0}" = 1 ] && LOG_LEVEL=info || LOG_LEVEL=warning  # the launcher's INFO lines
+[ "${VERBOSE:-0}" = 1 ] && LOG_LEVEL=info || LOG_LEVEL=error  # the launcher's notices ("no hostfile")
 USE_VLLM=${USE_VLLM:-1} deepspeed --log_level "$LOG_LEVEL" --num_gpus "$NUM_GPUS" grpo_ref_split.py

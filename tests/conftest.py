@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -18,6 +19,7 @@ sys.path.insert(0, ROOT)
 SHARED_GSM8K = os.path.join(ROOT, "..", "shared", "gsm8k")
 
 import grpo_ref_split as grpo  # noqa: E402
+from features import weight_sync  # noqa: E402
 from features.embedded_model import resolve_model_path  # noqa: E402
 from features.logprobs import completion_logps  # noqa: E402
 from features.run_log import is_eval  # noqa: E402
@@ -286,3 +288,66 @@ def wait_for(cond, timeout=20):
         time.sleep(0.02)
 
 
+@pytest.fixture
+def publisher():
+    """A WeightPublisher on loopback (its url added), stopped after the test."""
+    port = free_port()
+    pub = weight_sync.WeightPublisher("127.0.0.1", port, token="")
+    pub.url = f"http://127.0.0.1:{port}"
+    yield pub
+    pub.stop()
+
+
+class CuttingProxy:
+    """A TCP relay to `upstream` that closes an answer after relaying exactly `after` bytes of it,
+    `cuts` times: a link that drops halfway through a transfer, or a server killed mid-answer
+    (short answers pass whole)."""
+
+    def __init__(self, upstream_port, after, cuts):
+        self.after = after
+        self.cuts = cuts
+        self.lock = threading.Lock()
+        self.upstream = upstream_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.connections = 0
+        threading.Thread(target=self.accept, daemon=True).start()
+
+    def accept(self):
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            upstream = socket.create_connection(("127.0.0.1", self.upstream))
+            threading.Thread(target=self.pipe, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self.pipe, args=(upstream, client, True), daemon=True).start()
+
+    def cut_now(self, sent):
+        with self.lock:
+            if self.cuts > 0 and sent > self.after:
+                self.cuts -= 1
+                return True
+        return False
+
+    def pipe(self, source, target, answers):
+        sent = 0
+        try:
+            while True:
+                data = source.recv(65536)
+                if not data:
+                    break
+                if answers and self.cut_now(sent + len(data)):  # cut at exactly `after` bytes
+                    target.sendall(data[: max(0, self.after - sent)])
+                    break
+                target.sendall(data)
+                sent += len(data)
+        except OSError:
+            pass
+        for s in (source, target):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()

@@ -124,6 +124,17 @@ def test_a_worker_whose_link_goes_down_mid_transfer_ends_on_the_whole_version(tw
                 kill_group(proc)
 
 
+def start_on(namespace, command, log_path, procs, **env):
+    """`command` in network namespace `namespace`, its output to log_path, added to procs (the
+    test kills them all at its end)."""
+    proc = subprocess.Popen(["ip", "netns", "exec", namespace, *command], cwd=ROOT,
+                            env={**os.environ, **{k: str(v) for k, v in env.items()}},
+                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    procs.append(proc)
+    return proc
+
+
 @pytest.fixture
 def four_hosts():
     """Hosts 'trainer', 'ref_a', 'ref_b' and 'worker', each a network namespace with its own
@@ -166,12 +177,7 @@ def test_a_run_on_four_hosts_loses_a_reference_server_and_drops_a_stale_worker(
     servers, procs = {}, []
 
     def run_on(host, command, log, **env):
-        proc = subprocess.Popen(["ip", "netns", "exec", names[host], *command], cwd=ROOT,
-                                env={**os.environ, **{k: str(v) for k, v in env.items()}},
-                                stdout=open(tmp_path / log, "w"), stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        procs.append(proc)
-        return proc
+        return start_on(names[host], command, tmp_path / log, procs, **env)
 
     try:
         for host in ("ref_a", "ref_b"):
@@ -268,12 +274,7 @@ def test_groups_through_a_server_killed_mid_answer_or_slow_past_failover_come_ba
     procs = []
 
     def run_on(host, command, log, **env):
-        proc = subprocess.Popen(["ip", "netns", "exec", names[host], *command], cwd=ROOT,
-                                env={**os.environ, **{k: str(v) for k, v in env.items()}},
-                                stdout=open(tmp_path / log, "w"), stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        procs.append(proc)
-        return proc
+        return start_on(names[host], command, tmp_path / log, procs, **env)
 
     try:
         for host in ("ref_a", "ref_b"):

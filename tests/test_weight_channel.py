@@ -34,15 +34,6 @@ class Toy(torch.nn.Module):
         self.b = torch.nn.Linear(3, 4, bias=False)
 
 
-@pytest.fixture
-def publisher():
-    port = free_port()
-    pub = weight_sync.WeightPublisher("127.0.0.1", port, token="")
-    pub.url = f"http://127.0.0.1:{port}"
-    yield pub
-    pub.stop()
-
-
 # ----------------------------------------------------------------------------- hostile clients
 def test_versions_and_ranges_that_are_not_ascii_digits_or_too_long_get_a_4xx(publisher):
     """'²' passes str.isdigit() and 5,000 digits pass Python's int() limit only to raise: both are

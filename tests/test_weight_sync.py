@@ -1,82 +1,16 @@
 """Weights to workers over HTTP (features/weight_sync.py) and the staleness bound: versions served and
 fetched whole, a transfer cut halfway resumed, a version replaced mid-transfer never mixed, the guard."""
-import socket
-import threading
-
-import pytest
 import requests
 import torch
 
 import grpo_ref_split as grpo
-from conftest import free_port, wait_for
+from conftest import CuttingProxy, free_port, wait_for
 from features import server_client, weight_sync
 
 
 def weights(seed, n=3, size=300_000):
     g = torch.Generator().manual_seed(seed)
     return {f"layer{i}.weight": torch.randn(size, generator=g) for i in range(n)}
-
-
-@pytest.fixture
-def publisher():
-    port = free_port()
-    pub = weight_sync.WeightPublisher("127.0.0.1", port, token="")
-    pub.url = f"http://127.0.0.1:{port}"
-    yield pub
-    pub.stop()
-
-
-class CuttingProxy:
-    """A TCP relay to `upstream` that closes an answer after relaying `after` bytes of it, `cuts`
-    times: a link that drops halfway through a transfer (short answers pass whole)."""
-
-    def __init__(self, upstream_port, after, cuts):
-        self.after = after
-        self.cuts = cuts
-        self.lock = threading.Lock()
-        self.upstream = upstream_port
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
-        self.connections = 0
-        threading.Thread(target=self.accept, daemon=True).start()
-
-    def accept(self):
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            self.connections += 1
-            upstream = socket.create_connection(("127.0.0.1", self.upstream))
-            threading.Thread(target=self.pipe, args=(client, upstream, False), daemon=True).start()
-            threading.Thread(target=self.pipe, args=(upstream, client, True), daemon=True).start()
-
-    def cut_now(self, sent):
-        with self.lock:
-            if self.cuts > 0 and sent >= self.after:
-                self.cuts -= 1
-                return True
-        return False
-
-    def pipe(self, source, target, answers):
-        sent = 0
-        try:
-            while True:
-                data = source.recv(65536)
-                if not data:
-                    break
-                target.sendall(data)
-                sent += len(data)
-                if answers and self.cut_now(sent):
-                    break
-        except OSError:
-            pass
-        for s in (source, target):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
 
 
 def test_a_worker_fetches_each_published_version_whole(publisher):
