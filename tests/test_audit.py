@@ -133,11 +133,13 @@ def test_a_group_pulled_a_step_late_without_its_sampling_log_probs_is_dropped_an
     try:
         late, _ = group(seed=1)
         del late["gen_logps"]  # MU = 1, SKIP_GEN_LOGPS: a rank's own group carries none
-        assert RefClient(url, timeout=0.0).upload_and_pull([(late, {"plen": 5})], version=0, rank=0) == []
+        client = RefClient(url, timeout=0.0)  # one rank's client, at step 1 with no time to wait
+        assert client.upload_and_pull([(late, {"plen": 5})], version=0, rank=0) == []
         wait_for(lambda: server.queue_of(0).qsize() == 1)
         on_time, _ = group(seed=2)
         del on_time["gen_logps"]
-        got = RefClient(url, timeout=60.0).upload_and_pull([(on_time, {"plen": 5})], version=1, rank=0)
+        client.timeout = 60.0  # step 2
+        got = client.upload_and_pull([(on_time, {"plen": 5})], version=1, rank=0)
     finally:
         stop(server, stop_serving)
     assert [meta["version"] for _, meta in got] == [0, 1]  # step 1's group, pulled at step 2 beside its own
