@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from features.vllm_engine import sampler_gap
+from features.wire import sampled_version
 
 SAMPLE_CHARS = 200  # of the one sampled answer printed under each step: enough to see the format appear
 
@@ -262,7 +263,7 @@ def step_metrics(m, groups, answers, step, attempts, step_start, group_size, rew
     out = dict(m, **sample_stats(answers, group_size, reward_names), rollouts=attempts, groups=len(groups),
                answers_generated=len(answers), answers_trained=sum(len(t["advantages"]) for t, _ in groups),
                zero_var_groups=m["dropped"] * group_size / len(answers), train_s=m["fwd_bwd_s"] + m["optim_s"],
-               staleness=sum(step - 1 - meta.get("version", step - 1) for _, meta in groups) / len(groups),
+               staleness=sum(step - 1 - sampled_version(meta) for _, meta in groups) / len(groups),
                seconds=clock() - step_start)
     del out["dropped"]
     scores = [meta["reward_model_mean"] for _, meta in groups if "reward_model_mean" in meta]
