@@ -334,7 +334,7 @@ def batch_loss(engine, batch, *, temperature, shared_prefix, **loss_keywords):
     its completion logits in one fused pass; d(logits) is written over them, which nothing reads
     afterwards. loss_keywords: beta, clip_eps, clip_eps_high, loss_type, max_tokens, tis_cap,
     tis_mode."""
-    from features.logprobs import completion_logits
+    from features.fast_paths import completion_logits
 
     T = batch.mask.shape[1]
     logits = completion_logits(engine, batch.input_ids, batch.attention_mask, T,

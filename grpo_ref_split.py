@@ -8,13 +8,10 @@ One step on every rank, as main() runs it:
 
     python ref_server.py &                  # start the reference model first
     deepspeed grpo_ref_split.py             # every local GPU; CPU only: --num_gpus 1 (or 2)
-    python grpo_ref_split.py                # one process, no launcher
-    RESUME=1 deepspeed grpo_ref_split.py    # continue from the newest OUTPUT_DIR/step_N
     python grpo_ref_split.py genonly        # an extra generation worker (a spare GPU or machine)
 
-Read top to bottom: constants, the GRPO math, one step, the loop; with rewards.py and ref_server.py
-that is all of a default step. Where it runs a faster equal (a shared prompt, chunked log-probs,
-vLLM) the plain definition is here and one line picks the fast path in features/, tested equal.
+Read top to bottom: constants, the GRPO math, one step, the loop; then rewards.py and ref_server.py.
+Where a step runs a faster equal (features/fast_paths.py) the plain definition is here, tested equal.
 Left out of GRPO: a value model (the group is the baseline) and process rewards per reasoning step.
 Shapes: B answers, P prompt and T answer columns, V vocabulary. Constants: env vars of their name.
 """
@@ -29,9 +26,9 @@ import torch
 from tqdm import tqdm
 
 import rewards
-from features import (checkpoints, env_overrides, evaluation, logprobs, lora, memory_plan,
-                      pass_rates, policy, question_sampler, quiet, refusals, server_client,
-                      shared_prefix, tools, vllm_engine, weight_sync, wire, worker, zero2)
+from features import (checkpoints, env_overrides, evaluation, fast_paths, lora, memory_plan,
+                      pass_rates, policy, question_sampler, quiet, refusals, server_client, tools,
+                      vllm_engine, weight_sync, wire, worker, zero2)
 from features.advantages import SCALES, STD_EPS, group_advantages, scale_to_step, upload_scale
 from features.embedded_model import resolve_model_path
 from features.run_log import (RunLog, answer_records, clock, log_step, loss_metrics, plot_curves,
@@ -127,8 +124,7 @@ env_overrides.apply_env_overrides(globals(), "grpo_ref_split.py",
 
 
 # ----------------------------------------------------------------------------- the GRPO math
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo")  # LOSS_TYPE's choices
-TIS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TIS_MODE's
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo")  # LOSS_TYPE's choices (TIS_MODE's: vllm_engine.TIS_MODES)
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_id) -> torch.Tensor:
@@ -267,7 +263,7 @@ class Batch:
 def load_policy(path, device):
     """(model, tokenizer, eos_ids, gen_config) sampling plain softmax(logits / TEMPERATURE), as
     every log-prob assumes: no model default (top_k, top_p...) changes it (features/policy.py)."""
-    return policy.load_policy(path, device, base_path=resolve_model_path(MODEL_PATH),
+    return policy.load_for_sampling(path, device, base_path=resolve_model_path(MODEL_PATH),
                               temperature=TEMPERATURE, max_new_tokens=MAX_NEW_TOKENS)
 
 
@@ -313,8 +309,8 @@ def generate(model, tokenizer, questions, gen_config, eos_ids, llm=None) -> Roll
         completion_ids, sampler_logps = vllm_engine.vllm_sample(
             llm, enc, NUM_PRE_Q, TEMPERATURE, eos_ids, tokenizer.pad_token_id, MAX_NEW_TOKENS)
     elif SHARED_PREFIX:  # each prompt's KV cache once for its NUM_PRE_Q answers: the same samples
-        completion_ids = shared_prefix.generate(model, prompt_ids, prompt_mask, gen_config,
-                                                NUM_PRE_Q)
+        completion_ids = fast_paths.shared_generate(model, prompt_ids, prompt_mask, gen_config,
+                                                    NUM_PRE_Q)
     else:  # the plain definition
         out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
                              generation_config=gen_config)  # (B, P+T)
@@ -323,7 +319,6 @@ def generate(model, tokenizer, questions, gen_config, eos_ids, llm=None) -> Roll
     if TOOLS:  # by each answer's real length: one cut after a call has no EOS, and pads with it
         mask = tool.pop("policy_mask").to(device)  # (B, T) the policy's own tokens
         stopped = tool.pop("stopped").to(device)  # (B,) False = cut off (budget or calls)
-        del tool["tool_mask"]
     else:
         mask = completion_mask(completion_ids, eos_ids)  # (B, T)
         stopped = torch.isin(completion_ids, torch.tensor(eos_ids, device=device)).any(1)  # (B,)
@@ -341,9 +336,9 @@ def logps_of(model, input_ids, attention_mask, n_completion, entropy=False):
     """(B, T) log-probs at TEMPERATURE (and entropies): per_token_logps, or its fast equal."""
     if not (SHARED_PREFIX or LOGP_FROM_HIDDEN or LOGP_CHUNK):  # every fast path off: the lesson's
         return per_token_logps(model, input_ids, attention_mask, n_completion, entropy)
-    return logprobs.completion_logps(model, input_ids, attention_mask, n_completion, TEMPERATURE,
-                                     chunk=LOGP_CHUNK, shared_prefix=SHARED_PREFIX,
-                                     from_hidden=LOGP_FROM_HIDDEN, with_entropy=entropy)
+    return fast_paths.completion_logps(model, input_ids, attention_mask, n_completion, TEMPERATURE,
+                                       chunk=LOGP_CHUNK, shared_prefix=SHARED_PREFIX,
+                                       from_hidden=LOGP_FROM_HIDDEN, with_entropy=entropy)
 
 
 @torch.no_grad()
@@ -351,7 +346,6 @@ def pack_groups(model, sampled: Rollout, scores, advantages, keep_all, with_gen_
     """Step 5's upload: ((tensors, meta) of the groups worth training, (D,) the others' rewards:
     equal unless keep_all, or none to train); pi_old if with_gen_logps, MU > 1, SKIP_GEN_LOGPS 0."""
     G = NUM_PRE_Q
-    T = sampled.mask.shape[1]
     varied = scores.view(-1, G).std(1) > 0  # (Q,)
     kept = [q for q in range(len(varied))
             if (varied[q] or keep_all) and sampled.mask[q * G:(q + 1) * G].any()]
@@ -360,30 +354,36 @@ def pack_groups(model, sampled: Rollout, scores, advantages, keep_all, with_gen_
     rows = [q * G + i for q in kept for i in range(G)]
     gen_logps = None  # (K, T) pi_old of the kept rows
     if kept and (with_gen_logps or MU > 1 or not SKIP_GEN_LOGPS):
-        gen_logps = logps_of(model, ids[rows], attn[rows], T).cpu()
+        gen_logps = logps_of(model, ids[rows], attn[rows], sampled.mask.shape[1]).cpu()
     meta = dict(temperature=TEMPERATURE, scale_rewards=SCALE_REWARDS)  # the server redoes with it
     dropped = scores.view(-1, G)[[q for q in range(len(varied)) if q not in kept]].view(-1)  # (D,)
-    return wire.pack_groups(sampled, ids, kept, G, scores, advantages, gen_logps, meta), dropped
+    return wire.group_tensors(sampled, ids, kept, G, scores, advantages, gen_logps, meta), dropped
 
 
-def rollout(model, tokenizer, eos_ids, gen_config, questions, llm, keep_all, with_gen_logps,
-            step=0, rank=0):
-    """Steps 2-4 on `questions`: (groups to upload, answer records, metrics, (D,) other rewards)."""
-    m = Counter()
+@dataclass
+class Scored:
+    """Steps 2-4 on some questions: what step 5 uploads, and what the log and SAMPLER keep."""
+    groups: list  # (tensors, meta) of the groups worth training, ready to upload
+    records: list  # one dict per answer: its text, rewards and advantage (features/run_log.py)
+    other_rewards: torch.Tensor  # (D,) the rewards of the groups not uploaded (SCALE_REWARDS)
+
+
+def rollout(model, tokenizer, questions, *, eos_ids, gen_config, llm, keep_all, with_gen_logps,
+            m: Counter, step=0, rank=0) -> Scored:
+    """Steps 2-4 on `questions`, for the trainer and a genonly worker; m gets their seconds."""
     with timed(m, "generate_s"):
-        out = generate(model, tokenizer, questions, gen_config, eos_ids, llm)  # 2. generate
+        sampled = generate(model, tokenizer, questions, gen_config, eos_ids, llm)  # 2. generate
     with timed(m, "score_s"):  # 3. score
-        total, each = rewards.score(REWARDS, out.texts, out.golds, out.questions)
+        total, each = rewards.score(REWARDS, sampled.texts, sampled.golds, sampled.questions)
     scores = torch.tensor(total, dtype=torch.float32)  # (N,) the weighted sum of REWARDS
     if SCALE_REWARDS == "group":  # 4. advantages
         advantages = advantages_in_groups(scores, NUM_PRE_Q)  # (N,)
     else:  # "batch": centred here, / the step's std once known (scale_to_step); "none": centred
         advantages = group_advantages(scores, NUM_PRE_Q, upload_scale(SCALE_REWARDS))  # (N,)
     with timed(m, "gen_logps_s"):
-        groups, dropped = pack_groups(model, out, scores, advantages, keep_all, with_gen_logps)
-    m["dropped"] = int((scores.view(-1, NUM_PRE_Q).std(1) == 0).sum())  # groups of equal rewards
-    records = answer_records(step, rank, out, each, scores, advantages)
-    return groups, records, m, dropped
+        groups, other = pack_groups(model, sampled, scores, advantages, keep_all, with_gen_logps)
+    records = answer_records(step, rank, sampled, each, scores, advantages)
+    return Scored(groups=groups, records=records, other_rewards=other)
 
 
 def upload_and_pull(groups: list, version: int, rank: int) -> list:
@@ -393,8 +393,8 @@ def upload_and_pull(groups: list, version: int, rank: int) -> list:
     if not uses_server():  # BETA 0, or LoRA's base as the reference: our own groups
         return server_client.own_groups(groups, version, rank)
     def ask(method, path, body=None):  # asked again while busy or unreachable; a 4xx stops
-        return server_client.request_with_retry(method, REF_SERVER + path, REF_TOKEN, body,
-                                                give_up_after=SERVER_TIMEOUT)
+        return wire.request_with_retry(method, REF_SERVER + path, REF_TOKEN, body,
+                                       give_up_after=SERVER_TIMEOUT)
     owed = {uuid.uuid4().hex: group for group in groups}  # upload_id -> (tensors, meta)
     where = {}  # upload_id -> the server instance that holds it
     back = []  # (tensors, meta) with ref_logps, in the order they came
@@ -424,9 +424,7 @@ def prepare_batch(engine, batch: Batch, normalizer=None) -> Batch:
     for every row at MU > 1 (reuse needs a fixed one), and LoRA's REF_FROM_BASE reference."""
     b = Batch(**{name: value.to(engine.device) if torch.is_tensor(value) else value
                  for name, value in vars(batch).items()})
-    if normalizer is None:
-        normalizer = zero2.global_count([b.mask], LOSS_TYPE == "dapo")
-    b.normalizer = normalizer
+    b.normalizer = normalizer or wire.global_count([b.mask], token_mean=LOSS_TYPE == "dapo")
     def current_logps():  # (B, T) under the weights as they are now
         return logps_of(engine.module.eval(), b.input_ids, b.attention_mask, b.mask.shape[1])
     if LORA_RANK > 0 and REF_FROM_BASE and BETA != 0:  # the reference: the base, adapters off
@@ -454,7 +452,7 @@ def policy_loss(engine, b: Batch):
     if b.sampler_logps is not None and TIS_CAP:
         weights = vllm_engine.mismatch_weights(old, b.sampler_logps, b.sampler_rows,
                                                b.mask.bool(), mode=TIS_MODE, cap=TIS_CAP)  # (B, T)
-    if not USE_TRITON:
+    if not USE_TRITON:  # the fused loss above computed this already
         per_token = grpo_loss(logps=logps, old_logps=old, ref_logps=b.ref_logps,
                               advantages=b.advantages, mask=b.mask, beta=BETA, clip_eps=CLIP_EPS,
                               clip_eps_high=CLIP_EPS_HIGH, weights=weights, gspo=GSPO)  # (B, T)
@@ -496,19 +494,20 @@ def train_step(engine, batches) -> Counter:
 def batches_of(engine, groups, pad_id) -> list:
     """Step 6's input: the groups as one batch, or TRAIN_MICRO_BATCH groups a batch, each with the
     step's normalizer, so their gradients add up to the one batch's (features/zero2.py)."""
-    def collate(part):
+    def to_batch(part):  # the groups as one padded Batch
         return Batch(**wire.collate(part, pad_id))
     if not TRAIN_MICRO_BATCH:
-        return [prepare_batch(engine, collate(groups))]
-    return zero2.micro_batches(groups, TRAIN_MICRO_BATCH, collate,
+        return [prepare_batch(engine, to_batch(groups))]
+    return zero2.micro_batches(groups, TRAIN_MICRO_BATCH, to_batch,
                                functools.partial(prepare_batch, engine),
-                               LOSS_TYPE == "dapo", engine.device)
+                               functools.partial(wire.global_count, token_mean=LOSS_TYPE == "dapo"),
+                               engine.device)
 
 
 # ----------------------------------------------------------------------------- set-up
 def check_settings():
     """Stop, before any model loads, on settings that cannot work (features/refusals.py)."""
-    refusals.check_settings(globals(), LOSS_TYPE=LOSS_TYPES, TIS_MODE=TIS_MODES,
+    refusals.refuse_impossible(globals(), LOSS_TYPE=LOSS_TYPES, TIS_MODE=vllm_engine.TIS_MODES,
                             SCALE_REWARDS=SCALES, SAMPLER=question_sampler.SAMPLERS)
 
 
@@ -529,9 +528,9 @@ def setup_deepspeed():
 
 def start_vllm(seed, dtype):
     """USE_VLLM's in-process engine with MODEL_PATH's weights (features/vllm_engine.py)."""
-    return vllm_engine.start_vllm(resolve_model_path(MODEL_PATH), seed, dtype, eager=VLLM_EAGER,
-                                  gpu_memory=VLLM_GPU_MEMORY, cpu_kv_gb=VLLM_CPU_KV_GB,
-                                  verbose=VERBOSE)
+    return vllm_engine.start_engine(resolve_model_path(MODEL_PATH), seed, dtype, eager=VLLM_EAGER,
+                                    gpu_memory=VLLM_GPU_MEMORY, cpu_kv_gb=VLLM_CPU_KV_GB,
+                                    verbose=VERBOSE)
 
 
 def uses_server() -> bool:
@@ -592,36 +591,37 @@ def main():
         step_start = clock()
         answers = []  # every answer the step sampled, for the log
         groups = []  # the (tensors, meta) pairs the step trains on
-        dropped = []  # the rewards of groups dropped for equal rewards, per rollout
+        other_rewards = []  # the rewards of the groups not uploaded (equal ones), per rollout
         for attempt in range(1, MAX_ROLLOUTS + 1):  # until groups with different rewards
             n_questions = Q_BATCH_SIZE - len(groups) if DYNAMIC_SAMPLING else Q_BATCH_SIZE
-            drawn = sampler.sample(n_questions)  # 1. sample
-            new, records, stats, equal = rollout(model, tokenizer, eos_ids, gen_config, drawn, llm,
-                                                 keep_all, regroup, step, rank)  # 2-4.
-            sampler.record(records, NUM_PRE_Q)  # SAMPLER "difficulty": which groups varied
-            answers += records
-            dropped.append(equal)
-            m.update(stats)
+            drawn = sampler.sample(n_questions)  # 1. sample; then 2-4. generate, score, advantages
+            scored = rollout(model, tokenizer, drawn, eos_ids=eos_ids, gen_config=gen_config,
+                             llm=llm, keep_all=keep_all, with_gen_logps=regroup, m=m, step=step,
+                             rank=rank)
+            sampler.record(scored.records, NUM_PRE_Q)  # SAMPLER "difficulty": which groups varied
+            answers += scored.records
+            other_rewards.append(scored.other_rewards)
             with timed(m, "wait_s"):  # 5. upload; pull them back with ref_logps (no server: ours)
-                pulled = exchange(new, step - 1, rank)
-            pulled, dropped_counts = server_client.sampled_by(pulled, step - 1,
-                                                              max_staleness=MAX_STALENESS)
-            m.update(dropped_counts)  # late_groups_dropped, stale_groups_dropped
+                pulled = exchange(scored.groups, step - 1, rank)
+            pulled, counts = wire.sampled_by(pulled, step - 1, max_staleness=MAX_STALENESS)
+            m.update(counts)  # late_groups_dropped, stale_groups_dropped
             groups += pulled
             if len(groups) >= wanted:
                 break
         else:
             question_sampler.out_of_rollouts(len(groups), MAX_ROLLOUTS, wanted)
         if SCALE_REWARDS == "batch":  # every rank: the std of all the step's rewards, all ranks
-            groups = scale_to_step(groups, torch.cat(dropped), device)
+            groups = scale_to_step(groups, torch.cat(other_rewards), device)
         batches = batches_of(engine, groups, tokenizer.pad_token_id)
         m.update(train_step(engine, batches))  # 6-7. the loss, the optimizer step
         m["max_weight_gap"] = weight_gap(model)  # 0: every rank holds the same weights
-        weight_sync.publish_every(publisher, model, step, WEIGHT_SYNC_STEPS)  # to workers
+        if publisher is not None:  # rank 0 with WEIGHT_SYNC_STEPS: the weights to workers
+            weight_sync.publish_every(publisher, model, step, WEIGHT_SYNC_STEPS)
         if llm is not None:
             with timed(m, "push_s"):
                 vllm_engine.push_weights(llm, model)  # the next rollouts' weights
-        m = step_metrics(m, groups, answers, step, attempt, step_start, NUM_PRE_Q, reward_names)
+        m = step_metrics(m, groups, answers, step=step, attempts=attempt, step_start=step_start,
+                         group_size=NUM_PRE_Q, reward_names=reward_names)
         log_step(step, m, answers, log, device)
         if EVAL_STEPS > 0 and (step % EVAL_STEPS == 0 or step == ALL_STEPS):
             evaluate(step)

@@ -23,13 +23,11 @@ import torch
 from features.embedded_model import resolve_model_path
 from features.env_overrides import apply_env_overrides
 from features.fingerprint import model_fingerprint
-from features.handout import Handouts, parse_get
-from features.http_server import json_errors, start_http
-from features.logprobs import completion_logps
+from features.fast_paths import completion_logps
 from features.regroup import RegroupPool
 from features.reward_model import add_reward_model, load_reward_model
-from features.server_guard import (MAX_RANKS, Room, TooLarge, UploadIds, warn_if_exposed,
-                                   token_ok, validate_group)
+from features.server_guard import (MAX_RANKS, Handouts, Room, TooLarge, UploadIds, json_errors,
+                                   parse_get, start_http, token_ok, validate_group, warn_if_exposed)
 from features.wire import decode_batch, encode_batch
 
 # ----------------------------------------------------------------------------- constants
@@ -52,7 +50,7 @@ UPLOAD_IDS = 4096  # upload ids remembered: a retried upload gets its first answ
 # The reference forward
 REF_MICRO_BATCH = 8  # rows per reference forward: bounds activation memory, not throughput
 SHARED_PREFIX = True  # a group's prompt runs once, its KV cache shared by the rows; False = full
-LOGP_CHUNK = 128  # tokens whose logits exist at once (features/logprobs.py); 0 = all at once
+LOGP_CHUNK = 128  # tokens whose logits exist at once (features/fast_paths.py); 0 = all at once
 LOGP_FROM_HIDDEN = True  # log-probs from the LM head's input, in chunks; False = whole logits
 # Reward model: a learned reward beside the trainer's rule rewards (docs/server.md)
 REWARD_MODEL = ""  # AutoModelForSequenceClassification id or folder; "" = none
@@ -224,7 +222,7 @@ class RefServer:
         @app.get("/get")
         def get():
             headers = {"X-Ref-Instance": self.instance}
-            try:  # who asks, and what it acknowledges (features/handout.py)
+            try:  # who asks, and what it acknowledges (features/server_guard.py)
                 kind, rank, ack = parse_get(bottle.request.query, MAX_RANKS)
             except ValueError as e:
                 self._refuse(400, str(e))
@@ -257,7 +255,7 @@ class RefServer:
 
 
 def serve(server: RefServer, host: str, port: int):
-    """Start the forward thread and the HTTP server (features/http_server.py); returns stop()."""
+    """Start the forward thread and the HTTP server (features/server_guard.py); returns stop()."""
     server.worker.start()
     stop_http = start_http(server.app, host, port, threads=HTTP_THREADS, backlog=BACKLOG,
                            idle_timeout=IDLE_TIMEOUT, max_body=server.max_body_bytes)

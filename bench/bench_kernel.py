@@ -41,7 +41,7 @@ def main():
     from grpo_loss_triton import grpo_loss_triton
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
     from reference_loss import torch_loss  # the trainer's PyTorch loss with the kernel's keywords
-    from features.logprobs import per_token_logps
+    from features.fast_paths import chunked_logps
 
     results = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "B": B, "T": T, "runs": []}
     for V in VOCABS:
@@ -51,7 +51,7 @@ def main():
         ref, gen = -torch.rand(B, T, device="cuda", generator=g), -torch.rand(B, T, device="cuda", generator=g)
         adv, mask = torch.randn(B, device="cuda", generator=g), torch.ones(B, T, dtype=torch.bool, device="cuda")
         args = dict(ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2)
-        torch_ms, torch_mem = run(lambda x: torch_loss(logps=per_token_logps(x, ids, 0.7, chunk=128), **args), logits)
+        torch_ms, torch_mem = run(lambda x: torch_loss(logps=chunked_logps(x, ids, 0.7, chunk=128), **args), logits)
         triton_ms, triton_mem = run(lambda x: grpo_loss_triton(logits=x, completion_ids=ids, temperature=0.7, **args),
                                     logits)
         row = dict(V=V, torch_ms=torch_ms, triton_ms=triton_ms, torch_peak_bytes=torch_mem,

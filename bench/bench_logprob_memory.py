@@ -4,9 +4,9 @@ Three ways to get log softmax(hidden @ W.T / T)[id], each measured in its own pr
 above the memory once hidden states (B, T, H) and head W (V, H) exist: RSS on CPU, max_memory_allocated
 on a GPU):
   naive    logits = hidden @ W.T, then torch.log_softmax and gather (the definition)
-  logits   LOGP_FROM_HIDDEN = False: the whole logits, then features/logprobs.per_token_logps (softmax
+  logits   LOGP_FROM_HIDDEN = False: the whole logits, then features/fast_paths.chunked_logps (softmax
            recomputed LOGP_CHUNK tokens at a time, the gradient written over the logits)
-  chunked  LOGP_FROM_HIDDEN = True: features/logprobs.hidden_logps, LOGP_CHUNK tokens of logits at a time
+  chunked  LOGP_FROM_HIDDEN = True: features/fast_paths.hidden_logps, LOGP_CHUNK tokens of logits at a time
 A variant is skipped where it would not fit (naive ~3x, logits ~1.3x the fp32/bf16 logits).
 Then the time of chunked against logits, alternating in one process, for each LOGP_CHUNK in CHUNKS.
 
@@ -37,7 +37,7 @@ REPEATS = 5 if GPU else 3
 CHILD = """
 import json, resource, sys, time, torch
 sys.path.insert(0, {root!r})
-from features.logprobs import hidden_logps, per_token_logps
+from features.fast_paths import hidden_logps, chunked_logps
 sys.path.insert(0, {root!r} + "/tests")
 from reference_loss import torch_loss  # the trainer's PyTorch loss with the kernel's keywords
 gpu = torch.cuda.is_available()
@@ -57,7 +57,7 @@ def logps(variant):
     logits = hidden @ head.T  # (B, T, V)
     if variant == "naive":
         return torch.log_softmax(logits.float() / 0.7, -1).gather(-1, ids[..., None]).squeeze(-1)  # (B, T)
-    return per_token_logps(logits, ids, 0.7, chunk=chunk, inplace_backward=True)  # (B, T)
+    return chunked_logps(logits, ids, 0.7, chunk=chunk, inplace_backward=True)  # (B, T)
 
 def memory():
     if gpu:

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 import grpo_ref_split as grpo  # noqa: E402
 from features.embedded_model import resolve_model_path  # noqa: E402
-from features.logprobs import completion_logps  # noqa: E402
+from features.fast_paths import completion_logps  # noqa: E402
 
 
 def demo_batch(tokenizer):

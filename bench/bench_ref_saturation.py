@@ -36,7 +36,7 @@ def main():
 
     import grpo_ref_split as grpo
     from bench_step_memory import demo_groups
-    from features.logprobs import completion_logps
+    from features.fast_paths import completion_logps
     from rewards import load_questions
 
     engine, tokenizer, eos_ids, gen_config, *_ = grpo.setup_deepspeed()

@@ -35,7 +35,7 @@ def demo_groups(engine, tokenizer, n_groups) -> list:
     import torch
 
     import grpo_ref_split as grpo
-    from features.logprobs import completion_logps
+    from features.fast_paths import completion_logps
     from rewards import load_questions
 
     G, T = grpo.NUM_PRE_Q, grpo.MAX_NEW_TOKENS

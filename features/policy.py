@@ -1,7 +1,7 @@
 """Loading the policy: a transformers causal LM (or a LoRA checkpoint onto its base) whose sampling comes from
 the trainer's constants alone, so that its samples are exactly softmax(logits / TEMPERATURE).
 
-    python -c "import torch; from features.policy import load_policy"     # the trainer, workers and benches call it
+    python -c "import torch; from features.policy import load_for_sampling"     # the trainer, workers and benches call it
 """
 import os
 
@@ -10,7 +10,7 @@ import torch
 from features.lora import load_adapters
 
 
-def load_policy(path, device, *, base_path, temperature, max_new_tokens):
+def load_for_sampling(path, device, *, base_path, temperature, max_new_tokens):
     """(model, tokenizer, eos_ids, gen_config) with plain sampling: what every log-prob assumes. A LoRA checkpoint
     (adapters only, adapter_config.json) is loaded onto base_path."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig

@@ -1,5 +1,5 @@
 """Settings that cannot work, refused before any model loads, with what to set instead; settings that work
-but are likely a mistake, warned. The trainer calls check_settings first thing in main().
+but are likely a mistake, warned. The trainer's check_settings calls refuse_impossible first thing in main().
 
     TIS_CAP=1 deepspeed --num_gpus 1 grpo_ref_split.py      # stops at once: the cap must be above 1
 """
@@ -9,7 +9,7 @@ from features import checkpoints, env_overrides
 from features.run_log import check_tensorboard
 
 
-def check_settings(constants: dict, **choices):
+def refuse_impossible(constants: dict, **choices):
     """Stop on settings that cannot work together or an OUTPUT_DIR that holds another run; warn on
     GSPO settings it was not made for. constants: the trainer's (its globals()), read by name;
     choices: {constant: its options}."""

@@ -177,10 +177,13 @@ def answer_records(step, rank, rollout, each, rewards, advantages) -> list:
 
 def sample_stats(answers, group_size, reward_names) -> dict:
     """Means over the answer records of every rollout a step sampled (one that re-sampled after all-equal groups
-    counts both): reward, reward_std (within groups), each reward's mean, length, max_length, truncated."""
+    counts both): reward, reward_std (within groups), zero_var_groups (the share of groups whose answers all
+    scored the same: they train nothing), each reward's mean, length, max_length, truncated."""
     rewards = torch.tensor([a["reward"] for a in answers])  # (N,) N = rollouts x Q_BATCH_SIZE x NUM_PRE_Q
     lengths = torch.tensor([float(a["length"]) for a in answers])  # (N,)
-    stats = dict(reward=rewards.mean().item(), reward_std=rewards.view(-1, group_size).std(1).mean().item(),
+    spread = rewards.view(-1, group_size).std(1)  # (groups,)
+    stats = dict(reward=rewards.mean().item(), reward_std=spread.mean().item(),
+                 zero_var_groups=(spread == 0).double().mean().item(),
                  length=lengths.mean().item(), max_length=lengths.max().item(),
                  truncated=sum(a["truncated"] for a in answers) / len(answers))
     return stats | {name: sum(a[name] for a in answers) / len(answers) for name in reward_names}
@@ -255,17 +258,16 @@ def timed(metrics, key: str):
     metrics[key] += clock() - start
 
 
-def step_metrics(m, groups, answers, step, attempts, step_start, group_size, reward_names) -> dict:
+def step_metrics(m, groups, answers, *, step, attempts, step_start, group_size, reward_names) -> dict:
     """The step's metrics with the derived ones: sample_stats over every rollout's answers, rollouts, answers
     generated and trained (this rank's: their ratio over a run is the rollouts' cost per answer that trains),
-    zero_var_groups (of all the rollouts' groups), groups, staleness, reward_model (the server's REWARD_MODEL mean
-    score; the reward metric holds the rule rewards only), train_s, seconds."""
+    groups, staleness, reward_model (the server's REWARD_MODEL mean score; the reward metric holds the
+    rule rewards only), train_s, seconds."""
     out = dict(m, **sample_stats(answers, group_size, reward_names), rollouts=attempts, groups=len(groups),
                answers_generated=len(answers), answers_trained=sum(len(t["advantages"]) for t, _ in groups),
-               zero_var_groups=m["dropped"] * group_size / len(answers), train_s=m["fwd_bwd_s"] + m["optim_s"],
+               train_s=m["fwd_bwd_s"] + m["optim_s"],
                staleness=sum(step - 1 - sampled_version(meta) for _, meta in groups) / len(groups),
                seconds=clock() - step_start)
-    del out["dropped"]
     scores = [meta["reward_model_mean"] for _, meta in groups if "reward_model_mean" in meta]
     if scores:
         out["reward_model"] = sum(scores) / len(scores)

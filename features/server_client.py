@@ -6,57 +6,21 @@ and pulling ready groups back, through restarts, timeouts and a busy server.
 import sys
 import time
 import uuid
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from urllib.parse import urlencode
 
 import requests
 
 from features.fingerprint import model_fingerprint
-from features.wire import decode_batch, encode_batch, sampled_version
+from features.wire import (_NOTE_EVERY_S, _READ_TIMEOUT_S, _RETRY_FIRST_S, _RETRY_MAX_S, ServerError,
+                           decode_batch, encode_batch, request_with_retry)
 
 # Internal timings of the plumbing; SERVER_TIMEOUT (the trainer's) is the one to tune.
 _POLL_FIRST_S, _POLL_MAX_S = 0.02, 0.05  # /get polls while a forward runs: a group is at most _POLL_MAX_S late
-_RETRY_FIRST_S, _RETRY_MAX_S = 0.2, 5.0  # backoff between retries of an unreachable or busy server
-_NOTE_EVERY_S = 10.0  # a retrying client says so on stderr at most this often
-_READ_TIMEOUT_S = 60.0  # a request the server has not answered by then is retried (a stuck server)
 _FAILOVER_S = 15.0  # several servers: one silent this long is skipped, its groups sent to another
 _DOWN_RETRY_S = 30.0  # a skipped server is asked again after this long (it may have restarted)
 _HEALTH_TIMEOUT_S = 5.0  # a /health answer slower than this counts as not answering
 _REMEMBERED_IDS = 65536  # upload ids already handed to the trainer: a second copy is dropped
-
-
-class ServerError(RuntimeError):
-    """The server refused a request (4xx): retrying the same bytes cannot help."""
-
-
-def request_with_retry(method, url, token="", data=None, give_up_after=600.0, what="reference server",
-                       read_timeout=_READ_TIMEOUT_S):
-    """One HTTP request; connection errors, timeouts and 503 (queue full) are retried with backoff.
-    A retried upload is safe when it carries an upload_id: the server answers a repeat, queues nothing."""
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    start, delay, last_note = time.time(), _RETRY_FIRST_S, 0.0
-    while True:
-        try:
-            r = requests.request(method, url, data=data, headers=headers, timeout=read_timeout)
-            if r.status_code < 400:
-                return r
-            if r.status_code != 503:
-                raise ServerError(f"{what} answered {r.status_code} to {method} {url}: {r.text[:300]}")
-            problem = "busy (503, queue full)"
-        except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError,
-                requests.exceptions.ContentDecodingError):  # refused, reset, or cut mid-body
-            problem = "unreachable"
-        except requests.Timeout:  # a read timeout: the server may be stuck, or just slow
-            problem = f"silent for {read_timeout:g} s"
-        waited = time.time() - start
-        if waited > give_up_after:
-            raise TimeoutError(f"{what} at {url} still {problem} after {waited:.0f} s; "
-                               "is `python ref_server.py` running?")
-        if time.time() - last_note > _NOTE_EVERY_S:
-            print(f"[retry] {what} {problem}; retrying for up to {give_up_after:.0f} s", file=sys.stderr, flush=True)
-            last_note = time.time()
-        time.sleep(delay)
-        delay = min(delay * 2, _RETRY_MAX_S)
 
 
 class RefClient:
@@ -184,7 +148,7 @@ class RefClient:
         A rank takes back exactly the groups it sent (GET /get?rank=N), so when a server stops
         answering or restarts (a new instance id), the ones it still held are known and uploaded
         again to another server (or the restarted one) under the same upload ids. Every take
-        acknowledges the one before (features/handout.py), so an answer lost on the way is handed
+        acknowledges the one before (features/server_guard.py), so an answer lost on the way is handed
         again; and a group is taken back once: any later copy of an upload id (a slow server's
         first copy, a worker's group that sits on two servers) is dropped. A group whose reference
         forward failed comes back as an error: one group fewer, said on stderr. A group of an
@@ -316,20 +280,3 @@ def own_groups(groups, version, rank) -> list:
     """Step 5 without a server (BETA 0, or LoRA's base as the reference): our own groups, tagged
     with the policy version that sampled them."""
     return [(tensors, {**meta, "version": version}) for tensors, meta in groups]
-
-
-def sampled_by(groups, version, *, max_staleness) -> tuple:
-    """(the pulled groups the policy at `version` may train on, the counts dropped). A group that other
-    weights sampled (a step late) needs their log-probs as pi_old (gen_logps), else its ratio would be 1
-    as if these weights had sampled it: workers' and regrouped groups carry them. One sampled more than
-    max_staleness versions ago is dropped (docs/workers.md), and so is one sampled by weights newer
-    than these (a crashed run's leftovers after RESUME, a worker on a later published version): its
-    pi_old is not a policy this run has been. A group without a version counts as the oldest, 0."""
-    def lag(meta):  # versions between the sampling weights and these
-        return version - sampled_version(meta)
-    fresh = [(tensors, meta) for tensors, meta in groups if 0 <= lag(meta) <= max_staleness]
-    usable = [(tensors, meta) for tensors, meta in fresh if lag(meta) == 0 or "gen_logps" in tensors]
-    ahead = sum(1 for _, meta in groups if lag(meta) < 0)
-    stale = len(groups) - len(fresh) - ahead
-    return usable, Counter(late_groups_dropped=len(fresh) - len(usable), stale_groups_dropped=stale,
-                           ahead_groups_dropped=ahead)

@@ -1,14 +1,20 @@
-"""The reference server's guard: what an upload must be before any of it reaches the model, the token check,
-the memory of upload ids that makes a client's retry safe, and a warning when it serves beyond loopback
-unguarded. A bad or hostile client gets a 4xx naming the problem, and can cost at most the server's limits
-(docs/server.md lists them).
+"""The servers' guard against faulty and hostile peers (ref_server.py's, and the weight publisher's):
+the HTTP server itself (waitress with bounded threads and backlog; idle, stalled and trickling
+connections closed; a stop that frees the port), what an upload must be before any of it reaches
+the model, the token check, the memory of upload ids that makes a client's retried upload safe,
+the handouts that make taking a group safe to ask twice, the byte budget, and a warning when a
+server is reachable beyond loopback unguarded. A bad or hostile client gets a 4xx naming the
+problem, and can cost at most the server's limits (docs/server.md lists them).
 
     python -m pytest tests/test_server.py -k bad_upload        # every kind of bad upload, over real HTTP
 """
 import collections
 import hmac
+import json
+import queue
 import sys
 import threading
+import time
 
 import torch
 
@@ -16,6 +22,7 @@ from features.wire import OPTIONAL, UPLOAD_SPEC
 
 MAX_NAME_CHARS = 200  # metadata worker and upload_id: a name, never a payload
 TEMPERATURES = (0.01, 100)  # below 0.01, logits / T overflow to inf and the log-probs are NaN
+MAX_ACK_CHARS = 200  # an acknowledged upload id: a name, never a payload
 MAX_RANKS = 4096  # trainer ranks a server keeps ready queues for
 META_TYPES = {"version": int, "rank": int, "worker": str, "upload_id": str, "regrouped": bool,
               "question": str, "answers": list}  # optional fields; question and answers feed REWARD_MODEL
@@ -147,3 +154,134 @@ class Room:
         with self.lock:
             self.held[kind] -= 1
             self.held_bytes -= nbytes
+
+
+# ----------------------------------------------------------------------------- taking a group twice
+# GET /get?rank=N&ack=ID hands a rank the group at the head of its queue and keeps it until the
+# rank's next call acknowledges it by id. An answer lost on the way (a cut link, a server killed
+# mid-response) is asked for again and the same group comes back: none is lost or handed twice.
+# A plain GET /get (no ack) takes the group for good, as simple clients expect.
+
+class Handouts:
+    """The one group each taker (a trainer rank, for its own or for workers' groups) was handed last
+    and has not acknowledged: kept until acknowledged, handed again if asked again without the ack.
+    Items are (body, content type, bytes of room, upload id)."""
+
+    def __init__(self):
+        self.held = {}  # taker -> item
+        self.lock = threading.Lock()
+
+    def take(self, taker, ready: queue.Queue, ack, give_back):
+        """(the item to answer with or None, whether it is handed out for the first time). taker
+        is (kind, rank); give_back(kind, nbytes) frees the room of an item gone for good. ack None:
+        a plain take, the held item (if any) or the next one leaves at once. ack a string: the held
+        item is dropped if it is that id, then the held item (or the next one, now held)."""
+        with self.lock:
+            held = self.held.pop(taker, None)
+            if held is not None and ack is not None and ack == held[3]:
+                give_back(taker[0], held[2])
+                held = None
+            fresh = held is None
+            if fresh:
+                try:
+                    held = ready.get_nowait()
+                except queue.Empty:
+                    return None, False
+            if ack is None:
+                give_back(taker[0], held[2])
+            else:
+                self.held[taker] = held
+            return held, fresh
+
+
+def parse_get(query, max_ranks):
+    """(kind, rank, ack) of a /get query: kind "workers" (from=workers) or "trainers", the asking
+    rank (a rank takes back the groups it sent), the upload id it acknowledges (None: a plain take).
+    ValueError naming the problem."""
+    kind = "workers" if query.get("from") == "workers" else "trainers"
+    rank = query.get("rank", "0")
+    if not (rank.isascii() and rank.isdigit() and len(rank) < 6 and int(rank) < max_ranks):
+        raise ValueError(f"rank must be an int in 0..{max_ranks - 1}, got {rank[:20]!r}")
+    ack = query.get("ack")
+    if ack is not None and (len(ack) > MAX_ACK_CHARS or not (ack.isascii() and ack.isprintable())):
+        raise ValueError(f"ack must be an upload id of at most {MAX_ACK_CHARS} ASCII characters")
+    return kind, int(rank), ack
+
+
+# ----------------------------------------------------------------------------- the HTTP server
+
+def start_http(app, host, port, *, threads, backlog, idle_timeout, max_body, request_deadline=None):
+    """Serve the WSGI `app` on a daemon thread; returns stop(), which ends the loop and frees the
+    port. A request (headers and body) must arrive whole within request_deadline seconds of its
+    first byte (default idle_timeout), so no client holds one of the `backlog` connections long."""
+    from waitress.channel import HTTPChannel
+    from waitress.parser import HTTPRequestParser
+    from waitress.server import create_server
+
+    class TimedParser(HTTPRequestParser):  # remembers when its request's first byte came
+        def __init__(self, adj):
+            super().__init__(adj)
+            self.began = time.monotonic()
+
+    class TimedChannel(HTTPChannel):
+        parser_class = TimedParser
+
+    httpd = create_server(app, host=host, port=port, threads=threads, backlog=backlog, connection_limit=backlog,
+                          channel_timeout=idle_timeout, cleanup_interval=1,
+                          max_request_body_size=max_body, ident="ref_server")
+    httpd.channel_class = TimedChannel
+    deadline = request_deadline or idle_timeout
+    idle_cleanup = httpd.maintenance
+
+    def maintenance(now):  # each second: idle channels, then requests past their deadline
+        idle_cleanup(now)
+        for channel in list(httpd.active_channels.values()):
+            request = getattr(channel, "request", None)
+            if isinstance(request, TimedParser) and time.monotonic() - request.began > deadline:
+                channel.will_close = True
+
+    httpd.maintenance = maintenance
+    stopping = threading.Event()
+
+    def run():
+        try:
+            httpd.run()
+        except OSError:  # stop() closed the sockets under its select(): the end, not an error
+            if not stopping.is_set():
+                raise
+
+    thread = threading.Thread(target=run, name="http", daemon=True)
+    thread.start()
+
+    def stop():
+        stopping.set()
+        httpd.task_dispatcher.shutdown()
+        close_sockets(httpd)
+        thread.join(timeout=10)
+
+    return stop
+
+
+def close_sockets(httpd):
+    """Close every socket of a waitress server, the listening one too: its loop ends, the port is free. waitress
+    has no public call for it; its private socket map missing is an error (tests/test_server.py checks it)."""
+    sockets = getattr(httpd, "_map", None)
+    if not isinstance(sockets, dict) or not sockets:
+        raise RuntimeError(f"waitress {type(httpd).__name__} has no socket map: features/server_guard.close_sockets "
+                           "needs updating for this waitress version")
+    for channel in list(sockets.values()):
+        channel.close()
+
+
+def json_errors(app):
+    """The bottle `app` with its own error pages (bad request, unknown path or method, a crash) as JSON, like
+    every other answer of the server; returns it."""
+    import bottle
+
+    def json_error(err):
+        bottle.response.content_type = "application/json"
+        return json.dumps({"error": f"{err.status}: {err.body}"})
+
+    for status in (400, 404, 405, 500):
+        app.error(status)(json_error)
+    return app

@@ -201,11 +201,13 @@ def vllm_sampler(llm, temperature, eos_ids):
 def generate_with_tools(model, tokenizer, enc, n, *, gen_config, llm, temperature, tools, max_calls, eos_ids):
     """tool_rollout for n answers to each prompt of `enc` (left-padded input_ids, attention_mask; a prompt's n
     rows consecutive), from vLLM (`llm`) or transformers' generate with gen_config (do_sample=False: greedy):
-    (completion_ids, sampler_logps, {tool_mask, policy_mask, stopped, tool_calls, tool_errors})."""
+    (completion_ids, sampler_logps, {policy_mask, stopped, tool_calls, tool_errors}): the loss needs only the
+    policy's own tokens (policy_mask), not tool_rollout's tool_mask."""
     prompts = [ids[keep.bool()].tolist() for ids, keep in zip(enc.input_ids.cpu(), enc.attention_mask.cpu())]
     sample = vllm_sampler(llm, temperature, eos_ids) if llm is not None else \
         transformers_sampler(model, tokenizer, gen_config)
     out = tool_rollout(sample, [p for p in prompts for _ in range(n)], tokenizer=tokenizer, tools=tools,
                        max_calls=max_calls, max_new_tokens=gen_config.max_new_tokens, eos_ids=list(eos_ids),
                        pad_id=gen_config.pad_token_id)
+    del out["tool_mask"]
     return out.pop("completion_ids"), out.pop("sampler_logps"), out

@@ -12,8 +12,10 @@ import torch
 
 from features.lora import merged_state_dict
 
+TIS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TIS_MODE's choices
 
-def start_vllm(model_path, seed, dtype, *, eager, gpu_memory, cpu_kv_gb, verbose=False):
+
+def start_engine(model_path, seed, dtype, *, eager, gpu_memory, cpu_kv_gb, verbose=False):
     """An in-process vLLM engine holding `model_path`. The trainer creates it after deepspeed.initialize,
     on every rank: each rank then runs its own engine in the ranks' world (created before, the ranks
     silently ran as world size 1; on some ranks only, start-up hung). verbose: vLLM's INFO lines (its
@@ -33,7 +35,7 @@ def start_vllm(model_path, seed, dtype, *, eager, gpu_memory, cpu_kv_gb, verbose
         llm = LLM(model=model_path, dtype=str(dtype).removeprefix("torch."), seed=seed, enforce_eager=eager,
                   gpu_memory_utilization=gpu_memory, use_tqdm_on_load=verbose,
                   logprobs_mode="processed_logprobs",  # log-probs of softmax(logits / T), as the trainer's; default T=1
-                  generation_config="vllm",  # not the model's sampling defaults (Qwen: top_k 20...): see load_policy
+                  generation_config="vllm",  # not the model's sampling defaults (Qwen: top_k 20...): see policy.load_for_sampling
                   distributed_executor_backend="external_launcher" if distributed else None)
     random.setstate(python_rng)
     return llm

@@ -23,8 +23,7 @@ import requests
 import torch
 import urllib3
 
-from features.http_server import json_errors, start_http
-from features.server_guard import token_ok, warn_if_exposed
+from features.server_guard import json_errors, start_http, token_ok, warn_if_exposed
 
 CHUNK_BYTES = 1 << 16  # read this much at a time: a cut loses at most this much of a download
 MAX_DIGITS = 18  # a version or a Range offset: ASCII digits, at most this many (below 2**63)

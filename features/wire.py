@@ -1,12 +1,17 @@
 """The wire format between generators, the reference server and trainers: one group of answers as safetensors
-bytes with JSON metadata in the header (no pickle, so a payload can never run code on the other side), and
-collate, which lays groups of different lengths out as one padded batch for the loss.
+bytes with JSON metadata in the header (no pickle, so a payload can never run code on the other side),
+collate, which lays groups of different lengths out as one padded batch for the loss, and
+request_with_retry, the one HTTP request every client makes (it waits through a busy or restarting server).
 
     python -c "from features.wire import UPLOAD_SPEC; print(list(UPLOAD_SPEC))"
 """
 import json
+from collections import Counter
 import struct
+import sys
+import time
 
+import requests
 import safetensors.torch
 import torch
 
@@ -23,12 +28,33 @@ UPLOAD_SPEC = {  # name: (dtype, shape as a function of G rows, L columns, plen)
 OPTIONAL = {"gen_logps", "sampler_logps"}
 MAX_META_CHARS, MAX_META_DEPTH = 2**22, 8  # metadata: numbers, names, and the answers' text for a reward model
 QUOTE_CHARS = 200  # how much of a bad input an error message quotes: enough to recognise, never megabytes
+# Internal timings of request_with_retry; SERVER_TIMEOUT (the trainer's) is the one to tune.
+_RETRY_FIRST_S, _RETRY_MAX_S = 0.2, 5.0  # backoff between retries of an unreachable or busy server
+_NOTE_EVERY_S = 10.0  # a retrying client says so on stderr at most this often
+_READ_TIMEOUT_S = 60.0  # a request the server has not answered by then is retried (a stuck server)
 
 
 def sampled_version(meta: dict) -> int:
     """The policy version (training step) of the weights that sampled a group; one uploaded
     without a version counts as the oldest, 0 (the trainer's staleness rule and REGROUP's)."""
     return meta.get("version") or 0
+
+
+def sampled_by(groups, version, *, max_staleness) -> tuple:
+    """(the pulled groups the policy at `version` may train on, the counts dropped). A group that other
+    weights sampled (a step late) needs their log-probs as pi_old (gen_logps), else its ratio would be 1
+    as if these weights had sampled it: workers' and regrouped groups carry them. One sampled more than
+    max_staleness versions ago is dropped (docs/workers.md), and so is one sampled by weights newer
+    than these (a crashed run's leftovers after RESUME, a worker on a later published version): its
+    pi_old is not a policy this run has been. A group without a version counts as the oldest, 0."""
+    def lag(meta):  # versions between the sampling weights and these
+        return version - sampled_version(meta)
+    fresh = [(tensors, meta) for tensors, meta in groups if 0 <= lag(meta) <= max_staleness]
+    usable = [(tensors, meta) for tensors, meta in fresh if lag(meta) == 0 or "gen_logps" in tensors]
+    ahead = sum(1 for _, meta in groups if lag(meta) < 0)
+    stale = len(groups) - len(fresh) - ahead
+    return usable, Counter(late_groups_dropped=len(fresh) - len(usable), stale_groups_dropped=stale,
+                           ahead_groups_dropped=ahead)
 
 
 def encode_batch(tensors: dict, meta: dict) -> bytes:
@@ -98,22 +124,67 @@ def collate(groups, pad_id):
     return b
 
 
-def pack_groups(rollout, ids, kept, group_size, rewards, advantages, gen_logps, meta) -> list:
+def group_tensors(sampled, ids, kept, group_size, rewards, advantages, gen_logps, meta) -> list:
     """The kept groups of a rollout (the trainer's Rollout) as (tensors, meta) in UPLOAD_SPEC's layout: each prompt
     without its left padding, the columns every answer finished before dropped. ids (B, P + T) prompt + answer
     rows; kept: group indices; gen_logps (K, T) the kept rows' pi_old, or None; meta: fields every group carries."""
-    G, P, mask = group_size, rollout.prompt_ids.shape[1], rollout.mask
+    G, P, mask = group_size, sampled.prompt_ids.shape[1], sampled.mask
     groups = []
     for j, q in enumerate(kept):
         r = slice(q * G, (q + 1) * G)
-        plen = int(rollout.prompt_mask[q * G].sum())  # the prompt without its left padding
+        plen = int(sampled.prompt_mask[q * G].sum())  # the prompt without its left padding
         tlen = int(mask[r].any(0).nonzero().max()) + 1  # drop columns every row has finished before
         tensors = dict(input_ids=ids[r, P - plen : P + tlen].cpu(), completion_mask=mask[r, :tlen].cpu(),
                        advantages=advantages[r], rewards=rewards[r])  # (G, plen + tlen), (G, tlen), (G,), (G,)
         if gen_logps is not None:
             tensors["gen_logps"] = gen_logps[j * G : (j + 1) * G, :tlen]  # (G, tlen)
-        if rollout.sampler_logps is not None:  # vLLM's own: the loss's importance weights
-            tensors["sampler_logps"] = rollout.sampler_logps[r, :tlen]  # (G, tlen)
-        groups.append((tensors, {"plen": plen, "question": rollout.questions[q * G],
-                                 "answers": rollout.texts[r], **meta}))  # question and answers: a reward model's
+        if sampled.sampler_logps is not None:  # vLLM's own: the loss's importance weights
+            tensors["sampler_logps"] = sampled.sampler_logps[r, :tlen]  # (G, tlen)
+        groups.append((tensors, {"plen": plen, "question": sampled.questions[q * G],
+                                 "answers": sampled.texts[r], **meta}))  # question and answers: a reward model's
     return groups
+
+
+def global_count(masks, *, token_mean: bool) -> float:
+    """The trainer's reduce_loss normalizer: the step's answers (token_mean: tokens) in its (B, T) masks on all
+    ranks, / the ranks: each weighs the same wherever it landed, as ZeRO-2 averages gradients."""
+    count = sum(int(m.sum()) if token_mean else m.shape[0] for m in masks)
+    n = torch.tensor(float(count), dtype=torch.float64, device=masks[0].device)  # NCCL: GPU only
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(n)
+        n /= torch.distributed.get_world_size()
+    return n.item()
+
+
+class ServerError(RuntimeError):
+    """The server refused a request (4xx): retrying the same bytes cannot help."""
+
+
+def request_with_retry(method, url, token="", data=None, give_up_after=600.0, what="reference server",
+                       read_timeout=_READ_TIMEOUT_S):
+    """One HTTP request; connection errors, timeouts and 503 (queue full) are retried with backoff.
+    A retried upload is safe when it carries an upload_id: the server answers a repeat, queues nothing."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    start, delay, last_note = time.time(), _RETRY_FIRST_S, 0.0
+    while True:
+        try:
+            r = requests.request(method, url, data=data, headers=headers, timeout=read_timeout)
+            if r.status_code < 400:
+                return r
+            if r.status_code != 503:
+                raise ServerError(f"{what} answered {r.status_code} to {method} {url}: {r.text[:300]}")
+            problem = "busy (503, queue full)"
+        except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError,
+                requests.exceptions.ContentDecodingError):  # refused, reset, or cut mid-body
+            problem = "unreachable"
+        except requests.Timeout:  # a read timeout: the server may be stuck, or just slow
+            problem = f"silent for {read_timeout:g} s"
+        waited = time.time() - start
+        if waited > give_up_after:
+            raise TimeoutError(f"{what} at {url} still {problem} after {waited:.0f} s; "
+                               "is `python ref_server.py` running?")
+        if time.time() - last_note > _NOTE_EVERY_S:
+            print(f"[retry] {what} {problem}; retrying for up to {give_up_after:.0f} s", file=sys.stderr, flush=True)
+            last_note = time.time()
+        time.sleep(delay)
+        delay = min(delay * 2, _RETRY_MAX_S)

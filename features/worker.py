@@ -9,6 +9,7 @@ import random
 import socket
 import sys
 import time
+from collections import Counter
 
 import torch
 
@@ -23,8 +24,8 @@ def run_worker(load, rollout, client, *, questions, q_batch_size, first, seed, s
                max_queued, allow_mismatch, trainers_read_server=True, weights_from="", token=""):
     """Forever: pick up the newest checkpoint, wait while the server holds max_queued groups (trainers are behind:
     the pile would only grow stale), else draw q_batch_size of `questions`, make groups and upload them. The
-    trainer's own functions come in: load(path, device) -> policy, rollout(model, tokenizer, eos_ids, gen_config,
-    drawn, llm, keep_all) -> (groups, answer records, ...), and start_llm(seed, dtype) -> a vLLM engine (None:
+    trainer's own functions come in: load(path, device) -> policy, rollout(model, tokenizer, drawn,
+    eos_ids=, gen_config=, llm=, keep_all=, m=) -> the trainer's Scored (groups, records), and start_llm(seed, dtype) -> a vLLM engine (None:
     transformers generates). trainers_read_server False (BETA = 0,
     or LoRA's reference from the base) stops it at once: it would feed nobody. weights_from (WEIGHTS_FROM): the
     trainer's weight server (features/weight_sync.py, with `token`), instead of OUTPUT_DIR's checkpoints."""
@@ -71,9 +72,12 @@ def run_worker(load, rollout, client, *, questions, q_batch_size, first, seed, s
             time.sleep(WAIT_S)
             continue
         waiting = False
-        groups, records = rollout(*policy, rng.sample(questions, q_batch_size), llm, keep_all)[:2]
-        client.upload(groups, version=version, worker=name)
+        model, tokenizer, eos_ids, gen_config = policy
+        scored = rollout(model, tokenizer, rng.sample(questions, q_batch_size), eos_ids=eos_ids,
+                         gen_config=gen_config, llm=llm, keep_all=keep_all, m=Counter())
+        client.upload(scored.groups, version=version, worker=name)
+        records = scored.records
         reward = sum(r["reward"] for r in records) / len(records)
         refused = f" | refused versions {fetcher.counts['refused']}" if fetcher else ""
-        print(f"[{name}] version {version} | uploaded {len(groups)} groups | reward {reward:.3f}"
+        print(f"[{name}] version {version} | uploaded {len(scored.groups)} groups | reward {reward:.3f}"
               f"{refused}", flush=True)

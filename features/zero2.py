@@ -113,8 +113,9 @@ def initialize(model, config, gradient_checkpointing=False):
     return engine
 
 
-def micro_batches(groups, size, collate, prepare, token_mean, device) -> list:
-    """The groups as batches of `size` groups (0 = all at once), collate(groups)'d and prepare(batch, normalizer)'d.
+def micro_batches(groups, size, collate, prepare, count, device) -> list:
+    """The groups as batches of `size` groups (0 = all at once), collate(groups)'d and prepare(batch, normalizer)'d;
+    count(masks): the normalizer of the step's (B, T) masks (wire.global_count).
     Each holds the whole step's loss normalizer, so their gradients add up to the one big batch's, and its share
     of the step's answers and tokens (for the metrics). ZeRO-2 reduces gradients in every backward, so every rank
     must run as many: a rank with fewer repeats its last micro-batch with share 0 (its loss x 0)."""
@@ -122,7 +123,7 @@ def micro_batches(groups, size, collate, prepare, token_mean, device) -> list:
         raise ValueError(f"TRAIN_MICRO_BATCH = {size}: need groups per micro-batch >= 1, or 0 = all")
     size = size or len(groups)
     parts = [collate(groups[i : i + size]) for i in range(0, len(groups), size)]
-    normalizer = global_count([p.mask.to(device) for p in parts], token_mean)
+    normalizer = count([p.mask.to(device) for p in parts])
     rows, tokens = sum(len(p.mask) for p in parts), sum(int(p.mask.sum()) for p in parts)
     parts = [dataclasses.replace(prepare(p, normalizer), share=len(p.mask) / rows,
                                  token_share=int(p.mask.sum()) / max(tokens, 1)) for p in parts]
@@ -131,14 +132,3 @@ def micro_batches(groups, size, collate, prepare, token_mean, device) -> list:
         torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
     repeat = dataclasses.replace(parts[-1], share=0.0, token_share=0.0)
     return parts + [repeat] * (int(most) - len(parts))
-
-
-def global_count(masks, token_mean: bool) -> float:
-    """The answers (token_mean: tokens) of a step's (B, T) masks over all ranks / world size: the normalizer that
-    weighs each the same on whichever rank it landed, as DeepSpeed averages the ranks' gradients."""
-    n = torch.tensor(float(sum(int(m.sum()) if token_mean else m.shape[0] for m in masks)), dtype=torch.float64,
-                     device=masks[0].device)  # NCCL reduces GPU tensors only
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.all_reduce(n)
-        n /= torch.distributed.get_world_size()
-    return n.item()

@@ -4,8 +4,8 @@ The Triton tests and benches compare the kernel with it; the loss tests call it 
 
     python -m pytest tests/test_triton.py        # TRITON_INTERPRET=1 is set there on CPU
 """
-from features.vllm_engine import mismatch_weights
-from grpo_ref_split import TIS_MODES, grpo_loss, pi_old_logps, reduce_loss
+from features.vllm_engine import TIS_MODES, mismatch_weights
+from grpo_ref_split import grpo_loss, pi_old_logps, reduce_loss
 
 
 def torch_loss(*, logps, ref_logps, gen_logps, advantages, mask, beta, clip_eps, clip_eps_high=None,

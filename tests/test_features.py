@@ -91,11 +91,12 @@ def test_tensorboard_missing_stops_before_any_model_loads(monkeypatch):
 
 
 def test_step_metrics_count_dropped_groups_and_answers_over_every_rollout():
-    m = {"dropped": 3, "fwd_bwd_s": 1.0, "optim_s": 0.25}
-    answers = [dict(reward=float(i % 3), length=5, truncated=False) for i in range(16)]  # 2 rollouts x 4 groups of 2
+    m = {"fwd_bwd_s": 1.0, "optim_s": 0.25}
+    rewards = [1, 1, 2, 2, 0, 0, 0, 1, 1, 2, 2, 0, 0, 1, 1, 2]  # 2 rollouts x 4 groups of 2: 3 all-equal
+    answers = [dict(reward=float(r), length=5, truncated=False) for r in rewards]
     groups = [({"advantages": torch.zeros(2)}, {"version": 3}), ({"advantages": torch.zeros(2)}, {"version": 1})]
     out = run_log.step_metrics(m, groups, answers, step=4, attempts=2, step_start=0.0, group_size=2, reward_names=[])
-    assert out["zero_var_groups"] == 3 / 8 and "dropped" not in out  # 3 of the 2 x 4 groups sampled
+    assert out["zero_var_groups"] == 3 / 8  # 3 of the 2 x 4 groups sampled, read from the answers
     assert (out["rollouts"], out["answers_generated"], out["answers_trained"]) == (2, 16, 4)
     assert out["staleness"] == (0 + 2) / 2 and out["groups"] == 2 and out["train_s"] == 1.25
     assert out["reward"] == pytest.approx(sum(i % 3 for i in range(16)) / 16)  # sample_stats over both rollouts

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from features.advantages import group_advantages
-from features.logprobs import per_token_logps, per_token_logps_plain
+from features.fast_paths import chunked_logps, per_token_logps_plain
 from features.wire import decode_batch, encode_batch
 from features.wire import collate
+from features.wire import global_count
 from grpo_ref_split import completion_mask, k3, masked_mean
 from reference_loss import torch_loss
 from rewards import make_arithmetic, score, split_held_out
@@ -71,7 +72,7 @@ def test_per_token_logps_value_and_gradient_match_log_softmax(temperature):
     full = torch.randn(3, 9, 37, dtype=torch.float64).float().requires_grad_()  # (B, L, V)
     ids = torch.randint(0, 37, (3, 6))  # (B, T)
     view = full[:, 2:-1]  # a strided view, as the trainer slices completion logits
-    got = per_token_logps(view, ids, temperature, chunk=128)
+    got = chunked_logps(view, ids, temperature, chunk=128)
     want = torch.log_softmax(view / temperature, -1).gather(-1, ids[..., None]).squeeze(-1)
     assert torch.allclose(got, want, atol=1e-6)
     w = torch.randn(3, 6)
@@ -83,8 +84,8 @@ def test_per_token_logps_value_and_gradient_match_log_softmax(temperature):
 
 def test_inplace_backward_through_a_real_lm_head_gives_the_same_weight_gradients(model):
     """The trainer's path: completion_logits (LM head on completion positions only) then
-    per_token_logps with the gradient written over the logits, in chunks smaller than T."""
-    from features.logprobs import completion_logits
+    chunked_logps with the gradient written over the logits, in chunks smaller than T."""
+    from features.fast_paths import completion_logits
 
     torch.manual_seed(4)
     ids = torch.randint(0, 49152, (2, 20))  # (B, L) the last 12 are the completion
@@ -94,7 +95,7 @@ def test_inplace_backward_through_a_real_lm_head_gives_the_same_weight_gradients
     for inplace in (False, True):
         model.zero_grad()
         logits = completion_logits(model, ids, attn, 12)  # (B, 12, V)
-        lp = per_token_logps(logits, ids[:, -12:], 0.7, chunk=5, inplace_backward=inplace)  # (B, 12) 3 chunks a row
+        lp = chunked_logps(logits, ids[:, -12:], 0.7, chunk=5, inplace_backward=inplace)  # (B, 12) 3 chunks a row
         (lp * w).sum().backward()
         grads[inplace] = {n: p.grad.clone() for n, p in model.named_parameters()}
         values[inplace] = lp.detach()
@@ -110,14 +111,14 @@ def test_inplace_backward_through_a_real_lm_head_gives_the_same_weight_gradients
 
 @pytest.mark.parametrize("chunk", [0, 3, 128])
 def test_chunked_per_token_logps_match_the_plain_definition(chunk):
-    """per_token_logps (chunked, in-place backward) against per_token_logps_plain (log_softmax, gather);
+    """chunked_logps (chunked, in-place backward) against per_token_logps_plain (log_softmax, gather);
     LOGP_CHUNK = 0 selects the plain one."""
     torch.manual_seed(5)
     ids = torch.randint(0, 301, (3, 7))  # (B, T)
     w = torch.randn(3, 7)
     base = torch.randn(3, 7, 301) * 3  # (B, T, V)
     values, grads = [], []
-    for fn in (lambda z: per_token_logps(z, ids, 0.7, chunk=chunk, inplace_backward=True),
+    for fn in (lambda z: chunked_logps(z, ids, 0.7, chunk=chunk, inplace_backward=True),
                lambda z: per_token_logps_plain(z, ids, 0.7)):
         leaf = base.clone().requires_grad_()
         logits = leaf * 1.0  # not a leaf, as the LM head's output: in place may overwrite it
@@ -134,7 +135,7 @@ def test_chunked_per_token_logps_match_the_plain_definition(chunk):
 def test_hidden_logps_match_the_plain_definition_in_value_and_both_gradients(chunk):
     """Chunks of 5 cross the rows' ends (B x T = 21 tokens); the LM-head weight gets its gradient summed
     over the chunks; 0 = one chunk."""
-    from features.logprobs import hidden_logps
+    from features.fast_paths import hidden_logps
 
     torch.manual_seed(6)
     h0, w0 = torch.randn(3, 7, 16), torch.randn(301, 16) / 2  # (B, T, H), (V, H)
@@ -154,7 +155,7 @@ def test_hidden_logps_match_the_plain_definition_in_value_and_both_gradients(chu
 def test_log_probs_from_hidden_states_give_the_models_gradient_with_tied_embeddings(model):
     """completion_logps with LOGP_FROM_HIDDEN on and off, full rows and the shared prompt: the same
     log-probs and the same gradient on every parameter, the tied embedding / LM-head weight included."""
-    from features.logprobs import completion_logps
+    from features.fast_paths import completion_logps
 
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # tied, as SmolLM2
     torch.manual_seed(4)
@@ -178,7 +179,7 @@ def test_log_probs_from_hidden_states_give_the_models_gradient_with_tied_embeddi
 
 
 def test_log_probs_from_hidden_states_refuse_a_model_whose_logits_are_not_the_plain_head(model, monkeypatch):
-    from features.logprobs import lm_head_weight
+    from features.fast_paths import lm_head_weight
 
     monkeypatch.setattr(model.config, "final_logit_softcapping", 30.0, raising=False)  # as Gemma 2
     with pytest.raises(ValueError, match="final_logit_softcapping.*LOGP_FROM_HIDDEN = False"):
@@ -189,12 +190,12 @@ def test_negative_chunk_and_micro_batch_sizes_are_refused(monkeypatch):
     from types import SimpleNamespace
 
     import grpo_ref_split as grpo
-    from features.logprobs import hidden_logps
+    from features.fast_paths import hidden_logps
 
     with pytest.raises(ValueError, match="LOGP_CHUNK = -1"):
         hidden_logps(torch.zeros(1, 2, 4), torch.zeros(5, 4), torch.zeros(1, 2, dtype=torch.long), chunk=-1)
     with pytest.raises(ValueError, match="LOGP_CHUNK = -1"):  # not an empty loop leaving logps uninitialised
-        per_token_logps(torch.zeros(1, 2, 5), torch.zeros(1, 2, dtype=torch.long), chunk=-1)
+        chunked_logps(torch.zeros(1, 2, 5), torch.zeros(1, 2, dtype=torch.long), chunk=-1)
     monkeypatch.setattr(grpo, "TRAIN_MICRO_BATCH", -2)
     with pytest.raises(ValueError, match="TRAIN_MICRO_BATCH = -2"):
         grpo.batches_of(SimpleNamespace(device="cpu"), [], 0)
@@ -202,7 +203,7 @@ def test_negative_chunk_and_micro_batch_sizes_are_refused(monkeypatch):
 
 def test_per_token_logps_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="do not match"):
-        per_token_logps(torch.zeros(2, 5, 7), torch.zeros(2, 4, dtype=torch.long), chunk=128)
+        chunked_logps(torch.zeros(2, 5, 7), torch.zeros(2, 4, dtype=torch.long), chunk=128)
 
 
 # ----------------------------------------------------------------------------- the loss
@@ -347,13 +348,11 @@ def _rank_gradient(rank, world, port, data, loss_type, normalize, results):
     """One gloo rank: its share of the answers, the loss, then DeepSpeed's gradient average over ranks."""
     import torch.distributed as dist
 
-    from features.zero2 import global_count
-
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     rows = [slice(0, 5), slice(5, 7)][rank] if world == 2 else slice(0, 7)  # 5 answers on rank 0, 2 on rank 1
     x, ref, gen, adv, mask = (t[rows] for t in data)
     w = torch.ones(x.shape[1], dtype=torch.float64, requires_grad=True)  # a weight every rank shares
-    normalizer = global_count([mask], loss_type == "dapo") if normalize else None
+    normalizer = global_count([mask], token_mean=loss_type == "dapo") if normalize else None
     torch_loss(logps=x * w, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2,
               loss_type=loss_type, max_tokens=4, normalizer=normalizer).backward()
     dist.all_reduce(w.grad)

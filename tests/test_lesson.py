@@ -52,7 +52,7 @@ def gradient_gap(got, want) -> float:
 
 def test_the_plain_log_probs_equal_the_default_fast_path_in_value_and_gradient(left_padded, monkeypatch):
     """per_token_logps (logits -> log_softmax(logits / T) -> gather) against what the default runs: one forward of
-    each shared prompt, chunks of the LM head from hidden states (features/logprobs.py)."""
+    each shared prompt, chunks of the LM head from hidden states (features/fast_paths.py)."""
     model, ids, attn = left_padded
     params = [p for p in model.parameters()]
     weights = torch.randn(6, 5, generator=torch.Generator().manual_seed(2))  # a loss that weighs every token
@@ -73,7 +73,7 @@ def test_the_plain_log_probs_equal_the_default_fast_path_in_value_and_gradient(l
 
 def test_with_every_fast_path_off_the_lessons_definition_is_what_trains(left_padded, monkeypatch):
     """The loss asks for the entropy too; with SHARED_PREFIX, LOGP_FROM_HIDDEN and LOGP_CHUNK off,
-    per_token_logps still computes what it needs: features/logprobs.py made to fail, a step's loss
+    per_token_logps still computes what it needs: features/fast_paths.py made to fail, a step's loss
     and gradient come, equal to the default's fast path, and the entropy metric is the definition's."""
     model, ids, attn = left_padded
     batch = grpo.Batch(input_ids=ids, attention_mask=attn, mask=torch.ones(6, 5, dtype=torch.bool),
@@ -87,9 +87,9 @@ def test_with_every_fast_path_off_the_lessons_definition_is_what_trains(left_pad
         monkeypatch.setattr(grpo, name, off)
 
     def broken(*args, **kwargs):
-        raise AssertionError("features/logprobs.py ran with every fast path off")
+        raise AssertionError("features/fast_paths.py ran with every fast path off")
 
-    monkeypatch.setattr(grpo.logprobs, "completion_logps", broken)
+    monkeypatch.setattr(grpo.fast_paths, "completion_logps", broken)
     loss, m = grpo.policy_loss(model, batch)
     grads = torch.autograd.grad(loss, params)
     assert any(g.abs().sum() > 0 for g in grads)

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 import grpo_ref_split as grpo
 from conftest import free_port, group, metrics, params, pull, start, stop, train
-from features.logprobs import completion_logps
+from features.fast_paths import completion_logps
 from features.lora import add_lora
 from features.wire import collate
 from test_variants import PlainEngine

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import grpo_ref_split as grpo
 from conftest import ROOT, ServerProcess, free_port, kill_group, metrics, train, trainer_env, wait_for
-from features import env_overrides, logprobs, question_sampler
+from features import env_overrides, fast_paths, question_sampler
 from features.advantages import group_advantages, scale_to_step
 from features.evaluation import pass_at_k, sampled_scores
 from features.question_sampler import QuestionSampler, out_of_rollouts
@@ -174,20 +174,20 @@ def test_entropy_from_the_chunked_pass_equals_the_full_logits_and_never_makes_th
     full = torch.log_softmax(hidden @ weight.T / temperature, -1)  # (B, T, V) the direct computation
     want = -(full.exp() * full).sum(-1)  # (B, T)
     with Sizes() as sizes:
-        logps, entropy = logprobs.hidden_logps(hidden, weight, ids, temperature, chunk=4, with_entropy=True)
+        logps, entropy = fast_paths.hidden_logps(hidden, weight, ids, temperature, chunk=4, with_entropy=True)
     assert torch.allclose(entropy, want, atol=1e-5) and torch.allclose(logps, full.gather(-1, ids[..., None])[..., 0])
     assert sizes.largest < B * T * V  # chunks of (4, V) and the (V, H) weight: never (B, T, V)
     assert sizes.largest <= max(4 * V, V * H)
     logits = hidden @ weight.T
-    chunked = logprobs.per_token_logps(logits, ids, temperature, chunk=3, with_entropy=True)[1]  # the logits path
-    plain = logprobs.per_token_logps(logits, ids, temperature, chunk=0, with_entropy=True)[1]
+    chunked = fast_paths.chunked_logps(logits, ids, temperature, chunk=3, with_entropy=True)[1]  # the logits path
+    plain = fast_paths.chunked_logps(logits, ids, temperature, chunk=0, with_entropy=True)[1]
     assert torch.allclose(chunked, want, atol=1e-5) and torch.allclose(plain, want, atol=1e-5)
 
 
 def test_entropy_is_log_v_for_a_uniform_policy_and_zero_for_a_certain_one():
     ids = torch.zeros(1, 2, dtype=torch.long)
     logits = torch.stack([torch.zeros(10), torch.tensor([100.0] + [0.0] * 9)])[None]  # (1, 2, 10)
-    entropy = logprobs.per_token_logps(logits, ids, 1.0, chunk=1, with_entropy=True)[1]
+    entropy = fast_paths.chunked_logps(logits, ids, 1.0, chunk=1, with_entropy=True)[1]
     assert entropy[0, 0].item() == pytest.approx(math.log(10)) and entropy[0, 1].item() == pytest.approx(0, abs=1e-6)
 
 

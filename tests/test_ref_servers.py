@@ -11,7 +11,7 @@ import requests
 import torch
 
 from conftest import CuttingProxy, group, start, stop, wait_for
-from features import server_client
+from features import server_client, wire
 from features.server_client import RefClient
 from features.wire import encode_batch
 
@@ -276,7 +276,7 @@ def test_groups_sampled_by_newer_weights_are_dropped_and_counted():
 
     logps = {"gen_logps": torch.zeros(1)}
     groups = [(logps, {"version": 9}), (logps, {"version": 5}), ({}, {}), (logps, {})]
-    kept, counts = server_client.sampled_by(groups, 5, max_staleness=10)
+    kept, counts = wire.sampled_by(groups, 5, max_staleness=10)
     assert [meta.get("version") for _, meta in kept] == [5, None]
     assert counts == {"ahead_groups_dropped": 1, "late_groups_dropped": 1,
                       "stale_groups_dropped": 0}

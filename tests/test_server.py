@@ -13,7 +13,7 @@ import grpo_ref_split as grpo
 from conftest import VOCAB, fail_first_forward, free_port, group, pull, start, stop, upload_and_pull, wait_for
 from features.env_overrides import apply_env_overrides
 from features.fingerprint import model_fingerprint
-from features.logprobs import completion_logps
+from features.fast_paths import completion_logps
 from features.server_client import ServerError, request_with_retry
 from features.wire import MAX_META_CHARS, collate, decode_batch, encode_batch
 from ref_server import RefServer
@@ -522,12 +522,12 @@ def test_regroup_takes_an_upload_without_a_version_then_one_with_a_version(model
 
 
 def test_stop_frees_the_port_and_a_waitress_without_its_socket_map_is_named():
-    """stop() walks waitress's private socket map (features/http_server.close_sockets): the port is free at
+    """stop() walks waitress's private socket map (features/server_guard.close_sockets): the port is free at
     once after it; a waitress that no longer has that map is a clear error, not a server that never stops."""
     import socket
     from types import SimpleNamespace
 
-    from features.http_server import close_sockets, start_http
+    from features.server_guard import close_sockets, start_http
 
     port = free_port()
     stop_http = start_http(lambda environ, start_response: [], "127.0.0.1", port, threads=1, backlog=8,

@@ -10,8 +10,8 @@ import torch
 
 import grpo_ref_split as grpo
 from conftest import ROOT, free_port
-from features.logprobs import completion_logits, completion_logps
-from features.shared_prefix import same_prompt_runs
+from features.fast_paths import completion_logits, completion_logps
+from features.fast_paths import same_prompt_runs
 
 
 @pytest.fixture(scope="module")
@@ -167,28 +167,28 @@ def test_micro_batches_give_the_gradient_and_step_of_one_batch(zero2_steps, rank
 
 
 def test_the_layer_flags_it_switches_are_the_ones_transformers_reads(model):
-    """features/shared_prefix.layer_flags writes gradient_checkpointing and _can_checkpoint_with_cache into
+    """features/fast_paths.layer_flags writes gradient_checkpointing and _can_checkpoint_with_cache into
     transformers' decoder layers for one block. If transformers stopped reading either name, the prompt's
     forward would silently checkpoint (dropping its cache): this fails loudly instead, and the writes are
     undone after the block."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    from features import shared_prefix
+    from features import fast_paths
 
-    assert set(shared_prefix._flags_read()) == set(shared_prefix.LAYER_FLAGS)  # what this transformers reads
+    assert set(fast_paths._flags_read()) == set(fast_paths.LAYER_FLAGS)  # what this transformers reads
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     assert len(layers) == model.config.num_hidden_layers
     before = [dict(layer.__dict__) for layer in layers]
-    with shared_prefix.layer_flags(model, gradient_checkpointing=False, _can_checkpoint_with_cache=True):
+    with fast_paths.layer_flags(model, gradient_checkpointing=False, _can_checkpoint_with_cache=True):
         assert all(layer.__dict__["_can_checkpoint_with_cache"] is True for layer in layers)
     assert [dict(layer.__dict__) for layer in layers] == before
-    shared_prefix._flags_read.cache_clear()
-    real = shared_prefix.LAYER_FLAGS
+    fast_paths._flags_read.cache_clear()
+    real = fast_paths.LAYER_FLAGS
     try:
-        shared_prefix.LAYER_FLAGS = ("gradient_checkpointing", "_renamed_by_a_new_transformers")
+        fast_paths.LAYER_FLAGS = ("gradient_checkpointing", "_renamed_by_a_new_transformers")
         with pytest.raises(RuntimeError, match="does not read"):
-            with shared_prefix.layer_flags(model, _can_checkpoint_with_cache=True):
+            with fast_paths.layer_flags(model, _can_checkpoint_with_cache=True):
                 pass
     finally:
-        shared_prefix.LAYER_FLAGS = real
-        shared_prefix._flags_read.cache_clear()
+        fast_paths.LAYER_FLAGS = real
+        fast_paths._flags_read.cache_clear()

@@ -274,6 +274,7 @@ def scripted_generate_with_tools(script, eos):
     def generate_with_tools(model, tokenizer, enc, n, **kw):
         out = tool_rollout(scripted(tokenizer, script, []), [[1], [2]], tokenizer=tokenizer, tools=kw["tools"],
                            max_calls=kw["max_calls"], max_new_tokens=64, eos_ids=[eos], pad_id=eos)
+        del out["tool_mask"]
         return out.pop("completion_ids"), out.pop("sampler_logps"), out
     return generate_with_tools
 

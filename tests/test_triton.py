@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 from conftest import ROOT  # noqa: E402
 from grpo_loss_triton import BLOCK_V, grpo_loss_triton  # noqa: E402
 from reference_loss import torch_loss  # noqa: E402
-from features.logprobs import per_token_logps  # noqa: E402
+from features.fast_paths import chunked_logps  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("error")
 
@@ -29,7 +29,7 @@ def case(B, T, V, dtype=torch.float32, seed=0, scale=3.0):
     logits = full[:, 2:-1]  # (B, T, V) non-contiguous
     ids = torch.randint(0, V, (B, T), generator=g).to(DEVICE)
     with torch.no_grad():
-        lp = per_token_logps(logits, ids, 1.0, chunk=128)
+        lp = chunked_logps(logits, ids, 1.0, chunk=128)
     gen = lp + torch.randn(B, T, generator=g).to(DEVICE) * 0.5
     ref = lp + torch.randn(B, T, generator=g).to(DEVICE) * 0.3
     adv = torch.randn(B, generator=g).to(DEVICE) * 2
@@ -44,7 +44,7 @@ def both(full, logits, ids, ref, gen, adv, mask, temperature, beta=0.04, eps=0.2
     loss_t, logps_t = grpo_loss_triton(logits=logits, completion_ids=ids, temperature=temperature, return_logps=True,
                                        **args)
     (grad_t,) = torch.autograd.grad(loss_t, full)
-    logps = per_token_logps(logits, ids, temperature, chunk=128)
+    logps = chunked_logps(logits, ids, temperature, chunk=128)
     loss_p = torch_loss(logps=logps, **args)
     (grad_p,) = torch.autograd.grad(loss_p, full)
     return (loss_t, logps_t, grad_t), (loss_p, logps.detach(), grad_p)
@@ -78,7 +78,7 @@ def test_rows_without_gen_logps_train_on_policy_like_the_pytorch_path():
 
 def test_padding_with_a_very_negative_log_prob_gives_a_finite_loss_and_gradient():
     full, logits, ids, ref, gen, adv, mask = padded_case()
-    assert per_token_logps(logits, ids, 1.0, chunk=128).detach()[1, 3:].max() < -90
+    assert chunked_logps(logits, ids, 1.0, chunk=128).detach()[1, 3:].max() < -90
     (lt, _, gt), (lp, _, gp) = both(full, logits, ids, ref, gen, adv, mask, 1.0)
     assert torch.isfinite(lt) and torch.isfinite(lp) and torch.isfinite(gt).all() and torch.isfinite(gp).all()
     assert abs(lt.item() - lp.item()) <= 1e-5 * max(1.0, abs(lp.item())) and torch.allclose(gt, gp, atol=1e-5)
@@ -100,7 +100,7 @@ def test_fp32_value_and_gradient_equal_the_pytorch_path(B, T, V, temperature, wi
 
 def test_all_four_clip_cases_occur_and_match():
     full, logits, ids, ref, gen, adv, mask = case(4, 16, 300, seed=11)
-    ratio = torch.exp(per_token_logps(logits, ids, chunk=128).detach() - gen)
+    ratio = torch.exp(chunked_logps(logits, ids, chunk=128).detach() - gen)
     pos, neg = (adv > 0)[:, None], (adv < 0)[:, None]
     for region in ((ratio > 1.2) & pos, (ratio > 1.2) & neg, (ratio < 0.8) & pos, (ratio < 0.8) & neg):
         assert (region & mask).any()
@@ -153,11 +153,11 @@ def test_variants_equal_the_pytorch_path(clip_eps_high, loss_type, with_ref, nor
     lt = grpo_loss_triton(logits=logits, completion_ids=ids, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask,
                           beta=beta, clip_eps=0.2, temperature=1.0, **kw)
     (gt,) = torch.autograd.grad(lt, full)
-    lp = torch_loss(logps=per_token_logps(logits, ids, 1.0, chunk=128), ref_logps=ref, gen_logps=gen, advantages=adv,
+    lp = torch_loss(logps=chunked_logps(logits, ids, 1.0, chunk=128), ref_logps=ref, gen_logps=gen, advantages=adv,
                    mask=mask, beta=beta, clip_eps=0.2, **kw)
     (gp,) = torch.autograd.grad(lp, full)
     assert abs(lt.item() - lp.item()) < 1e-5 and torch.allclose(gt, gp, atol=1e-5, rtol=1e-5)
-    plain = torch_loss(logps=per_token_logps(logits, ids, 1.0, chunk=128), ref_logps=ref, gen_logps=gen, advantages=adv,
+    plain = torch_loss(logps=chunked_logps(logits, ids, 1.0, chunk=128), ref_logps=ref, gen_logps=gen, advantages=adv,
                       mask=mask, beta=beta, clip_eps=0.2)
     assert abs(plain.item() - lp.item()) > 1e-4  # the variant changed the loss
 
@@ -172,18 +172,18 @@ def test_truncated_importance_sampling_equals_the_pytorch_path(with_gen, tis_mod
     gen = gen if with_gen else None
     with torch.no_grad():
         noise = torch.randn(3, 6, generator=torch.Generator().manual_seed(1)).to(DEVICE)  # (3, 6)
-        sampler = per_token_logps(logits, ids, 0.7, chunk=128) + noise
+        sampler = chunked_logps(logits, ids, 0.7, chunk=128) + noise
     sampler[2] = -50.0
     kw = dict(sampler_logps=sampler, sampler_rows=torch.tensor([True, True, False], device=DEVICE), tis_cap=1.5,
               tis_mode=tis_mode)
     lt = grpo_loss_triton(logits=logits, completion_ids=ids, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask,
                           beta=0.04, clip_eps=0.2, temperature=0.7, **kw)
     (gt,) = torch.autograd.grad(lt, full)
-    lp = torch_loss(logps=per_token_logps(logits, ids, 0.7, chunk=128), ref_logps=ref, gen_logps=gen, advantages=adv,
+    lp = torch_loss(logps=chunked_logps(logits, ids, 0.7, chunk=128), ref_logps=ref, gen_logps=gen, advantages=adv,
                    mask=mask, beta=0.04, clip_eps=0.2, **kw)
     (gp,) = torch.autograd.grad(lp, full)
     assert abs(lt.item() - lp.item()) < 1e-5 and torch.allclose(gt, gp, atol=1e-5, rtol=1e-5)
-    plain = torch_loss(logps=per_token_logps(logits, ids, 0.7, chunk=128), ref_logps=ref, gen_logps=gen, advantages=adv,
+    plain = torch_loss(logps=chunked_logps(logits, ids, 0.7, chunk=128), ref_logps=ref, gen_logps=gen, advantages=adv,
                       mask=mask, beta=0.04, clip_eps=0.2)
     assert abs(plain.item() - lp.item()) > 1e-4  # the weights changed the loss
 
@@ -196,7 +196,7 @@ def test_sequence_mismatch_modes_are_refused_and_entropy_equals_the_pytorch_path
         with pytest.raises(ValueError, match="sequence modes need an answer's tokens"):
             grpo_loss_triton(sampler_logps=ref, tis_cap=2.0, tis_mode=mode, **kw)
     loss, logps, entropy = grpo_loss_triton(return_logps=True, return_entropy=True, **kw)
-    want_logps, want = per_token_logps(logits.detach(), ids, 0.7, chunk=0, with_entropy=True)
+    want_logps, want = chunked_logps(logits.detach(), ids, 0.7, chunk=0, with_entropy=True)
     assert torch.allclose(entropy[mask], want[mask], atol=1e-4) and (entropy[~mask] == 0).all()
     assert torch.allclose(logps[mask], want_logps[mask], atol=1e-5)
     assert grpo_loss_triton(return_entropy=True, **kw)[1].shape == (2, 5)  # (loss, entropy) alone

@@ -12,7 +12,7 @@ from transformers import GenerationConfig
 import grpo_ref_split as grpo
 import rewards
 from conftest import group, pull, start, stop
-from features.logprobs import completion_logps
+from features.fast_paths import completion_logps
 from features.run_log import clock, sample_stats, step_metrics
 from features.wire import collate, encode_batch
 from reference_loss import torch_loss
@@ -284,10 +284,11 @@ def short_rollout(tiny_policy, monkeypatch, masked, keep_all=False, max_new_toke
                            eos_token_id=[tok.eos_token_id])
     torch.manual_seed(3)
     questions = [{"question": f"What is {a} + {a + 1}?", "gold": str(2 * a + 1)} for a in range(1, 9)]
-    groups, records, m, _ = grpo.rollout(model, tok, [tok.eos_token_id], cfg, questions, None, keep_all,
-                                         with_gen_logps)  # steps 2-4 as the trainer runs them
-    m.update(sample_stats(records, 4, [fn.__name__ for fn, _ in grpo.REWARDS]))  # as main() does
-    return groups, m
+    m = Counter()
+    scored = grpo.rollout(model, tok, questions, eos_ids=[tok.eos_token_id], gen_config=cfg, llm=None,
+                          keep_all=keep_all, with_gen_logps=with_gen_logps, m=m)  # steps 2-4 as the trainer runs them
+    m.update(sample_stats(scored.records, 4, [fn.__name__ for fn, _ in grpo.REWARDS]))  # as main() does
+    return scored.groups, m
 
 
 def test_mask_truncated_removes_cut_answers_from_the_loss(tiny_policy, monkeypatch):
@@ -310,7 +311,8 @@ def test_mask_truncated_removes_cut_answers_from_the_loss(tiny_policy, monkeypat
 def test_keep_all_packs_groups_without_reward_variance(tiny_policy, monkeypatch):
     groups, stats = short_rollout(tiny_policy, monkeypatch, False, max_new_tokens=24)
     all_groups, _ = short_rollout(tiny_policy, monkeypatch, False, keep_all=True, max_new_tokens=24)
-    assert stats["dropped"] > 0 and len(groups) == 8 - stats["dropped"]
+    equal = round(stats["zero_var_groups"] * 8)  # groups whose answers all scored the same
+    assert equal > 0 and len(groups) == 8 - equal
     assert len(all_groups) == 8
     assert 0 <= stats["reward_std"] and stats["max_length"] >= stats["length"] > 0
 
@@ -320,8 +322,8 @@ def test_gen_logps_are_computed_only_when_asked_and_equal_the_sampling_weights(t
     """MU = 1 packs no gen_logps (no forward: ratio exp(x - x.detach())); MU > 1, workers and REGROUP
     ask for them, and they are the sampling weights' log-probs of the sampled tokens."""
     calls = []
-    real = grpo.logprobs.completion_logps
-    monkeypatch.setattr(grpo.logprobs, "completion_logps", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = grpo.fast_paths.completion_logps
+    monkeypatch.setattr(grpo.fast_paths, "completion_logps", lambda *a, **k: calls.append(1) or real(*a, **k))
     plain, m = short_rollout(tiny_policy, monkeypatch, False, max_new_tokens=16)
     assert plain and not calls and all("gen_logps" not in t for t, _ in plain)  # no forward ran
     with_gen, _ = short_rollout(tiny_policy, monkeypatch, False, max_new_tokens=16, with_gen_logps=True)
@@ -581,10 +583,11 @@ def test_sample_metrics_cover_every_rollout_of_the_step(monkeypatch):
 
 
 def test_the_reward_models_mean_score_is_a_metric_of_the_step():
-    m = Counter(dropped=0, fwd_bwd_s=1.0, optim_s=0.5)
+    m = Counter(fwd_bwd_s=1.0, optim_s=0.5)
     answers, adv = [dict(reward=1.0, length=3, truncated=False)] * 8, {"advantages": torch.zeros(4)}
     groups = [(adv, {"version": 4, "reward_model_mean": 0.2}), (adv, {"version": 4, "reward_model_mean": 0.6})]
     out = step_metrics(m, groups, answers, step=5, attempts=1, step_start=clock(), group_size=4, reward_names=[])
     assert out["reward_model"] == pytest.approx(0.4) and out["staleness"] == 0 and out["train_s"] == 1.5
-    plain = Counter(dropped=0, fwd_bwd_s=1.0, optim_s=0.5)
-    assert "reward_model" not in step_metrics(plain, [(adv, {})], answers, 1, 1, clock(), 4, [])
+    plain = Counter(fwd_bwd_s=1.0, optim_s=0.5)
+    assert "reward_model" not in step_metrics(plain, [(adv, {})], answers, step=1, attempts=1,
+                                              step_start=clock(), group_size=4, reward_names=[])

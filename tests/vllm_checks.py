@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo_ref_split as grpo  # noqa: E402
 import rewards  # noqa: E402
 from features.evaluation import evaluate  # noqa: E402
-from features.logprobs import completion_logps  # noqa: E402
+from features.fast_paths import completion_logps  # noqa: E402
 from features.lora import add_lora  # noqa: E402
 from features.vllm_engine import push_weights, vllm_sample  # noqa: E402
 from rewards import load_questions  # noqa: E402

@@ -14,7 +14,7 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo_ref_split as grpo  # noqa: E402  (constants from the environment)
-from features.logprobs import completion_logps  # noqa: E402
+from features.fast_paths import completion_logps  # noqa: E402
 
 QUESTIONS = ["What is {} + 5?", "Tom has {} apples and eats 4. How many?", "A box holds {} pens. How many in 3?"]
 

@@ -1,16 +1,149 @@
-"""Per-token log-probs of completions, without the (B, T, V) buffers that dominate memory on long answers.
+"""The default step's faster equals of the lesson's plain definitions (grpo_ref_split.py), each
+tested equal to it in values and gradients; a reader may skip this file.
 
-The definition is per_token_logps_plain (log_softmax, then gather). The trainer and the server call
-completion_logps, which by default (LOGP_FROM_HIDDEN) never holds whole logits: the LM head runs
-`chunk` tokens at a time inside one autograd function, as Liger-Kernel's fused linear losses and
-Cut Cross-Entropy (arXiv 2411.09009) do. tests/test_grpo_math.py holds them to the plain path.
+The shared prefix (SHARED_PREFIX): a group's prompt runs once, its KV cache is repeated for the
+group's answers, and the completions run on it ("Prefix Grouper", arXiv 2506.05433); the prompt's
+cost no longer grows with NUM_PRE_Q (tests/test_shared_prefix.py).
+Chunked log-probs (LOGP_FROM_HIDDEN, LOGP_CHUNK): the definition is per_token_logps_plain
+(log_softmax, then gather); completion_logps by default never holds whole (B, T, V) logits: the LM
+head runs `chunk` tokens at a time inside one autograd function, as Liger-Kernel's fused linear
+losses and Cut Cross-Entropy (arXiv 2411.09009) do (tests/test_grpo_math.py).
 
-    python bench/bench_logprob_memory.py          # the memory each path takes
+    python bench/bench_step_anatomy.py            # COMPARE=shared_prefix: the step with it and without
+    python bench/bench_logprob_memory.py          # the memory each log-prob path takes
 """
+import contextlib
+import functools
+import threading
+
 import torch
 
-from features.shared_prefix import model_outputs, same_prompt_runs, shared_prefix_logits
+# What transformers' GradientCheckpointingLayer reads on each layer: this module switches them per block.
+LAYER_FLAGS = ("gradient_checkpointing", "_can_checkpoint_with_cache")
+_FLAGS_LOCK = threading.RLock()  # one block at a time: two threads on one model undo each other
 
+
+def model_outputs(model, hidden: bool, keep, **inputs) -> torch.Tensor:
+    """The model's logits (B, k, V), or with hidden=True its last hidden states (B, k, H), at positions
+    `keep`: an index tensor, or an int k for the last k positions (0 = all of them)."""
+    if not hidden:
+        return model(**inputs, logits_to_keep=keep).logits
+    inner = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
+    states = inner.get_decoder()(**inputs).last_hidden_state  # (B, L, H) after the final norm
+    if torch.is_tensor(keep):
+        return states[:, keep]  # (B, k, H)
+    return states[:, states.shape[1] - keep :] if keep else states  # (B, k, H)
+
+
+def same_prompt_runs(prompt_ids, prompt_mask) -> list:
+    """Slices of consecutive rows whose (left-padded) prompts are identical: a group's rows, at least."""
+    same = (prompt_ids[1:] == prompt_ids[:-1]).all(-1) & (prompt_mask[1:] == prompt_mask[:-1]).all(-1)  # (B-1,)
+    starts = [0] + (torch.nonzero(~same).flatten() + 1).tolist() + [prompt_ids.shape[0]]
+    return [slice(a, b) for a, b in zip(starts, starts[1:])]
+
+
+def shared_prefix_logits(model, input_ids, attention_mask, n_completion: int, hidden: bool = False) -> torch.Tensor:
+    """Logits (or hidden states) of the completion tokens for G rows with one prompt: (G, t, V) for the
+    group's own t <= n_completion columns (in a batch padded to its longest answer, the columns after this
+    group's longest are padding, and cost nothing here).
+
+    Gradients flow back through the repeated cache into the prompt's forward. The prompt's last
+    position predicts the first completion token; the last completion token is never an input.
+    """
+    G = input_ids.shape[0]
+    ids, attn = input_ids[:, -n_completion:], attention_mask[:, -n_completion:]  # (G, n_completion) each
+    used = attn.any(0).nonzero()  # (k, 1) the columns any row of the group uses
+    T = int(used.max()) + 1 if len(used) else 1
+    prompt = input_ids[:1, :-n_completion][attention_mask[:1, :-n_completion].bool()][None]  # (1, plen) unpadded
+    plen = prompt.shape[1]
+    cache, first = prompt_cache(model, prompt, torch.ones_like(prompt), G, hidden)  # first (1, 1, V)
+    if T == 1:
+        return first.expand(G, 1, -1)  # (G, 1, V)
+    inner = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
+    positions = torch.arange(plen, plen + T - 1, device=ids.device).expand(G, -1)  # (G, T - 1)
+    with layer_flags(inner, _can_checkpoint_with_cache=True):
+        rest = model_outputs(model, hidden, 0, input_ids=ids[:, : T - 1], past_key_values=cache,
+                             position_ids=positions,
+                             attention_mask=torch.cat([attn.new_ones(G, plen), attn[:, : T - 1]], 1))  # (G, T-1, V)
+    _check_cache(cache, plen + T - 1, inner)
+    cache.crop(1 - T)  # back to the prompt: checkpointed layers recompute on it in backward
+    return torch.cat([first.expand(G, 1, -1), rest], 1)  # (G, T, V)
+
+
+def prompt_cache(model, prompt_ids, prompt_mask, repeats: int, hidden: bool = False):
+    """(cache, last): each prompt's KV cache computed once and repeated `repeats` times (rows
+    prompt 0 x repeats, prompt 1 x repeats, ...), and (Q, 1, V) logits of each prompt's last position.
+    Prompts may be left-padded: positions count from each row's first real token."""
+    from transformers import DynamicCache  # here, not at the top: it imports Triton (see grpo_loss_triton.py)
+
+    inner = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
+    cache = DynamicCache(config=inner.config)
+    positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # (Q, P)
+    # Gradient checkpointing drops a KV cache in training mode (its recompute would write it twice):
+    # the prompts, one row each, run uncheckpointed; the completions read the cache and keep checkpointing.
+    with layer_flags(inner, gradient_checkpointing=False):
+        last = model_outputs(model, hidden, 1, input_ids=prompt_ids, attention_mask=prompt_mask,
+                             position_ids=positions, past_key_values=cache)  # (Q, 1, V), or (Q, 1, H)
+    _check_cache(cache, prompt_ids.shape[1], inner)
+    cache.batch_repeat_interleave(repeats)  # (Q * repeats, heads, P, d) per layer; backward sums the copies
+    return cache, last
+
+
+def _check_cache(cache, length, model):
+    if cache.get_seq_length() != length:  # a model (or its checkpointing) that neither fills nor reads the cache
+        raise RuntimeError(f"{type(model).__name__} ignored the prompt's KV cache: set SHARED_PREFIX = False")
+
+
+@functools.cache
+def _flags_read() -> tuple:
+    """The LAYER_FLAGS that this transformers' GradientCheckpointingLayer.__call__ reads (once per process)."""
+    import inspect
+
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    source = inspect.getsource(GradientCheckpointingLayer.__call__)
+    return tuple(name for name in LAYER_FLAGS if f"self.{name}" in source)
+
+
+@contextlib.contextmanager
+def layer_flags(model, **flags):
+    """Set LAYER_FLAGS on every layer that transformers' gradient checkpointing wraps, for the block.
+
+    The one place this toolkit writes into transformers' layers (their instance __dict__, restored after).
+    A transformers that renamed the flags would silently checkpoint with the cache again: the names are
+    checked against the library's source here, and tests/test_shared_prefix.py checks the behaviour.
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    unknown = [name for name in flags if name not in LAYER_FLAGS or name not in _flags_read()]
+    if unknown:
+        raise RuntimeError(f"this transformers' GradientCheckpointingLayer does not read {unknown}: the shared "
+                           "prompt cannot switch its checkpointing; set SHARED_PREFIX = False")
+    layers = [mod for mod in model.modules() if isinstance(mod, GradientCheckpointingLayer)]
+    with _FLAGS_LOCK:  # two in-process reference servers may share one model (tests do)
+        saved = [{name: layer.__dict__[name] for name in flags if name in layer.__dict__}
+                 for layer in layers]
+        for layer in layers:
+            layer.__dict__.update(flags)
+        try:
+            yield
+        finally:
+            for layer, old in zip(layers, saved):
+                for name in flags:
+                    del layer.__dict__[name]
+                layer.__dict__.update(old)
+
+
+def shared_generate(model, prompt_ids, prompt_mask, gen_config, repeats: int, shared: bool = True):
+    """(B, T) transformers' generate on prompts already repeated `repeats` times each (rows prompt 0 x repeats, ...):
+    with `shared`, each prompt's KV cache is computed once and repeated, the same samples for less prefill."""
+    cache = prompt_cache(model, prompt_ids[::repeats, :-1], prompt_mask[::repeats, :-1], repeats)[0] if shared else None
+    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, past_key_values=cache,
+                         generation_config=gen_config)
+    return out[:, prompt_ids.shape[1] :]  # (B, T)
+
+
+# ----------------------------------------------------------------------------- chunked log-probs
 # Config fields that make a model's logits something other than lm_head(last hidden state).
 LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
@@ -81,7 +214,7 @@ def _row_chunks(logits, chunk):
     return [(b, s) for b in range(B) for s in spans(T, chunk)]
 
 
-def per_token_logps(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0, *, chunk: int,
+def chunked_logps(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0, *, chunk: int,
                     inplace_backward: bool = False, with_entropy: bool = False):
     """(B, T) fp32 log-probs of `ids` under softmax(logits / temperature); logits[:, t] predicts ids[:, t].
 
@@ -177,7 +310,7 @@ def completion_logits(model, input_ids, attention_mask, n_completion: int, share
 
     Rows may be left-padded (attention_mask 0): positions count from each row's first real token, so a
     padded row gets exactly the logits of the same row unpadded. shared_prefix=True runs each prompt once
-    for the consecutive rows that share it (features/shared_prefix.py): the same values on every
+    for the consecutive rows that share it (above): the same values on every
     completion token (0 on the padding past a group's longest answer).
     """
     if shared_prefix:
@@ -202,7 +335,7 @@ def completion_logps(model, input_ids, attention_mask, n_completion: int, temper
                      shared_prefix: bool = False, *, chunk: int, from_hidden: bool, with_entropy: bool = False):
     """(B, n_completion) log-probs of the last `n_completion` tokens of each row, micro_batch rows at a time.
     from_hidden: from the hidden states, `chunk` tokens of logits at a time (hidden_logps); else from the
-    whole logits (per_token_logps). with_entropy: (logps, (B, n_completion) entropies), from the same pass."""
+    whole logits (chunked_logps). with_entropy: (logps, (B, n_completion) entropies), from the same pass."""
     step, out = micro_batch or input_ids.shape[0], []
     for i in range(0, input_ids.shape[0], step):
         ids, attn = input_ids[i : i + step], attention_mask[i : i + step]  # (b, L) each
@@ -212,6 +345,6 @@ def completion_logps(model, input_ids, attention_mask, n_completion: int, temper
             out.append(hidden_logps(states, lm_head_weight(model), targets, temperature, chunk=chunk,
                                     with_entropy=with_entropy))  # (b, T) or ((b, T), (b, T))
         else:  # states (b, T, V): nothing else reads these logits, so their gradient may overwrite them
-            out.append(per_token_logps(states, targets, temperature, chunk=chunk, inplace_backward=True,
+            out.append(chunked_logps(states, targets, temperature, chunk=chunk, inplace_backward=True,
                                        with_entropy=with_entropy))  # (b, T) or ((b, T), (b, T))
     return tuple(torch.cat(parts) for parts in zip(*out)) if with_entropy else torch.cat(out)  # (B, T) (each)
