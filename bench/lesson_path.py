@@ -48,8 +48,6 @@ class PathRecorder:
         lines = defaultdict(set)
         for code in self.entered:
             lines[code.co_filename].update(function_lines(code))
-        if os.environ.get("SHOW_FUNCTIONS"):
-            print(code.co_filename.rsplit("/", 2)[-2:], code.co_qualname, len(function_lines(code)))
         return {str(Path(name).relative_to(ROOT)): len(seen) for name, seen in lines.items()}
 
 
@@ -72,7 +70,7 @@ def main():
     log_step = trainer.log_step
 
     def rollout_recorded(*args, **kwargs):
-        recorder.recording = kwargs.get("step", args[8] if len(args) > 8 else 0) == 2
+        recorder.recording = kwargs.get("step") == 2
         return rollout(*args, **kwargs)
 
     def log_step_recorded(*args, **kwargs):
