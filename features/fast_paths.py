@@ -18,14 +18,15 @@ import threading
 
 import torch
 
-# What transformers' GradientCheckpointingLayer reads on each layer: this module switches them per block.
+# What transformers' GradientCheckpointingLayer reads on each layer: this module switches them per
+# block.
 LAYER_FLAGS = ("gradient_checkpointing", "_can_checkpoint_with_cache")
 _FLAGS_LOCK = threading.RLock()  # one block at a time: two threads on one model undo each other
 
 
 def model_outputs(model, hidden: bool, keep, **inputs) -> torch.Tensor:
-    """The model's logits (B, k, V), or with hidden=True its last hidden states (B, k, H), at positions
-    `keep`: an index tensor, or an int k for the last k positions (0 = all of them)."""
+    """The model's logits (B, k, V), or with hidden=True its last hidden states (B, k, H), at
+    positions `keep`: an index tensor, or an int k for the last k positions (0 = all of them)."""
     if not hidden:
         return model(**inputs, logits_to_keep=keep).logits
     inner = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
@@ -36,27 +37,31 @@ def model_outputs(model, hidden: bool, keep, **inputs) -> torch.Tensor:
 
 
 def same_prompt_runs(prompt_ids, prompt_mask) -> list:
-    """Slices of consecutive rows whose (left-padded) prompts are identical: a group's rows, at least."""
+    """Slices of consecutive rows whose (left-padded) prompts are identical: a group's rows, at
+    least."""
     same = (prompt_ids[1:] == prompt_ids[:-1]).all(-1) & (prompt_mask[1:] == prompt_mask[:-1]).all(-1)  # (B-1,)
     starts = [0] + (torch.nonzero(~same).flatten() + 1).tolist() + [prompt_ids.shape[0]]
     return [slice(a, b) for a, b in zip(starts, starts[1:])]
 
 
 def shared_prefix_logits(model, input_ids, attention_mask, n_completion: int, hidden: bool = False) -> torch.Tensor:
-    """Logits (or hidden states) of the completion tokens for G rows with one prompt: (G, t, V) for the
-    group's own t <= n_completion columns (in a batch padded to its longest answer, the columns after this
-    group's longest are padding, and cost nothing here).
+    """Logits (or hidden states) of the completion tokens for G rows with one prompt: (G, t, V) for
+    the group's own t <= n_completion columns (in a batch padded to its longest answer, the columns
+    after this group's longest are padding, and cost nothing here).
 
     Gradients flow back through the repeated cache into the prompt's forward. The prompt's last
     position predicts the first completion token; the last completion token is never an input.
     """
     G = input_ids.shape[0]
-    ids, attn = input_ids[:, -n_completion:], attention_mask[:, -n_completion:]  # (G, n_completion) each
+    # (G, n_completion) each
+    ids, attn = input_ids[:, -n_completion:], attention_mask[:, -n_completion:]
     used = attn.any(0).nonzero()  # (k, 1) the columns any row of the group uses
     T = int(used.max()) + 1 if len(used) else 1
-    prompt = input_ids[:1, :-n_completion][attention_mask[:1, :-n_completion].bool()][None]  # (1, plen) unpadded
+    # (1, plen) unpadded
+    prompt = input_ids[:1, :-n_completion][attention_mask[:1, :-n_completion].bool()][None]
     plen = prompt.shape[1]
-    cache, first = prompt_cache(model, prompt, torch.ones_like(prompt), G, hidden)  # first (1, 1, V)
+    # first (1, 1, V)
+    cache, first = prompt_cache(model, prompt, torch.ones_like(prompt), G, hidden)
     if T == 1:
         return first.expand(G, 1, -1)  # (G, 1, V)
     inner = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
@@ -72,31 +77,37 @@ def shared_prefix_logits(model, input_ids, attention_mask, n_completion: int, hi
 
 def prompt_cache(model, prompt_ids, prompt_mask, repeats: int, hidden: bool = False):
     """(cache, last): each prompt's KV cache computed once and repeated `repeats` times (rows
-    prompt 0 x repeats, prompt 1 x repeats, ...), and (Q, 1, V) logits of each prompt's last position.
-    Prompts may be left-padded: positions count from each row's first real token."""
-    from transformers import DynamicCache  # here, not at the top: it imports Triton (see grpo_loss_triton.py)
+    prompt 0 x repeats, prompt 1 x repeats, ...), and (Q, 1, V) logits of each prompt's last
+    position. Prompts may be left-padded: positions count from each row's first real token."""
+    # here, not at the top: it imports Triton (see grpo_loss_triton.py)
+    from transformers import DynamicCache
 
     inner = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
     cache = DynamicCache(config=inner.config)
     positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # (Q, P)
     # Gradient checkpointing drops a KV cache in training mode (its recompute would write it twice):
-    # the prompts, one row each, run uncheckpointed; the completions read the cache and keep checkpointing.
+    # the prompts, one row each, run uncheckpointed; the completions read the cache and keep
+    # checkpointing.
     with layer_flags(inner, gradient_checkpointing=False):
         last = model_outputs(model, hidden, 1, input_ids=prompt_ids, attention_mask=prompt_mask,
-                             position_ids=positions, past_key_values=cache)  # (Q, 1, V), or (Q, 1, H)
+                             # (Q, 1, V), or (Q, 1, H)
+                             position_ids=positions, past_key_values=cache)
     _check_cache(cache, prompt_ids.shape[1], inner)
-    cache.batch_repeat_interleave(repeats)  # (Q * repeats, heads, P, d) per layer; backward sums the copies
+    # (Q * repeats, heads, P, d) per layer; backward sums the copies
+    cache.batch_repeat_interleave(repeats)
     return cache, last
 
 
 def _check_cache(cache, length, model):
-    if cache.get_seq_length() != length:  # a model (or its checkpointing) that neither fills nor reads the cache
+    # a model (or its checkpointing) that neither fills nor reads the cache
+    if cache.get_seq_length() != length:
         raise RuntimeError(f"{type(model).__name__} ignored the prompt's KV cache: set SHARED_PREFIX = False")
 
 
 @functools.cache
 def _flags_read() -> tuple:
-    """The LAYER_FLAGS that this transformers' GradientCheckpointingLayer.__call__ reads (once per process)."""
+    """The LAYER_FLAGS that this transformers' GradientCheckpointingLayer.__call__ reads (once per
+    process)."""
     import inspect
 
     from transformers.modeling_layers import GradientCheckpointingLayer
@@ -107,11 +118,13 @@ def _flags_read() -> tuple:
 
 @contextlib.contextmanager
 def layer_flags(model, **flags):
-    """Set LAYER_FLAGS on every layer that transformers' gradient checkpointing wraps, for the block.
+    """Set LAYER_FLAGS on every layer that transformers' gradient checkpointing wraps, for the
+    block.
 
-    The one place this toolkit writes into transformers' layers (their instance __dict__, restored after).
-    A transformers that renamed the flags would silently checkpoint with the cache again: the names are
-    checked against the library's source here, and tests/test_shared_prefix.py checks the behaviour.
+    The one place this toolkit writes into transformers' layers (their instance __dict__, restored
+    after). A transformers that renamed the flags would silently checkpoint with the cache again:
+    the names are checked against the library's source here, and tests/test_shared_prefix.py checks
+    the behaviour.
     """
     from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -135,8 +148,9 @@ def layer_flags(model, **flags):
 
 
 def shared_generate(model, prompt_ids, prompt_mask, gen_config, repeats: int, shared: bool = True):
-    """(B, T) transformers' generate on prompts already repeated `repeats` times each (rows prompt 0 x repeats, ...):
-    with `shared`, each prompt's KV cache is computed once and repeated, the same samples for less prefill."""
+    """(B, T) transformers' generate on prompts already repeated `repeats` times each (rows prompt 0
+    x repeats, ...): with `shared`, each prompt's KV cache is computed once and repeated, the same
+    samples for less prefill."""
     cache = prompt_cache(model, prompt_ids[::repeats, :-1], prompt_mask[::repeats, :-1], repeats)[0] if shared else None
     out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, past_key_values=cache,
                          generation_config=gen_config)
@@ -149,9 +163,9 @@ LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scalin
 
 
 def per_token_logps_plain(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0, with_entropy=False):
-    """The definition: (B, T) log softmax(logits / T)[ids]. The paths below must match it in value and gradient.
-    Costs two (B, T, V) fp32 buffers (log_softmax and its gradient). with_entropy: (logps, (B, T) entropy of
-    softmax(logits / T), -sum p log p, detached)."""
+    """The definition: (B, T) log softmax(logits / T)[ids]. The paths below must match it in value
+    and gradient. Costs two (B, T, V) fp32 buffers (log_softmax and its gradient). with_entropy:
+    (logps, (B, T) entropy of softmax(logits / T), -sum p log p, detached)."""
     logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, T, V)
     logps = logp_all.gather(-1, ids[..., None]).squeeze(-1)  # (B, T)
     if with_entropy:
@@ -169,9 +183,9 @@ def spans(n: int, chunk: int) -> list:
 class _TokenLogps(torch.autograd.Function):
     """per_token_logps_plain without a (B, T, V) buffer in forward or backward.
 
-    Forward keeps only the per-token logsumexp (B, T); backward recomputes the softmax `chunk` tokens
-    at a time. With inplace=True the gradient is written over the logits themselves (nothing reads
-    them after the loss), so not even a (B, T, V) gradient is allocated.
+    Forward keeps only the per-token logsumexp (B, T); backward recomputes the softmax `chunk`
+    tokens at a time. With inplace=True the gradient is written over the logits themselves (nothing
+    reads them after the loss), so not even a (B, T, V) gradient is allocated.
     """
 
     @staticmethod
@@ -179,7 +193,8 @@ class _TokenLogps(torch.autograd.Function):
         logps = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)  # (B, T)
         lse, entropy = torch.empty_like(logps), torch.zeros_like(logps)  # (B, T) each
         for b, s in _row_chunks(logits, chunk):
-            z = logits[b, s].float() / temperature  # (c, V) a chunk of a view: nothing is copied whole
+            # (c, V) a chunk of a view: nothing is copied whole
+            z = logits[b, s].float() / temperature
             lse[b, s] = torch.logsumexp(z, dim=-1)  # (c,)
             logps[b, s] = z.gather(-1, ids[b, s, None]).squeeze(-1) - lse[b, s]  # (c,)
             if with_entropy:
@@ -196,15 +211,17 @@ class _TokenLogps(torch.autograd.Function):
         grad = logits if ctx.inplace else torch.empty_like(logits)  # (B, T, V) in the logits' dtype
         for b, s in _row_chunks(logits, ctx.chunk):
             g = grad_logps[b, s].float()[:, None]  # (c, 1)
-            p = torch.exp(logits[b, s].float() / temp - lse[b, s, None])  # (c, V) softmax, recomputed
+            # (c, V) softmax, recomputed
+            p = torch.exp(logits[b, s].float() / temp - lse[b, s, None])
             p.mul_(-g).scatter_add_(-1, ids[b, s, None], g)  # d logp / d z = onehot - softmax
             grad[b, s] = p / temp  # read before written: in place is safe chunk by chunk
         return grad, None, None, None, None, None
 
 
 def chunk_entropy(z: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """(c,) entropy of softmax(z) for a chunk of logits z (c, V) with their logsumexp lse (c,): lse - sum p z.
-    One more (c, V) exp, never (B, T, V): the metric that shows an entropy collapse, at no memory cost."""
+    """(c,) entropy of softmax(z) for a chunk of logits z (c, V) with their logsumexp lse (c,): lse
+    - sum p z. One more (c, V) exp, never (B, T, V): the metric that shows an entropy collapse, at
+    no memory cost."""
     return lse - (torch.exp(z - lse[:, None]) * z).sum(-1)  # (c,)
 
 
@@ -216,7 +233,8 @@ def _row_chunks(logits, chunk):
 
 def chunked_logps(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0, *, chunk: int,
                     inplace_backward: bool = False, with_entropy: bool = False):
-    """(B, T) fp32 log-probs of `ids` under softmax(logits / temperature); logits[:, t] predicts ids[:, t].
+    """(B, T) fp32 log-probs of `ids` under softmax(logits / temperature); logits[:, t] predicts
+    ids[:, t].
 
     The memory-saving form of per_token_logps_plain (chunk = 0 selects the plain one).
     inplace_backward=True writes d(logits) over the logits (the caller must not read them after
@@ -235,9 +253,10 @@ class _HiddenLogps(torch.autograd.Function):
     """per_token_logps_plain(hidden @ weight.T, ids) without ever holding the (B, T, V) logits.
 
     Forward keeps the hidden states and a logsumexp per token; each chunk of tokens (rows and time
-    flattened) gets its own LM-head matmul. Backward recomputes that chunk's logits (one more matmul:
-    the LM head's FLOPs go from 3 to 4 passes) for d(hidden) and d(weight). A weight tied to the input
-    embedding (SmolLM2's) is one Parameter: autograd adds this gradient to the embedding's.
+    flattened) gets its own LM-head matmul. Backward recomputes that chunk's logits (one more
+    matmul: the LM head's FLOPs go from 3 to 4 passes) for d(hidden) and d(weight). A weight tied to
+    the input embedding (SmolLM2's) is one Parameter: autograd adds this gradient to the
+    embedding's.
     """
 
     @staticmethod
@@ -262,13 +281,16 @@ class _HiddenLogps(torch.autograd.Function):
         temp = ctx.temperature
         h, flat, grad = hidden.reshape(-1, hidden.shape[-1]), ids.reshape(-1), grad_logps.reshape(-1).float()
         d_hidden = torch.empty_like(h)  # (N, H)
-        # fp32 even for a bf16 weight: hundreds of chunks add up here. Costs (V, H) fp32, the weight's size.
+        # fp32 even for a bf16 weight: hundreds of chunks add up here. Costs (V, H) fp32, the
+        # weight's size.
         d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
             if ctx.needs_input_grad[1] else None  # (V, H)
         for s in spans(len(flat), ctx.chunk):
             g = grad[s, None]  # (c, 1)
-            d_z = (h[s] @ weight.T).float().div_(temp).sub_(lse[s, None]).exp_()  # (c, V) softmax, recomputed
-            d_z = d_z.mul_(-g).scatter_add_(-1, flat[s, None], g).div_(temp).to(weight.dtype)  # (c, V) d loss/d logits
+            # (c, V) softmax, recomputed
+            d_z = (h[s] @ weight.T).float().div_(temp).sub_(lse[s, None]).exp_()
+            # (c, V) d loss/d logits
+            d_z = d_z.mul_(-g).scatter_add_(-1, flat[s, None], g).div_(temp).to(weight.dtype)
             d_hidden[s] = d_z @ weight  # (c, H)
             if d_weight is not None and d_weight.dtype == d_z.dtype:
                 d_weight.addmm_(d_z.T, h[s])  # (V, H) in place: no (V, H) temporary
@@ -278,7 +300,8 @@ class _HiddenLogps(torch.autograd.Function):
 
 
 def lm_head_weight(model) -> torch.Tensor:
-    """(V, H) the output projection when the model's logits are exactly hidden @ weight.T; else a clear error."""
+    """(V, H) the output projection when the model's logits are exactly hidden @ weight.T; else a
+    clear error."""
     inner = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
     head = inner.get_output_embeddings()
     changed = {k: getattr(inner.config, k) for k in LOGIT_POSTPROCESSING if getattr(inner.config, k, None) not in
@@ -291,11 +314,13 @@ def lm_head_weight(model) -> torch.Tensor:
 
 def hidden_logps(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0, *,
                  chunk: int, with_entropy: bool = False):
-    """(B, T) fp32 log softmax(hidden @ weight.T / temperature)[ids], `chunk` tokens of logits at a time.
+    """(B, T) fp32 log softmax(hidden @ weight.T / temperature)[ids], `chunk` tokens of logits at a
+    time.
 
-    hidden (B, T, H) is the LM head's input; weight (V, H) its weight (lm_head_weight). Equal, in value
-    and in the gradients of hidden and weight, to per_token_logps_plain on the full logits. with_entropy:
-    (logps, (B, T) entropy of each token's distribution, detached), from the same chunks.
+    hidden (B, T, H) is the LM head's input; weight (V, H) its weight (lm_head_weight). Equal, in
+    value and in the gradients of hidden and weight, to per_token_logps_plain on the full logits.
+    with_entropy: (logps, (B, T) entropy of each token's distribution, detached), from the same
+    chunks.
     """
     if hidden.shape[:2] != ids.shape:
         raise ValueError(f"hidden states {tuple(hidden.shape)} do not match ids {tuple(ids.shape)}")
@@ -305,26 +330,29 @@ def hidden_logps(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, 
 
 def completion_logits(model, input_ids, attention_mask, n_completion: int, shared_prefix: bool = False,
                       hidden: bool = False) -> torch.Tensor:
-    """(B, n_completion, V) logits where [:, t] predicts input_ids[:, -n_completion + t]; hidden=True gives
-    (B, n_completion, H) instead: the last hidden states there, the LM head's input.
+    """(B, n_completion, V) logits where [:, t] predicts input_ids[:, -n_completion + t];
+    hidden=True gives (B, n_completion, H) instead: the last hidden states there, the LM head's
+    input.
 
-    Rows may be left-padded (attention_mask 0): positions count from each row's first real token, so a
-    padded row gets exactly the logits of the same row unpadded. shared_prefix=True runs each prompt once
-    for the consecutive rows that share it (above): the same values on every
+    Rows may be left-padded (attention_mask 0): positions count from each row's first real token, so
+    a padded row gets exactly the logits of the same row unpadded. shared_prefix=True runs each
+    prompt once for the consecutive rows that share it (above): the same values on every
     completion token (0 on the padding past a group's longest answer).
     """
     if shared_prefix:
         B, T = input_ids.shape[0], n_completion
         out = None
         for r in same_prompt_runs(input_ids[:, :-T], attention_mask[:, :-T]):
-            part = shared_prefix_logits(model, input_ids[r], attention_mask[r], T, hidden)  # (G, t, V) t <= T
+            # (G, t, V) t <= T
+            part = shared_prefix_logits(model, input_ids[r], attention_mask[r], T, hidden)
             if out is None:
                 out = part.new_zeros(B, T, part.shape[-1])  # (B, T, V) 0 past each group's end
             out[r, : part.shape[1]] = part
         return out
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, L)
     L = input_ids.shape[1]
-    keep = torch.arange(L - n_completion - 1, L - 1, device=input_ids.device)  # (T,) positions that predict
+    # (T,) positions that predict
+    keep = torch.arange(L - n_completion - 1, L - 1, device=input_ids.device)
     # The LM head runs on those positions only. Indices, not a slice of n + 1 positions: the
     # slice's backward would allocate a second (B, T + 1, V) buffer.
     return model_outputs(model, hidden, keep, input_ids=input_ids, attention_mask=attention_mask,
@@ -333,9 +361,10 @@ def completion_logits(model, input_ids, attention_mask, n_completion: int, share
 
 def completion_logps(model, input_ids, attention_mask, n_completion: int, temperature: float, micro_batch: int = 0,
                      shared_prefix: bool = False, *, chunk: int, from_hidden: bool, with_entropy: bool = False):
-    """(B, n_completion) log-probs of the last `n_completion` tokens of each row, micro_batch rows at a time.
-    from_hidden: from the hidden states, `chunk` tokens of logits at a time (hidden_logps); else from the
-    whole logits (chunked_logps). with_entropy: (logps, (B, n_completion) entropies), from the same pass."""
+    """(B, n_completion) log-probs of the last `n_completion` tokens of each row, micro_batch rows
+    at a time. from_hidden: from the hidden states, `chunk` tokens of logits at a time
+    (hidden_logps); else from the whole logits (chunked_logps). with_entropy: (logps, (B,
+    n_completion) entropies), from the same pass."""
     step, out = micro_batch or input_ids.shape[0], []
     for i in range(0, input_ids.shape[0], step):
         ids, attn = input_ids[i : i + step], attention_mask[i : i + step]  # (b, L) each
@@ -344,7 +373,9 @@ def completion_logps(model, input_ids, attention_mask, n_completion: int, temper
         if from_hidden:  # states (b, T, H)
             out.append(hidden_logps(states, lm_head_weight(model), targets, temperature, chunk=chunk,
                                     with_entropy=with_entropy))  # (b, T) or ((b, T), (b, T))
-        else:  # states (b, T, V): nothing else reads these logits, so their gradient may overwrite them
+        # states (b, T, V): nothing else reads these logits, so their gradient may overwrite them
+        else:
             out.append(chunked_logps(states, targets, temperature, chunk=chunk, inplace_backward=True,
                                        with_entropy=with_entropy))  # (b, T) or ((b, T), (b, T))
-    return tuple(torch.cat(parts) for parts in zip(*out)) if with_entropy else torch.cat(out)  # (B, T) (each)
+    # (B, T) (each)
+    return tuple(torch.cat(parts) for parts in zip(*out)) if with_entropy else torch.cat(out)

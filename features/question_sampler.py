@@ -1,22 +1,26 @@
-"""Which training questions a rollout draws (SAMPLER): "uniform", or "difficulty", which draws again the questions
-whose latest group had different rewards and draws less often the ones whose group did not.
+"""Which training questions a rollout draws (SAMPLER): "uniform", or "difficulty", which draws again
+the questions whose latest group had different rewards and draws less often the ones whose group did
+not.
 
-A group whose answers all got the same reward has advantages 0 and trains nothing: a question the policy always
-gets right (mastered) or always wrong (out of reach) costs a rollout and teaches nothing. prime-rl keeps easy,
-normal and hard pools by pass rate; verl and OpenRLHF filter a dataset by pass rate beforehand. Here each question
-keeps one record, its latest group's outcome, which needs no pass over the dataset:
-  - varied (different rewards): it joins the replay pool; up to REPLAY_SHARE (the trainer's) of each draw comes
-    from the pool, oldest first, and a question is replayed at most MAX_REPLAYS times in a row (else a few questions the policy
-    never settles would take over the run);
-  - uniform (all the same): fresh draws weigh it UNIFORM_KEEP, against 1 for a question not seen or varied.
+A group whose answers all got the same reward has advantages 0 and trains nothing: a question the
+policy always gets right (mastered) or always wrong (out of reach) costs a rollout and teaches
+nothing. prime-rl keeps easy, normal and hard pools by pass rate; verl and OpenRLHF filter a dataset
+by pass rate beforehand. Here each question keeps one record, its latest group's outcome, which
+needs no pass over the dataset:
+  - varied (different rewards): it joins the replay pool; up to REPLAY_SHARE (the trainer's) of each
+  draw comes
+    from the pool, oldest first, and a question is replayed at most MAX_REPLAYS times in a row (else
+    a few questions the policy never settles would take over the run);
+  - uniform (all the same): fresh draws weigh it UNIFORM_KEEP, against 1 for a question not seen or
+  varied.
 "learnability" draws each question with weight p (1 - p), p its pass rate: measured before step 1 by
 features/pass_rates.py (k answers each from the starting policy), then the share of right answers
 (PASS_KEY) in its latest group. A mastered (p = 1) or out-of-reach (p = 0) question weighs 0 and is
 drawn only when too few others are left; p (1 - p) is the variance of a right/wrong reward, so it is
 the expected spread of a group's rewards, which is what the advantage needs.
 A step that rolls out MAX_ROLLOUTS times without the groups it wants calls out_of_rollouts.
-Held-out questions are never in `questions`, so evaluation is untouched. The sampler is the run's random.Random
-too (getstate/setstate), so a checkpoint keeps the records with the data position.
+Held-out questions are never in `questions`, so evaluation is untouched. The sampler is the run's
+random.Random too (getstate/setstate), so a checkpoint keeps the records with the data position.
 
     SAMPLER=difficulty bash scripts/run_demo.sh
 """
@@ -30,15 +34,16 @@ SAMPLERS = ("uniform", "difficulty", "learnability")
 PASS_KEY = "reward_correct"  # the answer record's reward that is positive when the answer is right
 UNKNOWN_PASS_RATE = 0.5  # "learnability": a question without a measured pass rate counts as this
 MAX_REPLAYS = 2  # a question trained this many times in a row goes back among the fresh ones
-UNIFORM_KEEP = 0.1  # a question whose latest group was uniform weighs this in fresh draws (the others 1)
+# a question whose latest group was uniform weighs this in fresh draws (the others 1)
+UNIFORM_KEEP = 0.1
 
 
 class QuestionSampler:
     """sample(n) -> n distinct questions; record(answer records, group size) after each rollout."""
 
     def __init__(self, questions, seed, mode="uniform", replay_share=0.75):
-        """replay_share: of each draw at most this share (rounded up) comes from the replay pool (the trainer's
-        REPLAY_SHARE); the rest are new questions."""
+        """replay_share: of each draw at most this share (rounded up) comes from the replay pool
+        (the trainer's REPLAY_SHARE); the rest are new questions."""
         if mode not in SAMPLERS:
             raise ValueError(f"SAMPLER = {mode!r}: one of {', '.join(SAMPLERS)}")
         self.questions, self.mode, self.rng = questions, mode, random.Random(seed)
@@ -48,7 +53,8 @@ class QuestionSampler:
         self.pass_rates = {}  # "learnability": question text -> its latest pass rate
 
     def sample(self, n: int) -> list:
-        if self.mode == "uniform":  # exactly random.Random(seed).sample: the draws of runs before this module
+        # exactly random.Random(seed).sample: the draws of runs before this module
+        if self.mode == "uniform":
             return self.rng.sample(self.questions, n)
         if not 0 <= n <= len(self.questions):
             raise ValueError(f"cannot draw {n} questions out of {len(self.questions)}")
@@ -57,9 +63,11 @@ class QuestionSampler:
         by_text = {q["question"]: q for q in self.questions}
         replays = [by_text[t] for t in list(self.pool)[: math.ceil(n * self.replay_share)] if t in by_text]
         rest = [q for q in self.questions if q["question"] not in self.pool]
-        if len(rest) < n - len(replays):  # a dataset smaller than its pool: fresh draws may be pooled ones too
+        # a dataset smaller than its pool: fresh draws may be pooled ones too
+        if len(rest) < n - len(replays):
             rest = [q for q in self.questions if q not in replays]
-        # Weighted draws without replacement (Efraimidis-Spirakis): the largest u ** (1 / weight) win.
+        # Weighted draws without replacement (Efraimidis-Spirakis): the largest u ** (1 / weight)
+        # win.
         keys = [self.rng.random() ** (1 / (UNIFORM_KEEP if q["question"] in self.uniform else 1.0)) for q in rest]
         best = sorted(range(len(rest)), key=keys.__getitem__, reverse=True)[: n - len(replays)]
         return replays + [rest[i] for i in best]
@@ -70,8 +78,9 @@ class QuestionSampler:
         return p * (1 - p)
 
     def learnable(self, n: int) -> list:
-        """n distinct questions drawn with weights p (1 - p), without replacement (Efraimidis-Spirakis:
-        the largest u ** (1 / weight) win); weight-0 questions only fill up when too few others are left."""
+        """n distinct questions drawn with weights p (1 - p), without replacement
+        (Efraimidis-Spirakis: the largest u ** (1 / weight) win); weight-0 questions only fill up
+        when too few others are left."""
         keys = []
         for q in self.questions:
             u = self.rng.random()
@@ -85,7 +94,8 @@ class QuestionSampler:
         self.pass_rates.update(rates)
 
     def record(self, answers, group_size: int) -> None:
-        """Each group's outcome, from the rollout's answer records (consecutive groups of `group_size`)."""
+        """Each group's outcome, from the rollout's answer records (consecutive groups of
+        `group_size`)."""
         if self.mode == "uniform":
             return
         if self.mode == "learnability":
@@ -109,7 +119,8 @@ class QuestionSampler:
                 "pass_rates": dict(self.pass_rates)}
 
     def setstate(self, state):
-        """A checkpoint's state; one saved before this module holds the random.Random state alone."""
+        """A checkpoint's state; one saved before this module holds the random.Random state
+        alone."""
         if not isinstance(state, dict):
             return self.rng.setstate(state)
         self.rng.setstate(state["rng"])
@@ -118,8 +129,9 @@ class QuestionSampler:
 
 
 def out_of_rollouts(found: int, rollouts: int, wanted: int) -> None:
-    """A step's `rollouts` gave `found` of the `wanted` groups with different rewards: none stops the run (nothing to
-    train on, and more tries would not help); some (DYNAMIC_SAMPLING) get a warning, and the step trains on them."""
+    """A step's `rollouts` gave `found` of the `wanted` groups with different rewards: none stops
+    the run (nothing to train on, and more tries would not help); some (DYNAMIC_SAMPLING) get a
+    warning, and the step trains on them."""
     got = f"only {found} of the {wanted} groups" if found else "no group"
     say = (f"{rollouts} rollouts in a row gave {got} with different rewards: the task is too hard or too easy for "
            "this model (try THINK_PREFILL, EXAMPLE, ARITH_MAX, MAX_NEW_TOKENS, SAMPLER=difficulty, MAX_ROLLOUTS or "

@@ -1,6 +1,6 @@
 """The run log: each step's metrics (averaged over ranks) as a line under the progress bar and in
-OUTPUT_DIR/metrics.jsonl, the sampled answers in completions.jsonl, optional TensorBoard scalars, and
-curves.png. docs/metrics.md says what each metric means.
+OUTPUT_DIR/metrics.jsonl, the sampled answers in completions.jsonl, optional TensorBoard scalars,
+and curves.png. docs/metrics.md says what each metric means.
 
     python -c "from features.run_log import plot_curves; plot_curves('output/metrics.jsonl', ['reward_correct'])"
     python scripts/show_completions.py output/completions.jsonl        # the answers of a step, readable
@@ -18,7 +18,8 @@ from tqdm import tqdm
 from features.vllm_engine import sampler_gap
 from features.wire import sampled_version
 
-SAMPLE_CHARS = 200  # of the one sampled answer printed under each step: enough to see the format appear
+# of the one sampled answer printed under each step: enough to see the format appear
+SAMPLE_CHARS = 200
 
 
 def check_tensorboard(enabled: bool):
@@ -32,8 +33,9 @@ def check_tensorboard(enabled: bool):
 
 
 def open_jsonl(output_dir, name, resumed_step=0):
-    """output_dir/name for appending lines {"step": ...}. A fresh run keeps an earlier run's file under a new
-    name; a resumed run keeps the lines up to its checkpoint's step (later lines were never saved)."""
+    """output_dir/name for appending lines {"step": ...}. A fresh run keeps an earlier run's file
+    under a new name; a resumed run keeps the lines up to its checkpoint's step (later lines were
+    never saved)."""
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, name)
     if os.path.exists(path) and resumed_step:
@@ -50,15 +52,17 @@ def open_jsonl(output_dir, name, resumed_step=0):
 
 
 class RunLog:
-    """Rank 0's record of a run: metrics.jsonl, completions.jsonl (every `completions_every` steps; 0 = never)
-    and, with tensorboard, every metric as a scalar under output_dir/tb (`tensorboard --logdir output/tb`)."""
+    """Rank 0's record of a run: metrics.jsonl, completions.jsonl (every `completions_every` steps;
+    0 = never) and, with tensorboard, every metric as a scalar under output_dir/tb (`tensorboard
+    --logdir output/tb`)."""
 
     def __init__(self, output_dir, reward_names, *, resumed_step=0, completions_every=1, tensorboard=False):
         self.reward_names, self.completions_every = list(reward_names), completions_every
         self.metrics = open_jsonl(output_dir, "metrics.jsonl", resumed_step)
         self.answers = open_jsonl(output_dir, "completions.jsonl", resumed_step) if completions_every > 0 else None
         self.tb = None
-        if tensorboard:  # check_tensorboard made sure it imports; purge_step drops a resumed run's unsaved steps
+        # check_tensorboard made sure it imports; purge_step drops a resumed run's unsaved steps
+        if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             purge = resumed_step + 1 if resumed_step else None
@@ -87,7 +91,8 @@ class RunLog:
         if "tool_share" in m:
             tqdm.write(f"  tools  | {m['tool_share']:.0%} of answers called one, {m['tool_calls']:.2f} calls and "
                        f"{m['tool_errors']:.2f} errors per answer")
-        a = answers[-1]  # the newest rollout's last answer, so a person watching sees the format appear
+        # the newest rollout's last answer, so a person watching sees the format appear
+        a = answers[-1]
         tqdm.write(f"  sample | reward {a['reward']:.2f} | {a['question'][:60]!r} -> {a['answer'][:SAMPLE_CHARS]!r}")
         self.write(step, m)
 
@@ -106,8 +111,8 @@ class RunLog:
 
 
 def log_step(step, m, answers, log, device):
-    """Every rank calls it: the metrics averaged over ranks and every rank's answers go to rank 0's `log`
-    (None on the other ranks)."""
+    """Every rank calls it: the metrics averaged over ranks and every rank's answers go to rank 0's
+    `log` (None on the other ranks)."""
     m = reduce_over_ranks(m, device)
     gathered = [None] * torch.distributed.get_world_size() if log is not None else None
     torch.distributed.gather_object(answers, gathered, dst=0)
@@ -128,9 +133,10 @@ def reduce_over_ranks(values: dict, device) -> dict:
 
 @torch.no_grad()
 def weight_gap(model) -> float:
-    """|this rank's weight sums - rank 0's|, largest: ZeRO-2 hands every rank the same full weights after each
-    step, so it is 0; a rank that drifted (another node's kernels, a lost reduction) would train a different model
-    without a word. Sums in float64 without a float64 copy of any weight; one read of the weights (none on 1 rank)."""
+    """|this rank's weight sums - rank 0's|, largest: ZeRO-2 hands every rank the same full weights
+    after each step, so it is 0; a rank that drifted (another node's kernels, a lost reduction)
+    would train a different model without a word. Sums in float64 without a float64 copy of any
+    weight; one read of the weights (none on 1 rank)."""
     if torch.distributed.get_world_size() == 1:
         return 0.0
     sums = torch.stack([p.sum(dtype=torch.float64) for p in model.parameters()])  # (n_params,)
@@ -141,12 +147,13 @@ def weight_gap(model) -> float:
 
 @torch.no_grad()
 def loss_metrics(loss, b, *, old, ratio, entropy, kl, tis, clip_eps, clip_eps_high, vllm) -> dict:
-    """A (micro-)batch's loss metrics at the weights before the step, each x the batch's share of the step's (its
-    answers, or its tokens for per-token ones), so the step's sum over micro-batches is the whole batch's value:
-    loss; clip_low/high (tokens the clip cut: ratio below 1 - clip_eps with A < 0, above 1 + clip_eps_high with
-    A > 0); ratio_drift (|ratio - 1| per answer, 0 on-policy); entropy (per token); kl (k3 per answer); with vLLM,
-    sampler_gap and tis_masked (tokens whose importance weight is 0). b: the batch (mask, advantages,
-    sampler_logps, sampler_rows, share, token_share); old, ratio, entropy, kl, tis (B, T): the importance weights
+    """A (micro-)batch's loss metrics at the weights before the step, each x the batch's share of
+    the step's (its answers, or its tokens for per-token ones), so the step's sum over micro-batches
+    is the whole batch's value: loss; clip_low/high (tokens the clip cut: ratio below 1 - clip_eps
+    with A < 0, above 1 + clip_eps_high with A > 0); ratio_drift (|ratio - 1| per answer, 0
+    on-policy); entropy (per token); kl (k3 per answer); with vLLM, sampler_gap and tis_masked
+    (tokens whose importance weight is 0). b: the batch (mask, advantages, sampler_logps,
+    sampler_rows, share, token_share); old, ratio, entropy, kl, tis (B, T): the importance weights
     (kl and tis may be None)."""
     mask, adv, share, tokens = b.mask, b.advantages[:, None], b.share, b.token_share
     n, per_answer = mask.sum().clamp(min=1), mask.sum(-1).clamp(min=1)  # (), (B,)
@@ -157,15 +164,17 @@ def loss_metrics(loss, b, *, old, ratio, entropy, kl, tis, clip_eps, clip_eps_hi
              * share)
     if kl is not None:
         m["kl"] = (torch.where(mask, kl, 0.0).sum(-1) / per_answer).mean().item() * share
-    if vllm:  # the engines' mismatch on the sampled tokens, and the share of the tokens TIS_MODE masks
+    # the engines' mismatch on the sampled tokens, and the share of the tokens TIS_MODE masks
+    if vllm:
         m["sampler_gap"] = sampler_gap(old, b.sampler_logps, b.sampler_rows, mask) * tokens
         m["tis_masked"] = 0.0 if tis is None else (((tis == 0) & mask).sum() / n).item() * tokens
     return m
 
 
 def answer_records(step, rank, rollout, each, rewards, advantages) -> list:
-    """One dict per sampled answer, a line of completions.jsonl: what the model wrote and how it scored.
-    rollout: the trainer's Rollout; each: {reward name: its N values}; rewards, advantages (N,)."""
+    """One dict per sampled answer, a line of completions.jsonl: what the model wrote and how it
+    scored. rollout: the trainer's Rollout; each: {reward name: its N values}; rewards, advantages
+    (N,)."""
     tool = {k: getattr(rollout, k) for k in ("tool_calls", "tool_errors") if getattr(rollout, k) is not None}
     return [dict(step=step, rank=rank, question=rollout.questions[i], gold=rollout.golds[i],
                  answer=rollout.texts[i], reward=rewards[i].item(),
@@ -176,10 +185,12 @@ def answer_records(step, rank, rollout, each, rewards, advantages) -> list:
 
 
 def sample_stats(answers, group_size, reward_names) -> dict:
-    """Means over the answer records of every rollout a step sampled (one that re-sampled after all-equal groups
-    counts both): reward, reward_std (within groups), zero_var_groups (the share of groups whose answers all
-    scored the same: they train nothing), each reward's mean, length, max_length, truncated."""
-    rewards = torch.tensor([a["reward"] for a in answers])  # (N,) N = rollouts x Q_BATCH_SIZE x NUM_PRE_Q
+    """Means over the answer records of every rollout a step sampled (one that re-sampled after
+    all-equal groups counts both): reward, reward_std (within groups), zero_var_groups (the share of
+    groups whose answers all scored the same: they train nothing), each reward's mean, length,
+    max_length, truncated."""
+    # (N,) N = rollouts x Q_BATCH_SIZE x NUM_PRE_Q
+    rewards = torch.tensor([a["reward"] for a in answers])
     lengths = torch.tensor([float(a["length"]) for a in answers])  # (N,)
     spread = rewards.view(-1, group_size).std(1)  # (groups,)
     stats = dict(reward=rewards.mean().item(), reward_std=spread.mean().item(),
@@ -190,9 +201,10 @@ def sample_stats(answers, group_size, reward_names) -> dict:
 
 
 def tool_stats(answers) -> dict:
-    """TOOLS: tool_calls and tool_errors per answer, tool_share (answers with a call) and reward_correct's mean over
-    the answers with a call and without one (correct_with_tool, correct_without_tool; absent where none), over
-    every rank's answers of the step. {} without tools."""
+    """TOOLS: tool_calls and tool_errors per answer, tool_share (answers with a call) and
+    reward_correct's mean over the answers with a call and without one (correct_with_tool,
+    correct_without_tool; absent where none), over every rank's answers of the step. {} without
+    tools."""
     if not answers or "tool_calls" not in answers[0]:
         return {}
     n, used = len(answers), [a for a in answers if a["tool_calls"] > 0]
@@ -211,8 +223,9 @@ def is_eval(line: dict) -> bool:
 
 
 def plot_curves(metrics_path, reward_names, png_path=None):
-    """Reward, each reward function's mean and KL against step from any metrics.jsonl, as a PNG; returns
-    (its path, the figure's panels as {title: (steps, values)} of the training line) for a reader to check."""
+    """Reward, each reward function's mean and KL against step from any metrics.jsonl, as a PNG;
+    returns (its path, the figure's panels as {title: (steps, values)} of the training line) for a
+    reader to check."""
     import matplotlib
 
     matplotlib.use("Agg")  # headless: no display needed
@@ -252,17 +265,18 @@ def clock() -> float:
 
 @contextlib.contextmanager
 def timed(metrics, key: str):
-    """Add the seconds the block takes to metrics[key] (a Counter: the trainer's one way of gathering metrics)."""
+    """Add the seconds the block takes to metrics[key] (a Counter: the trainer's one way of
+    gathering metrics)."""
     start = clock()
     yield
     metrics[key] += clock() - start
 
 
 def step_metrics(m, groups, answers, *, step, attempts, step_start, group_size, reward_names) -> dict:
-    """The step's metrics with the derived ones: sample_stats over every rollout's answers, rollouts, answers
-    generated and trained (this rank's: their ratio over a run is the rollouts' cost per answer that trains),
-    groups, staleness, reward_model (the server's REWARD_MODEL mean score; the reward metric holds the
-    rule rewards only), train_s, seconds."""
+    """The step's metrics with the derived ones: sample_stats over every rollout's answers,
+    rollouts, answers generated and trained (this rank's: their ratio over a run is the rollouts'
+    cost per answer that trains), groups, staleness, reward_model (the server's REWARD_MODEL mean
+    score; the reward metric holds the rule rewards only), train_s, seconds."""
     out = dict(m, **sample_stats(answers, group_size, reward_names), rollouts=attempts, groups=len(groups),
                answers_generated=len(answers), answers_trained=sum(len(t["advantages"]) for t, _ in groups),
                train_s=m["fwd_bwd_s"] + m["optim_s"],

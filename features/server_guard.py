@@ -1,8 +1,8 @@
-"""The servers' guard against faulty and hostile peers (ref_server.py's, and the weight publisher's):
-the HTTP server itself (waitress with bounded threads and backlog; idle, stalled and trickling
-connections closed; a stop that frees the port), what an upload must be before any of it reaches
-the model, the token check, the memory of upload ids that makes a client's retried upload safe,
-the handouts that make taking a group safe to ask twice, the byte budget, and a warning when a
+"""The servers' guard against faulty and hostile peers (ref_server.py's, and the weight
+publisher's): the HTTP server itself (waitress with bounded threads and backlog; idle, stalled and
+trickling connections closed; a stop that frees the port), what an upload must be before any of it
+reaches the model, the token check, the memory of upload ids that makes a client's retried upload
+safe, the handouts that make taking a group safe to ask twice, the byte budget, and a warning when a
 server is reachable beyond loopback unguarded. A bad or hostile client gets a 4xx naming the
 problem, and can cost at most the server's limits (docs/server.md lists them).
 
@@ -25,7 +25,8 @@ TEMPERATURES = (0.01, 100)  # below 0.01, logits / T overflow to inf and the log
 MAX_ACK_CHARS = 200  # an acknowledged upload id: a name, never a payload
 MAX_RANKS = 4096  # trainer ranks a server keeps ready queues for
 META_TYPES = {"version": int, "rank": int, "worker": str, "upload_id": str, "regrouped": bool,
-              "question": str, "answers": list}  # optional fields; question and answers feed REWARD_MODEL
+              # optional fields; question and answers feed REWARD_MODEL
+              "question": str, "answers": list}
 
 
 class TooLarge(ValueError):
@@ -33,8 +34,8 @@ class TooLarge(ValueError):
 
 
 def validate_group(tensors: dict, meta: dict, vocab_size: int, max_rows: int, max_len: int, max_tokens: int) -> dict:
-    """The group's metadata with null fields dropped (null = not given); raise ValueError (TooLarge for a size
-    limit) naming the first problem in an uploaded group."""
+    """The group's metadata with null fields dropped (null = not given); raise ValueError (TooLarge
+    for a size limit) naming the first problem in an uploaded group."""
     missing = [k for k in UPLOAD_SPEC if k not in tensors and k not in OPTIONAL]
     if missing:
         raise ValueError(f"missing tensors: {missing}")
@@ -82,34 +83,37 @@ def validate_group(tensors: dict, meta: dict, vocab_size: int, max_rows: int, ma
 
 
 def token_ok(authorization: str, token: str) -> bool:
-    """Whether the raw Authorization header carries the REF_TOKEN ("" = no auth), compared in constant time.
-    Raw bytes: a header that is not UTF-8 is simply wrong, not a crash."""
+    """Whether the raw Authorization header carries the REF_TOKEN ("" = no auth), compared in
+    constant time. Raw bytes: a header that is not UTF-8 is simply wrong, not a crash."""
     return not token or hmac.compare_digest(authorization.encode("latin-1"), f"Bearer {token}".encode())
 
 
 class UploadIds:
-    """The answers given to the newest `size` upload ids. A client that timed out before reading its answer
-    retries with the same id and gets the first answer: the group is never queued twice."""
+    """The answers given to the newest `size` upload ids. A client that timed out before reading its
+    answer retries with the same id and gets the first answer: the group is never queued twice."""
 
     NEW, IN_FLIGHT = "new", "in flight"
 
     def __init__(self, size):
-        self.size, self.answers = size, collections.OrderedDict()  # upload_id -> its answer, or IN_FLIGHT
+        # upload_id -> its answer, or IN_FLIGHT
+        self.size, self.answers = size, collections.OrderedDict()
         self.lock = threading.Lock()
 
     def claim(self, uid):
-        """NEW (handle it: the id is now IN_FLIGHT), IN_FLIGHT (its first try is still being handled), or the
-        first try's answer. An upload without an id (None) is always NEW."""
+        """NEW (handle it: the id is now IN_FLIGHT), IN_FLIGHT (its first try is still being
+        handled), or the first try's answer. An upload without an id (None) is always NEW."""
         with self.lock:
             first = self.answers.get(uid, self.NEW) if uid else self.NEW
             if uid and first == self.NEW:
                 self.answers[uid] = self.IN_FLIGHT
-                while len(self.answers) > self.size:  # the oldest id is forgotten: a retry that late is new
+                # the oldest id is forgotten: a retry that late is new
+                while len(self.answers) > self.size:
                     self.answers.popitem(last=False)
             return first
 
     def settle(self, uid, answer):
-        """The id's answer, or with None (the upload was refused: 503) the id forgotten, so a retry is new."""
+        """The id's answer, or with None (the upload was refused: 503) the id forgotten, so a retry
+        is new."""
         with self.lock:
             if uid and answer is None:
                 self.answers.pop(uid, None)
@@ -133,13 +137,15 @@ def warn_if_exposed(host: str, token: str, what: str = "upload and read batches"
 
 
 class Room:
-    """The server's memory limit: at most queue_size groups per kind (trainers', workers') and max_bytes in all,
-    taken when an upload is accepted and given back when its batch is taken. Nothing waits for room: an upload
-    that finds none is answered 503 at once, and one kind's full queue never holds up the other's."""
+    """The server's memory limit: at most queue_size groups per kind (trainers', workers') and
+    max_bytes in all, taken when an upload is accepted and given back when its batch is taken.
+    Nothing waits for room: an upload that finds none is answered 503 at once, and one kind's full
+    queue never holds up the other's."""
 
     def __init__(self, queue_size, max_bytes):
         self.queue_size, self.max_bytes = queue_size, max_bytes
-        self.held, self.held_bytes = {"trainers": 0, "workers": 0}, 0  # groups and bytes accepted, not yet taken
+        # groups and bytes accepted, not yet taken
+        self.held, self.held_bytes = {"trainers": 0, "workers": 0}, 0
         self.lock = threading.Lock()
 
     def take(self, kind, nbytes) -> bool:
@@ -263,8 +269,9 @@ def start_http(app, host, port, *, threads, backlog, idle_timeout, max_body, req
 
 
 def close_sockets(httpd):
-    """Close every socket of a waitress server, the listening one too: its loop ends, the port is free. waitress
-    has no public call for it; its private socket map missing is an error (tests/test_server.py checks it)."""
+    """Close every socket of a waitress server, the listening one too: its loop ends, the port is
+    free. waitress has no public call for it; its private socket map missing is an error
+    (tests/test_server.py checks it)."""
     sockets = getattr(httpd, "_map", None)
     if not isinstance(sockets, dict) or not sockets:
         raise RuntimeError(f"waitress {type(httpd).__name__} has no socket map: features/server_guard.close_sockets "
@@ -274,8 +281,8 @@ def close_sockets(httpd):
 
 
 def json_errors(app):
-    """The bottle `app` with its own error pages (bad request, unknown path or method, a crash) as JSON, like
-    every other answer of the server; returns it."""
+    """The bottle `app` with its own error pages (bad request, unknown path or method, a crash) as
+    JSON, like every other answer of the server; returns it."""
     import bottle
 
     def json_error(err):

@@ -1,7 +1,8 @@
-"""The wire format between generators, the reference server and trainers: one group of answers as safetensors
-bytes with JSON metadata in the header (no pickle, so a payload can never run code on the other side),
-collate, which lays groups of different lengths out as one padded batch for the loss, and
-request_with_retry, the one HTTP request every client makes (it waits through a busy or restarting server).
+"""The wire format between generators, the reference server and trainers: one group of answers as
+safetensors bytes with JSON metadata in the header (no pickle, so a payload can never run code on
+the other side), collate, which lays groups of different lengths out as one padded batch for the
+loss, and request_with_retry, the one HTTP request every client makes (it waits through a busy or
+restarting server).
 
     python -c "from features.wire import UPLOAD_SPEC; print(list(UPLOAD_SPEC))"
 """
@@ -15,19 +16,24 @@ import requests
 import safetensors.torch
 import torch
 
-# One group = safetensors tensors + JSON metadata {"plen": int, "temperature": float, ...free fields}.
+# One group = safetensors tensors + JSON metadata {"plen": int, "temperature": float, ...free
+# fields}.
 # input_ids holds prompt + completion for each of the G rows; the prompt (unpadded) has length plen.
 UPLOAD_SPEC = {  # name: (dtype, shape as a function of G rows, L columns, plen)
     "input_ids": (torch.int64, lambda g, l, p: (g, l)),
     "completion_mask": (torch.bool, lambda g, l, p: (g, l - p)),
     "advantages": (torch.float32, lambda g, l, p: (g,)),
     "rewards": (torch.float32, lambda g, l, p: (g,)),
-    "gen_logps": (torch.float32, lambda g, l, p: (g, l - p)),  # optional: the sampling policy's log-probs
-    "sampler_logps": (torch.float32, lambda g, l, p: (g, l - p)),  # optional: what vLLM said they were
+    # optional: the sampling policy's log-probs
+    "gen_logps": (torch.float32, lambda g, l, p: (g, l - p)),
+    # optional: what vLLM said they were
+    "sampler_logps": (torch.float32, lambda g, l, p: (g, l - p)),
 }
 OPTIONAL = {"gen_logps", "sampler_logps"}
-MAX_META_CHARS, MAX_META_DEPTH = 2**22, 8  # metadata: numbers, names, and the answers' text for a reward model
-QUOTE_CHARS = 200  # how much of a bad input an error message quotes: enough to recognise, never megabytes
+# metadata: numbers, names, and the answers' text for a reward model
+MAX_META_CHARS, MAX_META_DEPTH = 2**22, 8
+# how much of a bad input an error message quotes: enough to recognise, never megabytes
+QUOTE_CHARS = 200
 # Internal timings of request_with_retry; SERVER_TIMEOUT (the trainer's) is the one to tune.
 _RETRY_FIRST_S, _RETRY_MAX_S = 0.2, 5.0  # backoff between retries of an unreachable or busy server
 _NOTE_EVERY_S = 10.0  # a retrying client says so on stderr at most this often
@@ -41,12 +47,13 @@ def sampled_version(meta: dict) -> int:
 
 
 def sampled_by(groups, version, *, max_staleness) -> tuple:
-    """(the pulled groups the policy at `version` may train on, the counts dropped). A group that other
-    weights sampled (a step late) needs their log-probs as pi_old (gen_logps), else its ratio would be 1
-    as if these weights had sampled it: workers' and regrouped groups carry them. One sampled more than
-    max_staleness versions ago is dropped (docs/workers.md), and so is one sampled by weights newer
-    than these (a crashed run's leftovers after RESUME, a worker on a later published version): its
-    pi_old is not a policy this run has been. A group without a version counts as the oldest, 0."""
+    """(the pulled groups the policy at `version` may train on, the counts dropped). A group that
+    other weights sampled (a step late) needs their log-probs as pi_old (gen_logps), else its ratio
+    would be 1 as if these weights had sampled it: workers' and regrouped groups carry them. One
+    sampled more than max_staleness versions ago is dropped (docs/workers.md), and so is one sampled
+    by weights newer than these (a crashed run's leftovers after RESUME, a worker on a later
+    published version): its pi_old is not a policy this run has been. A group without a version
+    counts as the oldest, 0."""
     def lag(meta):  # versions between the sampling weights and these
         return version - sampled_version(meta)
     fresh = [(tensors, meta) for tensors, meta in groups if 0 <= lag(meta) <= max_staleness]
@@ -90,7 +97,8 @@ def decode_batch(data: bytes) -> tuple[dict, dict]:
 
 
 def _depth(x) -> int:
-    """Nesting depth of JSON values, without recursion (a hostile document may be thousands deep)."""
+    """Nesting depth of JSON values, without recursion (a hostile document may be thousands
+    deep)."""
     depth, level = 0, [x]
     while level:
         depth += 1
@@ -99,35 +107,41 @@ def _depth(x) -> int:
 
 
 def collate(groups, pad_id):
-    """Groups of different prompt and completion lengths as one left/right-padded batch. Optional log-probs come
-    with the rows that carry them (gen_rows, sampler_rows (B,) bool), never with a value that means "missing"."""
+    """Groups of different prompt and completion lengths as one left/right-padded batch. Optional
+    log-probs come with the rows that carry them (gen_rows, sampler_rows (B,) bool), never with a
+    value that means "missing"."""
     P = max(meta["plen"] for _, meta in groups)
     T = max(g["input_ids"].shape[1] - meta["plen"] for g, meta in groups)
     B = sum(g["input_ids"].shape[0] for g, _ in groups)
     b = dict(input_ids=torch.full((B, P + T), pad_id), attention_mask=torch.zeros(B, P + T, dtype=torch.long),
              mask=torch.zeros(B, T, dtype=torch.bool), advantages=torch.cat([g["advantages"] for g, _ in groups]))
-    logps = {name: torch.zeros(B, T) for name in ("ref_logps", "gen_logps", "sampler_logps")}  # (B, T) each
-    given = {name: torch.zeros(B, dtype=torch.bool) for name in logps}  # (B,) each: the rows that carry it
+    # (B, T) each
+    logps = {name: torch.zeros(B, T) for name in ("ref_logps", "gen_logps", "sampler_logps")}
+    # (B,) each: the rows that carry it
+    given = {name: torch.zeros(B, dtype=torch.bool) for name in logps}
     row = 0
     for g, meta in groups:
         n, plen = g["input_ids"].shape[0], meta["plen"]
         tlen = g["input_ids"].shape[1] - plen
-        b["input_ids"][row : row + n, P - plen : P + tlen] = g["input_ids"]  # prompts end at column P
+        # prompts end at column P
+        b["input_ids"][row : row + n, P - plen : P + tlen] = g["input_ids"]
         b["attention_mask"][row : row + n, P - plen : P + tlen] = 1
         b["mask"][row : row + n, :tlen] = g["completion_mask"]
         for name in [name for name in logps if name in g]:
             logps[name][row : row + n, :tlen], given[name][row : row + n] = g[name], True
         row += n
-    b["ref_logps"] = logps["ref_logps"] if given["ref_logps"].all() else None  # None: BETA = 0, never asked for
+    # None: BETA = 0, never asked for
+    b["ref_logps"] = logps["ref_logps"] if given["ref_logps"].all() else None
     for name, rows in (("gen_logps", "gen_rows"), ("sampler_logps", "sampler_rows")):
         b[name], b[rows] = (logps[name], given[name]) if given[name].any() else (None, None)
     return b
 
 
 def group_tensors(sampled, ids, kept, group_size, rewards, advantages, gen_logps, meta) -> list:
-    """The kept groups of a rollout (the trainer's Rollout) as (tensors, meta) in UPLOAD_SPEC's layout: each prompt
-    without its left padding, the columns every answer finished before dropped. ids (B, P + T) prompt + answer
-    rows; kept: group indices; gen_logps (K, T) the kept rows' pi_old, or None; meta: fields every group carries."""
+    """The kept groups of a rollout (the trainer's Rollout) as (tensors, meta) in UPLOAD_SPEC's
+    layout: each prompt without its left padding, the columns every answer finished before dropped.
+    ids (B, P + T) prompt + answer rows; kept: group indices; gen_logps (K, T) the kept rows'
+    pi_old, or None; meta: fields every group carries."""
     G, P, mask = group_size, sampled.prompt_ids.shape[1], sampled.mask
     groups = []
     for j, q in enumerate(kept):
@@ -135,19 +149,22 @@ def group_tensors(sampled, ids, kept, group_size, rewards, advantages, gen_logps
         plen = int(sampled.prompt_mask[q * G].sum())  # the prompt without its left padding
         tlen = int(mask[r].any(0).nonzero().max()) + 1  # drop columns every row has finished before
         tensors = dict(input_ids=ids[r, P - plen : P + tlen].cpu(), completion_mask=mask[r, :tlen].cpu(),
-                       advantages=advantages[r], rewards=rewards[r])  # (G, plen + tlen), (G, tlen), (G,), (G,)
+                       # (G, plen + tlen), (G, tlen), (G,), (G,)
+                       advantages=advantages[r], rewards=rewards[r])
         if gen_logps is not None:
             tensors["gen_logps"] = gen_logps[j * G : (j + 1) * G, :tlen]  # (G, tlen)
         if sampled.sampler_logps is not None:  # vLLM's own: the loss's importance weights
             tensors["sampler_logps"] = sampled.sampler_logps[r, :tlen]  # (G, tlen)
         groups.append((tensors, {"plen": plen, "question": sampled.questions[q * G],
-                                 "answers": sampled.texts[r], **meta}))  # question and answers: a reward model's
+                                 # question and answers: a reward model's
+                                 "answers": sampled.texts[r], **meta}))
     return groups
 
 
 def global_count(masks, *, token_mean: bool) -> float:
-    """The trainer's reduce_loss normalizer: the step's answers (token_mean: tokens) in its (B, T) masks on all
-    ranks, / the ranks: each weighs the same wherever it landed, as ZeRO-2 averages gradients."""
+    """The trainer's reduce_loss normalizer: the step's answers (token_mean: tokens) in its (B, T)
+    masks on all ranks, / the ranks: each weighs the same wherever it landed, as ZeRO-2 averages
+    gradients."""
     count = sum(int(m.sum()) if token_mean else m.shape[0] for m in masks)
     n = torch.tensor(float(count), dtype=torch.float64, device=masks[0].device)  # NCCL: GPU only
     if torch.distributed.is_initialized():
@@ -163,7 +180,8 @@ class ServerError(RuntimeError):
 def request_with_retry(method, url, token="", data=None, give_up_after=600.0, what="reference server",
                        read_timeout=_READ_TIMEOUT_S):
     """One HTTP request; connection errors, timeouts and 503 (queue full) are retried with backoff.
-    A retried upload is safe when it carries an upload_id: the server answers a repeat, queues nothing."""
+    A retried upload is safe when it carries an upload_id: the server answers a repeat, queues
+    nothing."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     start, delay, last_note = time.time(), _RETRY_FIRST_S, 0.0
     while True:
