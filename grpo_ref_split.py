@@ -11,7 +11,7 @@ One step on every rank, as main() runs it:
     python grpo_ref_split.py genonly        # an extra generation worker (a spare GPU or machine)
 
 Read top to bottom: constants, the GRPO math, one step, the loop; then rewards.py and ref_server.py.
-Where a step runs a faster equal (features/fast_paths.py), the plain definition is here, tested equal.
+Where a step runs a faster equal (features/fast_paths.py), its plain definition is here, tested.
 Left out of GRPO: a value model (the group is the baseline) and process rewards per reasoning step.
 Shapes: B answers, P prompt and T answer columns, V vocabulary. Constants: env vars of their name.
 """
