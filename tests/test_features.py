@@ -6,6 +6,7 @@ import os
 import random
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -147,8 +148,8 @@ def test_a_worker_keeps_its_version_when_a_new_checkpoint_vanishes_as_it_loads(t
             raise OSError("No such file or directory")
         return ("model", "tokenizer", [2], None) if path == "base" else (f"model of {path}", "tokenizer", [2], None)
 
-    def rollout(model, tokenizer, eos_ids, gen_config, drawn, llm, keep_all):
-        return [({}, {})], [{"reward": 1.0}], {}, None
+    def rollout(model, tokenizer, drawn, *, eos_ids, gen_config, llm, keep_all, m):
+        return types.SimpleNamespace(groups=[({}, {})], records=[{"reward": 1.0}])
 
     client = FakeClient()
     with pytest.raises(Stop):
