@@ -9,7 +9,7 @@ Chunked log-probs (LOGP_FROM_HIDDEN, LOGP_CHUNK): the definition is per_token_lo
 head runs `chunk` tokens at a time inside one autograd function, as Liger-Kernel's fused linear
 losses and Cut Cross-Entropy (arXiv 2411.09009) do (tests/test_grpo_math.py).
 
-    python bench/bench_step_anatomy.py            # COMPARE=shared_prefix: the step with it and without
+    COMPARE=shared_prefix python bench/bench_step_anatomy.py   # the step with it and without
     python bench/bench_logprob_memory.py          # the memory each log-prob path takes
 """
 import contextlib
@@ -39,12 +39,14 @@ def model_outputs(model, hidden: bool, keep, **inputs) -> torch.Tensor:
 def same_prompt_runs(prompt_ids, prompt_mask) -> list:
     """Slices of consecutive rows whose (left-padded) prompts are identical: a group's rows, at
     least."""
-    same = (prompt_ids[1:] == prompt_ids[:-1]).all(-1) & (prompt_mask[1:] == prompt_mask[:-1]).all(-1)  # (B-1,)
+    same_ids = (prompt_ids[1:] == prompt_ids[:-1]).all(-1)  # (B-1,)
+    same = same_ids & (prompt_mask[1:] == prompt_mask[:-1]).all(-1)  # (B-1,)
     starts = [0] + (torch.nonzero(~same).flatten() + 1).tolist() + [prompt_ids.shape[0]]
     return [slice(a, b) for a, b in zip(starts, starts[1:])]
 
 
-def shared_prefix_logits(model, input_ids, attention_mask, n_completion: int, hidden: bool = False) -> torch.Tensor:
+def shared_prefix_logits(model, input_ids, attention_mask, n_completion: int,
+                         hidden: bool = False) -> torch.Tensor:
     """Logits (or hidden states) of the completion tokens for G rows with one prompt: (G, t, V) for
     the group's own t <= n_completion columns (in a batch padded to its longest answer, the columns
     after this group's longest are padding, and cost nothing here).
@@ -67,9 +69,9 @@ def shared_prefix_logits(model, input_ids, attention_mask, n_completion: int, hi
     inner = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
     positions = torch.arange(plen, plen + T - 1, device=ids.device).expand(G, -1)  # (G, T - 1)
     with layer_flags(inner, _can_checkpoint_with_cache=True):
+        rest_mask = torch.cat([attn.new_ones(G, plen), attn[:, : T - 1]], 1)  # (G, plen + T - 1)
         rest = model_outputs(model, hidden, 0, input_ids=ids[:, : T - 1], past_key_values=cache,
-                             position_ids=positions,
-                             attention_mask=torch.cat([attn.new_ones(G, plen), attn[:, : T - 1]], 1))  # (G, T-1, V)
+                             position_ids=positions, attention_mask=rest_mask)  # (G, T-1, V)
     _check_cache(cache, plen + T - 1, inner)
     cache.crop(1 - T)  # back to the prompt: checkpointed layers recompute on it in backward
     return torch.cat([first.expand(G, 1, -1), rest], 1)  # (G, T, V)
@@ -90,8 +92,7 @@ def prompt_cache(model, prompt_ids, prompt_mask, repeats: int, hidden: bool = Fa
     # checkpointing.
     with layer_flags(inner, gradient_checkpointing=False):
         last = model_outputs(model, hidden, 1, input_ids=prompt_ids, attention_mask=prompt_mask,
-                             # (Q, 1, V), or (Q, 1, H)
-                             position_ids=positions, past_key_values=cache)
+                             position_ids=positions, past_key_values=cache)  # (Q, 1, V or H)
     _check_cache(cache, prompt_ids.shape[1], inner)
     # (Q * repeats, heads, P, d) per layer; backward sums the copies
     cache.batch_repeat_interleave(repeats)
@@ -101,7 +102,8 @@ def prompt_cache(model, prompt_ids, prompt_mask, repeats: int, hidden: bool = Fa
 def _check_cache(cache, length, model):
     # a model (or its checkpointing) that neither fills nor reads the cache
     if cache.get_seq_length() != length:
-        raise RuntimeError(f"{type(model).__name__} ignored the prompt's KV cache: set SHARED_PREFIX = False")
+        raise RuntimeError(f"{type(model).__name__} ignored the prompt's KV cache: "
+                           "set SHARED_PREFIX = False")
 
 
 @functools.cache
@@ -130,8 +132,9 @@ def layer_flags(model, **flags):
 
     unknown = [name for name in flags if name not in LAYER_FLAGS or name not in _flags_read()]
     if unknown:
-        raise RuntimeError(f"this transformers' GradientCheckpointingLayer does not read {unknown}: the shared "
-                           "prompt cannot switch its checkpointing; set SHARED_PREFIX = False")
+        raise RuntimeError("this transformers' GradientCheckpointingLayer does not read "
+                           f"{unknown}: the shared prompt cannot switch its checkpointing; "
+                           "set SHARED_PREFIX = False")
     layers = [mod for mod in model.modules() if isinstance(mod, GradientCheckpointingLayer)]
     with _FLAGS_LOCK:  # two in-process reference servers may share one model (tests do)
         saved = [{name: layer.__dict__[name] for name in flags if name in layer.__dict__}
@@ -151,7 +154,10 @@ def shared_generate(model, prompt_ids, prompt_mask, gen_config, repeats: int, sh
     """(B, T) transformers' generate on prompts already repeated `repeats` times each (rows prompt 0
     x repeats, ...): with `shared`, each prompt's KV cache is computed once and repeated, the same
     samples for less prefill."""
-    cache = prompt_cache(model, prompt_ids[::repeats, :-1], prompt_mask[::repeats, :-1], repeats)[0] if shared else None
+    cache = None  # full rows: generate computes every prompt itself
+    if shared:
+        cache = prompt_cache(model, prompt_ids[::repeats, :-1], prompt_mask[::repeats, :-1],
+                             repeats)[0]
     out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, past_key_values=cache,
                          generation_config=gen_config)
     return out[:, prompt_ids.shape[1] :]  # (B, T)
@@ -159,10 +165,12 @@ def shared_generate(model, prompt_ids, prompt_mask, gen_config, repeats: int, sh
 
 # ----------------------------------------------------------------------------- chunked log-probs
 # Config fields that make a model's logits something other than lm_head(last hidden state).
-LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling",
+                        "output_multiplier_scale")
 
 
-def per_token_logps_plain(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0, with_entropy=False):
+def per_token_logps_plain(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0,
+                          with_entropy=False):
     """The definition: (B, T) log softmax(logits / T)[ids]. The paths below must match it in value
     and gradient. Costs two (B, T, V) fp32 buffers (log_softmax and its gradient). with_entropy:
     (logps, (B, T) entropy of softmax(logits / T), -sum p log p, detached)."""
@@ -245,7 +253,8 @@ def chunked_logps(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 
         raise ValueError(f"logits {tuple(logits.shape)} do not match ids {tuple(ids.shape)}")
     if chunk == 0:
         return per_token_logps_plain(logits, ids, temperature, with_entropy)
-    logps, entropy = _TokenLogps.apply(logits, ids, float(temperature), inplace_backward, chunk, with_entropy)
+    logps, entropy = _TokenLogps.apply(logits, ids, float(temperature), inplace_backward, chunk,
+                                       with_entropy)
     return (logps, entropy) if with_entropy else logps
 
 
@@ -279,24 +288,26 @@ class _HiddenLogps(torch.autograd.Function):
     def backward(ctx, grad_logps, _grad_entropy):  # grad_logps (B, T)
         hidden, weight, ids, lse = ctx.saved_tensors
         temp = ctx.temperature
-        h, flat, grad = hidden.reshape(-1, hidden.shape[-1]), ids.reshape(-1), grad_logps.reshape(-1).float()
+        h = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
+        flat = ids.reshape(-1)  # (N,)
+        grad = grad_logps.reshape(-1).float()  # (N,)
         d_hidden = torch.empty_like(h)  # (N, H)
-        # fp32 even for a bf16 weight: hundreds of chunks add up here. Costs (V, H) fp32, the
-        # weight's size.
-        d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-            if ctx.needs_input_grad[1] else None  # (V, H)
+        d_weight = None  # (V, H) when the weight trains
+        if ctx.needs_input_grad[1]:  # fp32 even for a bf16 weight: hundreds of chunks add up here
+            d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for s in spans(len(flat), ctx.chunk):
             g = grad[s, None]  # (c, 1)
-            # (c, V) softmax, recomputed
-            d_z = (h[s] @ weight.T).float().div_(temp).sub_(lse[s, None]).exp_()
-            # (c, V) d loss/d logits
-            d_z = d_z.mul_(-g).scatter_add_(-1, flat[s, None], g).div_(temp).to(weight.dtype)
+            d_z = (h[s] @ weight.T).float().div_(temp).sub_(lse[s, None]).exp_()  # (c, V) softmax
+            d_z = d_z.mul_(-g).scatter_add_(-1, flat[s, None], g)  # (c, V) d loss/d (logits / t)
+            d_z = d_z.div_(temp).to(weight.dtype)  # (c, V) d loss/d logits
             d_hidden[s] = d_z @ weight  # (c, H)
             if d_weight is not None and d_weight.dtype == d_z.dtype:
                 d_weight.addmm_(d_z.T, h[s])  # (V, H) in place: no (V, H) temporary
             elif d_weight is not None:
                 d_weight += d_z.T @ h[s]  # (V, H) a bf16 temporary, summed in fp32
-        return d_hidden.view_as(hidden), None if d_weight is None else d_weight.to(weight.dtype), None, None, None, None
+        if d_weight is not None:
+            d_weight = d_weight.to(weight.dtype)
+        return d_hidden.view_as(hidden), d_weight, None, None, None, None
 
 
 def lm_head_weight(model) -> torch.Tensor:
@@ -304,16 +315,17 @@ def lm_head_weight(model) -> torch.Tensor:
     clear error."""
     inner = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
     head = inner.get_output_embeddings()
-    changed = {k: getattr(inner.config, k) for k in LOGIT_POSTPROCESSING if getattr(inner.config, k, None) not in
-               (None, 1, 1.0)}
+    changed = {k: getattr(inner.config, k) for k in LOGIT_POSTPROCESSING
+               if getattr(inner.config, k, None) not in (None, 1, 1.0)}
     if not isinstance(head, torch.nn.Linear) or head.bias is not None or changed:
-        raise ValueError(f"{type(inner).__name__}'s logits are not a bias-free linear map of its last hidden state "
-                         f"({changed or type(head).__name__}): set LOGP_FROM_HIDDEN = False")
+        raise ValueError(f"{type(inner).__name__}'s logits are not a bias-free linear map of its "
+                         f"last hidden state ({changed or type(head).__name__}): "
+                         "set LOGP_FROM_HIDDEN = False")
     return head.weight
 
 
-def hidden_logps(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0, *,
-                 chunk: int, with_entropy: bool = False):
+def hidden_logps(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor,
+                 temperature: float = 1.0, *, chunk: int, with_entropy: bool = False):
     """(B, T) fp32 log softmax(hidden @ weight.T / temperature)[ids], `chunk` tokens of logits at a
     time.
 
@@ -324,12 +336,13 @@ def hidden_logps(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, 
     """
     if hidden.shape[:2] != ids.shape:
         raise ValueError(f"hidden states {tuple(hidden.shape)} do not match ids {tuple(ids.shape)}")
-    logps, entropy = _HiddenLogps.apply(hidden, weight, ids, float(temperature), chunk, with_entropy)
+    logps, entropy = _HiddenLogps.apply(hidden, weight, ids, float(temperature), chunk,
+                                        with_entropy)
     return (logps, entropy) if with_entropy else logps
 
 
-def completion_logits(model, input_ids, attention_mask, n_completion: int, shared_prefix: bool = False,
-                      hidden: bool = False) -> torch.Tensor:
+def completion_logits(model, input_ids, attention_mask, n_completion: int,
+                      shared_prefix: bool = False, hidden: bool = False) -> torch.Tensor:
     """(B, n_completion, V) logits where [:, t] predicts input_ids[:, -n_completion + t];
     hidden=True gives (B, n_completion, H) instead: the last hidden states there, the LM head's
     input.
@@ -359,8 +372,9 @@ def completion_logits(model, input_ids, attention_mask, n_completion: int, share
                          position_ids=position_ids)  # (B, T, V) or (B, T, H)
 
 
-def completion_logps(model, input_ids, attention_mask, n_completion: int, temperature: float, micro_batch: int = 0,
-                     shared_prefix: bool = False, *, chunk: int, from_hidden: bool, with_entropy: bool = False):
+def completion_logps(model, input_ids, attention_mask, n_completion: int, temperature: float,
+                     micro_batch: int = 0, shared_prefix: bool = False, *, chunk: int,
+                     from_hidden: bool, with_entropy: bool = False):
     """(B, n_completion) log-probs of the last `n_completion` tokens of each row, micro_batch rows
     at a time. from_hidden: from the hidden states, `chunk` tokens of logits at a time
     (hidden_logps); else from the whole logits (chunked_logps). with_entropy: (logps, (B,
@@ -368,14 +382,15 @@ def completion_logps(model, input_ids, attention_mask, n_completion: int, temper
     step, out = micro_batch or input_ids.shape[0], []
     for i in range(0, input_ids.shape[0], step):
         ids, attn = input_ids[i : i + step], attention_mask[i : i + step]  # (b, L) each
-        states = completion_logits(model, ids, attn, n_completion, shared_prefix, hidden=from_hidden)
+        states = completion_logits(model, ids, attn, n_completion, shared_prefix,
+                                   hidden=from_hidden)  # (b, T, H) from_hidden, else (b, T, V)
         targets = ids[:, -n_completion:]  # (b, T)
-        if from_hidden:  # states (b, T, H)
-            out.append(hidden_logps(states, lm_head_weight(model), targets, temperature, chunk=chunk,
-                                    with_entropy=with_entropy))  # (b, T) or ((b, T), (b, T))
-        # states (b, T, V): nothing else reads these logits, so their gradient may overwrite them
-        else:
-            out.append(chunked_logps(states, targets, temperature, chunk=chunk, inplace_backward=True,
-                                       with_entropy=with_entropy))  # (b, T) or ((b, T), (b, T))
-    # (B, T) (each)
-    return tuple(torch.cat(parts) for parts in zip(*out)) if with_entropy else torch.cat(out)
+        if from_hidden:
+            out.append(hidden_logps(states, lm_head_weight(model), targets, temperature,
+                                    chunk=chunk, with_entropy=with_entropy))  # (b, T) or two
+        else:  # nothing else reads these logits, so their gradient may overwrite them
+            out.append(chunked_logps(states, targets, temperature, chunk=chunk,
+                                     inplace_backward=True, with_entropy=with_entropy))
+    if with_entropy:
+        return tuple(torch.cat(parts) for parts in zip(*out))  # (B, T), (B, T)
+    return torch.cat(out)  # (B, T)

@@ -61,14 +61,16 @@ class QuestionSampler:
         if self.mode == "learnability":
             return self.learnable(n)
         by_text = {q["question"]: q for q in self.questions}
-        replays = [by_text[t] for t in list(self.pool)[: math.ceil(n * self.replay_share)] if t in by_text]
+        oldest = list(self.pool)[: math.ceil(n * self.replay_share)]
+        replays = [by_text[t] for t in oldest if t in by_text]
         rest = [q for q in self.questions if q["question"] not in self.pool]
         # a dataset smaller than its pool: fresh draws may be pooled ones too
         if len(rest) < n - len(replays):
             rest = [q for q in self.questions if q not in replays]
         # Weighted draws without replacement (Efraimidis-Spirakis): the largest u ** (1 / weight)
         # win.
-        keys = [self.rng.random() ** (1 / (UNIFORM_KEEP if q["question"] in self.uniform else 1.0)) for q in rest]
+        weights = [UNIFORM_KEEP if q["question"] in self.uniform else 1.0 for q in rest]
+        keys = [self.rng.random() ** (1 / weight) for weight in weights]
         best = sorted(range(len(rest)), key=keys.__getitem__, reverse=True)[: n - len(replays)]
         return replays + [rest[i] for i in best]
 
@@ -115,8 +117,8 @@ class QuestionSampler:
                 self.uniform.add(text)
 
     def getstate(self):
-        return {"rng": self.rng.getstate(), "pool": list(self.pool.items()), "uniform": sorted(self.uniform),
-                "pass_rates": dict(self.pass_rates)}
+        return {"rng": self.rng.getstate(), "pool": list(self.pool.items()),
+                "uniform": sorted(self.uniform), "pass_rates": dict(self.pass_rates)}
 
     def setstate(self, state):
         """A checkpoint's state; one saved before this module holds the random.Random state
@@ -133,7 +135,7 @@ def out_of_rollouts(found: int, rollouts: int, wanted: int) -> None:
     the run (nothing to train on, and more tries would not help); some (DYNAMIC_SAMPLING) get a
     warning, and the step trains on them."""
     got = f"only {found} of the {wanted} groups" if found else "no group"
-    say = (f"{rollouts} rollouts in a row gave {got} with different rewards: the task is too hard or too easy for "
-           "this model (try THINK_PREFILL, EXAMPLE, ARITH_MAX, MAX_NEW_TOKENS, SAMPLER=difficulty, MAX_ROLLOUTS or "
-           "the weights)")
+    say = (f"{rollouts} rollouts in a row gave {got} with different rewards: the task is too hard "
+           "or too easy for this model (try THINK_PREFILL, EXAMPLE, ARITH_MAX, MAX_NEW_TOKENS, "
+           "SAMPLER=difficulty, MAX_ROLLOUTS or the weights)")
     sys.exit(say) if not found else tqdm.write(f"warning: {say}; training on those {found}")

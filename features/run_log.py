@@ -2,8 +2,8 @@
 OUTPUT_DIR/metrics.jsonl, the sampled answers in completions.jsonl, optional TensorBoard scalars,
 and curves.png. docs/metrics.md says what each metric means.
 
-    python -c "from features.run_log import plot_curves; plot_curves('output/metrics.jsonl', ['reward_correct'])"
-    python scripts/show_completions.py output/completions.jsonl        # the answers of a step, readable
+    python -c "from features.run_log import plot_curves as p; p('output/metrics.jsonl', ['reward'])"
+    python scripts/show_completions.py output/completions.jsonl    # the answers of a step, readable
 """
 import contextlib
 import importlib
@@ -29,7 +29,8 @@ def check_tensorboard(enabled: bool):
     try:
         importlib.import_module("torch.utils.tensorboard")
     except ImportError as e:
-        sys.exit(f"TENSORBOARD=1 needs the tensorboard package ({e}): pip install tensorboard, or TENSORBOARD=0")
+        sys.exit(f"TENSORBOARD=1 needs the tensorboard package ({e}): pip install tensorboard, "
+                 "or TENSORBOARD=0")
 
 
 def open_jsonl(output_dir, name, resumed_step=0):
@@ -56,20 +57,23 @@ class RunLog:
     0 = never) and, with tensorboard, every metric as a scalar under output_dir/tb (`tensorboard
     --logdir output/tb`)."""
 
-    def __init__(self, output_dir, reward_names, *, resumed_step=0, completions_every=1, tensorboard=False):
+    def __init__(self, output_dir, reward_names, *, resumed_step=0, completions_every=1,
+                 tensorboard=False):
         self.reward_names, self.completions_every = list(reward_names), completions_every
         self.metrics = open_jsonl(output_dir, "metrics.jsonl", resumed_step)
-        self.answers = open_jsonl(output_dir, "completions.jsonl", resumed_step) if completions_every > 0 else None
+        self.answers = None  # completions.jsonl, unless completions_every is 0
+        if completions_every > 0:
+            self.answers = open_jsonl(output_dir, "completions.jsonl", resumed_step)
         self.tb = None
-        # check_tensorboard made sure it imports; purge_step drops a resumed run's unsaved steps
-        if tensorboard:
+        if tensorboard:  # check_tensorboard made sure it imports; purge_step drops unsaved steps
             from torch.utils.tensorboard import SummaryWriter
 
             purge = resumed_step + 1 if resumed_step else None
             self.tb = SummaryWriter(os.path.join(output_dir, "tb"), purge_step=purge)
 
     def write(self, step, m):
-        self.metrics.write(json.dumps({"step": step, **{k: round(v, 6) for k, v in m.items()}}) + "\n")
+        rounded = {k: round(v, 6) for k, v in m.items()}
+        self.metrics.write(json.dumps({"step": step, **rounded}) + "\n")
         self.metrics.flush()
         if self.tb is not None:
             for k, v in m.items():
@@ -89,16 +93,16 @@ class RunLog:
                    f"len {m['length']:.1f} | {m['seconds']:.1f}s")
         m = m | tool_stats(answers)
         if "tool_share" in m:
-            tqdm.write(f"  tools  | {m['tool_share']:.0%} of answers called one, {m['tool_calls']:.2f} calls and "
-                       f"{m['tool_errors']:.2f} errors per answer")
-        # the newest rollout's last answer, so a person watching sees the format appear
-        a = answers[-1]
-        tqdm.write(f"  sample | reward {a['reward']:.2f} | {a['question'][:60]!r} -> {a['answer'][:SAMPLE_CHARS]!r}")
+            tqdm.write(f"  tools  | {m['tool_share']:.0%} of answers called one, "
+                       f"{m['tool_calls']:.2f} calls and {m['tool_errors']:.2f} errors per answer")
+        a = answers[-1]  # the newest rollout's last: a person watching sees the format appear
+        tqdm.write(f"  sample | reward {a['reward']:.2f} | {a['question'][:60]!r} -> "
+                   f"{a['answer'][:SAMPLE_CHARS]!r}")
         self.write(step, m)
 
     def eval(self, step, m, n_questions):
-        tqdm.write(f"eval {step:4d} | held-out " + " | ".join(f"{k[5:]} {v:.3f}" for k, v in m.items())
-                   + f" | {n_questions} questions, greedy")
+        scores = " | ".join(f"{k[5:]} {v:.3f}" for k, v in m.items())
+        tqdm.write(f"eval {step:4d} | held-out {scores} | {n_questions} questions, greedy")
         self.write(step, m)
 
     def close(self):
@@ -128,7 +132,8 @@ def reduce_over_ranks(values: dict, device) -> dict:
     torch.distributed.all_reduce(total)
     torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
     n = torch.distributed.get_world_size()
-    return {k: (peak[i] if k.startswith("max_") else total[i] / n).item() for i, k in enumerate(keys)}
+    mean = total / n  # (K,)
+    return {k: (peak[i] if k.startswith("max_") else mean[i]).item() for i, k in enumerate(keys)}
 
 
 @torch.no_grad()
@@ -157,30 +162,32 @@ def loss_metrics(loss, b, *, old, ratio, entropy, kl, tis, clip_eps, clip_eps_hi
     (kl and tis may be None)."""
     mask, adv, share, tokens = b.mask, b.advantages[:, None], b.share, b.token_share
     n, per_answer = mask.sum().clamp(min=1), mask.sum(-1).clamp(min=1)  # (), (B,)
-    low, high = (ratio < 1 - clip_eps) & (adv < 0) & mask, (ratio > 1 + clip_eps_high) & (adv > 0) & mask  # (B, T)
+    low = (ratio < 1 - clip_eps) & (adv < 0) & mask  # (B, T)
+    high = (ratio > 1 + clip_eps_high) & (adv > 0) & mask  # (B, T)
+    entropy_mean = (torch.where(mask, entropy, 0.0).sum() / n).item()
+    drift = (torch.where(mask, (ratio - 1).abs(), 0.0).sum(-1) / per_answer).mean().item()
     m = dict(loss=loss.item() * (share > 0), clip_low=(low.sum() / n).item() * tokens,
-             clip_high=(high.sum() / n).item() * tokens, entropy=(torch.where(mask, entropy, 0.0).sum() / n).item()
-             * tokens, ratio_drift=(torch.where(mask, (ratio - 1).abs(), 0.0).sum(-1) / per_answer).mean().item()
-             * share)
+             clip_high=(high.sum() / n).item() * tokens, entropy=entropy_mean * tokens,
+             ratio_drift=drift * share)
     if kl is not None:
         m["kl"] = (torch.where(mask, kl, 0.0).sum(-1) / per_answer).mean().item() * share
-    # the engines' mismatch on the sampled tokens, and the share of the tokens TIS_MODE masks
-    if vllm:
+    if vllm:  # the engines' mismatch on the sampled tokens, the share of tokens TIS_MODE masks
         m["sampler_gap"] = sampler_gap(old, b.sampler_logps, b.sampler_rows, mask) * tokens
         m["tis_masked"] = 0.0 if tis is None else (((tis == 0) & mask).sum() / n).item() * tokens
     return m
 
 
-def answer_records(step, rank, rollout, each, rewards, advantages) -> list:
+def answer_records(step, rank, sampled, each, rewards, advantages) -> list:
     """One dict per sampled answer, a line of completions.jsonl: what the model wrote and how it
-    scored. rollout: the trainer's Rollout; each: {reward name: its N values}; rewards, advantages
+    scored. sampled: the trainer's Rollout; each: {reward name: its N values}; rewards, advantages
     (N,)."""
-    tool = {k: getattr(rollout, k) for k in ("tool_calls", "tool_errors") if getattr(rollout, k) is not None}
-    return [dict(step=step, rank=rank, question=rollout.questions[i], gold=rollout.golds[i],
-                 answer=rollout.texts[i], reward=rewards[i].item(),
-                 **{name: values[i] for name, values in each.items()}, advantage=advantages[i].item(),
-                 length=rollout.lengths[i], truncated=rollout.truncated[i],
-                 **{k: values[i] for k, values in tool.items()})
+    tool = {k: getattr(sampled, k) for k in ("tool_calls", "tool_errors")
+            if getattr(sampled, k) is not None}
+    return [dict(step=step, rank=rank, question=sampled.questions[i], gold=sampled.golds[i],
+                 answer=sampled.texts[i], reward=rewards[i].item(),
+                 **{name: values[i] for name, values in each.items()},
+                 advantage=advantages[i].item(), length=sampled.lengths[i],
+                 truncated=sampled.truncated[i], **{k: values[i] for k, values in tool.items()})
             for i in range(len(rewards))]
 
 
@@ -237,14 +244,18 @@ def plot_curves(metrics_path, reward_names, png_path=None):
     evals = [r for r in lines if is_eval(r)]  # held-out evaluations, drawn dashed
     rewards = [name for name in reward_names if rows and name in rows[0]]  # one panel per function
     keys = ("reward", *rewards, "kl")  # kl is absent with BETA = 0: its panel stays empty
-    if not rows or not rewards or any(k not in r for r in rows for k in ("step", "reward", *rewards)):
-        raise ValueError(f"{metrics_path}: need JSON lines with step, reward and each reward_<name> (and kl)")
+    needed = ("step", "reward", *rewards)
+    if not rows or not rewards or any(k not in r for r in rows for k in needed):
+        raise ValueError(f"{metrics_path}: need JSON lines with step, reward and each "
+                         "reward_<name> (and kl)")
     fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.2))
     for ax, key in zip(axes, keys):
         drawn = [r for r in rows if key in r]
-        ax.plot([r["step"] for r in drawn], [r[key] for r in drawn], marker=".", label="training samples")
+        ax.plot([r["step"] for r in drawn], [r[key] for r in drawn], marker=".",
+                label="training samples")
         if evals and key in rewards:
-            ax.plot([r["step"] for r in evals], [r[f"eval_{key}"] for r in evals], "--o", label="held-out, greedy")
+            ax.plot([r["step"] for r in evals], [r[f"eval_{key}"] for r in evals], "--o",
+                    label="held-out, greedy")
             ax.legend(fontsize=7)
         ax.set(title=key, xlabel="step")
         ax.grid(alpha=0.3)
@@ -272,13 +283,15 @@ def timed(metrics, key: str):
     metrics[key] += clock() - start
 
 
-def step_metrics(m, groups, answers, *, step, attempts, step_start, group_size, reward_names) -> dict:
+def step_metrics(m, groups, answers, *, step, attempts, step_start, group_size,
+                 reward_names) -> dict:
     """The step's metrics with the derived ones: sample_stats over every rollout's answers,
     rollouts, answers generated and trained (this rank's: their ratio over a run is the rollouts'
     cost per answer that trains), groups, staleness, reward_model (the server's REWARD_MODEL mean
     score; the reward metric holds the rule rewards only), train_s, seconds."""
-    out = dict(m, **sample_stats(answers, group_size, reward_names), rollouts=attempts, groups=len(groups),
-               answers_generated=len(answers), answers_trained=sum(len(t["advantages"]) for t, _ in groups),
+    trained = sum(len(t["advantages"]) for t, _ in groups)
+    out = dict(m, **sample_stats(answers, group_size, reward_names), rollouts=attempts,
+               groups=len(groups), answers_generated=len(answers), answers_trained=trained,
                train_s=m["fwd_bwd_s"] + m["optim_s"],
                staleness=sum(step - 1 - sampled_version(meta) for _, meta in groups) / len(groups),
                seconds=clock() - step_start)

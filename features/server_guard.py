@@ -6,7 +6,7 @@ safe, the handouts that make taking a group safe to ask twice, the byte budget, 
 server is reachable beyond loopback unguarded. A bad or hostile client gets a 4xx naming the
 problem, and can cost at most the server's limits (docs/server.md lists them).
 
-    python -m pytest tests/test_server.py -k bad_upload        # every kind of bad upload, over real HTTP
+    python -m pytest tests/test_server.py -k bad_upload   # every kind of bad upload, over HTTP
 """
 import collections
 import hmac
@@ -24,8 +24,8 @@ MAX_NAME_CHARS = 200  # metadata worker and upload_id: a name, never a payload
 TEMPERATURES = (0.01, 100)  # below 0.01, logits / T overflow to inf and the log-probs are NaN
 MAX_ACK_CHARS = 200  # an acknowledged upload id: a name, never a payload
 MAX_RANKS = 4096  # trainer ranks a server keeps ready queues for
+# The optional metadata fields and their types; question and answers feed REWARD_MODEL.
 META_TYPES = {"version": int, "rank": int, "worker": str, "upload_id": str, "regrouped": bool,
-              # optional fields; question and answers feed REWARD_MODEL
               "question": str, "answers": list}
 
 
@@ -33,7 +33,8 @@ class TooLarge(ValueError):
     """An upload over a size limit: 413."""
 
 
-def validate_group(tensors: dict, meta: dict, vocab_size: int, max_rows: int, max_len: int, max_tokens: int) -> dict:
+def validate_group(tensors: dict, meta: dict, vocab_size: int, max_rows: int, max_len: int,
+                   max_tokens: int) -> dict:
     """The group's metadata with null fields dropped (null = not given); raise ValueError (TooLarge
     for a size limit) naming the first problem in an uploaded group."""
     missing = [k for k in UPLOAD_SPEC if k not in tensors and k not in OPTIONAL]
@@ -49,20 +50,26 @@ def validate_group(tensors: dict, meta: dict, vocab_size: int, max_rows: int, ma
     if not 1 <= g <= max_rows:
         raise ValueError(f"input_ids has {g} rows; 1 to {max_rows} allowed")
     if l > max_len or g * l > max_tokens:
-        raise TooLarge(f"group of {g} x {l} tokens: at most {max_len} per row (the model's positions) and "
-                       f"{max_tokens} in all (MAX_GROUP_TOKENS)")
+        raise TooLarge(f"group of {g} x {l} tokens: at most {max_len} per row (the model's "
+                       f"positions) and {max_tokens} in all (MAX_GROUP_TOKENS)")
     plen = meta.get("plen")
     if type(plen) is not int or not 1 <= plen < l:
-        raise ValueError(f"metadata plen must be an int in 1..{l - 1} (sequence length {l}), got {plen!r}")
+        raise ValueError(f"metadata plen must be an int in 1..{l - 1} (sequence length {l}), "
+                         f"got {plen!r}")
     temperature = meta.get("temperature", 1.0)
-    if type(temperature) not in (int, float) or not TEMPERATURES[0] <= temperature <= TEMPERATURES[1]:
-        raise ValueError(f"metadata temperature must be a number in {list(TEMPERATURES)}, got {temperature!r}")
+    lowest, highest = TEMPERATURES
+    if type(temperature) not in (int, float) or not lowest <= temperature <= highest:
+        raise ValueError(f"metadata temperature must be a number in {list(TEMPERATURES)}, "
+                         f"got {temperature!r}")
     for name, kind in META_TYPES.items():  # absent or null: the field is not given
         value = meta.get(name)
-        if value is not None and (type(value) is not kind or kind is str and len(value) > MAX_NAME_CHARS
-                                  and name in ("worker", "upload_id")):
-            wanted = f"a string of at most {MAX_NAME_CHARS} characters" if kind is str else f"a {kind.__name__}"
-            raise ValueError(f"metadata {name} must be {wanted}, got {str(value)[:MAX_NAME_CHARS // 2]!r}")
+        named = name in ("worker", "upload_id")  # names, never payloads
+        if value is not None and (type(value) is not kind or named and len(value) > MAX_NAME_CHARS):
+            wanted = f"a {kind.__name__}"
+            if kind is str:
+                wanted = f"a string of at most {MAX_NAME_CHARS} characters"
+            shown = str(value)[:MAX_NAME_CHARS // 2]
+            raise ValueError(f"metadata {name} must be {wanted}, got {shown!r}")
     rank = meta.get("rank")
     if rank is not None and not 0 <= rank < MAX_RANKS:  # each rank gets a ready queue of its own
         raise ValueError(f"metadata rank must be an int in 0..{MAX_RANKS - 1}, got {rank!r}")
@@ -74,18 +81,21 @@ def validate_group(tensors: dict, meta: dict, vocab_size: int, max_rows: int, ma
             continue
         t = tensors[name]
         if t.dtype != dtype or tuple(t.shape) != shape(g, l, plen):
-            raise ValueError(f"{name} must be {dtype} {shape(g, l, plen)}, got {t.dtype} {tuple(t.shape)}")
+            raise ValueError(f"{name} must be {dtype} {shape(g, l, plen)}, "
+                             f"got {t.dtype} {tuple(t.shape)}")
         if t.is_floating_point() and not torch.isfinite(t).all():
             raise ValueError(f"{name} has NaN or inf values")
     if ids.min() < 0 or ids.max() >= vocab_size:
-        raise ValueError(f"input_ids outside the vocabulary [0, {vocab_size}): {ids.min()}..{ids.max()}")
+        raise ValueError(f"input_ids outside the vocabulary [0, {vocab_size}): "
+                         f"{ids.min()}..{ids.max()}")
     return {k: v for k, v in meta.items() if v is not None}
 
 
 def token_ok(authorization: str, token: str) -> bool:
     """Whether the raw Authorization header carries the REF_TOKEN ("" = no auth), compared in
     constant time. Raw bytes: a header that is not UTF-8 is simply wrong, not a crash."""
-    return not token or hmac.compare_digest(authorization.encode("latin-1"), f"Bearer {token}".encode())
+    expected = f"Bearer {token}".encode()
+    return not token or hmac.compare_digest(authorization.encode("latin-1"), expected)
 
 
 class UploadIds:
@@ -232,8 +242,9 @@ def start_http(app, host, port, *, threads, backlog, idle_timeout, max_body, req
     class TimedChannel(HTTPChannel):
         parser_class = TimedParser
 
-    httpd = create_server(app, host=host, port=port, threads=threads, backlog=backlog, connection_limit=backlog,
-                          channel_timeout=idle_timeout, cleanup_interval=1,
+    httpd = create_server(app, host=host, port=port, threads=threads, backlog=backlog,
+                          connection_limit=backlog, channel_timeout=idle_timeout,
+                          cleanup_interval=1,
                           max_request_body_size=max_body, ident="ref_server")
     httpd.channel_class = TimedChannel
     deadline = request_deadline or idle_timeout
@@ -274,8 +285,9 @@ def close_sockets(httpd):
     (tests/test_server.py checks it)."""
     sockets = getattr(httpd, "_map", None)
     if not isinstance(sockets, dict) or not sockets:
-        raise RuntimeError(f"waitress {type(httpd).__name__} has no socket map: features/server_guard.close_sockets "
-                           "needs updating for this waitress version")
+        raise RuntimeError(f"waitress {type(httpd).__name__} has no socket map: "
+                           "features/server_guard.close_sockets needs updating for this waitress "
+                           "version")
     for channel in list(sockets.values()):
         channel.close()
 

@@ -57,7 +57,8 @@ def sampled_by(groups, version, *, max_staleness) -> tuple:
     def lag(meta):  # versions between the sampling weights and these
         return version - sampled_version(meta)
     fresh = [(tensors, meta) for tensors, meta in groups if 0 <= lag(meta) <= max_staleness]
-    usable = [(tensors, meta) for tensors, meta in fresh if lag(meta) == 0 or "gen_logps" in tensors]
+    usable = [(tensors, meta) for tensors, meta in fresh
+              if lag(meta) == 0 or "gen_logps" in tensors]
     ahead = sum(1 for _, meta in groups if lag(meta) < 0)
     stale = len(groups) - len(fresh) - ahead
     return usable, Counter(late_groups_dropped=len(fresh) - len(usable), stale_groups_dropped=stale,
@@ -88,7 +89,8 @@ def decode_batch(data: bytes) -> tuple[dict, dict]:
     try:
         meta = json.loads(raw)
     except (json.JSONDecodeError, RecursionError) as e:
-        raise ValueError(f"metadata is not JSON, or nested too deeply: {str(e)[:QUOTE_CHARS]}") from None
+        detail = str(e)[:QUOTE_CHARS]
+        raise ValueError(f"metadata is not JSON, or nested too deeply: {detail}") from None
     if not isinstance(meta, dict):
         raise ValueError("metadata must be a JSON object")
     if _depth(meta) > MAX_META_DEPTH:
@@ -102,7 +104,9 @@ def _depth(x) -> int:
     depth, level = 0, [x]
     while level:
         depth += 1
-        level = [v for c in level if isinstance(c, (dict, list)) for v in (c.values() if isinstance(c, dict) else c)]
+        values = [c.values() if isinstance(c, dict) else c for c in level
+                  if isinstance(c, (dict, list))]
+        level = [v for children in values for v in children]
     return depth - 1
 
 
@@ -113,8 +117,10 @@ def collate(groups, pad_id):
     P = max(meta["plen"] for _, meta in groups)
     T = max(g["input_ids"].shape[1] - meta["plen"] for g, meta in groups)
     B = sum(g["input_ids"].shape[0] for g, _ in groups)
-    b = dict(input_ids=torch.full((B, P + T), pad_id), attention_mask=torch.zeros(B, P + T, dtype=torch.long),
-             mask=torch.zeros(B, T, dtype=torch.bool), advantages=torch.cat([g["advantages"] for g, _ in groups]))
+    b = dict(input_ids=torch.full((B, P + T), pad_id),
+             attention_mask=torch.zeros(B, P + T, dtype=torch.long),
+             mask=torch.zeros(B, T, dtype=torch.bool),
+             advantages=torch.cat([g["advantages"] for g, _ in groups]))
     # (B, T) each
     logps = {name: torch.zeros(B, T) for name in ("ref_logps", "gen_logps", "sampler_logps")}
     # (B,) each: the rows that carry it
@@ -148,16 +154,15 @@ def group_tensors(sampled, ids, kept, group_size, rewards, advantages, gen_logps
         r = slice(q * G, (q + 1) * G)
         plen = int(sampled.prompt_mask[q * G].sum())  # the prompt without its left padding
         tlen = int(mask[r].any(0).nonzero().max()) + 1  # drop columns every row has finished before
-        tensors = dict(input_ids=ids[r, P - plen : P + tlen].cpu(), completion_mask=mask[r, :tlen].cpu(),
-                       # (G, plen + tlen), (G, tlen), (G,), (G,)
-                       advantages=advantages[r], rewards=rewards[r])
+        tensors = dict(input_ids=ids[r, P - plen : P + tlen].cpu(),  # (G, plen + tlen)
+                       completion_mask=mask[r, :tlen].cpu(),  # (G, tlen)
+                       advantages=advantages[r], rewards=rewards[r])  # (G,), (G,)
         if gen_logps is not None:
             tensors["gen_logps"] = gen_logps[j * G : (j + 1) * G, :tlen]  # (G, tlen)
         if sampled.sampler_logps is not None:  # vLLM's own: the loss's importance weights
             tensors["sampler_logps"] = sampled.sampler_logps[r, :tlen]  # (G, tlen)
         groups.append((tensors, {"plen": plen, "question": sampled.questions[q * G],
-                                 # question and answers: a reward model's
-                                 "answers": sampled.texts[r], **meta}))
+                                 "answers": sampled.texts[r], **meta}))  # for a reward model
     return groups
 
 
@@ -177,8 +182,8 @@ class ServerError(RuntimeError):
     """The server refused a request (4xx): retrying the same bytes cannot help."""
 
 
-def request_with_retry(method, url, token="", data=None, give_up_after=600.0, what="reference server",
-                       read_timeout=_READ_TIMEOUT_S):
+def request_with_retry(method, url, token="", data=None, give_up_after=600.0,
+                       what="reference server", read_timeout=_READ_TIMEOUT_S):
     """One HTTP request; connection errors, timeouts and 503 (queue full) are retried with backoff.
     A retried upload is safe when it carries an upload_id: the server answers a repeat, queues
     nothing."""
@@ -190,7 +195,8 @@ def request_with_retry(method, url, token="", data=None, give_up_after=600.0, wh
             if r.status_code < 400:
                 return r
             if r.status_code != 503:
-                raise ServerError(f"{what} answered {r.status_code} to {method} {url}: {r.text[:300]}")
+                raise ServerError(f"{what} answered {r.status_code} to {method} {url}: "
+                                  f"{r.text[:300]}")
             problem = "busy (503, queue full)"
         except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError,
                 requests.exceptions.ContentDecodingError):  # refused, reset, or cut mid-body
@@ -202,7 +208,8 @@ def request_with_retry(method, url, token="", data=None, give_up_after=600.0, wh
             raise TimeoutError(f"{what} at {url} still {problem} after {waited:.0f} s; "
                                "is `python ref_server.py` running?")
         if time.time() - last_note > _NOTE_EVERY_S:
-            print(f"[retry] {what} {problem}; retrying for up to {give_up_after:.0f} s", file=sys.stderr, flush=True)
+            print(f"[retry] {what} {problem}; retrying for up to {give_up_after:.0f} s",
+                  file=sys.stderr, flush=True)
             last_note = time.time()
         time.sleep(delay)
         delay = min(delay * 2, _RETRY_MAX_S)
