@@ -60,31 +60,25 @@ REGROUP = False  # True = pool each question's answers; send out mixed groups wi
 REGROUP_POOL = 64  # answers kept per question, the oldest dropped first
 REGROUP_QUESTIONS = 4096  # questions remembered, the least recently uploaded forgotten first
 apply_env_overrides(globals(), "ref_server.py")  # `PORT=6000 python ref_server.py`
+# The constants a RefServer reads when it is built; a keyword in lower case replaces one.
+SETTINGS = ("REF_TOKEN", "MAX_BODY_BYTES", "MAX_ROWS", "MAX_GROUP_TOKENS", "QUEUE_SIZE",
+            "MAX_QUEUED_BYTES", "UPLOAD_IDS", "REF_MICRO_BATCH", "SHARED_PREFIX", "LOGP_CHUNK",
+            "LOGP_FROM_HIDDEN", "REWARD_MODEL_WEIGHT", "REGROUP", "REGROUP_POOL",
+            "REGROUP_QUESTIONS")
 
 
 # ----------------------------------------------------------------------------- the server
 class RefServer:
-    """The queues, the forward thread and the bottle app around one reference model. Each setting
-    defaults to its constant above as it is when the server is built; a keyword sets it
-    (queue_size=2)."""
+    """The queues, the forward thread and the bottle app around one reference model. Each of
+    SETTINGS is an attribute in lower case: its constant as it is when the server is built, or the
+    keyword that replaces it (RefServer(model, name, queue_size=2))."""
 
-    def __init__(self, model, model_name, *, reward_model=None, reward_model_name="",
-                 ref_token=None, max_body_bytes=None, max_rows=None, max_group_tokens=None,
-                 queue_size=None, max_queued_bytes=None, upload_ids=None, ref_micro_batch=None,
-                 shared_prefix=None, logp_chunk=None, logp_from_hidden=None,
-                 reward_model_weight=None, regroup=None, regroup_pool=None, regroup_questions=None):
-        def setting(value, constant):  # None: the module's constant, read now, not at import
-            return constant if value is None else value
-
-        self.ref_token = setting(ref_token, REF_TOKEN)
-        self.max_body_bytes = setting(max_body_bytes, MAX_BODY_BYTES)
-        self.max_rows = setting(max_rows, MAX_ROWS)
-        self.max_group_tokens = setting(max_group_tokens, MAX_GROUP_TOKENS)
-        self.ref_micro_batch = setting(ref_micro_batch, REF_MICRO_BATCH)
-        self.shared_prefix = setting(shared_prefix, SHARED_PREFIX)
-        self.logp_chunk = setting(logp_chunk, LOGP_CHUNK)
-        self.logp_from_hidden = setting(logp_from_hidden, LOGP_FROM_HIDDEN)
-        self.reward_model_weight = setting(reward_model_weight, REWARD_MODEL_WEIGHT)
+    def __init__(self, model, model_name, *, reward_model=None, reward_model_name="", **settings):
+        unknown = sorted(set(settings) - {name.lower() for name in SETTINGS})
+        if unknown:
+            raise TypeError(f"RefServer: no setting {unknown}; settings are SETTINGS in lower case")
+        for name in SETTINGS:  # read now, not at import: a test or main() may have changed it
+            setattr(self, name.lower(), settings.get(name.lower(), globals()[name]))
         self.model = model
         self.model_name = model_name
         self.device = next(model.parameters()).device
@@ -96,14 +90,12 @@ class RefServer:
         self.pending = queue.Queue()  # (tensors, meta, key, nbytes) waiting for the forward thread
         self.ready = {"workers": queue.Queue()}  # "workers" or a rank -> (body, type, nbytes, id)
         self.handouts = Handouts()  # the group each rank was handed and has not acknowledged
-        self.room = Room(setting(queue_size, QUEUE_SIZE),
-                         setting(max_queued_bytes, MAX_QUEUED_BYTES))
+        self.room = Room(self.queue_size, self.max_queued_bytes)
         self.counters = dict(uploaded=0, served=0, rejected=0, busy=0, ref_errors=0)
         self.pool = None  # REGROUP's pool of answers per question
-        if setting(regroup, REGROUP):
-            self.pool = RegroupPool(setting(regroup_pool, REGROUP_POOL),
-                                    setting(regroup_questions, REGROUP_QUESTIONS))
-        self.upload_ids = UploadIds(setting(upload_ids, UPLOAD_IDS))
+        if self.regroup:
+            self.pool = RegroupPool(self.regroup_pool, self.regroup_questions)
+        self.answered = UploadIds(self.upload_ids)  # a retried upload gets its first answer
         self.lock = threading.Lock()
         self.started = time.time()
         self.instance = uuid.uuid4().hex  # new on restart: clients learn their groups are gone
@@ -207,7 +199,7 @@ class RefServer:
             except ValueError as e:
                 self._refuse(413 if isinstance(e, TooLarge) else 400, str(e))
             uid = meta.get("upload_id")  # a retry of an upload whose answer the client never read
-            first = self.upload_ids.claim(uid)
+            first = self.answered.claim(uid)
             if first == UploadIds.IN_FLIGHT:  # the first try still runs: a later retry gets it
                 self._busy()
             if first != UploadIds.NEW:
@@ -217,7 +209,7 @@ class RefServer:
                 answer = self._accept(tensors, meta, 2 * len(body))  # tensors, then encoding
                 return answer
             finally:  # refused (503): answer None, the id is forgotten, a retry is handled anew
-                self.upload_ids.settle(uid, answer)
+                self.answered.settle(uid, answer)
 
         @app.get("/get")
         def get():

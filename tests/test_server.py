@@ -16,6 +16,7 @@ from features.fingerprint import model_fingerprint
 from features.fast_paths import completion_logps
 from features.server_client import ServerError, request_with_retry
 from features.wire import MAX_META_CHARS, collate, decode_batch, encode_batch
+import ref_server
 from ref_server import RefServer
 
 
@@ -552,7 +553,7 @@ def test_a_retry_while_the_first_try_is_in_flight_gets_503_and_then_the_first_an
         first = []
         t = threading.Thread(target=lambda: first.append(requests.post(url + "/upload", data=body, timeout=60)))
         t.start()
-        wait_for(lambda: server.upload_ids.answers.get("slow", None) == "in flight")
+        wait_for(lambda: server.answered.answers.get("slow", None) == "in flight")
         retry = requests.post(url + "/upload", data=body, timeout=10)
         assert retry.status_code == 503 and retry.headers["Retry-After"] == "1"
         gate.set()
@@ -574,13 +575,13 @@ def test_an_upload_id_refused_with_503_is_forgotten_and_the_oldest_ids_are_evict
         assert requests.post(url + "/upload", data=bodies["a"], timeout=10).status_code == 200
         full = requests.post(url + "/upload", data=bodies["b"], timeout=10)
         assert full.status_code == 503  # the queue holds a's group: b is refused, and its id forgotten
-        assert "b" not in server.upload_ids.answers
+        assert "b" not in server.answered.answers
         pull(url)  # a's group taken: room again
         assert requests.post(url + "/upload", data=bodies["b"], timeout=10).json()["groups"] == 1  # handled anew
         pull(url)
         assert requests.post(url + "/upload", data=bodies["c"], timeout=10).status_code == 200
         pull(url)
-        assert list(server.upload_ids.answers) == ["b", "c"]  # two remembered: a, the oldest, evicted
+        assert list(server.answered.answers) == ["b", "c"]  # two remembered: a, the oldest, evicted
         uploaded = server.counters["uploaded"]
         assert requests.post(url + "/upload", data=bodies["a"], timeout=10).json()["groups"] == 1
         assert server.counters["uploaded"] == uploaded + 1 and pull(url)[1]["n"] == 0  # a's late retry: queued
@@ -636,3 +637,13 @@ def test_the_server_process_loads_a_reward_model_and_names_it(tiny_model_dir, to
         assert "reward_model_mean" in back_meta and back["rewards"].shape == (3,)
     finally:
         srv.stop()
+
+
+def test_each_server_setting_is_its_constant_or_a_keyword_and_a_misspelled_one_is_refused(model):
+    """RefServer reads SETTINGS by name: a keyword in lower case replaces one, and a name that is
+    not a setting stops at once (it would otherwise be silently ignored)."""
+    with pytest.raises(TypeError, match="queue_sise"):
+        RefServer(model, "t", queue_sise=2)
+    server = RefServer(model, "t", queue_size=3)
+    assert server.queue_size == 3 and server.room.queue_size == 3
+    assert server.max_rows == ref_server.MAX_ROWS and server.regroup == ref_server.REGROUP
