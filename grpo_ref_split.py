@@ -578,8 +578,7 @@ def main():
                  completions_every=LOG_COMPLETIONS_STEPS) if rank == 0 else None  # rank 0 writes
     evaluate = functools.partial(  # evaluate(step): held-out greedy accuracy into the log
         evaluation.log_eval, model=model, questions=held_out, log=log, rank=rank,
-        encode=functools.partial(encode_prompts, tokenizer), tokenizer=tokenizer,
-        decode=functools.partial(decode, tokenizer), eos_ids=eos_ids,
+        tokenizer=tokenizer, encode=encode_prompts, decode=decode, eos_ids=eos_ids,
         score=functools.partial(rewards.score, REWARDS), max_new_tokens=MAX_NEW_TOKENS, llm=llm,
         tools=TOOLS, max_calls=MAX_TOOL_CALLS, samples=EVAL_SAMPLES, sample_config=gen_config)
     if EVAL_STEPS > 0 and start == 0:

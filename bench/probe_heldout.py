@@ -30,8 +30,8 @@ def main():
     model.eval()
     _, held_out = split_held_out(load_questions(grpo.DATASET, grpo.SEED, grpo.ARITH_MAX), grpo.EVAL_SIZE)
     golds = [q["gold"] for q in held_out]
-    greedy_texts = held_out_answers(model, held_out, encode=lambda qs: grpo.encode_prompts(tokenizer, qs),
-                                    decode=lambda ids: grpo.decode(tokenizer, ids), eos_ids=eos_ids,
+    greedy_texts = held_out_answers(model, held_out, encode=grpo.encode_prompts, tokenizer=tokenizer,
+                                    decode=grpo.decode, eos_ids=eos_ids,
                                     pad_id=tokenizer.pad_token_id, max_new_tokens=grpo.MAX_NEW_TOKENS,
                                     batch_size=BATCH)[0]  # (texts, tool calls)
     torch.manual_seed(0)

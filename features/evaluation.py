@@ -28,9 +28,10 @@ def evaluate(model, questions, *, encode, decode, score, eos_ids, max_new_tokens
     """{"eval_<reward name>": mean} over the greedy answers to `questions` (from the vLLM engine `llm` if given);
     with tools, eval_tool_share too (answers that called a tool). samples = k > 0: also eval_<name>_mean@k over k
     answers per question sampled with sample_config (its temperature), and eval_pass@j for j = 2, 4, ... and k
-    (needs reward_correct). Questions with a "tag" also get each mean per tag: eval_<name>_<tag>. encode(questions)
-    -> the tokenized prompts; decode(completion_ids) -> texts; score(texts, golds, questions) -> (total, {reward name:
-    values}): the trainer's own three; tokenizer: for tools and the pad id (or pad_id)."""
+    (needs reward_correct). Questions with a "tag" also get each mean per tag: eval_<name>_<tag>.
+    encode(tokenizer, questions) -> the tokenized prompts; decode(tokenizer, completion_ids) -> texts;
+    score(texts, golds, questions) -> (total, {reward name: values}): the trainer's own three;
+    tokenizer: for them, for tools and for the pad id (or pad_id)."""
     pad_id = tokenizer.pad_token_id if pad_id is None else pad_id
     args = dict(encode=encode, decode=decode, eos_ids=eos_ids, pad_id=pad_id, max_new_tokens=max_new_tokens, llm=llm,
                 tools=tools, max_calls=max_calls, tokenizer=tokenizer)
@@ -82,7 +83,7 @@ def held_out_answers(model, questions, *, encode, decode, eos_ids, pad_id, max_n
     batch_size = batch_size if llm is None else len(questions)  # vLLM schedules all of them at once
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for i in range(0, len(questions), batch_size):
-            enc = encode(questions[i : i + batch_size]).to(device)
+            enc = encode(tokenizer, questions[i : i + batch_size]).to(device)
             if tools:  # multi-turn, as the rollouts (features/tools.py)
                 answers, _, out = generate_with_tools(model, tokenizer, enc, per_question, gen_config=gen_config,
                                                       llm=llm, tools=tools, temperature=temperature,
@@ -95,7 +96,7 @@ def held_out_answers(model, questions, *, encode, decode, eos_ids, pad_id, max_n
                 ids, attn = (t.repeat_interleave(per_question, 0) for t in (enc.input_ids, enc.attention_mask))
                 answers = model.generate(input_ids=ids, attention_mask=attn,
                                          generation_config=gen_config)[:, ids.shape[1] :]  # (b * per_question, T)
-            texts += decode(answers)
+            texts += decode(tokenizer, answers)
     return texts, calls or [0] * len(texts)
 
 

@@ -83,7 +83,7 @@ def main(path):
     report["greedy_same_texts"] = sum(a == b for a, b in zip(*texts))
     report["greedy_questions"] = len(questions)
     held = load_questions("arithmetic", 4)[:40]  # more than evaluate's transformers batch of 16
-    args = dict(encode=lambda qs: grpo.encode_prompts(tokenizer, qs), decode=lambda ids: grpo.decode(tokenizer, ids),
+    args = dict(tokenizer=tokenizer, encode=grpo.encode_prompts, decode=grpo.decode,
                 score=functools.partial(rewards.score, grpo.REWARDS), eos_ids=eos_ids,
                 pad_id=tokenizer.pad_token_id, max_new_tokens=grpo.MAX_NEW_TOKENS)
     report["eval_vllm"] = evaluate(model, held, llm=llm, **args)
