@@ -18,15 +18,14 @@ import time
 
 import torch
 
-from features.wire import OPTIONAL, UPLOAD_SPEC
+from features.wire import META_FIELDS, OPTIONAL, UPLOAD_SPEC
 
 MAX_NAME_CHARS = 200  # metadata worker and upload_id: a name, never a payload
 TEMPERATURES = (0.01, 100)  # below 0.01, logits / T overflow to inf and the log-probs are NaN
 MAX_ACK_CHARS = 200  # an acknowledged upload id: a name, never a payload
 MAX_RANKS = 4096  # trainer ranks a server keeps ready queues for
-# The optional metadata fields and their types; question and answers feed REWARD_MODEL.
-META_TYPES = {"version": int, "rank": int, "worker": str, "upload_id": str, "regrouped": bool,
-              "question": str, "answers": list}
+CHECKED_META = ("version", "rank", "worker", "upload_id", "regrouped", "question", "answers")
+META_TYPES = {name: META_FIELDS[name][0] for name in CHECKED_META}  # optional fields' types
 
 
 class TooLarge(ValueError):

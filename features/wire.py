@@ -16,9 +16,8 @@ import requests
 import safetensors.torch
 import torch
 
-# One group = safetensors tensors + JSON metadata {"plen": int, "temperature": float, ...free
-# fields}.
-# input_ids holds prompt + completion for each of the G rows; the prompt (unpadded) has length plen.
+# One group = safetensors tensors (UPLOAD_SPEC) + JSON metadata (META_FIELDS). input_ids holds
+# prompt + completion for each of the G rows; the prompt (unpadded) has length plen.
 UPLOAD_SPEC = {  # name: (dtype, shape as a function of G rows, L columns, plen)
     "input_ids": (torch.int64, lambda g, l, p: (g, l)),
     "completion_mask": (torch.bool, lambda g, l, p: (g, l - p)),
@@ -30,6 +29,21 @@ UPLOAD_SPEC = {  # name: (dtype, shape as a function of G rows, L columns, plen)
     "sampler_logps": (torch.float32, lambda g, l, p: (g, l - p)),
 }
 OPTIONAL = {"gen_logps", "sampler_logps"}
+# Every metadata field a group may carry, the one list of them: name: (type, who sets it, meaning).
+# Only plen is required; ref_server.py checks the types (features/server_guard.py).
+META_FIELDS = {
+    "plen": (int, "wire.group_tensors", "the prompt's length: input_ids[:, plen:] are the answers"),
+    "question": (str, "wire.group_tensors", "the question, for a REWARD_MODEL"),
+    "answers": (list, "wire.group_tensors", "each row's answer text, for a REWARD_MODEL"),
+    "temperature": (float, "the trainer's pack_groups", "the sampling temperature: ref_logps' too"),
+    "scale_rewards": (str, "the trainer's pack_groups", "SCALE_REWARDS, to redo advantages with"),
+    "version": (int, "step 5 (upload_and_pull, RefClient)", "the policy version that sampled it"),
+    "rank": (int, "step 5 (upload_and_pull, RefClient)", "the trainer rank that takes it back"),
+    "upload_id": (str, "step 5 (upload_and_pull, RefClient)", "a retried upload is queued once"),
+    "worker": (str, "RefClient.upload from a genonly worker", "its groups wait apart"),
+    "regrouped": (bool, "regroup.RegroupPool", "REGROUP mixed it from several uploads"),
+    "reward_model_mean": (float, "reward_model.add_reward_model", "the REWARD_MODEL's mean score"),
+}
 # metadata: numbers, names, and the answers' text for a reward model
 MAX_META_CHARS, MAX_META_DEPTH = 2**22, 8
 # how much of a bad input an error message quotes: enough to recognise, never megabytes

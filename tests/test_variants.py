@@ -14,7 +14,7 @@ import rewards
 from conftest import group, pull, start, stop
 from features.fast_paths import completion_logps
 from features.run_log import clock, sample_stats, step_metrics
-from features.wire import collate, encode_batch
+from features.wire import META_FIELDS, collate, encode_batch
 from reference_loss import torch_loss
 
 
@@ -313,6 +313,7 @@ def test_keep_all_packs_groups_without_reward_variance(tiny_policy, monkeypatch)
     all_groups, _ = short_rollout(tiny_policy, monkeypatch, False, keep_all=True, max_new_tokens=24)
     equal = round(stats["zero_var_groups"] * 8)  # groups whose answers all scored the same
     assert equal > 0 and len(groups) == 8 - equal
+    assert all(set(meta) <= set(META_FIELDS) for _, meta in all_groups)  # every field declared once
     assert len(all_groups) == 8
     assert 0 <= stats["reward_std"] and stats["max_length"] >= stats["length"] > 0
 
