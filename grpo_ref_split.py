@@ -264,7 +264,7 @@ def load_policy(path, device):
     """(model, tokenizer, eos_ids, gen_config) sampling plain softmax(logits / TEMPERATURE), as
     every log-prob assumes: no model default (top_k, top_p...) changes it (features/policy.py)."""
     return policy.load_for_sampling(path, device, base_path=resolve_model_path(MODEL_PATH),
-                              temperature=TEMPERATURE, max_new_tokens=MAX_NEW_TOKENS)
+                                    temperature=TEMPERATURE, max_new_tokens=MAX_NEW_TOKENS)
 
 
 def build_prompt(tokenizer, question: str) -> str:
