@@ -508,7 +508,7 @@ def batches_of(engine, groups, pad_id) -> list:
 def check_settings():
     """Stop, before any model loads, on settings that cannot work (features/refusals.py)."""
     refusals.refuse_impossible(globals(), LOSS_TYPE=LOSS_TYPES, TIS_MODE=vllm_engine.TIS_MODES,
-                            SCALE_REWARDS=SCALES, SAMPLER=question_sampler.SAMPLERS)
+                               SCALE_REWARDS=SCALES, SAMPLER=question_sampler.SAMPLERS)
 
 
 def setup_deepspeed():
