@@ -330,19 +330,30 @@ def grpo_loss_triton(
 
 
 def batch_loss(engine, batch, *, temperature, shared_prefix, **loss_keywords):
-    """The trainer's USE_TRITON step 6: (loss, logps, entropy) of a Batch (grpo_ref_split.py) from
-    its completion logits in one fused pass; d(logits) is written over them, which nothing reads
-    afterwards. loss_keywords: beta, clip_eps, clip_eps_high, loss_type, max_tokens, tis_cap,
-    tis_mode."""
+    """The trainer's USE_TRITON step 6: (loss, logps, entropy, pi_old, vLLM's mismatch weights or
+    None) of a Batch (grpo_ref_split.py) from its completion logits in one fused pass; d(logits) is
+    written over them, which nothing reads afterwards. pi_old and the weights, the kernel's own
+    rule in PyTorch, are for the step's metrics. loss_keywords: beta, clip_eps, clip_eps_high,
+    loss_type, max_tokens, tis_cap, tis_mode."""
     from features.fast_paths import completion_logits
+    from features.vllm_engine import mismatch_weights
 
     T = batch.mask.shape[1]
     logits = completion_logits(engine, batch.input_ids, batch.attention_mask, T,
                                shared_prefix)  # (B, T, V)
-    return grpo_loss_triton(logits=logits, completion_ids=batch.input_ids[:, -T:],
-                            temperature=temperature, return_logps=True, return_entropy=True,
-                            inplace_backward=True, ref_logps=batch.ref_logps,
-                            gen_logps=batch.gen_logps, gen_rows=batch.gen_rows,
-                            advantages=batch.advantages, mask=batch.mask,
-                            normalizer=batch.normalizer, sampler_logps=batch.sampler_logps,
-                            sampler_rows=batch.sampler_rows, **loss_keywords)
+    loss, logps, entropy = grpo_loss_triton(
+        logits=logits, completion_ids=batch.input_ids[:, -T:], temperature=temperature,
+        return_logps=True, return_entropy=True, inplace_backward=True, ref_logps=batch.ref_logps,
+        gen_logps=batch.gen_logps, gen_rows=batch.gen_rows, advantages=batch.advantages,
+        mask=batch.mask, normalizer=batch.normalizer, sampler_logps=batch.sampler_logps,
+        sampler_rows=batch.sampler_rows, **loss_keywords)  # logps (B, T) detached
+    mask = batch.mask.bool()  # (B, T)
+    old = logps  # (B, T) pi_old: the current weights' own (ratio 1), but where gen_logps are given
+    if batch.gen_logps is not None:
+        given = mask if batch.gen_rows is None else mask & batch.gen_rows[:, None]  # (B, T)
+        old = torch.where(given, batch.gen_logps, logps)  # (B, T)
+    weights = None  # (B, T) vLLM's mismatch pi_old / pi_vllm (TIS_MODE), as the kernel weighs
+    if batch.sampler_logps is not None and loss_keywords["tis_cap"]:
+        weights = mismatch_weights(old, batch.sampler_logps, batch.sampler_rows, mask,
+                                   mode=loss_keywords["tis_mode"], cap=loss_keywords["tis_cap"])
+    return loss, logps, entropy, old, weights

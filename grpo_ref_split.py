@@ -440,19 +440,18 @@ def policy_loss(engine, b: Batch):
     engine.train()
     if USE_TRITON:  # the same loss fused in one pass over the logits (grpo_loss_triton.py, GPU)
         import grpo_loss_triton
-        loss, logps, entropy = grpo_loss_triton.batch_loss(
+        loss, logps, entropy, old, weights = grpo_loss_triton.batch_loss(
             engine, b, temperature=TEMPERATURE, shared_prefix=SHARED_PREFIX, beta=BETA,
             clip_eps=CLIP_EPS, clip_eps_high=CLIP_EPS_HIGH, loss_type=LOSS_TYPE,
             max_tokens=MAX_NEW_TOKENS, tis_cap=TIS_CAP, tis_mode=TIS_MODE)
     else:
         logps, entropy = logps_of(engine, b.input_ids, b.attention_mask, b.mask.shape[1],
                                   entropy=True)
-    old = pi_old_logps(logps, b.gen_logps, b.gen_rows, b.mask)  # (B, T) pi_old
-    weights = None  # vLLM's mismatch pi_old / pi_vllm, truncated or masked (TIS_MODE)
-    if b.sampler_logps is not None and TIS_CAP:
-        weights = vllm_engine.mismatch_weights(old, b.sampler_logps, b.sampler_rows,
-                                               b.mask.bool(), mode=TIS_MODE, cap=TIS_CAP)  # (B, T)
-    if not USE_TRITON:  # the fused loss above computed this already
+        old = pi_old_logps(logps, b.gen_logps, b.gen_rows, b.mask)  # (B, T) pi_old
+        weights = None  # vLLM's mismatch pi_old / pi_vllm, truncated or masked (TIS_MODE)
+        if b.sampler_logps is not None and TIS_CAP:
+            weights = vllm_engine.mismatch_weights(old, b.sampler_logps, b.sampler_rows,
+                                                   b.mask.bool(), mode=TIS_MODE, cap=TIS_CAP)
         per_token = grpo_loss(logps=logps, old_logps=old, ref_logps=b.ref_logps,
                               advantages=b.advantages, mask=b.mask, beta=BETA, clip_eps=CLIP_EPS,
                               clip_eps_high=CLIP_EPS_HIGH, weights=weights, gspo=GSPO)  # (B, T)
