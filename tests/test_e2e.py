@@ -99,7 +99,9 @@ def test_use_triton_trains_one_step_like_the_pytorch_path(server, tiny_model_dir
     assert math.isfinite(runs["triton"]["loss"])
     assert runs["triton"]["reward"] == runs["torch"]["reward"]  # the very same rollout
     assert abs(runs["triton"]["loss"] - runs["torch"]["loss"]) < 1e-5
-    for key in ("kl", "entropy", "clip_low", "clip_high", "ratio_drift"):  # pi_old and its metrics
+    # pi_old and the metrics read from it: both paths sum fp32 per-token values (2**-24 relative
+    # rounding each) over a few hundred tokens, so they agree to ~1e-6 relative; 1e-4 leaves margin.
+    for key in ("kl", "entropy", "clip_low", "clip_high", "ratio_drift"):
         assert runs["triton"][key] == pytest.approx(runs["torch"][key], rel=1e-4, abs=1e-6), key
     start = params(tiny_model_dir)
     d_torch = {k: v - start[k] for k, v in params(tmp_path / "torch" / "step_1").items()}
