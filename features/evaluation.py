@@ -1,6 +1,6 @@
-"""Held-out evaluation: greedy answers to EVAL_SIZE questions the run never trains on, scored by the trainer's
-rewards, before step 1 and every EVAL_STEPS steps; with EVAL_SAMPLES = k, also k sampled answers per question at
-the training temperature, for mean@k and the unbiased pass@k.
+"""Held-out evaluation: greedy answers to EVAL_SIZE questions the run never trains on, scored by the
+trainer's rewards, before step 1 and every EVAL_STEPS steps; with EVAL_SAMPLES = k, also k sampled
+answers per question at the training temperature, for mean@k and the unbiased pass@k.
 
     CHECKPOINT=output/step_30 python bench/probe_heldout.py       # the same, on a saved checkpoint
 """
@@ -16,25 +16,29 @@ CORRECT = "reward_correct"  # the reward whose value > 0 counts as solved, for p
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """The unbiased pass@k estimate from n samples of which c are right (Chen et al. 2021, arXiv 2107.03374):
-    1 - C(n - c, k) / C(n, k), the chance that k of the n, drawn without replacement, hold a right one."""
+    """The unbiased pass@k estimate from n samples of which c are right (Chen et al. 2021, arXiv
+    2107.03374): 1 - C(n - c, k) / C(n, k), the chance that k of the n, drawn without replacement,
+    hold a right one."""
     if not (0 <= c <= n and 1 <= k <= n):
         raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n (n {n}, c {c}, k {k})")
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def evaluate(model, questions, *, encode, decode, score, eos_ids, max_new_tokens, pad_id=None, llm=None, tools=(),
-             max_calls=0, tokenizer=None, samples=0, sample_config=None) -> dict:
-    """{"eval_<reward name>": mean} over the greedy answers to `questions` (from the vLLM engine `llm` if given);
-    with tools, eval_tool_share too (answers that called a tool). samples = k > 0: also eval_<name>_mean@k over k
-    answers per question sampled with sample_config (its temperature), and eval_pass@j for j = 2, 4, ... and k
-    (needs reward_correct). Questions with a "tag" also get each mean per tag: eval_<name>_<tag>.
-    encode(tokenizer, questions) -> the tokenized prompts; decode(tokenizer, completion_ids) -> texts;
-    score(texts, golds, questions) -> (total, {reward name: values}): the trainer's own three;
-    tokenizer: for them, for tools and for the pad id (or pad_id)."""
+def evaluate(model, questions, *, encode, decode, score, eos_ids, max_new_tokens, pad_id=None,
+             llm=None, tools=(), max_calls=0, tokenizer=None, samples=0,
+             sample_config=None) -> dict:
+    """{"eval_<reward name>": mean} over the greedy answers to `questions` (from the vLLM engine
+    `llm` if given); with tools, eval_tool_share too (answers that called a tool). samples = k > 0:
+    also eval_<name>_mean@k over k answers per question sampled with sample_config (its
+    temperature), and eval_pass@j for j = 2, 4, ... and k (needs reward_correct). Questions with a
+    "tag" also get each mean per tag: eval_<name>_<tag>. encode(tokenizer, questions) -> the
+    tokenized prompts; decode(tokenizer, completion_ids) -> texts; score(texts, golds, questions) ->
+    (total, {reward name: values}): the trainer's own three; tokenizer: for them, for tools and for
+    the pad id (or pad_id)."""
     pad_id = tokenizer.pad_token_id if pad_id is None else pad_id
-    args = dict(encode=encode, decode=decode, eos_ids=eos_ids, pad_id=pad_id, max_new_tokens=max_new_tokens, llm=llm,
-                tools=tools, max_calls=max_calls, tokenizer=tokenizer)
+    args = dict(encode=encode, decode=decode, eos_ids=eos_ids, pad_id=pad_id,
+                max_new_tokens=max_new_tokens, llm=llm, tools=tools, max_calls=max_calls,
+                tokenizer=tokenizer)
     texts, calls = held_out_answers(model, questions, **args)
     _, each = score(texts, [q["gold"] for q in questions], [q["question"] for q in questions])
     each = each | ({"tool_share": [float(c > 0) for c in calls]} if tools else {})
@@ -43,14 +47,16 @@ def evaluate(model, questions, *, encode, decode, score, eos_ids, max_new_tokens
     out = {}
     for tag in [None] + sorted({q["tag"] for q in questions if "tag" in q}):
         rows = [i for i, q in enumerate(questions) if tag is None or q.get("tag") == tag]
-        out |= {f"eval_{name}" + (f"_{tag}" if tag else ""): sum(values[i] for i in rows) / len(rows)
+        suffix = f"_{tag}" if tag else ""
+        out |= {f"eval_{name}{suffix}": sum(values[i] for i in rows) / len(rows)
                 for name, values in each.items()}
     return out
 
 
 def sampled_scores(model, questions, k, sample_config, score, args) -> dict:
-    """Per question: each reward's mean over k sampled answers ("<name>_mean@k") and, with CORRECT among the
-    rewards, the unbiased pass@j for j = 2, 4, ... < k and k ("pass@j"; pass@1 would equal CORRECT's mean@k)."""
+    """Per question: each reward's mean over k sampled answers ("<name>_mean@k") and, with CORRECT
+    among the rewards, the unbiased pass@j for j = 2, 4, ... < k and k ("pass@j"; pass@1 would equal
+    CORRECT's mean@k)."""
     if sample_config is None or not sample_config.do_sample:
         raise ValueError("EVAL_SAMPLES needs the sampling generation config (temperature > 0)")
     texts, _ = held_out_answers(model, questions, per_question=k, gen_config=sample_config, **args)
@@ -59,23 +65,26 @@ def sampled_scores(model, questions, k, sample_config, score, args) -> dict:
     out = {f"{name}_mean@{k}": [sum(v[i * k : (i + 1) * k]) / k for i in range(len(questions))]
            for name, v in each.items()}
     if CORRECT in each:
-        right = [sum(v > 0 for v in each[CORRECT][i * k : (i + 1) * k]) for i in range(len(questions))]
-        for j in sorted({2**e for e in range(1, k.bit_length()) if 2**e < k} | {k} - {1}):  # pass@1 is the mean@k
+        right = [sum(v > 0 for v in each[CORRECT][i * k : (i + 1) * k])
+                 for i in range(len(questions))]
+        for j in sorted({2**e for e in range(1, k.bit_length()) if 2**e < k} | {k} - {1}):  # not 1
             out[f"pass@{j}"] = [pass_at_k(k, c, j) for c in right]
     return out
 
 
 @torch.no_grad()
-def held_out_answers(model, questions, *, encode, decode, eos_ids, pad_id, max_new_tokens, batch_size=EVAL_BATCH,
-                     llm=None, tools=(), max_calls=0, tokenizer=None, per_question=1, gen_config=None) -> tuple:
-    """(the completion text of each question, its tool calls): greedy, or with gen_config (a sampling one)
-    `per_question` answers each, a question's answers consecutive. fork_rng guards the training stream (sampling
-    draws from it, and vLLM's seeds come from it): evaluating never changes training."""
+def held_out_answers(model, questions, *, encode, decode, eos_ids, pad_id, max_new_tokens,
+                     batch_size=EVAL_BATCH, llm=None, tools=(), max_calls=0, tokenizer=None,
+                     per_question=1, gen_config=None) -> tuple:
+    """(the completion text of each question, its tool calls): greedy, or with gen_config (a
+    sampling one) `per_question` answers each, a question's answers consecutive. fork_rng guards the
+    training stream (sampling draws from it, and vLLM's seeds come from it): evaluating never
+    changes training."""
     from transformers import GenerationConfig
 
     greedy = gen_config is None
-    gen_config = gen_config or GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=pad_id,
-                                                eos_token_id=eos_ids)
+    gen_config = gen_config or GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens,
+                                                pad_token_id=pad_id, eos_token_id=eos_ids)
     temperature = 0.0 if greedy else gen_config.temperature
     device = next(model.parameters()).device
     model.eval()
@@ -85,23 +94,27 @@ def held_out_answers(model, questions, *, encode, decode, eos_ids, pad_id, max_n
         for i in range(0, len(questions), batch_size):
             enc = encode(tokenizer, questions[i : i + batch_size]).to(device)
             if tools:  # multi-turn, as the rollouts (features/tools.py)
-                answers, _, out = generate_with_tools(model, tokenizer, enc, per_question, gen_config=gen_config,
-                                                      llm=llm, tools=tools, temperature=temperature,
+                answers, _, out = generate_with_tools(model, tokenizer, enc, per_question,
+                                                      gen_config=gen_config, llm=llm, tools=tools,
+                                                      temperature=temperature,
                                                       max_calls=max_calls, eos_ids=eos_ids)
                 calls += out["tool_calls"]
             elif llm is not None:
-                answers, _ = vllm_sample(llm, enc, per_question, temperature, eos_ids, pad_id, max_new_tokens,
-                                         seeded=False)  # (b * per_question, T)
+                answers, _ = vllm_sample(llm, enc, per_question, temperature, eos_ids, pad_id,
+                                         max_new_tokens, seeded=False)  # (b * per_question, T)
             else:
-                ids, attn = (t.repeat_interleave(per_question, 0) for t in (enc.input_ids, enc.attention_mask))
-                answers = model.generate(input_ids=ids, attention_mask=attn,
-                                         generation_config=gen_config)[:, ids.shape[1] :]  # (b * per_question, T)
+                ids = enc.input_ids.repeat_interleave(per_question, 0)  # (b x per_question, P)
+                attn = enc.attention_mask.repeat_interleave(per_question, 0)  # (b x ..., P)
+                generated = model.generate(input_ids=ids, attention_mask=attn,
+                                           generation_config=gen_config)  # (b x ..., P + T)
+                answers = generated[:, ids.shape[1] :]  # (b x per_question, T)
             texts += decode(tokenizer, answers)
     return texts, calls or [0] * len(texts)
 
 
 def log_eval(step, model, questions, log, rank, **evaluate_args):
-    """Rank 0 evaluates (evaluate's arguments) and writes the result to its run log; the other ranks wait."""
+    """Rank 0 evaluates (evaluate's arguments) and writes the result to its run log; the other ranks
+    wait."""
     if rank == 0:
         log.eval(step, evaluate(model, questions, **evaluate_args), len(questions))
     torch.distributed.barrier()
