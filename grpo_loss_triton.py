@@ -329,18 +329,24 @@ def grpo_loss_triton(
     return (loss, *extra) if extra else loss
 
 
-def batch_loss(engine, batch, *, temperature, shared_prefix, **loss_keywords):
+def batch_loss(engine, batch, constants: dict):
     """The trainer's USE_TRITON step 6: (loss, logps, entropy, pi_old, vLLM's mismatch weights or
     None) of a Batch (grpo_ref_split.py) from its completion logits in one fused pass; d(logits) is
     written over them, which nothing reads afterwards. pi_old and the weights, the kernel's own
-    rule in PyTorch, are for the step's metrics. loss_keywords: beta, clip_eps, clip_eps_high,
-    loss_type, max_tokens, tis_cap, tis_mode."""
+    rule in PyTorch, are for the step's metrics. constants: the trainer's (its globals()), read by
+    name: TEMPERATURE, SHARED_PREFIX, BETA, CLIP_EPS, CLIP_EPS_HIGH, LOSS_TYPE, MAX_NEW_TOKENS,
+    TIS_CAP, TIS_MODE."""
     from features.fast_paths import completion_logits
     from features.vllm_engine import mismatch_weights
 
+    temperature = constants["TEMPERATURE"]
+    loss_keywords = dict(beta=constants["BETA"], clip_eps=constants["CLIP_EPS"],
+                         clip_eps_high=constants["CLIP_EPS_HIGH"], loss_type=constants["LOSS_TYPE"],
+                         max_tokens=constants["MAX_NEW_TOKENS"], tis_cap=constants["TIS_CAP"],
+                         tis_mode=constants["TIS_MODE"])
     T = batch.mask.shape[1]
     logits = completion_logits(engine, batch.input_ids, batch.attention_mask, T,
-                               shared_prefix)  # (B, T, V)
+                               constants["SHARED_PREFIX"])  # (B, T, V)
     loss, logps, entropy = grpo_loss_triton(
         logits=logits, completion_ids=batch.input_ids[:, -T:], temperature=temperature,
         return_logps=True, return_entropy=True, inplace_backward=True, ref_logps=batch.ref_logps,

@@ -47,6 +47,7 @@ TEMPERATURE = 0.7  # sampling temperature, and every log-prob's; 1.0 hardly lear
 BETA = 0.04  # KL penalty weight towards the reference model; 0 = no reference, no server
 CLIP_EPS = 0.2  # PPO clip: the ratio pi / pi_old may fall to 1 - CLIP_EPS ...
 CLIP_EPS_HIGH = 0.2  # ... and rise to 1 + CLIP_EPS_HIGH; DAPO's 0.28 lets rare good tokens grow
+DISTILL_COEF = 0.0  # > 0: the server holds a teacher; each token's advantage gets this x its term
 LR = 1e-5  # AdamW learning rate; the optimizer's other settings and its schedule are DS_CONFIG's
 ALL_STEPS = 30  # training steps
 SEED = 42  # seeds questions and sampling (rank r uses SEED + r)
@@ -67,6 +68,8 @@ GSPO = False  # True = one ratio per answer (tokens' geometric mean); CLIP_EPS 3
 MU = 1  # optimizer steps on each batch; > 1 reuses it, the clipped ratio keeping each near pi_old
 SKIP_GEN_LOGPS = True  # MU = 1: a rank's own groups need no pi_old forward (ratio 1); False = one
 MASK_TRUNCATED = False  # True = answers cut at MAX_NEW_TOKENS leave the loss (DAPO overlong filter)
+KL_BIAS_CORRECTION = False  # True = DeepSeek-V3.2: k3 x pi / pi_old, the reverse KL's gradient
+OFF_POLICY_DELTA = 0.0  # > 0 = DeepSeek-V3.2: answers with A < 0 and log(pi_old / pi) > this leave
 # Which questions a step trains on (docs/sampling.md)
 DYNAMIC_SAMPLING = False  # True = DAPO: roll out until Q_BATCH_SIZE groups have different rewards
 SAMPLER = "uniform"  # | "difficulty": redraw varied ones | "learnability": weight p (1 - p)
@@ -143,7 +146,15 @@ def advantages_in_groups(scores: torch.Tensor, num_pre_q: int) -> torch.Tensor:
     SCALE_REWARDS are features/advantages.group_advantages, tested equal to this on "group"."""
     grouped = scores.float().view(-1, num_pre_q)  # (Q, G)
     centred = grouped - grouped.mean(1, keepdim=True)  # (Q, G)
-    return (centred / (grouped.std(1, keepdim=True) + STD_EPS)).view(-1)  # (N,)
+    spread = grouped.std(1, keepdim=True).nan_to_num(0.0)  # (Q, 1) a group of one has none
+    return (centred / (spread + STD_EPS)).view(-1)  # (N,)
+
+
+def distill_advantages(advantages, *, teacher_logps, sampler_logps, mask, coef) -> torch.Tensor:
+    """(B, T) on-policy distillation: A_t = A + coef (log teacher(y_t) - log pi_old(y_t)), each
+    token's own term, no discount; its expected gradient is -coef grad KL(pi || teacher)."""
+    term = torch.where(mask.bool(), teacher_logps - sampler_logps.detach(), 0.0)  # (B, T)
+    return advantages[:, None] + coef * term  # (B, T)
 
 
 def per_token_logps(model, input_ids, attention_mask, n_completion: int, with_entropy=False):
@@ -185,10 +196,10 @@ def gspo_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def grpo_loss(*, logps, old_logps, ref_logps, advantages, mask, beta, clip_eps, clip_eps_high,
-              weights=None, gspo=False) -> torch.Tensor:
+              weights=None, gspo=False, bias_corrected_kl=False) -> torch.Tensor:
     """(B, T) DeepSeekMath's clipped loss per token, r = pi / pi_old: -(min(r A, clip(r, 1 - eps,
     1 + eps_high) A) - beta k3); reduce_loss averages it (docs/loss.md). logps, old_logps,
-    ref_logps (None: beta 0), mask, weights (vLLM's mismatch) (B, T); advantages (B,)."""
+    ref_logps (None: beta 0), mask, weights (vLLM's mismatch) (B, T); advantages (B,) or (B, T)."""
     if ref_logps is None and beta:
         raise ValueError(f"grpo_loss: ref_logps=None needs beta=0 (beta {beta})")
     mask = mask.bool()  # (B, T)
@@ -196,14 +207,15 @@ def grpo_loss(*, logps, old_logps, ref_logps, advantages, mask, beta, clip_eps, 
     if gspo:
         log_ratio = gspo_log_ratio(log_ratio, mask)  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T)
-    adv = advantages[:, None]  # (B, 1)
+    adv = advantages[:, None] if advantages.dim() == 1 else advantages  # (B, 1) or (B, T)
     clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high)  # (B, T)
     surrogate = torch.min(ratio * adv, clipped * adv)  # (B, T)
     if weights is not None:
         surrogate = surrogate * weights  # (B, T) importance weights, detached
     if ref_logps is not None:  # the reference only where there are answer tokens: no overflow
         ref = torch.where(mask, ref_logps, logps.detach())  # (B, T)
-        surrogate = surrogate - beta * k3(ref, logps)  # (B, T)
+        kl_weight = ratio if bias_corrected_kl else 1.0  # DeepSeek-V3.2: reverse KL's gradient
+        surrogate = surrogate - beta * kl_weight * k3(ref, logps)  # (B, T)
     return -surrogate  # (B, T)
 
 
@@ -258,6 +270,7 @@ class Batch:
     normalizer: float | None = None  # answers (dapo: tokens) of the step on all ranks, per rank
     share: float = 1.0  # of the step's answers in this micro-batch; 0 = a repeat (no gradient)
     token_share: float = 1.0  # of the step's answer tokens in this micro-batch
+    teacher_logps: torch.Tensor | None = None  # (B, T) DISTILL_COEF: the server's, never in k3
 
 
 def load_policy(path, device):
@@ -438,34 +451,38 @@ def prepare_batch(engine, batch: Batch, normalizer=None) -> Batch:
 def policy_loss(engine, b: Batch):
     """Step 6: (the GRPO loss of a (micro-)batch under the current weights, its metrics)."""
     engine.train()
+    advantages = b.advantages  # (B,) one per answer; with a teacher (B, T), one per token
     if USE_TRITON:  # the same loss fused in one pass over the logits (grpo_loss_triton.py, GPU)
         import grpo_loss_triton
-        loss, logps, entropy, old, weights = grpo_loss_triton.batch_loss(
-            engine, b, temperature=TEMPERATURE, shared_prefix=SHARED_PREFIX, beta=BETA,
-            clip_eps=CLIP_EPS, clip_eps_high=CLIP_EPS_HIGH, loss_type=LOSS_TYPE,
-            max_tokens=MAX_NEW_TOKENS, tis_cap=TIS_CAP, tis_mode=TIS_MODE)
+        loss, logps, entropy, old, weights = grpo_loss_triton.batch_loss(engine, b, globals())
     else:
         logps, entropy = logps_of(engine, b.input_ids, b.attention_mask, b.mask.shape[1],
                                   entropy=True)
         old = pi_old_logps(logps, b.gen_logps, b.gen_rows, b.mask)  # (B, T) pi_old
+        if DISTILL_COEF:  # the teacher's term on each token (docs/distillation.md)
+            advantages = distill_advantages(b.advantages, teacher_logps=b.teacher_logps,
+                                            sampler_logps=old, mask=b.mask, coef=DISTILL_COEF)
         weights = None  # vLLM's mismatch pi_old / pi_vllm, truncated or masked (TIS_MODE)
         if b.sampler_logps is not None and TIS_CAP:
             weights = vllm_engine.mismatch_weights(old, b.sampler_logps, b.sampler_rows,
                                                    b.mask.bool(), mode=TIS_MODE, cap=TIS_CAP)
+        if OFF_POLICY_DELTA:  # DeepSeek-V3.2: far off-policy answers with A < 0 leave the surrogate
+            weights = vllm_engine.off_policy_mask(weights, b, advantages=advantages, old=old,
+                                                  logps=logps, delta=OFF_POLICY_DELTA)  # (B, T)
         per_token = grpo_loss(logps=logps, old_logps=old, ref_logps=b.ref_logps,
-                              advantages=b.advantages, mask=b.mask, beta=BETA, clip_eps=CLIP_EPS,
-                              clip_eps_high=CLIP_EPS_HIGH, weights=weights, gspo=GSPO)  # (B, T)
+                              advantages=advantages, mask=b.mask, beta=BETA, clip_eps=CLIP_EPS,
+                              clip_eps_high=CLIP_EPS_HIGH, weights=weights, gspo=GSPO,
+                              bias_corrected_kl=KL_BIAS_CORRECTION)  # (B, T)
         loss = reduce_loss(per_token, b.mask, loss_type=LOSS_TYPE, normalizer=b.normalizer,
                            max_tokens=MAX_NEW_TOKENS)
     with torch.no_grad():  # the metrics at the weights before this step (features/run_log.py)
-        logps = logps.detach()  # (B, T)
         log_ratio = logps - old  # (B, T)
         if GSPO:
             log_ratio = gspo_log_ratio(log_ratio, b.mask)  # (B, T)
         kl = None if b.ref_logps is None else k3(b.ref_logps, logps)  # (B, T)
         m = loss_metrics(loss, b, old=old, ratio=torch.exp(log_ratio), kl=kl, tis=weights,
                          entropy=entropy, clip_eps=CLIP_EPS, clip_eps_high=CLIP_EPS_HIGH,
-                         vllm=USE_VLLM)
+                         vllm=USE_VLLM, advantages=advantages, teacher=b.teacher_logps)
     if not b.share:  # a repeat that keeps this rank in step with the others: no gradient
         loss = loss * 0.0
     return loss, m
@@ -494,7 +511,7 @@ def batches_of(engine, groups, pad_id) -> list:
     """Step 6's input: the groups as one batch, or TRAIN_MICRO_BATCH groups a batch, each with the
     step's normalizer, so their gradients add up to the one batch's (features/zero2.py)."""
     def to_batch(part):  # the groups as one padded Batch
-        return Batch(**wire.collate(part, pad_id))
+        return Batch(**wire.collate(part, pad_id, teacher=DISTILL_COEF > 0))
     if not TRAIN_MICRO_BATCH:
         return [prepare_batch(engine, to_batch(groups))]
     return zero2.micro_batches(groups, TRAIN_MICRO_BATCH, to_batch,
@@ -525,16 +542,9 @@ def setup_deepspeed():
     return engine, tokenizer, eos_ids, gen_config, rank, device
 
 
-def start_vllm(seed, dtype):
-    """USE_VLLM's in-process engine with MODEL_PATH's weights (features/vllm_engine.py)."""
-    return vllm_engine.start_engine(resolve_model_path(MODEL_PATH), seed, dtype, eager=VLLM_EAGER,
-                                    gpu_memory=VLLM_GPU_MEMORY, cpu_kv_gb=VLLM_CPU_KV_GB,
-                                    verbose=VERBOSE)
-
-
 def uses_server() -> bool:
-    """Whether ref_server.py gives the reference: not at BETA 0, nor with LoRA's REF_FROM_BASE."""
-    return BETA != 0 and not (LORA_RANK > 0 and REF_FROM_BASE)
+    """Whether ref_server.py is used: a teacher, or a reference not from LoRA's base (BETA > 0)."""
+    return DISTILL_COEF > 0 or (BETA != 0 and not (LORA_RANK > 0 and REF_FROM_BASE))
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -549,15 +559,16 @@ def main():
     engine, tokenizer, eos_ids, gen_config, rank, device = setup_deepspeed()
     model = engine.module  # the same weights without the engine: generation and evaluation
     client = None  # no server: no reference at all (BETA 0), or LoRA's base is the reference
+    health = {}  # the server's model, checked: this policy's, or a teacher with its vocabulary
     if uses_server():
         client = server_client.RefClient(REF_SERVER, REF_TOKEN, SERVER_TIMEOUT, EXTRA_GROUPS)
-    health = client.health(model, tokenizer, ALLOW_REF_MISMATCH) if client else {}  # same model?
+        health = client.health(model, tokenizer, ALLOW_REF_MISMATCH, teacher=DISTILL_COEF > 0)
     regroup = bool(health.get("regroup"))  # it pools answers of older weights: send gen_logps
-    keep_all = regroup or bool(health.get("reward_model"))  # its rewards may differ from ours
+    keep_all = bool(regroup or health.get("reward_model") or DISTILL_COEF)  # equal groups teach too
     several = "," in REF_SERVER or EXTRA_GROUPS > 0 or regroup  # servers, workers: RefClient's
     exchange = client.upload_and_pull if client and several else upload_and_pull  # step 5
     sampler = question_sampler.QuestionSampler(questions, SEED + rank, SAMPLER, REPLAY_SHARE)
-    llm = start_vllm(SEED + rank, model.dtype) if USE_VLLM else None  # one engine per rank
+    llm = vllm_engine.start_from(globals(), SEED + rank, model.dtype)  # USE_VLLM; else None
     if PASS_RATE_QUESTIONS:  # how hard each question is, before step 1 (or read back on RESUME)
         sample = functools.partial(generate, model, tokenizer, gen_config=gen_config,
                                    eos_ids=eos_ids, llm=llm)  # NUM_PRE_Q answers to each
@@ -566,9 +577,8 @@ def main():
                                   output_dir=OUTPUT_DIR, batch=Q_BATCH_SIZE, rank=rank)
     start = 0  # the last step done: a resumed checkpoint's
     if RESUME:
-        start = checkpoints.resume(engine, sampler, rank, output_dir=OUTPUT_DIR, lora=LORA_RANK > 0)
-    if llm is not None and start > 0:  # it loaded MODEL_PATH: give it the resumed weights
-        vllm_engine.push_weights(llm, model)
+        start = checkpoints.resume(engine, sampler, rank, output_dir=OUTPUT_DIR, lora=LORA_RANK > 0,
+                                   llm=llm)  # vLLM loaded MODEL_PATH: the resumed weights go in
     publisher = weight_sync.start_publisher(  # workers' weights over HTTP (WEIGHT_SYNC_STEPS)
         model, start, rank=rank, every=WEIGHT_SYNC_STEPS, host=WEIGHT_SYNC_HOST,
         port=WEIGHT_SYNC_PORT, token=REF_TOKEN)
@@ -633,16 +643,8 @@ def main():
         log.close()  # "done: ... in OUTPUT_DIR/"
 
 
-if __name__ == "__main__":
-    if GENONLY or "genonly" in sys.argv[1:]:  # a generation worker: steps 1-4, no optimizer
-        worker.run_worker(load_policy, functools.partial(rollout, with_gen_logps=True),
-                          server_client.RefClient(REF_SERVER, REF_TOKEN, SERVER_TIMEOUT),
-                          questions=rewards.split_held_out(rewards.load_questions(
-                              DATASET, SEED, ARITH_MAX), EVAL_SIZE)[0], q_batch_size=Q_BATCH_SIZE,
-                          first=resolve_model_path(MODEL_PATH), seed=SEED,
-                          start_llm=start_vllm if USE_VLLM else None, output_dir=OUTPUT_DIR,
-                          max_queued=WORKER_MAX_QUEUED, allow_mismatch=ALLOW_REF_MISMATCH,
-                          trainers_read_server=uses_server(), weights_from=WEIGHTS_FROM,
-                          token=REF_TOKEN)  # (features/worker.py)
-    else:  # `deepspeed` adds --local_rank=N: "genonly" may stand anywhere
+if __name__ == "__main__":  # `deepspeed` adds --local_rank=N: "genonly" may stand anywhere
+    if GENONLY or "genonly" in sys.argv[1:]:  # a generation worker: steps 1-4 (features/worker.py)
+        worker.run_for_trainer(globals(), load_policy, rollout, trainers_read_server=uses_server())
+    else:
         main()

@@ -22,7 +22,7 @@ import torch
 
 from features.embedded_model import resolve_model_path
 from features.env_overrides import apply_env_overrides
-from features.fingerprint import model_fingerprint
+from features.fingerprint import model_fingerprint, vocab_fingerprint
 from features.fast_paths import completion_logps
 from features.regroup import RegroupPool
 from features.reward_model import add_reward_model, load_reward_model
@@ -33,6 +33,7 @@ from features.wire import decode_batch, encode_batch
 # ----------------------------------------------------------------------------- constants
 # Model
 MODEL_PATH = ""  # hub id or local folder; "" = the embedded SmolLM2-135M-Instruct (GGUF wheel)
+TEACHER = False  # True = MODEL_PATH is a teacher to distill from (docs/distillation.md)
 # Network
 HOST = "127.0.0.1"  # loopback only; "0.0.0.0" serves other machines (set REF_TOKEN then)
 PORT = 59875  # TCP port; the trainer's REF_SERVER must point here
@@ -64,7 +65,7 @@ apply_env_overrides(globals(), "ref_server.py")  # `PORT=6000 python ref_server.
 SETTINGS = ("REF_TOKEN", "MAX_BODY_BYTES", "MAX_ROWS", "MAX_GROUP_TOKENS", "QUEUE_SIZE",
             "MAX_QUEUED_BYTES", "UPLOAD_IDS", "REF_MICRO_BATCH", "SHARED_PREFIX", "LOGP_CHUNK",
             "LOGP_FROM_HIDDEN", "REWARD_MODEL_WEIGHT", "REGROUP", "REGROUP_POOL",
-            "REGROUP_QUESTIONS")
+            "REGROUP_QUESTIONS", "TEACHER")
 
 
 # ----------------------------------------------------------------------------- the server
@@ -73,7 +74,8 @@ class RefServer:
     SETTINGS is an attribute in lower case: its constant as it is when the server is built, or the
     keyword that replaces it (RefServer(model, name, queue_size=2))."""
 
-    def __init__(self, model, model_name, *, reward_model=None, reward_model_name="", **settings):
+    def __init__(self, model, model_name, *, reward_model=None, reward_model_name="", vocabulary="",
+                 **settings):
         unknown = sorted(set(settings) - {name.lower() for name in SETTINGS})
         if unknown:
             raise TypeError(f"RefServer: no setting {unknown}; settings are SETTINGS in lower case")
@@ -85,6 +87,7 @@ class RefServer:
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.max_len = getattr(model.config, "max_position_embeddings", None) or 2**31
         self.fingerprint = model_fingerprint(model)  # trainers check they start from this model
+        self.vocabulary = vocabulary  # the tokenizer's hash: a teacher's must be the student's
         self.reward_model = reward_model  # (model, tokenizer) or None
         self.reward_model_name = reward_model_name
         self.pending = queue.Queue()  # (tensors, meta, key, nbytes) waiting for the forward thread
@@ -237,7 +240,8 @@ class RefServer:
                 ready = sum(q.qsize() for key, q in self.ready.items() if key != "workers")
             counters["regrouped"] = self.pool.regrouped if self.pool else 0
             return dict(model=self.model_name, vocab_size=self.vocab_size,
-                        fingerprint=self.fingerprint, device=str(self.device),
+                        fingerprint=self.fingerprint, vocabulary=self.vocabulary,
+                        role="teacher" if self.teacher else "reference", device=str(self.device),
                         reward_model=self.reward_model_name, instance=self.instance,
                         pending=self.pending.qsize(), ready=ready,
                         ready_workers=self.ready["workers"].qsize(),
@@ -261,7 +265,7 @@ def serve(server: RefServer, host: str, port: int):
 
 
 def main():
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(MODEL_PATH)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -271,12 +275,14 @@ def main():
     warn_if_exposed(HOST, REF_TOKEN)
     reward_model = load_reward_model(REWARD_MODEL, dtype, device) if REWARD_MODEL else None
     name = MODEL_PATH or "SmolLM2-135M-Instruct (embedded)"
-    server = RefServer(model, name, reward_model=reward_model, reward_model_name=REWARD_MODEL)
+    server = RefServer(model, name, reward_model=reward_model, reward_model_name=REWARD_MODEL,
+                       vocabulary=vocab_fingerprint(AutoTokenizer.from_pretrained(path)))
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # before serve(): a stop once it answers is caught
         signal.signal(sig, lambda *_: done.set())
     stop = serve(server, HOST, PORT)
-    print(f"reference server ready on http://{HOST}:{PORT} ({path}, {device}, "
+    role = "teacher" if TEACHER else "reference"
+    print(f"{role} server ready on http://{HOST}:{PORT} ({path}, {device}, "
           f"vocab {server.vocab_size})", flush=True)
     while not done.wait(timeout=0.5):  # untimed, it sleeps through a signal sent to another thread
         pass

@@ -22,7 +22,8 @@ ROUNDS = 6  # rollout batches per engine, alternating; the first of each is left
 
 import torch  # noqa: E402
 
-import grpo_ref_split as grpo  # noqa: E402
+import grpo_ref_split as grpo
+from features import vllm_engine  # noqa: E402
 from features.embedded_model import resolve_model_path  # noqa: E402
 from rewards import load_questions  # noqa: E402
 
@@ -32,7 +33,7 @@ def main():
     path = resolve_model_path(grpo.MODEL_PATH)
     model, tokenizer, eos_ids, gen_config = grpo.load_policy(path, torch.device("cpu"))
     start = time.perf_counter()
-    llm = grpo.start_vllm(grpo.SEED, model.dtype)
+    llm = vllm_engine.start_from({**vars(grpo), "USE_VLLM": True}, grpo.SEED, model.dtype)
     start_s = time.perf_counter() - start
     questions = load_questions(grpo.DATASET, grpo.SEED, grpo.ARITH_MAX)
     seconds, tokens = defaultdict(list), defaultdict(list)

@@ -17,7 +17,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("TOOLS", '["calculator"]')
-import grpo_ref_split as grpo  # noqa: E402
+import grpo_ref_split as grpo
+from features import vllm_engine  # noqa: E402
 from features import tools  # noqa: E402
 from features.embedded_model import resolve_model_path  # noqa: E402
 from rewards import load_questions, reward_correct  # noqa: E402
@@ -35,7 +36,7 @@ def main():
     model, tokenizer, eos_ids, gen_config = grpo.load_policy(path, torch.device("cpu"))
     llm = None
     if os.environ.get("USE_VLLM", "1") == "1" and importlib.util.find_spec("vllm"):
-        llm = grpo.start_vllm(0, model.dtype)
+        llm = vllm_engine.start_from({**vars(grpo), "USE_VLLM": True}, 0, model.dtype)
     else:
         print("without vLLM: transformers' generate (slower)")
     questions = load_questions("arithmetic_mixed", grpo.SEED)[: -grpo.EVAL_SIZE]

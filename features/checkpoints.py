@@ -11,6 +11,7 @@ import sys
 import torch
 
 from features import zero2
+from features.vllm_engine import push_weights
 
 
 def checkpoints(output_dir):
@@ -57,8 +58,9 @@ def save_checkpoint(engine, tokenizer, step, rng, rank, *, output_dir, keep, lor
     torch.distributed.barrier()
 
 
-def resume(engine, rng, rank, *, output_dir, lora):
-    """Load the newest complete checkpoint (weights, optimizer, RNG); returns its step, 0 if none."""
+def resume(engine, rng, rank, *, output_dir, lora, llm=None):
+    """Load the newest complete checkpoint (weights, optimizer, RNG), and push its weights into
+    USE_VLLM's engine `llm` (it started from MODEL_PATH); returns its step, 0 if none."""
     found = checkpoints(output_dir)
     if not found:
         print(f"[rank {rank}] RESUME: no step_N checkpoint in {output_dir}/, starting from step 1", flush=True)
@@ -78,5 +80,7 @@ def resume(engine, rng, rank, *, output_dir, lora):
     torch.set_rng_state(state["torch"])
     if torch.cuda.is_available() and state["cuda"].numel():
         torch.cuda.set_rng_state(state["cuda"])
+    if llm is not None:
+        push_weights(llm, engine.module)
     print(f"[rank {rank}] resumed from {folder} (step {client['step']})", flush=True)
     return client["step"]

@@ -33,3 +33,10 @@ def model_fingerprint(model) -> dict:
         weights.update(sample.to(torch.bfloat16).float().cpu().numpy().tobytes())
     return {"config": hashlib.sha256(json.dumps(config, default=str).encode()).hexdigest()[:16],
             "weights": weights.hexdigest()[:16]}
+
+
+def vocab_fingerprint(tokenizer) -> str:
+    """A short hash of the vocabulary itself, every token string with its id (added tokens too): two
+    tokenizers with the same hash give the same ids the same text. A size alone would not tell."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda pair: pair[1])
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]

@@ -151,16 +151,22 @@ def weight_gap(model) -> float:
 
 
 @torch.no_grad()
-def loss_metrics(loss, b, *, old, ratio, entropy, kl, tis, clip_eps, clip_eps_high, vllm) -> dict:
+def loss_metrics(loss, b, *, old, ratio, entropy, kl, tis, clip_eps, clip_eps_high, vllm,
+                 advantages=None, teacher=None) -> dict:
     """A (micro-)batch's loss metrics at the weights before the step, each x the batch's share of
     the step's (its answers, or its tokens for per-token ones), so the step's sum over micro-batches
     is the whole batch's value: loss; clip_low/high (tokens the clip cut: ratio below 1 - clip_eps
     with A < 0, above 1 + clip_eps_high with A > 0); ratio_drift (|ratio - 1| per answer, 0
     on-policy); entropy (per token); kl (k3 per answer); with vLLM, sampler_gap and tis_masked
-    (tokens whose importance weight is 0). b: the batch (mask, advantages, sampler_logps,
-    sampler_rows, share, token_share); old, ratio, entropy, kl, tis (B, T): the importance weights
-    (kl and tis may be None)."""
-    mask, adv, share, tokens = b.mask, b.advantages[:, None], b.share, b.token_share
+    (tokens whose importance weight is 0); with a teacher (DISTILL_COEF), teacher_kl (the mean of
+    log pi_old - log teacher over tokens, the reverse KL's estimate) and teacher_better (the share
+    of tokens the teacher finds likelier). b: the batch (mask, advantages, sampler_logps,
+    sampler_rows, share, token_share); old, ratio, entropy, kl, tis, teacher (B, T): the
+    importance weights (kl, tis and teacher may be None); advantages (B,) or (B, T), default b's."""
+    if advantages is None:
+        advantages = b.advantages
+    mask, share, tokens = b.mask, b.share, b.token_share
+    adv = advantages[:, None] if advantages.dim() == 1 else advantages  # (B, 1) or (B, T)
     n, per_answer = mask.sum().clamp(min=1), mask.sum(-1).clamp(min=1)  # (), (B,)
     low = (ratio < 1 - clip_eps) & (adv < 0) & mask  # (B, T)
     high = (ratio > 1 + clip_eps_high) & (adv > 0) & mask  # (B, T)
@@ -174,6 +180,10 @@ def loss_metrics(loss, b, *, old, ratio, entropy, kl, tis, clip_eps, clip_eps_hi
     if vllm:  # the engines' mismatch on the sampled tokens, the share of tokens TIS_MODE masks
         m["sampler_gap"] = sampler_gap(old, b.sampler_logps, b.sampler_rows, mask) * tokens
         m["tis_masked"] = 0.0 if tis is None else (((tis == 0) & mask).sum() / n).item() * tokens
+    if teacher is not None:
+        gap = torch.where(mask, old - teacher, 0.0)  # (B, T) log pi_old - log teacher
+        m["teacher_kl"] = (gap.sum() / n).item() * tokens
+        m["teacher_better"] = (((gap < 0) & mask).sum() / n).item() * tokens
     return m
 
 

@@ -11,7 +11,7 @@ from urllib.parse import urlencode
 
 import requests
 
-from features.fingerprint import model_fingerprint
+from features.fingerprint import model_fingerprint, vocab_fingerprint
 from features.wire import (_NOTE_EVERY_S, _READ_TIMEOUT_S, _RETRY_FIRST_S, _RETRY_MAX_S, ServerError,
                            decode_batch, encode_batch, request_with_retry)
 
@@ -49,18 +49,20 @@ class RefClient:
         return request_with_retry(method, url + path, self.token, data, give_up_after=give_up,
                                   read_timeout=min(_READ_TIMEOUT_S, max(give_up, 1.0)))
 
-    def health(self, model=None, tokenizer=None, allow_mismatch=False) -> dict:
+    def health(self, model=None, tokenizer=None, allow_mismatch=False, teacher=False) -> dict:
         """Given the policy (before any update): every server's /health, after checking it holds the
-        model this policy starts from (vocabulary, config and weights, unless allow_mismatch) and the
-        same one as the others; the first's. Without: the least loaded server's (its "url" added)."""
+        model this policy starts from (vocabulary, config and weights, unless allow_mismatch), or a
+        teacher with the same vocabulary if `teacher` (None: either), and the same one as the
+        others; the first's. Without: the least loaded server's (its "url" added)."""
         if model is None:
             url, health = self.least_loaded()[0]
             return {**health, "url": url}
         answers = [self._call("GET", url, "/health").json() for url in self.urls]
         first = answers[0]
         for url, health in zip(self.urls, answers):
-            check_reference(url, health, model, tokenizer, allow_mismatch)
-            differ = [k for k in ("fingerprint", "regroup", "reward_model") if health[k] != first[k]]
+            check_reference(url, health, model, tokenizer, allow_mismatch, teacher)
+            differ = [k for k in ("fingerprint", "regroup", "reward_model", "role")
+                      if health.get(k) != first.get(k)]
             if differ:
                 sys.exit(f"reference servers {self.urls[0]} and {url} differ in {differ}: every "
                          "server in REF_SERVER must run the same MODEL_PATH and settings")
@@ -260,9 +262,27 @@ def remember(ids: OrderedDict, uid):
         ids.popitem(last=False)
 
 
-def check_reference(url, health, model, tokenizer, allow_mismatch):
-    """Stop unless the server at `url` (its /health) holds the model this policy starts from: the
-    same vocabulary, config and weights, unless allow_mismatch."""
+def check_reference(url, health, model, tokenizer, allow_mismatch, teacher=False):
+    """Stop unless the server at `url` (its /health) holds the model this policy starts from (the
+    same vocabulary, config and weights, unless allow_mismatch), or with `teacher` a teacher: any
+    model with the same vocabulary. teacher None: either role (a worker, which only samples)."""
+    role = health.get("role", "reference")
+    if teacher and role != "teacher":
+        sys.exit(f"DISTILL_COEF > 0 wants a teacher, but the server at {url} holds {health['model']} "
+                 "as a reference: start it with TEACHER=1 and the teacher's MODEL_PATH")
+    if teacher is False and role == "teacher":  # k3 towards a teacher: the forward KL's gradient
+        sys.exit(f"the server at {url} holds {health['model']} as a teacher: set DISTILL_COEF > 0 "
+                 "to distill from it, or restart it without TEACHER for a reference")
+    words = health.get("vocabulary")
+    if (role == "teacher" or words) and words != vocab_fingerprint(tokenizer):
+        sys.exit(f"the server at {url} holds {health['model']}, whose vocabulary (hash {words}) is not "
+                 f"this policy's ({vocab_fingerprint(tokenizer)}): token ids would mean other text "
+                 "there; a teacher must share the student's tokenizer")
+    if role == "teacher":  # any weights and shape; every id of ours must exist there
+        if len(tokenizer) > health["vocab_size"]:
+            sys.exit(f"the teacher at {url} has {health['vocab_size']} output ids, fewer than this "
+                     f"tokenizer's {len(tokenizer)}")
+        return
     vocab = model.get_output_embeddings().weight.shape[0]
     if health["vocab_size"] != vocab or len(tokenizer) > health["vocab_size"]:
         sys.exit(f"reference server at {url} holds {health['model']} with vocab {health['vocab_size']}, "

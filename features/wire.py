@@ -124,10 +124,11 @@ def _depth(x) -> int:
     return depth - 1
 
 
-def collate(groups, pad_id):
+def collate(groups, pad_id, *, teacher=False):
     """Groups of different prompt and completion lengths as one left/right-padded batch. Optional
     log-probs come with the rows that carry them (gen_rows, sampler_rows (B,) bool), never with a
-    value that means "missing"."""
+    value that means "missing". teacher: the server's log-probs are a teacher's (teacher_logps),
+    never a reference's (ref_logps None)."""
     P = max(meta["plen"] for _, meta in groups)
     T = max(g["input_ids"].shape[1] - meta["plen"] for g, meta in groups)
     B = sum(g["input_ids"].shape[0] for g, _ in groups)
@@ -151,7 +152,9 @@ def collate(groups, pad_id):
             logps[name][row : row + n, :tlen], given[name][row : row + n] = g[name], True
         row += n
     # None: BETA = 0, never asked for
-    b["ref_logps"] = logps["ref_logps"] if given["ref_logps"].all() else None
+    server_logps = logps["ref_logps"] if given["ref_logps"].all() else None
+    b["ref_logps"] = None if teacher else server_logps
+    b["teacher_logps"] = server_logps if teacher else None
     for name, rows in (("gen_logps", "gen_rows"), ("sampler_logps", "sampler_rows")):
         b[name], b[rows] = (logps[name], given[name]) if given[name].any() else (None, None)
     return b

@@ -30,7 +30,7 @@ def test_vllm_samples_with_the_log_probs_the_trainer_computes(checks):
     assert checks["sampled_gap"] < 1e-3  # its log-probs of its own tokens = the trainer's at TEMPERATURE
     assert checks["stopped_or_full"] and checks["padding_after_stop"]
     assert min(checks["distinct_in_group"]) >= 2  # each answer has its own seed
-    assert checks["rng_untouched"]  # LLM(seed=...) reseeds torch and random: start_vllm puts both streams back
+    assert checks["rng_untouched"]  # LLM(seed=...) reseeds torch and random: vllm_engine.start_engine puts both streams back
 
 
 def test_vllm_sampling_is_seeded_from_the_trainers_rng(checks):

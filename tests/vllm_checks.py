@@ -13,7 +13,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import grpo_ref_split as grpo  # noqa: E402
+import grpo_ref_split as grpo
+from features import vllm_engine  # noqa: E402
 import rewards  # noqa: E402
 from features.evaluation import evaluate  # noqa: E402
 from features.fast_paths import completion_logps  # noqa: E402
@@ -38,7 +39,7 @@ def main(path):
 
     grpo.NUM_PRE_Q, grpo.MAX_NEW_TOKENS = 4, 24
     model, tokenizer, eos_ids, gen_config = grpo.load_policy(path, torch.device("cpu"))
-    # The RNG streams themselves, not a seed: LLM(seed=...) reseeds torch and random, and start_vllm must put
+    # The RNG streams themselves, not a seed: LLM(seed=...) reseeds torch and random, and vllm_engine.start_engine must put
     # both back where they were. The same draws are taken with no engine started, then after starting one.
     torch.manual_seed(123)
     random.seed(123)
@@ -46,7 +47,7 @@ def main(path):
     torch.manual_seed(123)
     random.seed(123)
     grpo.MODEL_PATH = path
-    llm = grpo.start_vllm(0, model.dtype)
+    llm = vllm_engine.start_from({**vars(grpo), "USE_VLLM": True}, 0, model.dtype)
     report = {"rng_untouched": (torch.rand(4).tolist(), [random.random() for _ in range(4)]) == expected}
     questions = load_questions("arithmetic", 3)[:6]
 
