@@ -1,0 +1,310 @@
+"""On-policy distillation (DISTILL_COEF) and DeepSeek-V3.2's two corrections (KL_BIAS_CORRECTION,
+OFF_POLICY_DELTA): the objective's gradient on a tiny categorical policy, hand values, the teacher
+handshake (vocabulary, role) and the settings refused at start.
+
+    python -m pytest -q tests/test_distillation.py
+"""
+import math
+
+import pytest
+import torch
+
+import grpo_ref_split as grpo
+from features.fingerprint import vocab_fingerprint
+from features.server_client import check_reference
+from features.vllm_engine import off_policy_mask
+
+K = 5  # the categorical policy's choices: one-token answers
+
+
+def categorical():
+    """(policy logits with gradient (K,), teacher log-probs (K,)): fixed, far apart."""
+    theta = torch.tensor([0.3, -1.2, 0.8, 0.0, -0.4], dtype=torch.float64, requires_grad=True)
+    teacher = torch.log_softmax(torch.tensor([-0.5, 1.0, 0.2, 0.7, -1.5], dtype=torch.float64), 0)
+    return theta, teacher
+
+
+def distill_loss(theta, teacher, answers, *, coef):
+    """The trainer's loss (grpo_loss, reduce_loss "grpo") on one-token answers (N,): reward
+    advantages 0, so the teacher's term is all; pi_old = the sampling weights (ratio 1)."""
+    logps = torch.log_softmax(theta, 0)[answers][:, None]  # (N, 1)
+    old = logps.detach()  # (N, 1)
+    mask = torch.ones_like(logps, dtype=torch.bool)  # (N, 1)
+    advantages = grpo.distill_advantages(torch.zeros(len(answers), dtype=theta.dtype),
+                                         teacher_logps=teacher[answers][:, None],
+                                         sampler_logps=old, mask=mask, coef=coef)  # (N, 1)
+    per_token = grpo.grpo_loss(logps=logps, old_logps=old, ref_logps=None, advantages=advantages,
+                               mask=mask, beta=0.0, clip_eps=0.2, clip_eps_high=0.2)  # (N, 1)
+    return grpo.reduce_loss(per_token, mask, loss_type="grpo")
+
+
+def reverse_kl_grad(theta, teacher, coef):
+    """coef x grad KL(pi || teacher), by autograd on the closed form sum pi (log pi - log t)."""
+    logp = torch.log_softmax(theta, 0)
+    kl = (logp.exp() * (logp - teacher)).sum()
+    return coef * torch.autograd.grad(kl, theta)[0]
+
+
+def test_distillation_gradient_is_the_reverse_kl_gradient_exactly_in_expectation():
+    """E over y ~ pi of the loss's gradient, summed over all K answers weighted by pi(y) (no
+    sampling): equal to coef x grad KL(pi || teacher) up to float64 rounding."""
+    theta, teacher = categorical()
+    coef = 0.7
+    pi = torch.softmax(theta, 0).detach()
+    expected = sum(pi[y] * torch.autograd.grad(
+        distill_loss(theta, teacher, torch.tensor([y]), coef=coef), theta)[0] for y in range(K))
+    assert torch.allclose(expected, reverse_kl_grad(theta, teacher, coef), atol=1e-12)
+
+
+def test_distillation_gradient_by_monte_carlo_against_the_exact_one():
+    """200,000 answers sampled from pi, the loss of all of them at once: its gradient is the mean of
+    the per-answer gradients g_y = coef (log pi(y) - log t(y)) (e_y - pi), whose standard error
+    (their std / sqrt(N)) is measured here. Each of the K components must lie within 6 standard
+    errors of coef x grad KL(pi || teacher): a correct estimator fails that with probability about
+    2e-9 per component; a flipped sign misses by about 2 |gradient| / SE, hundreds of SEs."""
+    theta, teacher = categorical()
+    coef = 0.7
+    n = 200_000
+    generator = torch.Generator().manual_seed(0)
+    pi = torch.softmax(theta, 0).detach()
+    answers = torch.multinomial(pi, n, replacement=True, generator=generator)  # (N,)
+    grad = torch.autograd.grad(distill_loss(theta, teacher, answers, coef=coef), theta)[0]
+    logp = torch.log(pi)
+    per_answer = coef * (logp[answers] - teacher[answers])[:, None] * (
+        torch.nn.functional.one_hot(answers, K).double() - pi)  # (N, K) each answer's gradient
+    assert torch.allclose(per_answer.mean(0), grad, atol=1e-12)  # the loss is their mean
+    standard_error = per_answer.std(0) / math.sqrt(n)  # (K,)
+    exact = reverse_kl_grad(theta, teacher, coef)
+    assert ((grad - exact).abs() <= 6 * standard_error).all(), (grad, exact, standard_error)
+    assert (exact.abs() > 20 * standard_error).all()  # the test can tell a sign flip apart
+
+
+def test_distill_advantages_by_hand():
+    """A_t = A + c (log t - log pi_old) on answer tokens, A on padding (whose loss is masked)."""
+    advantages = torch.tensor([1.0, -0.5])
+    teacher = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.25, 0.0]])
+    sampler = torch.tensor([[-2.0, -2.0, -1.0], [-1.5, -0.25, -9.0]])
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    got = grpo.distill_advantages(advantages, teacher_logps=teacher, sampler_logps=sampler,
+                                  mask=mask, coef=0.5)
+    assert got.tolist() == [[1.5, 1.0, 1.0], [0.0, -0.5, 4.0]]
+
+
+def test_per_token_advantages_of_equal_values_give_the_per_answer_loss():
+    torch.manual_seed(0)
+    logps = torch.randn(3, 4, requires_grad=True)
+    old = (logps + 0.1 * torch.randn(3, 4)).detach()
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    advantages = torch.tensor([0.5, -1.0, 2.0])
+    loss = dict(logps=logps, old_logps=old, ref_logps=None, mask=mask, beta=0.0, clip_eps=0.2,
+                clip_eps_high=0.28)
+    per_answer = grpo.grpo_loss(advantages=advantages, **loss)
+    per_token = grpo.grpo_loss(advantages=advantages[:, None].expand(3, 4), **loss)
+    assert torch.equal(per_answer, per_token)
+
+
+# ----------------------------------------------------------------------------- DeepSeek-V3.2
+def test_bias_corrected_kl_by_hand():
+    """One token, pi = 0.5, pi_old = 0.25, ref = 0.25: r = 2, d = log ref - log pi = -log 2,
+    k3 = e^d - d - 1 = 0.5 + log 2 - 1. The corrected penalty is r k3; its derivative in log pi
+    is r k3 + r (1 - e^d) = 2 (log 2 - 0.5) + 2 (0.5) = 2 log 2 (the plain one: 1 - e^d = 0.5)."""
+    logp = torch.tensor([[math.log(0.5)]], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([[math.log(0.25)]], dtype=torch.float64)
+    ref = torch.tensor([[math.log(0.25)]], dtype=torch.float64)
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    common = dict(old_logps=old, ref_logps=ref, advantages=torch.zeros(1, dtype=torch.float64),
+                  mask=mask, beta=1.0, clip_eps=0.2, clip_eps_high=0.2)
+    k3_value = 0.5 + math.log(2) - 1
+    corrected = grpo.grpo_loss(logps=logp, bias_corrected_kl=True, **common).sum()
+    assert corrected.item() == pytest.approx(2 * k3_value, abs=1e-12)
+    assert torch.autograd.grad(corrected, logp)[0].item() == pytest.approx(2 * math.log(2), abs=1e-12)
+    plain = grpo.grpo_loss(logps=logp, **common).sum()
+    assert plain.item() == pytest.approx(k3_value, abs=1e-12)
+    assert torch.autograd.grad(plain, logp)[0].item() == pytest.approx(0.5, abs=1e-12)
+
+
+def test_bias_corrected_kl_gives_the_reverse_kl_gradient_off_policy():
+    """Answers sampled from pi_old != pi, the exact expectation over all K: the corrected penalty's
+    gradient is grad KL(pi || ref); the plain k3's is not (it is off by far more than rounding)."""
+    theta, ref = categorical()
+    old_logits = torch.tensor([1.0, 0.0, -1.0, 0.5, 0.2], dtype=torch.float64)
+    pi_old = torch.softmax(old_logits, 0)
+
+    def expected_grad(corrected):
+        total = torch.zeros(K, dtype=torch.float64)
+        for y in range(K):
+            logps = torch.log_softmax(theta, 0)[y].view(1, 1)
+            loss = grpo.grpo_loss(logps=logps, old_logps=torch.log(pi_old[y]).view(1, 1),
+                                  ref_logps=ref[y].view(1, 1), advantages=torch.zeros(1).double(),
+                                  mask=torch.ones(1, 1, dtype=torch.bool), beta=1.0, clip_eps=0.2,
+                                  clip_eps_high=0.2, bias_corrected_kl=corrected).sum()
+            total += pi_old[y] * torch.autograd.grad(loss, theta)[0]
+        return total
+
+    exact = reverse_kl_grad(theta, ref, 1.0)
+    assert torch.allclose(expected_grad(True), exact, atol=1e-12)
+    assert (expected_grad(False) - exact).abs().max() > 0.1
+
+
+class Rows:
+    """The three Batch fields off_policy_mask reads."""
+
+    def __init__(self, mask, sampler_logps=None, sampler_rows=None):
+        self.mask = mask
+        self.sampler_logps = sampler_logps
+        self.sampler_rows = sampler_rows
+
+
+def test_off_policy_sequence_mask_by_hand():
+    """Four answers of two tokens, delta 0.1. log(pi_old / pi) per token: row 0 [0.3, 0.1] mean 0.2,
+    A < 0: masked. Row 1 the same drift, A > 0: kept. Row 2 A < 0, mean 0.05: kept. Row 3 A < 0,
+    its second token padding: mean over the one real token 0.3: masked."""
+    logps = torch.zeros(4, 2)
+    old = torch.tensor([[0.3, 0.1], [0.3, 0.1], [0.1, 0.0], [0.3, 5.0]])
+    mask = torch.tensor([[True, True], [True, True], [True, True], [True, False]])
+    advantages = torch.tensor([-1.0, 1.0, -1.0, -0.5])
+    keep = off_policy_mask(None, Rows(mask), advantages=advantages, old=old, logps=logps,
+                           delta=0.1)
+    assert keep.view(-1).tolist() == [0.0, 1.0, 1.0, 0.0]
+    tis = torch.full((4, 2), 0.5)
+    assert off_policy_mask(tis, Rows(mask), advantages=advantages, old=old, logps=logps,
+                           delta=0.1).tolist() == [[0.0, 0.0], [0.5, 0.5], [0.5, 0.5], [0.0, 0.0]]
+
+
+def test_off_policy_mask_reads_vllms_log_probs_where_it_sampled():
+    """Row 0 sampled by vLLM (drift from its log-probs, 0.5: masked); row 1 not (pi_old, 0: kept)."""
+    mask = torch.ones(2, 1, dtype=torch.bool)
+    rows = Rows(mask, sampler_logps=torch.tensor([[0.5], [0.5]]),
+                sampler_rows=torch.tensor([True, False]))
+    keep = off_policy_mask(None, rows, advantages=torch.tensor([-1.0, -1.0]),
+                           old=torch.zeros(2, 1), logps=torch.zeros(2, 1), delta=0.2)
+    assert keep.view(-1).tolist() == [0.0, 1.0]
+
+
+def test_a_masked_answer_keeps_its_kl_penalty():
+    """The mask multiplies the surrogate only: a masked answer's loss is beta k3 alone."""
+    logps = torch.tensor([[-1.0, -2.0]])
+    ref = torch.tensor([[-1.5, -1.0]])
+    common = dict(logps=logps, old_logps=logps, ref_logps=ref, advantages=torch.tensor([-2.0]),
+                  mask=torch.ones(1, 2, dtype=torch.bool), beta=0.1, clip_eps=0.2,
+                  clip_eps_high=0.2)
+    masked = grpo.grpo_loss(weights=torch.zeros(1, 1), **common)
+    assert torch.allclose(masked, 0.1 * grpo.k3(ref, logps))
+
+
+# ----------------------------------------------------------------------------- the teacher's handshake
+class Vocab:
+    """A tokenizer as vocab_fingerprint and check_reference see it."""
+
+    def __init__(self, words):
+        self.words = words
+
+    def get_vocab(self):
+        return dict(self.words)
+
+    def __len__(self):
+        return len(self.words)
+
+
+def test_the_vocabulary_hash_sees_two_ids_swapped():
+    same_size = Vocab({"a": 0, "b": 1, "c": 2})
+    swapped = Vocab({"a": 0, "b": 2, "c": 1})
+    assert vocab_fingerprint(same_size) == vocab_fingerprint(Vocab({"c": 2, "a": 0, "b": 1}))
+    assert vocab_fingerprint(same_size) != vocab_fingerprint(swapped)
+
+
+def health_of(role, tokenizer, model, **changes):
+    from features.fingerprint import model_fingerprint
+
+    return {"model": "m", "vocab_size": model.get_output_embeddings().weight.shape[0],
+            "fingerprint": model_fingerprint(model), "vocabulary": vocab_fingerprint(tokenizer),
+            "role": role, **changes}
+
+
+def test_a_teacher_needs_the_same_vocabulary_not_the_same_weights(model, tokenizer):
+    other = {"config": "0", "weights": "0"}
+    check_reference("u", health_of("teacher", tokenizer, model, fingerprint=other), model,
+                    tokenizer, False, teacher=True)  # other weights and shape: fine
+    with pytest.raises(SystemExit, match="vocabulary .* is not this policy's"):
+        check_reference("u", health_of("teacher", tokenizer, model, vocabulary="0" * 16), model,
+                        tokenizer, False, teacher=True)
+    with pytest.raises(SystemExit, match="vocabulary"):  # a teacher that does not say: refused
+        check_reference("u", health_of("teacher", tokenizer, model, vocabulary=""), model,
+                        tokenizer, False, teacher=True)
+    with pytest.raises(SystemExit, match="fewer than this tokenizer's"):
+        check_reference("u", health_of("teacher", tokenizer, model, vocab_size=100), model,
+                        tokenizer, False, teacher=True)
+
+
+def test_roles_must_match_what_the_trainer_asks_for(model, tokenizer):
+    with pytest.raises(SystemExit, match="wants a teacher, but .* as a reference"):
+        check_reference("u", health_of("reference", tokenizer, model), model, tokenizer, False,
+                        teacher=True)
+    with pytest.raises(SystemExit, match="as a teacher: set DISTILL_COEF"):
+        check_reference("u", health_of("teacher", tokenizer, model), model, tokenizer, False)
+    for role in ("teacher", "reference"):  # a worker only samples: either will do
+        check_reference("u", health_of(role, tokenizer, model), model, tokenizer, False,
+                        teacher=None)
+    with pytest.raises(SystemExit, match="vocabulary"):  # a reference with another vocabulary
+        check_reference("u", health_of("reference", tokenizer, model, vocabulary="0" * 16), model,
+                        tokenizer, False)
+
+
+def test_the_server_says_its_role_and_vocabulary(model):
+    from conftest import start, stop
+    import requests
+
+    for teacher, role in ((True, "teacher"), (False, "reference")):
+        server, stop_serving, url = start(model, teacher=teacher, vocabulary="abc")
+        try:
+            health = requests.get(url + "/health", timeout=10).json()
+        finally:
+            stop(server, stop_serving)
+        assert (health["role"], health["vocabulary"]) == (role, "abc")
+
+
+# ----------------------------------------------------------------------------- settings refused at start
+def teacher_settings(monkeypatch, tmp_path, **changes):
+    monkeypatch.setattr(grpo, "OUTPUT_DIR", str(tmp_path))
+    for name, value in {"DISTILL_COEF": 1.0, "BETA": 0.0, **changes}.items():
+        monkeypatch.setattr(grpo, name, value)
+
+
+def test_a_k3_penalty_towards_a_teacher_is_refused(monkeypatch, tmp_path):
+    teacher_settings(monkeypatch, tmp_path)
+    grpo.check_settings()
+    teacher_settings(monkeypatch, tmp_path, BETA=0.04)
+    with pytest.raises(SystemExit, match="forward KL"):
+        grpo.check_settings()
+    teacher_settings(monkeypatch, tmp_path, BETA=0.04, LORA_RANK=8, REF_FROM_BASE=True)
+    grpo.check_settings()  # the reference is LoRA's base, the server the teacher
+    assert grpo.uses_server()
+
+
+@pytest.mark.parametrize("setting", [dict(DISTILL_COEF=1.0), dict(OFF_POLICY_DELTA=0.1),
+                                     dict(KL_BIAS_CORRECTION=True, DISTILL_COEF=0.0)])
+def test_triton_is_refused_with_a_teacher_or_a_correction(monkeypatch, tmp_path, setting):
+    teacher_settings(monkeypatch, tmp_path, USE_TRITON=True, **setting)
+    with pytest.raises(SystemExit, match="USE_TRITON takes one advantage per answer"):
+        grpo.check_settings()
+
+
+def test_groups_of_one_only_for_pure_distillation(monkeypatch, tmp_path):
+    teacher_settings(monkeypatch, tmp_path, NUM_PRE_Q=1)
+    with pytest.raises(SystemExit, match="NUM_PRE_Q = 1: a group needs 2"):
+        grpo.check_settings()  # REWARDS still weigh
+    no_rewards = [(fn, 0.0) for fn, _ in grpo.REWARDS]
+    teacher_settings(monkeypatch, tmp_path, NUM_PRE_Q=1, REWARDS=no_rewards)
+    grpo.check_settings()
+    teacher_settings(monkeypatch, tmp_path, NUM_PRE_Q=1, REWARDS=no_rewards, DISTILL_COEF=0.0)
+    with pytest.raises(SystemExit, match="NUM_PRE_Q = 1"):
+        grpo.check_settings()
+    scores = torch.tensor([3.0, 0.0])  # a group of one has no spread: advantage 0, not NaN
+    assert grpo.advantages_in_groups(scores, 1).tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("setting", [dict(DISTILL_COEF=-1.0), dict(OFF_POLICY_DELTA=-0.1)])
+def test_negative_weights_are_refused(monkeypatch, tmp_path, setting):
+    teacher_settings(monkeypatch, tmp_path, **setting)
+    with pytest.raises(SystemExit, match="each is 0 .off. or above"):
+        grpo.check_settings()
