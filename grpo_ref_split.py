@@ -146,7 +146,7 @@ def advantages_in_groups(scores: torch.Tensor, num_pre_q: int) -> torch.Tensor:
     SCALE_REWARDS are features/advantages.group_advantages, tested equal to this on "group"."""
     grouped = scores.float().view(-1, num_pre_q)  # (Q, G)
     centred = grouped - grouped.mean(1, keepdim=True)  # (Q, G)
-    spread = grouped.std(1, keepdim=True, correction=int(num_pre_q > 1))  # (Q, 1) unbiased; G = 1: 0
+    spread = grouped.std(1, keepdim=True, correction=int(num_pre_q > 1))  # (Q, 1); G = 1: 0
     return (centred / (spread + STD_EPS)).view(-1)  # (N,)
 
 

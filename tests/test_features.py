@@ -125,7 +125,7 @@ class FakeClient:
     def __init__(self):
         self.uploads = []
 
-    def health(self, *policy_and_mismatch):
+    def health(self, *policy_and_mismatch, teacher=False):
         return {"pending": 0, "ready_workers": 0, "regroup": False, "reward_model": ""}
 
     def upload(self, groups, **tags):
