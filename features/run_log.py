@@ -209,7 +209,7 @@ def sample_stats(answers, group_size, reward_names) -> dict:
     # (N,) N = rollouts x Q_BATCH_SIZE x NUM_PRE_Q
     rewards = torch.tensor([a["reward"] for a in answers])
     lengths = torch.tensor([float(a["length"]) for a in answers])  # (N,)
-    spread = rewards.view(-1, group_size).std(1)  # (groups,)
+    spread = rewards.view(-1, group_size).std(1, correction=int(group_size > 1))  # (groups,)
     stats = dict(reward=rewards.mean().item(), reward_std=spread.mean().item(),
                  zero_var_groups=(spread == 0).double().mean().item(),
                  length=lengths.mean().item(), max_length=lengths.max().item(),

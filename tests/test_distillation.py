@@ -308,3 +308,44 @@ def test_negative_weights_are_refused(monkeypatch, tmp_path, setting):
     teacher_settings(monkeypatch, tmp_path, **setting)
     with pytest.raises(SystemExit, match="each is 0 .off. or above"):
         grpo.check_settings()
+
+
+# ----------------------------------------------------------------------------- a run against a teacher
+def test_pure_distillation_trains_every_answer_and_moves_towards_the_teacher(tiny_model_dir,
+                                                                             tokenizer, tmp_path):
+    """The trainer (deepspeed, one CPU rank) as a student, a noisy copy of the SFT-trained tiny
+    model; ref_server.py with TEACHER=1 holds the model itself. Pure distillation: REWARDS weighed 0, groups of one.
+    Every sampled answer trains (equal rewards are not dropped), the teacher metrics are logged,
+    and after 6 steps at LR 1e-3 the student's teacher_kl has fallen. The same student with
+    DISTILL_COEF 0 is refused by that server at the handshake."""
+    from transformers import LlamaForCausalLM
+
+    from conftest import ServerProcess, free_port, metrics, train
+
+    torch.manual_seed(1)
+    student = tmp_path / "student"  # the teacher's weights, each tensor + noise of 0.3 its std
+    model = LlamaForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        for weight in model.parameters():
+            weight += 0.3 * weight.std() * torch.randn_like(weight)
+    model.save_pretrained(student)
+    tokenizer.save_pretrained(student)
+    teacher = ServerProcess(tiny_model_dir, free_port(), tmp_path / "teacher.log", TEACHER=1)
+    try:
+        assert teacher.health()["role"] == "teacher"
+        run = train(student, teacher.url, tmp_path / "out", 1, DISTILL_COEF=1.0, BETA=0.0,
+                    REWARDS='[["reward_correct", 0.0], ["reward_format", 0.0]]', NUM_PRE_Q=1,
+                    Q_BATCH_SIZE=8, ALL_STEPS=6, SAVE_STEPS=0, EVAL_STEPS=0)
+        assert run.returncode == 0, run.stderr[-3000:]
+        refused = train(student, teacher.url, tmp_path / "refused", 1, EVAL_STEPS=0)
+    finally:
+        teacher.stop()
+    steps = metrics(tmp_path / "out")[0]
+    assert [m["answers_trained"] for m in steps] == [m["answers_generated"] for m in steps]
+    assert all(m["answers_generated"] == 8 for m in steps)
+    assert all(0 <= m["teacher_better"] <= 1 for m in steps)
+    kl = [m["teacher_kl"] for m in steps]
+    assert kl[0] > 0.1  # the noise moved the student away from the teacher
+    assert sum(kl[-2:]) < 0.8 * sum(kl[:2]), kl
+    assert refused.returncode != 0
+    assert "as a teacher: set DISTILL_COEF > 0" in refused.stdout + refused.stderr
