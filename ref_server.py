@@ -1,4 +1,5 @@
 """Reference server: holds the frozen reference model and turns scored groups into ready batches.
+With TEACHER=1 the model is a teacher instead, its log-probs the trainer's DISTILL_COEF signal.
 
 Generators POST a scored group to /upload; a thread adds the reference model's log-probs of the
 completion tokens (ref_logps) and queues it for the rank that sent it: GET /get?rank=N takes one

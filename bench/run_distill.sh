@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# On-policy distillation against GRPO on this CPU (docs/distillation.md): the student is the embedded
+# SmolLM2-135M, the teacher the demo's own GRPO-trained step_30 (trained first, by scripts/run_demo.sh,
+# if $TEACHER_DIR holds none). Three runs per seed, each the demo's 30 steps (vLLM, 4 questions x 8
+# answers, held-out greedy accuracy every 5 steps), back to back:
+#   grpo      the default: rewards, a reference server, BETA 0.04
+#   opd       pure distillation: a TEACHER=1 server, DISTILL_COEF=1, REWARDS weighed 0, BETA 0
+#   grpo_opd  both: the default rewards plus DISTILL_COEF=1 against the teacher, BETA 0
+# Each run's metrics.jsonl and wall seconds go to $RESULTS as it ends; a run already there is skipped,
+# so the script can be stopped and started again. Then bench/distill_report.py prints the table and
+# draws bench/results/distill_curves.png.
+#   bash bench/run_distill.sh                      # 6 runs, about 15 min each on 2 CPU cores
+#   RUNS="opd" SEEDS=42 bash bench/run_distill.sh
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+. scripts/setup.sh
+command -v nvidia-smi > /dev/null || export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
+OUT=${OUT:-/tmp/distill}
+RESULTS=${RESULTS:-bench/results}
+RUNS=${RUNS:-grpo opd grpo_opd}
+SEEDS=${SEEDS:-42 43}
+TEACHER_DIR=${TEACHER_DIR:-output/distill_teacher}  # the demo's OUTPUT_DIR: step_30 is the teacher
+mkdir -p "$OUT" "$RESULTS"
+if [ ! -e "$TEACHER_DIR/step_30/config.json" ]; then
+  echo "=== the teacher: the demo's 30 GRPO steps -> $TEACHER_DIR"
+  OUTPUT_DIR="$TEACHER_DIR" bash scripts/run_demo.sh > "$OUT/teacher.log" 2>&1
+fi
+server=""
+trap '[ -n "$server" ] && kill $server 2>/dev/null; wait 2>/dev/null || true' EXIT
+for seed in $SEEDS; do
+  for run in $RUNS; do
+    name="distill_${run}_s$seed"
+    if [ -e "$RESULTS/${name}_wall_s" ]; then echo "$name done: skipped"; continue; fi
+    no_rewards='[["reward_correct", 0.0], ["reward_format", 0.0]]'
+    case $run in
+      grpo) served=(TEACHER=0 MODEL_PATH=) trained=() ;;
+      opd) served=(TEACHER=1 MODEL_PATH="$TEACHER_DIR/step_30")
+           trained=(DISTILL_COEF=1 BETA=0 REWARDS="$no_rewards") ;;
+      grpo_opd) served=(TEACHER=1 MODEL_PATH="$TEACHER_DIR/step_30") trained=(DISTILL_COEF=1 BETA=0) ;;
+      *) echo "unknown run $run: grpo, opd or grpo_opd" >&2; exit 1 ;;
+    esac
+    dir="$OUT/${run}_s$seed"
+    rm -rf "$dir"
+    log="$OUT/${run}_s${seed}_server.log"
+    echo "=== $run, seed $seed: server ${served[*]}, trainer ${trained[*]:-the defaults} -> $dir"
+    start=$(date +%s)
+    env "${served[@]}" python ref_server.py > "$log" 2>&1 &
+    server=$!
+    until grep -q "server ready" "$log"; do
+      kill -0 $server 2>/dev/null || { tail -20 "$log" >&2; exit 1; }
+      sleep 1
+    done
+    env "${trained[@]}" SEED="$seed" OUTPUT_DIR="$dir" USE_VLLM=1 EVAL_STEPS=5 SAVE_STEPS=0 \
+      deepspeed --log_level error --num_gpus 1 grpo_ref_split.py > "$OUT/${run}_s${seed}.log" 2>&1
+    kill $server
+    wait $server 2>/dev/null || true
+    server=""
+    cp "$dir/metrics.jsonl" "$RESULTS/${name}_metrics.jsonl"
+    echo $(( $(date +%s) - start )) > "$RESULTS/${name}_wall_s"
+    rm -rf "$dir"/step_*  # the checkpoint (about 2 GB): six runs' would fill the disk
+  done
+done
+.venv/bin/python bench/distill_report.py "$RESULTS"
