@@ -47,7 +47,7 @@ TEMPERATURE = 0.7  # sampling temperature, and every log-prob's; 1.0 hardly lear
 BETA = 0.04  # KL penalty weight towards the reference model; 0 = no reference, no server
 CLIP_EPS = 0.2  # PPO clip: the ratio pi / pi_old may fall to 1 - CLIP_EPS ...
 CLIP_EPS_HIGH = 0.2  # ... and rise to 1 + CLIP_EPS_HIGH; DAPO's 0.28 lets rare good tokens grow
-DISTILL_COEF = 0.0  # > 0: the server holds a teacher; each token's advantage gets this x its term
+DISTILL_COEF = 0.0  # > 0 = the server holds a teacher: A_t += this x (log teacher - log pi_old)
 LR = 1e-5  # AdamW learning rate; the optimizer's other settings and its schedule are DS_CONFIG's
 ALL_STEPS = 30  # training steps
 SEED = 42  # seeds questions and sampling (rank r uses SEED + r)
