@@ -61,6 +61,7 @@ class Setting:
     vllm_gpu_memory: float = 0.3  # VLLM_GPU_MEMORY: the share of the GPU vLLM takes
     vllm_cpu_kv_gb: float = 1.0  # VLLM_CPU_KV_GB: on CPU, vLLM's KV cache beside its own weights
     reduce_bucket_size: int = 500_000_000  # DeepSpeed's zero_optimization.reduce_bucket_size
+    distill_coef: float = 0.0  # DISTILL_COEF: > 0, the server holds a teacher the plan cannot size
 
 
 @dataclasses.dataclass
@@ -186,7 +187,10 @@ def plan(shape: ModelShape, s: Setting, device_bytes: int) -> list:
         rows.append(Row("generation KV cache (before the step)", cache))
     server_tokens = s.num_pre_q * (s.prompt_tokens + s.max_new_tokens)
     server = 2 * shape.params + server_tokens * per_token + min(server_tokens, 128) * shape.vocab * 8
-    rows.append(Row("reference server: bf16 weights, one group's forward", server=int(server)))
+    what = "reference server: bf16 weights, one group's forward"
+    if s.distill_coef:  # the teacher's config is not known before the handshake
+        what = "teacher server, sized as the student (bf16)"
+    rows.append(Row(what, server=int(server)))
     held = states.trainer + rows[1].trainer  # from the first step to the end
     step = rows[2].trainer + rows[3].trainer  # during a forward+backward
     peak = held + max(step, cache)  # generation comes before the step
