@@ -33,8 +33,8 @@ def run_for_trainer(constants: dict, load, rollout, *, trainers_read_server):
     questions = rewards.split_held_out(dataset, constants["EVAL_SIZE"])[0]
     start_llm = functools.partial(start_from, constants) if constants["USE_VLLM"] else None
     run_worker(load, functools.partial(rollout, with_gen_logps=True), client, questions=questions,
-               q_batch_size=constants["Q_BATCH_SIZE"], first=resolve_model_path(constants["MODEL_PATH"]), seed=constants["SEED"],
-               start_llm=start_llm, output_dir=constants["OUTPUT_DIR"],
+               q_batch_size=constants["Q_BATCH_SIZE"], first=resolve_model_path(constants["MODEL_PATH"]),
+               seed=constants["SEED"], start_llm=start_llm, output_dir=constants["OUTPUT_DIR"],
                max_queued=constants["WORKER_MAX_QUEUED"], allow_mismatch=constants["ALLOW_REF_MISMATCH"],
                trainers_read_server=trainers_read_server, weights_from=constants["WEIGHTS_FROM"],
                token=constants["REF_TOKEN"])
