@@ -20,7 +20,7 @@ import sys
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
@@ -28,7 +28,7 @@ from tqdm import tqdm
 import rewards
 from features import (checkpoints, env_overrides, evaluation, fast_paths, lora, memory_plan,
                       pass_rates, policy, question_sampler, quiet, refusals, server_client, tools,
-                      vllm_engine, weight_sync, wire, worker, zero2)
+                      vision, vllm_engine, weight_sync, wire, worker, zero2)
 from features.advantages import SCALES, STD_EPS, group_advantages, scale_to_step, upload_scale
 from features.embedded_model import resolve_model_path
 from features.run_log import (RunLog, answer_records, clock, log_step, loss_metrics, plot_curves,
@@ -96,6 +96,8 @@ LORA_RANK = 0  # adapter rank; 0 = full fine-tuning. 16 is common
 LORA_ALPHA = 32  # the adapters' update is scaled by LORA_ALPHA / LORA_RANK
 LORA_TARGETS = "all-linear"  # peft's target_modules: every linear layer but the head, or a regex
 REF_FROM_BASE = True  # LoRA: reference log-probs from the base (adapters off) here; no server
+# Images: MODEL_PATH a vision-language model, questions with images (docs/vision.md)
+FREEZE_VISION = False  # True = the vision tower stays as it is (EasyR1's freeze_vision_tower)
 # Generation with vLLM (docs/vllm.md)
 USE_VLLM = False  # True = rollouts and evaluation from an in-process vLLM engine
 VLLM_EAGER = True  # no compiled graphs: starts in seconds, and the demo was no slower
@@ -157,10 +159,12 @@ def distill_advantages(advantages, *, teacher_logps, sampler_logps, mask, coef) 
     return advantages[:, None] + coef * term  # (B, T)
 
 
-def per_token_logps(model, input_ids, attention_mask, n_completion: int, with_entropy=False):
+def per_token_logps(model, input_ids, attention_mask, n_completion: int, with_entropy=False,
+                    **pixels):
     """(B, T) log-probs at TEMPERATURE of each row's last n_completion tokens, the definition:
-    logits -> log_softmax(logits / TEMPERATURE) -> each token's; with_entropy: also the entropy."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # (B, P+T, V)
+    logits -> log_softmax(logits / TEMPERATURE) -> each token's; with_entropy: also the entropy.
+    pixels: a vision-language model's, of each row's images (features/vision.py); none for text."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, **pixels).logits  # (B, L, V)
     logits = logits[:, -n_completion - 1 : -1]  # (B, T, V): position t predicts token t + 1
     logp_all = torch.log_softmax(logits.float() / TEMPERATURE, dim=-1)  # (B, T, V), its grad too
     completion_ids = input_ids[:, -n_completion:, None]  # (B, T, 1)
@@ -253,6 +257,8 @@ class Rollout:
     questions: list  # each answer's question
     tool_calls: list | None = None  # TOOLS: calls each answer made
     tool_errors: list | None = None  # TOOLS: error results each answer got
+    vision_inputs: dict = field(default_factory=dict)  # each row's pixels (features/vision.py)
+    images: list | None = None  # each answer's question's images (PNG/JPEG bytes), to upload
 
 
 @dataclass
@@ -271,6 +277,7 @@ class Batch:
     share: float = 1.0  # of the step's answers in this micro-batch; 0 = a repeat (no gradient)
     token_share: float = 1.0  # of the step's answer tokens in this micro-batch
     teacher_logps: torch.Tensor | None = None  # (B, T) DISTILL_COEF: the server's, never in k3
+    vision_inputs: dict = field(default_factory=dict)  # each row's pixels; {} = text
 
 
 def load_policy(path, device):
@@ -294,8 +301,8 @@ def build_prompt(tokenizer, question: str) -> str:
 def encode_prompts(tokenizer, questions):
     """Left-padded prompt ids and attention mask: every answer starts at the same column."""
     prompts = [build_prompt(tokenizer, q["question"]) for q in questions]
-    return tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left",
-                     add_special_tokens=False)
+    return tokenizer(prompts, **vision.image_kwargs(questions), return_tensors="pt", padding=True,
+                     padding_side="left", add_special_tokens=False)  # images: and their pixels
 
 
 def decode(tokenizer, completion_ids) -> list:
@@ -311,6 +318,7 @@ def generate(model, tokenizer, questions, gen_config, eos_ids, llm=None) -> Roll
     device = next(model.parameters()).device
     prompt_ids = enc.input_ids.repeat_interleave(NUM_PRE_Q, 0).to(device)  # (B, P) B = Q x G
     prompt_mask = enc.attention_mask.repeat_interleave(NUM_PRE_Q, 0).to(device)  # (B, P)
+    pixels = vision.to_device(vision.pixel_rows(enc, NUM_PRE_Q), device)  # images: B rows; text {}
     model.eval()  # no dropout; the KV cache on, even with gradient checkpointing
     sampler_logps = None  # vLLM's log-probs: transformers samples with the trainer's own weights
     tool = {}  # TOOLS: the calls and errors of each answer
@@ -325,7 +333,7 @@ def generate(model, tokenizer, questions, gen_config, eos_ids, llm=None) -> Roll
         completion_ids = fast_paths.shared_generate(model, prompt_ids, prompt_mask, gen_config,
                                                     NUM_PRE_Q)
     else:  # the plain definition
-        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
+        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, **pixels,
                              generation_config=gen_config)  # (B, P+T)
         completion_ids = out[:, prompt_ids.shape[1]:]  # (B, T)
     completion_ids = completion_ids.to(device)  # (B, T)
@@ -335,23 +343,27 @@ def generate(model, tokenizer, questions, gen_config, eos_ids, llm=None) -> Roll
     else:
         mask = completion_mask(completion_ids, eos_ids)  # (B, T)
         stopped = torch.isin(completion_ids, torch.tensor(eos_ids, device=device)).any(1)  # (B,)
+    completion_ids, mask = vision.cut_at_image_tokens(completion_ids, mask, tokenizer)  # images
     lengths = mask.sum(1).tolist()  # before MASK_TRUNCATED: what the model wrote
     if MASK_TRUNCATED:  # a cut answer may have been heading somewhere right: no reward or blame
         mask &= stopped[:, None]  # (B, T)
+    def per_answer(key):  # a question's value, once for each of its NUM_PRE_Q answers
+        return [q.get(key) for q in questions for _ in range(NUM_PRE_Q)]
     return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
                    mask=mask, sampler_logps=sampler_logps, texts=decode(tokenizer, completion_ids),
-                   lengths=lengths, truncated=(~stopped).tolist(),
-                   golds=[q["gold"] for q in questions for _ in range(NUM_PRE_Q)],
-                   questions=[q["question"] for q in questions for _ in range(NUM_PRE_Q)], **tool)
+                   lengths=lengths, truncated=(~stopped).tolist(), golds=per_answer("gold"),
+                   questions=per_answer("question"), images=per_answer("images"),
+                   vision_inputs=pixels, **tool)
 
 
-def logps_of(model, input_ids, attention_mask, n_completion, entropy=False):
+def logps_of(model, input_ids, attention_mask, n_completion, entropy=False, **pixels):
     """(B, T) log-probs at TEMPERATURE (and entropies): per_token_logps, or its fast equal."""
     if not (SHARED_PREFIX or LOGP_FROM_HIDDEN or LOGP_CHUNK):  # every fast path off: the lesson's
-        return per_token_logps(model, input_ids, attention_mask, n_completion, entropy)
+        return per_token_logps(model, input_ids, attention_mask, n_completion, entropy, **pixels)
     return fast_paths.completion_logps(model, input_ids, attention_mask, n_completion, TEMPERATURE,
                                        chunk=LOGP_CHUNK, shared_prefix=SHARED_PREFIX,
-                                       from_hidden=LOGP_FROM_HIDDEN, with_entropy=entropy)
+                                       from_hidden=LOGP_FROM_HIDDEN, with_entropy=entropy,
+                                       vision_inputs=pixels)
 
 
 @torch.no_grad()
@@ -367,7 +379,8 @@ def pack_groups(model, sampled: Rollout, scores, advantages, keep_all, with_gen_
     rows = [q * G + i for q in kept for i in range(G)]
     gen_logps = None  # (K, T) pi_old of the kept rows
     if kept and (with_gen_logps or MU > 1 or not SKIP_GEN_LOGPS):
-        gen_logps = logps_of(model, ids[rows], attn[rows], sampled.mask.shape[1]).cpu()
+        pixels = vision.select_rows(sampled.vision_inputs, rows)  # the kept rows' images, or {}
+        gen_logps = logps_of(model, ids[rows], attn[rows], sampled.mask.shape[1], **pixels).cpu()
     meta = dict(temperature=TEMPERATURE, scale_rewards=SCALE_REWARDS)  # the server redoes with it
     dropped = scores.view(-1, G)[[q for q in range(len(varied)) if q not in kept]].view(-1)  # (D,)
     return wire.group_tensors(sampled, ids, kept, G, scores, advantages, gen_logps, meta), dropped
@@ -403,7 +416,7 @@ def upload_and_pull(groups: list, version: int, rank: int) -> list:
     """Step 5 with one reference server, as simple_GRPO does it: POST each group, then GET this
     rank's groups back with their ref_logps. Each GET acknowledges the one taken before (a lost
     answer comes again); what a restarted server lost is sent again. Else RefClient's (main())."""
-    if not uses_server():  # BETA 0, or LoRA's base as the reference: our own groups
+    if not server_client.uses_server(globals()):  # BETA 0, or LoRA's base as reference: ours
         return server_client.own_groups(groups, version, rank)
     def ask(method, path, body=None):  # asked again while busy or unreachable; a 4xx stops
         return wire.request_with_retry(method, REF_SERVER + path, REF_TOKEN, body,
@@ -437,9 +450,11 @@ def prepare_batch(engine, batch: Batch, normalizer=None) -> Batch:
     for every row at MU > 1 (reuse needs a fixed one), and LoRA's REF_FROM_BASE reference."""
     b = Batch(**{name: value.to(engine.device) if torch.is_tensor(value) else value
                  for name, value in vars(batch).items()})
+    b.vision_inputs = vision.to_device(batch.vision_inputs, engine.device)
     b.normalizer = normalizer or wire.global_count([b.mask], token_mean=LOSS_TYPE == "dapo")
     def current_logps():  # (B, T) under the weights as they are now
-        return logps_of(engine.module.eval(), b.input_ids, b.attention_mask, b.mask.shape[1])
+        return logps_of(engine.module.eval(), b.input_ids, b.attention_mask, b.mask.shape[1],
+                        **b.vision_inputs)
     if LORA_RANK > 0 and REF_FROM_BASE and BETA != 0:  # the reference: the base, adapters off
         b.ref_logps = lora.base_logps(engine, current_logps)  # (B, T)
     if MU > 1 and (b.gen_logps is None or not b.gen_rows.all()):  # (B, T) every row's pi_old
@@ -457,7 +472,7 @@ def policy_loss(engine, b: Batch):
         loss, logps, entropy, old, weights = grpo_loss_triton.batch_loss(engine, b, globals())
     else:
         logps, entropy = logps_of(engine, b.input_ids, b.attention_mask, b.mask.shape[1],
-                                  entropy=True)
+                                  entropy=True, **b.vision_inputs)
         old = pi_old_logps(logps, b.gen_logps, b.gen_rows, b.mask)  # (B, T) pi_old
         if DISTILL_COEF:  # the teacher's term on each token (docs/distillation.md)
             advantages = distill_advantages(b.advantages, teacher_logps=b.teacher_logps,
@@ -507,11 +522,12 @@ def train_step(engine, batches) -> Counter:
     return m
 
 
-def batches_of(engine, groups, pad_id) -> list:
+def batches_of(engine, groups, pad_id, image_processor=None) -> list:
     """Step 6's input: the groups as one batch, or TRAIN_MICRO_BATCH groups a batch, each with the
     step's normalizer, so their gradients add up to the one batch's (features/zero2.py)."""
     def to_batch(part):  # the groups as one padded Batch
-        return Batch(**wire.collate(part, pad_id, teacher=DISTILL_COEF > 0))
+        return Batch(**wire.collate(part, pad_id, teacher=DISTILL_COEF > 0,
+                                    image_processor=image_processor))
     if not TRAIN_MICRO_BATCH:
         return [prepare_batch(engine, to_batch(groups))]
     return zero2.micro_batches(groups, TRAIN_MICRO_BATCH, to_batch,
@@ -525,26 +541,13 @@ def check_settings():
     """Stop, before any model loads, on settings that cannot work (features/refusals.py)."""
     refusals.refuse_impossible(globals(), LOSS_TYPE=LOSS_TYPES, TIS_MODE=vllm_engine.TIS_MODES,
                                SCALE_REWARDS=SCALES, SAMPLER=question_sampler.SAMPLERS)
+    vision.check_settings(globals(), resolve_model_path(MODEL_PATH))  # images: no text fast paths
 
 
 def setup_deepspeed():
-    """(engine, tokenizer, eos_ids, gen_config, rank, device): the policy under ZeRO-2."""
-    cuda = torch.cuda.is_available()
-    rank, device = zero2.init_distributed(cuda)
-    torch.manual_seed(SEED + rank)
-    model, tokenizer, eos_ids, gen_config = load_policy(resolve_model_path(MODEL_PATH), device)
-    model = lora.add_lora(model, rank=LORA_RANK, alpha=LORA_ALPHA, targets=LORA_TARGETS,
-                          seed=SEED)  # LORA_RANK 0: unchanged
-    # CPU ranks train in fp32 (bf16 is slow and lossy there); the scheduler counts optimizer steps.
-    config = zero2.ds_config(DS_CONFIG, lr=LR, bf16=cuda, total_steps=ALL_STEPS * MU,
-                             offload_optimizer=OFFLOAD_OPTIMIZER)
-    engine = zero2.initialize(model, config, GRADIENT_CHECKPOINTING)
-    return engine, tokenizer, eos_ids, gen_config, rank, device
-
-
-def uses_server() -> bool:
-    """Whether ref_server.py is used: a teacher, or a reference not from LoRA's base (BETA > 0)."""
-    return DISTILL_COEF > 0 or (BETA != 0 and not (LORA_RANK > 0 and REF_FROM_BASE))
+    """(engine, tokenizer, eos_ids, gen_config, rank, device): the policy (load_policy, LoRA,
+    FREEZE_VISION) under ZeRO-2, set up from these constants (features/zero2.py)."""
+    return zero2.setup_from(globals(), load_policy)
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -560,7 +563,7 @@ def main():
     model = engine.module  # the same weights without the engine: generation and evaluation
     client = None  # no server: no reference at all (BETA 0), or LoRA's base is the reference
     health = {}  # the server's model, checked: this policy's, or a teacher with its vocabulary
-    if uses_server():
+    if server_client.uses_server(globals()):
         client = server_client.RefClient(REF_SERVER, REF_TOKEN, SERVER_TIMEOUT, EXTRA_GROUPS)
         health = client.health(model, tokenizer, ALLOW_REF_MISMATCH, teacher=DISTILL_COEF > 0)
     regroup = bool(health.get("regroup"))  # it pools answers of older weights: send gen_logps
@@ -569,27 +572,23 @@ def main():
     exchange = client.upload_and_pull if client and several else upload_and_pull  # step 5
     sampler = question_sampler.QuestionSampler(questions, SEED + rank, SAMPLER, REPLAY_SHARE)
     llm = vllm_engine.start_from(globals(), SEED + rank, model.dtype)  # USE_VLLM; else None
-    if PASS_RATE_QUESTIONS:  # how hard each question is, before step 1 (or read back on RESUME)
-        sample = functools.partial(generate, model, tokenizer, gen_config=gen_config,
-                                   eos_ids=eos_ids, llm=llm)  # NUM_PRE_Q answers to each
-        pass_rates.pass_rate_pass(sampler, sample, functools.partial(rewards.score, REWARDS),
-                                  count=PASS_RATE_QUESTIONS, group=NUM_PRE_Q,
-                                  output_dir=OUTPUT_DIR, batch=Q_BATCH_SIZE, rank=rank)
+    sample = functools.partial(generate, model, tokenizer, gen_config=gen_config, eos_ids=eos_ids,
+                               llm=llm)  # sample(questions): NUM_PRE_Q answers to each
+    score = functools.partial(rewards.score, REWARDS)  # score(texts, golds, questions)
+    pass_rates.pass_rate_from(globals(), sampler, sample, score, rank)  # PASS_RATE_QUESTIONS
     start = 0  # the last step done: a resumed checkpoint's
     if RESUME:
         start = checkpoints.resume(engine, sampler, rank, output_dir=OUTPUT_DIR, lora=LORA_RANK > 0,
                                    llm=llm)  # vLLM loaded MODEL_PATH: the resumed weights go in
-    publisher = weight_sync.start_publisher(  # workers' weights over HTTP (WEIGHT_SYNC_STEPS)
-        model, start, rank=rank, every=WEIGHT_SYNC_STEPS, host=WEIGHT_SYNC_HOST,
-        port=WEIGHT_SYNC_PORT, token=REF_TOKEN)
+    publisher = weight_sync.publisher_from(globals(), model, start, rank)  # WEIGHT_SYNC_STEPS
     reward_names = [fn.__name__ for fn, _ in REWARDS]
     log = RunLog(OUTPUT_DIR, reward_names, resumed_step=start, tensorboard=TENSORBOARD,
                  completions_every=LOG_COMPLETIONS_STEPS) if rank == 0 else None  # rank 0 writes
     evaluate = functools.partial(  # evaluate(step): held-out greedy accuracy into the log
-        evaluation.log_eval, model=model, questions=held_out, log=log, rank=rank,
-        tokenizer=tokenizer, encode=encode_prompts, decode=decode, eos_ids=eos_ids,
-        score=functools.partial(rewards.score, REWARDS), max_new_tokens=MAX_NEW_TOKENS, llm=llm,
-        tools=TOOLS, max_calls=MAX_TOOL_CALLS, samples=EVAL_SAMPLES, sample_config=gen_config)
+        evaluation.log_eval, model=model, questions=held_out, log=log, rank=rank, score=score,
+        tokenizer=tokenizer, encode=encode_prompts, decode=decode, eos_ids=eos_ids, llm=llm,
+        max_new_tokens=MAX_NEW_TOKENS, tools=TOOLS, max_calls=MAX_TOOL_CALLS,
+        samples=EVAL_SAMPLES, sample_config=gen_config)
     if EVAL_STEPS > 0 and start == 0:
         evaluate(0)
     wanted = Q_BATCH_SIZE if DYNAMIC_SAMPLING else 1  # groups with different rewards a step needs
@@ -620,7 +619,8 @@ def main():
             question_sampler.out_of_rollouts(len(groups), MAX_ROLLOUTS, wanted)
         if SCALE_REWARDS == "batch":  # every rank: the std of all the step's rewards, all ranks
             groups = scale_to_step(groups, torch.cat(other_rewards), device)
-        batches = batches_of(engine, groups, tokenizer.pad_token_id)
+        batches = batches_of(engine, groups, tokenizer.pad_token_id,
+                             vision.image_processor_of(tokenizer))  # images: their pixels
         m.update(train_step(engine, batches))  # 6-7. the loss, the optimizer step
         m["max_weight_gap"] = weight_gap(model)  # 0: every rank holds the same weights
         if publisher is not None:  # rank 0 with WEIGHT_SYNC_STEPS: the weights to workers
@@ -645,6 +645,6 @@ def main():
 
 if __name__ == "__main__":  # `deepspeed` adds --local_rank=N: "genonly" may stand anywhere
     if GENONLY or "genonly" in sys.argv[1:]:  # a generation worker: steps 1-4 (features/worker.py)
-        worker.run_for_trainer(globals(), load_policy, rollout, trainers_read_server=uses_server())
+        worker.run_for_trainer(globals(), load_policy, rollout)
     else:
         main()

@@ -21,6 +21,7 @@ import uuid
 import bottle
 import torch
 
+from features import vision
 from features.embedded_model import resolve_model_path
 from features.env_overrides import apply_env_overrides
 from features.fingerprint import model_fingerprint, vocab_fingerprint
@@ -76,7 +77,7 @@ class RefServer:
     keyword that replaces it (RefServer(model, name, queue_size=2))."""
 
     def __init__(self, model, model_name, *, reward_model=None, reward_model_name="", vocabulary="",
-                 **settings):
+                 processor=None, **settings):
         unknown = sorted(set(settings) - {name.lower() for name in SETTINGS})
         if unknown:
             raise TypeError(f"RefServer: no setting {unknown}; settings are SETTINGS in lower case")
@@ -84,6 +85,9 @@ class RefServer:
             setattr(self, name.lower(), settings.get(name.lower(), globals()[name]))
         self.model = model
         self.model_name = model_name
+        self.processor = processor  # a vision-language model's (features/vision.py); else None
+        if processor is not None:  # pixels go through the whole model: no text-only fast path
+            self.shared_prefix = self.logp_from_hidden = False
         self.device = next(model.parameters()).device
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.max_len = getattr(model.config, "max_position_embeddings", None) or 2**31
@@ -107,14 +111,16 @@ class RefServer:
         self.worker = threading.Thread(target=self._work, name="ref-forward", daemon=True)
         self.app = self._build_app()
 
-    def reference_logps(self, input_ids, plen, temperature):
+    def reference_logps(self, input_ids, plen, temperature, group=None):
         """(G, L - plen) reference log-probs of the completion tokens, at the sampling temperature,
-        ref_micro_batch rows at a time."""
+        ref_micro_batch rows at a time; group: the upload's tensors, its images for every row."""
         ids = input_ids.to(self.device)  # (G, L)
+        pixels = vision.server_pixels(self.processor, group, len(ids), self.device)  # {}: text
         with torch.no_grad():
             logps = completion_logps(self.model, ids, torch.ones_like(ids), ids.shape[1] - plen,
                                      temperature, self.ref_micro_batch, self.shared_prefix,
-                                     chunk=self.logp_chunk, from_hidden=self.logp_from_hidden)
+                                     chunk=self.logp_chunk, from_hidden=self.logp_from_hidden,
+                                     vision_inputs=pixels)
         return logps.cpu()  # (G, T)
 
     def _work(self):
@@ -126,8 +132,8 @@ class RefServer:
                 continue
             uid = meta.get("upload_id") or uuid.uuid4().hex  # what a taker acknowledges it by
             try:
-                temperature = meta.get("temperature", 1.0)
-                ref_logps = self.reference_logps(tensors["input_ids"], meta["plen"], temperature)
+                ref_logps = self.reference_logps(tensors["input_ids"], meta["plen"],
+                                                 meta.get("temperature", 1.0), tensors)  # images
                 if not torch.isfinite(ref_logps).all():  # never hand a trainer NaN or inf
                     raise FloatingPointError("the reference forward gave NaN or inf log-probs")
                 tensors["ref_logps"] = ref_logps  # (G, T)
@@ -196,6 +202,7 @@ class RefServer:
                 tensors, meta = decode_batch(body)
                 meta = validate_group(tensors, meta, self.vocab_size, self.max_rows, self.max_len,
                                       self.max_group_tokens)
+                vision.check_group(self.processor, tensors, meta["plen"])  # its images, decoded
                 needs_text = meta.get("question") is None or meta.get("answers") is None
                 if self.reward_model is not None and needs_text:
                     raise ValueError("this server has a REWARD_MODEL: "
@@ -266,18 +273,16 @@ def serve(server: RefServer, host: str, port: int):
 
 
 def main():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     path = resolve_model_path(MODEL_PATH)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    model.requires_grad_(False)
+    model, tokenizer, processor = vision.load_any(path, device, dtype)  # processor: None for text
+    model.eval().requires_grad_(False)
     warn_if_exposed(HOST, REF_TOKEN)
     reward_model = load_reward_model(REWARD_MODEL, dtype, device) if REWARD_MODEL else None
     name = MODEL_PATH or "SmolLM2-135M-Instruct (embedded)"
     server = RefServer(model, name, reward_model=reward_model, reward_model_name=REWARD_MODEL,
-                       vocabulary=vocab_fingerprint(AutoTokenizer.from_pretrained(path)))
+                       vocabulary=vocab_fingerprint(tokenizer), processor=processor)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # before serve(): a stop once it answers is caught
         signal.signal(sig, lambda *_: done.set())

@@ -1,8 +1,10 @@
 """The task: questions with gold answers, and the rewards that score a model's answers to them.
 
 Questions come from a built-in, seeded addition task (no download), a GSM8K-style JSONL file or
-the hub. Both rewards take the text the model wrote (with the trainer's `<think>` prefill put
-back in front) and return a float, so a reader can check any completion by hand:
+the hub; for a vision-language model, questions with images: geometry3k (the hub, or a local
+JSONL with image files beside it) or the built-in "shapes" (docs/vision.md). Each reward takes
+the text the model wrote (with the trainer's `<think>` prefill put back in front) and returns a
+float, so a reader can check any completion by hand:
 
     python -c "import rewards; print(rewards.reward_correct('<answer>42</answer>', '42'))"
 
@@ -12,6 +14,7 @@ Every reward is called as f(completion, gold, question) -> float; the trainer's 
 import json
 import math
 import numbers
+import os
 import random
 import sys
 import re
@@ -61,6 +64,48 @@ def reward_correct(completion: str, gold: str, question: str | None = None) -> f
         return 1.0 if verify(gold_parsed, answer_parsed, timeout_seconds=timeout) else 0.0
     except Exception:  # sympy can raise on adversarial strings; a wrong answer, not a crash
         return 0.0
+
+
+def boxed_answer(completion: str) -> str | None:
+    """The content of the last \\boxed{...} (braces inside it balanced), else None."""
+    start = completion.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth = 0
+    for i in range(start + len("\\boxed{"), len(completion)):
+        if completion[i] == "{":
+            depth += 1
+        elif completion[i] == "}" and depth == 0:
+            return completion[start + len("\\boxed{") : i].strip()
+        elif completion[i] == "}":
+            depth -= 1
+    return None
+
+
+def reward_boxed(completion: str, gold: str, question: str | None = None) -> float:
+    """EasyR1's accuracy on geometry3k: 1.0 when the last \\boxed{...} equals `gold`
+    mathematically (math-verify, which reads LaTeX such as 3\\sqrt{2}), else 0.0."""
+    answer = boxed_answer(completion)
+    if not answer:
+        return 0.0
+    return reward_correct(f"<answer>{answer}</answer>", gold)
+
+
+BOXED_FORMAT_RE = re.compile(r"<think>.*</think>.*\\boxed\{.*\}.*", re.DOTALL)
+
+
+def reward_think_boxed(completion: str, gold: str | None = None, question=None) -> float:
+    """EasyR1's format rule: 1.0 for <think>...</think> and then a \\boxed{...} answer, else 0.0."""
+    return 1.0 if BOXED_FORMAT_RE.fullmatch(completion.strip()) else 0.0
+
+
+def reward_word(completion: str, gold: str, question: str | None = None) -> float:
+    """1.0 when the <answer> holds exactly the gold word (case and a final full stop aside): the
+    shapes task's colours, which math-verify does not read."""
+    answers = ANSWER_RE.findall(completion)
+    if not answers:
+        return 0.0
+    return 1.0 if answers[-1].strip().rstrip(".").lower() == gold.strip().lower() else 0.0
 
 
 def reward_tool_cost(completion: str, gold=None, question=None) -> float:
@@ -137,9 +182,13 @@ def make_arithmetic(n: int, max_operand: int, seed: int, mixed: bool = False) ->
 
 
 def load_questions(dataset: str, seed: int, arith_max: int = 20) -> list[dict]:
-    """A list of {"question", "gold"} (and "tag" where the task has kinds of questions):
-    "arithmetic" (operands 1..arith_max), "arithmetic_mixed" (half of them 100..999), a
-    GSM8K-style .jsonl, or a hub id."""
+    """A list of {"question", "gold"} (and "tag" where the task has kinds of questions, "images"
+    where it has images): "arithmetic" (operands 1..arith_max), "arithmetic_mixed" (half of them
+    100..999), "shapes", a GSM8K-style .jsonl, a .jsonl of questions with images, or a hub id."""
+    if dataset == "shapes" or dataset == IMAGE_HUB_DATASET:
+        return image_questions(dataset, seed)
+    if dataset.endswith(".jsonl") and jsonl_has_images(dataset):
+        return image_questions(dataset, seed)
     if dataset in ("arithmetic", "arithmetic_mixed"):
         rows = make_arithmetic(5000, arith_max, seed, mixed=dataset == "arithmetic_mixed")
     elif dataset.endswith(".jsonl"):
@@ -165,11 +214,135 @@ def load_questions(dataset: str, seed: int, arith_max: int = 20) -> list[dict]:
             for r, tag in zip(rows, tags)]
 
 
+# ------------------------------------------------------------------------- questions with images
+IMAGE_HUB_DATASET = "hiyouga/geometry3k"  # EasyR1's: problem (with <image>), answer, images
+IMAGE_MARK = "<image>"  # where a question's image stands in its text (features/vision.py's too)
+IMAGE_FORMATS = ("PNG", "JPEG")  # the image files a .jsonl may name
+MAX_IMAGE_FILE_BYTES = 16 * 2**20  # one image file's size
+COLOURS = {"red": (220, 30, 30), "green": (30, 170, 40), "blue": (30, 60, 220),
+           "yellow": (235, 200, 20)}  # the shapes task's colours: chance is 1 / 4
+SHAPES_SIZE = 64  # pixels on each side of a shapes image
+SHAPES_QUESTION = f"{IMAGE_MARK}What colour is the larger shape?"
+CAPTION_QUESTION = f"{IMAGE_MARK}Which colours are in the image?"
+
+
+def shapes_image(rng: random.Random) -> tuple:
+    """(PNG bytes, larger shape's colour, smaller shape's colour): two squares of different colours
+    and sizes at random places on white."""
+    from PIL import Image, ImageDraw
+
+    big, small = rng.sample(sorted(COLOURS), 2)
+    image = Image.new("RGB", (SHAPES_SIZE, SHAPES_SIZE), (255, 255, 255))
+    draw = ImageDraw.Draw(image)
+    big_side = rng.randint(26, 34)
+    small_side = rng.randint(10, 16)
+    big_x = rng.randint(0, 4)  # the big one at the left, the small one at the right ...
+    small_x = rng.randint(SHAPES_SIZE - small_side - 6, SHAPES_SIZE - small_side)
+    if rng.random() < 0.5:  # ... or the other way round
+        big_x = SHAPES_SIZE - big_side - big_x
+        small_x = SHAPES_SIZE - small_side - small_x
+    big_y = rng.randint(0, SHAPES_SIZE - big_side)
+    small_y = rng.randint(0, SHAPES_SIZE - small_side)
+    draw.rectangle([big_x, big_y, big_x + big_side - 1, big_y + big_side - 1], fill=COLOURS[big])
+    draw.rectangle([small_x, small_y, small_x + small_side - 1, small_y + small_side - 1],
+                   fill=COLOURS[small])
+    return png_bytes(image), big, small
+
+
+def make_shapes(n: int, seed: int, captions: bool = False) -> list[dict]:
+    """`n` seeded shapes questions: "What colour is the larger shape?" (gold: its colour), or with
+    captions=True the caption pass's "Which colours are in the image?" (gold: both colours in a
+    random order, so a caption never tells which shape is the larger)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        data, big, small = shapes_image(rng)
+        if captions:
+            pair = rng.sample([big, small], 2)
+            rows.append({"question": CAPTION_QUESTION, "gold": f"{pair[0]} and {pair[1]}",
+                         "images": [data]})
+        else:
+            rows.append({"question": SHAPES_QUESTION, "gold": big, "images": [data]})
+    return rows
+
+
+def jsonl_has_images(path: str) -> bool:
+    """Whether a .jsonl's first row carries "images" (a file of questions with images)."""
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                try:
+                    return "images" in json.loads(line)
+                except json.JSONDecodeError:
+                    return False
+    return False
+
+
+def image_questions(dataset: str, seed: int) -> list[dict]:
+    """Questions with images as {"question", "gold", "images": [PNG/JPEG bytes]}: "shapes", the
+    hub's geometry3k, or a .jsonl of {"problem" (or "question"), "answer", "images": [file names
+    beside the .jsonl]}. Every image is checked (format, pixels) as it loads."""
+    if dataset == "shapes":
+        return make_shapes(5000, seed)
+    rows = []
+    if dataset == IMAGE_HUB_DATASET:
+        import datasets
+
+        for row in datasets.load_dataset(dataset, split="train"):
+            rows.append({"question": row["problem"], "gold": str(row["answer"]),
+                         "images": [png_bytes(image) for image in row["images"]]})
+        return rows
+    folder = os.path.dirname(os.path.abspath(dataset))
+    with open(dataset) as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                question = str(row["problem"] if "problem" in row else row["question"])
+                images = [read_image(os.path.join(folder, name)) for name in row["images"]]
+                rows.append({"question": question, "gold": str(row["answer"]), "images": images})
+            except (json.JSONDecodeError, KeyError, TypeError, OSError, ValueError) as e:
+                raise ValueError(f"{dataset}:{i}: need a JSON object with 'problem' (or "
+                                 f"'question'), 'answer' and 'images' (files beside it): {e}")
+    if not rows:
+        raise ValueError(f"dataset {dataset!r} has no questions")
+    return rows
+
+
+def read_image(path: str) -> bytes:
+    """An image file's bytes: a PNG or JPEG (its header read) of at most MAX_IMAGE_FILE_BYTES.
+    Its pixels are counted and decoded where the prompt is built (features/vision.open_image)."""
+    from PIL import Image
+
+    if os.path.getsize(path) > MAX_IMAGE_FILE_BYTES:
+        raise ValueError(f"{path}: over {MAX_IMAGE_FILE_BYTES} bytes")
+    with Image.open(path) as image:  # the header only; a file that is no image fails here
+        if image.format not in IMAGE_FORMATS:
+            raise ValueError(f"{path}: {image.format}, not one of {IMAGE_FORMATS}")
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def png_bytes(image) -> bytes:
+    """PNG bytes of a PIL image (the hub's images arrive decoded; the shapes task draws them)."""
+    import io
+
+    buffer = io.BytesIO()
+    image.convert("RGB").save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
 def split_held_out(questions: list[dict], n: int) -> tuple[list[dict], list[dict]]:
-    """(train, held_out): the last n questions, and the rest minus any with the same text."""
+    """(train, held_out): the last n questions, and the rest minus any the same (question_key)."""
     if not 0 < n < len(questions):
         raise ValueError(f"EVAL_SIZE={n}: need 1..{len(questions) - 1} held-out questions "
                          f"out of {len(questions)}")
     held_out = questions[-n:]
-    texts = {q["question"] for q in held_out}
-    return [q for q in questions[:-n] if q["question"] not in texts], held_out
+    seen = {question_key(q) for q in held_out}
+    return [q for q in questions[:-n] if question_key(q) not in seen], held_out
+
+
+def question_key(question: dict) -> tuple:
+    """What makes two questions the same: their text, and their images where they have any."""
+    return question["question"], tuple(question.get("images") or ())

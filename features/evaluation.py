@@ -9,6 +9,7 @@ import math
 import torch
 
 from features.tools import generate_with_tools
+from features.vision import pixel_rows
 from features.vllm_engine import vllm_sample
 
 EVAL_BATCH = 16  # questions per generate call (transformers): bounds memory, not the result
@@ -105,7 +106,8 @@ def held_out_answers(model, questions, *, encode, decode, eos_ids, pad_id, max_n
             else:
                 ids = enc.input_ids.repeat_interleave(per_question, 0)  # (b x per_question, P)
                 attn = enc.attention_mask.repeat_interleave(per_question, 0)  # (b x ..., P)
-                generated = model.generate(input_ids=ids, attention_mask=attn,
+                pixels = pixel_rows(enc, per_question)  # a vision model's, row by row; {} text
+                generated = model.generate(input_ids=ids, attention_mask=attn, **pixels,
                                            generation_config=gen_config)  # (b x ..., P + T)
                 answers = generated[:, ids.shape[1] :]  # (b x per_question, T)
             texts += decode(tokenizer, answers)

@@ -18,6 +18,8 @@ import threading
 
 import torch
 
+from features.vision import select_rows
+
 # What transformers' GradientCheckpointingLayer reads on each layer: this module switches them per
 # block.
 LAYER_FLAGS = ("gradient_checkpointing", "_can_checkpoint_with_cache")
@@ -342,7 +344,8 @@ def hidden_logps(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor,
 
 
 def completion_logits(model, input_ids, attention_mask, n_completion: int,
-                      shared_prefix: bool = False, hidden: bool = False) -> torch.Tensor:
+                      shared_prefix: bool = False, hidden: bool = False,
+                      vision_inputs=None) -> torch.Tensor:
     """(B, n_completion, V) logits where [:, t] predicts input_ids[:, -n_completion + t];
     hidden=True gives (B, n_completion, H) instead: the last hidden states there, the LM head's
     input.
@@ -350,8 +353,11 @@ def completion_logits(model, input_ids, attention_mask, n_completion: int,
     Rows may be left-padded (attention_mask 0): positions count from each row's first real token, so
     a padded row gets exactly the logits of the same row unpadded. shared_prefix=True runs each
     prompt once for the consecutive rows that share it (above): the same values on every
-    completion token (0 on the padding past a group's longest answer).
+    completion token (0 on the padding past a group's longest answer). vision_inputs: a
+    vision-language model's pixels, one row per row (features/vision.py), for the plain forward.
     """
+    if vision_inputs and (shared_prefix or hidden):
+        raise ValueError("pixels go through the whole model: shared_prefix and hidden take text")
     if shared_prefix:
         B, T = input_ids.shape[0], n_completion
         out = None
@@ -368,22 +374,24 @@ def completion_logits(model, input_ids, attention_mask, n_completion: int,
     keep = torch.arange(L - n_completion - 1, L - 1, device=input_ids.device)
     # The LM head runs on those positions only. Indices, not a slice of n + 1 positions: the
     # slice's backward would allocate a second (B, T + 1, V) buffer.
+    pixels = vision_inputs or {}  # a vision-language model's, one row per row
     return model_outputs(model, hidden, keep, input_ids=input_ids, attention_mask=attention_mask,
-                         position_ids=position_ids)  # (B, T, V) or (B, T, H)
+                         position_ids=position_ids, **pixels)  # (B, T, V) or (B, T, H)
 
 
 def completion_logps(model, input_ids, attention_mask, n_completion: int, temperature: float,
                      micro_batch: int = 0, shared_prefix: bool = False, *, chunk: int,
-                     from_hidden: bool, with_entropy: bool = False):
+                     from_hidden: bool, with_entropy: bool = False, vision_inputs=None):
     """(B, n_completion) log-probs of the last `n_completion` tokens of each row, micro_batch rows
     at a time. from_hidden: from the hidden states, `chunk` tokens of logits at a time
     (hidden_logps); else from the whole logits (chunked_logps). with_entropy: (logps, (B,
-    n_completion) entropies), from the same pass."""
+    n_completion) entropies), from the same pass. vision_inputs: each row's pixels, or None."""
     step, out = micro_batch or input_ids.shape[0], []
     for i in range(0, input_ids.shape[0], step):
         ids, attn = input_ids[i : i + step], attention_mask[i : i + step]  # (b, L) each
+        pixels = select_rows(vision_inputs, slice(i, i + step))  # this micro-batch's, or {}
         states = completion_logits(model, ids, attn, n_completion, shared_prefix,
-                                   hidden=from_hidden)  # (b, T, H) from_hidden, else (b, T, V)
+                                   hidden=from_hidden, vision_inputs=pixels)  # (b, T, H or V)
         targets = ids[:, -n_completion:]  # (b, T)
         if from_hidden:
             out.append(hidden_logps(states, lm_head_weight(model), targets, temperature,

@@ -9,7 +9,7 @@ import shutil
 import torch
 
 
-def add_lora(model, *, rank, alpha, targets, seed):
+def add_lora(model, *, rank, alpha, targets, seed, quiet=False):
     """The model with LoRA adapters (peft) on `targets`, the only parameters that train (rank 0: the model as it
     is). B starts at 0, so the policy starts as the model itself; A's random start is drawn from `seed` alone, the
     same on every rank."""
@@ -17,15 +17,24 @@ def add_lora(model, *, rank, alpha, targets, seed):
         return model
     from peft import LoraConfig, get_peft_model
 
+    if targets == "all-linear" and hasattr(getattr(model, "model", None), "vision_model"):
+        targets = language_linears(model)  # a vision-language model: its language model's only
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, task_type="CAUSAL_LM")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = get_peft_model(model, config)
     n, total = (sum(p.numel() for p in model.parameters() if p.requires_grad),
                 sum(p.numel() for p in model.parameters()))
-    if os.environ.get("RANK", "0") == "0":
+    if os.environ.get("RANK", "0") == "0" and not quiet:
         print(f"LoRA rank {rank}: {n:,} trainable parameters of {total:,} ({100 * n / total:.2f}%)", flush=True)
     return model
+
+
+def language_linears(model) -> list:
+    """The full names of a vision-language model's linear layers in its language model (not the vision
+    tower, the connector or the LM head): LoRA's "all-linear" there, as EasyR1 and TRL adapt VLMs."""
+    return [f"model.text_model.{name}" for name, module in model.model.text_model.named_modules()
+            if isinstance(module, torch.nn.Linear)]
 
 
 def load_adapters(model, path):

@@ -62,6 +62,7 @@ class Setting:
     vllm_cpu_kv_gb: float = 1.0  # VLLM_CPU_KV_GB: on CPU, vLLM's KV cache beside its own weights
     reduce_bucket_size: int = 500_000_000  # DeepSpeed's zero_optimization.reduce_bucket_size
     distill_coef: float = 0.0  # DISTILL_COEF: > 0, the server holds a teacher the plan cannot size
+    freeze_vision: bool = False  # FREEZE_VISION: a vision-language model's tower does not train
 
 
 @dataclasses.dataclass
@@ -81,7 +82,7 @@ def saved_bytes_per_token(model) -> float:
     per-token part, which is what flash and memory-efficient attention save.
     """
     weights = {p.untyped_storage()._cdata for p in model.parameters()}
-    layers = model.config.num_hidden_layers  # a peft model passes its base's config on
+    layers = model.config.get_text_config().num_hidden_layers  # peft: its base's config; a VLM: its LM's
     per_token = []
     for length in (64, 128):
         saved = {}
@@ -99,25 +100,34 @@ def saved_bytes_per_token(model) -> float:
     return 2 * per_token[0] - per_token[1]  # the line through both, at length 0
 
 
-def model_shape(model_path: str, *, lora_rank=0, lora_targets="all-linear") -> ModelShape:
+def model_shape(model_path: str, *, lora_rank=0, lora_targets="all-linear",
+                freeze_vision=False) -> ModelShape:
     """The ModelShape of a hub id or local folder: its config.json only, the model built on the meta
-    device (LoRA's adapters by peft, as the trainer adds them)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    device (LoRA's adapters by peft, as the trainer adds them). A vision-language model counts its
+    vision tower and connector in the weights, and in what trains unless LoRA (the language model's
+    layers) or freeze_vision leaves them out; its layers, widths and activations are its language
+    model's (the tower's activations, per image, are not planned)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from features import lora, vision
 
     config = AutoConfig.from_pretrained(model_path)
+    is_vision = vision.model_type(model_path) is not None
+    auto = AutoModelForImageTextToText if is_vision else AutoModelForCausalLM
     traced = {}
     for dtype in (torch.bfloat16, torch.float32):
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+            model = auto.from_config(config, dtype=dtype, attn_implementation="sdpa")
             params = sum({p.untyped_storage()._cdata: p.numel() for p in model.parameters()}.values())
             if lora_rank > 0:  # a frozen layer saves less for backward: trace the adapted model
-                from peft import LoraConfig, get_peft_model
-
-                lora = LoraConfig(r=lora_rank, target_modules=lora_targets, task_type="CAUSAL_LM")
-                model = get_peft_model(model, lora)
+                model = lora.add_lora(model, rank=lora_rank, alpha=2 * lora_rank, targets=lora_targets,
+                                      seed=0, quiet=True)
+        if freeze_vision and is_vision:
+            vision.freeze_tower(model)
         model.train()
         traced[dtype] = saved_bytes_per_token(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    config = config.get_text_config()  # a vision-language model's language model; else itself
     heads = config.num_attention_heads
     head_size = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -262,16 +272,22 @@ def check(model_path: str, s: Setting, *, build_prompt, questions):
     build_prompt(tokenizer, question) of the longest of the first 256 questions."""
     from transformers import AutoTokenizer
 
-    longest = max((q["question"] for q in questions[:256]), key=len)
+    from features import vision
+
+    longest = max(questions[:256], key=lambda q: len(q["question"]))
 
     s.ranks = int(os.environ.get("WORLD_SIZE", "1"))
     s.ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     s.bf16 = torch.cuda.is_available()  # the trainer's rule: bf16 on GPUs, fp32 on CPU
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        prompt = build_prompt(tokenizer, longest)
-        s.prompt_tokens = len(tokenizer(prompt, add_special_tokens=False).input_ids)
-        shape = model_shape(model_path, lora_rank=s.lora_rank, lora_targets=s.lora_targets)
+        if vision.model_type(model_path):  # its image tokens count in the prompt
+            tokenizer = vision.load_processor(model_path)
+        prompt = build_prompt(tokenizer, longest["question"])
+        encoded = tokenizer([prompt], **vision.image_kwargs([longest]), add_special_tokens=False)
+        s.prompt_tokens = len(encoded["input_ids"][0])
+        shape = model_shape(model_path, lora_rank=s.lora_rank, lora_targets=s.lora_targets,
+                            freeze_vision=s.freeze_vision)
     except Exception as e:  # a model the meta device cannot build: train without a plan, and say so
         print(f"memory plan skipped: {model_path} could not be planned ({type(e).__name__}: {e})",
               file=sys.stderr, flush=True)
@@ -315,7 +331,8 @@ def main():
 
     setting = setting_from(os.environ)
     model_path = resolve_model_path(os.environ.get("MODEL_PATH", ""))
-    shape = model_shape(model_path, lora_rank=setting.lora_rank, lora_targets=setting.lora_targets)
+    shape = model_shape(model_path, lora_rank=setting.lora_rank, lora_targets=setting.lora_targets,
+                        freeze_vision=setting.freeze_vision)
     gpu_gb = float(os.environ.get("GPU_GB", "80"))
     device_bytes = int(gpu_gb * 10**9)
     cpu_bytes = int(float(os.environ.get("CPU_GB", "0")) * 10**9) or None  # checked when given

@@ -17,6 +17,15 @@ from features.question_sampler import PASS_KEY
 FILE = "pass_rates.json"
 
 
+def pass_rate_from(constants: dict, sampler, sample, score, rank):
+    """The trainer's pass-rate pass before step 1, when PASS_RATE_QUESTIONS > 0 (constants: its
+    globals(), read by name); else nothing."""
+    if constants["PASS_RATE_QUESTIONS"]:
+        pass_rate_pass(sampler, sample, score, count=constants["PASS_RATE_QUESTIONS"],
+                       group=constants["NUM_PRE_Q"], output_dir=constants["OUTPUT_DIR"],
+                       batch=constants["Q_BATCH_SIZE"], rank=rank)
+
+
 def pass_rate_pass(sampler, sample, score, *, count, group, output_dir, batch, rank, pass_key=PASS_KEY):
     """Measure (or read back) the pass rates of the sampler's first `count` questions and keep the
     sampler to those, weighted by them. sample(questions) -> the trainer's Rollout of `group` answers

@@ -7,19 +7,25 @@ import os
 
 import torch
 
+from features import vision
 from features.lora import load_adapters
 
 
 def load_for_sampling(path, device, *, base_path, temperature, max_new_tokens):
     """(model, tokenizer, eos_ids, gen_config) with plain sampling: what every log-prob assumes. A LoRA checkpoint
-    (adapters only, adapter_config.json) is loaded onto base_path."""
+    (adapters only, adapter_config.json) is loaded onto base_path. A vision-language model comes with its
+    processor in the tokenizer's place (features/vision.py)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    adapters = os.path.exists(os.path.join(path, "adapter_config.json"))
+    weights_path = base_path if adapters else path
+    if vision.model_type(weights_path):
+        model, tokenizer = vision.load(weights_path, device)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(weights_path, dtype=torch.float32).to(device)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    adapters = os.path.exists(os.path.join(path, "adapter_config.json"))
-    model = AutoModelForCausalLM.from_pretrained(base_path if adapters else path, dtype=torch.float32).to(device)
     model = load_adapters(model, path) if adapters else model
     eos_ids = model.generation_config.eos_token_id
     eos_ids = [eos_ids] if isinstance(eos_ids, int) else list(eos_ids or [tokenizer.eos_token_id])

@@ -296,6 +296,13 @@ def check_reference(url, health, model, tokenizer, allow_mismatch, teacher=False
                  "MODEL_PATH, or set ALLOW_REF_MISMATCH=1 to train against another reference on purpose")
 
 
+def uses_server(constants: dict) -> bool:
+    """Whether the trainer (constants: its globals()) uses ref_server.py: a teacher, or a reference
+    not from LoRA's base (BETA > 0)."""
+    own_reference = constants["LORA_RANK"] > 0 and constants["REF_FROM_BASE"]
+    return constants["DISTILL_COEF"] > 0 or (constants["BETA"] != 0 and not own_reference)
+
+
 def own_groups(groups, version, rank) -> list:
     """Step 5 without a server (BETA 0, or LoRA's base as the reference): our own groups, tagged
     with the policy version that sampled them."""

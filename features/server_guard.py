@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from features.wire import META_FIELDS, OPTIONAL, UPLOAD_SPEC
+from features.vision import unpack_images
+from features.wire import IMAGE_FIELDS, META_FIELDS, OPTIONAL, UPLOAD_SPEC
 
 MAX_NAME_CHARS = 200  # metadata worker and upload_id: a name, never a payload
 TEMPERATURES = (0.01, 100)  # below 0.01, logits / T overflow to inf and the log-probs are NaN
@@ -39,9 +40,10 @@ def validate_group(tensors: dict, meta: dict, vocab_size: int, max_rows: int, ma
     missing = [k for k in UPLOAD_SPEC if k not in tensors and k not in OPTIONAL]
     if missing:
         raise ValueError(f"missing tensors: {missing}")
-    unknown = sorted(set(tensors) - set(UPLOAD_SPEC))
+    unknown = sorted(set(tensors) - set(UPLOAD_SPEC) - set(IMAGE_FIELDS))
     if unknown:
         raise ValueError(f"unexpected tensors: {unknown}")
+    unpack_images(tensors)  # the images' fields, counts and sizes; decoded by the server
     ids = tensors["input_ids"]
     if ids.dtype != torch.int64 or ids.dim() != 2:
         raise ValueError(f"input_ids must be 2-D int64, got {ids.dtype} {tuple(ids.shape)}")

@@ -112,6 +112,13 @@ class WeightPublisher:
             self.current = (version, body, sha)
 
 
+def publisher_from(constants: dict, model, version, rank):
+    """start_publisher with the trainer's constants (its globals(), read by name)."""
+    return start_publisher(model, version, rank=rank, every=constants["WEIGHT_SYNC_STEPS"],
+                           host=constants["WEIGHT_SYNC_HOST"], port=constants["WEIGHT_SYNC_PORT"],
+                           token=constants["REF_TOKEN"])
+
+
 def start_publisher(model, version, *, rank, every, host, port, token):
     """Rank 0's WeightPublisher serving `model` as `version` (the step it starts from), or None: on
     other ranks, and when every is 0 (workers read OUTPUT_DIR's checkpoints instead)."""

@@ -16,6 +16,8 @@ import requests
 import safetensors.torch
 import torch
 
+from features import vision
+
 # One group = safetensors tensors (UPLOAD_SPEC) + JSON metadata (META_FIELDS). input_ids holds
 # prompt + completion for each of the G rows; the prompt (unpadded) has length plen.
 UPLOAD_SPEC = {  # name: (dtype, shape as a function of G rows, L columns, plen)
@@ -29,6 +31,8 @@ UPLOAD_SPEC = {  # name: (dtype, shape as a function of G rows, L columns, plen)
     "sampler_logps": (torch.float32, lambda g, l, p: (g, l - p)),
 }
 OPTIONAL = {"gen_logps", "sampler_logps"}
+# A question's images (optional): their PNG/JPEG bytes, checked by features/vision.unpack_images.
+IMAGE_FIELDS = vision.WIRE_FIELDS
 # Every metadata field a group may carry, the one list of them: name: (type, who sets it, meaning).
 # Only plen is required; ref_server.py checks the types (features/server_guard.py).
 META_FIELDS = {
@@ -124,11 +128,12 @@ def _depth(x) -> int:
     return depth - 1
 
 
-def collate(groups, pad_id, *, teacher=False):
+def collate(groups, pad_id, *, teacher=False, image_processor=None):
     """Groups of different prompt and completion lengths as one left/right-padded batch. Optional
     log-probs come with the rows that carry them (gen_rows, sampler_rows (B,) bool), never with a
     value that means "missing". teacher: the server's log-probs are a teacher's (teacher_logps),
-    never a reference's (ref_logps None)."""
+    never a reference's (ref_logps None). image_processor: a vision model's, for the groups'
+    images as each row's pixels (vision_inputs; {} for text)."""
     P = max(meta["plen"] for _, meta in groups)
     T = max(g["input_ids"].shape[1] - meta["plen"] for g, meta in groups)
     B = sum(g["input_ids"].shape[0] for g, _ in groups)
@@ -157,6 +162,7 @@ def collate(groups, pad_id, *, teacher=False):
     b["teacher_logps"] = server_logps if teacher else None
     for name, rows in (("gen_logps", "gen_rows"), ("sampler_logps", "sampler_rows")):
         b[name], b[rows] = (logps[name], given[name]) if given[name].any() else (None, None)
+    b["vision_inputs"] = vision.group_vision_inputs(groups, image_processor)
     return b
 
 
@@ -178,6 +184,8 @@ def group_tensors(sampled, ids, kept, group_size, rewards, advantages, gen_logps
             tensors["gen_logps"] = gen_logps[j * G : (j + 1) * G, :tlen]  # (G, tlen)
         if sampled.sampler_logps is not None:  # vLLM's own: the loss's importance weights
             tensors["sampler_logps"] = sampled.sampler_logps[r, :tlen]  # (G, tlen)
+        if sampled.images:  # the question's images, as their own bytes (features/vision.py)
+            tensors.update(vision.pack_images(sampled.images[q * G]))
         groups.append((tensors, {"plen": plen, "question": sampled.questions[q * G],
                                  "answers": sampled.texts[r], **meta}))  # for a reward model
     return groups

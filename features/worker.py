@@ -18,14 +18,14 @@ import rewards
 
 from features.checkpoints import checkpoints
 from features.embedded_model import resolve_model_path
-from features.server_client import RefClient
+from features.server_client import RefClient, uses_server
 from features.vllm_engine import push_weights, start_from
 from features.weight_sync import WeightFetcher, check_weights, swap_in, weights_budget
 
 WAIT_S = 1.0  # a worker whose groups nobody takes yet looks again after this long
 
 
-def run_for_trainer(constants: dict, load, rollout, *, trainers_read_server):
+def run_for_trainer(constants: dict, load, rollout):
     """run_worker as `python grpo_ref_split.py genonly` starts it: constants are the trainer's (its
     globals(), read by name), load and rollout its functions; questions are the trainer's (never the held-out)."""
     client = RefClient(constants["REF_SERVER"], constants["REF_TOKEN"], constants["SERVER_TIMEOUT"])
@@ -36,7 +36,7 @@ def run_for_trainer(constants: dict, load, rollout, *, trainers_read_server):
                q_batch_size=constants["Q_BATCH_SIZE"], first=resolve_model_path(constants["MODEL_PATH"]),
                seed=constants["SEED"], start_llm=start_llm, output_dir=constants["OUTPUT_DIR"],
                max_queued=constants["WORKER_MAX_QUEUED"], allow_mismatch=constants["ALLOW_REF_MISMATCH"],
-               trainers_read_server=trainers_read_server, weights_from=constants["WEIGHTS_FROM"],
+               trainers_read_server=uses_server(constants), weights_from=constants["WEIGHTS_FROM"],
                token=constants["REF_TOKEN"])
 
 

@@ -2,7 +2,7 @@
 source of truth for each), the engine, counts over ranks (the loss normalizer, micro-batches every rank runs),
 and on CPU ranks the cleanup of DeepSpeed's shared-memory files.
 
-    deepspeed --num_gpus 1 grpo_ref_split.py         # setup_deepspeed() there calls them
+    deepspeed --num_gpus 1 grpo_ref_split.py         # setup_deepspeed() there calls setup_from
 """
 import contextlib
 import dataclasses
@@ -111,6 +111,28 @@ def initialize(model, config, gradient_checkpointing=False):
     if engine.lr_scheduler is not None:  # its rate for the first step is set only at its first step()
         engine.lr_scheduler.step(0)
     return engine
+
+
+def setup_from(constants: dict, load_policy):
+    """(engine, tokenizer, eos_ids, gen_config, rank, device): the trainer's policy under ZeRO-2. constants: the
+    trainer's (its globals()), read by name; load_policy(path, device) its loader."""
+    from features import lora, vision
+    from features.embedded_model import resolve_model_path
+
+    cuda = torch.cuda.is_available()
+    rank, device = init_distributed(cuda)
+    torch.manual_seed(constants["SEED"] + rank)
+    model, tokenizer, eos_ids, gen_config = load_policy(resolve_model_path(constants["MODEL_PATH"]), device)
+    model = lora.add_lora(model, rank=constants["LORA_RANK"], alpha=constants["LORA_ALPHA"],
+                          targets=constants["LORA_TARGETS"], seed=constants["SEED"])  # LORA_RANK 0: unchanged
+    if constants["FREEZE_VISION"]:  # a vision-language model's tower stays as it is (features/vision.py)
+        vision.freeze_tower(model)
+    # CPU ranks train in fp32 (bf16 is slow and lossy there); the scheduler counts optimizer steps.
+    config = ds_config(constants["DS_CONFIG"], lr=constants["LR"], bf16=cuda,
+                       total_steps=constants["ALL_STEPS"] * constants["MU"],
+                       offload_optimizer=constants["OFFLOAD_OPTIMIZER"])
+    engine = initialize(model, config, constants["GRADIENT_CHECKPOINTING"])
+    return engine, tokenizer, eos_ids, gen_config, rank, device
 
 
 def micro_batches(groups, size, collate, prepare, count, device) -> list:

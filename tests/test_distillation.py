@@ -278,7 +278,7 @@ def test_a_k3_penalty_towards_a_teacher_is_refused(monkeypatch, tmp_path):
         grpo.check_settings()
     teacher_settings(monkeypatch, tmp_path, BETA=0.04, LORA_RANK=8, REF_FROM_BASE=True)
     grpo.check_settings()  # the reference is LoRA's base, the server the teacher
-    assert grpo.uses_server()
+    assert grpo.server_client.uses_server(vars(grpo))
 
 
 @pytest.mark.parametrize("setting", [dict(DISTILL_COEF=1.0), dict(OFF_POLICY_DELTA=0.1),

@@ -1,0 +1,295 @@
+"""Images in GRPO: a vision-language model (transformers' image-text-to-text: SmolVLM, Idefics3)
+as the policy and on the reference server, the images of a data row, and the checks an image
+passes before any decoder sees it (docs/vision.md).
+
+Images enter where the prompt is built: the processor turns each <image> mark of a question into
+the model's image tokens and each image into pixels. The pixels (the processor's tensors, one row
+per answer) ride in the trainer's Rollout and Batch into every forward; the images travel to
+ref_server.py as their own PNG or JPEG bytes, which the server decodes with its own processor: no
+pickled or model-shaped tensor crosses the wire, and both sides see the same pixels.
+
+    python scripts/make_vision_model.py        # the SmolVLM-shaped model this is tested on
+"""
+import io
+import json
+import os
+import sys
+
+import torch
+
+IMAGE_MARK = "<image>"  # where a question's image stands in its text (geometry3k's problems)
+IMAGE_FORMATS = ("PNG", "JPEG")  # what an image may be; anything else is refused undecoded
+MAX_IMAGE_PIXELS = 2**24  # width x height of one image, read from its header before decoding
+MAX_IMAGES = 8  # images per question (geometry3k has one)
+MAX_IMAGE_BYTES = 16 * 2**20  # encoded bytes of one question's images together
+TESTED_TYPES = ("idefics3", "smolvlm")  # model_type values run and tested here (docs/vision.md)
+WIRE_FIELDS = ("image_bytes", "image_ends")  # a group's images in an upload (pack_images)
+
+
+def model_type(path: str) -> str | None:
+    """The model_type in a folder's (or hub id's) config when it is a vision-language model (it
+    has a vision_config), else None: no weights are read, so settings can be checked first."""
+    config_file = os.path.join(path, "config.json")
+    if os.path.exists(config_file):
+        with open(config_file) as f:
+            config = json.load(f)
+    else:  # a hub id: its config alone is fetched
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path).to_dict()
+    return config.get("model_type") if "vision_config" in config else None
+
+
+def check_settings(constants: dict, path: str) -> bool:
+    """Whether MODEL_PATH (path) is a vision-language model. For one, stop on settings that cannot
+    work with images, and switch off the fast paths that run the text model alone, saying so.
+    constants: the trainer's globals(), read by name and, for those fast paths, written."""
+    kind = model_type(path)
+    if kind is None:
+        return False
+    if kind not in TESTED_TYPES:
+        sys.exit(f"MODEL_PATH is a {kind!r} vision-language model; this toolkit runs "
+                 f"{TESTED_TYPES} (docs/vision.md says why)")
+    refused = {"USE_VLLM": "vLLM's multi-modal input is not wired to the trainer yet",
+               "TOOLS": "a tool's result turn has no image",
+               "USE_TRITON": "the fused loss reads hidden states, not pixels"}
+    for name, reason in refused.items():
+        if constants[name]:
+            sys.exit(f"{name} with a vision-language model: {reason}; set it off "
+                     "(docs/vision.md)")
+    text_only = [name for name in ("SHARED_PREFIX", "LOGP_FROM_HIDDEN") if constants[name]]
+    if text_only:
+        print(f"vision model: {' and '.join(text_only)} off (they run the text model alone)",
+              flush=True)
+    for name in text_only:
+        constants[name] = False
+    return True
+
+
+class ImageTextProcessor:
+    """A vision-language model's processor where the trainer expects a tokenizer: called with
+    images it is the processor (image tokens in the text, pixels beside it), without them the
+    tokenizer; every other attribute (pad_token_id, batch_decode...) is the tokenizer's. Saving
+    saves the processor, so a checkpoint loads as the model it is."""
+
+    def __init__(self, processor):
+        self.processor = processor
+        self.image_processor = processor.image_processor
+        self.image_token_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+
+    def __getattr__(self, name):  # called only for names this class does not hold itself
+        return getattr(self.processor.tokenizer, name)
+
+    def __len__(self):
+        return len(self.processor.tokenizer)
+
+    def __call__(self, text, images=None, **kwargs):
+        if images is None:
+            return self.processor.tokenizer(text, **kwargs)
+        return self.processor(text=text, images=images, **kwargs)
+
+    def save_pretrained(self, folder):
+        return self.processor.save_pretrained(folder)
+
+
+def load(path: str, device, dtype=torch.float32):
+    """(model, ImageTextProcessor) of an image-text-to-text folder or hub id."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(device)
+    return model, load_processor(path)
+
+
+def load_processor(path: str) -> ImageTextProcessor:
+    """The ImageTextProcessor of an image-text-to-text folder or hub id."""
+    from transformers import AutoProcessor
+
+    return ImageTextProcessor(AutoProcessor.from_pretrained(path))
+
+
+def load_any(path: str, device, dtype=torch.float32):
+    """(model, tokenizer, processor): a vision-language model with its ImageTextProcessor as both,
+    or a causal LM, its tokenizer and None (ref_server.py's reference or teacher)."""
+    if model_type(path):
+        model, processor = load(path, device, dtype)
+        return model, processor, processor
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    return model, AutoTokenizer.from_pretrained(path), None
+
+
+def server_pixels(processor, group: dict | None, rows: int, device) -> dict:
+    """The reference forward's pixel inputs: an uploaded group's images (checked at upload) for
+    each of its rows; {} for a group without images."""
+    images = decoded(unpack_images(group or {}))
+    if not images:
+        return {}
+    return to_device(vision_inputs(processor.image_processor, [images] * rows), device)
+
+
+def image_processor_of(tokenizer):
+    """The image processor behind the trainer's tokenizer, or None for a text model."""
+    return tokenizer.image_processor if isinstance(tokenizer, ImageTextProcessor) else None
+
+
+def vision_tower(model):
+    """The vision encoder of an Idefics3 / SmolVLM model (wrapped by peft or not)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return inner.model.vision_model
+
+
+def freeze_tower(model) -> int:
+    """EasyR1's freeze_vision_tower: the vision encoder's weights stop training (the connector
+    and the language model go on). Returns how many parameters it froze."""
+    tower = vision_tower(model)
+    for p in tower.parameters():
+        p.requires_grad_(False)
+    return sum(p.numel() for p in tower.parameters())
+
+
+# ----------------------------------------------------------------------------- images, checked
+def open_image(data: bytes, what: str = "image"):
+    """An RGB PIL image of PNG or JPEG bytes. ValueError for anything else, and for more than
+    MAX_IMAGE_PIXELS pixels, read from the header before the pixels are decoded: a
+    decompression bomb never unpacks."""
+    from PIL import Image
+
+    if not isinstance(data, (bytes, bytearray)) or not data:
+        raise ValueError(f"{what}: no image bytes")
+    try:
+        image = Image.open(io.BytesIO(bytes(data)))
+        if image.format not in IMAGE_FORMATS:
+            raise ValueError(f"format {image.format}, not one of {IMAGE_FORMATS}")
+        width, height = image.size
+        if width * height > MAX_IMAGE_PIXELS or min(width, height) < 1:
+            raise ValueError(f"{width} x {height} pixels; at most {MAX_IMAGE_PIXELS} in all")
+        image.load()
+        return image.convert("RGB")
+    except Exception as e:  # PIL raises many kinds on a broken file: one clear error
+        raise ValueError(f"{what} is not a usable PNG or JPEG: {str(e)[:200]}") from None
+
+
+def pack_images(images: list) -> dict:
+    """One question's images (bytes each) as an upload's tensors: image_bytes (N,) uint8, the
+    images' bytes one after another, and image_ends (n,) int64, where each one ends."""
+    if not images:
+        return {}
+    ends = torch.tensor([len(data) for data in images], dtype=torch.int64).cumsum(0)  # (n,)
+    flat = torch.frombuffer(bytearray(b"".join(images)), dtype=torch.uint8)  # (N,)
+    return {"image_bytes": flat, "image_ends": ends}
+
+
+def unpack_images(tensors: dict) -> list:
+    """The bytes of each image in an upload's tensors ([] for none), all or nothing: ValueError
+    on a malformed field, too many images or too many bytes. Nothing is decoded here."""
+    present = [name for name in WIRE_FIELDS if name in tensors]
+    if not present:
+        return []
+    if len(present) != len(WIRE_FIELDS):
+        raise ValueError(f"images need both {WIRE_FIELDS}; got only {present}")
+    flat, ends = tensors["image_bytes"], tensors["image_ends"]
+    well_typed = flat.dtype == torch.uint8 and ends.dtype == torch.int64
+    if not well_typed or flat.dim() != 1 or ends.dim() != 1:
+        raise ValueError(f"image_bytes must be (N,) uint8 and image_ends (n,) int64; got "
+                         f"{flat.dtype} {tuple(flat.shape)}, {ends.dtype} {tuple(ends.shape)}")
+    if not 1 <= len(ends) <= MAX_IMAGES:
+        raise ValueError(f"{len(ends)} images for one question; 1 to {MAX_IMAGES}")
+    if len(flat) > MAX_IMAGE_BYTES:
+        raise ValueError(f"{len(flat)} bytes of images; at most {MAX_IMAGE_BYTES}")
+    bounds = [0] + ends.tolist()
+    if any(b <= a for a, b in zip(bounds, bounds[1:])) or bounds[-1] != len(flat):
+        raise ValueError(f"image_ends {bounds[1:][:20]} must rise strictly to the "
+                         f"{len(flat)} bytes")
+    data = flat.numpy().tobytes()
+    return [data[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def decoded(images: list) -> list:
+    """Each image's bytes decoded (open_image), numbered in any error."""
+    return [open_image(data, f"image {i}") for i, data in enumerate(images)]
+
+
+def vision_inputs(image_processor, rows: list) -> dict:
+    """A batch's pixel inputs: rows holds each row's PIL images; every tensor the image processor
+    returns (Idefics3: pixel_values (B, n, 3, H, W), pixel_attention_mask (B, n, H, W))."""
+    out = image_processor(images=rows, return_tensors="pt")
+    return {name: value for name, value in out.items() if torch.is_tensor(value)}
+
+
+def image_token_count(processor, images: list) -> int:
+    """How many image tokens the processor writes for these images: what a prompt showing them
+    holds."""
+    text = [IMAGE_MARK * len(images)]
+    ids = processor(text=text, images=[images], return_tensors="pt")["input_ids"]  # (1, n)
+    return int((ids == processor.image_token_id).sum())
+
+
+def check_group(processor, tensors: dict, plen: int) -> list:
+    """The decoded images of an uploaded group, checked against it: each row's prompt holds
+    exactly the image tokens they make and no answer holds one (the forward would fail, or read
+    pixels where the answer has text). ValueError otherwise. processor: an ImageTextProcessor, or
+    None for a text model."""
+    images = decoded(unpack_images(tensors))
+    if processor is None:
+        if images:
+            raise ValueError("this server's model is a text model: it takes no images")
+        return []
+    image_tokens = tensors["input_ids"] == processor.image_token_id  # (G, L)
+    expected = image_token_count(processor, images) if images else 0
+    in_prompts = image_tokens[:, :plen].sum(1)  # (G,)
+    if (in_prompts != expected).any() or image_tokens[:, plen:].any():
+        raise ValueError(f"{len(images)} images make {expected} image tokens in every prompt and "
+                         f"none in an answer; the rows hold {in_prompts.tolist()[:20]} in their "
+                         f"prompts and {int(image_tokens[:, plen:].sum())} in their answers")
+    return images
+
+
+def group_vision_inputs(groups: list, image_processor) -> dict:
+    """The pixel inputs of collated groups, one row per answer (a group's rows share its
+    images); {} when no group has images. Groups with and without images do not mix."""
+    per_group = [decoded(unpack_images(tensors)) for tensors, _ in groups]
+    if not any(per_group):
+        return {}
+    if not all(per_group) or image_processor is None:
+        raise ValueError("a batch mixes groups with and without images, or images reached a "
+                         "text model")
+    rows = [images for (tensors, _), images in zip(groups, per_group)
+            for _ in range(tensors["input_ids"].shape[0])]
+    return vision_inputs(image_processor, rows)
+
+
+def cut_at_image_tokens(completion_ids, mask, tokenizer):
+    """(B, T) ids and mask where an answer that sampled the image token ends just before it: the
+    token becomes padding and leaves the loss with what follows, as every forward counts image
+    tokens against the pixels. Rare: the policy is never asked to write one. A text model's
+    tokenizer: unchanged."""
+    if not isinstance(tokenizer, ImageTextProcessor):
+        return completion_ids, mask
+    sampled_image = completion_ids == tokenizer.image_token_id  # (B, T)
+    after = sampled_image.cumsum(1) > 0  # (B, T) from the first image token on
+    return completion_ids.masked_fill(sampled_image, tokenizer.pad_token_id), mask & ~after
+
+
+def pixel_rows(encoded, repeats: int) -> dict:
+    """The pixel inputs in a processor's output for Q prompts as B = Q x repeats rows, each
+    prompt's answers consecutive; {} for text (no tensor but input_ids and attention_mask)."""
+    return {name: value.repeat_interleave(repeats, 0) for name, value in encoded.items()
+            if name not in ("input_ids", "attention_mask") and torch.is_tensor(value)}
+
+
+def select_rows(inputs: dict | None, rows) -> dict:
+    """The pixel inputs of some rows (a list of indices, or a slice); {} for none."""
+    return {name: value[rows] for name, value in (inputs or {}).items()}
+
+
+def to_device(inputs: dict | None, device) -> dict:
+    """The pixel inputs on the device; {} for none."""
+    return {name: value.to(device) for name, value in (inputs or {}).items()}
+
+
+def image_kwargs(questions: list) -> dict:
+    """{"images": each question's decoded images} for the processor, or {} when none has any."""
+    if not any(q.get("images") for q in questions):
+        return {}
+    return {"images": [decoded(q.get("images") or []) for q in questions]}

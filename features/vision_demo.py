@@ -1,0 +1,138 @@
+"""A SmolVLM-shaped vision-language model made here: no VLM weights reach this machine, but SmolVLM's
+language model is SmolLM2-135M, the embedded model. So: Idefics3 (SmolVLM's architecture) with the
+embedded model's weights as its language model, a small vision encoder and connector drawn at random
+from a seed, and a processor over the embedded tokenizer with the image tokens added. Then LLaVA's
+first stage: a short supervised pass on image-caption pairs with the language model frozen, which
+aligns the random vision side with it before any reward is asked for (docs/vision.md).
+
+    python scripts/make_vision_model.py          # writes the folder the CPU demo trains
+"""
+import os
+import random
+import shutil
+
+import torch
+
+IMAGE_TOKENS = ("<fake_token_around_image>", "<image>", "<global-img>")  # Idefics3's, added
+VISION = dict(hidden_size=96, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+              image_size=64, patch_size=8)  # 64 patches, 16 image tokens after scale_factor 2
+SCALE_FACTOR = 2  # Idefics3's pixel shuffle: patches merged per image token along each side
+TINY_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2)  # the tests' language model
+
+
+def tokens_per_image() -> int:
+    """Image tokens the demo's processor writes for one image: its patches, merged by the pixel
+    shuffle (SCALE_FACTOR along each side)."""
+    return (VISION["image_size"] // VISION["patch_size"]) ** 2 // SCALE_FACTOR**2
+
+
+def build(text_path: str, folder: str, *, seed: int, tiny: bool = False) -> str:
+    """Write an Idefics3 model and its processor to `folder`: the language model is text_path's
+    (a Llama causal LM: the embedded SmolLM2-135M), or with tiny=True a random one of its
+    vocabulary and TINY_TEXT's size; vision encoder and connector random from `seed`. Returns
+    folder."""
+    from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Idefics3Config,
+                              Idefics3ForConditionalGeneration, Idefics3Processor, LlamaConfig)
+    from transformers.models.idefics3.image_processing_pil_idefics3 import (
+        Idefics3ImageProcessorPil)
+
+    tokenizer = AutoTokenizer.from_pretrained(text_path)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(IMAGE_TOKENS)})
+    torch.manual_seed(seed)
+    if tiny:
+        base = AutoConfig.from_pretrained(text_path).to_dict()
+        text_config = LlamaConfig(**{**base, **TINY_TEXT, "head_dim": 16}).to_dict()
+        text_weights = None
+    else:
+        text_model = AutoModelForCausalLM.from_pretrained(text_path, dtype=torch.float32)
+        text_config = text_model.config.to_dict()
+        text_weights = text_model.state_dict()
+    config = Idefics3Config(text_config=text_config, vision_config=VISION,
+                            scale_factor=SCALE_FACTOR, pad_token_id=tokenizer.pad_token_id,
+                            image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+                            tie_word_embeddings=text_config["tie_word_embeddings"])
+    config.text_config.pad_token_id = tokenizer.pad_token_id
+    model = Idefics3ForConditionalGeneration(config).float()
+    if text_weights is not None:  # the embedded model's own weights, every one of them
+        inner = {k[len("model."):]: v for k, v in text_weights.items() if k.startswith("model.")}
+        model.model.text_model.load_state_dict(inner, strict=True)
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    side = VISION["image_size"]
+    image_processor = Idefics3ImageProcessorPil(
+        do_resize=True, size={"longest_edge": side}, do_image_splitting=False,
+        max_image_size={"longest_edge": side})
+    processor = Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer,
+                                  image_seq_len=tokens_per_image(),
+                                  chat_template=tokenizer.chat_template)
+    tmp = f"{folder}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    processor.save_pretrained(tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.rename(tmp, folder)  # readers see no folder or a whole one
+    return folder
+
+
+def caption_batch(processor, rows, *, system_prompt, prefill):
+    """(inputs, labels) for the caption pass: each row's chat prompt (system, the question with
+    its image, the assistant turn opened with `prefill`) and its gold caption closed as the
+    trainer's answers are, the loss on the caption's tokens only."""
+    from features.vision import decoded
+
+    prompts = []
+    targets = []
+    for row in rows:
+        messages = [{"role": "system", "content": system_prompt},
+                    {"role": "user", "content": row["question"]}]
+        text = processor.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                       add_generation_prompt=True)
+        prompts.append(text + prefill)
+        targets.append(f"{row['gold']}</answer>{processor.tokenizer.eos_token}")
+    images = [decoded(row["images"]) for row in rows]
+    full = [p + t for p, t in zip(prompts, targets)]
+    inputs = processor(text=full, images=images, return_tensors="pt", padding=True,
+                       padding_side="right", add_special_tokens=False)
+    labels = inputs["input_ids"].clone()  # (B, L)
+    for i, prompt in enumerate(prompts):
+        prompt_len = len(processor(text=[prompt], images=[images[i]], add_special_tokens=False,
+                                   return_tensors="pt")["input_ids"][0])
+        labels[i, :prompt_len] = -100
+    labels[inputs["attention_mask"] == 0] = -100
+    return inputs, labels
+
+
+def align(folder: str, rows: list, *, steps: int, batch: int, lr: float, seed: int,
+          system_prompt: str, prefill: str, train_language: bool = False, log=print) -> list:
+    """LLaVA's first stage on `folder` in place: `steps` AdamW steps of the caption loss on
+    batches of `rows`, the language model frozen (vision encoder and connector train; with
+    train_language everything trains, a plain supervised pass). Returns each step's loss."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from tqdm import tqdm
+
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    processor = AutoProcessor.from_pretrained(folder)
+    if not train_language:
+        model.model.text_model.requires_grad_(False)
+        model.lm_head.requires_grad_(False)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=lr)
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    model.train()
+    losses = []
+    for step in tqdm(range(steps), desc="caption pass", dynamic_ncols=True, disable=log is not print):
+        inputs, labels = caption_batch(processor, rng.sample(rows, batch),
+                                       system_prompt=system_prompt, prefill=prefill)
+        loss = model(**inputs, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+        if step % 25 == 0 or step == steps - 1:
+            log(f"caption pass step {step}: loss {loss.item():.3f}")
+    model.eval()
+    model.save_pretrained(folder)
+    return losses

@@ -1,0 +1,409 @@
+"""Vision-language models (features/vision.py, docs/vision.md): images in the data, through the
+trainer's forwards, the upload and the reference server's guard, on a tiny SmolVLM-shaped model built
+from the embedded tokenizer (features/vision_demo.py)."""
+import io
+import json
+import subprocess
+
+import pytest
+import requests
+import torch
+
+import grpo_ref_split as grpo
+import ref_server
+import rewards
+from conftest import (ROOT, ServerProcess, free_port, group, metrics, start, stop, trainer_cmd,
+                      trainer_env)
+from features import fast_paths, lora, memory_plan, vision, vision_demo, wire
+from features.wire import decode_batch, encode_batch
+
+
+SYSTEM = "Answer inside <answer> </answer> tags."  # the e2e run's SYSTEM_PROMPT
+
+
+def png(colour=(200, 30, 30), size=(64, 64), fmt="PNG") -> bytes:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", size, colour).save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(embedded_path, tmp_path_factory):
+    """A tiny Idefics3 (SmolVLM's shape): a 2-layer language model on the embedded vocabulary,
+    a random vision encoder and connector, the processor from the embedded tokenizer."""
+    return vision_demo.build(embedded_path, str(tmp_path_factory.mktemp("vlm") / "model"), seed=0,
+                             tiny=True)
+
+
+@pytest.fixture(scope="module")
+def answering_vlm_dir(vlm_dir, tmp_path_factory):
+    """The tiny VLM after a short supervised pass of everything on the shapes question: it answers
+    with a colour word and </answer>, right or not, so a group's rewards differ."""
+    import shutil
+
+    folder = str(tmp_path_factory.mktemp("vlm") / "answering")
+    shutil.copytree(vlm_dir, folder)
+    vision_demo.align(folder, rewards.make_shapes(64, seed=7), steps=40, batch=8, lr=3e-3, seed=0,
+                      system_prompt=SYSTEM, prefill="<answer>", train_language=True,
+                      log=lambda *_: None)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def vlm(vlm_dir):
+    model, processor = vision.load(vlm_dir, "cpu")
+    return model.eval(), processor
+
+
+def prompt_group(processor, images, G=3, answer_tokens=5, seed=0):
+    """(tensors, meta) as the trainer uploads them: a chat prompt showing `images`, G random
+    answers of answer_tokens tokens (no image token among them)."""
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": vision.IMAGE_MARK * len(images) + "Which colour?"}],
+        tokenize=False, add_generation_prompt=True)
+    pil = vision.decoded(images)
+    prompt = processor([text], images=[pil], return_tensors="pt",
+                       add_special_tokens=False)["input_ids"]  # (1, P)
+    g = torch.Generator().manual_seed(seed)
+    answers = torch.randint(0, 49152, (G, answer_tokens), generator=g)  # (G, T) text ids only
+    ids = torch.cat([prompt.repeat(G, 1), answers], 1)  # (G, P + T)
+    tensors = dict(input_ids=ids, completion_mask=torch.ones(G, answer_tokens, dtype=torch.bool),
+                   advantages=torch.randn(G, generator=g), rewards=torch.rand(G, generator=g),
+                   **vision.pack_images(images))
+    return tensors, {"plen": prompt.shape[1], "temperature": 0.7}
+
+
+def test_the_built_model_is_smolvlm_shaped_and_its_processor_writes_image_tokens(vlm, vlm_dir):
+    model, processor = vlm
+    assert type(model).__name__ == "Idefics3ForConditionalGeneration"
+    assert vision.model_type(vlm_dir) == "idefics3"
+    per_image = vision.image_token_count(processor.processor, [vision.decoded([png()])[0]])
+    assert per_image == vision_demo.tokens_per_image()
+    assert vision.image_token_count(processor.processor,
+                                    vision.decoded([png(), png((0, 0, 255))])) == 2 * per_image
+
+
+def test_the_embedded_language_model_keeps_its_weights(embedded_path, tmp_path):
+    """The demo model's language model is the embedded SmolLM2-135M, weight for weight."""
+    from transformers import AutoModelForCausalLM
+
+    folder = vision_demo.build(embedded_path, str(tmp_path / "full"), seed=0)
+    model, _ = vision.load(folder, "cpu")
+    text = AutoModelForCausalLM.from_pretrained(embedded_path)
+    ours = model.model.text_model.state_dict()
+    for name, value in text.model.state_dict().items():
+        if name == "embed_tokens.weight":  # three image tokens added at the end
+            torch.testing.assert_close(ours[name][: value.shape[0]], value, rtol=0, atol=0)
+        else:
+            torch.testing.assert_close(ours[name], value, rtol=0, atol=0)
+
+
+def test_the_servers_log_probs_equal_the_trainers_for_the_same_weights_and_images(vlm):
+    """ref_server.py's forward (its own processor on the uploaded bytes) and the trainer's lesson
+    definition on collate's pixels give the same log-probs; other pixels give other log-probs."""
+    model, processor = vlm
+    images = [png((220, 30, 30)), png((30, 60, 220), (40, 56))]
+    tensors, meta = prompt_group(processor, images)
+    decoded_group = decode_batch(encode_batch(tensors, meta))  # as it crosses the wire
+    server = ref_server.RefServer(model, "tiny-vlm", processor=processor)
+    assert not server.shared_prefix and not server.logp_from_hidden
+    vision.check_group(processor, decoded_group[0], meta["plen"])
+    got = server.reference_logps(decoded_group[0]["input_ids"], meta["plen"], 0.7, decoded_group[0])
+    batch = wire.collate([decoded_group], processor.pad_token_id,
+                         image_processor=processor.image_processor)
+    assert batch["vision_inputs"]["pixel_values"].shape[:2] == (3, 2)
+    grpo_temperature = grpo.TEMPERATURE
+    try:
+        grpo.TEMPERATURE = 0.7
+        with torch.no_grad():
+            want = grpo.per_token_logps(model, batch["input_ids"], batch["attention_mask"], 5,
+                                        **batch["vision_inputs"])
+            other = {**batch["vision_inputs"],
+                     "pixel_values": batch["vision_inputs"]["pixel_values"].flip(-1) * 0.5}
+            moved = grpo.per_token_logps(model, batch["input_ids"], batch["attention_mask"], 5,
+                                         **other)
+    finally:
+        grpo.TEMPERATURE = grpo_temperature
+    # The same fp32 arithmetic on the same inputs, but micro-batched and chunked on the server:
+    # a sum's order over 49k logits moves the last bits (2^-23 relative of values near 10).
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    assert (moved - want).abs().max() > 1e-3  # the pixels matter: the check can fail
+
+
+def test_chunked_log_probs_equal_the_plain_definition_with_pixels_in_value_and_gradient(vlm):
+    model, processor = vlm
+    tensors, meta = prompt_group(processor, [png()], G=2, answer_tokens=6)
+    batch = wire.collate([(tensors, meta)], processor.pad_token_id,
+                         image_processor=processor.image_processor)
+    params = [p for p in model.parameters() if p.requires_grad]
+    args = (model, batch["input_ids"], batch["attention_mask"], 6)
+    plain = grpo.per_token_logps(*args, **batch["vision_inputs"])
+    chunked = fast_paths.completion_logps(*args, grpo.TEMPERATURE, chunk=4, from_hidden=False,
+                                          vision_inputs=batch["vision_inputs"])
+    torch.testing.assert_close(chunked, plain, rtol=0, atol=1e-5)
+    weights = torch.randn_like(plain)
+    plain_grads = torch.autograd.grad((plain * weights).sum(), params, allow_unused=True)
+    chunked = fast_paths.completion_logps(*args, grpo.TEMPERATURE, chunk=4, from_hidden=False,
+                                          vision_inputs=batch["vision_inputs"])
+    chunked_grads = torch.autograd.grad((chunked * weights).sum(), params, allow_unused=True)
+    tower = {id(p) for p in vision.vision_tower(model).parameters()}
+    reached_tower = False
+    for p, a, b in zip(params, plain_grads, chunked_grads):
+        if a is None:
+            assert b is None
+            continue
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+        reached_tower |= id(p) in tower and a.abs().sum() > 0
+    assert reached_tower  # the gradient reaches the vision encoder through the pixels
+
+
+# ----------------------------------------------------------------------------- the upload's guard
+@pytest.fixture(scope="module")
+def vlm_server(vlm):
+    model, processor = vlm
+    server = ref_server.RefServer(model, "tiny-vlm", processor=processor)
+    port = free_port()
+    stop_serving = ref_server.serve(server, "127.0.0.1", port)
+    yield server, f"http://127.0.0.1:{port}"
+    stop(server, stop_serving)
+
+
+def bomb() -> bytes:
+    """A PNG of 5000 x 5000 pixels (more than MAX_IMAGE_PIXELS) in a few kilobytes."""
+    return png((255, 255, 255), (5000, 5000))
+
+
+def malformed_uploads(processor):
+    """(name, tensors, meta) of uploads the guard must refuse: each one thing wrong."""
+    good, meta = prompt_group(processor, [png()])
+    cases = []
+
+    def case(name, **changes):
+        tensors = {**good, **{k: v for k, v in changes.items() if v is not None}}
+        for k in [k for k, v in changes.items() if v is None]:
+            tensors.pop(k)
+        cases.append((name, tensors, meta))
+
+    data = good["image_bytes"]
+    case("bytes without ends", image_ends=None)
+    case("ends without bytes", image_bytes=None)
+    case("bytes as int64", image_bytes=data.long())
+    case("bytes 2-D", image_bytes=data.view(1, -1))
+    case("ends as float", image_ends=good["image_ends"].float())
+    case("ends past the bytes", image_ends=good["image_ends"] + 1)
+    case("ends short of the bytes", image_ends=good["image_ends"] - 1)
+    case("an empty image", image_ends=torch.tensor([0, len(data)]))
+    case("no image", image_ends=torch.zeros(0, dtype=torch.int64))
+    many = vision.pack_images([png()] * (vision.MAX_IMAGES + 1))
+    case("too many images", **many)
+    case("not an image", **vision.pack_images([b"GIF89a not really" * 10]))
+    case("a GIF", **vision.pack_images([png(fmt="GIF")]))
+    case("a truncated PNG", **vision.pack_images([png()[:60]]))
+    case("a decompression bomb", **vision.pack_images([bomb()]))
+    case("two images for a prompt made for one", **vision.pack_images([png(), png()]))
+    answer_with_image = good["input_ids"].clone()
+    answer_with_image[0, -1] = processor.image_token_id
+    case("an image token in an answer", input_ids=answer_with_image)
+    return cases
+
+
+def test_every_malformed_image_upload_gets_a_clear_400_and_nothing_is_queued(vlm, vlm_server):
+    model, processor = vlm
+    server, url = vlm_server
+    for name, tensors, meta in malformed_uploads(processor):
+        before = server.counters["uploaded"]
+        r = requests.post(url + "/upload", data=encode_batch(tensors, meta), timeout=30)
+        assert r.status_code == 400, (name, r.status_code, r.text)
+        assert r.json()["error"], name
+        assert server.counters["uploaded"] == before, name
+    tensors, meta = prompt_group(processor, [png()])  # and the good one still goes through
+    r = requests.post(url + "/upload", data=encode_batch(tensors, meta), timeout=30)
+    assert r.status_code == 200, r.text
+
+
+def test_a_bomb_is_refused_from_its_header_before_any_pixel_is_decoded(monkeypatch):
+    from PIL import Image, ImageFile
+
+    def never(*args, **kwargs):
+        raise AssertionError("the bomb was decoded")
+
+    data = bomb()  # made before decoding is forbidden
+    monkeypatch.setattr(Image.Image, "load", never)
+    monkeypatch.setattr(ImageFile.ImageFile, "load", never)
+    with pytest.raises(ValueError, match="pixels"):
+        vision.open_image(data)
+
+
+def test_a_text_model_server_refuses_images(model):
+    """A server holding a text model answers an upload with images 400, and queues nothing."""
+    tensors, meta = group()
+    server, stop_serving, url = start(model)
+    try:
+        body = encode_batch({**tensors, **vision.pack_images([png()])}, meta)
+        r = requests.post(url + "/upload", data=body, timeout=30)
+        assert r.status_code == 400 and "text model" in r.json()["error"]
+        assert server.counters["uploaded"] == 0
+        assert requests.post(url + "/upload", data=encode_batch(tensors, meta),
+                             timeout=30).status_code == 200
+    finally:
+        stop(server, stop_serving)
+
+
+def test_fuzzed_image_fields_never_crash_the_guard(vlm):
+    """Random bytes, sizes and ends: check_group raises ValueError or passes, nothing else."""
+    _, processor = vlm
+    good, meta = prompt_group(processor, [png()])
+    g = torch.Generator().manual_seed(1)
+    for trial in range(200):
+        data = bytearray(good["image_bytes"].numpy().tobytes())
+        for _ in range(int(torch.randint(1, 8, (1,), generator=g))):
+            data[int(torch.randint(0, len(data), (1,), generator=g))] = int(
+                torch.randint(0, 256, (1,), generator=g))
+        cut = int(torch.randint(1, len(data) + 1, (1,), generator=g))
+        ends = torch.tensor([cut], dtype=torch.int64) if trial % 2 else torch.tensor([len(data)])
+        tensors = {**good, "image_bytes": torch.frombuffer(bytearray(data), dtype=torch.uint8),
+                   "image_ends": ends}
+        try:
+            vision.check_group(processor, tensors, meta["plen"])
+        except ValueError:
+            pass
+
+
+# ----------------------------------------------------------------------------- data and rewards
+def test_questions_with_images_load_from_a_jsonl_with_files_beside_it(tmp_path):
+    (tmp_path / "a.png").write_bytes(png())
+    (tmp_path / "b.jpg").write_bytes(png((0, 0, 255), fmt="JPEG"))
+    rows = [{"problem": "<image>Find x.", "answer": "3\\sqrt{2}", "images": ["a.png"]},
+            {"problem": "<image>Find y.", "answer": "12", "images": ["b.jpg"]}]
+    path = tmp_path / "geo.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    questions = rewards.load_questions(str(path), 0)
+    assert [q["gold"] for q in questions] == ["3\\sqrt{2}", "12"]
+    assert questions[0]["images"] == [png()]
+    (tmp_path / "bad.jsonl").write_text(json.dumps({**rows[0], "images": ["missing.png"]}))
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        rewards.load_questions(str(tmp_path / "bad.jsonl"), 0)
+    (tmp_path / "c.gif").write_bytes(png(fmt="GIF"))
+    (tmp_path / "gif.jsonl").write_text(json.dumps({**rows[0], "images": ["c.gif"]}))
+    with pytest.raises(ValueError, match="GIF"):
+        rewards.load_questions(str(tmp_path / "gif.jsonl"), 0)
+
+
+def test_held_out_questions_with_the_same_text_but_other_images_stay_in_training():
+    questions = rewards.make_shapes(40, seed=3)
+    train, held_out = rewards.split_held_out(questions, 8)
+    assert len(held_out) == 8 and len(train) == 32  # one text, 40 different images
+    assert not {rewards.question_key(q) for q in train} & {rewards.question_key(q) for q in held_out}
+
+
+def colour_areas(data: bytes) -> dict:
+    """{colour name: its pixels} of a shapes image."""
+    from PIL import Image
+
+    pixels = list(Image.open(io.BytesIO(data)).convert("RGB").get_flattened_data())
+    return {name: pixels.count(rgb) for name, rgb in rewards.COLOURS.items()}
+
+
+def test_the_shapes_task_names_the_larger_squares_colour_and_captions_never_tell_which():
+    for row in rewards.make_shapes(30, seed=5):
+        areas = colour_areas(row["images"][0])
+        assert max(areas, key=areas.get) == row["gold"]
+        assert sum(1 for area in areas.values() if area) == 2
+    captions = rewards.make_shapes(200, 5, captions=True)
+    larger_first = 0
+    for row in captions:
+        areas = colour_areas(row["images"][0])
+        named = row["gold"].split(" and ")
+        assert sorted(named) == sorted(name for name, area in areas.items() if area)
+        larger_first += named[0] == max(areas, key=areas.get)
+    # Binomial(200, 1/2): mean 100, sd 7.1; 70..130 is over 4 sd either way.
+    assert 70 <= larger_first <= 130
+
+
+def test_easyr1s_boxed_rewards():
+    assert rewards.reward_boxed("<think>x</think> so \\boxed{3\\sqrt{2}}", "3\\sqrt{2}") == 1.0
+    assert rewards.reward_boxed("\\boxed{\\frac{1}{2}}", "0.5") == 1.0
+    assert rewards.reward_boxed("\\boxed{4} then \\boxed{5}", "5") == 1.0  # the last box
+    assert rewards.reward_boxed("\\boxed{4", "4") == 0.0  # never closed
+    assert rewards.reward_boxed("4", "4") == 0.0
+    assert rewards.reward_think_boxed("<think>a</think> The answer is \\boxed{7}.") == 1.0
+    assert rewards.reward_think_boxed("The answer is \\boxed{7}.") == 0.0
+    assert rewards.reward_think_boxed("<think>a</think> 7") == 0.0
+    assert rewards.reward_word("<answer>Red.</answer>", "red") == 1.0
+    assert rewards.reward_word("<answer>red and blue</answer>", "red") == 0.0
+
+
+# ----------------------------------------------------------------------------- settings, LoRA, plan
+def test_a_vision_model_switches_off_the_text_fast_paths_and_refuses_what_cannot_work(vlm_dir,
+                                                                                      capsys):
+    constants = {name: getattr(grpo, name) for name in dir(grpo) if name.isupper()}
+    assert vision.check_settings(constants, vlm_dir) is True
+    assert constants["SHARED_PREFIX"] is False and constants["LOGP_FROM_HIDDEN"] is False
+    assert "SHARED_PREFIX and LOGP_FROM_HIDDEN off" in capsys.readouterr().out
+    for name in ("USE_VLLM", "USE_TRITON"):
+        with pytest.raises(SystemExit, match=name):
+            vision.check_settings({**constants, name: True}, vlm_dir)
+    text = {name: getattr(grpo, name) for name in dir(grpo) if name.isupper()}
+    assert vision.check_settings(text, grpo.resolve_model_path("")) is False
+    assert text["SHARED_PREFIX"] is True
+
+
+def test_lora_adapts_the_language_model_only_and_freeze_vision_stops_the_tower(vlm_dir):
+    model, _ = vision.load(vlm_dir, "cpu")
+    adapted = lora.add_lora(model, rank=4, alpha=8, targets="all-linear", seed=0)
+    trained = [name for name, p in adapted.named_parameters() if p.requires_grad]
+    assert trained and all("text_model" in name and "lora_" in name for name in trained)
+    model, _ = vision.load(vlm_dir, "cpu")
+    frozen = vision.freeze_tower(model)
+    assert frozen == sum(p.numel() for p in model.model.vision_model.parameters())
+    assert all(p.requires_grad for p in model.model.connector.parameters())
+    assert not any(p.requires_grad for p in model.model.vision_model.parameters())
+
+
+def test_the_memory_plan_counts_the_vision_tower(vlm_dir):
+    model, _ = vision.load(vlm_dir, "cpu")
+    total = sum(p.numel() for p in model.parameters())
+    tower = sum(p.numel() for p in model.model.vision_model.parameters())
+    shape = memory_plan.model_shape(vlm_dir)
+    assert shape.params == total and shape.trainable == total
+    frozen = memory_plan.model_shape(vlm_dir, freeze_vision=True)
+    assert frozen.trainable == total - tower
+    adapted = memory_plan.model_shape(vlm_dir, lora_rank=4)
+    assert 0 < adapted.trainable < total - tower
+    assert shape.layers == model.config.text_config.num_hidden_layers
+
+
+# ----------------------------------------------------------------------------- end to end
+def test_the_trainer_runs_grpo_on_questions_with_images_against_the_server(answering_vlm_dir,
+                                                                           tmp_path):
+    """`deepspeed grpo_ref_split.py` on the shapes task with the tiny VLM and `python ref_server.py`
+    holding it: the steps finish, the server served the groups with their images, every answer's
+    completion is logged, and the weights moved (the vision tower's too)."""
+    vlm_dir = answering_vlm_dir
+    srv = ServerProcess(vlm_dir, free_port(), tmp_path / "server.log")
+    try:
+        env = trainer_env(vlm_dir, srv.url, tmp_path / "out", DATASET="shapes",
+                          REWARDS='[["reward_word", 1.0]]', EXAMPLE="null", SYSTEM_PROMPT=SYSTEM,
+                          THINK_PREFILL="<answer>", MAX_NEW_TOKENS="6", EVAL_STEPS="2")
+        out = subprocess.run(trainer_cmd(1), cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=600)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        health = srv.health()
+    finally:
+        srv.stop()
+    assert "SHARED_PREFIX and LOGP_FROM_HIDDEN off" in out.stdout
+    assert health["ref_errors"] == 0 and health["rejected"] == 0
+    train, evals = metrics(tmp_path / "out")
+    assert [m["step"] for m in train] == [1, 2]
+    assert [m["step"] for m in evals] == [0, 2]
+    assert health["served"] >= 2  # a group with images each step came back from the server
+    completions = (tmp_path / "out" / "completions.jsonl").read_text().splitlines()
+    assert len(completions) == 2 * 2 * 4  # every answer of both steps
+    before, _ = vision.load(vlm_dir, "cpu")
+    after, _ = vision.load(str(tmp_path / "out" / "step_2"), "cpu")
+    moved = {name for (name, a), (_, b) in zip(before.named_parameters(), after.named_parameters())
+             if not torch.equal(a, b)}
+    assert any("vision_model" in name for name in moved)
+    assert any("text_model" in name for name in moved)
