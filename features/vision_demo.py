@@ -57,9 +57,6 @@ def build(text_path: str, folder: str, *, seed: int, tiny: bool = False) -> str:
     if text_weights is not None:  # the embedded model's own weights, every one of them
         inner = {k[len("model."):]: v for k, v in text_weights.items() if k.startswith("model.")}
         model.model.text_model.load_state_dict(inner, strict=True)
-    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
     side = VISION["image_size"]
     image_processor = Idefics3ImageProcessorPil(
         do_resize=True, size={"longest_edge": side}, do_image_splitting=False,
@@ -67,6 +64,10 @@ def build(text_path: str, folder: str, *, seed: int, tiny: bool = False) -> str:
     processor = Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer,
                                   image_seq_len=tokens_per_image(),
                                   chat_template=tokenizer.chat_template)
+    # The processor adds its own tokens (<end_of_utterance>): the embeddings cover them all.
+    model.resize_token_embeddings(len(processor.tokenizer), mean_resizing=False)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
     tmp = f"{folder}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)

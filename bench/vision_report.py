@@ -1,0 +1,56 @@
+"""The vision demo's table (bench/run_vision_demo.sh): for each run and seed, the held-out greedy
+accuracy on "What colour is the larger shape?" at steps 0 / 10 / 20 / 30 against chance, answers
+generated per answer trained, and wall minutes (the model's making and caption pass apart).
+
+    python bench/vision_report.py bench/results    # reads vision_<run>_s<seed>_metrics.jsonl
+"""
+import glob
+import json
+import os
+import re
+import sys
+
+STEPS = (0, 10, 20, 30)
+CHANCE = ("25.0% for one of the 4 colours at random", "50.0% for one of the 2 colours shown")
+RUNS = {"aligned": "caption pass, then GRPO", "unaligned": "GRPO from the random vision side"}
+
+
+def summary(path) -> dict:
+    """One run's figures from its metrics.jsonl and the _wall_s file beside it."""
+    with open(path) as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    evals = {m["step"]: m["eval_reward_word"] for m in lines if "eval_reward_word" in m}
+    train = [m for m in lines if "answers_generated" in m]
+    generated = sum(m["answers_generated"] for m in train)
+    trained = sum(m["answers_trained"] for m in train)
+    wall = path.replace("_metrics.jsonl", "_wall_s")
+    minutes = int(open(wall).read()) / 60 if os.path.exists(wall) else float("nan")
+    return dict(evals=evals, ratio=generated / max(1, trained), minutes=minutes, steps=len(train))
+
+
+def main(folder):
+    runs = {}
+    for path in sorted(glob.glob(os.path.join(folder, "vision_*_s*_metrics.jsonl"))):
+        run, seed = re.match(r"vision_(.+)_s(\d+)_metrics\.jsonl", os.path.basename(path)).groups()
+        runs.setdefault(run, {})[int(seed)] = summary(path)
+    if not runs:
+        sys.exit(f"no vision_*_s*_metrics.jsonl in {folder}: run bench/run_vision_demo.sh first")
+    print(f"chance: {CHANCE[0]}; {CHANCE[1]}")
+    head = " | ".join(f"step {s}" for s in STEPS)
+    print(f"| run | seed | {head} | generated / trained | minutes |")
+    print("|---|---|" + "---|" * (len(STEPS) + 2))
+    for run in sorted(runs, key=lambda r: list(RUNS).index(r) if r in RUNS else len(RUNS)):
+        for seed, s in sorted(runs[run].items()):
+            accuracy = " | ".join("-" if s["evals"].get(step) is None
+                                  else f"{100 * s['evals'][step]:.1f}" for step in STEPS)
+            print(f"| {RUNS.get(run, run)} | {seed} | {accuracy} | {s['ratio']:.2f} | "
+                  f"{s['minutes']:.1f} |")
+    losses = os.path.join(folder, "vision_caption_losses.json")
+    if os.path.exists(losses):
+        values = json.load(open(losses))
+        print(f"caption pass: {len(values)} steps, loss {values[0]:.3f} -> "
+              f"{sum(values[-10:]) / len(values[-10:]):.3f} (mean of the last 10)")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "bench/results")
