@@ -1,5 +1,6 @@
-"""The memory plan (features/memory_plan.py) for the seed's configurations: Qwen2.5-3B and Qwen2.5-7B
-(their config.json files in bench/configs/, no weights), on one 80 GB trainer GPU and on 8, GSM8K-sized
+"""The memory plan (features/memory_plan.py) for the seed's configurations: Qwen2.5-3B, Qwen2.5-7B and
+Qwen2.5-VL-3B (EasyR1's geometry3k model, its vision tower counted; their config.json files in bench/configs/,
+no weights), on one 80 GB trainer GPU and on 8, GSM8K-sized
 prompts (256 tokens) and answers (512), 4 questions x 8 answers per rank and step.
 
     python bench/memory_plans.py          # a few seconds; prints one line per setting
@@ -30,7 +31,7 @@ def main():
 
     gib = memory_plan.GIB
     print(f"{'model':<14}{'setting':<48}{'trainer GPU':>12}{'CPU':>8}{'server':>8}  verdict (80 GB)")
-    for model in ("qwen2.5-3b", "qwen2.5-7b"):
+    for model in ("qwen2.5-3b", "qwen2.5-7b", "qwen2.5-vl-3b"):
         for name, (changes, lora_rank) in SETTINGS.items():
             path = os.path.join(ROOT, "bench", "configs", model)
             shape = memory_plan.model_shape(path, lora_rank=lora_rank)

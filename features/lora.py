@@ -8,6 +8,8 @@ import shutil
 
 import torch
 
+from features.vision import vision_tower
+
 
 def add_lora(model, *, rank, alpha, targets, seed, quiet=False):
     """The model with LoRA adapters (peft) on `targets`, the only parameters that train (rank 0: the model as it
@@ -17,7 +19,7 @@ def add_lora(model, *, rank, alpha, targets, seed, quiet=False):
         return model
     from peft import LoraConfig, get_peft_model
 
-    if targets == "all-linear" and hasattr(getattr(model, "model", None), "vision_model"):
+    if targets == "all-linear" and hasattr(model, "model") and vision_tower(model) is not None:
         targets = language_linears(model)  # a vision-language model: its language model's only
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, task_type="CAUSAL_LM")
     with torch.random.fork_rng(devices=[]):
@@ -33,7 +35,9 @@ def add_lora(model, *, rank, alpha, targets, seed, quiet=False):
 def language_linears(model) -> list:
     """The full names of a vision-language model's linear layers in its language model (not the vision
     tower, the connector or the LM head): LoRA's "all-linear" there, as EasyR1 and TRL adapt VLMs."""
-    return [f"model.text_model.{name}" for name, module in model.model.text_model.named_modules()
+    decoder = model.get_decoder()  # the language model (Idefics3's text_model, Qwen2-VL's ...)
+    prefix = next(name for name, module in model.named_modules() if module is decoder)
+    return [f"{prefix}.{name}" for name, module in decoder.named_modules()
             if isinstance(module, torch.nn.Linear)]
 
 

@@ -45,6 +45,8 @@ def check_settings(constants: dict, path: str) -> bool:
     work with images, and switch off the fast paths that run the text model alone, saying so.
     constants: the trainer's globals(), read by name and, for those fast paths, written."""
     kind = model_type(path)
+    if kind is None and constants["FREEZE_VISION"]:
+        sys.exit("FREEZE_VISION with a text model: MODEL_PATH has no vision tower to freeze")
     if kind is None:
         return False
     if kind not in TESTED_TYPES:
@@ -133,10 +135,15 @@ def image_processor_of(tokenizer):
     return tokenizer.image_processor if isinstance(tokenizer, ImageTextProcessor) else None
 
 
+TOWER_NAMES = ("vision_model", "visual")  # Idefics3 / SmolVLM's vision encoder, Qwen2-VL's
+
+
 def vision_tower(model):
-    """The vision encoder of an Idefics3 / SmolVLM model (wrapped by peft or not)."""
+    """The vision encoder of a vision-language model (wrapped by peft or not), or None for a
+    text model."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return inner.model.vision_model
+    found = [getattr(inner.model, name) for name in TOWER_NAMES if hasattr(inner.model, name)]
+    return found[0] if found else None
 
 
 def freeze_tower(model) -> int:
