@@ -407,3 +407,25 @@ def test_the_trainer_runs_grpo_on_questions_with_images_against_the_server(answe
              if not torch.equal(a, b)}
     assert any("vision_model" in name for name in moved)
     assert any("text_model" in name for name in moved)
+
+
+def test_an_answer_that_samples_the_image_token_ends_just_before_it(vlm):
+    _, processor = vlm
+    image = processor.image_token_id
+    ids = torch.tensor([[5, 6, image, 7], [5, 6, 7, 8]])  # (B, T)
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    cut_ids, cut_mask = vision.cut_at_image_tokens(ids, mask, processor)
+    assert cut_mask.tolist() == [[True, True, False, False], [True] * 4]
+    assert cut_ids.tolist() == [[5, 6, processor.pad_token_id, 7], [5, 6, 7, 8]]
+    same_ids, same_mask = vision.cut_at_image_tokens(ids, mask, object())  # a text tokenizer
+    assert same_ids is ids and same_mask is mask
+
+
+def test_pixel_rows_repeat_each_prompts_pixels_for_its_answers():
+    encoded = {"input_ids": torch.zeros(2, 3), "attention_mask": torch.ones(2, 3),
+               "pixel_values": torch.tensor([[1.0], [2.0]]), "rows": [[1], [1]]}
+    rows = vision.pixel_rows(encoded, 3)
+    assert list(rows) == ["pixel_values"]
+    assert rows["pixel_values"].view(-1).tolist() == [1, 1, 1, 2, 2, 2]
+    assert vision.select_rows(rows, [0, 4])["pixel_values"].view(-1).tolist() == [1, 2]
+    assert vision.pixel_rows({"input_ids": torch.zeros(2, 3)}, 3) == {}
