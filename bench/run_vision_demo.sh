@@ -51,9 +51,12 @@ for run in $RUNS; do
       kill -0 $server 2>/dev/null || { tail -20 "$log" >&2; exit 1; }
       sleep 1
     done
+    # A run whose rollouts never give a group with different rewards stops (MAX_ROLLOUTS): kept
+    # as its result, the trainer's last line in ${name}_stopped.
     MODEL_PATH="$model" DATASET=shapes REWARDS='[["reward_word", 1.0]]' EXAMPLE=null \
       MAX_NEW_TOKENS=8 LR=2e-5 EVAL_SIZE=128 SAVE_STEPS=0 SEED="$seed" OUTPUT_DIR="$dir" \
-      deepspeed --log_level error --num_gpus 1 grpo_ref_split.py > "$OUT/${run}_s${seed}.log" 2>&1
+      deepspeed --log_level error --num_gpus 1 grpo_ref_split.py > "$OUT/${run}_s${seed}.log" 2>&1 \
+      || grep -a "rollouts in a row" "$OUT/${run}_s${seed}.log" | tail -1 > "$RESULTS/${name}_stopped"
     kill $server
     wait $server 2>/dev/null || true
     server=""

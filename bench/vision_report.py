@@ -25,7 +25,10 @@ def summary(path) -> dict:
     trained = sum(m["answers_trained"] for m in train)
     wall = path.replace("_metrics.jsonl", "_wall_s")
     minutes = int(open(wall).read()) / 60 if os.path.exists(wall) else float("nan")
-    return dict(evals=evals, ratio=generated / max(1, trained), minutes=minutes, steps=len(train))
+    stopped = path.replace("_metrics.jsonl", "_stopped")  # the trainer gave up (MAX_ROLLOUTS)
+    reason = open(stopped).read().strip() if os.path.exists(stopped) else ""
+    return dict(evals=evals, ratio=generated / max(1, trained), minutes=minutes, steps=len(train),
+                stopped=reason)
 
 
 def main(folder):
@@ -43,8 +46,10 @@ def main(folder):
         for seed, s in sorted(runs[run].items()):
             accuracy = " | ".join("-" if s["evals"].get(step) is None
                                   else f"{100 * s['evals'][step]:.1f}" for step in STEPS)
-            print(f"| {RUNS.get(run, run)} | {seed} | {accuracy} | {s['ratio']:.2f} | "
-                  f"{s['minutes']:.1f} |")
+            ratio = f"{s['ratio']:.2f}" if s["steps"] else "no answer trained"
+            print(f"| {RUNS.get(run, run)} | {seed} | {accuracy} | {ratio} | {s['minutes']:.1f} |")
+            if s["stopped"]:
+                print(f"  {run} seed {seed} stopped after {s['steps']} steps: {s['stopped']}")
     losses = os.path.join(folder, "vision_caption_losses.json")
     if os.path.exists(losses):
         values = json.load(open(losses))
