@@ -52,11 +52,14 @@ for run in $RUNS; do
       sleep 1
     done
     # A run whose rollouts never give a group with different rewards stops (MAX_ROLLOUTS): kept
-    # as its result, the trainer's last line in ${name}_stopped.
-    MODEL_PATH="$model" DATASET=shapes REWARDS='[["reward_word", 1.0]]' EXAMPLE=null \
+    # as its result, the trainer's last line in ${name}_stopped; any other failure stops the script.
+    if ! MODEL_PATH="$model" DATASET=shapes REWARDS='[["reward_word", 1.0]]' EXAMPLE=null \
       MAX_NEW_TOKENS=8 LR=2e-5 EVAL_SIZE=128 SAVE_STEPS=0 SEED="$seed" OUTPUT_DIR="$dir" \
-      deepspeed --log_level error --num_gpus 1 grpo_ref_split.py > "$OUT/${run}_s${seed}.log" 2>&1 \
-      || grep -a "rollouts in a row" "$OUT/${run}_s${seed}.log" | tail -1 > "$RESULTS/${name}_stopped"
+      deepspeed --log_level error --num_gpus 1 --master_port "${MASTER_PORT:-29500}" \
+      grpo_ref_split.py > "$OUT/${run}_s${seed}.log" 2>&1; then
+      grep -a "rollouts in a row" "$OUT/${run}_s${seed}.log" | tail -1 > "$RESULTS/${name}_stopped"
+      [ -s "$RESULTS/${name}_stopped" ] || { tail -20 "$OUT/${run}_s${seed}.log" >&2; exit 1; }
+    fi
     kill $server
     wait $server 2>/dev/null || true
     server=""
