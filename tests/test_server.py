@@ -1,5 +1,4 @@
 """The reference server over real HTTP on loopback, with a tiny random model in this process."""
-import io
 import json
 import os
 import pickle
@@ -13,7 +12,6 @@ import torch
 import grpo_ref_split as grpo
 from conftest import VOCAB, fail_first_forward, free_port, group, pull, start, stop, upload_and_pull, wait_for
 from features.env_overrides import apply_env_overrides
-from features import vision
 from features.fingerprint import model_fingerprint
 from features.fast_paths import completion_logps
 from features.server_client import ServerError, request_with_retry
@@ -120,15 +118,6 @@ class Evil:
 MARKER = "/tmp/grpo_ref_server_pwned"
 
 
-def png_bytes() -> bytes:
-    """A small valid PNG."""
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    Image.new("RGB", (8, 8), (200, 0, 0)).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
 def mutate(**changes):
     """A valid group with some tensors replaced (None removes one) or metadata changed."""
     tensors, meta = group()
@@ -188,15 +177,6 @@ BAD = {
     "rank a float": (mutate(meta_rank=1.0), 400, "metadata rank must be a int"),
     "worker a list": (mutate(meta_worker=["w"]), 400, "metadata worker must be a string"),
     "regrouped a number": (mutate(meta_regrouped=1), 400, "metadata regrouped must be a bool"),
-    "image_bytes without image_ends": (mutate(image_bytes=torch.zeros(10, dtype=torch.uint8)), 400,
-                                       "images need both"),
-    "image_ends not rising": (mutate(image_bytes=torch.zeros(10, dtype=torch.uint8),
-                                     image_ends=torch.tensor([6, 4, 10])), 400, "must rise strictly"),
-    "nine images": (mutate(image_bytes=torch.zeros(9, dtype=torch.uint8), image_ends=torch.arange(1, 10)), 400,
-                    "9 images for one question"),
-    "image_bytes as float": (mutate(image_bytes=torch.zeros(10), image_ends=torch.tensor([10])), 400,
-                             "image_bytes must be (N,) uint8"),
-    "an image for a text model": (mutate(**vision.pack_images([png_bytes()])), 400, "takes no images"),
     "sequence past the model's positions": (encode_batch(*group(G=1, plen=300, tc=300)), 413, "at most 512 per row"),
     "too many tokens in one group": (encode_batch(*group(G=16, plen=200, tc=200)), 413, "6000 in all"),
 }
