@@ -1,6 +1,7 @@
-"""The vision demo's table (bench/run_vision_demo.sh): for each run and seed, the held-out greedy
-accuracy on "What colour is the larger shape?" at steps 0 / 10 / 20 / 30 against chance, answers
-generated per answer trained, and wall minutes (the model's making and caption pass apart).
+"""The vision demo's table and curves (bench/run_vision_demo.sh): for each run and seed, the held-out
+greedy accuracy on "What colour is the larger shape?" at steps 0 / 10 / 20 / 30 against chance, answers
+generated per answer trained, and wall minutes (the model's making and caption pass apart); then
+bench/results/vision_curves.png, every run's held-out curve with the two chance levels.
 
     python bench/vision_report.py bench/results    # reads vision_<run>_s<seed>_metrics.jsonl
 """
@@ -31,6 +32,31 @@ def summary(path) -> dict:
                 stopped=reason)
 
 
+def curves(runs: dict, image: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run, seeds in runs.items():
+        for seed, s in sorted(seeds.items()):
+            steps = sorted(s["evals"])
+            ax.plot(steps, [100 * s["evals"][step] for step in steps], marker="o",
+                    label=f"{RUNS.get(run, run)}, seed {seed}")
+    for level, text in ((25, "a colour at random"), (50, "one of the two shown")):
+        ax.axhline(level, color="grey", linewidth=0.8, linestyle=":")
+        ax.text(0.5, level + 1, f"chance: {text}", fontsize=7, color="grey")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("held-out greedy accuracy (%)")
+    ax.set_ylim(-2, 100)
+    ax.set_title("SmolVLM-shaped model from SmolLM2-135M: the colour of the larger shape")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(image, dpi=110)
+    print(f"curves: {image}")
+
+
 def main(folder):
     runs = {}
     for path in sorted(glob.glob(os.path.join(folder, "vision_*_s*_metrics.jsonl"))):
@@ -50,6 +76,7 @@ def main(folder):
             print(f"| {RUNS.get(run, run)} | {seed} | {accuracy} | {ratio} | {s['minutes']:.1f} |")
             if s["stopped"]:
                 print(f"  {run} seed {seed} stopped after {s['steps']} steps: {s['stopped']}")
+    curves(runs, os.path.join(folder, "vision_curves.png"))
     losses = os.path.join(folder, "vision_caption_losses.json")
     if os.path.exists(losses):
         values = json.load(open(losses))
