@@ -295,6 +295,13 @@ def test_questions_with_images_load_from_a_jsonl_with_files_beside_it(tmp_path):
         rewards.load_questions(str(tmp_path / "gif.jsonl"), 0)
 
 
+def test_the_task_and_the_guard_agree_on_the_image_mark_and_formats():
+    """rewards.py stands alone (no features import), so it keeps its own copies: they must agree."""
+    assert rewards.IMAGE_MARK == vision.IMAGE_MARK
+    assert rewards.IMAGE_FORMATS == vision.IMAGE_FORMATS
+    assert rewards.MAX_IMAGE_FILE_BYTES <= vision.MAX_IMAGE_BYTES
+
+
 def test_held_out_questions_with_the_same_text_but_other_images_stay_in_training():
     questions = rewards.make_shapes(40, seed=3)
     train, held_out = rewards.split_held_out(questions, 8)
