@@ -52,8 +52,7 @@ def check_settings(constants: dict, path: str) -> bool:
     if kind not in TESTED_TYPES:
         sys.exit(f"MODEL_PATH is a {kind!r} vision-language model; this toolkit runs "
                  f"{TESTED_TYPES} (docs/vision.md says why)")
-    refused = {"USE_VLLM": "vLLM's multi-modal input is not wired to the trainer yet",
-               "TOOLS": "a tool's result turn has no image",
+    refused = {"TOOLS": "a tool's result turn has no image",
                "USE_TRITON": "the fused loss reads hidden states, not pixels"}
     for name, reason in refused.items():
         if constants[name]:
@@ -88,7 +87,12 @@ class ImageTextProcessor:
     def __call__(self, text, images=None, **kwargs):
         if images is None:
             return self.processor.tokenizer(text, **kwargs)
-        return self.processor(text=text, images=images, **kwargs)
+        out = self.processor(text=text, images=images, **kwargs)
+        # vLLM expands each image mark itself: it takes the images and the ids before expansion.
+        out["images"] = images
+        out["marked_ids"] = self.processor.tokenizer(
+            text, add_special_tokens=kwargs.get("add_special_tokens", True))["input_ids"]
+        return out
 
     def save_pretrained(self, folder):
         return self.processor.save_pretrained(folder)
@@ -276,6 +280,18 @@ def cut_at_image_tokens(completion_ids, mask, tokenizer):
     sampled_image = completion_ids == tokenizer.image_token_id  # (B, T)
     after = sampled_image.cumsum(1) > 0  # (B, T) from the first image token on
     return completion_ids.masked_fill(sampled_image, tokenizer.pad_token_id), mask & ~after
+
+
+def vllm_prompts(encoded) -> list | None:
+    """vLLM's prompts for a processor's output (ImageTextProcessor's, images in it): each prompt's
+    ids with one image mark per image, which vLLM expands itself, and its images as multi-modal
+    data. None for text: vLLM then takes the ids as they are."""
+    if "marked_ids" not in encoded:
+        return None
+    from vllm.inputs import TokensPrompt
+
+    return [TokensPrompt(prompt_token_ids=ids, multi_modal_data={"image": images})
+            for ids, images in zip(encoded["marked_ids"], encoded["images"])]
 
 
 def pixel_rows(encoded, repeats: int) -> dict:

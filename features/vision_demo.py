@@ -17,8 +17,8 @@ IMAGE_TOKENS = ("<fake_token_around_image>", "<image>", "<global-img>")  # Idefi
 VISION = dict(hidden_size=96, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
               image_size=64, patch_size=8)  # 64 patches, 16 image tokens after scale_factor 2
 SCALE_FACTOR = 2  # Idefics3's pixel shuffle: patches merged per image token along each side
-TINY_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2)  # the tests' language model
+TINY_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32)  # the tests'; vLLM's CPU attention: head_dim >= 32
 
 
 def tokens_per_image() -> int:
@@ -42,7 +42,7 @@ def build(text_path: str, folder: str, *, seed: int, tiny: bool = False) -> str:
     torch.manual_seed(seed)
     if tiny:
         base = AutoConfig.from_pretrained(text_path).to_dict()
-        text_config = LlamaConfig(**{**base, **TINY_TEXT, "head_dim": 16}).to_dict()
+        text_config = LlamaConfig(**{**base, **TINY_TEXT}).to_dict()
         text_weights = None
     else:
         text_model = AutoModelForCausalLM.from_pretrained(text_path, dtype=torch.float32)

@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+from features import vision
 from features.embedded_model import resolve_model_path
 from features.lora import merged_state_dict
 
@@ -61,13 +62,17 @@ def vllm_sample(llm, enc, n, temperature, eos_ids, pad_id, max_tokens, seeded=Tr
     whose long prompt batch it prefills in chunks, "CPU Generator does not use offset")."""
     from vllm.inputs import TokensPrompt
 
-    prompts = [TokensPrompt(prompt_token_ids=ids[keep.bool()].tolist())
-               for ids, keep in zip(enc.input_ids.cpu(), enc.attention_mask.cpu())]
+    expected = [ids[keep.bool()].tolist() for ids, keep in zip(enc.input_ids.cpu(),
+                                                                enc.attention_mask.cpu())]
+    prompts = vision.vllm_prompts(enc) or [TokensPrompt(prompt_token_ids=ids) for ids in expected]
     seeded = seeded and temperature > 0
     seeds = torch.randint(2**31 - n, (len(prompts),)).tolist() if seeded else [None] * len(prompts)
     params = [sampling_params(temperature, max_tokens, eos_ids, seed, n=n)
               for seed in seeds]  # a prompt's n answers get seeds seed, seed + 1, ...
     outs = llm.generate(prompts, params, use_tqdm=False)
+    if [out.prompt_token_ids for out in outs] != expected:  # images: vLLM expanded the marks
+        raise RuntimeError("vLLM's prompt tokens differ from the trainer's: its processor expanded "
+                           "the image marks otherwise, so its answers would not fit the loss")
     answers = [a for out in outs for a in sorted(out.outputs, key=lambda a: a.index)]
     completion_ids = torch.full((len(answers), max(len(a.token_ids) for a in answers)), pad_id)  # (B, T)
     sampler_logps = torch.zeros(completion_ids.shape)  # (B, T)
@@ -101,6 +106,7 @@ def push_weights(llm, model):
         llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(merged_state_dict(model).items()),
                                                           is_checkpoint_format=True))
         llm.reset_prefix_cache()  # its cached prompt KV came from the old weights: stale log-probs without this
+        llm.llm_engine.reset_encoder_cache()  # and its images' embeddings (a vision model's)
     except Exception as e:
         sys.exit(f"pushing the trained weights into vLLM failed: {e!r}. Its engine may now hold a mix of old and "
                  "new weights, so the run stops here; the newest checkpoint is intact (RESUME=1 continues from it)")

