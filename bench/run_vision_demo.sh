@@ -7,10 +7,12 @@
 # 50% for one of the two in the image). Per seed, 30 steps of 4 questions x 8 answers against
 # `python ref_server.py` holding the same model (BETA 0.04), held-out greedy accuracy every 10 steps
 # on 128 images never trained on. RUNS: "aligned" (the above) and "unaligned" (the same GRPO from the
-# random vision side, ALIGN_STEPS=0: the control). Each run's metrics.jsonl and wall seconds go to
-# $RESULTS as it ends; a run already there is skipped. Then bench/vision_report.py prints the table.
+# random vision side, ALIGN_STEPS=0: the control); "aligned_vllm" is "aligned" with USE_VLLM=1 (vLLM
+# samples with the images; run it beside "aligned" to compare times). Each run's metrics.jsonl and wall
+# seconds go to $RESULTS as it ends; a run already there is skipped. Then bench/vision_report.py prints
+# the table.
 #   bash bench/run_vision_demo.sh                        # aligned s42 s43, unaligned s42
-#   RUNS=aligned SEEDS=42 bash bench/run_vision_demo.sh
+#   RUNS="aligned aligned_vllm" SEEDS=42 RESULTS=/tmp/side bash bench/run_vision_demo.sh
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 . scripts/setup.sh
@@ -25,7 +27,9 @@ mkdir -p "$OUT" "$RESULTS"
 server=""
 trap '[ -n "$server" ] && kill $server 2>/dev/null; wait 2>/dev/null || true' EXIT
 for run in $RUNS; do
-  model="$OUT/model_$run"
+  use_vllm=0
+  [ "$run" = aligned_vllm ] && use_vllm=1
+  model="$OUT/model_${run%_vllm}"  # aligned_vllm trains the aligned model
   if [ ! -e "$model/config.json" ]; then
     steps=300
     [ "$run" = unaligned ] && steps=0
@@ -55,6 +59,7 @@ for run in $RUNS; do
     # as its result, the trainer's last line in ${name}_stopped; any other failure stops the script.
     if ! MODEL_PATH="$model" DATASET=shapes REWARDS='[["reward_word", 1.0]]' EXAMPLE=null \
       MAX_NEW_TOKENS=8 LR=2e-5 EVAL_SIZE=128 SAVE_STEPS=0 SEED="$seed" OUTPUT_DIR="$dir" \
+      USE_VLLM=$use_vllm \
       deepspeed --log_level error --num_gpus 1 --master_port "${MASTER_PORT:-29500}" \
       grpo_ref_split.py > "$OUT/${run}_s${seed}.log" 2>&1; then
       grep -a "rollouts in a row" "$OUT/${run}_s${seed}.log" | tail -1 > "$RESULTS/${name}_stopped"

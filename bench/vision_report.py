@@ -13,7 +13,8 @@ import sys
 
 STEPS = (0, 10, 20, 30)
 CHANCE = ("25.0% for one of the 4 colours at random", "50.0% for one of the 2 colours shown")
-RUNS = {"aligned": "caption pass, then GRPO", "unaligned": "GRPO from the random vision side"}
+RUNS = {"aligned": "caption pass, then GRPO", "aligned_vllm": "the same, vLLM sampling",
+        "unaligned": "GRPO from the random vision side"}
 
 
 def summary(path) -> dict:
