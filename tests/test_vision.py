@@ -418,6 +418,8 @@ def test_vllm_follows_pushes_of_the_vision_side_and_of_the_language_model(vllm_c
         assert push["old_vs_new"] > 1e-2, side  # the change moved the log-probs of fixed answers
         assert push["before_push_vs_old"] < 1e-4, side  # until the push, vLLM holds the old ones
         assert push["after_push_vs_new"] < 1e-4, side  # then the new ones, images re-encoded
+    assert vllm_checks["lora_vs_base"] > 1e-2  # LoRA's adapters, merged into the pushed weights
+    assert vllm_checks["after_lora_push"] < 1e-4
 
 
 @pytest.mark.parametrize("use_vllm", [0, 1], ids=["transformers", "vllm"])

@@ -101,6 +101,23 @@ def main(path):
         report[side] = dict(old_vs_new=gap(old, new), before_push_vs_old=gap(before, old),
                             after_push_vs_new=gap(after, new))
 
+    # LoRA on the language model: the engine gets the base with the adapters merged in.
+    from features.lora import add_lora
+
+    base = trainer_logps(pixels)  # (B, T) before peft wraps the model's layers in place
+    lora = add_lora(model, rank=4, alpha=grpo.LORA_ALPHA, targets="all-linear", seed=0, quiet=True)
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)  # a trained adapter
+    with_adapters = grpo.per_token_logps(lora, ids, attn, T, **pixels)  # (B, T)
+    vllm_engine.push_weights(llm, lora)
+    report.update(lora_vs_base=gap(with_adapters, base),
+                  after_lora_push=gap(vllm_logps_of(llm, marked, own, r.completion_ids, mask),
+                                      with_adapters))
+    model = lora.unload()  # the base model again, adapters dropped, for what follows
+    vllm_engine.push_weights(llm, model)
+
     # Greedy answers with images: vLLM's (as the evaluation asks) against transformers'.
     grpo.TEMPERATURE = 0.7
     enc = grpo.encode_prompts(tokenizer, questions)
