@@ -22,7 +22,9 @@ IMAGE_FORMATS = ("PNG", "JPEG")  # what an image may be; anything else is refuse
 MAX_IMAGE_PIXELS = 2**24  # width x height of one image, read from its header before decoding
 MAX_IMAGES = 8  # images per question (geometry3k has one)
 MAX_IMAGE_BYTES = 16 * 2**20  # encoded bytes of one question's images together
-TESTED_TYPES = ("idefics3", "smolvlm")  # model_type values run and tested here (docs/vision.md)
+TESTED_TYPES = ("idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl")  # run and tested here (docs/vision.md)
+QWEN_TYPES = ("qwen2_vl", "qwen2_5_vl")  # all images' patches in one flat tensor, 3-D positions
+QWEN_MARK = "<|vision_start|><|image_pad|><|vision_end|>"  # what stands for one image in Qwen's text
 WIRE_FIELDS = ("image_bytes", "image_ends")  # a group's images in an upload (pack_images)
 
 
@@ -54,6 +56,8 @@ def check_settings(constants: dict, path: str) -> bool:
                  f"{TESTED_TYPES} (docs/vision.md says why)")
     refused = {"TOOLS": "a tool's result turn has no image",
                "USE_TRITON": "the fused loss reads hidden states, not pixels"}
+    if kind in QWEN_TYPES:  # vLLM's Qwen2-VL input runs the processor that needs torchvision
+        refused["USE_VLLM"] = "untested with Qwen2-VL here (docs/vision.md)"
     for name, reason in refused.items():
         if constants[name]:
             sys.exit(f"{name} with a vision-language model: {reason}; set it off "
@@ -73,10 +77,11 @@ class ImageTextProcessor:
     tokenizer; every other attribute (pad_token_id, batch_decode...) is the tokenizer's. Saving
     saves the processor, so a checkpoint loads as the model it is."""
 
-    def __init__(self, processor):
+    def __init__(self, processor, mark=IMAGE_MARK):
         self.processor = processor
         self.image_processor = processor.image_processor
         self.image_token_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+        self.mark = mark  # what stands for one image in this model's text (Qwen's: QWEN_MARK)
 
     def __getattr__(self, name):  # called only for names this class does not hold itself
         return getattr(self.processor.tokenizer, name)
@@ -87,7 +92,11 @@ class ImageTextProcessor:
     def __call__(self, text, images=None, **kwargs):
         if images is None:
             return self.processor.tokenizer(text, **kwargs)
-        out = self.processor(text=text, images=images, **kwargs)
+        if isinstance(text, str):
+            text = [text]
+        text = [line.replace(IMAGE_MARK, self.mark) for line in text]
+        out = rows_first(self.processor(text=text, images=images, **kwargs),
+                         [len(row) for row in images])
         # vLLM expands each image mark itself: it takes the images and the ids before expansion.
         out["images"] = images
         out["marked_ids"] = self.processor.tokenizer(
@@ -103,14 +112,105 @@ def load(path: str, device, dtype=torch.float32):
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(device)
+    if model_type(path) in QWEN_TYPES:  # every forward and generate: rows to Qwen's layout
+        model.model.register_forward_pre_hook(qwen_forward_hook, with_kwargs=True)
+        model.generate = qwen_generate(model)
     return model, load_processor(path)
 
 
 def load_processor(path: str) -> ImageTextProcessor:
-    """The ImageTextProcessor of an image-text-to-text folder or hub id."""
+    """The ImageTextProcessor of an image-text-to-text folder or hub id. Qwen2-VL's processor
+    needs its video processor, which needs torchvision: without it, the image processor and the
+    tokenizer make an images-only one."""
     from transformers import AutoProcessor
 
-    return ImageTextProcessor(AutoProcessor.from_pretrained(path))
+    if model_type(path) not in QWEN_TYPES:
+        return ImageTextProcessor(AutoProcessor.from_pretrained(path))
+    try:
+        return ImageTextProcessor(AutoProcessor.from_pretrained(path), mark=QWEN_MARK)
+    except (ImportError, AttributeError, OSError, ValueError):
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        parts = dict(image_processor=AutoImageProcessor.from_pretrained(path, backend="pil"),
+                     tokenizer=tokenizer, chat_template=tokenizer.chat_template)
+        return ImageTextProcessor(images_only_processor(**parts), mark=QWEN_MARK)
+
+
+def images_only_processor(*, image_processor, tokenizer, chat_template):
+    """Qwen2-VL's processor without a video processor (no torchvision): images and text only.
+    Saving writes the image processor and the tokenizer, which load_processor reads back."""
+    from transformers import Qwen2VLProcessor
+
+    class ImagesOnlyQwen2VLProcessor(Qwen2VLProcessor):
+        def check_argument_for_proper_class(self, argument_name, argument):
+            if argument_name == "video_processor" and argument is None:
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+        def save_pretrained(self, folder, **kwargs):
+            self.image_processor.save_pretrained(folder)
+            self.tokenizer.save_pretrained(folder)
+
+    return ImagesOnlyQwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                      video_processor=None, chat_template=chat_template)
+
+
+def rows_first(inputs, images_per_row: list):
+    """A processor's output with Qwen2-VL's pixels one row per prompt: it returns every image's
+    patches as one flat (patches, dim) tensor and a (images, 3) grid, which no row can be taken
+    from; here pixel_values (B, P, dim) and image_grid_thw (B, n, 3), zero-padded (a zero grid
+    is no image), and mm_token_type_ids dropped (qwen_native derives it from the ids of each
+    call). Any other model's output is returned as it is."""
+    if "image_grid_thw" not in inputs:
+        return inputs
+    grids = inputs["image_grid_thw"].split(images_per_row)  # per row: (n_b, 3)
+    patches = inputs["pixel_values"].split(inputs["image_grid_thw"].prod(-1).tolist())
+    starts = [0] + torch.tensor(images_per_row).cumsum(0).tolist()
+    rows = [torch.cat(patches[a:b]) for a, b in zip(starts, starts[1:])]  # (P_b, dim) each
+    inputs["pixel_values"] = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)  # (B, P, dim)
+    inputs["image_grid_thw"] = torch.nn.utils.rnn.pad_sequence(grids, batch_first=True)  # (B, n, 3)
+    inputs.pop("mm_token_type_ids", None)
+    return inputs
+
+
+def qwen_native(inputs: dict, image_token_id: int) -> bool:
+    """rows_first's pixels in a call's keyword arguments back to Qwen2-VL's flat layout, with
+    mm_token_type_ids from the ids (1 on an image token), in place. Whether there were any."""
+    grid = inputs.get("image_grid_thw")
+    if grid is None or grid.dim() != 3:
+        return False
+    inputs["image_grid_thw"] = grid[grid.prod(-1) > 0]  # (images, 3)
+    if inputs.get("pixel_values") is not None:
+        per_row = grid.prod(-1).sum(-1).tolist()  # patches of each row
+        inputs["pixel_values"] = torch.cat([row[:n] for row, n in
+                                            zip(inputs["pixel_values"], per_row)])  # (P, dim)
+    if inputs.get("input_ids") is not None and inputs.get("mm_token_type_ids") is None:
+        inputs["mm_token_type_ids"] = (inputs["input_ids"] == image_token_id).int()  # (B, L)
+    return True
+
+
+def qwen_forward_hook(inner, args, kwargs):
+    """A forward pre-hook on Qwen2-VL's inner model (every forward, under peft and DeepSpeed
+    too): qwen_native, and no position ids when the call starts a sequence, so that the model
+    computes its 3-D ones from the image grid (fast_paths' are 1-D)."""
+    if not qwen_native(kwargs, inner.config.image_token_id):
+        return None
+    past = kwargs.get("past_key_values")
+    if past is None or past.get_seq_length() == 0:
+        kwargs["position_ids"] = None
+    return args, kwargs
+
+
+def qwen_generate(model):
+    """Qwen2-VL's generate, taking rows_first's pixels: generate computes the 3-D positions and
+    the image features itself, from its own arguments, before any forward."""
+    generate = model.generate
+
+    def generate_rows_first(*args, **kwargs):
+        qwen_native(kwargs, model.config.image_token_id)
+        return generate(*args, **kwargs)
+    return generate_rows_first
 
 
 def load_any(path: str, device, dtype=torch.float32):
@@ -223,8 +323,9 @@ def decoded(images: list) -> list:
 
 def vision_inputs(image_processor, rows: list) -> dict:
     """A batch's pixel inputs: rows holds each row's PIL images; every tensor the image processor
-    returns (Idefics3: pixel_values (B, n, 3, H, W), pixel_attention_mask (B, n, H, W))."""
-    out = image_processor(images=rows, return_tensors="pt")
+    returns (Idefics3: pixel_values (B, n, 3, H, W), pixel_attention_mask (B, n, H, W)), one row
+    each (Qwen2-VL's by rows_first)."""
+    out = rows_first(image_processor(images=rows, return_tensors="pt"), [len(r) for r in rows])
     return {name: value for name, value in out.items() if torch.is_tensor(value)}
 
 

@@ -77,6 +77,60 @@ def build(text_path: str, folder: str, *, seed: int, tiny: bool = False) -> str:
     return folder
 
 
+QWEN_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")  # added
+QWEN_VISION = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, patch_size=8,
+                   spatial_merge_size=2, temporal_patch_size=2, mlp_ratio=2)  # 64 px: 16 tokens
+QWEN_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=32,
+                 rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]})  # 3-D: 16 = 32 / 2
+
+
+def build_qwen(text_path: str, folder: str, *, seed: int, kind: str = "qwen2_vl") -> str:
+    """Write a tiny random Qwen2-VL (kind "qwen2_vl") or Qwen2.5-VL ("qwen2_5_vl") and its
+    processor to `folder`, on the embedded tokenizer with Qwen's vision tokens added: the tests'
+    model of the flat pixel layout and 3-D positions. Returns folder."""
+    import transformers
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil)
+
+    from features.vision import images_only_processor
+
+    tokenizer = AutoTokenizer.from_pretrained(text_path)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_TOKENS)})
+    ids = {f"{name}_token_id": tokenizer.convert_tokens_to_ids(token) for name, token in
+           zip(("vision_start", "vision_end", "image", "video"), QWEN_TOKENS)}
+    text_config = dict(QWEN_TEXT, vocab_size=len(tokenizer), tie_word_embeddings=True,
+                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                       pad_token_id=tokenizer.pad_token_id)
+    vision_config = dict(QWEN_VISION)
+    if kind == "qwen2_5_vl":  # its tower: windowed attention, a gated MLP, out_hidden_size
+        vision_config = dict(depth=2, hidden_size=32, out_hidden_size=64, num_heads=2,
+                             intermediate_size=64, patch_size=8, spatial_merge_size=2,
+                             temporal_patch_size=2, window_size=32, fullatt_block_indexes=[1])
+    names = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL"}
+    config_class = getattr(transformers, f"{names[kind]}Config")
+    model_class = getattr(transformers, f"{names[kind]}ForConditionalGeneration")
+    torch.manual_seed(seed)
+    config = config_class(text_config=text_config, vision_config=vision_config, **ids)
+    model = model_class(config).float()
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    side = VISION["image_size"]
+    image_processor = Qwen2VLImageProcessorPil(
+        min_pixels=side * side // 4, max_pixels=side * side, patch_size=8, merge_size=2,
+        temporal_patch_size=2)
+    processor = images_only_processor(image_processor=image_processor, tokenizer=tokenizer,
+                                      chat_template=tokenizer.chat_template)
+    tmp = f"{folder}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    processor.save_pretrained(tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.rename(tmp, folder)  # readers see no folder or a whole one
+    return folder
+
+
 def caption_batch(processor, rows, *, system_prompt, prefill):
     """(inputs, labels) for the caption pass: each row's chat prompt (system, the question with
     its image, the assistant turn opened with `prefill`) and its gold caption closed as the
@@ -88,10 +142,9 @@ def caption_batch(processor, rows, *, system_prompt, prefill):
     for row in rows:
         messages = [{"role": "system", "content": system_prompt},
                     {"role": "user", "content": row["question"]}]
-        text = processor.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                       add_generation_prompt=True)
+        text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         prompts.append(text + prefill)
-        targets.append(f"{row['gold']}</answer>{processor.tokenizer.eos_token}")
+        targets.append(f"{row['gold']}</answer>{processor.eos_token}")
     images = [decoded(row["images"]) for row in rows]
     full = [p + t for p, t in zip(prompts, targets)]
     inputs = processor(text=full, images=images, return_tensors="pt", padding=True,
@@ -102,7 +155,7 @@ def caption_batch(processor, rows, *, system_prompt, prefill):
                                    return_tensors="pt")["input_ids"][0])
         labels[i, :prompt_len] = -100
     labels[inputs["attention_mask"] == 0] = -100
-    return inputs, labels
+    return {name: value for name, value in inputs.items() if torch.is_tensor(value)}, labels
 
 
 def align(folder: str, rows: list, *, steps: int, batch: int, lr: float, seed: int,
@@ -110,13 +163,13 @@ def align(folder: str, rows: list, *, steps: int, batch: int, lr: float, seed: i
     """LLaVA's first stage on `folder` in place: `steps` AdamW steps of the caption loss on
     batches of `rows`, the language model frozen (vision encoder and connector train; with
     train_language everything trains, a plain supervised pass). Returns each step's loss."""
-    from transformers import AutoModelForImageTextToText, AutoProcessor
     from tqdm import tqdm
 
-    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
-    processor = AutoProcessor.from_pretrained(folder)
+    from features.vision import load
+
+    model, processor = load(folder, "cpu")  # processor: an ImageTextProcessor
     if not train_language:
-        model.model.text_model.requires_grad_(False)
+        model.get_decoder().requires_grad_(False)
         model.lm_head.requires_grad_(False)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=lr)

@@ -58,6 +58,24 @@ def vlm(vlm_dir):
     return model.eval(), processor
 
 
+@pytest.fixture(scope="module")
+def qwen_dirs(embedded_path, tmp_path_factory):
+    """Tiny random Qwen2-VL and Qwen2.5-VL (features/vision_demo.build_qwen): all images' patches
+    in one flat tensor, 3-D rotary positions from the image grid."""
+    root = tmp_path_factory.mktemp("qwen")
+    return {kind: vision_demo.build_qwen(embedded_path, str(root / kind), seed=0, kind=kind)
+            for kind in vision.QWEN_TYPES}
+
+
+@pytest.fixture(scope="module", params=["idefics3", *vision.QWEN_TYPES])
+def any_vlm(request, vlm, qwen_dirs):
+    """Each kind of vision-language model this toolkit runs, loaded as the trainer loads it."""
+    if request.param == "idefics3":
+        return vlm
+    model, processor = vision.load(qwen_dirs[request.param], "cpu")
+    return model.eval(), processor
+
+
 def prompt_group(processor, images, G=3, answer_tokens=5, seed=0):
     """(tensors, meta) as the trainer uploads them: a chat prompt showing `images`, G random
     answers of answer_tokens tokens (no image token among them)."""
@@ -101,10 +119,10 @@ def test_the_embedded_language_model_keeps_its_weights(embedded_path, tmp_path):
             torch.testing.assert_close(ours[name], value, rtol=0, atol=0)
 
 
-def test_the_servers_log_probs_equal_the_trainers_for_the_same_weights_and_images(vlm):
+def test_the_servers_log_probs_equal_the_trainers_for_the_same_weights_and_images(any_vlm):
     """ref_server.py's forward (its own processor on the uploaded bytes) and the trainer's lesson
     definition on collate's pixels give the same log-probs; other pixels give other log-probs."""
-    model, processor = vlm
+    model, processor = any_vlm
     images = [png((220, 30, 30)), png((30, 60, 220), (40, 56))]
     tensors, meta = prompt_group(processor, images)
     decoded_group = decode_batch(encode_batch(tensors, meta))  # as it crosses the wire
@@ -114,7 +132,7 @@ def test_the_servers_log_probs_equal_the_trainers_for_the_same_weights_and_image
     got = server.reference_logps(decoded_group[0]["input_ids"], meta["plen"], 0.7, decoded_group[0])
     batch = wire.collate([decoded_group], processor.pad_token_id,
                          image_processor=processor.image_processor)
-    assert batch["vision_inputs"]["pixel_values"].shape[:2] == (3, 2)
+    assert batch["vision_inputs"]["pixel_values"].shape[0] == 3  # one row per answer
     grpo_temperature = grpo.TEMPERATURE
     try:
         grpo.TEMPERATURE = 0.7
@@ -133,8 +151,8 @@ def test_the_servers_log_probs_equal_the_trainers_for_the_same_weights_and_image
     assert (moved - want).abs().max() > 1e-3  # the pixels matter: the check can fail
 
 
-def test_chunked_log_probs_equal_the_plain_definition_with_pixels_in_value_and_gradient(vlm):
-    model, processor = vlm
+def test_chunked_log_probs_equal_the_plain_definition_with_pixels_in_value_and_gradient(any_vlm):
+    model, processor = any_vlm
     tensors, meta = prompt_group(processor, [png()], G=2, answer_tokens=6)
     batch = wire.collate([(tensors, meta)], processor.pad_token_id,
                          image_processor=processor.image_processor)
@@ -162,6 +180,54 @@ def test_chunked_log_probs_equal_the_plain_definition_with_pixels_in_value_and_g
         assert (b - a).norm() <= 1e-4 * a.norm() + 1e-9
         reached_tower |= id(p) in tower and a.abs().sum() > 0
     assert reached_tower  # the gradient reaches the vision encoder through the pixels
+
+
+@pytest.mark.parametrize("kind", vision.QWEN_TYPES)
+def test_qwens_pixels_one_row_per_prompt_give_what_transformers_own_flat_layout_gives(kind,
+                                                                                      qwen_dirs):
+    """Qwen2-VL's processor returns all images' patches as one flat tensor; vision.rows_first
+    keeps them one row per prompt (so rows repeat, select and slice), and the model's hooks put
+    them back. Against transformers' own call (the processor's output as it is, with its
+    mm_token_type_ids): the same logits, the same samples from generate, the same logits for one
+    row taken alone, and 1-D position ids (fast_paths passes them) replaced by the 3-D ones."""
+    model, processor = vision.load(qwen_dirs[kind], "cpu")
+    model.eval()
+    images = [[png((220, 30, 30))], [png((30, 60, 220), (40, 56)), png((20, 200, 20))]]
+    texts = [processor.apply_chat_template(
+        [{"role": "user", "content": vision.IMAGE_MARK * len(row) + "Which colour?"}],
+        tokenize=False, add_generation_prompt=True) for row in images]
+    pil = [vision.decoded(row) for row in images]
+    kwargs = dict(return_tensors="pt", padding=True, padding_side="left")
+    ours = processor(texts, images=pil, **kwargs)
+    own = processor.processor(text=[t.replace(vision.IMAGE_MARK, vision.QWEN_MARK) for t in texts],
+                              images=[image for row in pil for image in row], **kwargs)
+    assert own["pixel_values"].dim() == 2 and ours["pixel_values"].dim() == 3
+    assert torch.equal(ours["input_ids"], own["input_ids"])
+    pixels = vision.pixel_rows(ours, 1)
+    ids, mask = ours["input_ids"], ours["attention_mask"]
+    with torch.no_grad():
+        want = model(**own).logits  # (2, L, V) transformers' own
+        got = model(input_ids=ids, attention_mask=mask, **pixels).logits
+        one_row = model(input_ids=ids[1:], attention_mask=mask[1:],
+                        **vision.select_rows(pixels, slice(1, 2))).logits
+        flat_positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (2, L) what fast_paths passes
+        given_1d = model(input_ids=ids, attention_mask=mask, position_ids=flat_positions,
+                         **pixels).logits
+        own_1d = model(**own, position_ids=flat_positions).logits  # 1-D positions kept: wrong
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(given_1d, want, rtol=0, atol=1e-5)
+    assert (own_1d - want).abs().max() > 1e-3  # the positions matter: the check can fail
+    # One row alone: its padding differs from the batch's, so compare its real positions.
+    real = mask[1].bool()
+    torch.testing.assert_close(one_row[0][real[-one_row.shape[1]:]], want[1][real],
+                               rtol=0, atol=1e-4)
+    samples = []
+    for inputs in ({"input_ids": ids, "attention_mask": mask, **pixels}, dict(own)):
+        torch.manual_seed(0)
+        out = model.generate(**inputs, do_sample=True, max_new_tokens=8,
+                             pad_token_id=processor.pad_token_id)
+        samples.append(out[:, ids.shape[1]:])
+    assert torch.equal(samples[0], samples[1])
 
 
 # ----------------------------------------------------------------------------- the upload's guard
