@@ -22,9 +22,9 @@ IMAGE_FORMATS = ("PNG", "JPEG")  # what an image may be; anything else is refuse
 MAX_IMAGE_PIXELS = 2**24  # width x height of one image, read from its header before decoding
 MAX_IMAGES = 8  # images per question (geometry3k has one)
 MAX_IMAGE_BYTES = 16 * 2**20  # encoded bytes of one question's images together
-TESTED_TYPES = ("idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl")  # run and tested here (docs/vision.md)
+TESTED_TYPES = ("idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl")  # run and tested (docs/vision.md)
 QWEN_TYPES = ("qwen2_vl", "qwen2_5_vl")  # all images' patches in one flat tensor, 3-D positions
-QWEN_MARK = "<|vision_start|><|image_pad|><|vision_end|>"  # what stands for one image in Qwen's text
+QWEN_MARK = "<|vision_start|><|image_pad|><|vision_end|>"  # one image in Qwen's text
 WIRE_FIELDS = ("image_bytes", "image_ends")  # a group's images in an upload (pack_images)
 
 
@@ -167,7 +167,8 @@ def rows_first(inputs, images_per_row: list):
     grids = inputs["image_grid_thw"].split(images_per_row)  # per row: (n_b, 3)
     patches = inputs["pixel_values"].split(inputs["image_grid_thw"].prod(-1).tolist())
     starts = [0] + torch.tensor(images_per_row).cumsum(0).tolist()
-    rows = [torch.cat(patches[a:b]) for a, b in zip(starts, starts[1:])]  # (P_b, dim) each
+    none = inputs["pixel_values"][:0]  # (0, dim): a row without images
+    rows = [torch.cat([none, *patches[a:b]]) for a, b in zip(starts, starts[1:])]  # (P_b, dim)
     inputs["pixel_values"] = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)  # (B, P, dim)
     inputs["image_grid_thw"] = torch.nn.utils.rnn.pad_sequence(grids, batch_first=True)  # (B, n, 3)
     inputs.pop("mm_token_type_ids", None)

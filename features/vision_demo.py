@@ -18,7 +18,7 @@ VISION = dict(hidden_size=96, intermediate_size=256, num_hidden_layers=2, num_at
               image_size=64, patch_size=8)  # 64 patches, 16 image tokens after scale_factor 2
 SCALE_FACTOR = 2  # Idefics3's pixel shuffle: patches merged per image token along each side
 TINY_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=32)  # the tests'; vLLM's CPU attention: head_dim >= 32
+                 num_key_value_heads=2, head_dim=32)  # the tests'; vLLM's CPU attention: >= 32
 
 
 def tokens_per_image() -> int:

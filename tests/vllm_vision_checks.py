@@ -2,7 +2,7 @@
 process of its own (an in-process engine initialises torch.distributed, which the test process must
 not have). Prints one JSON line of measurements that tests/test_vision.py asserts on.
 
-    python tests/vllm_vision_checks.py MODEL_FOLDER     # an Idefics3 folder (features/vision_demo.py)
+    python tests/vllm_vision_checks.py MODEL_FOLDER   # an Idefics3 folder (features/vision_demo.py)
 """
 import json
 import os
@@ -131,7 +131,8 @@ def main(path):
                                    pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids))
     texts = [tokenizer.batch_decode(x, skip_special_tokens=True)
              for x in (greedy_vllm, greedy_hf[:, enc.input_ids.shape[1]:])]
-    report.update(greedy_same_texts=sum(a == b for a, b in zip(*texts)), greedy_questions=len(questions))
+    report.update(greedy_same_texts=sum(a == b for a, b in zip(*texts)),
+                  greedy_questions=len(questions))
 
     # A processor that expands the image marks otherwise than the trainer's is caught.
     enc["marked_ids"] = [ids_ + ids_[-1:] for ids_ in enc["marked_ids"]]
