@@ -119,30 +119,41 @@ def load(path: str, device, dtype=torch.float32):
 
 
 def load_processor(path: str) -> ImageTextProcessor:
-    """The ImageTextProcessor of an image-text-to-text folder or hub id. Qwen2-VL's processor
-    needs its video processor, which needs torchvision: without it, the image processor and the
-    tokenizer make an images-only one."""
+    """The ImageTextProcessor of an image-text-to-text folder or hub id. Qwen2-VL's and SmolVLM's
+    processors need their video processor, which needs torchvision: without it, an images-only
+    one is made of the folder's image processor, tokenizer and processor settings."""
     from transformers import AutoProcessor
 
-    if model_type(path) not in QWEN_TYPES:
-        return ImageTextProcessor(AutoProcessor.from_pretrained(path))
+    mark = QWEN_MARK if model_type(path) in QWEN_TYPES else IMAGE_MARK
     try:
-        return ImageTextProcessor(AutoProcessor.from_pretrained(path), mark=QWEN_MARK)
+        return ImageTextProcessor(AutoProcessor.from_pretrained(path), mark=mark)
     except (ImportError, AttributeError, OSError, ValueError):
-        from transformers import AutoImageProcessor, AutoTokenizer
+        if model_type(path) not in VIDEO_TYPES:
+            raise
+    import transformers
+    from transformers import AutoImageProcessor, AutoTokenizer
+    from transformers.utils import cached_file
 
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        parts = dict(image_processor=AutoImageProcessor.from_pretrained(path, backend="pil"),
-                     tokenizer=tokenizer, chat_template=tokenizer.chat_template)
-        return ImageTextProcessor(images_only_processor(**parts), mark=QWEN_MARK)
+    with open(cached_file(path, "processor_config.json")) as f:
+        settings = json.load(f)  # the processor's class and its own settings (image_seq_len...)
+    processor_class = getattr(transformers, settings.pop("processor_class"))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    processor = images_only(processor_class)(
+        image_processor=AutoImageProcessor.from_pretrained(path, backend="pil"),
+        tokenizer=tokenizer, video_processor=None, chat_template=tokenizer.chat_template,
+        **settings)
+    return ImageTextProcessor(processor, mark=mark)
 
 
-def images_only_processor(*, image_processor, tokenizer, chat_template):
-    """Qwen2-VL's processor without a video processor (no torchvision): images and text only.
-    Saving writes the image processor and the tokenizer, which load_processor reads back."""
-    from transformers import Qwen2VLProcessor
+VIDEO_TYPES = ("qwen2_vl", "qwen2_5_vl", "smolvlm")  # processors that need a video processor
 
-    class ImagesOnlyQwen2VLProcessor(Qwen2VLProcessor):
+
+def images_only(processor_class):
+    """processor_class (Qwen2VLProcessor, SmolVLMProcessor...) taking video_processor=None:
+    images and text only, no torchvision. Saving writes the image processor, the tokenizer and
+    processor_config.json, which load_processor reads back."""
+
+    class ImagesOnly(processor_class):
         def check_argument_for_proper_class(self, argument_name, argument):
             if argument_name == "video_processor" and argument is None:
                 return None
@@ -151,9 +162,13 @@ def images_only_processor(*, image_processor, tokenizer, chat_template):
         def save_pretrained(self, folder, **kwargs):
             self.image_processor.save_pretrained(folder)
             self.tokenizer.save_pretrained(folder)
+            settings = {"processor_class": processor_class.__name__}
+            if hasattr(self, "image_seq_len"):  # SmolVLM's image tokens per image
+                settings["image_seq_len"] = self.image_seq_len
+            with open(os.path.join(folder, "processor_config.json"), "w") as f:
+                json.dump(settings, f, indent=2)
 
-    return ImagesOnlyQwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
-                                      video_processor=None, chat_template=chat_template)
+    return ImagesOnly
 
 
 def rows_first(inputs, images_per_row: list):

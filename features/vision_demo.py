@@ -27,15 +27,24 @@ def tokens_per_image() -> int:
     return (VISION["image_size"] // VISION["patch_size"]) ** 2 // SCALE_FACTOR**2
 
 
-def build(text_path: str, folder: str, *, seed: int, tiny: bool = False) -> str:
-    """Write an Idefics3 model and its processor to `folder`: the language model is text_path's
-    (a Llama causal LM: the embedded SmolLM2-135M), or with tiny=True a random one of its
+def build(text_path: str, folder: str, *, seed: int, tiny: bool = False,
+          kind: str = "idefics3") -> str:
+    """Write an Idefics3 model (kind "idefics3") or SmolVLM2's ("smolvlm": the same parts, its
+    processor images-only) and its processor to `folder`: the language model is text_path's (a
+    Llama causal LM: the embedded SmolLM2-135M), or with tiny=True a random one of its
     vocabulary and TINY_TEXT's size; vision encoder and connector random from `seed`. Returns
     folder."""
-    from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Idefics3Config,
-                              Idefics3ForConditionalGeneration, Idefics3Processor, LlamaConfig)
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig
     from transformers.models.idefics3.image_processing_pil_idefics3 import (
         Idefics3ImageProcessorPil)
+    from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
+
+    from features.vision import images_only
+
+    name = {"idefics3": "Idefics3", "smolvlm": "SmolVLM"}[kind]
+    image_processor_class = {"idefics3": Idefics3ImageProcessorPil,
+                             "smolvlm": SmolVLMImageProcessorPil}[kind]
 
     tokenizer = AutoTokenizer.from_pretrained(text_path)
     tokenizer.add_special_tokens({"additional_special_tokens": list(IMAGE_TOKENS)})
@@ -48,22 +57,26 @@ def build(text_path: str, folder: str, *, seed: int, tiny: bool = False) -> str:
         text_model = AutoModelForCausalLM.from_pretrained(text_path, dtype=torch.float32)
         text_config = text_model.config.to_dict()
         text_weights = text_model.state_dict()
-    config = Idefics3Config(text_config=text_config, vision_config=VISION,
-                            scale_factor=SCALE_FACTOR, pad_token_id=tokenizer.pad_token_id,
-                            image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
-                            tie_word_embeddings=text_config["tie_word_embeddings"])
+    config = getattr(transformers, f"{name}Config")(
+        text_config=text_config, vision_config=VISION, scale_factor=SCALE_FACTOR,
+        pad_token_id=tokenizer.pad_token_id,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        tie_word_embeddings=text_config["tie_word_embeddings"])
     config.text_config.pad_token_id = tokenizer.pad_token_id
-    model = Idefics3ForConditionalGeneration(config).float()
+    model = getattr(transformers, f"{name}ForConditionalGeneration")(config).float()
     if text_weights is not None:  # the embedded model's own weights, every one of them
         inner = {k[len("model."):]: v for k, v in text_weights.items() if k.startswith("model.")}
         model.model.text_model.load_state_dict(inner, strict=True)
     side = VISION["image_size"]
-    image_processor = Idefics3ImageProcessorPil(
+    image_processor = image_processor_class(
         do_resize=True, size={"longest_edge": side}, do_image_splitting=False,
         max_image_size={"longest_edge": side})
-    processor = Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer,
-                                  image_seq_len=tokens_per_image(),
-                                  chat_template=tokenizer.chat_template)
+    parts = dict(image_processor=image_processor, tokenizer=tokenizer,
+                 image_seq_len=tokens_per_image(), chat_template=tokenizer.chat_template)
+    if kind == "smolvlm":  # its processor wants a video processor (torchvision): images only
+        processor = images_only(transformers.SmolVLMProcessor)(video_processor=None, **parts)
+    else:
+        processor = transformers.Idefics3Processor(**parts)
     # The processor adds its own tokens (<end_of_utterance>): the embeddings cover them all.
     model.resize_token_embeddings(len(processor.tokenizer), mean_resizing=False)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -94,7 +107,7 @@ def build_qwen(text_path: str, folder: str, *, seed: int, kind: str = "qwen2_vl"
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil)
 
-    from features.vision import images_only_processor
+    from features.vision import images_only
 
     tokenizer = AutoTokenizer.from_pretrained(text_path)
     tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_TOKENS)})
@@ -120,8 +133,9 @@ def build_qwen(text_path: str, folder: str, *, seed: int, kind: str = "qwen2_vl"
     image_processor = Qwen2VLImageProcessorPil(
         min_pixels=side * side // 4, max_pixels=side * side, patch_size=8, merge_size=2,
         temporal_patch_size=2)
-    processor = images_only_processor(image_processor=image_processor, tokenizer=tokenizer,
-                                      chat_template=tokenizer.chat_template)
+    processor = images_only(transformers.Qwen2VLProcessor)(
+        image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
+        chat_template=tokenizer.chat_template)
     tmp = f"{folder}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)

@@ -67,12 +67,18 @@ def qwen_dirs(embedded_path, tmp_path_factory):
             for kind in vision.QWEN_TYPES}
 
 
-@pytest.fixture(scope="module", params=["idefics3", *vision.QWEN_TYPES])
-def any_vlm(request, vlm, qwen_dirs):
-    """Each kind of vision-language model this toolkit runs, loaded as the trainer loads it."""
+@pytest.fixture(scope="module", params=["idefics3", "smolvlm", *vision.QWEN_TYPES])
+def any_vlm(request, vlm, qwen_dirs, embedded_path, tmp_path_factory):
+    """Each kind of vision-language model this toolkit runs, loaded as the trainer loads it
+    (SmolVLM2's with its images-only processor: no torchvision here)."""
     if request.param == "idefics3":
         return vlm
-    model, processor = vision.load(qwen_dirs[request.param], "cpu")
+    if request.param == "smolvlm":
+        folder = vision_demo.build(embedded_path, str(tmp_path_factory.mktemp("smolvlm") / "m"),
+                                   seed=0, tiny=True, kind="smolvlm")
+    else:
+        folder = qwen_dirs[request.param]
+    model, processor = vision.load(folder, "cpu")
     return model.eval(), processor
 
 
