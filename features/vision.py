@@ -26,6 +26,8 @@ TESTED_TYPES = ("idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl")  # run and test
 QWEN_TYPES = ("qwen2_vl", "qwen2_5_vl")  # all images' patches in one flat tensor, 3-D positions
 QWEN_MARK = "<|vision_start|><|image_pad|><|vision_end|>"  # one image in Qwen's text
 VIDEO_TYPES = ("qwen2_vl", "qwen2_5_vl", "smolvlm")  # processors that need a video processor
+PROCESSOR_CLASSES = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
+                     "smolvlm": "SmolVLMProcessor"}  # theirs, where a folder does not name it
 WIRE_FIELDS = ("image_bytes", "image_ends")  # a group's images in an upload (pack_images)
 
 
@@ -135,8 +137,11 @@ def load_processor(path: str) -> ImageTextProcessor:
     from transformers import AutoImageProcessor, AutoTokenizer
     from transformers.utils import cached_file
 
-    with open(cached_file(path, "processor_config.json")) as f:
-        settings = json.load(f)  # the processor's class and its own settings (image_seq_len...)
+    settings = {"processor_class": PROCESSOR_CLASSES[model_type(path)]}
+    saved = cached_file(path, "processor_config.json", _raise_exceptions_for_missing_entries=False)
+    if saved:  # the processor's class and its own settings (image_seq_len...)
+        with open(saved) as f:
+            settings.update(json.load(f))
     processor_class = getattr(transformers, settings.pop("processor_class"))
     tokenizer = AutoTokenizer.from_pretrained(path)
     processor = images_only(processor_class)(

@@ -486,6 +486,23 @@ def test_qwen_lora_freezing_and_memory_plan_find_its_language_model_and_tower(qw
     assert vision.check_settings(constants, folder) is True
 
 
+def test_an_images_only_processor_loads_without_torchvision_from_any_qwen_folder(qwen_dirs,
+                                                                                tmp_path):
+    """A hub folder need not hold processor_config.json (older Qwen2-VL repos): the class then
+    comes from the model type. What it writes for one image is what the saved one writes."""
+    import os
+    import shutil
+
+    saved = vision.load_processor(qwen_dirs["qwen2_5_vl"])
+    folder = str(tmp_path / "bare")
+    shutil.copytree(qwen_dirs["qwen2_5_vl"], folder)
+    os.remove(os.path.join(folder, "processor_config.json"))
+    bare = vision.load_processor(folder)
+    assert type(bare.processor).__mro__[1].__name__ == "Qwen2_5_VLProcessor"
+    image = vision.decoded([png()])
+    assert vision.image_token_count(bare, image) == vision.image_token_count(saved, image) > 0
+
+
 def test_the_memory_plan_counts_the_vision_tower(vlm_dir):
     model, _ = vision.load(vlm_dir, "cpu")
     total = sum(p.numel() for p in model.parameters())
