@@ -161,7 +161,11 @@ def test_micro_batches_give_the_gradient_and_step_of_one_batch(zero2_steps, rank
             part = steps[shared, micro]
             assert part["parts"] == (3 if micro == 1 else 2)  # rank 0's count (rank 1 matched it)
             assert abs(part["loss"] - whole["loss"]) <= 1e-5 * abs(whole["loss"])
-            assert_same(whole["grads"], part["grads"], f"shared {shared}, micro-batch {micro}: gradient")
+            # A quiet run puts the two within 3e-7 of the largest entry; one CI run under load moved the
+            # whole batch's own gradient by 2.5e-5 of it (the same step, so fp32 reductions split
+            # otherwise, not the micro-batches). A wrong share of a part would be off by a third or more.
+            assert_same(whole["grads"], part["grads"], f"shared {shared}, micro-batch {micro}: gradient",
+                        tolerance=1e-4)
             assert_same(whole["weights"], part["weights"], f"shared {shared}, micro-batch {micro}: weights")
         assert whole["moved"] > 1e-7  # the step changed the weights (the comparison means something)
 
