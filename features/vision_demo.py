@@ -81,13 +81,7 @@ def build(text_path: str, folder: str, *, seed: int, tiny: bool = False,
     model.resize_token_embeddings(len(processor.tokenizer), mean_resizing=False)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
-    tmp = f"{folder}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    processor.save_pretrained(tmp)
-    shutil.rmtree(folder, ignore_errors=True)
-    os.rename(tmp, folder)  # readers see no folder or a whole one
-    return folder
+    return save_whole(model, processor, folder)
 
 
 QWEN_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")  # added
@@ -136,12 +130,18 @@ def build_qwen(text_path: str, folder: str, *, seed: int, kind: str = "qwen2_vl"
     processor = images_only(transformers.Qwen2VLProcessor)(
         image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
         chat_template=tokenizer.chat_template)
+    return save_whole(model, processor, folder)
+
+
+def save_whole(model, processor, folder: str) -> str:
+    """Write model and processor to `folder` through a temporary folder renamed at the end:
+    readers see no folder or a whole one. Returns folder."""
     tmp = f"{folder}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     processor.save_pretrained(tmp)
     shutil.rmtree(folder, ignore_errors=True)
-    os.rename(tmp, folder)  # readers see no folder or a whole one
+    os.rename(tmp, folder)
     return folder
 
 
