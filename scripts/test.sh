@@ -4,4 +4,6 @@
 #   bash scripts/test.sh -m "not slow"   # the quick subset: no DeepSpeed launches, vLLM engines or server processes
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
-python -m pytest tests -v --durations=10 "$@"
+# Two pytest-xdist workers: many tests wait on launches and servers, and each worker gets its share of
+# the cores (tests/conftest.py). `-n 0` runs them in one process. docs/tests.md says how long each takes.
+python -m pytest tests -n 2 --dist loadgroup -v --durations=10 "$@"

@@ -3,6 +3,7 @@ reference server process. Run with: bash scripts/test.sh (or python -m pytest te
 import os
 import pathlib
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -29,18 +30,29 @@ import rewards  # noqa: E402
 
 
 SLOW_MODULES = {"test_e2e", "test_training_runs", "test_two_nodes", "test_vllm", "test_lora"}  # whole runs
+# Modules whose module-scoped fixtures are whole runs, engines or built models: under pytest-xdist's
+# `--dist loadgroup` (scripts/test.sh) each runs on one worker, so those fixtures are made once.
+ONE_WORKER_MODULES = {"test_vision", "test_vllm", "test_lora", "test_tools", "test_shared_prefix"}
 
 
 def pytest_configure(config):
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:  # pytest-xdist: share the cores out, each worker's own process and its children
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # for the trainers and servers it starts
+        torch.set_num_threads(threads)  # more threads than cores spin against each other in OpenMP
     config.addinivalue_line("markers", "slow: a DeepSpeed launch, a vLLM engine or a server process under load; "
                                        "`bash scripts/test.sh -m \"not slow\"` leaves them out")
 
 
 def pytest_collection_modifyitems(items):
-    """Every test of SLOW_MODULES is slow; elsewhere @pytest.mark.slow says so test by test."""
+    """Every test of SLOW_MODULES is slow; elsewhere @pytest.mark.slow says so test by test. The
+    tests of ONE_WORKER_MODULES form one xdist group per module."""
     for item in items:
         if item.module.__name__ in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
+        if item.module.__name__ in ONE_WORKER_MODULES:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
 def free_port() -> int:
@@ -87,16 +99,39 @@ def tool_target(rng, a, b):
     return call if rng.random() < 0.9 else sft_target(rng, a, b)
 
 
+def built_once(tmp_path_factory, name, build):
+    """The folder `name`, made by build(folder) once per test session: under pytest-xdist the
+    workers share one folder beside their own temp folders, and a file lock lets the first worker
+    build it while the others wait, so each worker never pays for the same read-only model."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # pytest's temp folder for this run, above every worker's own
+    folder = root / name
+    done = folder / ".built"
+    with FileLock(str(folder) + ".lock"):
+        if not done.exists():
+            if folder.exists():
+                shutil.rmtree(folder)  # a build that an earlier worker left half done
+            folder.mkdir()
+            build(folder)
+            done.touch()
+    return str(folder)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tokenizer, tmp_path_factory):
     """A 2-layer Llama on the SmolLM2 vocabulary, taught the answer format by 150 SFT steps (~30 s)."""
-    return sft_tiny_model(tokenizer, tmp_path_factory.mktemp("tiny_model"), sft_target, mixed=False)
+    return built_once(tmp_path_factory, "tiny_model",
+                      lambda folder: sft_tiny_model(tokenizer, folder, sft_target, mixed=False))
 
 
 @pytest.fixture(scope="session")
 def tool_model_dir(tokenizer, tmp_path_factory):
     """The same on the mixed task, most of its answers a calculator call (TOOLS's runs)."""
-    return sft_tiny_model(tokenizer, tmp_path_factory.mktemp("tool_model"), tool_target, mixed=True)
+    return built_once(tmp_path_factory, "tool_model",
+                      lambda folder: sft_tiny_model(tokenizer, folder, tool_target, mixed=True))
 
 
 def sft_tiny_model(tokenizer, folder, target, mixed):
@@ -139,9 +174,11 @@ def pack(tokenizer, prompts, targets):
     return torch.cat([enc.input_ids, tgt], 1), torch.cat([enc.attention_mask, tgt_attn], 1), Tc
 
 
-def trainer_cmd(ranks):
+def trainer_cmd(ranks, master_port=None):
+    """`deepspeed --num_gpus ranks grpo_ref_split.py` on a free port (DeepSpeed names its shared
+    memory after the port, so runs in parallel test workers never share it)."""
     return [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(ranks),
-            "--master_port", str(free_port()), "grpo_ref_split.py"]
+            "--master_port", str(master_port or free_port()), "grpo_ref_split.py"]
 
 
 def trainer_env(model_dir, url, out, **env):
@@ -151,9 +188,10 @@ def trainer_env(model_dir, url, out, **env):
             "EVAL_SIZE": "8", "SERVER_TIMEOUT": "120", **{k: str(v) for k, v in env.items()}}
 
 
-def train(model_dir, url, out, ranks, **env):
+def train(model_dir, url, out, ranks, master_port=None, **env):
     """`deepspeed grpo_ref_split.py` to the end; returns the CompletedProcess."""
-    return subprocess.run(trainer_cmd(ranks), cwd=ROOT, env=trainer_env(model_dir, url, out, **env),
+    return subprocess.run(trainer_cmd(ranks, master_port), cwd=ROOT,
+                          env=trainer_env(model_dir, url, out, **env),
                           capture_output=True, text=True, timeout=600)
 
 

@@ -8,18 +8,20 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, metrics, params, tiny_config, train
+from conftest import ROOT, free_port, metrics, params, tiny_config, train
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_training_steps_end_to_end(server, tiny_model_dir, tmp_path, ranks):
     before = server.health()
-    shm_before = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
+    port = free_port()
     # Covered here at no extra run: checkpointing, and micro-batches of one group (ranks pull unequal numbers)
     extra = {"GRADIENT_CHECKPOINTING": "1", "TRAIN_MICRO_BATCH": "1", "TENSORBOARD": "1"} if ranks == 2 else {}
-    run = train(tiny_model_dir, server.url, tmp_path, ranks, **extra)
+    run = train(tiny_model_dir, server.url, tmp_path, ranks, master_port=port, **extra)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) <= shm_before  # DeepSpeed's 66 MiB per rank
+    # DeepSpeed's 66 MiB per rank, named deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>: this
+    # run's are gone (other test workers' runs may hold theirs right now).
+    assert glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*") == []
     assert "step    1 | loss" in run.stdout + run.stderr and "step    2 | loss" in run.stdout + run.stderr
 
     lines, evals = metrics(tmp_path)
