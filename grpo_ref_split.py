@@ -194,8 +194,12 @@ def pi_old_logps(logps, gen_logps, gen_rows, mask) -> torch.Tensor:
     return torch.where(given, gen_logps, logps.detach())  # (B, T)
 
 
-def gspo_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """GSPO: (B, T) each answer's mean log-ratio on its every token: one ratio, clipped whole."""
+def policy_log_ratio(*, logps, old_logps, mask, gspo=False) -> torch.Tensor:
+    """(B, T) log(pi / pi_old) of each answer token, the ratio the loss clips and the metrics show;
+    GSPO: each answer's mean log-ratio on its every token (one ratio, clipped whole)."""
+    log_ratio = logps - old_logps  # (B, T)
+    if not gspo:
+        return log_ratio
     return masked_mean(log_ratio, mask)[:, None].expand_as(log_ratio)  # (B, T)
 
 
@@ -207,9 +211,7 @@ def grpo_loss(*, logps, old_logps, ref_logps, advantages, mask, beta, clip_eps, 
     if ref_logps is None and beta:
         raise ValueError(f"grpo_loss: ref_logps=None needs beta=0 (beta {beta})")
     mask = mask.bool()  # (B, T)
-    log_ratio = logps - old_logps  # (B, T)
-    if gspo:
-        log_ratio = gspo_log_ratio(log_ratio, mask)  # (B, T)
+    log_ratio = policy_log_ratio(logps=logps, old_logps=old_logps, mask=mask, gspo=gspo)  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T)
     adv = advantages[:, None] if advantages.dim() == 1 else advantages  # (B, 1) or (B, T)
     clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high)  # (B, T)
@@ -491,9 +493,7 @@ def policy_loss(engine, b: Batch):
         loss = reduce_loss(per_token, b.mask, loss_type=LOSS_TYPE, normalizer=b.normalizer,
                            max_tokens=MAX_NEW_TOKENS)
     with torch.no_grad():  # the metrics at the weights before this step (features/run_log.py)
-        log_ratio = logps - old  # (B, T)
-        if GSPO:
-            log_ratio = gspo_log_ratio(log_ratio, b.mask)  # (B, T)
+        log_ratio = policy_log_ratio(logps=logps, old_logps=old, mask=b.mask, gspo=GSPO)  # (B, T)
         kl = None if b.ref_logps is None else k3(b.ref_logps, logps)  # (B, T)
         m = loss_metrics(loss, b, old=old, ratio=torch.exp(log_ratio), kl=kl, tis=weights,
                          entropy=entropy, clip_eps=CLIP_EPS, clip_eps_high=CLIP_EPS_HIGH,
