@@ -7,6 +7,7 @@
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 # Two pytest-xdist workers: many tests wait on launches and servers, and each worker gets its share
-# of the cores (tests/conftest.py). `-n 0` runs them in one process. docs/tests.md says where the
+# of the cores (tests/conftest.py). Each file runs on one worker, so a module-scoped fixture (a run,
+# a server, an engine) is made once. `-n 0` runs them in one process. docs/tests.md says where the
 # time goes.
-python -m pytest tests -n 2 --dist loadgroup -v --durations=10 "$@"
+python -m pytest tests -n 2 --dist loadfile -v --durations=10 "$@"

@@ -30,9 +30,6 @@ import rewards  # noqa: E402
 
 
 SLOW_MODULES = {"test_e2e", "test_training_runs", "test_two_nodes", "test_vllm", "test_lora"}  # whole runs
-# Modules whose module-scoped fixtures are whole runs, engines or built models: under pytest-xdist's
-# `--dist loadgroup` (scripts/test.sh) each runs on one worker, so those fixtures are made once.
-ONE_WORKER_MODULES = {"test_vision", "test_vllm", "test_lora", "test_tools", "test_shared_prefix"}
 
 
 def pytest_configure(config):
@@ -46,13 +43,10 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(items):
-    """Every test of SLOW_MODULES is slow; elsewhere @pytest.mark.slow says so test by test. The
-    tests of ONE_WORKER_MODULES form one xdist group per module."""
+    """Every test of SLOW_MODULES is slow; elsewhere @pytest.mark.slow says so test by test."""
     for item in items:
         if item.module.__name__ in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
-        if item.module.__name__ in ONE_WORKER_MODULES:
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
 def free_port() -> int:
