@@ -178,8 +178,14 @@ def pack(tokenizer, prompts, targets):
 
 
 def trainer_cmd(ranks, master_port=None):
-    """`deepspeed --num_gpus ranks grpo_ref_split.py` on a free port (DeepSpeed names its shared
-    memory after the port, so runs in parallel test workers never share it)."""
+    """The trainer's command line. Several ranks, or a given master port: `deepspeed --num_gpus ranks
+    grpo_ref_split.py` (DeepSpeed names its shared memory after the port, so runs in parallel test
+    workers never share it; test_e2e runs the README's launch this way on 1 and 2 ranks). One rank
+    otherwise: `python grpo_ref_split.py`, the world of one the trainer makes itself
+    (features/zero2.py), which skips the launcher's start and its once-a-second exit poll on each
+    of the suite's many one-rank runs."""
+    if ranks == 1 and master_port is None:
+        return [sys.executable, "grpo_ref_split.py"]
     return [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(ranks),
             "--master_port", str(master_port or free_port()), "grpo_ref_split.py"]
 
@@ -192,7 +198,7 @@ def trainer_env(model_dir, url, out, **env):
 
 
 def train(model_dir, url, out, ranks, master_port=None, **env):
-    """`deepspeed grpo_ref_split.py` to the end; returns the CompletedProcess."""
+    """The trainer (trainer_cmd) to the end; returns the CompletedProcess."""
     return subprocess.run(trainer_cmd(ranks, master_port), cwd=ROOT,
                           env=trainer_env(model_dir, url, out, **env),
                           capture_output=True, text=True, timeout=600)
