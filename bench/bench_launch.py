@@ -21,7 +21,7 @@ def free_port() -> int:
 
 
 def run_seconds(command: list, model_dir: str) -> float:
-    """Seconds for one step of 2 questions x 4 answers, BETA 0 (no server), to the process's exit."""
+    """Seconds for one step of 2 questions x 4 answers, BETA 0 (no server), to the process exit."""
     with tempfile.TemporaryDirectory() as out:
         env = {**os.environ, "MODEL_PATH": model_dir, "OUTPUT_DIR": out, "ALL_STEPS": "1",
                "BETA": "0", "EVAL_STEPS": "0", "Q_BATCH_SIZE": "2", "NUM_PRE_Q": "4",
