@@ -329,24 +329,22 @@ def grpo_loss_triton(
     return (loss, *extra) if extra else loss
 
 
-def batch_loss(engine, batch, constants: dict):
+def batch_loss(engine, batch, *, temperature, beta, clip_eps, clip_eps_high, loss_type,
+               max_tokens, shared_prefix, tis_cap, tis_mode):
     """The trainer's USE_TRITON step 6: (loss, logps, entropy, pi_old, vLLM's mismatch weights or
     None) of a Batch (grpo_ref_split.py) from its completion logits in one fused pass; d(logits) is
     written over them, which nothing reads afterwards. pi_old and the weights, the kernel's own
-    rule in PyTorch, are for the step's metrics. constants: the trainer's (its globals()), read by
-    name: TEMPERATURE, SHARED_PREFIX, BETA, CLIP_EPS, CLIP_EPS_HIGH, LOSS_TYPE, MAX_NEW_TOKENS,
-    TIS_CAP, TIS_MODE."""
+    rule in PyTorch, are for the step's metrics. The keywords are the trainer's constants of the
+    same names (shared_prefix: SHARED_PREFIX; tis_cap, tis_mode: features/vllm_engine.py's)."""
     from features.fast_paths import completion_logits
     from features.vllm_engine import mismatch_weights
 
-    temperature = constants["TEMPERATURE"]
-    loss_keywords = dict(beta=constants["BETA"], clip_eps=constants["CLIP_EPS"],
-                         clip_eps_high=constants["CLIP_EPS_HIGH"], loss_type=constants["LOSS_TYPE"],
-                         max_tokens=constants["MAX_NEW_TOKENS"], tis_cap=constants["TIS_CAP"],
-                         tis_mode=constants["TIS_MODE"])
+    loss_keywords = dict(beta=beta, clip_eps=clip_eps, clip_eps_high=clip_eps_high,
+                         loss_type=loss_type, max_tokens=max_tokens, tis_cap=tis_cap,
+                         tis_mode=tis_mode)
     T = batch.mask.shape[1]
     logits = completion_logits(engine, batch.input_ids, batch.attention_mask, T,
-                               constants["SHARED_PREFIX"])  # (B, T, V)
+                               shared_prefix)  # (B, T, V)
     loss, logps, entropy = grpo_loss_triton(
         logits=logits, completion_ids=batch.input_ids[:, -T:], temperature=temperature,
         return_logps=True, return_entropy=True, inplace_backward=True, ref_logps=batch.ref_logps,

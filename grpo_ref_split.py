@@ -27,8 +27,8 @@ from tqdm import tqdm
 
 import rewards
 from features import (checkpoints, env_overrides, evaluation, fast_paths, lora, memory_plan,
-                      pass_rates, policy, question_sampler, quiet, refusals, server_client, tools,
-                      vision, vllm_engine, weight_sync, wire, worker, zero2)
+                      pass_rates, policy, question_sampler, quiet, refusals, run_log, server_client,
+                      tools, vision, vllm_engine, weight_sync, wire, worker, zero2)
 from features.advantages import SCALES, STD_EPS, group_advantages, scale_to_step, upload_scale
 from features.embedded_model import resolve_model_path
 from features.run_log import (RunLog, answer_records, clock, log_step, loss_metrics, plot_curves,
@@ -72,64 +72,18 @@ KL_BIAS_CORRECTION = False  # True = DeepSeek-V3.2: k3 x pi / pi_old, the revers
 OFF_POLICY_DELTA = 0.0  # > 0 = DeepSeek-V3.2: answers with A < 0 and log(pi_old / pi) > this leave
 # Which questions a step trains on (docs/sampling.md)
 DYNAMIC_SAMPLING = False  # True = DAPO: roll out until Q_BATCH_SIZE groups have different rewards
-SAMPLER = "uniform"  # | "difficulty": redraw varied ones | "learnability": weight p (1 - p)
-REPLAY_SHARE = 0.75  # SAMPLER "difficulty": at most this share of a draw replays varied questions
-PASS_RATE_QUESTIONS = 0  # > 0: before step 1, NUM_PRE_Q answers to this many, for "learnability"
 MAX_ROLLOUTS = 20  # rollouts a step may take before it gives up on a group with different rewards
-# Speed and memory: faster equals of the plain step (docs/gpus.md)
-SHARED_PREFIX = True  # each group's prompt runs once, its KV cache shared; False = full rows
-LOGP_FROM_HIDDEN = True  # log-probs from the LM head's input in chunks; False = the plain logits
-LOGP_CHUNK = 128  # tokens whose logits exist at once: (LOGP_CHUNK, V), not (B, T, V); 0 = all
-TRAIN_MICRO_BATCH = 0  # groups per forward+backward, gradients added up; 0 = all at once (fastest)
-GRADIENT_CHECKPOINTING = False  # recompute activations in backward: one more forward, less memory
-OFFLOAD_OPTIMIZER = False  # True = AdamW's state and fp32 weights in CPU memory, stepped there
-MEMORY_PLAN = True  # print what each device will hold and stop if it cannot fit; False = skip it
-USE_TRITON = False  # True = the fused Triton loss (grpo_loss_triton.py, GPU)
 # The reference server (docs/server.md, docs/reliability.md)
 SERVER_TIMEOUT = 600.0  # s to keep retrying an unreachable or busy server before giving up
 ALLOW_REF_MISMATCH = False  # True = train against a reference that is not the starting policy
-# Tools: multi-turn answers with a calculator (docs/tools.md)
-TOOLS = []  # [tools.calculator]: f(text in <tool></tool>) -> the <result> text; [] = one turn
-MAX_TOOL_CALLS = 3  # calls an answer may make; results count in MAX_NEW_TOKENS, not in the loss
-# LoRA: small adapters train, the model's own weights stay frozen (docs/lora.md)
-LORA_RANK = 0  # adapter rank; 0 = full fine-tuning. 16 is common
-LORA_ALPHA = 32  # the adapters' update is scaled by LORA_ALPHA / LORA_RANK
-LORA_TARGETS = "all-linear"  # peft's target_modules: every linear layer but the head, or a regex
-REF_FROM_BASE = True  # LoRA: reference log-probs from the base (adapters off) here; no server
-# Images: MODEL_PATH a vision-language model, questions with images (docs/vision.md)
-FREEZE_VISION = False  # True = the vision tower stays as it is (EasyR1's freeze_vision_tower)
-# Generation with vLLM (docs/vllm.md)
-USE_VLLM = False  # True = rollouts and evaluation from an in-process vLLM engine
-VLLM_EAGER = True  # no compiled graphs: starts in seconds, and the demo was no slower
-VLLM_GPU_MEMORY = 0.3  # GPU: the share of its memory the engine takes; training gets the rest
-VLLM_CPU_KV_GB = 1  # CPU: GiB of KV cache (unset, vLLM sizes it from the whole RAM)
-TIS_CAP = 2.0  # each token's surrogate x min(pi_old / pi_vllm, TIS_CAP); 0 = off; else above 1
-TIS_MODE = "token_truncate"  # | "token_mask" | "sequence_truncate" | "sequence_mask"
-# Evaluation, checkpoints and logs (docs/checkpoints.md, docs/metrics.md)
-EVAL_STEPS = 10  # held-out greedy accuracy before step 1 and every this many steps; 0 = never
-EVAL_SIZE = 128  # held-out questions: the dataset's last EVAL_SIZE, never trained on
-EVAL_SAMPLES = 0  # k > 0: also k sampled answers per held-out question, for pass@k (k x the time)
-SAVE_STEPS = 10  # OUTPUT_DIR/step_N every this many steps and at the end; 0 = at the end only
-KEEP_CHECKPOINTS = 2  # newest step_N folders kept; each holds the weights and AdamW's moments
-RESUME = False  # True = continue from the newest step_N: weights, optimizer, step, data position
-LOG_COMPLETIONS_STEPS = 1  # every this many steps, each answer as a line of completions.jsonl
-TENSORBOARD = False  # True = every metric also as a TensorBoard scalar under OUTPUT_DIR/tb
-VERBOSE = False  # True = other libraries' notices and loading bars; False = their warnings only
-# Extra generation workers, `python grpo_ref_split.py genonly` (docs/workers.md)
-GENONLY = False  # True = this process only generates, scores and uploads (as `genonly`)
-WORKER_MAX_QUEUED = 8  # a worker waits while the server holds this many groups: bounds staleness
-EXTRA_GROUPS = 0  # > 0 with genonly workers: each rank also takes this many of their groups
 MAX_STALENESS = 10  # steps a group's weights may lag the trained ones; older groups are dropped
-WEIGHT_SYNC_STEPS = 0  # > 0: rank 0 serves its weights to workers this often; 0 = step_N on disk
-WEIGHT_SYNC_HOST = "127.0.0.1"  # where rank 0 serves them; "0.0.0.0" for other machines
-WEIGHT_SYNC_PORT = 59876  # the port it serves them on
-WEIGHTS_FROM = ""  # a worker: the trainer's http://host:WEIGHT_SYNC_PORT; "" = OUTPUT_DIR's step_N
-env_overrides.apply_env_overrides(globals(), "grpo_ref_split.py",
-                                  functions={"REWARDS": rewards, "TOOLS": tools})
+# Each optional feature's constants sit at the top of its module: vLLM's in features/vllm_engine.py,
+# LoRA's in features/lora.py, the fast paths' in features/fast_paths.py... (docs/constants.md).
+env_overrides.apply_env_overrides(globals(), "grpo_ref_split.py", functions={"REWARDS": rewards})
 
 
 # ----------------------------------------------------------------------------- the GRPO math
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo")  # LOSS_TYPE's choices (TIS_MODE's: vllm_engine.TIS_MODES)
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo")  # LOSS_TYPE's choices
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_id) -> torch.Tensor:
@@ -324,14 +278,15 @@ def generate(model, tokenizer, questions, gen_config, eos_ids, llm=None) -> Roll
     model.eval()  # no dropout; the KV cache on, even with gradient checkpointing
     sampler_logps = None  # vLLM's log-probs: transformers samples with the trainer's own weights
     tool = {}  # TOOLS: the calls and errors of each answer
-    if TOOLS:  # multi-turn: each <tool> call answered by a <result> the loss skips (docs/tools.md)
+    if tools.TOOLS:  # multi-turn: each <tool> call answered by a <result> (docs/tools.md)
         completion_ids, sampler_logps, tool = tools.generate_with_tools(
             model, tokenizer, enc, NUM_PRE_Q, llm=llm, gen_config=gen_config,
-            temperature=TEMPERATURE, tools=TOOLS, max_calls=MAX_TOOL_CALLS, eos_ids=eos_ids)
+            temperature=TEMPERATURE, tools=tools.chosen(), max_calls=tools.MAX_TOOL_CALLS,
+            eos_ids=eos_ids)
     elif llm is not None:  # vLLM: the same distribution, faster (docs/vllm.md)
         completion_ids, sampler_logps = vllm_engine.vllm_sample(
             llm, enc, NUM_PRE_Q, TEMPERATURE, eos_ids, tokenizer.pad_token_id, MAX_NEW_TOKENS)
-    elif SHARED_PREFIX:  # each prompt's KV cache once for its NUM_PRE_Q answers: the same samples
+    elif fast_paths.SHARED_PREFIX:  # each prompt's KV cache once for its answers: the same samples
         completion_ids = fast_paths.shared_generate(model, prompt_ids, prompt_mask, gen_config,
                                                     NUM_PRE_Q)
     else:  # the plain definition
@@ -339,7 +294,7 @@ def generate(model, tokenizer, questions, gen_config, eos_ids, llm=None) -> Roll
                              generation_config=gen_config)  # (B, P+T)
         completion_ids = out[:, prompt_ids.shape[1]:]  # (B, T)
     completion_ids = completion_ids.to(device)  # (B, T)
-    if TOOLS:  # by each answer's real length: one cut after a call has no EOS, and pads with it
+    if tools.TOOLS:  # by each answer's real length: one cut after a call has no EOS, pads with it
         mask = tool.pop("policy_mask").to(device)  # (B, T) the policy's own tokens
         stopped = tool.pop("stopped").to(device)  # (B,) False = cut off (budget or calls)
     else:
@@ -360,12 +315,13 @@ def generate(model, tokenizer, questions, gen_config, eos_ids, llm=None) -> Roll
 
 def logps_of(model, input_ids, attention_mask, n_completion, entropy=False, **pixels):
     """(B, T) log-probs at TEMPERATURE (and entropies): per_token_logps, or its fast equal."""
-    if not (SHARED_PREFIX or LOGP_FROM_HIDDEN or LOGP_CHUNK):  # every fast path off: the lesson's
+    if not fast_paths.any_on():  # every fast path off: the lesson's definition
         return per_token_logps(model, input_ids, attention_mask, n_completion, entropy, **pixels)
     return fast_paths.completion_logps(model, input_ids, attention_mask, n_completion, TEMPERATURE,
-                                       chunk=LOGP_CHUNK, shared_prefix=SHARED_PREFIX,
-                                       from_hidden=LOGP_FROM_HIDDEN, with_entropy=entropy,
-                                       vision_inputs=pixels)
+                                       chunk=fast_paths.LOGP_CHUNK,
+                                       shared_prefix=fast_paths.SHARED_PREFIX,
+                                       from_hidden=fast_paths.LOGP_FROM_HIDDEN,
+                                       with_entropy=entropy, vision_inputs=pixels)
 
 
 @torch.no_grad()
@@ -418,7 +374,7 @@ def upload_and_pull(groups: list, version: int, rank: int) -> list:
     """Step 5 with one reference server, as simple_GRPO does it: POST each group, then GET this
     rank's groups back with their ref_logps. Each GET acknowledges the one taken before (a lost
     answer comes again); what a restarted server lost is sent again. Else RefClient's (main())."""
-    if not server_client.uses_server(globals()):  # BETA 0, or LoRA's base as reference: ours
+    if not server_client.uses_server(beta=BETA, distill_coef=DISTILL_COEF):  # no server: ours
         return server_client.own_groups(groups, version, rank)
     def ask(method, path, body=None):  # asked again while busy or unreachable; a 4xx stops
         return wire.request_with_retry(method, REF_SERVER + path, REF_TOKEN, body,
@@ -457,7 +413,7 @@ def prepare_batch(engine, batch: Batch, normalizer=None) -> Batch:
     def current_logps():  # (B, T) under the weights as they are now
         return logps_of(engine.module.eval(), b.input_ids, b.attention_mask, b.mask.shape[1],
                         **b.vision_inputs)
-    if LORA_RANK > 0 and REF_FROM_BASE and BETA != 0:  # the reference: the base, adapters off
+    if lora.own_reference() and BETA != 0:  # LoRA's reference: the base, adapters off
         b.ref_logps = lora.base_logps(engine, current_logps)  # (B, T)
     if MU > 1 and (b.gen_logps is None or not b.gen_rows.all()):  # (B, T) every row's pi_old
         b.gen_logps = pi_old_logps(current_logps(), b.gen_logps, b.gen_rows, b.mask)
@@ -469,9 +425,13 @@ def policy_loss(engine, b: Batch):
     """Step 6: (the GRPO loss of a (micro-)batch under the current weights, its metrics)."""
     engine.train()
     advantages = b.advantages  # (B,) one per answer; with a teacher (B, T), one per token
-    if USE_TRITON:  # the same loss fused in one pass over the logits (grpo_loss_triton.py, GPU)
+    if fast_paths.USE_TRITON:  # the same loss fused in one pass over the logits (GPU)
         import grpo_loss_triton
-        loss, logps, entropy, old, weights = grpo_loss_triton.batch_loss(engine, b, globals())
+        loss, logps, entropy, old, weights = grpo_loss_triton.batch_loss(
+            engine, b, temperature=TEMPERATURE, beta=BETA, clip_eps=CLIP_EPS,
+            clip_eps_high=CLIP_EPS_HIGH, loss_type=LOSS_TYPE, max_tokens=MAX_NEW_TOKENS,
+            shared_prefix=fast_paths.SHARED_PREFIX, tis_cap=vllm_engine.TIS_CAP,
+            tis_mode=vllm_engine.TIS_MODE)
     else:
         logps, entropy = logps_of(engine, b.input_ids, b.attention_mask, b.mask.shape[1],
                                   entropy=True, **b.vision_inputs)
@@ -480,9 +440,10 @@ def policy_loss(engine, b: Batch):
             advantages = distill_advantages(b.advantages, teacher_logps=b.teacher_logps,
                                             sampler_logps=old, mask=b.mask, coef=DISTILL_COEF)
         weights = None  # vLLM's mismatch pi_old / pi_vllm, truncated or masked (TIS_MODE)
-        if b.sampler_logps is not None and TIS_CAP:
+        if b.sampler_logps is not None and vllm_engine.TIS_CAP:
             weights = vllm_engine.mismatch_weights(old, b.sampler_logps, b.sampler_rows,
-                                                   b.mask.bool(), mode=TIS_MODE, cap=TIS_CAP)
+                                                   b.mask.bool(), mode=vllm_engine.TIS_MODE,
+                                                   cap=vllm_engine.TIS_CAP)
         if OFF_POLICY_DELTA:  # DeepSeek-V3.2: far off-policy answers with A < 0 leave the surrogate
             weights = vllm_engine.off_policy_mask(weights, b, advantages=advantages, old=old,
                                                   logps=logps, delta=OFF_POLICY_DELTA)  # (B, T)
@@ -497,7 +458,8 @@ def policy_loss(engine, b: Batch):
         kl = None if b.ref_logps is None else k3(b.ref_logps, logps)  # (B, T)
         m = loss_metrics(loss, b, old=old, ratio=torch.exp(log_ratio), kl=kl, tis=weights,
                          entropy=entropy, clip_eps=CLIP_EPS, clip_eps_high=CLIP_EPS_HIGH,
-                         vllm=USE_VLLM, advantages=advantages, teacher=b.teacher_logps)
+                         vllm=vllm_engine.USE_VLLM, advantages=advantages,
+                         teacher=b.teacher_logps)
     if not b.share:  # a repeat that keeps this rank in step with the others: no gradient
         loss = loss * 0.0
     return loss, m
@@ -528,9 +490,9 @@ def batches_of(engine, groups, pad_id, image_processor=None) -> list:
     def to_batch(part):  # the groups as one padded Batch
         return Batch(**wire.collate(part, pad_id, teacher=DISTILL_COEF > 0,
                                     image_processor=image_processor))
-    if not TRAIN_MICRO_BATCH:
+    if not zero2.TRAIN_MICRO_BATCH:
         return [prepare_batch(engine, to_batch(groups))]
-    return zero2.micro_batches(groups, TRAIN_MICRO_BATCH, to_batch,
+    return zero2.micro_batches(groups, zero2.TRAIN_MICRO_BATCH, to_batch,
                                functools.partial(prepare_batch, engine),
                                functools.partial(wire.global_count, token_mean=LOSS_TYPE == "dapo"),
                                engine.device)
@@ -538,58 +500,103 @@ def batches_of(engine, groups, pad_id, image_processor=None) -> list:
 
 # ----------------------------------------------------------------------------- set-up
 def check_settings():
-    """Stop, before any model loads, on settings that cannot work (features/refusals.py)."""
-    refusals.refuse_impossible(globals(), LOSS_TYPE=LOSS_TYPES, TIS_MODE=vllm_engine.TIS_MODES,
-                               SCALE_REWARDS=SCALES, SAMPLER=question_sampler.SAMPLERS)
-    vision.check_settings(globals(), resolve_model_path(MODEL_PATH))  # images: no text fast paths
+    """Stop, before any model loads, on settings that cannot work (features/refusals.py, and each
+    feature's own check)."""
+    env_overrides.check_choice("LOSS_TYPE", LOSS_TYPE, LOSS_TYPES)
+    env_overrides.check_choice("SCALE_REWARDS", SCALE_REWARDS, SCALES)
+    vllm_engine.check_settings()
+    question_sampler.check_settings()
+    tools.check_settings()
+    refusals.refuse_impossible(gspo=GSPO, clip_eps=CLIP_EPS, clip_eps_high=CLIP_EPS_HIGH,
+                               loss_type=LOSS_TYPE, output_dir=OUTPUT_DIR)
+    refusals.refuse_distillation(distill_coef=DISTILL_COEF, off_policy_delta=OFF_POLICY_DELTA,
+                                 beta=BETA, kl_bias_correction=KL_BIAS_CORRECTION,
+                                 rewards=REWARDS, num_pre_q=NUM_PRE_Q, scale_rewards=SCALE_REWARDS)
+    images = vision.check_settings(resolve_model_path(MODEL_PATH), tools_on=bool(tools.TOOLS),
+                                   use_triton=fast_paths.USE_TRITON,
+                                   use_vllm=vllm_engine.USE_VLLM)
+    if images:  # the fast paths that run the text model alone are switched off
+        fast_paths.switch_off_for_images()
 
 
 def setup_deepspeed():
     """(engine, tokenizer, eos_ids, gen_config, rank, device): the policy (load_policy, LoRA,
     FREEZE_VISION) under ZeRO-2, set up from these constants (features/zero2.py)."""
-    return zero2.setup_from(globals(), load_policy)
+    return zero2.setup(load_policy, model_path=resolve_model_path(MODEL_PATH), seed=SEED,
+                       ds_config_path=DS_CONFIG, lr=LR, optimizer_steps=ALL_STEPS * MU)
+
+
+def run_genonly():
+    """`python grpo_ref_split.py genonly`: steps 1-4 forever, its groups uploaded for trainers to
+    take (features/worker.py); its questions are the training ones, never the held-out."""
+    client = server_client.RefClient(REF_SERVER, REF_TOKEN, SERVER_TIMEOUT)
+    dataset = rewards.load_questions(DATASET, SEED, ARITH_MAX)
+    questions, _ = rewards.split_held_out(dataset, evaluation.EVAL_SIZE)
+    model_path = resolve_model_path(MODEL_PATH)
+    start_llm = None  # transformers generates
+    if vllm_engine.USE_VLLM:
+        start_llm = functools.partial(vllm_engine.start, model_path, verbose=quiet.VERBOSE)
+    worker.run_worker(load_policy, functools.partial(rollout, with_gen_logps=True), client,
+                      questions=questions, q_batch_size=Q_BATCH_SIZE, first=model_path, seed=SEED,
+                      start_llm=start_llm, output_dir=OUTPUT_DIR,
+                      max_queued=worker.WORKER_MAX_QUEUED, allow_mismatch=ALLOW_REF_MISMATCH,
+                      trainers_read_server=server_client.uses_server(beta=BETA,
+                                                                     distill_coef=DISTILL_COEF),
+                      weights_from=weight_sync.WEIGHTS_FROM, token=REF_TOKEN)
 
 
 # ----------------------------------------------------------------------------- the loop
 def main():
     check_settings()  # before any model loads
-    quiet.quiet_libraries(VERBOSE)
+    quiet.quiet_libraries(quiet.VERBOSE)
     dataset = rewards.load_questions(DATASET, SEED, ARITH_MAX)  # its last EVAL_SIZE never train
-    questions, held_out = rewards.split_held_out(dataset, EVAL_SIZE)
-    if MEMORY_PLAN:  # will this setting fit? printed, and a stop before the weights load
-        memory_plan.check(resolve_model_path(MODEL_PATH), memory_plan.setting_from(globals()),
-                          build_prompt=build_prompt, questions=questions)
+    questions, held_out = rewards.split_held_out(dataset, evaluation.EVAL_SIZE)
+    if memory_plan.MEMORY_PLAN:  # will this setting fit? printed; a stop before the weights load
+        setting = memory_plan.setting_for_run(q_batch_size=Q_BATCH_SIZE, num_pre_q=NUM_PRE_Q,
+                                              max_new_tokens=MAX_NEW_TOKENS,
+                                              distill_coef=DISTILL_COEF, ds_config_path=DS_CONFIG)
+        memory_plan.check(resolve_model_path(MODEL_PATH), setting, build_prompt=build_prompt,
+                          questions=questions)
     engine, tokenizer, eos_ids, gen_config, rank, device = setup_deepspeed()
     model = engine.module  # the same weights without the engine: generation and evaluation
     client = None  # no server: no reference at all (BETA 0), or LoRA's base is the reference
     health = {}  # the server's model, checked: this policy's, or a teacher with its vocabulary
-    if server_client.uses_server(globals()):
-        client = server_client.RefClient(REF_SERVER, REF_TOKEN, SERVER_TIMEOUT, EXTRA_GROUPS)
+    if server_client.uses_server(beta=BETA, distill_coef=DISTILL_COEF):
+        client = server_client.RefClient(REF_SERVER, REF_TOKEN, SERVER_TIMEOUT,
+                                         worker.EXTRA_GROUPS)
         health = client.health(model, tokenizer, ALLOW_REF_MISMATCH, teacher=DISTILL_COEF > 0)
     regroup = bool(health.get("regroup"))  # it pools answers of older weights: send gen_logps
     keep_all = bool(regroup or health.get("reward_model") or DISTILL_COEF)  # equal groups teach too
-    several = "," in REF_SERVER or EXTRA_GROUPS > 0 or regroup  # servers, workers: RefClient's
+    several = "," in REF_SERVER or worker.EXTRA_GROUPS > 0 or regroup  # RefClient's cases
     exchange = client.upload_and_pull if client and several else upload_and_pull  # step 5
-    sampler = question_sampler.QuestionSampler(questions, SEED + rank, SAMPLER, REPLAY_SHARE)
-    llm = vllm_engine.start_from(globals(), SEED + rank, model.dtype)  # USE_VLLM; else None
+    sampler = question_sampler.QuestionSampler(questions, SEED + rank, question_sampler.SAMPLER,
+                                               question_sampler.REPLAY_SHARE)
+    llm = vllm_engine.start(resolve_model_path(MODEL_PATH), SEED + rank, model.dtype,
+                            verbose=quiet.VERBOSE)  # USE_VLLM; else None
     sample = functools.partial(generate, model, tokenizer, gen_config=gen_config, eos_ids=eos_ids,
                                llm=llm)  # sample(questions): NUM_PRE_Q answers to each
     score = functools.partial(rewards.score, REWARDS)  # score(texts, golds, questions)
-    pass_rates.pass_rate_from(globals(), sampler, sample, score, rank)  # PASS_RATE_QUESTIONS
+    if pass_rates.PASS_RATE_QUESTIONS:  # "learnability": pass rates measured before step 1
+        pass_rates.pass_rate_pass(sampler, sample, score, count=pass_rates.PASS_RATE_QUESTIONS,
+                                  group=NUM_PRE_Q, output_dir=OUTPUT_DIR, batch=Q_BATCH_SIZE,
+                                  rank=rank)
     start = 0  # the last step done: a resumed checkpoint's
-    if RESUME:
-        start = checkpoints.resume(engine, sampler, rank, output_dir=OUTPUT_DIR, lora=LORA_RANK > 0,
+    adapters_only = lora.LORA_RANK > 0  # LoRA: checkpoints hold the adapters, not the model
+    if checkpoints.RESUME:
+        start = checkpoints.resume(engine, sampler, rank, output_dir=OUTPUT_DIR, lora=adapters_only,
                                    llm=llm)  # vLLM loaded MODEL_PATH: the resumed weights go in
-    publisher = weight_sync.publisher_from(globals(), model, start, rank)  # WEIGHT_SYNC_STEPS
+    publisher = weight_sync.publisher_from(model, start, rank, REF_TOKEN)  # WEIGHT_SYNC_STEPS
     reward_names = [fn.__name__ for fn, _ in REWARDS]
-    log = RunLog(OUTPUT_DIR, reward_names, resumed_step=start, tensorboard=TENSORBOARD,
-                 completions_every=LOG_COMPLETIONS_STEPS) if rank == 0 else None  # rank 0 writes
+    log = None  # rank 0 writes the logs
+    if rank == 0:
+        log = RunLog(OUTPUT_DIR, reward_names, resumed_step=start, tensorboard=run_log.TENSORBOARD,
+                     completions_every=run_log.LOG_COMPLETIONS_STEPS)
     evaluate = functools.partial(  # evaluate(step): held-out greedy accuracy into the log
         evaluation.log_eval, model=model, questions=held_out, log=log, rank=rank, score=score,
         tokenizer=tokenizer, encode=encode_prompts, decode=decode, eos_ids=eos_ids, llm=llm,
-        max_new_tokens=MAX_NEW_TOKENS, tools=TOOLS, max_calls=MAX_TOOL_CALLS,
-        samples=EVAL_SAMPLES, sample_config=gen_config)
-    if EVAL_STEPS > 0 and start == 0:
+        max_new_tokens=MAX_NEW_TOKENS, tools=tools.chosen(), max_calls=tools.MAX_TOOL_CALLS,
+        samples=evaluation.EVAL_SAMPLES, sample_config=gen_config)
+    if evaluation.EVAL_STEPS > 0 and start == 0:
         evaluate(0)
     wanted = Q_BATCH_SIZE if DYNAMIC_SAMPLING else 1  # groups with different rewards a step needs
     steps = range(start + 1, ALL_STEPS + 1)
@@ -624,18 +631,18 @@ def main():
         m.update(train_step(engine, batches))  # 6-7. the loss, the optimizer step
         m["max_weight_gap"] = weight_gap(model)  # 0: every rank holds the same weights
         if publisher is not None:  # rank 0 with WEIGHT_SYNC_STEPS: the weights to workers
-            weight_sync.publish_every(publisher, model, step, WEIGHT_SYNC_STEPS)
+            weight_sync.publish_every(publisher, model, step, weight_sync.WEIGHT_SYNC_STEPS)
         if llm is not None:
             with timed(m, "push_s"):
                 vllm_engine.push_weights(llm, model)  # the next rollouts' weights
         m = step_metrics(m, groups, answers, step=step, attempts=attempt, step_start=step_start,
                          group_size=NUM_PRE_Q, reward_names=reward_names)
         log_step(step, m, answers, log, device)
-        if EVAL_STEPS > 0 and (step % EVAL_STEPS == 0 or step == ALL_STEPS):
+        if evaluation.due(step, last_step=ALL_STEPS):
             evaluate(step)
-        if step == ALL_STEPS or (SAVE_STEPS and step % SAVE_STEPS == 0):
-            checkpoints.save_checkpoint(engine, tokenizer, step, sampler, rank, lora=LORA_RANK > 0,
-                                        output_dir=OUTPUT_DIR, keep=KEEP_CHECKPOINTS)
+        if checkpoints.due(step, last_step=ALL_STEPS):
+            checkpoints.save_checkpoint(engine, tokenizer, step, sampler, rank, lora=adapters_only,
+                                        output_dir=OUTPUT_DIR, keep=checkpoints.KEEP_CHECKPOINTS)
             if rank == 0:
                 plot_curves(log.metrics.name, reward_names)
     lora.save_merged(model, tokenizer, OUTPUT_DIR, rank)  # LoRA: OUTPUT_DIR/merged
@@ -644,7 +651,7 @@ def main():
 
 
 if __name__ == "__main__":  # `deepspeed` adds --local_rank=N: "genonly" may stand anywhere
-    if GENONLY or "genonly" in sys.argv[1:]:  # a generation worker: steps 1-4 (features/worker.py)
-        worker.run_for_trainer(globals(), load_policy, rollout)
+    if worker.GENONLY or "genonly" in sys.argv[1:]:  # a generation worker: steps 1-4
+        run_genonly()
     else:
         main()

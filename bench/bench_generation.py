@@ -33,7 +33,10 @@ def main():
     path = resolve_model_path(grpo.MODEL_PATH)
     model, tokenizer, eos_ids, gen_config = grpo.load_policy(path, torch.device("cpu"))
     start = time.perf_counter()
-    llm = vllm_engine.start_from({**vars(grpo), "USE_VLLM": True}, grpo.SEED, model.dtype)
+    llm = vllm_engine.start_engine(resolve_model_path(grpo.MODEL_PATH), grpo.SEED, model.dtype,
+                                   eager=vllm_engine.VLLM_EAGER,
+                                   gpu_memory=vllm_engine.VLLM_GPU_MEMORY,
+                                   cpu_kv_gb=vllm_engine.VLLM_CPU_KV_GB)
     start_s = time.perf_counter() - start
     questions = load_questions(grpo.DATASET, grpo.SEED, grpo.ARITH_MAX)
     seconds, tokens = defaultdict(list), defaultdict(list)
@@ -52,7 +55,7 @@ def main():
     result = {name: dict(s_per_batch=round(statistics.median(seconds[name][1:]), 2),
                          tokens_per_s=round(statistics.median(tokens[name][1:]), 1)) for name in seconds}
     ratio = result["vLLM"]["tokens_per_s"] / result["transformers"]["tokens_per_s"]
-    eager = grpo.VLLM_EAGER
+    eager = vllm_engine.VLLM_EAGER
     print(f"vLLM ({'eager' if eager else 'compiled'}) engine start {start_s:.1f} s; median of rounds 1-{ROUNDS - 1}:")
     for name, v in result.items():
         print(f"  {name:12s} {v['s_per_batch']:6.2f} s per batch  {v['tokens_per_s']:6.1f} tok/s")

@@ -48,7 +48,7 @@ def child():
     seconds, peak = time.perf_counter() - start, hwm_bytes()
     with tempfile.TemporaryDirectory() as out:  # what save_checkpoint writes per step
         save_checkpoint(engine, tokenizer, 1, __import__("random").Random(0), 0, output_dir=out, keep=1,
-                        lora=grpo.LORA_RANK > 0)
+                        lora=grpo.lora.LORA_RANK > 0)
         checkpoint = folder_bytes(os.path.join(out, "step_1"))
     params = list(engine.module.parameters())
     print(json.dumps({"peak_bytes": peak, "seconds": seconds, "checkpoint_bytes": checkpoint,

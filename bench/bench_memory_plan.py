@@ -88,10 +88,11 @@ def planned(changes: dict, prompt_tokens: int) -> int:
         ranks=1, ranks_per_node=1, bf16=False, offload_optimizer=False, lora_rank=value("LORA_RANK"),
         gradient_checkpointing=bool(value("GRADIENT_CHECKPOINTING")), q_batch_size=grpo.Q_BATCH_SIZE,
         train_micro_batch=value("TRAIN_MICRO_BATCH"), num_pre_q=grpo.NUM_PRE_Q,
-        prompt_tokens=prompt_tokens, max_new_tokens=value("MAX_NEW_TOKENS"), logp_chunk=grpo.LOGP_CHUNK,
-        logp_from_hidden=grpo.LOGP_FROM_HIDDEN, shared_prefix=grpo.SHARED_PREFIX)
+        prompt_tokens=prompt_tokens, max_new_tokens=value("MAX_NEW_TOKENS"),
+        logp_chunk=grpo.fast_paths.LOGP_CHUNK, logp_from_hidden=grpo.fast_paths.LOGP_FROM_HIDDEN,
+        shared_prefix=grpo.fast_paths.SHARED_PREFIX)
     shape = memory_plan.model_shape(resolve_model_path(grpo.MODEL_PATH), lora_rank=setting.lora_rank,
-                                    lora_targets=grpo.LORA_TARGETS)
+                                    lora_targets=grpo.lora.LORA_TARGETS)
     rows = memory_plan.plan(shape, setting, device_bytes=24 * 2**30)
     held = rows[0].trainer + rows[0].cpu + rows[1].trainer  # on a CPU the two sides are one RAM
     return held + rows[2].trainer + rows[3].trainer  # the step: no generation in this bench

@@ -60,7 +60,8 @@ def reference(conn):
     while conn.recv() == "go":
         with torch.no_grad():
             completion_logps(model, ids, attn, ANSWER_TOKENS, grpo.TEMPERATURE, shared_prefix=True,
-                             chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)  # (B, T)
+                             chunk=grpo.fast_paths.LOGP_CHUNK,
+                             from_hidden=grpo.fast_paths.LOGP_FROM_HIDDEN)  # (B, T)
         conn.send(time.perf_counter())
 
 
@@ -76,7 +77,8 @@ def main():
     def policy_step():
         model.zero_grad(set_to_none=True)
         logps = completion_logps(model, ids, attn, ANSWER_TOKENS, grpo.TEMPERATURE, shared_prefix=True,
-                                 chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)  # (B, T)
+                                 chunk=grpo.fast_paths.LOGP_CHUNK,
+                                 from_hidden=grpo.fast_paths.LOGP_FROM_HIDDEN)  # (B, T)
         logps.mean().backward()  # the loss's own cost is nothing beside the model's
 
     seconds = {"one after the other": [], "at the same time": []}

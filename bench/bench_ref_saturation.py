@@ -51,7 +51,8 @@ def main():
                 ids = tensors["input_ids"]
                 completion_logps(engine.module.eval(), ids, torch.ones_like(ids),
                                  ids.shape[1] - meta["plen"], grpo.TEMPERATURE, shared_prefix=True,
-                                 chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)
+                                 chunk=grpo.fast_paths.LOGP_CHUNK,
+                                 from_hidden=grpo.fast_paths.LOGP_FROM_HIDDEN)
         times["ref"].append(time.perf_counter() - start)
         start = time.perf_counter()
         grpo.train_step(engine, grpo.batches_of(engine, groups, tokenizer.pad_token_id))

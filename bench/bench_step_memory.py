@@ -46,7 +46,8 @@ def demo_groups(engine, tokenizer, n_groups) -> list:
         ids = torch.cat([torch.tensor(prompt).expand(G, -1), torch.randint(100, 5000, (G, T), generator=g)], 1)
         with torch.no_grad():
             ref = completion_logps(engine, ids, torch.ones_like(ids), T, grpo.TEMPERATURE, shared_prefix=True,
-                                   chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)
+                                   chunk=grpo.fast_paths.LOGP_CHUNK,
+                                   from_hidden=grpo.fast_paths.LOGP_FROM_HIDDEN)
         groups.append((dict(input_ids=ids, completion_mask=torch.ones(G, T, dtype=torch.bool),
                             advantages=torch.randn(G, generator=g), ref_logps=ref + 0.1), {"plen": len(prompt)}))
     return groups

@@ -28,7 +28,8 @@ def main():
         sys.exit(f"CHECKPOINT={CHECKPOINT!r} is not a folder: point it at a run's step_N checkpoint")
     model, tokenizer, eos_ids, gen_config = grpo.load_policy(CHECKPOINT, torch.device("cpu"))
     model.eval()
-    _, held_out = split_held_out(load_questions(grpo.DATASET, grpo.SEED, grpo.ARITH_MAX), grpo.EVAL_SIZE)
+    dataset = load_questions(grpo.DATASET, grpo.SEED, grpo.ARITH_MAX)
+    _, held_out = split_held_out(dataset, grpo.evaluation.EVAL_SIZE)
     golds = [q["gold"] for q in held_out]
     greedy_texts = held_out_answers(model, held_out, encode=grpo.encode_prompts, tokenizer=tokenizer,
                                     decode=grpo.decode, eos_ids=eos_ids,

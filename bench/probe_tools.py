@@ -36,19 +36,23 @@ def main():
     model, tokenizer, eos_ids, gen_config = grpo.load_policy(path, torch.device("cpu"))
     llm = None
     if os.environ.get("USE_VLLM", "1") == "1" and importlib.util.find_spec("vllm"):
-        llm = vllm_engine.start_from({**vars(grpo), "USE_VLLM": True}, 0, model.dtype)
+        llm = vllm_engine.start_engine(resolve_model_path(grpo.MODEL_PATH), 0, model.dtype,
+                                       eager=vllm_engine.VLLM_EAGER,
+                                       gpu_memory=vllm_engine.VLLM_GPU_MEMORY,
+                                       cpu_kv_gb=vllm_engine.VLLM_CPU_KV_GB)
     else:
         print("without vLLM: transformers' generate (slower)")
-    questions = load_questions("arithmetic_mixed", grpo.SEED)[: -grpo.EVAL_SIZE]
+    questions = load_questions("arithmetic_mixed", grpo.SEED)[: -grpo.evaluation.EVAL_SIZE]
     print(f"{'prompt':32s} {'kind':6s} {'answers':>7s} {'call':>6s} {'exact call':>10s} {'right':>6s}")
     for name, (system, example) in PROMPTS.items():
         grpo.SYSTEM_PROMPT, grpo.EXAMPLE = system, example
         for kind in ("small", "large"):
             qs = [q for q in questions if q["tag"] == kind][: SAMPLES // PER_QUESTION]
             enc = grpo.encode_prompts(tokenizer, qs)
-            ids, _, out = tools.generate_with_tools(model, tokenizer, enc, PER_QUESTION, gen_config=gen_config,
-                                                    llm=llm, temperature=grpo.TEMPERATURE, tools=grpo.TOOLS,
-                                                    max_calls=grpo.MAX_TOOL_CALLS, eos_ids=eos_ids)
+            ids, _, out = tools.generate_with_tools(
+                model, tokenizer, enc, PER_QUESTION, gen_config=gen_config, llm=llm,
+                temperature=grpo.TEMPERATURE, tools=grpo.tools.chosen(),
+                max_calls=grpo.tools.MAX_TOOL_CALLS, eos_ids=eos_ids)
             texts = grpo.decode(tokenizer, ids)
             golds = [q["gold"] for q in qs for _ in range(PER_QUESTION)]
             called = [c > 0 for c in out["tool_calls"]]

@@ -10,8 +10,18 @@ import sys
 
 import torch
 
-from features import zero2
+from features import env_overrides, zero2
 from features.vllm_engine import push_weights
+
+SAVE_STEPS = 10  # OUTPUT_DIR/step_N every this many steps and at the end; 0 = at the end only
+KEEP_CHECKPOINTS = 2  # newest step_N folders kept; each holds the weights and AdamW's moments
+RESUME = False  # True = continue from the newest step_N: weights, optimizer, step, data position
+env_overrides.apply_env_overrides(globals(), "features/checkpoints.py")
+
+
+def due(step: int, *, last_step: int) -> bool:
+    """Whether step_N is saved after `step`: every SAVE_STEPS and at the last step."""
+    return step == last_step or (SAVE_STEPS > 0 and step % SAVE_STEPS == 0)
 
 
 def checkpoints(output_dir):

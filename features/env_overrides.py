@@ -1,6 +1,8 @@
-"""Constants from the environment: any UPPER_CASE constant of a file, overridden by a variable of the same name.
+"""Constants from the environment: any UPPER_CASE constant of a file, overridden by a variable of
+the same name. Each file with settings calls it once, under its constants: the trainer, the server
+and each feature module (features/vllm_engine.py for USE_VLLM...).
 
-    ALL_STEPS=2 deepspeed --num_gpus 1 grpo_ref_split.py       # grpo_ref_split.py and ref_server.py call it
+    ALL_STEPS=2 USE_VLLM=1 deepspeed --num_gpus 1 grpo_ref_split.py
 """
 import ast
 import difflib
@@ -79,12 +81,11 @@ def own_constants(namespace: dict) -> set:
     return own
 
 
-def check_choices(namespace: dict, **choices) -> None:
+def check_choice(name: str, value, options) -> None:
     """Stop with a clear message when a constant that names one of a few options holds none of them:
-    check_choices(globals(), LOSS_TYPE=("grpo", "dapo", "dr_grpo"))."""
-    for name, options in choices.items():
-        if namespace[name] not in options:
-            sys.exit(f"{name} = {namespace[name]!r}: one of {', '.join(map(repr, options))}")
+    check_choice("LOSS_TYPE", LOSS_TYPE, ("grpo", "dapo", "dr_grpo"))."""
+    if value not in options:
+        sys.exit(f"{name} = {value!r}: one of {', '.join(map(repr, options))}")
 
 
 def named_functions(x, module):

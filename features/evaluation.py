@@ -8,9 +8,21 @@ import math
 
 import torch
 
+from features import env_overrides
 from features.tools import generate_with_tools
 from features.vision import pixel_rows
 from features.vllm_engine import vllm_sample
+
+EVAL_STEPS = 10  # held-out greedy accuracy before step 1 and every this many steps; 0 = never
+EVAL_SIZE = 128  # held-out questions: the dataset's last EVAL_SIZE, never trained on
+EVAL_SAMPLES = 0  # k > 0: also k sampled answers per held-out question, for pass@k (k x the time)
+env_overrides.apply_env_overrides(globals(), "features/evaluation.py")
+
+
+def due(step: int, *, last_step: int) -> bool:
+    """Whether the held-out evaluation runs after `step`: every EVAL_STEPS and at the last step."""
+    return EVAL_STEPS > 0 and (step % EVAL_STEPS == 0 or step == last_step)
+
 
 EVAL_BATCH = 16  # questions per generate call (transformers): bounds memory, not the result
 CORRECT = "reward_correct"  # the reward whose value > 0 counts as solved, for pass@k

@@ -18,7 +18,33 @@ import threading
 
 import torch
 
+from features import env_overrides
 from features.vision import select_rows
+
+SHARED_PREFIX = True  # each group's prompt runs once, its KV cache shared; False = full rows
+LOGP_FROM_HIDDEN = True  # log-probs from the LM head's input in chunks; False = the plain logits
+LOGP_CHUNK = 128  # tokens whose logits exist at once: (LOGP_CHUNK, V), not (B, T, V); 0 = all
+USE_TRITON = False  # True = the fused Triton loss (grpo_loss_triton.py, GPU)
+env_overrides.apply_env_overrides(globals(), "features/fast_paths.py")
+
+
+def switch_off_for_images():
+    """A vision-language model: SHARED_PREFIX and LOGP_FROM_HIDDEN off, saying so (they run the
+    text model alone, without the pixels)."""
+    global SHARED_PREFIX, LOGP_FROM_HIDDEN
+    text_only = [name for name, on in (("SHARED_PREFIX", SHARED_PREFIX),
+                                       ("LOGP_FROM_HIDDEN", LOGP_FROM_HIDDEN)) if on]
+    if text_only:
+        print(f"vision model: {' and '.join(text_only)} off (they run the text model alone)",
+              flush=True)
+    SHARED_PREFIX = False
+    LOGP_FROM_HIDDEN = False
+
+
+def any_on() -> bool:
+    """Whether a log-prob fast path is on; all off, the trainer runs the lesson's definition."""
+    return bool(SHARED_PREFIX or LOGP_FROM_HIDDEN or LOGP_CHUNK)
+
 
 # What transformers' GradientCheckpointingLayer reads on each layer: this module switches them per
 # block.

@@ -8,7 +8,20 @@ import shutil
 
 import torch
 
+from features import env_overrides
 from features.vision import vision_tower
+
+LORA_RANK = 0  # adapter rank; 0 = full fine-tuning. 16 is common
+LORA_ALPHA = 32  # the adapters' update is scaled by LORA_ALPHA / LORA_RANK
+LORA_TARGETS = "all-linear"  # peft's target_modules: every linear layer but the head, or a regex
+REF_FROM_BASE = True  # LoRA: reference log-probs from the base (adapters off) here; no server
+env_overrides.apply_env_overrides(globals(), "features/lora.py")
+
+
+def own_reference() -> bool:
+    """Whether the trainer takes reference log-probs from its own base (LoRA with REF_FROM_BASE)
+    instead of a reference server."""
+    return LORA_RANK > 0 and REF_FROM_BASE
 
 
 def add_lora(model, *, rank, alpha, targets, seed, quiet=False):

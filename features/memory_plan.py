@@ -22,6 +22,12 @@ import sys
 
 import torch
 
+from features import env_overrides
+
+MEMORY_PLAN = True  # print what each device will hold and stop if it cannot fit; False = skip it
+env_overrides.apply_env_overrides(globals(), "features/memory_plan.py")
+
+
 FIT_SHARE = 0.75  # a plan above this share of a device "may not fit": it has run below measured peaks
 GIB = 2**30
 
@@ -304,9 +310,41 @@ def check(model_path: str, s: Setting, *, build_prompt, questions):
                  "(docs/gpus.md), or use more ranks or machines")
 
 
+def setting_for_run(*, q_batch_size, num_pre_q, max_new_tokens, distill_coef,
+                    ds_config_path) -> Setting:
+    """The trainer's Setting: the keywords are its constants of those names; every feature's own
+    constants are read from its module (LoRA, the fast paths, ZeRO-2's, vLLM's, vision's)."""
+    from features import fast_paths, lora, vision, vllm_engine, zero2
+
+    setting = Setting(offload_optimizer=zero2.OFFLOAD_OPTIMIZER, lora_rank=lora.LORA_RANK,
+                      lora_targets=lora.LORA_TARGETS,
+                      gradient_checkpointing=zero2.GRADIENT_CHECKPOINTING,
+                      q_batch_size=q_batch_size, train_micro_batch=zero2.TRAIN_MICRO_BATCH,
+                      num_pre_q=num_pre_q, max_new_tokens=max_new_tokens,
+                      logp_chunk=fast_paths.LOGP_CHUNK,
+                      logp_from_hidden=fast_paths.LOGP_FROM_HIDDEN,
+                      shared_prefix=fast_paths.SHARED_PREFIX, use_vllm=vllm_engine.USE_VLLM,
+                      vllm_gpu_memory=vllm_engine.VLLM_GPU_MEMORY,
+                      vllm_cpu_kv_gb=vllm_engine.VLLM_CPU_KV_GB, distill_coef=distill_coef,
+                      freeze_vision=vision.FREEZE_VISION)
+    bucket = reduce_bucket_size(ds_config_path)
+    if bucket is not None:
+        setting.reduce_bucket_size = bucket
+    return setting
+
+
+def reduce_bucket_size(ds_config_path):
+    """zero_optimization.reduce_bucket_size of the DeepSpeed config at ds_config_path, or None."""
+    if not ds_config_path or not os.path.exists(ds_config_path):
+        return None
+    with open(ds_config_path) as f:
+        bucket = json.load(f).get("zero_optimization", {}).get("reduce_bucket_size")
+    return None if bucket is None else int(float(bucket))
+
+
 def setting_from(constants) -> Setting:
-    """A Setting from the trainer's constants: each field read from its UPPER_CASE name in `constants`
-    (the trainer's globals(), or os.environ's text, BF16 there for the dtype); absent names keep the default."""
+    """A Setting from the environment's text (os.environ: `python -m features.memory_plan`), each
+    field read from its UPPER_CASE name, BF16 for the dtype; absent names keep the default."""
     setting = Setting()
     for field in dataclasses.fields(Setting):
         value = constants.get(field.name.upper())
@@ -317,12 +355,9 @@ def setting_from(constants) -> Setting:
         elif isinstance(value, str):
             value = type(field.default)(value)
         setattr(setting, field.name, value)
-    ds_config = constants.get("DS_CONFIG")  # the trainer's DeepSpeed config may set the bucket
-    if ds_config and os.path.exists(ds_config):
-        with open(ds_config) as f:
-            bucket = json.load(f).get("zero_optimization", {}).get("reduce_bucket_size")
-        if bucket is not None:
-            setting.reduce_bucket_size = int(float(bucket))
+    bucket = reduce_bucket_size(constants.get("DS_CONFIG"))  # the DeepSpeed config may set it
+    if bucket is not None:
+        setting.reduce_bucket_size = bucket
     return setting
 
 

@@ -12,21 +12,17 @@ import time
 import torch
 from tqdm import tqdm
 
-from features.question_sampler import PASS_KEY
+from features import env_overrides, question_sampler
+
+PASS_RATE_QUESTIONS = 0  # > 0: before step 1, NUM_PRE_Q answers to this many, for "learnability"
+env_overrides.apply_env_overrides(globals(), "features/pass_rates.py")
+
 
 FILE = "pass_rates.json"
 
 
-def pass_rate_from(constants: dict, sampler, sample, score, rank):
-    """The trainer's pass-rate pass before step 1, when PASS_RATE_QUESTIONS > 0 (constants: its
-    globals(), read by name); else nothing."""
-    if constants["PASS_RATE_QUESTIONS"]:
-        pass_rate_pass(sampler, sample, score, count=constants["PASS_RATE_QUESTIONS"],
-                       group=constants["NUM_PRE_Q"], output_dir=constants["OUTPUT_DIR"],
-                       batch=constants["Q_BATCH_SIZE"], rank=rank)
-
-
-def pass_rate_pass(sampler, sample, score, *, count, group, output_dir, batch, rank, pass_key=PASS_KEY):
+def pass_rate_pass(sampler, sample, score, *, count, group, output_dir, batch, rank,
+                   pass_key=question_sampler.PASS_KEY):
     """Measure (or read back) the pass rates of the sampler's first `count` questions and keep the
     sampler to those, weighted by them. sample(questions) -> the trainer's Rollout of `group` answers
     to each; score(texts, golds, questions) -> (totals, {reward name: values}); an answer passes when

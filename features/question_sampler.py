@@ -7,8 +7,7 @@ policy always gets right (mastered) or always wrong (out of reach) costs a rollo
 nothing. prime-rl keeps easy, normal and hard pools by pass rate; verl and OpenRLHF filter a dataset
 by pass rate beforehand. Here each question keeps one record, its latest group's outcome, which
 needs no pass over the dataset:
-  - varied (different rewards): it joins the replay pool; up to REPLAY_SHARE (the trainer's) of each
-  draw comes
+  - varied (different rewards): it joins the replay pool; up to REPLAY_SHARE of each draw comes
     from the pool, oldest first, and a question is replayed at most MAX_REPLAYS times in a row (else
     a few questions the policy never settles would take over the run);
   - uniform (all the same): fresh draws weigh it UNIFORM_KEEP, against 1 for a question not seen or
@@ -30,7 +29,13 @@ import sys
 
 from tqdm import tqdm
 
-SAMPLERS = ("uniform", "difficulty", "learnability")
+from features import env_overrides
+
+SAMPLER = "uniform"  # | "difficulty": redraw varied ones | "learnability": weight p (1 - p)
+REPLAY_SHARE = 0.75  # SAMPLER "difficulty": at most this share of a draw replays varied questions
+env_overrides.apply_env_overrides(globals(), "features/question_sampler.py")
+
+SAMPLERS = ("uniform", "difficulty", "learnability")  # SAMPLER's choices
 PASS_KEY = "reward_correct"  # the answer record's reward that is positive when the answer is right
 UNKNOWN_PASS_RATE = 0.5  # "learnability": a question without a measured pass rate counts as this
 MAX_REPLAYS = 2  # a question trained this many times in a row goes back among the fresh ones
@@ -38,12 +43,17 @@ MAX_REPLAYS = 2  # a question trained this many times in a row goes back among t
 UNIFORM_KEEP = 0.1
 
 
+def check_settings():
+    """Stop, before any model loads, on a SAMPLER that is none of SAMPLERS."""
+    env_overrides.check_choice("SAMPLER", SAMPLER, SAMPLERS)
+
+
 class QuestionSampler:
     """sample(n) -> n distinct questions; record(answer records, group size) after each rollout."""
 
     def __init__(self, questions, seed, mode="uniform", replay_share=0.75):
         """replay_share: of each draw at most this share (rounded up) comes from the replay pool
-        (the trainer's REPLAY_SHARE); the rest are new questions."""
+        (REPLAY_SHARE); the rest are new questions."""
         if mode not in SAMPLERS:
             raise ValueError(f"SAMPLER = {mode!r}: one of {', '.join(SAMPLERS)}")
         self.questions, self.mode, self.rng = questions, mode, random.Random(seed)

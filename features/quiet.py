@@ -7,6 +7,12 @@ errors still show; VERBOSE = True shows everything. C++ notices (NUMA binding) a
 import logging
 import warnings
 
+from features import env_overrides
+
+VERBOSE = False  # True = other libraries' notices and loading bars; False = their warnings only
+env_overrides.apply_env_overrides(globals(), "features/quiet.py")
+
+
 # DeepSpeed warns of these on every CPU run; neither says anything is wrong.
 HARMLESS = ("Setting accelerator to CPU",  # no GPU: this machine has none
             "Attempting to get learning rate from scheduler before it has started")  # its own __init__

@@ -15,8 +15,14 @@ import time
 import torch
 from tqdm import tqdm
 
+from features import env_overrides
 from features.vllm_engine import sampler_gap
 from features.wire import sampled_version
+
+LOG_COMPLETIONS_STEPS = 1  # every this many steps, each answer as a line of completions.jsonl
+TENSORBOARD = False  # True = every metric also as a TensorBoard scalar under OUTPUT_DIR/tb
+env_overrides.apply_env_overrides(globals(), "features/run_log.py")
+
 
 # of the one sampled answer printed under each step: enough to see the format appear
 SAMPLE_CHARS = 200

@@ -296,11 +296,12 @@ def check_reference(url, health, model, tokenizer, allow_mismatch, teacher=False
                  "MODEL_PATH, or set ALLOW_REF_MISMATCH=1 to train against another reference on purpose")
 
 
-def uses_server(constants: dict) -> bool:
-    """Whether the trainer (constants: its globals()) uses ref_server.py: a teacher, or a reference
-    not from LoRA's base (BETA > 0)."""
-    own_reference = constants["LORA_RANK"] > 0 and constants["REF_FROM_BASE"]
-    return constants["DISTILL_COEF"] > 0 or (constants["BETA"] != 0 and not own_reference)
+def uses_server(*, beta, distill_coef) -> bool:
+    """Whether the trainer uses ref_server.py: a teacher (distill_coef > 0), or a reference
+    (beta != 0) that is not LoRA's base (features/lora.py)."""
+    from features import lora
+
+    return distill_coef > 0 or (beta != 0 and not lora.own_reference())
 
 
 def own_groups(groups, version, rank) -> list:

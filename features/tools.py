@@ -12,11 +12,18 @@ import ast
 import copy
 import math
 import operator
+import sys
 from fractions import Fraction
 
 import torch
 
+from features import env_overrides
 from features.vllm_engine import sampled_logps, sampling_params
+
+TOOLS = []  # names of this module's tools, f(text in <tool></tool>) -> <result>; [] = one turn
+MAX_TOOL_CALLS = 3  # calls an answer may make; results count in MAX_NEW_TOKENS, not in the loss
+env_overrides.apply_env_overrides(globals(), "features/tools.py")  # TOOLS='["calculator"]'
+
 
 TOOL_OPEN, TOOL_CLOSE = "<tool>", "</tool>"  # what the model writes around a call; generation stops at the close
 RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"  # what the toolkit writes around the tool's answer
@@ -211,3 +218,19 @@ def generate_with_tools(model, tokenizer, enc, n, *, gen_config, llm, temperatur
                        pad_id=gen_config.pad_token_id)
     del out["tool_mask"]
     return out.pop("completion_ids"), out.pop("sampler_logps"), out
+
+
+AVAILABLE = {"calculator": calculator}  # the tools TOOLS may name, by name; add yours here
+
+
+def chosen() -> list:
+    """The tool functions TOOLS names, in its order (check_settings refused any other name)."""
+    return [AVAILABLE[name] for name in TOOLS]
+
+
+def check_settings():
+    """Stop, before any model loads, on a TOOLS name that is not in AVAILABLE."""
+    for name in TOOLS:
+        if name not in AVAILABLE:
+            sys.exit(f"TOOLS names {name!r}, which is not a tool of features/tools.py "
+                     f"(AVAILABLE: {', '.join(sorted(AVAILABLE))})")

@@ -17,6 +17,12 @@ import sys
 
 import torch
 
+from features import env_overrides
+
+FREEZE_VISION = False  # True = the vision tower stays as it is (EasyR1's freeze_vision_tower)
+env_overrides.apply_env_overrides(globals(), "features/vision.py")
+
+
 IMAGE_MARK = "<image>"  # where a question's image stands in its text (geometry3k's problems)
 IMAGE_FORMATS = ("PNG", "JPEG")  # what an image may be; anything else is refused undecoded
 MAX_IMAGE_PIXELS = 2**24  # width x height of one image, read from its header before decoding
@@ -45,32 +51,27 @@ def model_type(path: str) -> str | None:
     return config.get("model_type") if "vision_config" in config else None
 
 
-def check_settings(constants: dict, path: str) -> bool:
+def check_settings(path: str, *, tools_on: bool, use_triton: bool, use_vllm: bool) -> bool:
     """Whether MODEL_PATH (path) is a vision-language model. For one, stop on settings that cannot
-    work with images, and switch off the fast paths that run the text model alone, saying so.
-    constants: the trainer's globals(), read by name and, for those fast paths, written."""
+    work with images (the keywords: TOOLS set, USE_TRITON, USE_VLLM); the trainer then switches off
+    the fast paths that run the text model alone (features/fast_paths.py)."""
     kind = model_type(path)
-    if kind is None and constants["FREEZE_VISION"]:
+    if kind is None and FREEZE_VISION:
         sys.exit("FREEZE_VISION with a text model: MODEL_PATH has no vision tower to freeze")
     if kind is None:
         return False
     if kind not in TESTED_TYPES:
         sys.exit(f"MODEL_PATH is a {kind!r} vision-language model; this toolkit runs "
                  f"{TESTED_TYPES} (docs/vision.md says why)")
-    refused = {"TOOLS": "a tool's result turn has no image",
-               "USE_TRITON": "the fused loss reads hidden states, not pixels"}
+    refused = {"TOOLS": (tools_on, "a tool's result turn has no image"),
+               "USE_TRITON": (use_triton, "the fused loss reads hidden states, not pixels")}
     if kind in VIDEO_TYPES:  # vLLM's modules for them import torchvision's image processing
-        refused["USE_VLLM"] = f"not run with {kind} (vLLM's needs torchvision; docs/vision.md)"
-    for name, reason in refused.items():
-        if constants[name]:
+        reason = f"not run with {kind} (vLLM's needs torchvision; docs/vision.md)"
+        refused["USE_VLLM"] = (use_vllm, reason)
+    for name, (on, reason) in refused.items():
+        if on:
             sys.exit(f"{name} with a vision-language model: {reason}; set it off "
                      "(docs/vision.md)")
-    text_only = [name for name in ("SHARED_PREFIX", "LOGP_FROM_HIDDEN") if constants[name]]
-    if text_only:
-        print(f"vision model: {' and '.join(text_only)} off (they run the text model alone)",
-              flush=True)
-    for name in text_only:
-        constants[name] = False
     return True
 
 

@@ -10,21 +10,35 @@ import sys
 
 import torch
 
-from features import vision
-from features.embedded_model import resolve_model_path
+from features import env_overrides, vision
 from features.lora import merged_state_dict
 
-TIS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TIS_MODE's choices
+USE_VLLM = False  # True = rollouts and evaluation from an in-process vLLM engine
+VLLM_EAGER = True  # no compiled graphs: starts in seconds, and the demo was no slower
+VLLM_GPU_MEMORY = 0.3  # GPU: the share of its memory the engine takes; training gets the rest
+VLLM_CPU_KV_GB = 1  # CPU: GiB of KV cache (unset, vLLM sizes it from the whole RAM)
+TIS_CAP = 2.0  # each token's surrogate x min(pi_old / pi_vllm, TIS_CAP); 0 = off; else above 1
+TIS_MODE = "token_truncate"  # | "token_mask" | "sequence_truncate" | "sequence_mask"
+env_overrides.apply_env_overrides(globals(), "features/vllm_engine.py")
+
+TIS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TIS_MODE's
 
 
-def start_from(constants: dict, seed, dtype):
-    """The trainer's engine: start_engine with its constants (its globals(), read by name) if
-    USE_VLLM, else None. MODEL_PATH's weights; a resumed run pushes its own in."""
-    if not constants["USE_VLLM"]:
+def check_settings():
+    """Stop, before any model loads, on a TIS setting that cannot work."""
+    env_overrides.check_choice("TIS_MODE", TIS_MODE, TIS_MODES)
+    if TIS_CAP < 0 or 0 < TIS_CAP <= 1:  # <= 1: the mask modes drop every token, truncation all
+        sys.exit(f"TIS_CAP = {TIS_CAP}: the importance weights' cap must be above 1 "
+                 "(2.0 is common), or 0 = off")
+
+
+def start(model_path, seed, dtype, verbose=False):
+    """The trainer's engine (start_engine with this module's constants) if USE_VLLM, else None.
+    model_path's weights (the resolved MODEL_PATH); a resumed run pushes its own in."""
+    if not USE_VLLM:
         return None
-    return start_engine(resolve_model_path(constants["MODEL_PATH"]), seed, dtype,
-                        eager=constants["VLLM_EAGER"], gpu_memory=constants["VLLM_GPU_MEMORY"],
-                        cpu_kv_gb=constants["VLLM_CPU_KV_GB"], verbose=constants["VERBOSE"])
+    return start_engine(model_path, seed, dtype, eager=VLLM_EAGER, gpu_memory=VLLM_GPU_MEMORY,
+                        cpu_kv_gb=VLLM_CPU_KV_GB, verbose=verbose)
 
 
 def start_engine(model_path, seed, dtype, *, eager, gpu_memory, cpu_kv_gb, verbose=False):

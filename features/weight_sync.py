@@ -23,7 +23,15 @@ import requests
 import torch
 import urllib3
 
+from features import env_overrides
 from features.server_guard import json_errors, start_http, token_ok, warn_if_exposed
+
+WEIGHT_SYNC_STEPS = 0  # > 0: rank 0 serves its weights to workers this often; 0 = step_N on disk
+WEIGHT_SYNC_HOST = "127.0.0.1"  # where rank 0 serves them; "0.0.0.0" for other machines
+WEIGHT_SYNC_PORT = 59876  # the port it serves them on
+WEIGHTS_FROM = ""  # a worker: the trainer's http://host:WEIGHT_SYNC_PORT; "" = OUTPUT_DIR's step_N
+env_overrides.apply_env_overrides(globals(), "features/weight_sync.py")
+
 
 CHUNK_BYTES = 1 << 16  # read this much at a time: a cut loses at most this much of a download
 MAX_DIGITS = 18  # a version or a Range offset: ASCII digits, at most this many (below 2**63)
@@ -112,11 +120,10 @@ class WeightPublisher:
             self.current = (version, body, sha)
 
 
-def publisher_from(constants: dict, model, version, rank):
-    """start_publisher with the trainer's constants (its globals(), read by name)."""
-    return start_publisher(model, version, rank=rank, every=constants["WEIGHT_SYNC_STEPS"],
-                           host=constants["WEIGHT_SYNC_HOST"], port=constants["WEIGHT_SYNC_PORT"],
-                           token=constants["REF_TOKEN"])
+def publisher_from(model, version, rank, token):
+    """start_publisher with this module's WEIGHT_SYNC_STEPS, _HOST and _PORT; token: REF_TOKEN."""
+    return start_publisher(model, version, rank=rank, every=WEIGHT_SYNC_STEPS,
+                           host=WEIGHT_SYNC_HOST, port=WEIGHT_SYNC_PORT, token=token)
 
 
 def start_publisher(model, version, *, rank, every, host, port, token):

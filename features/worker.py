@@ -4,7 +4,6 @@ so it is at most SAVE_STEPS steps stale. Trainers take its groups as extras. Sto
 
     GENONLY=1 python grpo_ref_split.py          # or: python grpo_ref_split.py genonly
 """
-import functools
 import os
 import random
 import socket
@@ -14,30 +13,18 @@ from collections import Counter
 
 import torch
 
-import rewards
-
+from features import env_overrides
 from features.checkpoints import checkpoints
-from features.embedded_model import resolve_model_path
-from features.server_client import RefClient, uses_server
-from features.vllm_engine import push_weights, start_from
+from features.vllm_engine import push_weights
 from features.weight_sync import WeightFetcher, check_weights, swap_in, weights_budget
 
+GENONLY = False  # True = this process only generates, scores and uploads (as `genonly`)
+WORKER_MAX_QUEUED = 8  # a worker waits while the server holds this many groups: bounds staleness
+EXTRA_GROUPS = 0  # > 0 with genonly workers: each rank also takes this many of their groups
+env_overrides.apply_env_overrides(globals(), "features/worker.py")
+
+
 WAIT_S = 1.0  # a worker whose groups nobody takes yet looks again after this long
-
-
-def run_for_trainer(constants: dict, load, rollout):
-    """run_worker as `python grpo_ref_split.py genonly` starts it: constants are the trainer's (its
-    globals(), read by name), load and rollout its functions; questions are the trainer's (never the held-out)."""
-    client = RefClient(constants["REF_SERVER"], constants["REF_TOKEN"], constants["SERVER_TIMEOUT"])
-    dataset = rewards.load_questions(constants["DATASET"], constants["SEED"], constants["ARITH_MAX"])
-    questions = rewards.split_held_out(dataset, constants["EVAL_SIZE"])[0]
-    start_llm = functools.partial(start_from, constants) if constants["USE_VLLM"] else None
-    run_worker(load, functools.partial(rollout, with_gen_logps=True), client, questions=questions,
-               q_batch_size=constants["Q_BATCH_SIZE"], first=resolve_model_path(constants["MODEL_PATH"]),
-               seed=constants["SEED"], start_llm=start_llm, output_dir=constants["OUTPUT_DIR"],
-               max_queued=constants["WORKER_MAX_QUEUED"], allow_mismatch=constants["ALLOW_REF_MISMATCH"],
-               trainers_read_server=uses_server(constants), weights_from=constants["WEIGHTS_FROM"],
-               token=constants["REF_TOKEN"])
 
 
 def run_worker(load, rollout, client, *, questions, q_batch_size, first, seed, start_llm, output_dir,

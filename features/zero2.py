@@ -2,7 +2,7 @@
 source of truth for each), the engine, counts over ranks (the loss normalizer, micro-batches every rank runs),
 and on CPU ranks the cleanup of DeepSpeed's shared-memory files.
 
-    deepspeed --num_gpus 1 grpo_ref_split.py         # setup_deepspeed() there calls setup_from
+    deepspeed --num_gpus 1 grpo_ref_split.py         # setup_deepspeed() there calls setup
 """
 import contextlib
 import dataclasses
@@ -12,6 +12,14 @@ import socket
 import sys
 
 import torch
+
+from features import env_overrides
+
+TRAIN_MICRO_BATCH = 0  # groups per forward+backward, gradients added up; 0 = all at once (fastest)
+GRADIENT_CHECKPOINTING = False  # recompute activations in backward: one more forward, less memory
+OFFLOAD_OPTIMIZER = False  # True = AdamW's state and fp32 weights in CPU memory, stepped there
+env_overrides.apply_env_overrides(globals(), "features/zero2.py")
+
 
 SET_BY_TRAINER = ("lr (LR), bf16 (on GPUs, not on CPU), the scheduler's total_num_steps (ALL_STEPS x MU) and "
                   "zero_optimization.offload_optimizer (OFFLOAD_OPTIMIZER)")
@@ -113,25 +121,24 @@ def initialize(model, config, gradient_checkpointing=False):
     return engine
 
 
-def setup_from(constants: dict, load_policy):
-    """(engine, tokenizer, eos_ids, gen_config, rank, device): the trainer's policy under ZeRO-2. constants: the
-    trainer's (its globals()), read by name; load_policy(path, device) its loader."""
+def setup(load_policy, *, model_path, seed, ds_config_path, lr, optimizer_steps):
+    """(engine, tokenizer, eos_ids, gen_config, rank, device): the trainer's policy under ZeRO-2:
+    load_policy(model_path, device) its loader, LoRA and FREEZE_VISION from their modules, this
+    module's OFFLOAD_OPTIMIZER and GRADIENT_CHECKPOINTING; optimizer_steps for the schedule."""
     from features import lora, vision
-    from features.embedded_model import resolve_model_path
 
     cuda = torch.cuda.is_available()
     rank, device = init_distributed(cuda)
-    torch.manual_seed(constants["SEED"] + rank)
-    model, tokenizer, eos_ids, gen_config = load_policy(resolve_model_path(constants["MODEL_PATH"]), device)
-    model = lora.add_lora(model, rank=constants["LORA_RANK"], alpha=constants["LORA_ALPHA"],
-                          targets=constants["LORA_TARGETS"], seed=constants["SEED"])  # LORA_RANK 0: unchanged
-    if constants["FREEZE_VISION"]:  # a vision-language model's tower stays as it is (features/vision.py)
+    torch.manual_seed(seed + rank)
+    model, tokenizer, eos_ids, gen_config = load_policy(model_path, device)
+    model = lora.add_lora(model, rank=lora.LORA_RANK, alpha=lora.LORA_ALPHA,
+                          targets=lora.LORA_TARGETS, seed=seed)  # LORA_RANK 0: unchanged
+    if vision.FREEZE_VISION:  # a vision-language model's tower stays as it is
         vision.freeze_tower(model)
     # CPU ranks train in fp32 (bf16 is slow and lossy there); the scheduler counts optimizer steps.
-    config = ds_config(constants["DS_CONFIG"], lr=constants["LR"], bf16=cuda,
-                       total_steps=constants["ALL_STEPS"] * constants["MU"],
-                       offload_optimizer=constants["OFFLOAD_OPTIMIZER"])
-    engine = initialize(model, config, constants["GRADIENT_CHECKPOINTING"])
+    config = ds_config(ds_config_path, lr=lr, bf16=cuda, total_steps=optimizer_steps,
+                       offload_optimizer=OFFLOAD_OPTIMIZER)
+    engine = initialize(model, config, GRADIENT_CHECKPOINTING)
     return engine, tokenizer, eos_ids, gen_config, rank, device
 
 

@@ -177,6 +177,24 @@ def pack(tokenizer, prompts, targets):
     return torch.cat([enc.input_ids, tgt], 1), torch.cat([enc.attention_mask, tgt_attn], 1), Tc
 
 
+def setting_home(name):
+    """The module that holds the setting `name`: the trainer (the lesson's constants) or the
+    feature module it reads it from (features/vllm_engine.py's USE_VLLM...)."""
+    import types
+
+    import grpo_ref_split
+
+    homes = [grpo_ref_split] + [m for m in vars(grpo_ref_split).values()
+                                if isinstance(m, types.ModuleType)
+                                and m.__name__.startswith("features.")]
+    return next(m for m in homes if name in vars(m) and name.isupper())
+
+
+def set_setting(monkeypatch, name, value):
+    """monkeypatch the setting `name` where it lives (setting_home), put back after the test."""
+    monkeypatch.setattr(setting_home(name), name, value)
+
+
 def trainer_cmd(ranks, master_port=None):
     """The trainer's command line. Several ranks, or a given master port: `deepspeed --num_gpus ranks
     grpo_ref_split.py` (DeepSpeed names its shared memory after the port, so runs in parallel test

@@ -104,8 +104,8 @@ def test_an_answer_cut_by_the_call_budget_trains_only_its_sampled_tokens_and_cou
     id: a first-pad mask trained on that pad as if the policy had stopped, and called the answer stopped."""
     eos = tokenizer.eos_token_id
     script = {1: [" <tool>1 + 1</tool>", " <tool>2 + 2</tool>"], 2: [LONG]}
-    monkeypatch.setattr(grpo, "TOOLS", [calculator])
-    monkeypatch.setattr(grpo, "MAX_TOOL_CALLS", 1)
+    monkeypatch.setattr(grpo.tools, "TOOLS", ["calculator"])
+    monkeypatch.setattr(grpo.tools, "MAX_TOOL_CALLS", 1)
     monkeypatch.setattr(grpo, "NUM_PRE_Q", 2)
     monkeypatch.setattr(grpo.tools, "generate_with_tools", scripted_generate_with_tools(script, eos))
     question = [dict(question="What is 1 + 1?", gold="2")]
@@ -157,11 +157,11 @@ def test_a_group_pulled_a_step_late_without_its_sampling_log_probs_is_dropped_an
 @pytest.mark.parametrize("cap", [1.0, 0.5, -2.0])
 def test_a_tis_cap_that_cannot_work_is_refused_before_any_model_loads(monkeypatch, tmp_path, cap):
     monkeypatch.setattr(grpo, "OUTPUT_DIR", str(tmp_path))
-    monkeypatch.setattr(grpo, "TIS_CAP", cap)
+    monkeypatch.setattr(grpo.vllm_engine, "TIS_CAP", cap)
     with pytest.raises(SystemExit, match=f"TIS_CAP = {cap}: .* above 1"):
         grpo.check_settings()
     for fine in (0.0, 1.5):
-        monkeypatch.setattr(grpo, "TIS_CAP", fine)
+        monkeypatch.setattr(grpo.vllm_engine, "TIS_CAP", fine)
         grpo.check_settings()
 
 

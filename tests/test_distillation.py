@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import grpo_ref_split as grpo
+from conftest import set_setting
 from features.fingerprint import vocab_fingerprint
 from features.server_client import check_reference
 from features.vllm_engine import off_policy_mask
@@ -267,7 +268,7 @@ def test_the_server_says_its_role_and_vocabulary(model):
 def teacher_settings(monkeypatch, tmp_path, **changes):
     monkeypatch.setattr(grpo, "OUTPUT_DIR", str(tmp_path))
     for name, value in {"DISTILL_COEF": 1.0, "BETA": 0.0, **changes}.items():
-        monkeypatch.setattr(grpo, name, value)
+        set_setting(monkeypatch, name, value)
 
 
 def test_a_k3_penalty_towards_a_teacher_is_refused(monkeypatch, tmp_path):
@@ -278,7 +279,7 @@ def test_a_k3_penalty_towards_a_teacher_is_refused(monkeypatch, tmp_path):
         grpo.check_settings()
     teacher_settings(monkeypatch, tmp_path, BETA=0.04, LORA_RANK=8, REF_FROM_BASE=True)
     grpo.check_settings()  # the reference is LoRA's base, the server the teacher
-    assert grpo.server_client.uses_server(vars(grpo))
+    assert grpo.server_client.uses_server(beta=grpo.BETA, distill_coef=grpo.DISTILL_COEF)
 
 
 @pytest.mark.parametrize("setting", [dict(DISTILL_COEF=1.0), dict(OFF_POLICY_DELTA=0.1),

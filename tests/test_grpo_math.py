@@ -196,7 +196,7 @@ def test_negative_chunk_and_micro_batch_sizes_are_refused(monkeypatch):
         hidden_logps(torch.zeros(1, 2, 4), torch.zeros(5, 4), torch.zeros(1, 2, dtype=torch.long), chunk=-1)
     with pytest.raises(ValueError, match="LOGP_CHUNK = -1"):  # not an empty loop leaving logps uninitialised
         chunked_logps(torch.zeros(1, 2, 5), torch.zeros(1, 2, dtype=torch.long), chunk=-1)
-    monkeypatch.setattr(grpo, "TRAIN_MICRO_BATCH", -2)
+    monkeypatch.setattr(grpo.zero2, "TRAIN_MICRO_BATCH", -2)
     with pytest.raises(ValueError, match="TRAIN_MICRO_BATCH = -2"):
         grpo.batches_of(SimpleNamespace(device="cpu"), [], 0)
 

@@ -110,10 +110,10 @@ def test_reference_from_the_disabled_adapters_equals_the_servers_on_the_base(mod
         served, _ = pull(url)
     finally:
         stop(server, stop_serving)
-    monkeypatch.setattr(grpo, "LORA_RANK", 4)
+    monkeypatch.setattr(grpo.lora, "LORA_RANK", 4)
     monkeypatch.setattr(grpo, "TEMPERATURE", meta["temperature"])
-    policy = add_lora(copy.deepcopy(model), rank=grpo.LORA_RANK, alpha=grpo.LORA_ALPHA, targets=grpo.LORA_TARGETS,
-                      seed=grpo.SEED)
+    policy = add_lora(copy.deepcopy(model), rank=grpo.lora.LORA_RANK, alpha=grpo.lora.LORA_ALPHA,
+                      targets=grpo.lora.LORA_TARGETS, seed=grpo.SEED)
     with torch.no_grad():
         for name, p in policy.named_parameters():
             if "lora_B" in name:
@@ -122,8 +122,8 @@ def test_reference_from_the_disabled_adapters_equals_the_servers_on_the_base(mod
     assert batch["ref_logps"] is None  # nothing went to a server
     b = grpo.prepare_batch(PlainEngine(policy, lr=0.0), grpo.Batch(**batch), normalizer=1.0)
     torch.testing.assert_close(b.ref_logps, served["ref_logps"], rtol=0, atol=1e-5)
-    own = completion_logps(policy, b.input_ids, b.attention_mask, 4, meta["temperature"], chunk=grpo.LOGP_CHUNK,
-                           from_hidden=grpo.LOGP_FROM_HIDDEN)
+    own = completion_logps(policy, b.input_ids, b.attention_mask, 4, meta["temperature"], chunk=grpo.fast_paths.LOGP_CHUNK,
+                           from_hidden=grpo.fast_paths.LOGP_FROM_HIDDEN)
     assert (own - served["ref_logps"]).abs().max() > 1e-3  # with the adapters on it would have differed
 
 

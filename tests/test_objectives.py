@@ -304,17 +304,19 @@ def test_running_out_of_rollouts_stops_with_none_and_warns_with_some(capsys):
 
 def test_a_constant_outside_its_choices_stops_the_run_before_any_model_loads(monkeypatch, tmp_path):
     monkeypatch.setattr(grpo, "OUTPUT_DIR", str(tmp_path))
-    for name, bad in (("LOSS_TYPE", "drgrpo"), ("SCALE_REWARDS", "std"), ("TIS_MODE", "mask"), ("SAMPLER", "easy")):
+    for module, name, bad in ((grpo, "LOSS_TYPE", "drgrpo"), (grpo, "SCALE_REWARDS", "std"),
+                              (grpo.vllm_engine, "TIS_MODE", "mask"),
+                              (grpo.question_sampler, "SAMPLER", "easy")):
         with monkeypatch.context() as m:
-            m.setattr(grpo, name, bad)
+            m.setattr(module, name, bad)
             with pytest.raises(SystemExit, match=f"{name} = '{bad}': one of"):
                 grpo.check_settings()
-    monkeypatch.setattr(grpo, "USE_TRITON", True)
-    monkeypatch.setattr(grpo, "TIS_MODE", "sequence_mask")
+    monkeypatch.setattr(grpo.fast_paths, "USE_TRITON", True)
+    monkeypatch.setattr(grpo.vllm_engine, "TIS_MODE", "sequence_mask")
     with pytest.raises(SystemExit, match="USE_TRITON has no per-answer ratio"):
         grpo.check_settings()
     with pytest.raises(SystemExit, match="X = 3: one of 1, 2"):
-        env_overrides.check_choices({"X": 3}, X=(1, 2))
+        env_overrides.check_choice("X", 3, (1, 2))
 
 
 def test_the_sampler_state_survives_a_checkpoints_weights_only_load(tmp_path):

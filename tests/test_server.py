@@ -88,7 +88,8 @@ def test_trainer_batch_of_padded_groups_gets_the_servers_logps(live, model):
     b = collate(batches, pad_id=0)
     with torch.no_grad():
         got = completion_logps(model, b["input_ids"], b["attention_mask"], b["mask"].shape[1], 1.0,
-                               chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)
+                               chunk=grpo.fast_paths.LOGP_CHUNK,
+                               from_hidden=grpo.fast_paths.LOGP_FROM_HIDDEN)
     assert torch.allclose(got[:2], batches[0][0]["ref_logps"], atol=1e-5)
     assert torch.allclose(got[2:, :2], batches[1][0]["ref_logps"], atol=1e-5)
 
@@ -412,13 +413,21 @@ def test_the_real_environment_of_a_run_raises_no_false_warning(monkeypatch, capf
     everyday = ["PATH", "HOME", "HOSTNAME", "PWD", "LANG", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE",
                 "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK", "CROSS_SIZE", "PYTHONPATH", "OMP_NUM_THREADS",
                 "CUDA_VISIBLE_DEVICES", "TRITON_INTERPRET", "XDG_CACHE_HOME", "TMPDIR", "USER", "SHELL", "TERM"]
+    import types
+
     trainer = {k: "" for k in vars(grpo_ref_split) if k.isupper()}  # strings: any value casts, only names matter
     server = {k: "" for k in vars(ref_server) if k.isupper()}
-    for name in everyday + list(trainer) + list(server):
+    features = {m.__name__: {k: "" for k in vars(m) if k.isupper()} for m in vars(grpo_ref_split).values()
+                if isinstance(m, types.ModuleType) and m.__name__.startswith("features.")}  # USE_VLLM...
+    assert "USE_VLLM" in features["features.vllm_engine"] and "USE_VLLM" not in trainer
+    every = [name for constants in [trainer, server, *features.values()] for name in constants]
+    for name in everyday + every:
         monkeypatch.setenv(name, os.environ.get(name, "1"))
     monkeypatch.setenv("RANK", "0")  # rank 0 prints; the other ranks stay quiet
     apply_env_overrides(trainer, "grpo_ref_split.py")
     apply_env_overrides(server, "ref_server.py")
+    for name, constants in features.items():
+        apply_env_overrides(constants, name)
     err = capfd.readouterr().err
     assert "WARNING" not in err and "[ref_server.py] PORT = " in err
 

@@ -51,7 +51,8 @@ def test_shared_prefix_gives_the_log_probs_and_gradients_of_full_rows(smollm, ch
         for shared in (False, True):
             model.zero_grad()
             logps = completion_logps(model, ids, attn, T, grpo.TEMPERATURE, shared_prefix=shared,
-                                     chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)  # (B, T)
+                                     chunk=grpo.fast_paths.LOGP_CHUNK,
+                                     from_hidden=grpo.fast_paths.LOGP_FROM_HIDDEN)  # (B, T)
             ((logps * weights).sum() / mask.sum()).backward()  # a loss on the GRPO loss's scale: a token mean
             results.append((logps.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
         assert all(layer.gradient_checkpointing == checkpointing for layer in model.model.layers)  # left as found
@@ -77,7 +78,7 @@ def test_generation_from_the_shared_prompt_cache_samples_the_same_answers(tiny_m
     monkeypatch.setattr(grpo, "NUM_PRE_Q", 4)
     samples = {}
     for shared in (False, True):
-        monkeypatch.setattr(grpo, "SHARED_PREFIX", shared)
+        monkeypatch.setattr(grpo.fast_paths, "SHARED_PREFIX", shared)
         torch.manual_seed(5)
         samples[shared] = grpo.generate(model, tok, questions, cfg, [tok.eos_token_id])
     assert torch.equal(samples[False].completion_ids, samples[True].completion_ids)

@@ -234,6 +234,18 @@ def test_rewards_and_tools_are_named_in_the_environment(monkeypatch, capfd):
 
 
 # ----------------------------------------------------------------------------- training runs (slow)
+def test_tools_are_named_and_a_name_that_is_no_tool_is_refused_at_start(monkeypatch, tmp_path):
+    """TOOLS holds names from features/tools.py's AVAILABLE, the same in the file and the
+    environment; a name that is none stops the run before any model loads."""
+    monkeypatch.setattr(grpo, "OUTPUT_DIR", str(tmp_path))
+    monkeypatch.setattr(grpo.tools, "TOOLS", ["calculater"])
+    with pytest.raises(SystemExit, match="TOOLS names 'calculater'.*AVAILABLE: calculator"):
+        grpo.check_settings()
+    monkeypatch.setattr(grpo.tools, "TOOLS", ["calculator"])
+    grpo.check_settings()
+    assert grpo.tools.chosen() == [calculator]
+
+
 TOOL_RUN = dict(TOOLS='["calculator"]', DATASET="arithmetic_mixed", MAX_NEW_TOKENS="48", EVAL_STEPS="2",
                 REWARDS='[["reward_correct", 2.0], ["reward_format", 1.0], ["reward_tool_cost", 0.25]]')
 
@@ -285,7 +297,7 @@ def test_generate_trains_on_the_models_tokens_and_records_the_calls(monkeypatch,
     eos = tokenizer.eos_token_id
     script = {1: [" 348 + 517 = <tool>348 + 517</tool>", " </think><answer>865</answer>"],
               2: [" 7 </think><answer>7</answer>"]}
-    monkeypatch.setattr(grpo, "TOOLS", [calculator])
+    monkeypatch.setattr(grpo.tools, "TOOLS", ["calculator"])
     monkeypatch.setattr(grpo, "NUM_PRE_Q", 2)
     monkeypatch.setattr(grpo.tools, "generate_with_tools", scripted_generate_with_tools(script, eos))
     out = grpo.generate(model, tokenizer, [dict(question="What is 348 + 517?", gold="865")], None, [eos])

@@ -110,7 +110,7 @@ def test_gspo_on_policy_is_the_mean_token_gradient_and_refused_by_triton(monkeyp
     assert seq.item() == pytest.approx(tok.item()) == pytest.approx(-adv.mean().item())
     torch.testing.assert_close(torch.autograd.grad(seq, logps)[0], torch.autograd.grad(tok, logps)[0])
     monkeypatch.setattr(grpo, "GSPO", True)
-    monkeypatch.setattr(grpo, "USE_TRITON", True)
+    monkeypatch.setattr(grpo.fast_paths, "USE_TRITON", True)
     with pytest.raises(SystemExit, match="GSPO"):
         grpo.check_settings()
 
@@ -169,8 +169,8 @@ def batch_for(model, seed=0):
     ids = torch.randint(0, 49152, (4, 12), generator=g)  # (B, P+Tc) prompt 6, completion 6
     attn = torch.ones_like(ids)
     with torch.no_grad():
-        ref = completion_logps(model, ids, attn, 6, 0.7, chunk=grpo.LOGP_CHUNK,
-                               from_hidden=grpo.LOGP_FROM_HIDDEN)  # (B, Tc)
+        ref = completion_logps(model, ids, attn, 6, 0.7, chunk=grpo.fast_paths.LOGP_CHUNK,
+                               from_hidden=grpo.fast_paths.LOGP_FROM_HIDDEN)  # (B, Tc)
     return grpo.Batch(input_ids=ids, attention_mask=attn, mask=torch.ones(4, 6, dtype=torch.bool), ref_logps=ref,
                       gen_logps=None, gen_rows=None, sampler_logps=None, sampler_rows=None, normalizer=None,
                       advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]))
@@ -189,7 +189,7 @@ def fresh_model(tokenizer):
 def test_the_default_step_is_the_plain_grpo_step_bit_for_bit(fresh_model):
     """Every variant off by default (GSPO, LoRA, LOSS_TYPE, TIS without vLLM rows, MASK_TRUNCATED): policy_loss gives
     the loss and gradient of the GRPO step as it read before any variant existed, its lines verbatim here."""
-    assert (grpo.GSPO, grpo.LORA_RANK, grpo.LOSS_TYPE, grpo.USE_VLLM, grpo.MASK_TRUNCATED) == (False, 0, "grpo", False,
+    assert (grpo.GSPO, grpo.lora.LORA_RANK, grpo.LOSS_TYPE, grpo.vllm_engine.USE_VLLM, grpo.MASK_TRUNCATED) == (False, 0, "grpo", False,
                                                                                                False)
     b = batch_for(fresh_model)
     b.gen_logps = b.ref_logps - 0.05 * torch.arange(6.0)  # (4, 6) pi_old away from the weights now ...
@@ -201,8 +201,8 @@ def test_the_default_step_is_the_plain_grpo_step_bit_for_bit(fresh_model):
     grads = torch.autograd.grad(loss, params)
 
     logps = completion_logps(fresh_model, b.input_ids, b.attention_mask, 6, grpo.TEMPERATURE,
-                             shared_prefix=grpo.SHARED_PREFIX, chunk=grpo.LOGP_CHUNK,
-                             from_hidden=grpo.LOGP_FROM_HIDDEN)  # (B, T)
+                             shared_prefix=grpo.fast_paths.SHARED_PREFIX, chunk=grpo.fast_paths.LOGP_CHUNK,
+                             from_hidden=grpo.fast_paths.LOGP_FROM_HIDDEN)  # (B, T)
     mask, pad = b.mask.bool(), logps.detach()
     gen = torch.where(mask & b.gen_rows[:, None], b.gen_logps, pad)
     ref = torch.where(mask, b.ref_logps, pad)
@@ -499,7 +499,8 @@ def test_sampling_ignores_the_models_own_generation_config(tiny_model_dir, tmp_p
         attn = torch.cat([enc.attention_mask, torch.ones_like(completion)], 1)
         with torch.no_grad():
             want = completion_logps(model, out.sequences, attn, completion.shape[1], grpo.TEMPERATURE,
-                                    chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)  # (B, T)
+                                    chunk=grpo.fast_paths.LOGP_CHUNK,
+                                    from_hidden=grpo.fast_paths.LOGP_FROM_HIDDEN)  # (B, T)
         sample_gap = (drawn - want)[mask].abs().max().item()
         greedy = model.generate(**enc, generation_config=greedy_config)  # (B, P+T)
         with torch.no_grad():

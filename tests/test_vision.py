@@ -436,18 +436,30 @@ def test_easyr1s_boxed_rewards():
 
 
 # ----------------------------------------------------------------------------- settings, LoRA, plan
-def test_a_vision_model_switches_off_the_text_fast_paths_and_refuses_what_cannot_work(vlm_dir,
-                                                                                      capsys):
-    constants = {name: getattr(grpo, name) for name in dir(grpo) if name.isupper()}
-    assert vision.check_settings(constants, vlm_dir) is True
-    assert constants["SHARED_PREFIX"] is False and constants["LOGP_FROM_HIDDEN"] is False
+def test_a_vision_model_switches_off_the_text_fast_paths_and_refuses_what_cannot_work(
+        vlm_dir, capsys, monkeypatch, tmp_path):
+    """The trainer's check_settings with a vision-language MODEL_PATH: the text-only fast paths go
+    off (features/fast_paths.py's constants), TOOLS and USE_TRITON are refused; a text model keeps
+    its fast paths."""
+    from features.tools import calculator
+
+    monkeypatch.setattr(grpo, "OUTPUT_DIR", str(tmp_path))
+    monkeypatch.setattr(grpo, "MODEL_PATH", vlm_dir)
+    for name in ("SHARED_PREFIX", "LOGP_FROM_HIDDEN"):
+        monkeypatch.setattr(grpo.fast_paths, name, True)  # put back after the test
+    grpo.check_settings()
+    assert grpo.fast_paths.SHARED_PREFIX is False and grpo.fast_paths.LOGP_FROM_HIDDEN is False
     assert "SHARED_PREFIX and LOGP_FROM_HIDDEN off" in capsys.readouterr().out
-    for name in ("TOOLS", "USE_TRITON"):
-        with pytest.raises(SystemExit, match=name):
-            vision.check_settings({**constants, name: True}, vlm_dir)
-    text = {name: getattr(grpo, name) for name in dir(grpo) if name.isupper()}
-    assert vision.check_settings(text, grpo.resolve_model_path("")) is False
-    assert text["SHARED_PREFIX"] is True
+    for module, name, on in ((grpo.tools, "TOOLS", ["calculator"]),
+                             (grpo.fast_paths, "USE_TRITON", True)):
+        with monkeypatch.context() as patch:
+            patch.setattr(module, name, on)
+            with pytest.raises(SystemExit, match=name):
+                grpo.check_settings()
+    monkeypatch.setattr(grpo.fast_paths, "SHARED_PREFIX", True)
+    monkeypatch.setattr(grpo, "MODEL_PATH", "")
+    grpo.check_settings()
+    assert grpo.fast_paths.SHARED_PREFIX is True
 
 
 def test_lora_adapts_the_language_model_only_and_freeze_vision_stops_the_tower(vlm_dir):
@@ -480,10 +492,9 @@ def test_qwen_lora_freezing_and_memory_plan_find_its_language_model_and_tower(qw
     assert not any(p.requires_grad for p in model.model.visual.parameters())
     assert memory_plan.model_shape(folder).params == total
     assert memory_plan.model_shape(folder, freeze_vision=True).trainable == total - tower
-    constants = {name: getattr(grpo, name) for name in dir(grpo) if name.isupper()}
     with pytest.raises(SystemExit, match="USE_VLLM"):  # untested here: refused at start
-        vision.check_settings({**constants, "USE_VLLM": True}, folder)
-    assert vision.check_settings(constants, folder) is True
+        vision.check_settings(folder, tools_on=False, use_triton=False, use_vllm=True)
+    assert vision.check_settings(folder, tools_on=False, use_triton=False, use_vllm=False) is True
 
 
 def test_an_images_only_processor_loads_without_torchvision_from_any_qwen_folder(qwen_dirs,

@@ -15,6 +15,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo_ref_split as grpo
 from features import vllm_engine  # noqa: E402
+from features.embedded_model import resolve_model_path  # noqa: E402
 import rewards  # noqa: E402
 from features.evaluation import evaluate  # noqa: E402
 from features.fast_paths import completion_logps  # noqa: E402
@@ -47,7 +48,10 @@ def main(path):
     torch.manual_seed(123)
     random.seed(123)
     grpo.MODEL_PATH = path
-    llm = vllm_engine.start_from({**vars(grpo), "USE_VLLM": True}, 0, model.dtype)
+    llm = vllm_engine.start_engine(resolve_model_path(grpo.MODEL_PATH), 0, model.dtype,
+                                   eager=vllm_engine.VLLM_EAGER,
+                                   gpu_memory=vllm_engine.VLLM_GPU_MEMORY,
+                                   cpu_kv_gb=vllm_engine.VLLM_CPU_KV_GB)
     report = {"rng_untouched": (torch.rand(4).tolist(), [random.random() for _ in range(4)]) == expected}
     questions = load_questions("arithmetic", 3)[:6]
 
@@ -57,8 +61,8 @@ def main(path):
     ids = torch.cat([r.prompt_ids, r.completion_ids], 1)  # (B, P+T)
     attn = torch.cat([r.prompt_mask, torch.ones_like(r.completion_ids)], 1)  # (B, P+T)
     T = r.completion_ids.shape[1]
-    trainer = completion_logps(model, ids, attn, T, grpo.TEMPERATURE, chunk=grpo.LOGP_CHUNK,
-                               from_hidden=grpo.LOGP_FROM_HIDDEN)  # (B, T)
+    trainer = completion_logps(model, ids, attn, T, grpo.TEMPERATURE, chunk=grpo.fast_paths.LOGP_CHUNK,
+                               from_hidden=grpo.fast_paths.LOGP_FROM_HIDDEN)  # (B, T)
     mask = r.mask  # (B, T)
     ended = torch.isin(r.completion_ids, torch.tensor(eos_ids)).any(1)  # (B,)
     report.update(rows=r.completion_ids.shape[0],
@@ -93,13 +97,13 @@ def main(path):
     # Weight push: a fixed completion, read by vLLM before and after the trainer's weights change.
     plen = r.prompt_ids.shape[1]
     fixed, fixed_attn = ids[:4], attn[:4]
-    old = completion_logps(model, fixed, fixed_attn, T, 1.0, chunk=grpo.LOGP_CHUNK,
-                           from_hidden=grpo.LOGP_FROM_HIDDEN)  # (4, T) the weights vLLM holds
+    old = completion_logps(model, fixed, fixed_attn, T, 1.0, chunk=grpo.fast_paths.LOGP_CHUNK,
+                           from_hidden=grpo.fast_paths.LOGP_FROM_HIDDEN)  # (4, T) the weights vLLM holds
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
-    new = completion_logps(model, fixed, fixed_attn, T, 1.0, chunk=grpo.LOGP_CHUNK,
-                           from_hidden=grpo.LOGP_FROM_HIDDEN)  # (4, T)
+    new = completion_logps(model, fixed, fixed_attn, T, 1.0, chunk=grpo.fast_paths.LOGP_CHUNK,
+                           from_hidden=grpo.fast_paths.LOGP_FROM_HIDDEN)  # (4, T)
     valid = mask[:4]
     gap = lambda a, b: (a - b)[valid].abs().max().item()  # noqa: E731
     before = vllm_logps_of(llm, fixed, plen)
@@ -109,13 +113,13 @@ def main(path):
                   after_push_vs_old=gap(after, old))
 
     # LoRA: the engine gets the base with the adapters merged in (vLLM holds no peft model).
-    lora = add_lora(model, rank=4, alpha=grpo.LORA_ALPHA, targets=grpo.LORA_TARGETS, seed=grpo.SEED)
+    lora = add_lora(model, rank=4, alpha=grpo.lora.LORA_ALPHA, targets=grpo.lora.LORA_TARGETS, seed=grpo.SEED)
     with torch.no_grad():
         for name, p in lora.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.05)  # a trained adapter
-    with_adapters = completion_logps(lora, fixed, fixed_attn, T, 1.0, chunk=grpo.LOGP_CHUNK,
-                                     from_hidden=grpo.LOGP_FROM_HIDDEN)  # (4, T)
+    with_adapters = completion_logps(lora, fixed, fixed_attn, T, 1.0, chunk=grpo.fast_paths.LOGP_CHUNK,
+                                     from_hidden=grpo.fast_paths.LOGP_FROM_HIDDEN)  # (4, T)
     push_weights(llm, lora)
     report.update(lora_vs_base=gap(with_adapters, new), after_lora_push=gap(vllm_logps_of(llm, fixed, plen),
                                                                             with_adapters))

@@ -14,6 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo_ref_split as grpo  # noqa: E402
 import rewards  # noqa: E402
 from features import vision, vllm_engine  # noqa: E402
+from features.embedded_model import resolve_model_path  # noqa: E402
 
 
 def vllm_logps_of(llm, marked_ids, images, answers, mask):
@@ -41,7 +42,10 @@ def main(path):
     grpo.MAX_NEW_TOKENS = 12
     grpo.MODEL_PATH = path
     model, tokenizer, eos_ids, gen_config = grpo.load_policy(path, torch.device("cpu"))
-    llm = vllm_engine.start_from({**vars(grpo), "USE_VLLM": True}, 0, model.dtype)
+    llm = vllm_engine.start_engine(resolve_model_path(grpo.MODEL_PATH), 0, model.dtype,
+                                   eager=vllm_engine.VLLM_EAGER,
+                                   gpu_memory=vllm_engine.VLLM_GPU_MEMORY,
+                                   cpu_kv_gb=vllm_engine.VLLM_CPU_KV_GB)
     questions = rewards.make_shapes(6, seed=3)
     report = {}
 
@@ -105,7 +109,7 @@ def main(path):
     from features.lora import add_lora
 
     base = trainer_logps(pixels)  # (B, T) before peft wraps the model's layers in place
-    lora = add_lora(model, rank=4, alpha=grpo.LORA_ALPHA, targets="all-linear", seed=0, quiet=True)
+    lora = add_lora(model, rank=4, alpha=grpo.lora.LORA_ALPHA, targets="all-linear", seed=0, quiet=True)
     with torch.no_grad():
         for name, p in lora.named_parameters():
             if "lora_B" in name:

@@ -33,7 +33,8 @@ def rank_groups(engine, tokenizer, rank, G=3):
         ids = torch.cat([torch.tensor(prompt).expand(G, -1), completions], 1)  # (G, P + T)
         with torch.no_grad():
             ref = completion_logps(engine, ids.to(engine.device), torch.ones_like(ids).to(engine.device), 6, 1.0,
-                                   chunk=grpo.LOGP_CHUNK, from_hidden=grpo.LOGP_FROM_HIDDEN)
+                                   chunk=grpo.fast_paths.LOGP_CHUNK,
+                                   from_hidden=grpo.fast_paths.LOGP_FROM_HIDDEN)
         groups.append((dict(input_ids=ids, completion_mask=mask, advantages=torch.randn(G, generator=g),
                             ref_logps=ref.cpu() + 0.3 * torch.randn(G, 6, generator=g)), {"plen": len(prompt)}))
     return groups
@@ -67,7 +68,7 @@ def main():
     results = {}
     for shared in (0, 1):
         for micro in (0, 1, 2):
-            grpo.SHARED_PREFIX, grpo.TRAIN_MICRO_BATCH = bool(shared), micro
+            grpo.fast_paths.SHARED_PREFIX, grpo.zero2.TRAIN_MICRO_BATCH = bool(shared), micro
             results[shared, micro] = one_step()
     if torch.distributed.get_rank() == 0:
         torch.save(results, sys.argv[-1])  # the last argument: the launcher adds --local_rank
