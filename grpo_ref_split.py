@@ -27,8 +27,8 @@ from tqdm import tqdm
 
 import rewards
 from features import (checkpoints, env_overrides, evaluation, fast_paths, lora, memory_plan,
-                      pass_rates, policy, question_sampler, quiet, refusals, run_log, server_client,
-                      tools, vision, vllm_engine, weight_sync, wire, worker, zero2)
+                      pass_rates, policy, question_sampler, quiet, refusals, retry, run_log,
+                      server_client, tools, vision, vllm_engine, weight_sync, wire, worker, zero2)
 from features.advantages import SCALES, STD_EPS, group_advantages, scale_to_step, upload_scale
 from features.embedded_model import resolve_model_path
 from features.run_log import (RunLog, answer_records, clock, log_step, loss_metrics, plot_curves,
@@ -257,8 +257,16 @@ def build_prompt(tokenizer, question: str) -> str:
 def encode_prompts(tokenizer, questions):
     """Left-padded prompt ids and attention mask: every answer starts at the same column."""
     prompts = [build_prompt(tokenizer, q["question"]) for q in questions]
-    return tokenizer(prompts, **vision.image_kwargs(questions), return_tensors="pt", padding=True,
-                     padding_side="left", add_special_tokens=False)  # images: and their pixels
+    images = {}  # text: none; a vision-language model's processor takes each question's images
+    if with_images(questions):
+        images = vision.image_kwargs(questions)
+    return tokenizer(prompts, **images, return_tensors="pt", padding=True, padding_side="left",
+                     add_special_tokens=False)  # images: and their pixels
+
+
+def with_images(questions) -> bool:
+    """Whether any question carries images: only then does a step enter features/vision.py."""
+    return any(q.get("images") for q in questions)
 
 
 def decode(tokenizer, completion_ids) -> list:
@@ -274,7 +282,9 @@ def generate(model, tokenizer, questions, gen_config, eos_ids, llm=None) -> Roll
     device = next(model.parameters()).device
     prompt_ids = enc.input_ids.repeat_interleave(NUM_PRE_Q, 0).to(device)  # (B, P) B = Q x G
     prompt_mask = enc.attention_mask.repeat_interleave(NUM_PRE_Q, 0).to(device)  # (B, P)
-    pixels = vision.to_device(vision.pixel_rows(enc, NUM_PRE_Q), device)  # images: B rows; text {}
+    pixels = {}  # a vision-language model's pixel inputs, one row per answer; text: none
+    if with_images(questions):
+        pixels = vision.to_device(vision.pixel_rows(enc, NUM_PRE_Q), device)  # B rows
     model.eval()  # no dropout; the KV cache on, even with gradient checkpointing
     sampler_logps = None  # vLLM's log-probs: transformers samples with the trainer's own weights
     tool = {}  # TOOLS: the calls and errors of each answer
@@ -300,17 +310,21 @@ def generate(model, tokenizer, questions, gen_config, eos_ids, llm=None) -> Roll
     else:
         mask = completion_mask(completion_ids, eos_ids)  # (B, T)
         stopped = torch.isin(completion_ids, torch.tensor(eos_ids, device=device)).any(1)  # (B,)
-    completion_ids, mask = vision.cut_at_image_tokens(completion_ids, mask, tokenizer)  # images
+    if isinstance(tokenizer, vision.ImageTextProcessor):  # an answer ends before an image token
+        completion_ids, mask = vision.cut_at_image_tokens(completion_ids, mask, tokenizer)
     lengths = mask.sum(1).tolist()  # before MASK_TRUNCATED: what the model wrote
     if MASK_TRUNCATED:  # a cut answer may have been heading somewhere right: no reward or blame
         mask &= stopped[:, None]  # (B, T)
     def per_answer(key):  # a question's value, once for each of its NUM_PRE_Q answers
         return [q.get(key) for q in questions for _ in range(NUM_PRE_Q)]
+    images = None  # each answer's question's images, to upload; text: none
+    if with_images(questions):
+        images = per_answer("images")
     return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
                    mask=mask, sampler_logps=sampler_logps, texts=decode(tokenizer, completion_ids),
                    lengths=lengths, truncated=(~stopped).tolist(), golds=per_answer("gold"),
-                   questions=per_answer("question"), images=per_answer("images"),
-                   vision_inputs=pixels, **tool)
+                   questions=per_answer("question"), images=images, vision_inputs=pixels,
+                   **tool)
 
 
 def logps_of(model, input_ids, attention_mask, n_completion, entropy=False, **pixels):
@@ -337,7 +351,9 @@ def pack_groups(model, sampled: Rollout, scores, advantages, keep_all, with_gen_
     rows = [q * G + i for q in kept for i in range(G)]
     gen_logps = None  # (K, T) pi_old of the kept rows
     if kept and (with_gen_logps or MU > 1 or not SKIP_GEN_LOGPS):
-        pixels = vision.select_rows(sampled.vision_inputs, rows)  # the kept rows' images, or {}
+        pixels = {}  # the kept rows' pixel inputs; text: none
+        if sampled.vision_inputs:
+            pixels = vision.select_rows(sampled.vision_inputs, rows)
         gen_logps = logps_of(model, ids[rows], attn[rows], sampled.mask.shape[1], **pixels).cpu()
     meta = dict(temperature=TEMPERATURE, scale_rewards=SCALE_REWARDS)  # the server redoes with it
     dropped = scores.view(-1, G)[[q for q in range(len(varied)) if q not in kept]].view(-1)  # (D,)
@@ -374,11 +390,9 @@ def upload_and_pull(groups: list, version: int, rank: int) -> list:
     """Step 5 with one reference server, as simple_GRPO does it: POST each group, then GET this
     rank's groups back with their ref_logps. Each GET acknowledges the one taken before (a lost
     answer comes again); what a restarted server lost is sent again. Else RefClient's (main())."""
-    if not server_client.uses_server(beta=BETA, distill_coef=DISTILL_COEF):  # no server: ours
-        return server_client.own_groups(groups, version, rank)
     def ask(method, path, body=None):  # asked again while busy or unreachable; a 4xx stops
-        return wire.request_with_retry(method, REF_SERVER + path, REF_TOKEN, body,
-                                       give_up_after=SERVER_TIMEOUT)
+        return retry.request_with_retry(method, REF_SERVER + path, REF_TOKEN, body,
+                                        give_up_after=SERVER_TIMEOUT)
     owed = {uuid.uuid4().hex: group for group in groups}  # upload_id -> (tensors, meta)
     where = {}  # upload_id -> the server instance that holds it
     back = []  # (tensors, meta) with ref_logps, in the order they came
@@ -408,7 +422,8 @@ def prepare_batch(engine, batch: Batch, normalizer=None) -> Batch:
     for every row at MU > 1 (reuse needs a fixed one), and LoRA's REF_FROM_BASE reference."""
     b = Batch(**{name: value.to(engine.device) if torch.is_tensor(value) else value
                  for name, value in vars(batch).items()})
-    b.vision_inputs = vision.to_device(batch.vision_inputs, engine.device)
+    if batch.vision_inputs:  # a vision-language model's pixel inputs
+        b.vision_inputs = vision.to_device(batch.vision_inputs, engine.device)
     b.normalizer = normalizer or wire.global_count([b.mask], token_mean=LOSS_TYPE == "dapo")
     def current_logps():  # (B, T) under the weights as they are now
         return logps_of(engine.module.eval(), b.input_ids, b.attention_mask, b.mask.shape[1],
@@ -568,7 +583,11 @@ def main():
     regroup = bool(health.get("regroup"))  # it pools answers of older weights: send gen_logps
     keep_all = bool(regroup or health.get("reward_model") or DISTILL_COEF)  # equal groups teach too
     several = "," in REF_SERVER or worker.EXTRA_GROUPS > 0 or regroup  # RefClient's cases
-    exchange = client.upload_and_pull if client and several else upload_and_pull  # step 5
+    exchange = upload_and_pull  # step 5 with one server, as the lesson writes it
+    if client is None:  # no server: our own groups come straight back, tagged with the version
+        exchange = server_client.own_groups
+    elif several:  # several servers, or workers' groups: RefClient's failover and extras
+        exchange = client.upload_and_pull
     sampler = question_sampler.QuestionSampler(questions, SEED + rank, question_sampler.SAMPLER,
                                                question_sampler.REPLAY_SHARE)
     llm = vllm_engine.start(resolve_model_path(MODEL_PATH), SEED + rank, model.dtype,
@@ -598,6 +617,7 @@ def main():
         samples=evaluation.EVAL_SAMPLES, sample_config=gen_config)
     if evaluation.EVAL_STEPS > 0 and start == 0:
         evaluate(0)
+    image_processor = vision.image_processor_of(tokenizer)  # a vision model's: pixels; else None
     wanted = Q_BATCH_SIZE if DYNAMIC_SAMPLING else 1  # groups with different rewards a step needs
     steps = range(start + 1, ALL_STEPS + 1)
     for step in tqdm(steps, disable=rank != 0, desc="GRPO", dynamic_ncols=True):
@@ -626,8 +646,7 @@ def main():
             question_sampler.out_of_rollouts(len(groups), MAX_ROLLOUTS, wanted)
         if SCALE_REWARDS == "batch":  # every rank: the std of all the step's rewards, all ranks
             groups = scale_to_step(groups, torch.cat(other_rewards), device)
-        batches = batches_of(engine, groups, tokenizer.pad_token_id,
-                             vision.image_processor_of(tokenizer))  # images: their pixels
+        batches = batches_of(engine, groups, tokenizer.pad_token_id, image_processor)
         m.update(train_step(engine, batches))  # 6-7. the loss, the optimizer step
         m["max_weight_gap"] = weight_gap(model)  # 0: every rank holds the same weights
         if publisher is not None:  # rank 0 with WEIGHT_SYNC_STEPS: the weights to workers

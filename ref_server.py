@@ -30,7 +30,7 @@ from features.regroup import RegroupPool
 from features.reward_model import add_reward_model, load_reward_model
 from features.server_guard import (MAX_RANKS, Handouts, Room, TooLarge, UploadIds, json_errors,
                                    parse_get, start_http, token_ok, validate_group, warn_if_exposed)
-from features.wire import decode_batch, encode_batch
+from features.wire import carries_images, decode_batch, encode_batch
 
 # ----------------------------------------------------------------------------- constants
 # Model
@@ -115,7 +115,9 @@ class RefServer:
         """(G, L - plen) reference log-probs of the completion tokens, at the sampling temperature,
         ref_micro_batch rows at a time; group: the upload's tensors, its images for every row."""
         ids = input_ids.to(self.device)  # (G, L)
-        pixels = vision.server_pixels(self.processor, group, len(ids), self.device)  # {}: text
+        pixels = {}  # text: no pixel inputs
+        if group is not None and carries_images(group):
+            pixels = vision.server_pixels(self.processor, group, len(ids), self.device)
         with torch.no_grad():
             logps = completion_logps(self.model, ids, torch.ones_like(ids), ids.shape[1] - plen,
                                      temperature, self.ref_micro_batch, self.shared_prefix,
@@ -131,6 +133,7 @@ class RefServer:
             except queue.Empty:
                 continue
             uid = meta.get("upload_id") or uuid.uuid4().hex  # what a taker acknowledges it by
+            failed = False  # counted once its error can be taken: /health never runs ahead
             try:
                 ref_logps = self.reference_logps(tensors["input_ids"], meta["plen"],
                                                  meta.get("temperature", 1.0), tensors)  # images
@@ -142,12 +145,14 @@ class RefServer:
                                                      self.reward_model_weight)
                 item = (encode_batch(tensors, meta), "application/octet-stream", nbytes, uid)
             except Exception as e:  # out of memory, say: this group is lost, and its taker told
-                self._count("ref_errors")
+                failed = True
                 traceback.print_exc()
                 error = {"error": f"the reference forward failed: {e!r}",
                          "upload_id": meta.get("upload_id")}
                 item = (json.dumps(error).encode(), "application/json", nbytes, uid)
             self.queue_of(key).put(item)  # its room was taken at upload
+            if failed:
+                self._count("ref_errors")
 
     def queue_of(self, key):
         """The ready queue of "workers" or of a trainer rank, which takes back its own groups."""
@@ -202,7 +207,8 @@ class RefServer:
                 tensors, meta = decode_batch(body)
                 meta = validate_group(tensors, meta, self.vocab_size, self.max_rows, self.max_len,
                                       self.max_group_tokens)
-                vision.check_group(self.processor, tensors, meta["plen"])  # its images, decoded
+                if self.processor is not None or carries_images(tensors):  # images: decoded
+                    vision.check_group(self.processor, tensors, meta["plen"])
                 needs_text = meta.get("question") is None or meta.get("answers") is None
                 if self.reward_model is not None and needs_text:
                     raise ValueError("this server has a REWARD_MODEL: "

@@ -415,7 +415,9 @@ def completion_logps(model, input_ids, attention_mask, n_completion: int, temper
     step, out = micro_batch or input_ids.shape[0], []
     for i in range(0, input_ids.shape[0], step):
         ids, attn = input_ids[i : i + step], attention_mask[i : i + step]  # (b, L) each
-        pixels = select_rows(vision_inputs, slice(i, i + step))  # this micro-batch's, or {}
+        pixels = {}  # this micro-batch's pixel inputs; text: none
+        if vision_inputs:
+            pixels = select_rows(vision_inputs, slice(i, i + step))
         states = completion_logits(model, ids, attn, n_completion, shared_prefix,
                                    hidden=from_hidden, vision_inputs=pixels)  # (b, T, H or V)
         targets = ids[:, -n_completion:]  # (b, T)

@@ -12,8 +12,8 @@ from urllib.parse import urlencode
 import requests
 
 from features.fingerprint import model_fingerprint, vocab_fingerprint
-from features.wire import (_NOTE_EVERY_S, _READ_TIMEOUT_S, _RETRY_FIRST_S, _RETRY_MAX_S, ServerError,
-                           decode_batch, encode_batch, request_with_retry)
+from features.retry import READ_TIMEOUT_S, Backoff, ServerError, request_with_retry
+from features.wire import decode_batch, encode_batch
 
 # Internal timings of the plumbing; SERVER_TIMEOUT (the trainer's) is the one to tune.
 _POLL_FIRST_S, _POLL_MAX_S = 0.02, 0.05  # /get polls while a forward runs: a group is at most _POLL_MAX_S late
@@ -47,7 +47,7 @@ class RefClient:
     def _call(self, method, url, path, data=None):
         give_up = self._give_up_after()
         return request_with_retry(method, url + path, self.token, data, give_up_after=give_up,
-                                  read_timeout=min(_READ_TIMEOUT_S, max(give_up, 1.0)))
+                                  read_timeout=min(READ_TIMEOUT_S, max(give_up, 1.0)))
 
     def health(self, model=None, tokenizer=None, allow_mismatch=False, teacher=False) -> dict:
         """Given the policy (before any update): every server's /health, after checking it holds the
@@ -73,7 +73,7 @@ class RefClient:
         """[(url, /health)] of the servers answering now, the fewest groups pending first; waits up
         to `timeout` while none answers. A server holding another model than the handshake's is
         skipped (a restart with other weights)."""
-        start, delay, last_note = time.time(), _RETRY_FIRST_S, 0.0
+        backoff = Backoff(self.timeout, f"reference server {', '.join(self.urls)}")
         while True:
             live = []
             for url in self.urls:
@@ -92,17 +92,8 @@ class RefClient:
                 live.append((url, health))
             if live:
                 return sorted(live, key=lambda pair: pair[1]["pending"])
-            waited = time.time() - start
-            if waited > self.timeout:
-                raise TimeoutError(f"no reference server of {self.urls} answered for {waited:.0f} s; "
-                                   "is `python ref_server.py` running?")
-            if time.time() - last_note > _NOTE_EVERY_S:
-                print(f"[retry] reference server {', '.join(self.urls)} unreachable; retrying for up "
-                      f"to {self.timeout:.0f} s", file=sys.stderr, flush=True)
-                last_note = time.time()
             self.down.clear()  # none answers: try them all again after the pause
-            time.sleep(delay)
-            delay = min(delay * 2, _RETRY_MAX_S)
+            backoff.wait("unreachable")
 
     def _call_once(self, method, url, path):
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}

@@ -43,7 +43,8 @@ def validate_group(tensors: dict, meta: dict, vocab_size: int, max_rows: int, ma
     unknown = sorted(set(tensors) - set(UPLOAD_SPEC) - set(IMAGE_FIELDS))
     if unknown:
         raise ValueError(f"unexpected tensors: {unknown}")
-    unpack_images(tensors)  # the images' fields, counts and sizes; decoded by the server
+    if any(name in tensors for name in IMAGE_FIELDS):  # text uploads carry none
+        unpack_images(tensors)  # the images' fields, counts and sizes; decoded by the server
     ids = tensors["input_ids"]
     if ids.dtype != torch.int64 or ids.dim() != 2:
         raise ValueError(f"input_ids must be 2-D int64, got {ids.dtype} {tuple(ids.shape)}")

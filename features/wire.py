@@ -1,18 +1,14 @@
 """The wire format between generators, the reference server and trainers: one group of answers as
 safetensors bytes with JSON metadata in the header (no pickle, so a payload can never run code on
-the other side), collate, which lays groups of different lengths out as one padded batch for the
-loss, and request_with_retry, the one HTTP request every client makes (it waits through a busy or
-restarting server).
+the other side), and collate, which lays groups of different lengths out as one padded batch for
+the loss. Retrying a busy or restarting server is features/retry.py's.
 
     python -c "from features.wire import UPLOAD_SPEC; print(list(UPLOAD_SPEC))"
 """
 import json
 from collections import Counter
 import struct
-import sys
-import time
 
-import requests
 import safetensors.torch
 import torch
 
@@ -52,10 +48,6 @@ META_FIELDS = {
 MAX_META_CHARS, MAX_META_DEPTH = 2**22, 8
 # how much of a bad input an error message quotes: enough to recognise, never megabytes
 QUOTE_CHARS = 200
-# Internal timings of request_with_retry; SERVER_TIMEOUT (the trainer's) is the one to tune.
-_RETRY_FIRST_S, _RETRY_MAX_S = 0.2, 5.0  # backoff between retries of an unreachable or busy server
-_NOTE_EVERY_S = 10.0  # a retrying client says so on stderr at most this often
-_READ_TIMEOUT_S = 60.0  # a request the server has not answered by then is retried (a stuck server)
 
 
 def sampled_version(meta: dict) -> int:
@@ -162,8 +154,15 @@ def collate(groups, pad_id, *, teacher=False, image_processor=None):
     b["teacher_logps"] = server_logps if teacher else None
     for name, rows in (("gen_logps", "gen_rows"), ("sampler_logps", "sampler_rows")):
         b[name], b[rows] = (logps[name], given[name]) if given[name].any() else (None, None)
-    b["vision_inputs"] = vision.group_vision_inputs(groups, image_processor)
+    b["vision_inputs"] = {}  # text: no pixel inputs
+    if image_processor is not None or any(carries_images(g) for g, _ in groups):
+        b["vision_inputs"] = vision.group_vision_inputs(groups, image_processor)  # or refused
     return b
+
+
+def carries_images(tensors: dict) -> bool:
+    """Whether an upload's tensors hold a question's images (IMAGE_FIELDS); text never does."""
+    return any(name in tensors for name in IMAGE_FIELDS)
 
 
 def group_tensors(sampled, ids, kept, group_size, rewards, advantages, gen_logps, meta) -> list:
@@ -201,40 +200,3 @@ def global_count(masks, *, token_mean: bool) -> float:
         torch.distributed.all_reduce(n)
         n /= torch.distributed.get_world_size()
     return n.item()
-
-
-class ServerError(RuntimeError):
-    """The server refused a request (4xx): retrying the same bytes cannot help."""
-
-
-def request_with_retry(method, url, token="", data=None, give_up_after=600.0,
-                       what="reference server", read_timeout=_READ_TIMEOUT_S):
-    """One HTTP request; connection errors, timeouts and 503 (queue full) are retried with backoff.
-    A retried upload is safe when it carries an upload_id: the server answers a repeat, queues
-    nothing."""
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    start, delay, last_note = time.time(), _RETRY_FIRST_S, 0.0
-    while True:
-        try:
-            r = requests.request(method, url, data=data, headers=headers, timeout=read_timeout)
-            if r.status_code < 400:
-                return r
-            if r.status_code != 503:
-                raise ServerError(f"{what} answered {r.status_code} to {method} {url}: "
-                                  f"{r.text[:300]}")
-            problem = "busy (503, queue full)"
-        except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError,
-                requests.exceptions.ContentDecodingError):  # refused, reset, or cut mid-body
-            problem = "unreachable"
-        except requests.Timeout:  # a read timeout: the server may be stuck, or just slow
-            problem = f"silent for {read_timeout:g} s"
-        waited = time.time() - start
-        if waited > give_up_after:
-            raise TimeoutError(f"{what} at {url} still {problem} after {waited:.0f} s; "
-                               "is `python ref_server.py` running?")
-        if time.time() - last_note > _NOTE_EVERY_S:
-            print(f"[retry] {what} {problem}; retrying for up to {give_up_after:.0f} s",
-                  file=sys.stderr, flush=True)
-            last_note = time.time()
-        time.sleep(delay)
-        delay = min(delay * 2, _RETRY_MAX_S)
