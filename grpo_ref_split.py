@@ -428,7 +428,7 @@ def prepare_batch(engine, batch: Batch, normalizer=None) -> Batch:
     def current_logps():  # (B, T) under the weights as they are now
         return logps_of(engine.module.eval(), b.input_ids, b.attention_mask, b.mask.shape[1],
                         **b.vision_inputs)
-    if lora.own_reference() and BETA != 0:  # LoRA's reference: the base, adapters off
+    if lora.LORA_RANK > 0 and lora.REF_FROM_BASE and BETA != 0:  # the base, adapters off
         b.ref_logps = lora.base_logps(engine, current_logps)  # (B, T)
     if MU > 1 and (b.gen_logps is None or not b.gen_rows.all()):  # (B, T) every row's pi_old
         b.gen_logps = pi_old_logps(current_logps(), b.gen_logps, b.gen_rows, b.mask)
