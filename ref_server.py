@@ -63,26 +63,34 @@ REGROUP = False  # True = pool each question's answers; send out mixed groups wi
 REGROUP_POOL = 64  # answers kept per question, the oldest dropped first
 REGROUP_QUESTIONS = 4096  # questions remembered, the least recently uploaded forgotten first
 apply_env_overrides(globals(), "ref_server.py")  # `PORT=6000 python ref_server.py`
-# The constants a RefServer reads when it is built; a keyword in lower case replaces one.
-SETTINGS = ("REF_TOKEN", "MAX_BODY_BYTES", "MAX_ROWS", "MAX_GROUP_TOKENS", "QUEUE_SIZE",
-            "MAX_QUEUED_BYTES", "UPLOAD_IDS", "REF_MICRO_BATCH", "SHARED_PREFIX", "LOGP_CHUNK",
-            "LOGP_FROM_HIDDEN", "REWARD_MODEL_WEIGHT", "REGROUP", "REGROUP_POOL",
-            "REGROUP_QUESTIONS", "TEACHER")
+
+
+def settings_now() -> dict:
+    """The constants a RefServer reads when it is built, by their names in lower case (a keyword of
+    the same name replaces one), as they are now: a test or main() may have changed one."""
+    return dict(ref_token=REF_TOKEN, max_body_bytes=MAX_BODY_BYTES, max_rows=MAX_ROWS,
+                max_group_tokens=MAX_GROUP_TOKENS, queue_size=QUEUE_SIZE,
+                max_queued_bytes=MAX_QUEUED_BYTES, upload_ids=UPLOAD_IDS,
+                ref_micro_batch=REF_MICRO_BATCH, shared_prefix=SHARED_PREFIX,
+                logp_chunk=LOGP_CHUNK, logp_from_hidden=LOGP_FROM_HIDDEN,
+                reward_model_weight=REWARD_MODEL_WEIGHT, regroup=REGROUP,
+                regroup_pool=REGROUP_POOL, regroup_questions=REGROUP_QUESTIONS, teacher=TEACHER)
 
 
 # ----------------------------------------------------------------------------- the server
 class RefServer:
     """The queues, the forward thread and the bottle app around one reference model. Each of
-    SETTINGS is an attribute in lower case: its constant as it is when the server is built, or the
-    keyword that replaces it (RefServer(model, name, queue_size=2))."""
+    settings_now() is an attribute: its constant as it is when the server is built, or the keyword
+    that replaces it (RefServer(model, name, queue_size=2))."""
 
     def __init__(self, model, model_name, *, reward_model=None, reward_model_name="", vocabulary="",
                  processor=None, **settings):
-        unknown = sorted(set(settings) - {name.lower() for name in SETTINGS})
+        defaults = settings_now()  # read now, not at import
+        unknown = sorted(set(settings) - set(defaults))
         if unknown:
-            raise TypeError(f"RefServer: no setting {unknown}; settings are SETTINGS in lower case")
-        for name in SETTINGS:  # read now, not at import: a test or main() may have changed it
-            setattr(self, name.lower(), settings.get(name.lower(), globals()[name]))
+            raise TypeError(f"RefServer: no setting {unknown}; settings are settings_now()'s names")
+        for name, value in {**defaults, **settings}.items():
+            setattr(self, name, value)
         self.model = model
         self.model_name = model_name
         self.processor = processor  # a vision-language model's (features/vision.py); else None

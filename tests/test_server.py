@@ -650,8 +650,8 @@ def test_the_server_process_loads_a_reward_model_and_names_it(tiny_model_dir, to
 
 
 def test_each_server_setting_is_its_constant_or_a_keyword_and_a_misspelled_one_is_refused(model):
-    """RefServer reads SETTINGS by name: a keyword in lower case replaces one, and a name that is
-    not a setting stops at once (it would otherwise be silently ignored)."""
+    """RefServer reads settings_now(): a keyword of the same name replaces one, and a name that
+    is not a setting stops at once (it would otherwise be silently ignored)."""
     with pytest.raises(TypeError, match="queue_sise"):
         RefServer(model, "t", queue_sise=2)
     server = RefServer(model, "t", queue_size=3)
