@@ -19,7 +19,7 @@ import time
 import torch
 
 from features.vision import unpack_images
-from features.wire import IMAGE_FIELDS, META_FIELDS, OPTIONAL, UPLOAD_SPEC
+from features.wire import IMAGE_FIELDS, META_FIELDS, OPTIONAL, UPLOAD_SPEC, carries_images
 
 MAX_NAME_CHARS = 200  # metadata worker and upload_id: a name, never a payload
 TEMPERATURES = (0.01, 100)  # below 0.01, logits / T overflow to inf and the log-probs are NaN
@@ -43,7 +43,7 @@ def validate_group(tensors: dict, meta: dict, vocab_size: int, max_rows: int, ma
     unknown = sorted(set(tensors) - set(UPLOAD_SPEC) - set(IMAGE_FIELDS))
     if unknown:
         raise ValueError(f"unexpected tensors: {unknown}")
-    if any(name in tensors for name in IMAGE_FIELDS):  # text uploads carry none
+    if carries_images(tensors):  # text uploads carry none
         unpack_images(tensors)  # the images' fields, counts and sizes; decoded by the server
     ids = tensors["input_ids"]
     if ids.dtype != torch.int64 or ids.dim() != 2:
