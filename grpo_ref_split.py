@@ -26,13 +26,14 @@ import torch
 from tqdm import tqdm
 
 import rewards
-from features import (checkpoints, env_overrides, evaluation, fast_paths, lora, memory_plan,
-                      pass_rates, policy, question_sampler, quiet, refusals, retry, run_log,
-                      server_client, tools, vision, vllm_engine, weight_sync, wire, worker, zero2)
+from features import (checkpoints, curves, env_overrides, evaluation, fast_paths, lora,
+                      memory_plan, pass_rates, policy, question_sampler, quiet, refusals, retry,
+                      run_log, server_client, tools, vision, vllm_engine, weight_sync, wire, worker,
+                      zero2)
 from features.advantages import SCALES, STD_EPS, group_advantages, scale_to_step, upload_scale
 from features.embedded_model import resolve_model_path
-from features.run_log import (RunLog, answer_records, clock, log_step, loss_metrics, plot_curves,
-                              step_metrics, timed, weight_gap)
+from features.run_log import (RunLog, answer_records, clock, log_step, loss_metrics, step_metrics,
+                              timed, weight_gap)
 from rewards import reward_correct, reward_format
 
 # ----------------------------------------------------------------------------- constants
@@ -197,6 +198,18 @@ def reduce_loss(per_token, mask, *, loss_type="grpo", normalizer=None, max_token
     return total / normalizer
 
 
+def global_count(masks, *, token_mean: bool) -> float:
+    """reduce_loss's normalizer: the step's answers (token_mean: tokens) in its (B, T) masks on all
+    ranks, / the ranks, so each answer weighs the same wherever it landed (ZeRO-2 averages
+    gradients over ranks)."""
+    count = sum(int(m.sum()) if token_mean else m.shape[0] for m in masks)
+    total = torch.tensor(float(count), dtype=torch.float64, device=masks[0].device)  # NCCL: GPU
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(total)
+        total /= torch.distributed.get_world_size()
+    return total.item()
+
+
 # ----------------------------------------------------------------------------- one step
 @dataclass
 class Rollout:
@@ -219,7 +232,7 @@ class Rollout:
 
 @dataclass
 class Batch:
-    """Groups laid out for the loss (wire.collate): L = P + T columns, prompts end at column P."""
+    """Groups laid out for the loss (collate): L = P + T columns, prompts end at column P."""
     input_ids: torch.Tensor  # (B, L) prompt + answer
     attention_mask: torch.Tensor  # (B, L)
     mask: torch.Tensor  # (B, T) the answer tokens that train
@@ -357,7 +370,33 @@ def pack_groups(model, sampled: Rollout, scores, advantages, keep_all, with_gen_
         gen_logps = logps_of(model, ids[rows], attn[rows], sampled.mask.shape[1], **pixels).cpu()
     meta = dict(temperature=TEMPERATURE, scale_rewards=SCALE_REWARDS)  # the server redoes with it
     dropped = scores.view(-1, G)[[q for q in range(len(varied)) if q not in kept]].view(-1)  # (D,)
-    return wire.group_tensors(sampled, ids, kept, G, scores, advantages, gen_logps, meta), dropped
+    return group_tensors(sampled, ids, kept, scores, advantages, gen_logps, meta), dropped
+
+
+def group_tensors(sampled: Rollout, ids, kept, scores, advantages, gen_logps, meta) -> list:
+    """The kept groups as (tensors, meta) in the wire's layout (features/wire.UPLOAD_SPEC): each
+    prompt without its left padding, the columns every answer finished before dropped. ids
+    (B, P + T); kept: group indices; gen_logps (K, T) the kept rows' pi_old, or None."""
+    G = NUM_PRE_Q
+    P = sampled.prompt_ids.shape[1]
+    groups = []
+    for j, q in enumerate(kept):
+        rows = slice(q * G, (q + 1) * G)
+        plen = int(sampled.prompt_mask[q * G].sum())  # the prompt without its left padding
+        tlen = int(sampled.mask[rows].any(0).nonzero().max()) + 1  # the group's longest answer
+        tensors = dict(input_ids=ids[rows, P - plen : P + tlen].cpu(),  # (G, plen + tlen)
+                       completion_mask=sampled.mask[rows, :tlen].cpu(),  # (G, tlen)
+                       advantages=advantages[rows],  # (G,)
+                       rewards=scores[rows])  # (G,)
+        if gen_logps is not None:
+            tensors["gen_logps"] = gen_logps[j * G : (j + 1) * G, :tlen]  # (G, tlen)
+        if sampled.sampler_logps is not None:  # vLLM's own: the loss's importance weights
+            tensors["sampler_logps"] = sampled.sampler_logps[rows, :tlen]  # (G, tlen)
+        if sampled.images:  # the question's images, as their own bytes (features/vision.py)
+            tensors.update(vision.pack_images(sampled.images[q * G]))
+        for_reward_model = {"question": sampled.questions[q * G], "answers": sampled.texts[rows]}
+        groups.append((tensors, {"plen": plen, **for_reward_model, **meta}))
+    return groups
 
 
 @dataclass
@@ -416,6 +455,25 @@ def upload_and_pull(groups: list, version: int, rank: int) -> list:
     return back
 
 
+def sampled_by(groups, version, *, max_staleness) -> tuple:
+    """(the pulled groups the policy at `version` may train on, the counts dropped). A group that
+    other weights sampled (a step late) needs their log-probs as pi_old (gen_logps), else its ratio
+    would be 1 as if these weights had sampled it: workers' and regrouped groups carry them. One
+    sampled more than max_staleness versions ago is dropped (docs/workers.md), and so is one sampled
+    by weights newer than these (a crashed run's leftovers after RESUME, a worker on a later
+    published version): its pi_old is not a policy this run has been."""
+    def lag(meta):  # versions between the sampling weights and these; no version counts as 0
+        return version - wire.sampled_version(meta)
+    fresh = [(tensors, meta) for tensors, meta in groups if 0 <= lag(meta) <= max_staleness]
+    usable = [(tensors, meta) for tensors, meta in fresh
+              if lag(meta) == 0 or "gen_logps" in tensors]
+    ahead = sum(1 for _, meta in groups if lag(meta) < 0)
+    stale = len(groups) - len(fresh) - ahead
+    late = len(fresh) - len(usable)
+    return usable, Counter(late_groups_dropped=late, stale_groups_dropped=stale,
+                           ahead_groups_dropped=ahead)
+
+
 @torch.no_grad()
 def prepare_batch(engine, batch: Batch, normalizer=None) -> Batch:
     """The batch on the device with its loss normalizer (default: its own count over ranks), pi_old
@@ -424,7 +482,7 @@ def prepare_batch(engine, batch: Batch, normalizer=None) -> Batch:
                  for name, value in vars(batch).items()})
     if batch.vision_inputs:  # a vision-language model's pixel inputs
         b.vision_inputs = vision.to_device(batch.vision_inputs, engine.device)
-    b.normalizer = normalizer or wire.global_count([b.mask], token_mean=LOSS_TYPE == "dapo")
+    b.normalizer = normalizer or global_count([b.mask], token_mean=LOSS_TYPE == "dapo")
     def current_logps():  # (B, T) under the weights as they are now
         return logps_of(engine.module.eval(), b.input_ids, b.attention_mask, b.mask.shape[1],
                         **b.vision_inputs)
@@ -499,17 +557,58 @@ def train_step(engine, batches) -> Counter:
     return m
 
 
+def collate(groups, pad_id, *, teacher=False, image_processor=None) -> Batch:
+    """Groups of different prompt and answer lengths as one Batch: prompts left-padded to end at
+    column P, answers right-padded. Optional log-probs come with the rows that carry them
+    (gen_rows, sampler_rows), never with a value that means "missing". teacher: the server's
+    log-probs are a teacher's (teacher_logps), never a reference's. image_processor: a vision
+    model's, for each row's pixels (features/vision.py)."""
+    P = max(meta["plen"] for _, meta in groups)
+    T = max(g["input_ids"].shape[1] - meta["plen"] for g, meta in groups)
+    B = sum(g["input_ids"].shape[0] for g, _ in groups)
+    input_ids = torch.full((B, P + T), pad_id)  # (B, L)
+    attention_mask = torch.zeros(B, P + T, dtype=torch.long)  # (B, L)
+    mask = torch.zeros(B, T, dtype=torch.bool)  # (B, T)
+    logps = {name: torch.zeros(B, T) for name in ("ref_logps", "gen_logps", "sampler_logps")}
+    given = {name: torch.zeros(B, dtype=torch.bool) for name in logps}  # (B,) rows that carry it
+    row = 0
+    for g, meta in groups:
+        n = g["input_ids"].shape[0]
+        plen = meta["plen"]
+        tlen = g["input_ids"].shape[1] - plen
+        input_ids[row : row + n, P - plen : P + tlen] = g["input_ids"]  # prompts end at column P
+        attention_mask[row : row + n, P - plen : P + tlen] = 1
+        mask[row : row + n, :tlen] = g["completion_mask"]
+        for name in [name for name in logps if name in g]:
+            logps[name][row : row + n, :tlen] = g[name]
+            given[name][row : row + n] = True
+        row += n
+    def optional(name):  # (B, T) or None: no row carries it
+        return logps[name] if given[name].any() else None
+    def rows_of(name):  # (B,) bool or None
+        return given[name] if given[name].any() else None
+    server_logps = logps["ref_logps"] if given["ref_logps"].all() else None  # None: not asked
+    batch = Batch(input_ids=input_ids, attention_mask=attention_mask, mask=mask,
+                  advantages=torch.cat([g["advantages"] for g, _ in groups]),
+                  ref_logps=None if teacher else server_logps,
+                  teacher_logps=server_logps if teacher else None,
+                  gen_logps=optional("gen_logps"), gen_rows=rows_of("gen_logps"),
+                  sampler_logps=optional("sampler_logps"), sampler_rows=rows_of("sampler_logps"))
+    if image_processor is not None or any(wire.carries_images(g) for g, _ in groups):
+        batch.vision_inputs = vision.group_vision_inputs(groups, image_processor)  # or refused
+    return batch
+
+
 def batches_of(engine, groups, pad_id, image_processor=None) -> list:
     """Step 6's input: the groups as one batch, or TRAIN_MICRO_BATCH groups a batch, each with the
     step's normalizer, so their gradients add up to the one batch's (features/zero2.py)."""
     def to_batch(part):  # the groups as one padded Batch
-        return Batch(**wire.collate(part, pad_id, teacher=DISTILL_COEF > 0,
-                                    image_processor=image_processor))
+        return collate(part, pad_id, teacher=DISTILL_COEF > 0, image_processor=image_processor)
     if not zero2.TRAIN_MICRO_BATCH:
         return [prepare_batch(engine, to_batch(groups))]
     return zero2.micro_batches(groups, zero2.TRAIN_MICRO_BATCH, to_batch,
                                functools.partial(prepare_batch, engine),
-                               functools.partial(wire.global_count, token_mean=LOSS_TYPE == "dapo"),
+                               functools.partial(global_count, token_mean=LOSS_TYPE == "dapo"),
                                engine.device)
 
 
@@ -632,12 +731,13 @@ def main():
             scored = rollout(model, tokenizer, drawn, eos_ids=eos_ids, gen_config=gen_config,
                              llm=llm, keep_all=keep_all, with_gen_logps=regroup, m=m, step=step,
                              rank=rank)
-            sampler.record(scored.records, NUM_PRE_Q)  # SAMPLER "difficulty": which groups varied
+            if sampler.mode != "uniform":  # which groups varied ("difficulty"), pass rates
+                sampler.record(scored.records, NUM_PRE_Q)
             answers += scored.records
             other_rewards.append(scored.other_rewards)
             with timed(m, "wait_s"):  # 5. upload; pull them back with ref_logps (no server: ours)
                 pulled = exchange(scored.groups, step - 1, rank)
-            pulled, counts = wire.sampled_by(pulled, step - 1, max_staleness=MAX_STALENESS)
+            pulled, counts = sampled_by(pulled, step - 1, max_staleness=MAX_STALENESS)
             m.update(counts)  # late_groups_dropped, stale_groups_dropped
             groups += pulled
             if len(groups) >= wanted:
@@ -663,7 +763,7 @@ def main():
             checkpoints.save_checkpoint(engine, tokenizer, step, sampler, rank, lora=adapters_only,
                                         output_dir=OUTPUT_DIR, keep=checkpoints.KEEP_CHECKPOINTS)
             if rank == 0:
-                plot_curves(log.metrics.name, reward_names)
+                curves.plot_curves(log.metrics.name, reward_names)
     lora.save_merged(model, tokenizer, OUTPUT_DIR, rank)  # LoRA: OUTPUT_DIR/merged
     if rank == 0:
         log.close()  # "done: ... in OUTPUT_DIR/"

@@ -10,6 +10,7 @@ constant below can be set by an environment variable:
     python ref_server.py                              # CPU here, the embedded SmolLM2-135M
     CUDA_VISIBLE_DEVICES=7 python ref_server.py       # the usual GPU layout
 """
+import collections
 import json
 import queue
 import signal
@@ -26,11 +27,11 @@ from features.embedded_model import resolve_model_path
 from features.env_overrides import apply_env_overrides
 from features.fingerprint import model_fingerprint, vocab_fingerprint
 from features.fast_paths import completion_logps
+from features.http_server import json_errors, start_http, token_ok, warn_if_exposed
 from features.regroup import RegroupPool
 from features.reward_model import add_reward_model, load_reward_model
-from features.server_guard import (MAX_RANKS, Handouts, Room, TooLarge, UploadIds, json_errors,
-                                   parse_get, start_http, token_ok, validate_group, warn_if_exposed)
-from features.wire import carries_images, decode_batch, encode_batch
+from features.wire import (MAX_RANKS, TooLarge, carries_images, decode_batch, encode_batch,
+                           validate_group)
 
 # ----------------------------------------------------------------------------- constants
 # Model
@@ -50,6 +51,7 @@ HTTP_THREADS = 8  # requests handled at once; more wait in the listen backlog
 BACKLOG = 1024  # connections waiting for a thread: a burst of ranks is never refused at connect
 IDLE_TIMEOUT = 30  # s before an idle or stalled connection (a body that never comes) is closed
 UPLOAD_IDS = 4096  # upload ids remembered: a retried upload gets its first answer, queued once
+MAX_ACK_CHARS = 200  # an acknowledged upload id: a name, never a payload
 # The reference forward
 REF_MICRO_BATCH = 8  # rows per reference forward: bounds activation memory, not throughput
 SHARED_PREFIX = True  # a group's prompt runs once, its KV cache shared by the rows; False = full
@@ -239,7 +241,7 @@ class RefServer:
         @app.get("/get")
         def get():
             headers = {"X-Ref-Instance": self.instance}
-            try:  # who asks, and what it acknowledges (features/server_guard.py)
+            try:  # who asks, and what it acknowledges (parse_get)
                 kind, rank, ack = parse_get(bottle.request.query, MAX_RANKS)
             except ValueError as e:
                 self._refuse(400, str(e))
@@ -272,8 +274,121 @@ class RefServer:
         return json_errors(app)
 
 
+# ------------------------------------------------------------------------ queues safe to ask twice
+class UploadIds:
+    """The answers given to the newest `size` upload ids. A client that timed out before reading its
+    answer retries with the same id and gets the first answer: the group is never queued twice."""
+
+    NEW, IN_FLIGHT = "new", "in flight"
+
+    def __init__(self, size):
+        self.size = size
+        self.answers = collections.OrderedDict()  # upload_id -> its answer, or IN_FLIGHT
+        self.lock = threading.Lock()
+
+    def claim(self, uid):
+        """NEW (handle it: the id is now IN_FLIGHT), IN_FLIGHT (its first try is still being
+        handled), or the first try's answer. An upload without an id (None) is always NEW."""
+        with self.lock:
+            first = self.answers.get(uid, self.NEW) if uid else self.NEW
+            if uid and first == self.NEW:
+                self.answers[uid] = self.IN_FLIGHT
+                # the oldest id is forgotten: a retry that late is new
+                while len(self.answers) > self.size:
+                    self.answers.popitem(last=False)
+            return first
+
+    def settle(self, uid, answer):
+        """The id's answer, or with None (the upload was refused: 503) the id forgotten, so a retry
+        is new."""
+        with self.lock:
+            if uid and answer is None:
+                self.answers.pop(uid, None)
+            elif uid:
+                self.answers[uid] = answer
+
+
+class Room:
+    """The server's memory limit: at most queue_size groups per kind (trainers', workers') and
+    max_bytes in all, taken when an upload is accepted and given back when its batch is taken.
+    Nothing waits for room: an upload that finds none is answered 503 at once, and one kind's full
+    queue never holds up the other's."""
+
+    def __init__(self, queue_size, max_bytes):
+        self.queue_size = queue_size
+        self.max_bytes = max_bytes
+        self.held = {"trainers": 0, "workers": 0}  # groups accepted, not yet taken, per kind
+        self.held_bytes = 0  # their bytes
+        self.lock = threading.Lock()
+
+    def take(self, kind, nbytes) -> bool:
+        with self.lock:
+            room = self.held[kind] < self.queue_size and self.held_bytes + nbytes <= self.max_bytes
+            if room:
+                self.held[kind] += 1
+                self.held_bytes += nbytes
+            return room
+
+    def give_back(self, kind, nbytes):
+        with self.lock:
+            self.held[kind] -= 1
+            self.held_bytes -= nbytes
+
+
+# GET /get?rank=N&ack=ID hands a rank the group at the head of its queue and keeps it until the
+# rank's next call acknowledges it by id. An answer lost on the way (a cut link, a server killed
+# mid-response) is asked for again and the same group comes back: none is lost or handed twice.
+# A plain GET /get (no ack) takes the group for good, as simple clients expect.
+
+class Handouts:
+    """The one group each taker (a trainer rank, for its own or for workers' groups) was handed last
+    and has not acknowledged: kept until acknowledged, handed again if asked again without the ack.
+    Items are (body, content type, bytes of room, upload id)."""
+
+    def __init__(self):
+        self.held = {}  # taker -> item
+        self.lock = threading.Lock()
+
+    def take(self, taker, ready: queue.Queue, ack, give_back):
+        """(the item to answer with or None, whether it is handed out for the first time). taker
+        is (kind, rank); give_back(kind, nbytes) frees the room of an item gone for good. ack None:
+        a plain take, the held item (if any) or the next one leaves at once. ack a string: the held
+        item is dropped if it is that id, then the held item (or the next one, now held)."""
+        with self.lock:
+            held = self.held.pop(taker, None)
+            if held is not None and ack is not None and ack == held[3]:
+                give_back(taker[0], held[2])
+                held = None
+            fresh = held is None
+            if fresh:
+                try:
+                    held = ready.get_nowait()
+                except queue.Empty:
+                    return None, False
+            if ack is None:
+                give_back(taker[0], held[2])
+            else:
+                self.held[taker] = held
+            return held, fresh
+
+
+def parse_get(query, max_ranks):
+    """(kind, rank, ack) of a /get query: kind "workers" (from=workers) or "trainers", the asking
+    rank (a rank takes back the groups it sent), the upload id it acknowledges (None: a plain take).
+    ValueError naming the problem."""
+    kind = "workers" if query.get("from") == "workers" else "trainers"
+    rank = query.get("rank", "0")
+    if not (rank.isascii() and rank.isdigit() and len(rank) < 6 and int(rank) < max_ranks):
+        raise ValueError(f"rank must be an int in 0..{max_ranks - 1}, got {rank[:20]!r}")
+    ack = query.get("ack")
+    if ack is not None and (len(ack) > MAX_ACK_CHARS or not (ack.isascii() and ack.isprintable())):
+        raise ValueError(f"ack must be an upload id of at most {MAX_ACK_CHARS} ASCII characters")
+    return kind, int(rank), ack
+
+
+# ----------------------------------------------------------------------------- running it
 def serve(server: RefServer, host: str, port: int):
-    """Start the forward thread and the HTTP server (features/server_guard.py); returns stop()."""
+    """Start the forward thread and the HTTP server (features/http_server.py); returns stop()."""
     server.worker.start()
     stop_http = start_http(server.app, host, port, threads=HTTP_THREADS, backlog=BACKLOG,
                            idle_timeout=IDLE_TIMEOUT, max_body=server.max_body_bytes)

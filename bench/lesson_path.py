@@ -1,6 +1,7 @@
 """Which files and lines a reader follows in one default training step (issue 47's count).
 
     python bench/lesson_path.py          # the embedded model, every constant at its default
+    FUNCTIONS=1 python bench/lesson_path.py   # also each function entered, with its lines
 
 It starts ref_server.py's server in this process, runs the trainer for two steps and records
 every function of this project (not tests/ or bench/) that is entered during step 2, on the
@@ -17,6 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SKIPPED = ("tests", "bench", ".venv")  # folders whose code is not the product
+FUNCTIONS = os.environ.get("FUNCTIONS", "0") == "1"  # 1: list each function entered too
 
 
 def is_project_file(filename: str) -> bool:
@@ -92,6 +94,10 @@ def main():
     for name, count in sorted(per_file.items(), key=lambda item: -item[1]):
         print(f"{name:<32} {count}")
     print(f"{'total':<32} {sum(per_file.values())} lines in {len(per_file)} files")
+    if FUNCTIONS:
+        for code in sorted(recorder.entered, key=lambda c: (c.co_filename, c.co_firstlineno)):
+            name = Path(code.co_filename).relative_to(ROOT)
+            print(f"{name}:{code.co_firstlineno} {code.co_qualname} {len(function_lines(code))}")
 
 
 if __name__ == "__main__":

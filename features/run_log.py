@@ -1,8 +1,8 @@
-"""The run log: each step's metrics (averaged over ranks) as a line under the progress bar and in
-OUTPUT_DIR/metrics.jsonl, the sampled answers in completions.jsonl, optional TensorBoard scalars,
-and curves.png. docs/metrics.md says what each metric means.
+"""The run log: what each step measures (the loss's metrics, the answers' rewards and lengths, the
+seconds of each phase), averaged over ranks, as a line under the progress bar and in
+OUTPUT_DIR/metrics.jsonl, the sampled answers in completions.jsonl, optional TensorBoard scalars.
+docs/metrics.md says what each metric means; features/curves.py draws them.
 
-    python -c "from features.run_log import plot_curves as p; p('output/metrics.jsonl', ['reward'])"
     python scripts/show_completions.py output/completions.jsonl    # the answers of a step, readable
 """
 import contextlib
@@ -97,8 +97,8 @@ class RunLog:
         tqdm.write(f"step {step:4d} | loss {m['loss']:+.4f} | reward {m['reward']:.3f} | {parts} | "
                    f"{kl}clip {m['clip_low']:.3f}/{m['clip_high']:.3f} | lr {m['lr']:.2e} | "
                    f"len {m['length']:.1f} | {m['seconds']:.1f}s")
-        m = m | tool_stats(answers)
-        if "tool_share" in m:
+        if "tool_calls" in answers[0]:  # TOOLS: how the answers used them
+            m = m | tool_stats(answers)
             tqdm.write(f"  tools  | {m['tool_share']:.0%} of answers called one, "
                        f"{m['tool_calls']:.2f} calls and {m['tool_errors']:.2f} errors per answer")
         a = answers[-1]  # the newest rollout's last: a person watching sees the format appear
@@ -238,49 +238,6 @@ def tool_stats(answers) -> dict:
         if part and "reward_correct" in part[0]:
             out[name] = sum(a["reward_correct"] for a in part) / len(part)
     return out
-
-
-def is_eval(line: dict) -> bool:
-    """A held-out evaluation's line of metrics.jsonl (its metrics are eval_<reward name>)."""
-    return any(k.startswith("eval_") for k in line)
-
-
-def plot_curves(metrics_path, reward_names, png_path=None):
-    """Reward, each reward function's mean and KL against step from any metrics.jsonl, as a PNG;
-    returns (its path, the figure's panels as {title: (steps, values)} of the training line) for a
-    reader to check."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # headless: no display needed
-    import matplotlib.pyplot as plt
-
-    with open(metrics_path) as f:
-        lines = [json.loads(line) for line in f if line.strip()]
-    rows = [r for r in lines if not is_eval(r)]  # training steps
-    evals = [r for r in lines if is_eval(r)]  # held-out evaluations, drawn dashed
-    rewards = [name for name in reward_names if rows and name in rows[0]]  # one panel per function
-    keys = ("reward", *rewards, "kl")  # kl is absent with BETA = 0: its panel stays empty
-    needed = ("step", "reward", *rewards)
-    if not rows or not rewards or any(k not in r for r in rows for k in needed):
-        raise ValueError(f"{metrics_path}: need JSON lines with step, reward and each "
-                         "reward_<name> (and kl)")
-    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.2))
-    for ax, key in zip(axes, keys):
-        drawn = [r for r in rows if key in r]
-        ax.plot([r["step"] for r in drawn], [r[key] for r in drawn], marker=".",
-                label="training samples")
-        if evals and key in rewards:
-            ax.plot([r["step"] for r in evals], [r[f"eval_{key}"] for r in evals], "--o",
-                    label="held-out, greedy")
-            ax.legend(fontsize=7)
-        ax.set(title=key, xlabel="step")
-        ax.grid(alpha=0.3)
-    panels = {ax.get_title(): tuple(map(list, ax.get_lines()[0].get_data())) for ax in axes}
-    fig.tight_layout()
-    png_path = png_path or os.path.join(os.path.dirname(metrics_path), "curves.png")
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
-    return png_path, panels
 
 
 def clock() -> float:

@@ -141,7 +141,7 @@ class RefClient:
         A rank takes back exactly the groups it sent (GET /get?rank=N), so when a server stops
         answering or restarts (a new instance id), the ones it still held are known and uploaded
         again to another server (or the restarted one) under the same upload ids. Every take
-        acknowledges the one before (features/server_guard.py), so an answer lost on the way is handed
+        acknowledges the one before (ref_server.py, Handouts), so an answer lost on the way is handed
         again; and a group is taken back once: any later copy of an upload id (a slow server's
         first copy, a worker's group that sits on two servers) is dropped. A group whose reference
         forward failed comes back as an error: one group fewer, said on stderr. A group of an

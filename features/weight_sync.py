@@ -24,7 +24,7 @@ import torch
 import urllib3
 
 from features import env_overrides
-from features.server_guard import json_errors, start_http, token_ok, warn_if_exposed
+from features.http_server import json_errors, start_http, token_ok, warn_if_exposed
 
 WEIGHT_SYNC_STEPS = 0  # > 0: rank 0 serves its weights to workers this often; 0 = step_N on disk
 WEIGHT_SYNC_HOST = "127.0.0.1"  # where rank 0 serves them; "0.0.0.0" for other machines

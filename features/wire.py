@@ -1,12 +1,12 @@
 """The wire format between generators, the reference server and trainers: one group of answers as
 safetensors bytes with JSON metadata in the header (no pickle, so a payload can never run code on
-the other side), and collate, which lays groups of different lengths out as one padded batch for
-the loss. Retrying a busy or restarting server is features/retry.py's.
+the other side), and what a group must be before any of it reaches a model (validate_group: every
+field's type, shape and bound). The trainer packs its groups (group_tensors) and lays pulled ones
+out for the loss (collate); retrying a busy or restarting server is features/retry.py's.
 
     python -c "from features.wire import UPLOAD_SPEC; print(list(UPLOAD_SPEC))"
 """
 import json
-from collections import Counter
 import struct
 
 import safetensors.torch
@@ -30,11 +30,11 @@ OPTIONAL = {"gen_logps", "sampler_logps"}
 # A question's images (optional): their PNG/JPEG bytes, checked by features/vision.unpack_images.
 IMAGE_FIELDS = vision.WIRE_FIELDS
 # Every metadata field a group may carry, the one list of them: name: (type, who sets it, meaning).
-# Only plen is required; ref_server.py checks the types (features/server_guard.py).
+# Only plen is required; validate_group checks the types (ref_server.py calls it).
 META_FIELDS = {
-    "plen": (int, "wire.group_tensors", "the prompt's length: input_ids[:, plen:] are the answers"),
-    "question": (str, "wire.group_tensors", "the question, for a REWARD_MODEL"),
-    "answers": (list, "wire.group_tensors", "each row's answer text, for a REWARD_MODEL"),
+    "plen": (int, "the trainer's group_tensors", "the prompt's length: input_ids[:, plen:] answer"),
+    "question": (str, "the trainer's group_tensors", "the question, for a REWARD_MODEL"),
+    "answers": (list, "the trainer's group_tensors", "each row's answer text, for a REWARD_MODEL"),
     "temperature": (float, "the trainer's pack_groups", "the sampling temperature: ref_logps' too"),
     "scale_rewards": (str, "the trainer's pack_groups", "SCALE_REWARDS, to redo advantages with"),
     "version": (int, "step 5 (upload_and_pull, RefClient)", "the policy version that sampled it"),
@@ -44,35 +44,21 @@ META_FIELDS = {
     "regrouped": (bool, "regroup.RegroupPool", "REGROUP mixed it from several uploads"),
     "reward_model_mean": (float, "reward_model.add_reward_model", "the REWARD_MODEL's mean score"),
 }
-# metadata: numbers, names, and the answers' text for a reward model
-MAX_META_CHARS, MAX_META_DEPTH = 2**22, 8
+MAX_META_CHARS = 2**22  # metadata: numbers, names, and the answers' text for a reward model
+MAX_META_DEPTH = 8  # JSON nesting levels of the metadata
 # how much of a bad input an error message quotes: enough to recognise, never megabytes
 QUOTE_CHARS = 200
+MAX_NAME_CHARS = 200  # metadata worker and upload_id: a name, never a payload
+TEMPERATURE_RANGE = (0.01, 100)  # below 0.01, logits / T overflow to inf and the log-probs are NaN
+MAX_RANKS = 4096  # trainer ranks a server keeps ready queues for
+CHECKED_META = ("version", "rank", "worker", "upload_id", "regrouped", "question", "answers")
+META_TYPES = {name: META_FIELDS[name][0] for name in CHECKED_META}  # optional fields' types
 
 
 def sampled_version(meta: dict) -> int:
     """The policy version (training step) of the weights that sampled a group; one uploaded
     without a version counts as the oldest, 0 (the trainer's staleness rule and REGROUP's)."""
     return meta.get("version") or 0
-
-
-def sampled_by(groups, version, *, max_staleness) -> tuple:
-    """(the pulled groups the policy at `version` may train on, the counts dropped). A group that
-    other weights sampled (a step late) needs their log-probs as pi_old (gen_logps), else its ratio
-    would be 1 as if these weights had sampled it: workers' and regrouped groups carry them. One
-    sampled more than max_staleness versions ago is dropped (docs/workers.md), and so is one sampled
-    by weights newer than these (a crashed run's leftovers after RESUME, a worker on a later
-    published version): its pi_old is not a policy this run has been. A group without a version
-    counts as the oldest, 0."""
-    def lag(meta):  # versions between the sampling weights and these
-        return version - sampled_version(meta)
-    fresh = [(tensors, meta) for tensors, meta in groups if 0 <= lag(meta) <= max_staleness]
-    usable = [(tensors, meta) for tensors, meta in fresh
-              if lag(meta) == 0 or "gen_logps" in tensors]
-    ahead = sum(1 for _, meta in groups if lag(meta) < 0)
-    stale = len(groups) - len(fresh) - ahead
-    return usable, Counter(late_groups_dropped=len(fresh) - len(usable), stale_groups_dropped=stale,
-                           ahead_groups_dropped=ahead)
 
 
 def encode_batch(tensors: dict, meta: dict) -> bytes:
@@ -120,83 +106,71 @@ def _depth(x) -> int:
     return depth - 1
 
 
-def collate(groups, pad_id, *, teacher=False, image_processor=None):
-    """Groups of different prompt and completion lengths as one left/right-padded batch. Optional
-    log-probs come with the rows that carry them (gen_rows, sampler_rows (B,) bool), never with a
-    value that means "missing". teacher: the server's log-probs are a teacher's (teacher_logps),
-    never a reference's (ref_logps None). image_processor: a vision model's, for the groups'
-    images as each row's pixels (vision_inputs; {} for text)."""
-    P = max(meta["plen"] for _, meta in groups)
-    T = max(g["input_ids"].shape[1] - meta["plen"] for g, meta in groups)
-    B = sum(g["input_ids"].shape[0] for g, _ in groups)
-    b = dict(input_ids=torch.full((B, P + T), pad_id),
-             attention_mask=torch.zeros(B, P + T, dtype=torch.long),
-             mask=torch.zeros(B, T, dtype=torch.bool),
-             advantages=torch.cat([g["advantages"] for g, _ in groups]))
-    # (B, T) each
-    logps = {name: torch.zeros(B, T) for name in ("ref_logps", "gen_logps", "sampler_logps")}
-    # (B,) each: the rows that carry it
-    given = {name: torch.zeros(B, dtype=torch.bool) for name in logps}
-    row = 0
-    for g, meta in groups:
-        n, plen = g["input_ids"].shape[0], meta["plen"]
-        tlen = g["input_ids"].shape[1] - plen
-        # prompts end at column P
-        b["input_ids"][row : row + n, P - plen : P + tlen] = g["input_ids"]
-        b["attention_mask"][row : row + n, P - plen : P + tlen] = 1
-        b["mask"][row : row + n, :tlen] = g["completion_mask"]
-        for name in [name for name in logps if name in g]:
-            logps[name][row : row + n, :tlen], given[name][row : row + n] = g[name], True
-        row += n
-    # None: BETA = 0, never asked for
-    server_logps = logps["ref_logps"] if given["ref_logps"].all() else None
-    b["ref_logps"] = None if teacher else server_logps
-    b["teacher_logps"] = server_logps if teacher else None
-    for name, rows in (("gen_logps", "gen_rows"), ("sampler_logps", "sampler_rows")):
-        b[name], b[rows] = (logps[name], given[name]) if given[name].any() else (None, None)
-    b["vision_inputs"] = {}  # text: no pixel inputs
-    if image_processor is not None or any(carries_images(g) for g, _ in groups):
-        b["vision_inputs"] = vision.group_vision_inputs(groups, image_processor)  # or refused
-    return b
-
-
 def carries_images(tensors: dict) -> bool:
     """Whether an upload's tensors hold a question's images (IMAGE_FIELDS); text never does."""
     return any(name in tensors for name in IMAGE_FIELDS)
 
 
-def group_tensors(sampled, ids, kept, group_size, rewards, advantages, gen_logps, meta) -> list:
-    """The kept groups of a rollout (the trainer's Rollout) as (tensors, meta) in UPLOAD_SPEC's
-    layout: each prompt without its left padding, the columns every answer finished before dropped.
-    ids (B, P + T) prompt + answer rows; kept: group indices; gen_logps (K, T) the kept rows'
-    pi_old, or None; meta: fields every group carries."""
-    G, P, mask = group_size, sampled.prompt_ids.shape[1], sampled.mask
-    groups = []
-    for j, q in enumerate(kept):
-        r = slice(q * G, (q + 1) * G)
-        plen = int(sampled.prompt_mask[q * G].sum())  # the prompt without its left padding
-        tlen = int(mask[r].any(0).nonzero().max()) + 1  # drop columns every row has finished before
-        tensors = dict(input_ids=ids[r, P - plen : P + tlen].cpu(),  # (G, plen + tlen)
-                       completion_mask=mask[r, :tlen].cpu(),  # (G, tlen)
-                       advantages=advantages[r], rewards=rewards[r])  # (G,), (G,)
-        if gen_logps is not None:
-            tensors["gen_logps"] = gen_logps[j * G : (j + 1) * G, :tlen]  # (G, tlen)
-        if sampled.sampler_logps is not None:  # vLLM's own: the loss's importance weights
-            tensors["sampler_logps"] = sampled.sampler_logps[r, :tlen]  # (G, tlen)
-        if sampled.images:  # the question's images, as their own bytes (features/vision.py)
-            tensors.update(vision.pack_images(sampled.images[q * G]))
-        groups.append((tensors, {"plen": plen, "question": sampled.questions[q * G],
-                                 "answers": sampled.texts[r], **meta}))  # for a reward model
-    return groups
+# ------------------------------------------------------------------------ what a group must be
+class TooLarge(ValueError):
+    """An upload over a size limit: 413."""
 
 
-def global_count(masks, *, token_mean: bool) -> float:
-    """The trainer's reduce_loss normalizer: the step's answers (token_mean: tokens) in its (B, T)
-    masks on all ranks, / the ranks: each weighs the same wherever it landed, as ZeRO-2 averages
-    gradients."""
-    count = sum(int(m.sum()) if token_mean else m.shape[0] for m in masks)
-    n = torch.tensor(float(count), dtype=torch.float64, device=masks[0].device)  # NCCL: GPU only
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(n)
-        n /= torch.distributed.get_world_size()
-    return n.item()
+def validate_group(tensors: dict, meta: dict, vocab_size: int, max_rows: int, max_len: int,
+                   max_tokens: int) -> dict:
+    """The group's metadata with null fields dropped (null = not given); raise ValueError (TooLarge
+    for a size limit) naming the first problem in an uploaded group."""
+    missing = [k for k in UPLOAD_SPEC if k not in tensors and k not in OPTIONAL]
+    if missing:
+        raise ValueError(f"missing tensors: {missing}")
+    unknown = sorted(set(tensors) - set(UPLOAD_SPEC) - set(IMAGE_FIELDS))
+    if unknown:
+        raise ValueError(f"unexpected tensors: {unknown}")
+    if carries_images(tensors):  # text uploads carry none
+        vision.unpack_images(tensors)  # the images' fields, counts and sizes; decoded by the server
+    ids = tensors["input_ids"]
+    if ids.dtype != torch.int64 or ids.dim() != 2:
+        raise ValueError(f"input_ids must be 2-D int64, got {ids.dtype} {tuple(ids.shape)}")
+    g, l = ids.shape
+    if not 1 <= g <= max_rows:
+        raise ValueError(f"input_ids has {g} rows; 1 to {max_rows} allowed")
+    if l > max_len or g * l > max_tokens:
+        raise TooLarge(f"group of {g} x {l} tokens: at most {max_len} per row (the model's "
+                       f"positions) and {max_tokens} in all (MAX_GROUP_TOKENS)")
+    plen = meta.get("plen")
+    if type(plen) is not int or not 1 <= plen < l:
+        raise ValueError(f"metadata plen must be an int in 1..{l - 1} (sequence length {l}), "
+                         f"got {plen!r}")
+    temperature = meta.get("temperature", 1.0)
+    lowest, highest = TEMPERATURE_RANGE
+    if type(temperature) not in (int, float) or not lowest <= temperature <= highest:
+        raise ValueError(f"metadata temperature must be a number in {list(TEMPERATURE_RANGE)}, "
+                         f"got {temperature!r}")
+    for name, kind in META_TYPES.items():  # absent or null: the field is not given
+        value = meta.get(name)
+        named = name in ("worker", "upload_id")  # names, never payloads
+        if value is not None and (type(value) is not kind or named and len(value) > MAX_NAME_CHARS):
+            wanted = f"a {kind.__name__}"
+            if kind is str:
+                wanted = f"a string of at most {MAX_NAME_CHARS} characters"
+            shown = str(value)[:MAX_NAME_CHARS // 2]
+            raise ValueError(f"metadata {name} must be {wanted}, got {shown!r}")
+    rank = meta.get("rank")
+    if rank is not None and not 0 <= rank < MAX_RANKS:  # each rank gets a ready queue of its own
+        raise ValueError(f"metadata rank must be an int in 0..{MAX_RANKS - 1}, got {rank!r}")
+    answers = meta.get("answers")
+    if answers is not None and (len(answers) != g or not all(isinstance(a, str) for a in answers)):
+        raise ValueError(f"metadata answers must be a list of {g} strings, one per row")
+    for name, (dtype, shape) in UPLOAD_SPEC.items():
+        if name not in tensors:
+            continue
+        t = tensors[name]
+        if t.dtype != dtype or tuple(t.shape) != shape(g, l, plen):
+            raise ValueError(f"{name} must be {dtype} {shape(g, l, plen)}, "
+                             f"got {t.dtype} {tuple(t.shape)}")
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise ValueError(f"{name} has NaN or inf values")
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise ValueError(f"input_ids outside the vocabulary [0, {vocab_size}): "
+                         f"{ids.min()}..{ids.max()}")
+    return {k: v for k, v in meta.items() if v is not None}

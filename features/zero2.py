@@ -144,7 +144,7 @@ def setup(load_policy, *, model_path, seed, ds_config_path, lr, optimizer_steps)
 
 def micro_batches(groups, size, collate, prepare, count, device) -> list:
     """The groups as batches of `size` groups (0 = all at once), collate(groups)'d and prepare(batch, normalizer)'d;
-    count(masks): the normalizer of the step's (B, T) masks (wire.global_count).
+    count(masks): the normalizer of the step's (B, T) masks (the trainer's global_count).
     Each holds the whole step's loss normalizer, so their gradients add up to the one big batch's, and its share
     of the step's answers and tokens (for the metrics). ZeRO-2 reduces gradients in every backward, so every rank
     must run as many: a rank with fewer repeats its last micro-batch with share 0 (its loss x 0)."""

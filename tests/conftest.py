@@ -23,7 +23,7 @@ import grpo_ref_split as grpo  # noqa: E402
 from features import weight_sync  # noqa: E402
 from features.embedded_model import resolve_model_path  # noqa: E402
 from features.fast_paths import completion_logps  # noqa: E402
-from features.run_log import is_eval  # noqa: E402
+from features.curves import is_eval  # noqa: E402
 from features.wire import decode_batch, encode_batch  # noqa: E402
 import ref_server  # noqa: E402
 import rewards  # noqa: E402

@@ -15,7 +15,7 @@ import torch
 
 import grpo_ref_split as grpo
 from conftest import ROOT, group, start, stop, wait_for
-from features import reward_model, wire, zero2
+from features import reward_model, zero2
 from features.advantages import scale_to_step
 from features.regroup import RegroupPool
 from features.server_client import RefClient
@@ -146,7 +146,7 @@ def test_a_group_pulled_a_step_late_without_its_sampling_log_probs_is_dropped_an
     late_one = got[:1]
 
     def sampled_by(groups, version):
-        return wire.sampled_by(groups, version, max_staleness=grpo.MAX_STALENESS)
+        return grpo.sampled_by(groups, version, max_staleness=grpo.MAX_STALENESS)
     assert sampled_by(got, version=1) == (got[1:], Counter(late_groups_dropped=1))
     with_logps = [(dict(got[0][0], gen_logps=torch.zeros(3, 4)), got[0][1])]  # what a worker's group carries
     assert sampled_by(with_logps, version=1) == (with_logps, Counter())

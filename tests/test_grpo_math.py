@@ -8,9 +8,7 @@ import torch
 from features.advantages import group_advantages
 from features.fast_paths import chunked_logps, per_token_logps_plain
 from features.wire import decode_batch, encode_batch
-from features.wire import collate
-from features.wire import global_count
-from grpo_ref_split import completion_mask, k3, masked_mean
+from grpo_ref_split import collate, completion_mask, global_count, k3, masked_mean
 from reference_loss import torch_loss
 from rewards import make_arithmetic, score, split_held_out
 
@@ -424,17 +422,17 @@ def test_collate_aligns_groups_of_different_lengths():
     g2 = dict(input_ids=torch.tensor([[4, 20, 21, 22]]), completion_mask=torch.tensor([[True, True, False]]),
               advantages=torch.tensor([0.5]), ref_logps=torch.full((1, 3), -3.0))
     b = collate([(g1, {"plen": 3}), (g2, {"plen": 1})], pad_id=0)
-    assert b["input_ids"].tolist() == [[1, 2, 3, 10, 11, 0], [1, 2, 3, 12, 13, 0], [0, 0, 4, 20, 21, 22]]
-    assert b["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]]
-    assert b["mask"].int().tolist() == [[1, 1, 0], [1, 1, 0], [1, 1, 0]]
-    assert b["ref_logps"][2].tolist() == [-3.0] * 3 and b["ref_logps"][0].tolist() == [-1.0, -1.0, 0.0]
-    assert b["gen_rows"].tolist() == [True, True, False]  # a group sent without gen_logps: on-policy (ratio 1)
-    assert b["gen_logps"][0].tolist()[:2] == [-2.0, -2.0] and b["gen_logps"][2].tolist() == [0.0] * 3
-    assert b["sampler_logps"] is None and b["sampler_rows"] is None  # no row has them
+    assert b.input_ids.tolist() == [[1, 2, 3, 10, 11, 0], [1, 2, 3, 12, 13, 0], [0, 0, 4, 20, 21, 22]]
+    assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]]
+    assert b.mask.int().tolist() == [[1, 1, 0], [1, 1, 0], [1, 1, 0]]
+    assert b.ref_logps[2].tolist() == [-3.0] * 3 and b.ref_logps[0].tolist() == [-1.0, -1.0, 0.0]
+    assert b.gen_rows.tolist() == [True, True, False]  # a group sent without gen_logps: on-policy (ratio 1)
+    assert b.gen_logps[0].tolist()[:2] == [-2.0, -2.0] and b.gen_logps[2].tolist() == [0.0] * 3
+    assert b.sampler_logps is None and b.sampler_rows is None  # no row has them
     only_g2 = collate([(g2, {"plen": 1})], pad_id=0)
-    assert only_g2["gen_logps"] is None and only_g2["gen_rows"] is None
-    assert collate([(g1, {"plen": 3})], pad_id=0)["gen_logps"].tolist() == [[-2.0, -2.0], [-2.0, -2.0]]
-    assert b["advantages"].tolist() == [1.0, -1.0, 0.5]
+    assert only_g2.gen_logps is None and only_g2.gen_rows is None
+    assert collate([(g1, {"plen": 3})], pad_id=0).gen_logps.tolist() == [[-2.0, -2.0], [-2.0, -2.0]]
+    assert b.advantages.tolist() == [1.0, -1.0, 0.5]
 
 
 # ----------------------------------------------------------------------------- curves
@@ -442,7 +440,7 @@ def test_plot_curves_draws_each_metric(tmp_path):
     import numpy as np
     from PIL import Image
 
-    from features.run_log import plot_curves
+    from features.curves import plot_curves
 
     path = tmp_path / "metrics.jsonl"
     path.write_text(json.dumps({"step": 0, "eval_reward_correct": 0.1, "eval_reward_format": 0.0}) + "\n"
@@ -463,7 +461,7 @@ def test_plot_curves_draws_each_metric(tmp_path):
 
 
 def test_plot_curves_rejects_files_without_the_metrics(tmp_path):
-    from features.run_log import plot_curves
+    from features.curves import plot_curves
 
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "other.jsonl").write_text('{"step": 1, "loss": 0.1}\n')

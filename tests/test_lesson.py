@@ -22,7 +22,7 @@ READ_BY_PEOPLE = ("grpo_ref_split.py", "ref_server.py", "rewards.py", "grpo_loss
 # The feature modules a default step enters (python bench/lesson_path.py lists them), and the
 # evaluation every EVAL_STEPS steps.
 ON_A_DEFAULT_STEP = ("features/fast_paths.py", "features/wire.py", "features/run_log.py",
-                     "features/server_guard.py", "features/question_sampler.py",
+                     "features/http_server.py", "features/retry.py", "features/question_sampler.py",
                      "features/evaluation.py", "features/vision.py")
 
 

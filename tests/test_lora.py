@@ -12,7 +12,6 @@ import grpo_ref_split as grpo
 from conftest import free_port, group, metrics, params, pull, start, stop, train
 from features.fast_paths import completion_logps
 from features.lora import add_lora
-from features.wire import collate
 from test_variants import PlainEngine
 
 LORA = dict(LORA_RANK=4, LORA_ALPHA=8, SAVE_STEPS=1, EVAL_STEPS=0,
@@ -118,9 +117,9 @@ def test_reference_from_the_disabled_adapters_equals_the_servers_on_the_base(mod
         for name, p in policy.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.5)  # a trained adapter: the policy is no longer the base
-    batch = collate([({k: v for k, v in tensors.items()}, meta)], pad_id=0)
-    assert batch["ref_logps"] is None  # nothing went to a server
-    b = grpo.prepare_batch(PlainEngine(policy, lr=0.0), grpo.Batch(**batch), normalizer=1.0)
+    batch = grpo.collate([({k: v for k, v in tensors.items()}, meta)], pad_id=0)
+    assert batch.ref_logps is None  # nothing went to a server
+    b = grpo.prepare_batch(PlainEngine(policy, lr=0.0), batch, normalizer=1.0)
     torch.testing.assert_close(b.ref_logps, served["ref_logps"], rtol=0, atol=1e-5)
     own = completion_logps(policy, b.input_ids, b.attention_mask, 4, meta["temperature"], chunk=grpo.fast_paths.LOGP_CHUNK,
                            from_hidden=grpo.fast_paths.LOGP_FROM_HIDDEN)

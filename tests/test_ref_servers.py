@@ -11,7 +11,7 @@ import requests
 import torch
 
 from conftest import CuttingProxy, group, start, stop, wait_for
-from features import server_client, wire
+from features import server_client
 from features.server_client import RefClient
 from features.wire import encode_batch
 
@@ -272,11 +272,12 @@ def test_groups_sampled_by_newer_weights_are_dropped_and_counted():
     """After RESUME from step 5, a group of version 9 (a crashed run's leftover, a worker ahead) is
     dropped and counted as ahead; a group with no version counts as the oldest (0) here and in
     REGROUP alike, so at version 5 it is late (kept only with gen_logps)."""
+    import grpo_ref_split as grpo
     from features.wire import sampled_version
 
     logps = {"gen_logps": torch.zeros(1)}
     groups = [(logps, {"version": 9}), (logps, {"version": 5}), ({}, {}), (logps, {})]
-    kept, counts = wire.sampled_by(groups, 5, max_staleness=10)
+    kept, counts = grpo.sampled_by(groups, 5, max_staleness=10)
     assert [meta.get("version") for _, meta in kept] == [5, None]
     assert counts == {"ahead_groups_dropped": 1, "late_groups_dropped": 1,
                       "stale_groups_dropped": 0}

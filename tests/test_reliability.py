@@ -14,7 +14,7 @@ import torch
 from conftest import ServerProcess, fail_first_forward, free_port, group, start, stop, wait_for
 from features.server_client import RefClient, request_with_retry
 from features.wire import decode_batch, encode_batch
-from features.server_guard import exposure_warning
+from features.http_server import exposure_warning
 
 
 def test_load_every_group_comes_back_exactly_once(model, capsys):

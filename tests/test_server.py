@@ -15,7 +15,7 @@ from features.env_overrides import apply_env_overrides
 from features.fingerprint import model_fingerprint
 from features.fast_paths import completion_logps
 from features.server_client import ServerError, request_with_retry
-from features.wire import MAX_META_CHARS, collate, decode_batch, encode_batch
+from features.wire import MAX_META_CHARS, decode_batch, encode_batch
 import ref_server
 from ref_server import RefServer
 
@@ -85,9 +85,9 @@ def test_trainer_batch_of_padded_groups_gets_the_servers_logps(live, model):
     """The trainer left-pads prompts and right-pads completions; positions must not shift."""
     server, url = live
     batches = [upload_and_pull(url, *group(G=2, plen=p, tc=t, seed=p)) for p, t in [(3, 6), (8, 2)]]
-    b = collate(batches, pad_id=0)
+    b = grpo.collate(batches, pad_id=0)
     with torch.no_grad():
-        got = completion_logps(model, b["input_ids"], b["attention_mask"], b["mask"].shape[1], 1.0,
+        got = completion_logps(model, b.input_ids, b.attention_mask, b.mask.shape[1], 1.0,
                                chunk=grpo.fast_paths.LOGP_CHUNK,
                                from_hidden=grpo.fast_paths.LOGP_FROM_HIDDEN)
     assert torch.allclose(got[:2], batches[0][0]["ref_logps"], atol=1e-5)
@@ -532,12 +532,12 @@ def test_regroup_takes_an_upload_without_a_version_then_one_with_a_version(model
 
 
 def test_stop_frees_the_port_and_a_waitress_without_its_socket_map_is_named():
-    """stop() walks waitress's private socket map (features/server_guard.close_sockets): the port is free at
+    """stop() walks waitress's private socket map (features/http_server.close_sockets): the port is free at
     once after it; a waitress that no longer has that map is a clear error, not a server that never stops."""
     import socket
     from types import SimpleNamespace
 
-    from features.server_guard import close_sockets, start_http
+    from features.http_server import close_sockets, start_http
 
     port = free_port()
     stop_http = start_http(lambda environ, start_response: [], "127.0.0.1", port, threads=1, backlog=8,

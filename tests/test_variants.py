@@ -14,7 +14,7 @@ import rewards
 from conftest import group, pull, start, stop
 from features.fast_paths import completion_logps
 from features.run_log import clock, sample_stats, step_metrics
-from features.wire import META_FIELDS, collate, encode_batch
+from features.wire import META_FIELDS, encode_batch
 from reference_loss import torch_loss
 
 
@@ -380,7 +380,7 @@ def test_skip_gen_logps_gives_the_plain_paths_loss_and_gradient(tiny_policy, mon
         for t, _ in groups:  # what the server would add
             t["ref_logps"] = -torch.rand(t["completion_mask"].shape, generator=g)  # (G, T)
         engine = PlainEngine(model, lr=0.0)
-        batch = grpo.Batch(**collate(groups, tok.pad_token_id))
+        batch = grpo.collate(groups, tok.pad_token_id)
         loss, _ = grpo.policy_loss(engine, grpo.prepare_batch(engine, batch))
         out[skip] = loss.item(), torch.autograd.grad(loss, params)
     assert out[True][0] == pytest.approx(out[False][0], rel=1e-5, abs=1e-7)

@@ -15,7 +15,7 @@ import ref_server
 import rewards
 from conftest import (ROOT, ServerProcess, free_port, group, metrics, start, stop, trainer_cmd,
                       trainer_env)
-from features import fast_paths, lora, memory_plan, vision, vision_demo, wire
+from features import fast_paths, lora, memory_plan, vision, vision_demo
 from features.wire import decode_batch, encode_batch
 
 
@@ -136,18 +136,18 @@ def test_the_servers_log_probs_equal_the_trainers_for_the_same_weights_and_image
     assert not server.shared_prefix and not server.logp_from_hidden
     vision.check_group(processor, decoded_group[0], meta["plen"])
     got = server.reference_logps(decoded_group[0]["input_ids"], meta["plen"], 0.7, decoded_group[0])
-    batch = wire.collate([decoded_group], processor.pad_token_id,
+    batch = grpo.collate([decoded_group], processor.pad_token_id,
                          image_processor=processor.image_processor)
-    assert batch["vision_inputs"]["pixel_values"].shape[0] == 3  # one row per answer
+    assert batch.vision_inputs["pixel_values"].shape[0] == 3  # one row per answer
     grpo_temperature = grpo.TEMPERATURE
     try:
         grpo.TEMPERATURE = 0.7
         with torch.no_grad():
-            want = grpo.per_token_logps(model, batch["input_ids"], batch["attention_mask"], 5,
-                                        **batch["vision_inputs"])
-            other = {**batch["vision_inputs"],
-                     "pixel_values": batch["vision_inputs"]["pixel_values"].flip(-1) * 0.5}
-            moved = grpo.per_token_logps(model, batch["input_ids"], batch["attention_mask"], 5,
+            want = grpo.per_token_logps(model, batch.input_ids, batch.attention_mask, 5,
+                                        **batch.vision_inputs)
+            other = {**batch.vision_inputs,
+                     "pixel_values": batch.vision_inputs["pixel_values"].flip(-1) * 0.5}
+            moved = grpo.per_token_logps(model, batch.input_ids, batch.attention_mask, 5,
                                          **other)
     finally:
         grpo.TEMPERATURE = grpo_temperature
@@ -160,20 +160,20 @@ def test_the_servers_log_probs_equal_the_trainers_for_the_same_weights_and_image
 def test_chunked_log_probs_equal_the_plain_definition_with_pixels_in_value_and_gradient(any_vlm):
     model, processor = any_vlm
     tensors, meta = prompt_group(processor, [png()], G=2, answer_tokens=6)
-    batch = wire.collate([(tensors, meta)], processor.pad_token_id,
+    batch = grpo.collate([(tensors, meta)], processor.pad_token_id,
                          image_processor=processor.image_processor)
     params = [p for p in model.parameters() if p.requires_grad]
-    args = (model, batch["input_ids"], batch["attention_mask"], 6)
-    plain = grpo.per_token_logps(*args, **batch["vision_inputs"])
+    args = (model, batch.input_ids, batch.attention_mask, 6)
+    plain = grpo.per_token_logps(*args, **batch.vision_inputs)
     chunked = fast_paths.completion_logps(*args, grpo.TEMPERATURE, chunk=4, from_hidden=False,
-                                          vision_inputs=batch["vision_inputs"])
+                                          vision_inputs=batch.vision_inputs)
     # Chunks change the order of the fp32 sums over 49k logits (values near 10, eps 1.2e-7 each):
     # a few 1e-6 here, and other processors round other bits; 1e-4 is far below a real change.
     torch.testing.assert_close(chunked, plain, rtol=0, atol=1e-4)
     weights = torch.randn_like(plain)
     plain_grads = torch.autograd.grad((plain * weights).sum(), params, allow_unused=True)
     chunked = fast_paths.completion_logps(*args, grpo.TEMPERATURE, chunk=4, from_hidden=False,
-                                          vision_inputs=batch["vision_inputs"])
+                                          vision_inputs=batch.vision_inputs)
     chunked_grads = torch.autograd.grad((chunked * weights).sum(), params, allow_unused=True)
     tower = {id(p) for p in vision.vision_tower(model).parameters()}
     reached_tower = False

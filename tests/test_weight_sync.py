@@ -5,7 +5,7 @@ import torch
 
 import grpo_ref_split as grpo
 from conftest import CuttingProxy, free_port, wait_for
-from features import weight_sync, wire
+from features import weight_sync
 
 
 def weights(seed, n=3, size=300_000):
@@ -129,7 +129,7 @@ def test_groups_older_than_max_staleness_are_dropped_and_counted():
     logps = {"gen_logps": torch.zeros(1)}
     groups = [(logps, {"version": 12}), (logps, {"version": 9}), (logps, {"version": 8}),
               ({}, {"version": 12}), (logps, {"version": 2})]
-    kept, counts = wire.sampled_by(groups, 12, max_staleness=3)
+    kept, counts = grpo.sampled_by(groups, 12, max_staleness=3)
     assert [meta["version"] for _, meta in kept] == [12, 9, 12]
     assert counts["stale_groups_dropped"] == 2 and counts["late_groups_dropped"] == 0
 
