@@ -1,10 +1,12 @@
-"""Rollout generation: transformers' generate (the trainer's USE_VLLM = False path, shared prompt prefill)
-against the in-process vLLM engine (USE_VLLM = True), at the demo's settings (embedded model, Q_BATCH_SIZE
-questions x NUM_PRE_Q answers x up to MAX_NEW_TOKENS tokens, TEMPERATURE), the two alternating in one
-process on the same questions: seconds per rollout batch and generated tokens per second (medians).
-Both go through grpo_ref_split.generate, so this times exactly what a training step runs.
+"""Rollout generation: transformers' generate (the trainer's USE_VLLM = False path, shared prompt
+prefill) against the in-process vLLM engine (USE_VLLM = True), at the demo's settings (embedded
+model, Q_BATCH_SIZE questions x NUM_PRE_Q answers x up to MAX_NEW_TOKENS tokens, TEMPERATURE), the
+two alternating in one process on the same questions: seconds per rollout batch and generated tokens
+per second (medians). Both go through grpo_ref_split.generate, so this times exactly what a training
+step runs.
 
-    python bench/bench_generation.py                    # eager engine (VLLM_EAGER = True), ~3 minutes
+    # eager engine (VLLM_EAGER = True), ~3 minutes
+    python bench/bench_generation.py
     VLLM_EAGER=0 python bench/bench_generation.py       # compiled engine (its start is printed too)
 Writes bench/results/generation_eager.json (or generation_compiled.json).
 """
@@ -50,24 +52,50 @@ def main():
             n = int(rollout["mask"].sum())  # generated tokens, EOS included
             seconds[name].append(m["generate_s"])
             tokens[name].append(n / m["generate_s"])
-            print(f"round {r} {name:12s} {m['generate_s']:6.2f} s  {n:5d} tokens  {n / m['generate_s']:6.1f} tok/s",
-                  flush=True)
-    result = {name: dict(s_per_batch=round(statistics.median(seconds[name][1:]), 2),
-                         tokens_per_s=round(statistics.median(tokens[name][1:]), 1)) for name in seconds}
+            print(
+                f"round {r} {name:12s} {m['generate_s']:6.2f} s  {n:5d} tokens  "
+                f"{n / m['generate_s']:6.1f} tok/s",
+                flush=True,
+            )
+    result = {
+        name: dict(
+            s_per_batch=round(statistics.median(seconds[name][1:]), 2),
+            tokens_per_s=round(statistics.median(tokens[name][1:]), 1),
+        )
+        for name in seconds
+    }
     ratio = result["vLLM"]["tokens_per_s"] / result["transformers"]["tokens_per_s"]
     eager = vllm_engine.VLLM_EAGER
-    print(f"vLLM ({'eager' if eager else 'compiled'}) engine start {start_s:.1f} s; median of rounds 1-{ROUNDS - 1}:")
+    print(
+        f"vLLM ({'eager' if eager else 'compiled'}) engine start {start_s:.1f} s; median of rounds "
+        f"1-{ROUNDS - 1}:"
+    )
     for name, v in result.items():
         print(f"  {name:12s} {v['s_per_batch']:6.2f} s per batch  {v['tokens_per_s']:6.1f} tok/s")
     print(f"tokens per second, vLLM / transformers = {ratio:.2f}  (target >= 2)")
-    out = os.path.join(ROOT, "bench", "results", f"generation_{'eager' if eager else 'compiled'}.json")
+    out = os.path.join(
+        ROOT, "bench", "results", f"generation_{'eager' if eager else 'compiled'}.json"
+    )
     with open(out, "w") as f:
-        json.dump({"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}",
-                   "command": f"VLLM_EAGER={int(eager)} python bench/bench_generation.py",
-                   "settings": dict(questions=grpo.Q_BATCH_SIZE, answers_each=grpo.NUM_PRE_Q,
-                                    max_new_tokens=grpo.MAX_NEW_TOKENS, temperature=grpo.TEMPERATURE),
-                   "engine_start_s": round(start_s, 1), "rounds": ROUNDS, **result,
-                   "tokens_per_s_ratio_vllm_over_transformers": round(ratio, 2)}, f, indent=1)
+        json.dump(
+            {
+                "date": time.strftime("%Y-%m-%d"),
+                "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}",
+                "command": f"VLLM_EAGER={int(eager)} python bench/bench_generation.py",
+                "settings": dict(
+                    questions=grpo.Q_BATCH_SIZE,
+                    answers_each=grpo.NUM_PRE_Q,
+                    max_new_tokens=grpo.MAX_NEW_TOKENS,
+                    temperature=grpo.TEMPERATURE,
+                ),
+                "engine_start_s": round(start_s, 1),
+                "rounds": ROUNDS,
+                **result,
+                "tokens_per_s_ratio_vllm_over_transformers": round(ratio, 2),
+            },
+            f,
+            indent=1,
+        )
     print(f"wrote {out}")
 
 

@@ -1,13 +1,13 @@
-"""Would overlapping the reference forward with the policy forward+backward pay on this machine? (The
-step-speed issue's item 3: upload, run the policy's forward+backward while the server computes the
-reference log-probs, then pull them for the loss.) With the reference model on its own GPU that hides
-the reference forward; here the server and the trainer share the same CPU cores.
+"""Would overlapping the reference forward with the policy forward+backward pay on this machine?
+(The step-speed issue's item 3: upload, run the policy's forward+backward while the server computes
+the reference log-probs, then pull them for the loss.) With the reference model on its own GPU that
+hides the reference forward; here the server and the trainer share the same CPU cores.
 
 At the demo's shapes (Q_BATCH_SIZE groups of NUM_PRE_Q answers of ANSWER_TOKENS tokens to the demo's
 prompts, the embedded model, fp32, SHARED_PREFIX on), a second process does the reference forward as
 ref_server.py does (no grad) while this one does the policy's forward+backward, either one after the
-other (as the trainer runs them today) or at the same time (the overlap), alternating for ROUNDS rounds.
-Each process keeps torch's default threads, as the real server and trainer do.
+other (as the trainer runs them today) or at the same time (the overlap), alternating for ROUNDS
+rounds. Each process keeps torch's default threads, as the real server and trainer do.
 
     python bench/bench_overlap.py          # ~6 minutes on 2 CPU cores
 Writes bench/results/overlap.json.
@@ -22,8 +22,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-ROUNDS = 4  # rounds of (one after the other, at the same time); the first round is left out (warm-up)
-ANSWER_TOKENS = 32  # answer length: the demo's answers are ~22 tokens on average, its groups as long as the longest
+# rounds of (one after the other, at the same time); the first round is left out (warm-up)
+ROUNDS = 4
+# answer length: the demo's answers are ~22 tokens on average, its groups as long as the longest
+ANSWER_TOKENS = 32
 
 import torch  # noqa: E402
 
@@ -33,8 +35,8 @@ from features.fast_paths import completion_logps  # noqa: E402
 
 
 def demo_batch(tokenizer):
-    """(input_ids, attention_mask): the demo's prompts, left-padded, each repeated NUM_PRE_Q times, then random
-    answers; the same in both processes."""
+    """(input_ids, attention_mask): the demo's prompts, left-padded, each repeated NUM_PRE_Q times,
+    then random answers; the same in both processes."""
     from rewards import load_questions
 
     questions = load_questions(grpo.DATASET, grpo.SEED, grpo.ARITH_MAX)[: grpo.Q_BATCH_SIZE]
@@ -42,7 +44,8 @@ def demo_batch(tokenizer):
     G, g = grpo.NUM_PRE_Q, torch.Generator().manual_seed(0)
     answers = torch.randint(100, 5000, (len(questions) * G, ANSWER_TOKENS), generator=g)  # (B, T)
     ids = torch.cat([enc.input_ids.repeat_interleave(G, 0), answers], 1)  # (B, P+T)
-    attn = torch.cat([enc.attention_mask.repeat_interleave(G, 0), torch.ones_like(answers)], 1)  # (B, P+T)
+    # (B, P+T)
+    attn = torch.cat([enc.attention_mask.repeat_interleave(G, 0), torch.ones_like(answers)], 1)
     return ids, attn
 
 
@@ -76,9 +79,16 @@ def main():
 
     def policy_step():
         model.zero_grad(set_to_none=True)
-        logps = completion_logps(model, ids, attn, ANSWER_TOKENS, grpo.TEMPERATURE, shared_prefix=True,
-                                 chunk=grpo.fast_paths.LOGP_CHUNK,
-                                 from_hidden=grpo.fast_paths.LOGP_FROM_HIDDEN)  # (B, T)
+        logps = completion_logps(
+            model,
+            ids,
+            attn,
+            ANSWER_TOKENS,
+            grpo.TEMPERATURE,
+            shared_prefix=True,
+            chunk=grpo.fast_paths.LOGP_CHUNK,
+            from_hidden=grpo.fast_paths.LOGP_FROM_HIDDEN,
+        )  # (B, T)
         logps.mean().backward()  # the loss's own cost is nothing beside the model's
 
     seconds = {"one after the other": [], "at the same time": []}
@@ -100,15 +110,27 @@ def main():
     server.join(timeout=60)
     med = {way: statistics.median(s) for way, s in seconds.items()}
     ratio = med["at the same time"] / med["one after the other"]
-    print(f"median: one after the other {med['one after the other']:.2f} s, at the same time "
-          f"{med['at the same time']:.2f} s: overlap / sequential = {ratio:.2f}")
+    print(
+        f"median: one after the other {med['one after the other']:.2f} s, at the same time "
+        f"{med['at the same time']:.2f} s: overlap / sequential = {ratio:.2f}"
+    )
     out = os.path.join(ROOT, "bench", "results", "overlap.json")
     with open(out, "w") as f:
-        json.dump({"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}",
-                   "command": "python bench/bench_overlap.py", "groups": grpo.Q_BATCH_SIZE,
-                   "answers_each": grpo.NUM_PRE_Q, "answer_tokens": ANSWER_TOKENS, "rounds": ROUNDS,
-                   "median_s": {k: round(v, 2) for k, v in med.items()}, "overlap_over_sequential": round(ratio, 3)},
-                  f, indent=1)
+        json.dump(
+            {
+                "date": time.strftime("%Y-%m-%d"),
+                "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}",
+                "command": "python bench/bench_overlap.py",
+                "groups": grpo.Q_BATCH_SIZE,
+                "answers_each": grpo.NUM_PRE_Q,
+                "answer_tokens": ANSWER_TOKENS,
+                "rounds": ROUNDS,
+                "median_s": {k: round(v, 2) for k, v in med.items()},
+                "overlap_over_sequential": round(ratio, 3),
+            },
+            f,
+            indent=1,
+        )
     print(f"wrote {out}")
 
 

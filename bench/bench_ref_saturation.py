@@ -1,6 +1,6 @@
-"""When does one reference server saturate? The reference forward's seconds per step against a trainer
-rank's, measured side by side in one process on the embedded model at the demo's shapes (4 groups of 8
-answers, 64 new tokens; CPU fp32 here, bf16 on a GPU):
+"""When does one reference server saturate? The reference forward's seconds per step against a
+trainer rank's, measured side by side in one process on the embedded model at the demo's shapes (4
+groups of 8 answers, 64 new tokens; CPU fp32 here, bf16 on a GPU):
 
   - ref: the server's forward for one rank's step (no gradient; SHARED_PREFIX and chunked log-probs,
     as ref_server.py computes it);
@@ -64,15 +64,29 @@ def main():
     median = {k: statistics.median(v) for k, v in times.items()}
     with_generation = (median["train"] + median["generate"]) / median["ref"]
     training_only = median["train"] / median["ref"]
-    print(f"per step of {tokens:,} tokens: ref {median['ref']:.2f} s ({median['ref'] / tokens * 1e3:.3f} "
-          f"ms/token), train {median['train']:.2f} s, generate {median['generate']:.2f} s")
-    print(f"one server keeps up with {with_generation:.1f} trainer ranks that generate their own "
-          f"answers, {training_only:.1f} that only train (answers from workers)")
+    print(
+        f"per step of {tokens:,} tokens: ref {median['ref']:.2f} s "
+        f"({median['ref'] / tokens * 1e3:.3f} "
+        f"ms/token), train {median['train']:.2f} s, generate {median['generate']:.2f} s"
+    )
+    print(
+        f"one server keeps up with {with_generation:.1f} trainer ranks that generate their own "
+        f"answers, {training_only:.1f} that only train (answers from workers)"
+    )
     os.makedirs(os.path.join(ROOT, "bench", "results"), exist_ok=True)
     with open(os.path.join(ROOT, "bench", "results", "ref_saturation.json"), "w") as f:
-        json.dump({"date": time.strftime("%Y-%m-%d"), "tokens_per_step": tokens, "times": times,
-                   "median": median, "ranks_per_server_generating": with_generation,
-                   "ranks_per_server_training_only": training_only}, f, indent=1)
+        json.dump(
+            {
+                "date": time.strftime("%Y-%m-%d"),
+                "tokens_per_step": tokens,
+                "times": times,
+                "median": median,
+                "ranks_per_server_generating": with_generation,
+                "ranks_per_server_training_only": training_only,
+            },
+            f,
+            indent=1,
+        )
 
 
 if __name__ == "__main__":

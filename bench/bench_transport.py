@@ -5,7 +5,8 @@ For groups shaped like the demo's (8 answers of 64 tokens) and like a GSM8K run 
 encode + HTTP upload + server decode/validate + HTTP download + decode, against the server's
 reference forward on the same group. A real ref_server (bottle, loopback HTTP) runs in this process.
 
-    python bench/bench_transport.py        # ~1 minute on 2 CPU cores; writes bench/results/transport.json
+    # ~1 minute on 2 CPU cores; writes bench/results/transport.json
+    python bench/bench_transport.py
 """
 import json
 import os
@@ -55,10 +56,12 @@ def main():
                 body = encode_batch(tensors, meta)
                 encode.append(time.perf_counter() - t)
                 t = time.perf_counter()
-                r = requests.post(url + "/upload", data=body, timeout=60)  # includes the server's decode + validate
+                # includes the server's decode + validate
+                r = requests.post(url + "/upload", data=body, timeout=60)
                 upload.append(time.perf_counter() - t)
                 assert r.status_code == 200, r.text
-                while True:  # the forward runs meanwhile; the download is timed from the moment it is ready
+                # the forward runs meanwhile; the download is timed from the moment it is ready
+                while True:
                     if server.ready.qsize():
                         break
                     time.sleep(0.001)
@@ -69,27 +72,52 @@ def main():
                 back, _ = decode_batch(r.content)
                 decode.append(time.perf_counter() - t)
                 t = time.perf_counter()
-                server.reference_logps(tensors["input_ids"], plen, 0.7)  # the same work the worker thread did
+                # the same work the worker thread did
+                server.reference_logps(tensors["input_ids"], plen, 0.7)
                 forward.append(time.perf_counter() - t)
-            med = {k: statistics.median(v) for k, v in
-                   dict(encode=encode, upload=upload, download=download, decode=decode, forward=forward).items()}
+            med = {
+                k: statistics.median(v)
+                for k, v in dict(
+                    encode=encode, upload=upload, download=download, decode=decode, forward=forward
+                ).items()
+            }
             transport = med["encode"] + med["upload"] + med["download"] + med["decode"]
-            row = dict(G=G, prompt_tokens=plen, completion_tokens=tc, bytes_up=len(body), bytes_down=len(r.content),
-                       **{f"{k}_ms": round(v * 1000, 2) for k, v in med.items()},
-                       transport_ms=round(transport * 1000, 2),
-                       transport_over_forward=round(transport / med["forward"], 4))
+            row = dict(
+                G=G,
+                prompt_tokens=plen,
+                completion_tokens=tc,
+                bytes_up=len(body),
+                bytes_down=len(r.content),
+                **{f"{k}_ms": round(v * 1000, 2) for k, v in med.items()},
+                transport_ms=round(transport * 1000, 2),
+                transport_over_forward=round(transport / med["forward"], 4),
+            )
             results.append(row)
-            print(f"G={G:2d} L={plen + tc:4d}: up {len(body) / 1024:7.1f} KiB, down {len(r.content) / 1024:7.1f} KiB | "
-                  f"encode {med['encode'] * 1e3:5.1f} ms, upload {med['upload'] * 1e3:5.1f} ms, download "
-                  f"{med['download'] * 1e3:5.1f} ms, decode {med['decode'] * 1e3:5.1f} ms | reference forward "
-                  f"{med['forward'] * 1e3:7.1f} ms | transport / forward = {transport / med['forward']:.2%}")
+            print(
+                f"G={G:2d} L={plen + tc:4d}: up {len(body) / 1024:7.1f} KiB, down "
+                f"{len(r.content) / 1024:7.1f} KiB | "
+                f"encode {med['encode'] * 1e3:5.1f} ms, upload {med['upload'] * 1e3:5.1f} ms, "
+                "download "
+                f"{med['download'] * 1e3:5.1f} ms, decode {med['decode'] * 1e3:5.1f} ms | "
+                "reference forward "
+                f"{med['forward'] * 1e3:7.1f} ms | transport / forward = "
+                f"{transport / med['forward']:.2%}"
+            )
     finally:
         stop()
     out = os.path.join(ROOT, "bench", "results", "transport.json")
     with open(out, "w") as f:
-        json.dump({"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}",
-                   "command": "python bench/bench_transport.py", "target": "transport <= 2% of the reference forward",
-                   "results": results}, f, indent=1)
+        json.dump(
+            {
+                "date": time.strftime("%Y-%m-%d"),
+                "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}",
+                "command": "python bench/bench_transport.py",
+                "target": "transport <= 2% of the reference forward",
+                "results": results,
+            },
+            f,
+            indent=1,
+        )
     print(f"wrote {out}")
 
 

@@ -1,6 +1,7 @@
-"""What one weight sync to workers costs (features/weight_sync.py) for the embedded model: the bytes,
-rank 0's seconds to serialize and hash them (publish), and a worker's seconds to download, check and
-load them over loopback, full weights and LoRA's adapters (no link limit: the network's own time is bytes / link speed on top).
+"""What one weight sync to workers costs (features/weight_sync.py) for the embedded model: the
+bytes, rank 0's seconds to serialize and hash them (publish), and a worker's seconds to download,
+check and load them over loopback, full weights and LoRA's adapters (no link limit: the network's
+own time is bytes / link speed on top).
 
     python bench/bench_weight_sync.py       # ~1 minute; ROUNDS syncs, medians
 
@@ -54,9 +55,12 @@ def main():
         name = f"{dtype}" + (f", LoRA {rank} adapters" if rank else "")
         rows.append({"weights": name, "bytes": size, "publish_s": statistics.median(publish_s),
                      "fetch_and_swap_s": statistics.median(fetch_s)})
-        print(f"{name:<32} {size / 1e6:8.1f} MB | publish (serialize + sha256) "
-              f"{rows[-1]['publish_s']:.2f} s | download + check + swap in {rows[-1]['fetch_and_swap_s']:.2f} s",
-              flush=True)
+        print(
+            f"{name:<32} {size / 1e6:8.1f} MB | publish (serialize + sha256) "
+            f"{rows[-1]['publish_s']:.2f} s | download + check + swap in "
+            f"{rows[-1]['fetch_and_swap_s']:.2f} s",
+            flush=True,
+        )
     publisher.stop()
     os.makedirs(os.path.join(ROOT, "bench", "results"), exist_ok=True)
     with open(os.path.join(ROOT, "bench", "results", "weight_sync.json"), "w") as f:

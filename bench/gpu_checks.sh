@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
 # What a session lent a GPU runs (no registry there: the missing packages travel as wheels in .whl/,
-# SmolLM2's config and tokenizer in .gpu/; its weights are random, which is enough for these checks):
+# SmolLM2's config and tokenizer in .gpu/; its weights are random, which is enough for these
+# checks):
 #   bash bench/gpu_checks.sh part1   # Triton tests on the compiled kernels, bench_kernel.py
 #   bash bench/gpu_checks.sh part2   # a bf16 ZeRO-2 gradient three ways, bench_logprob_memory.py
-#   bash bench/gpu_checks.sh part3   # the gradient in bf16, LOGP_FROM_HIDDEN on and off, against fp32
-#   bash bench/gpu_checks.sh part4   # bf16 CUDA weights over the weight channel; the plan's CPU verdict
+#   bash bench/gpu_checks.sh part3   # the bf16 gradient, LOGP_FROM_HIDDEN on and off, against fp32
+#   bash bench/gpu_checks.sh part4   # bf16 CUDA weights over the weight channel; the plan's verdict
 set -u
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
 if [ "$1" = part1 ]; then
   nvidia-smi -L
-  python3 -c "import torch, triton, transformers as t, deepspeed as d; print(torch.__version__, triton.__version__,
-t.__version__, d.__version__)"
+  python3 -c "import torch, triton, transformers as t, deepspeed as d
+print(torch.__version__, triton.__version__, t.__version__, d.__version__)"
   python3 -m pytest -q -p no:cacheprovider tests/test_triton.py 2>&1 | tail -8
   python3 bench/bench_kernel.py && cp bench/results/kernel.json "$OUT"/
 elif [ "$1" = part4 ]; then
@@ -44,8 +46,9 @@ with torch.no_grad():
     next(policy.parameters()).view(-1)[0] = float("nan")
 weight_sync.publish_every(pub, policy, 2, 1)
 time.sleep(3)
+pairs = list(zip(policy.parameters(), worker.parameters()))[1:]  # all but the NaN one
 print(f"a NaN version: refused {f.counts['refused']}, worker still version-1 weights: "
-      f"{all(torch.equal(a, b) for a, b in list(zip(policy.parameters(), worker.parameters()))[1:])}")
+      f"{all(torch.equal(a, b) for a, b in pairs)}")
 f.stop(); pub.stop()
 shape = memory_plan.model_shape("bench/configs/qwen2.5-7b")
 setting = memory_plan.Setting(offload_optimizer=True, gradient_checkpointing=True,
@@ -61,20 +64,25 @@ import sys, torch, transformers
 sys.path.insert(0, "tests")
 import grpo_ref_split as grpo
 from zero2_gradient import rank_groups
+from test_variants import PlainEngine
 tok = transformers.AutoTokenizer.from_pretrained(".gpu")
 torch.manual_seed(0)
-fp32 = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(".gpu")).cuda()
+config = transformers.AutoConfig.from_pretrained(".gpu")
+fp32 = transformers.AutoModelForCausalLM.from_config(config).cuda()
 groups = rank_groups(fp32, tok, 0)
 
 def grads(model, hidden):
-    grpo.LOGP_FROM_HIDDEN = hidden
+    grpo.fast_paths.LOGP_FROM_HIDDEN = hidden
     model.zero_grad()
-    for part in grpo.micro_batches(model, groups, tok.pad_token_id):
-        grpo.policy_loss(model, part)[0].backward()
+    engine = PlainEngine(model, lr=0.0)  # the engine calls the loss makes, on a plain model
+    engine.device = torch.device("cuda")
+    for part in grpo.batches_of(engine, groups, tok.pad_token_id):
+        grpo.policy_loss(engine, part)[0].backward()
     return {n: p.grad.float().clone() for n, p in model.named_parameters()}
 
 def rel(a, b):
-    return (sum(((a[n] - b[n]) ** 2).sum() for n in a) / sum((a[n] ** 2).sum() for n in a)).item() ** 0.5
+    gap = sum(((a[n] - b[n]) ** 2).sum() for n in a)
+    return (gap / sum((a[n] ** 2).sum() for n in a)).item() ** 0.5
 
 ref = grads(fp32, False)
 print(f"fp32: hidden vs logits path, relative L2 {rel(ref, grads(fp32, True)):.2e}")
@@ -88,12 +96,13 @@ else
 import torch, transformers
 cfg = transformers.AutoConfig.from_pretrained(".gpu")
 torch.manual_seed(0)
-transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(".gpu")  # random SmolLM2-135M weights
+# random SmolLM2-135M weights
+transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(".gpu")
 PY
   for v in "logits LOGP_FROM_HIDDEN=0" "hidden LOGP_FROM_HIDDEN=1" "triton USE_TRITON=1"; do
     set -- $v
-    env MODEL_PATH=.gpu MU=2 $2 deepspeed --num_gpus 1 tests/zero2_gradient.py "$OUT/$1.pt" >"$OUT/$1.log" 2>&1 \
-      || tail -25 "$OUT/$1.log"
+    env MODEL_PATH=.gpu MU=2 $2 deepspeed --num_gpus 1 tests/zero2_gradient.py "$OUT/$1.pt" \
+      >"$OUT/$1.log" 2>&1 || tail -25 "$OUT/$1.log"
   done
   python3 - "$OUT" <<'PY'
 import sys, torch
@@ -102,15 +111,17 @@ d = {k: torch.load(f"{sys.argv[1]}/{k}.pt") for k in ("logits", "hidden", "trito
 def compare(a, b, what):
     scale = max(g.float().abs().max() for g in a.values())
     worst = max((g.float() - b[n].float()).abs().max() for n, g in a.items()) / scale
-    rel = (sum(((g.float() - b[n].float()) ** 2).sum() for n, g in a.items()) / sum((g.float() ** 2).sum()
-           for g in a.values())) ** 0.5
-    print(f"bf16 ZeRO-2 gradient, {what}: max |diff| / max |grad| = {worst:.2e}, relative L2 = {rel:.2e}")
+    gap = sum(((g.float() - b[n].float()) ** 2).sum() for n, g in a.items())
+    rel = (gap / sum((g.float() ** 2).sum() for g in a.values())) ** 0.5
+    print(f"bf16 ZeRO-2 gradient, {what}: max |diff| / max |grad| = {worst:.2e}, "
+          f"relative L2 = {rel:.2e}")
 
 base = d["logits"][1, 0]["grads"]  # shared prompt, all groups at once
 for k in ("hidden", "triton"):
     compare(base, d[k][1, 0]["grads"], f"{k} vs logits path")
 for micro in (1, 2):
-    compare(d["hidden"][1, 0]["grads"], d["hidden"][1, micro]["grads"], f"micro-batches of {micro} vs all at once")
+    compare(d["hidden"][1, 0]["grads"], d["hidden"][1, micro]["grads"],
+            f"micro-batches of {micro} vs all at once")
 PY
   python3 bench/bench_logprob_memory.py && cp bench/results/logprob_memory_gpu.json "$OUT"/
 fi

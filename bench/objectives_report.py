@@ -1,8 +1,9 @@
-"""The objectives comparison's table (bench/run_objectives.sh): for each setting and seed, held-out greedy accuracy
-and pass@4 at steps 0/10/20/30, answers generated per answer trained over the run, and wall time; then each
-setting's mean over its seeds.
+"""The objectives comparison's table (bench/run_objectives.sh): for each setting and seed, held-out
+greedy accuracy and pass@4 at steps 0/10/20/30, answers generated per answer trained over the run,
+and wall time; then each setting's mean over its seeds.
 
-    python bench/objectives_report.py bench/results          # reads objectives_<setting>_s<seed>_metrics.jsonl
+    # reads objectives_<setting>_s<seed>_metrics.jsonl
+    python bench/objectives_report.py bench/results
 """
 import glob
 import json
@@ -10,30 +11,40 @@ import os
 import re
 import sys
 
-SETTINGS = {"default": "default (LR cosine to 0.1x)", "flat": "flat LR (the default until 2026-11-25)",
-            "dynamic": "DYNAMIC_SAMPLING=1, flat LR", "difficulty": "SAMPLER=difficulty, flat LR",
-            "dr_grpo": "LOSS_TYPE=dr_grpo SCALE_REWARDS=none, flat LR",
-            "learnability": "SAMPLER=learnability, pass of 256", "learn_dynamic": "learnability + DYNAMIC"}
+SETTINGS = {
+    "default": "default (LR cosine to 0.1x)",
+    "flat": "flat LR (the default until 2026-11-25)",
+    "dynamic": "DYNAMIC_SAMPLING=1, flat LR",
+    "difficulty": "SAMPLER=difficulty, flat LR",
+    "dr_grpo": "LOSS_TYPE=dr_grpo SCALE_REWARDS=none, flat LR",
+    "learnability": "SAMPLER=learnability, pass of 256",
+    "learn_dynamic": "learnability + DYNAMIC",
+}
 STEPS = (0, 10, 20, 30)
 
 
 def summary(path):
-    """{greedy: {step: acc}, pass4: {step: pass@4}, ratio: generated / trained answers, minutes} of one run."""
+    """{greedy: {step: acc}, pass4: {step: pass@4}, ratio: generated / trained answers, minutes} of
+    one run."""
     with open(path) as f:
         lines = [json.loads(line) for line in f if line.strip()]
     evals = {m["step"]: m for m in lines if "eval_reward_correct" in m}
     train = [m for m in lines if "answers_generated" in m]
     wall = path.replace("_metrics.jsonl", "_wall_s")
-    passes = path.replace("_metrics.jsonl", "_pass_rates.json")  # PASS_RATE_QUESTIONS x NUM_PRE_Q more
+    # PASS_RATE_QUESTIONS x NUM_PRE_Q more
+    passes = path.replace("_metrics.jsonl", "_pass_rates.json")
     before = 0
     if os.path.exists(passes):
         with open(passes) as f:
             before = 8 * len(json.load(f)["rates"])  # the demo's NUM_PRE_Q answers to each
-    return dict(greedy={s: evals[s]["eval_reward_correct"] for s in STEPS if s in evals},
-                pass4={s: evals[s].get("eval_pass@4") for s in STEPS if s in evals},
-                ratio=(before + sum(m["answers_generated"] for m in train))
-                / max(1, sum(m["answers_trained"] for m in train)),
-                minutes=int(open(wall).read()) / 60 if os.path.exists(wall) else float("nan"), steps=len(train))
+    return dict(
+        greedy={s: evals[s]["eval_reward_correct"] for s in STEPS if s in evals},
+        pass4={s: evals[s].get("eval_pass@4") for s in STEPS if s in evals},
+        ratio=(before + sum(m["answers_generated"] for m in train))
+        / max(1, sum(m["answers_trained"] for m in train)),
+        minutes=int(open(wall).read()) / 60 if os.path.exists(wall) else float("nan"),
+        steps=len(train),
+    )
 
 
 def cell(v):
@@ -43,26 +54,49 @@ def cell(v):
 def main(folder):
     runs = {}
     for path in sorted(glob.glob(os.path.join(folder, "objectives_*_s*_metrics.jsonl"))):
-        setting, seed = re.match(r"objectives_(.+)_s(\d+)_metrics\.jsonl", os.path.basename(path)).groups()
+        setting, seed = re.match(
+            r"objectives_(.+)_s(\d+)_metrics\.jsonl", os.path.basename(path)
+        ).groups()
         runs.setdefault(setting, {})[int(seed)] = summary(path)
-    head = " | ".join(f"greedy {s}" for s in STEPS) + " | " + " | ".join(f"pass@4 {s}" for s in STEPS)
+    head = (
+        " | ".join(f"greedy {s}" for s in STEPS) + " | " + " | ".join(f"pass@4 {s}" for s in STEPS)
+    )
     print(f"| setting | seed | {head} | generated / trained | minutes |")
     print("|---|---|" + "---|" * (2 * len(STEPS) + 2))
     for setting in [s for s in SETTINGS if s in runs] + [s for s in runs if s not in SETTINGS]:
         seeds = runs[setting]
         rows = [(str(seed), r) for seed, r in sorted(seeds.items())]
         if len(seeds) > 1:  # the mean over seeds, where every seed has the value
-            mean = lambda key, s: (sum(r[key][s] for r in seeds.values()) / len(seeds)  # noqa: E731
-                                   if all(r[key].get(s) is not None for r in seeds.values()) else None)
-            rows.append(("mean", dict(greedy={s: mean("greedy", s) for s in STEPS},
-                                      pass4={s: mean("pass4", s) for s in STEPS},
-                                      ratio=sum(r["ratio"] for r in seeds.values()) / len(seeds),
-                                      minutes=sum(r["minutes"] for r in seeds.values()) / len(seeds))))
+            mean = lambda key, s: (
+                sum(r[key][s] for r in seeds.values()) / len(seeds)  # noqa: E731
+                if all(r[key].get(s) is not None for r in seeds.values())
+                else None
+            )
+            rows.append(
+                (
+                    "mean",
+                    dict(
+                        greedy={s: mean("greedy", s) for s in STEPS},
+                        pass4={s: mean("pass4", s) for s in STEPS},
+                        ratio=sum(r["ratio"] for r in seeds.values()) / len(seeds),
+                        minutes=sum(r["minutes"] for r in seeds.values()) / len(seeds),
+                    ),
+                )
+            )
         for seed, r in rows:
-            cells = [cell(r["greedy"].get(s)) for s in STEPS] + [cell(r["pass4"].get(s)) for s in STEPS]
-            print(f"| {SETTINGS.get(setting, setting)} | {seed} | {' | '.join(cells)} | {r['ratio']:.2f} | "
-                  f"{r['minutes']:.1f} |")
+            cells = [cell(r["greedy"].get(s)) for s in STEPS] + [
+                cell(r["pass4"].get(s)) for s in STEPS
+            ]
+            print(
+                f"| {SETTINGS.get(setting, setting)} | {seed} | {' | '.join(cells)} | "
+                f"{r['ratio']:.2f} | "
+                f"{r['minutes']:.1f} |"
+            )
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    main(
+        sys.argv[1]
+        if len(sys.argv) > 1
+        else os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    )

@@ -1,12 +1,14 @@
-"""Does the base model call the calculator? Samples answers to small- and large-operand questions of the
-"arithmetic_mixed" task with TOOLS on, under two prompts (a worked example turn that shows one call, and the
-project's own example, which shows none), and prints per prompt and question kind: the share of answers that
-call the tool, the share whose call is exactly the question's sum, and the share that are right.
+"""Does the base model call the calculator? Samples answers to small- and large-operand questions of
+the "arithmetic_mixed" task with TOOLS on, under two prompts (a worked example turn that shows one
+call, and the project's own example, which shows none), and prints per prompt and question kind: the
+share of answers that call the tool, the share whose call is exactly the question's sum, and the
+share that are right.
 
-    python bench/probe_tools.py                 # vLLM if installed, else transformers; ~2 min with vLLM on 2 cores
+    # vLLM if installed, else transformers; ~2 min with vLLM on 2 cores
+    python bench/probe_tools.py
     SAMPLES=64 USE_VLLM=0 python bench/probe_tools.py
-GRPO can only reinforce what is sampled: a prompt under which no answer calls the tool teaches nothing about it.
-"""
+GRPO can only reinforce what is sampled: a prompt under which no answer calls the tool teaches
+nothing about it. """
 import importlib.util
 import json
 import os
@@ -43,24 +45,42 @@ def main():
     else:
         print("without vLLM: transformers' generate (slower)")
     questions = load_questions("arithmetic_mixed", grpo.SEED)[: -grpo.evaluation.EVAL_SIZE]
-    print(f"{'prompt':32s} {'kind':6s} {'answers':>7s} {'call':>6s} {'exact call':>10s} {'right':>6s}")
+    print(
+        f"{'prompt':32s} {'kind':6s} {'answers':>7s} {'call':>6s} {'exact call':>10s} {'right':>6s}"
+    )
     for name, (system, example) in PROMPTS.items():
         grpo.SYSTEM_PROMPT, grpo.EXAMPLE = system, example
         for kind in ("small", "large"):
             qs = [q for q in questions if q["tag"] == kind][: SAMPLES // PER_QUESTION]
             enc = grpo.encode_prompts(tokenizer, qs)
             ids, _, out = tools.generate_with_tools(
-                model, tokenizer, enc, PER_QUESTION, gen_config=gen_config, llm=llm,
-                temperature=grpo.TEMPERATURE, tools=grpo.tools.chosen(),
-                max_calls=grpo.tools.MAX_TOOL_CALLS, eos_ids=eos_ids)
+                model,
+                tokenizer,
+                enc,
+                PER_QUESTION,
+                gen_config=gen_config,
+                llm=llm,
+                temperature=grpo.TEMPERATURE,
+                tools=grpo.tools.chosen(),
+                max_calls=grpo.tools.MAX_TOOL_CALLS,
+                eos_ids=eos_ids,
+            )
             texts = grpo.decode(tokenizer, ids)
             golds = [q["gold"] for q in qs for _ in range(PER_QUESTION)]
             called = [c > 0 for c in out["tool_calls"]]
-            exact = [any(tools.calculator(c) == g for c in re.findall(r"<tool>(.*?)</tool>", t, re.DOTALL))
-                     for t, g in zip(texts, golds)]
+            exact = [
+                any(
+                    tools.calculator(c) == g
+                    for c in re.findall(r"<tool>(.*?)</tool>", t, re.DOTALL)
+                )
+                for t, g in zip(texts, golds)
+            ]
             right = [reward_correct(t, g) for t, g in zip(texts, golds)]
             n = len(texts)
-            print(f"{name:32s} {kind:6s} {n:7d} {sum(called) / n:6.1%} {sum(exact) / n:10.1%} {sum(right) / n:6.1%}")
+            print(
+                f"{name:32s} {kind:6s} {n:7d} {sum(called) / n:6.1%} {sum(exact) / n:10.1%} "
+                f"{sum(right) / n:6.1%}"
+            )
 
 
 if __name__ == "__main__":

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# On-policy distillation against GRPO on this CPU (docs/distillation.md): the student is the embedded
-# SmolLM2-135M, the teacher the demo's own GRPO-trained step_30 (trained first, by scripts/run_demo.sh,
-# if $TEACHER_DIR holds none). Three runs per seed, each the demo's 30 steps (vLLM, 4 questions x 8
-# answers, held-out greedy accuracy every 5 steps), back to back:
+# On-policy distillation against GRPO on this CPU (docs/distillation.md): the student is the
+# embedded SmolLM2-135M, the teacher the demo's own GRPO-trained step_30 (trained first, by
+# scripts/run_demo.sh, if $TEACHER_DIR holds none). Three runs per seed, each the demo's 30 steps
+# (vLLM, 4 questions x 8 answers, held-out greedy accuracy every 5 steps), back to back:
 #   grpo      the default: rewards, a reference server, BETA 0.04
 #   opd       pure distillation: a TEACHER=1 server, DISTILL_COEF=1, REWARDS weighed 0, BETA 0
 #   grpo_opd  both: the default rewards plus DISTILL_COEF=1 against the teacher, BETA 0
-# Each run's metrics.jsonl and wall seconds go to $RESULTS as it ends; a run already there is skipped,
-# so the script can be stopped and started again. Then bench/distill_report.py prints the table and
-# draws bench/results/distill_curves.png.
+# Each run's metrics.jsonl and wall seconds go to $RESULTS as it ends; a run already there is
+# skipped, so the script can be stopped and started again. Then bench/distill_report.py prints the
+# table and draws bench/results/distill_curves.png.
 #   bash bench/run_distill.sh                      # 6 runs, about 15 min each on 2 CPU cores
 #   RUNS="opd" SEEDS=42 bash bench/run_distill.sh
 set -euo pipefail
@@ -36,7 +36,8 @@ for seed in $SEEDS; do
       grpo) served=(TEACHER=0 MODEL_PATH=) trained=() ;;
       opd) served=(TEACHER=1 MODEL_PATH="$TEACHER_DIR/step_30")
            trained=(DISTILL_COEF=1 BETA=0 REWARDS="$no_rewards") ;;
-      grpo_opd) served=(TEACHER=1 MODEL_PATH="$TEACHER_DIR/step_30") trained=(DISTILL_COEF=1 BETA=0) ;;
+      grpo_opd) served=(TEACHER=1 MODEL_PATH="$TEACHER_DIR/step_30")
+                trained=(DISTILL_COEF=1 BETA=0) ;;
       *) echo "unknown run $run: grpo, opd or grpo_opd" >&2; exit 1 ;;
     esac
     dir="$OUT/${run}_s$seed"

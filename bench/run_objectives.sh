@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The objectives comparison: the demo (scripts/run_demo.sh: 30 steps, vLLM, the reference server) with each
-# setting below and two seeds, back to back, pass@4 at every held-out evaluation (EVAL_SAMPLES=4). Each run's
-# metrics.jsonl and wall time are copied to $RESULTS as it finishes; a run already there is skipped, so the
-# script can be stopped and started again (in a later session too). Then bench/objectives_report.py prints the
-# table.
-#   bash bench/run_objectives.sh                       # 10 runs, 20-30 min each on 2 CPU cores; OUT=/tmp/objectives
+# The objectives comparison: the demo (scripts/run_demo.sh: 30 steps, vLLM, the reference server)
+# with each setting below and two seeds, back to back, pass@4 at every held-out evaluation
+# (EVAL_SAMPLES=4). Each run's metrics.jsonl and wall time are copied to $RESULTS as it finishes; a
+# run already there is skipped, so the script can be stopped and started again (in a later session
+# too). Then bench/objectives_report.py prints the table.
+#   bash bench/run_objectives.sh     # 10 runs, 20-30 min each on 2 CPU cores; OUT=/tmp/objectives
 #   RUNS="default dynamic" SEEDS=42 bash bench/run_objectives.sh
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -17,22 +17,28 @@ mkdir -p "$OUT" "$RESULTS"
 for seed in $SEEDS; do
   for run in $RUNS; do
     dir="$OUT/${run}_s$seed"
-    if [ -e "$RESULTS/objectives_${run}_s${seed}_wall_s" ]; then echo "${run}_s$seed done: skipped"; continue; fi
+    if [ -e "$RESULTS/objectives_${run}_s${seed}_wall_s" ]; then
+      echo "${run}_s$seed done: skipped"
+      continue
+    fi
     rm -rf "$dir"
     case $run in
       default) settings=() ;;
       dynamic) settings=(DYNAMIC_SAMPLING=1) ;;
       difficulty) settings=(SAMPLER=difficulty) ;;
       dr_grpo) settings=(LOSS_TYPE=dr_grpo SCALE_REWARDS=none) ;;
-      flat) settings=(DS_CONFIG=bench/ds_config_flat.json) ;;  # a constant LR, the default until 2026-11-25
-      learnability) settings=(SAMPLER=learnability PASS_RATE_QUESTIONS=256) ;;  # the pass counts in wall
+      # a constant LR, the default until 2026-11-25
+      flat) settings=(DS_CONFIG=bench/ds_config_flat.json) ;;
+      # the pass before step 1 counts in the wall time
+      learnability) settings=(SAMPLER=learnability PASS_RATE_QUESTIONS=256) ;;
       learn_dynamic) settings=(SAMPLER=learnability PASS_RATE_QUESTIONS=256 DYNAMIC_SAMPLING=1) ;;
       *) echo "unknown run $run: default, flat, dynamic, difficulty, dr_grpo, learnability or" \
               "learn_dynamic" >&2; exit 1 ;;
     esac
     echo "=== $run, seed $seed: ${settings[*]:-the defaults} -> $dir"
     start=$(date +%s)
-    env "${settings[@]}" SEED="$seed" OUTPUT_DIR="$dir" bash scripts/run_demo.sh > "$OUT/${run}_s$seed.log" 2>&1
+    env "${settings[@]}" SEED="$seed" OUTPUT_DIR="$dir" bash scripts/run_demo.sh \
+      > "$OUT/${run}_s$seed.log" 2>&1
     cp "$dir/metrics.jsonl" "$RESULTS/objectives_${run}_s${seed}_metrics.jsonl"
     if [ -e "$dir/pass_rates.json" ]; then  # the pass's answers count as generated ones too
       cp "$dir/pass_rates.json" "$RESULTS/objectives_${run}_s${seed}_pass_rates.json"

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # GRPO on questions that need the image, on this CPU (docs/vision.md): the SmolVLM-shaped model made
-# from the embedded SmolLM2-135M (scripts/make_vision_model.py: a random vision encoder and connector,
-# then LLaVA's first stage, a caption pass with the language model frozen: "Which colours are in the
-# image?" -> both colours in a random order), then GRPO on a question the captions never answer:
-# "What colour is the larger shape?" (two squares of 4 colours: chance 25% for a colour at random,
-# 50% for one of the two in the image). Per seed, 30 steps of 4 questions x 8 answers against
-# `python ref_server.py` holding the same model (BETA 0.04), held-out greedy accuracy every 10 steps
-# on 128 images never trained on. RUNS: "aligned" (the above) and "unaligned" (the same GRPO from the
-# random vision side, ALIGN_STEPS=0: the control); "aligned_vllm" is "aligned" with USE_VLLM=1 (vLLM
-# samples with the images; run it beside "aligned" to compare times). Each run's metrics.jsonl and wall
-# seconds go to $RESULTS as it ends; a run already there is skipped. Then bench/vision_report.py prints
-# the table.
+# from the embedded SmolLM2-135M (scripts/make_vision_model.py: a random vision encoder and
+# connector, then LLaVA's first stage, a caption pass with the language model frozen: "Which colours
+# are in the image?" -> both colours in a random order), then GRPO on a question the captions never
+# answer: "What colour is the larger shape?" (two squares of 4 colours: chance 25% for a colour at
+# random, 50% for one of the two in the image). Per seed, 30 steps of 4 questions x 8 answers
+# against `python ref_server.py` holding the same model (BETA 0.04), held-out greedy accuracy every
+# 10 steps on 128 images never trained on. RUNS: "aligned" (the above) and "unaligned" (the same
+# GRPO from the random vision side, ALIGN_STEPS=0: the control); "aligned_vllm" is "aligned" with
+# USE_VLLM=1 (vLLM samples with the images; run it beside "aligned" to compare times). Each run's
+# metrics.jsonl and wall seconds go to $RESULTS as it ends; a run already there is skipped. Then
+# bench/vision_report.py prints the table.
 #   bash bench/run_vision_demo.sh                        # aligned s42 s43, unaligned s42
 #   RUNS="aligned aligned_vllm" SEEDS=42 RESULTS=/tmp/side bash bench/run_vision_demo.sh
 set -euo pipefail
@@ -38,7 +38,8 @@ for run in $RUNS; do
     VISION_MODEL_DIR="$model" ALIGN_STEPS=$steps ALIGN_BATCH=8 \
       python scripts/make_vision_model.py > "$OUT/model_$run.log" 2>&1
     echo $(( $(date +%s) - start )) > "$RESULTS/vision_model_${run}_wall_s"
-    [ -e "$model/caption_losses.json" ] && cp "$model/caption_losses.json" "$RESULTS/vision_caption_losses.json"
+    [ -e "$model/caption_losses.json" ] \
+      && cp "$model/caption_losses.json" "$RESULTS/vision_caption_losses.json"
   fi
   for seed in $SEEDS; do
     name="vision_${run}_s$seed"

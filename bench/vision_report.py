@@ -1,7 +1,7 @@
-"""The vision demo's table and curves (bench/run_vision_demo.sh): for each run and seed, the held-out
-greedy accuracy on "What colour is the larger shape?" at steps 0 / 10 / 20 / 30 against chance, answers
-generated per answer trained, and wall minutes (the model's making and caption pass apart); then
-bench/results/vision_curves.png, every run's held-out curve with the two chance levels.
+"""The vision demo's table and curves (bench/run_vision_demo.sh): for each run and seed, the
+held-out greedy accuracy on "What colour is the larger shape?" at steps 0 / 10 / 20 / 30 against
+chance, answers generated per answer trained, and wall minutes (the model's making and caption pass
+apart); then bench/results/vision_curves.png, every run's held-out curve with the two chance levels.
 
     python bench/vision_report.py bench/results    # reads vision_<run>_s<seed>_metrics.jsonl
 """

@@ -1,5 +1,5 @@
-"""Checkpoints and resume: OUTPUT_DIR/step_N holds the weights (transformers format), DeepSpeed's optimizer and
-scheduler state, and each rank's RNG state, so RESUME=1 continues a run bit for bit.
+"""Checkpoints and resume: OUTPUT_DIR/step_N holds the weights (transformers format), DeepSpeed's
+optimizer and scheduler state, and each rank's RNG state, so RESUME=1 continues a run bit for bit.
 
     RESUME=1 deepspeed --num_gpus 1 grpo_ref_split.py          # from the newest complete step_N
 """
@@ -33,16 +33,21 @@ def checkpoints(output_dir):
 
 
 def refuse_to_overwrite(output_dir, resume: bool):
-    """A fresh run (not resume) stops, changing nothing, where an earlier run left checkpoints: its keep limit
-    would delete them."""
+    """A fresh run (not resume) stops, changing nothing, where an earlier run left checkpoints: its
+    keep limit would delete them."""
     if not resume and checkpoints(output_dir):
-        sys.exit(f"{output_dir}/ holds checkpoints of an earlier run (newest {checkpoints(output_dir)[-1]}); "
-                 "nothing was changed. Continue that run with RESUME=1, or start a new one in another OUTPUT_DIR")
+        sys.exit(
+            f"{output_dir}/ holds checkpoints of an earlier run (newest "
+            f"{checkpoints(output_dir)[-1]}); "
+            "nothing was changed. Continue that run with RESUME=1, or start a new one in another "
+            "OUTPUT_DIR"
+        )
 
 
 def save_checkpoint(engine, tokenizer, step, rng, rank, *, output_dir, keep, lora):
-    """output_dir/step_N: transformers weights (load on their own; with LoRA the adapters only, which peft loads
-    onto MODEL_PATH), DeepSpeed state (with LoRA the adapters' weights and optimizer state), each rank's RNG.
+    """output_dir/step_N: transformers weights (load on their own; with LoRA the adapters only,
+    which peft loads onto MODEL_PATH), DeepSpeed state (with LoRA the adapters' weights and
+    optimizer state), each rank's RNG.
 
     Every rank writes into step_N.tmp; rank 0 renames it once all are done, so a step_N folder
     is always complete, and then deletes all but the newest `keep`.
@@ -54,11 +59,21 @@ def save_checkpoint(engine, tokenizer, step, rng, rank, *, output_dir, keep, lor
         engine.module.save_pretrained(tmp)  # ZeRO-2 keeps full weights on every rank
         tokenizer.save_pretrained(tmp)
     torch.distributed.barrier()
-    engine.save_checkpoint(tmp, tag="deepspeed", client_state={"step": step},  # weights + this rank's optimizer
-                           exclude_frozen_parameters=lora)  # shard; not a second copy of the frozen base
-    rng_state = {"python": rng.getstate(), "torch": torch.get_rng_state(),
-                 "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else torch.empty(0)}
-    torch.save(rng_state, os.path.join(tmp, f"rng_rank{rank}.pt"))  # the data position and sampling stream
+    # weights + this rank's optimizer
+    engine.save_checkpoint(
+        tmp,
+        tag="deepspeed",
+        client_state={"step": step},
+        # shard; not a second copy of the frozen base
+        exclude_frozen_parameters=lora,
+    )
+    rng_state = {
+        "python": rng.getstate(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else torch.empty(0),
+    }
+    # the data position and sampling stream
+    torch.save(rng_state, os.path.join(tmp, f"rng_rank{rank}.pt"))
     torch.distributed.barrier()
     if rank == 0:
         shutil.rmtree(folder, ignore_errors=True)
@@ -73,17 +88,30 @@ def resume(engine, rng, rank, *, output_dir, lora, llm=None):
     USE_VLLM's engine `llm` (it started from MODEL_PATH); returns its step, 0 if none."""
     found = checkpoints(output_dir)
     if not found:
-        print(f"[rank {rank}] RESUME: no step_N checkpoint in {output_dir}/, starting from step 1", flush=True)
+        print(
+            f"[rank {rank}] RESUME: no step_N checkpoint in {output_dir}/, starting from step 1",
+            flush=True,
+        )
         return 0
     folder = found[-1]
     rng_file = os.path.join(folder, f"rng_rank{rank}.pt")
     if not os.path.exists(os.path.join(folder, "deepspeed")) or not os.path.exists(rng_file):
-        sys.exit(f"{folder} has no DeepSpeed state for rank {rank}: it was saved by an older version or with "
-                 "fewer ranks; resume with the same --num_gpus, or load its weights with MODEL_PATH instead")
-    _, client = engine.load_checkpoint(folder, tag="deepspeed",  # weights, optimizer and scheduler state
-                                       load_module_strict=not lora)  # LoRA: the frozen base is not in it
+        sys.exit(
+            f"{folder} has no DeepSpeed state for rank {rank}: it was saved by an older version or "
+            "with "
+            "fewer ranks; resume with the same --num_gpus, or load its weights with MODEL_PATH "
+            "instead"
+        )
+    # weights, optimizer and scheduler state
+    _, client = engine.load_checkpoint(
+        folder,
+        tag="deepspeed",
+        # LoRA: the frozen base is not in it
+        load_module_strict=not lora,
+    )
     zero2.replay_cpu_adam_steps(engine)  # OFFLOAD_OPTIMIZER: bit for bit, as the uninterrupted run
-    if engine.lr_scheduler is not None:  # the rate of the step it stopped at, whatever the optimizer state held
+    # the rate of the step it stopped at, whatever the optimizer state held
+    if engine.lr_scheduler is not None:
         engine.lr_scheduler.step(engine.lr_scheduler.last_batch_iteration)
     state = torch.load(rng_file, weights_only=True)
     rng.setstate(state["python"])

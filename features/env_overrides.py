@@ -16,17 +16,21 @@ TRUE, FALSE = ("1", "true", "yes"), ("0", "false", "no")  # what a boolean const
 
 def apply_env_overrides(namespace: dict, file: str, functions=None) -> None:
     """Replace each UPPER_CASE constant in `namespace` by the environment variable of the same name,
-    cast to the constant's type; print what changed, and warn about names that look misspelt. functions:
-    {constant: module} for constants that hold functions or (function, weight) pairs; the environment names
-    the module's functions in JSON: REWARDS='[["reward_correct", 2.0]]' TOOLS='["calculator"]'."""
+    cast to the constant's type; print what changed, and warn about names that look misspelt.
+    functions: {constant: module} for constants that hold functions or (function, weight) pairs; the
+    environment names the module's functions in JSON: REWARDS='[["reward_correct", 2.0]]'
+    TOOLS='["calculator"]'."""
     functions = functions or {}
-    loud = os.environ.get("RANK", "0") == "0"  # under deepspeed every rank would print the same lines
+    # under deepspeed every rank would print the same lines
+    loud = os.environ.get("RANK", "0") == "0"
     constants = [n for n in namespace if n.isupper()]
     own = own_constants(namespace)
     imported = [n for n in constants if n not in own and n in os.environ]
     if imported:  # it would change this file's copy and not the module's: the two would differ
-        sys.exit(f"environment variable {imported[0]}: {imported[0]} is not a setting of {file} (it is "
-                 "imported from another module there); edit it where it is defined")
+        sys.exit(
+            f"environment variable {imported[0]}: {imported[0]} is not a setting of {file} (it is "
+            "imported from another module there); edit it where it is defined"
+        )
     constants = [n for n in constants if n in own]
     for name in constants:
         if name not in os.environ:
@@ -36,7 +40,10 @@ def apply_env_overrides(namespace: dict, file: str, functions=None) -> None:
             json.dumps(default)
         except TypeError:  # holds functions, and is not a list of them by name
             if name not in functions:
-                sys.exit(f"environment variable {name}: {name} cannot be set from the environment; edit it in {file}")
+                sys.exit(
+                    f"environment variable {name}: {name} cannot be set from the environment; edit "
+                    f"it in {file}"
+                )
         try:
             if name in functions:
                 value = [named_functions(x, functions[name]) for x in json.loads(raw)]
@@ -50,23 +57,36 @@ def apply_env_overrides(namespace: dict, file: str, functions=None) -> None:
             else:
                 value = type(default)(raw)
         except (ValueError, TypeError) as e:
-            sys.exit(f"environment variable {name}={raw!r}: not a valid {type(default).__name__} ({e})")
+            sys.exit(
+                f"environment variable {name}={raw!r}: not a valid {type(default).__name__} ({e})"
+            )
         except KeyError as e:
             sys.exit(f"environment variable {name}={raw!r}: {e.args[0]}")
         namespace[name] = value
         if loud and value != default:
-            print(f"[{file}] {name} = {named(value)} (environment; default {named(default)})", file=sys.stderr,
-                  flush=True)
+            print(
+                f"[{file}] {name} = {named(value)} (environment; default {named(default)})",
+                file=sys.stderr,
+                flush=True,
+            )
     for name in os.environ:  # ALL_STEP=5 would otherwise be ignored without a word
-        near = difflib.get_close_matches(name, constants, n=1, cutoff=0.85) if name.isupper() else []
+        near = (
+            difflib.get_close_matches(name, constants, n=1, cutoff=0.85) if name.isupper() else []
+        )
         if loud and near and name not in namespace:
-            print(f"[{file}] WARNING: environment variable {name} is not a constant of {file}; did you mean "
-                  f"{near[0]}? It is ignored.", file=sys.stderr, flush=True)
+            print(
+                f"[{file}] WARNING: environment variable {name} is not a constant of {file}; did "
+                "you mean "
+                f"{near[0]}? It is ignored.",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def own_constants(namespace: dict) -> set:
     """The UPPER_CASE names the module of `namespace` assigns itself at its top level (read from its
-    source), not those it imports; every UPPER_CASE name when there is no source file (a plain dict)."""
+    source), not those it imports; every UPPER_CASE name when there is no source file (a plain
+    dict)."""
     path = namespace.get("__file__")
     if not path or not os.path.exists(path):
         return {n for n in namespace if n.isupper()}
@@ -89,24 +109,36 @@ def check_choice(name: str, value, options) -> None:
 
 
 def named_functions(x, module):
-    """A JSON value with each function name replaced by the function of `module` it names; lists become tuples
-    (a (function, weight) pair). KeyError, naming the choices, for a name that is not a function there."""
+    """A JSON value with each function name replaced by the function of `module` it names; lists
+    become tuples (a (function, weight) pair). KeyError, naming the choices, for a name that is not
+    a function there."""
     if isinstance(x, list):
         return tuple(named_functions(v, module) for v in x)
     if isinstance(x, str):
-        functions = {k: v for k, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module.__name__
-                     and not k.startswith("_")}
+        functions = {
+            k: v
+            for k, v in vars(module).items()
+            if inspect.isfunction(v) and v.__module__ == module.__name__ and not k.startswith("_")
+        }
         if x not in functions:
-            raise KeyError(f"{x!r} is not a function of {module.__name__} (it has: {', '.join(sorted(functions))})")
+            raise KeyError(
+                f"{x!r} is not a function of {module.__name__} (it has: "
+                f"{', '.join(sorted(functions))})"
+            )
         return functions[x]
     return x
 
 
 def named(value) -> str:
-    """repr of a constant's value, with each function written as its name: [(reward_correct, 2.0)]."""
+    """repr of a constant's value, with each function written as its name: [(reward_correct,
+    2.0)]."""
     if callable(value):
         return value.__name__
     if isinstance(value, (list, tuple)):
         inner = ", ".join(named(v) for v in value)
-        return f"[{inner}]" if isinstance(value, list) else f"({inner}{',' if len(value) == 1 else ''})"
+        return (
+            f"[{inner}]"
+            if isinstance(value, list)
+            else f"({inner}{',' if len(value) == 1 else ''})"
+        )
     return repr(value)

@@ -1,7 +1,7 @@
 """The memory plan: what one training setting holds on each trainer GPU, in the CPU memory of its
-machine and on the reference server's GPU, from the model's config alone (no weights are loaded) and the
-trainer's constants. The trainer prints it at start-up and stops before loading the model when the
-setting cannot fit the device it sees.
+machine and on the reference server's GPU, from the model's config alone (no weights are loaded) and
+the trainer's constants. The trainer prints it at start-up and stops before loading the model when
+the setting cannot fit the device it sees.
 
     python features/memory_plan.py                    # the embedded model at the demo's settings
     MODEL_PATH=Qwen/Qwen2.5-7B-Instruct BF16=1 GPU_GB=80 RANKS=1 OFFLOAD_OPTIMIZER=1 \
@@ -10,11 +10,10 @@ setting cannot fit the device it sees.
 The model states (weights, gradients, AdamW's moments and fp32 master weights) come from DeepSpeed's
 own ZeRO-2 estimate. The activations come from tracing one forward of the model on PyTorch's meta
 device (shapes only, no memory) and adding up what autograd saves for backward, so any architecture
-transformers builds is counted as it is. What the plan leaves out: the CUDA context and the cuBLAS and
-NCCL workspaces, the caching allocator's fragmentation, and the few tensors of the loss itself. A
-plan above the whole device stops the trainer; one above FIT_SHARE of it may not fit
-(bench/bench_memory_plan.py measures the plan against a step's peak).
-"""
+transformers builds is counted as it is. What the plan leaves out: the CUDA context and the cuBLAS
+and NCCL workspaces, the caching allocator's fragmentation, and the few tensors of the loss itself.
+A plan above the whole device stops the trainer; one above FIT_SHARE of it may not fit
+(bench/bench_memory_plan.py measures the plan against a step's peak). """
 import dataclasses
 import json
 import os
@@ -28,7 +27,8 @@ MEMORY_PLAN = True  # print what each device will hold and stop if it cannot fit
 env_overrides.apply_env_overrides(globals(), "features/memory_plan.py")
 
 
-FIT_SHARE = 0.75  # a plan above this share of a device "may not fit": it has run below measured peaks
+# a plan above this share of a device "may not fit": it has run below measured peaks
+FIT_SHARE = 0.75
 GIB = 2**30
 
 
@@ -81,14 +81,15 @@ class Row:
 
 
 def saved_bytes_per_token(model) -> float:
-    """Bytes autograd saves per token per layer in one training forward of `model` (on the meta device).
+    """Bytes autograd saves per token per layer in one training forward of `model` (on the meta
+    device).
 
-    The meta device runs attention's plain path, which also saves the (heads, T, T) weights; GPUs and
-    PyTorch's CPU attention do not. Tracing two lengths and extrapolating to length 0 keeps only the
-    per-token part, which is what flash and memory-efficient attention save.
-    """
+    The meta device runs attention's plain path, which also saves the (heads, T, T) weights; GPUs
+    and PyTorch's CPU attention do not. Tracing two lengths and extrapolating to length 0 keeps only
+    the per-token part, which is what flash and memory-efficient attention save. """
     weights = {p.untyped_storage()._cdata for p in model.parameters()}
-    layers = model.config.get_text_config().num_hidden_layers  # peft: its base's config; a VLM: its LM's
+    # peft: its base's config; a VLM: its LM's
+    layers = model.config.get_text_config().num_hidden_layers
     per_token = []
     for length in (64, 128):
         saved = {}
@@ -124,10 +125,17 @@ def model_shape(model_path: str, *, lora_rank=0, lora_targets="all-linear",
     for dtype in (torch.bfloat16, torch.float32):
         with torch.device("meta"):
             model = auto.from_config(config, dtype=dtype, attn_implementation="sdpa")
-            params = sum({p.untyped_storage()._cdata: p.numel() for p in model.parameters()}.values())
+            storages = {p.untyped_storage()._cdata: p.numel() for p in model.parameters()}
+            params = sum(storages.values())  # a tied weight counts once
             if lora_rank > 0:  # a frozen layer saves less for backward: trace the adapted model
-                model = lora.add_lora(model, rank=lora_rank, alpha=2 * lora_rank, targets=lora_targets,
-                                      seed=0, quiet=True)
+                model = lora.add_lora(
+                    model,
+                    rank=lora_rank,
+                    alpha=2 * lora_rank,
+                    targets=lora_targets,
+                    seed=0,
+                    quiet=True,
+                )
         if freeze_vision and is_vision:
             vision.freeze_tower(model)
         model.train()
@@ -137,18 +145,24 @@ def model_shape(model_path: str, *, lora_rank=0, lora_targets="all-linear",
     heads = config.num_attention_heads
     head_size = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return ModelShape(params=params, trainable=trainable, layers=config.num_hidden_layers,
-                      hidden=config.hidden_size, kv_width=kv_heads * head_size,
-                      vocab=config.vocab_size, saved_per_token=traced[torch.bfloat16],
-                      saved_per_token_fp32=traced[torch.float32])
+    return ModelShape(
+        params=params,
+        trainable=trainable,
+        layers=config.num_hidden_layers,
+        hidden=config.hidden_size,
+        kv_width=kv_heads * head_size,
+        vocab=config.vocab_size,
+        saved_per_token=traced[torch.bfloat16],
+        saved_per_token_fp32=traced[torch.float32],
+    )
 
 
 def model_states(shape: ModelShape, s: Setting) -> Row:
     """Weights, gradients and AdamW's state. bf16: DeepSpeed's ZeRO-2 estimate for the trained
     parameters (2 bytes of weights each, and 18 split over the ranks: bf16 and fp32 gradients, fp32
-    master weights, two moments; or all but the weights in CPU memory with offload), and 2 bytes for each
-    frozen one. fp32 (CPU): 4 bytes of weights and 16 split over the ranks (gradients, a master copy,
-    the moments), DeepSpeed having no estimate for it."""
+    master weights, two moments; or all but the weights in CPU memory with offload), and 2 bytes for
+    each frozen one. fp32 (CPU): 4 bytes of weights and 16 split over the ranks (gradients, a master
+    copy, the moments), DeepSpeed having no estimate for it."""
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
     frozen = shape.params - shape.trainable
@@ -156,10 +170,13 @@ def model_states(shape: ModelShape, s: Setting) -> Row:
     if not s.bf16:
         split = 16 * shape.trainable // s.ranks
         if s.offload_optimizer:
-            return Row("weights, gradients, AdamW (fp32)", 4 * shape.params, split * s.ranks_per_node)
+            return Row(
+                "weights, gradients, AdamW (fp32)", 4 * shape.params, split * s.ranks_per_node
+            )
         return Row("weights, gradients, AdamW (fp32)", 4 * shape.params + split)
-    cpu, gpu = estimate_zero2_model_states_mem_needs(shape.trainable, s.ranks_per_node, nodes,
-                                                     cpu_offload=s.offload_optimizer)
+    cpu, gpu = estimate_zero2_model_states_mem_needs(
+        shape.trainable, s.ranks_per_node, nodes, cpu_offload=s.offload_optimizer
+    )
     # DeepSpeed's CPU figure: AdamW's state with offload, else each rank's fp32 copy as it loads
     return Row("weights, gradients, AdamW (DeepSpeed's estimate)", gpu + 2 * frozen, cpu)
 
@@ -193,7 +210,9 @@ def plan(shape: ModelShape, s: Setting, device_bytes: int) -> list:
     # logits, their fp32 log-softmax and its gradient
     rows.append(Row(f"logits of {logit_tokens:,} tokens", logit_tokens * shape.vocab * (item + 8)))
     sequences = s.q_batch_size * s.num_pre_q
-    cache = 2 * shape.layers * shape.kv_width * item * sequences * (s.prompt_tokens + s.max_new_tokens)
+    cache = (
+        2 * shape.layers * shape.kv_width * item * sequences * (s.prompt_tokens + s.max_new_tokens)
+    )
     if s.use_vllm and s.bf16:
         rows.append(Row("vLLM (VLLM_GPU_MEMORY)", int(s.vllm_gpu_memory * device_bytes)))
     elif s.use_vllm:  # CPU: its own fp32 copy of the weights and VLLM_CPU_KV_GB of cache
@@ -202,7 +221,9 @@ def plan(shape: ModelShape, s: Setting, device_bytes: int) -> list:
     else:  # generation comes before the step, so only the larger of the two counts
         rows.append(Row("generation KV cache (before the step)", cache))
     server_tokens = s.num_pre_q * (s.prompt_tokens + s.max_new_tokens)
-    server = 2 * shape.params + server_tokens * per_token + min(server_tokens, 128) * shape.vocab * 8
+    server = (
+        2 * shape.params + server_tokens * per_token + min(server_tokens, 128) * shape.vocab * 8
+    )
     what = "reference server: bf16 weights, one group's forward"
     if s.distill_coef:  # the teacher's config is not known before the handshake
         what = "teacher server, sized as the student (bf16)"
@@ -213,8 +234,11 @@ def plan(shape: ModelShape, s: Setting, device_bytes: int) -> list:
     if s.use_vllm:  # vLLM holds its share the whole run
         peak = held + step + rows[4].trainer
     fp32_weights = 4 * shape.params  # each rank loads them on its CPU, then its GPU, then casts
-    loading = Row("loading: fp32 weights before DeepSpeed casts them", fp32_weights,
-                  fp32_weights * s.ranks_per_node)
+    loading = Row(
+        "loading: fp32 weights before DeepSpeed casts them",
+        fp32_weights,
+        fp32_weights * s.ranks_per_node,
+    )
     rows.append(loading)
     cpu = max(states.cpu, loading.cpu)
     if not s.bf16:  # CPU ranks: what is offloaded lives in the same RAM as the rank's own share
@@ -224,7 +248,7 @@ def plan(shape: ModelShape, s: Setting, device_bytes: int) -> list:
 
 
 def verdict(rows, device_bytes: int, cpu_bytes=None) -> str:
-    """"fits", "may not fit" or "does not fit", for the trainer's device and, given cpu_bytes (a
+    """ "fits", "may not fit" or "does not fit", for the trainer's device and, given cpu_bytes (a
     GPU machine's RAM), for the CPU column too: AdamW's state with OFFLOAD_OPTIMIZER lives there.
     The plan has fallen below a step's measured peak (bench/RESULTS.md), so only a plan above the
     whole device (or RAM) is sure not to fit."""
@@ -243,14 +267,18 @@ def table(rows, device_bytes: int, device_name: str, cpu_bytes=None) -> str:
     """The plan as text, with its verdict for the device (and the RAM, given cpu_bytes)."""
     lines = [f"{'memory plan (GiB)':<52}{'trainer':>9}{'CPU':>9}{'server':>9}"]
     for r in rows:
-        lines.append(f"{r.what:<52}{r.trainer / GIB:>9.2f}{r.cpu / GIB:>9.2f}{r.server / GIB:>9.2f}")
+        lines.append(
+            f"{r.what:<52}{r.trainer / GIB:>9.2f}{r.cpu / GIB:>9.2f}{r.server / GIB:>9.2f}"
+        )
     share = rows[-1].trainer / device_bytes
     ram = ""
     if cpu_bytes:
         ram_share = rows[-1].cpu / cpu_bytes
         ram = f", CPU {ram_share:.0%} of the machine's RAM ({cpu_bytes / GIB:.1f} GiB)"
-    lines.append(f"{verdict(rows, device_bytes, cpu_bytes)}: {share:.0%} of {device_name} "
-                 f"({device_bytes / GIB:.1f} GiB){ram}; it fits below {FIT_SHARE:.0%}")
+    lines.append(
+        f"{verdict(rows, device_bytes, cpu_bytes)}: {share:.0%} of {device_name} "
+        f"({device_bytes / GIB:.1f} GiB){ram}; it fits below {FIT_SHARE:.0%}"
+    )
     return "\n".join(lines)
 
 
@@ -261,7 +289,8 @@ def free_ram() -> int:
 
 
 def device_seen(ranks_per_node: int):
-    """(bytes, name) of the memory one trainer rank may use: its GPU, or its share of the free RAM."""
+    """(bytes, name) of the memory one trainer rank may use: its GPU, or its share of the free
+    RAM."""
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
         props = torch.cuda.get_device_properties(local)
@@ -292,11 +321,18 @@ def check(model_path: str, s: Setting, *, build_prompt, questions):
         prompt = build_prompt(tokenizer, longest["question"])
         encoded = tokenizer([prompt], **vision.image_kwargs([longest]), add_special_tokens=False)
         s.prompt_tokens = len(encoded["input_ids"][0])
-        shape = model_shape(model_path, lora_rank=s.lora_rank, lora_targets=s.lora_targets,
-                            freeze_vision=s.freeze_vision)
+        shape = model_shape(
+            model_path,
+            lora_rank=s.lora_rank,
+            lora_targets=s.lora_targets,
+            freeze_vision=s.freeze_vision,
+        )
     except Exception as e:  # a model the meta device cannot build: train without a plan, and say so
-        print(f"memory plan skipped: {model_path} could not be planned ({type(e).__name__}: {e})",
-              file=sys.stderr, flush=True)
+        print(
+            f"memory plan skipped: {model_path} could not be planned ({type(e).__name__}: {e})",
+            file=sys.stderr,
+            flush=True,
+        )
         return
     device_bytes, name = device_seen(s.ranks_per_node)
     cpu_bytes = free_ram() if s.bf16 else None  # on CPU ranks the trainer column counts it already
@@ -305,28 +341,38 @@ def check(model_path: str, s: Setting, *, build_prompt, questions):
         print(table(rows, device_bytes, name, cpu_bytes), flush=True)
     if verdict(rows, device_bytes, cpu_bytes) == "does not fit":
         short = name if rows[-1].trainer > device_bytes else "this machine's RAM (the CPU column)"
-        sys.exit(f"the memory plan above does not fit {short}: set OFFLOAD_OPTIMIZER=1 (GPU) or "
-                 "0 (RAM), LORA_RANK, GRADIENT_CHECKPOINTING=1 or TRAIN_MICRO_BATCH=1 "
-                 "(docs/gpus.md), or use more ranks or machines")
+        sys.exit(
+            f"the memory plan above does not fit {short}: set OFFLOAD_OPTIMIZER=1 (GPU) or "
+            "0 (RAM), LORA_RANK, GRADIENT_CHECKPOINTING=1 or TRAIN_MICRO_BATCH=1 "
+            "(docs/gpus.md), or use more ranks or machines"
+        )
 
 
-def setting_for_run(*, q_batch_size, num_pre_q, max_new_tokens, distill_coef,
-                    ds_config_path) -> Setting:
+def setting_for_run(
+    *, q_batch_size, num_pre_q, max_new_tokens, distill_coef, ds_config_path
+) -> Setting:
     """The trainer's Setting: the keywords are its constants of those names; every feature's own
     constants are read from its module (LoRA, the fast paths, ZeRO-2's, vLLM's, vision's)."""
     from features import fast_paths, lora, vision, vllm_engine, zero2
 
-    setting = Setting(offload_optimizer=zero2.OFFLOAD_OPTIMIZER, lora_rank=lora.LORA_RANK,
-                      lora_targets=lora.LORA_TARGETS,
-                      gradient_checkpointing=zero2.GRADIENT_CHECKPOINTING,
-                      q_batch_size=q_batch_size, train_micro_batch=zero2.TRAIN_MICRO_BATCH,
-                      num_pre_q=num_pre_q, max_new_tokens=max_new_tokens,
-                      logp_chunk=fast_paths.LOGP_CHUNK,
-                      logp_from_hidden=fast_paths.LOGP_FROM_HIDDEN,
-                      shared_prefix=fast_paths.SHARED_PREFIX, use_vllm=vllm_engine.USE_VLLM,
-                      vllm_gpu_memory=vllm_engine.VLLM_GPU_MEMORY,
-                      vllm_cpu_kv_gb=vllm_engine.VLLM_CPU_KV_GB, distill_coef=distill_coef,
-                      freeze_vision=vision.FREEZE_VISION)
+    setting = Setting(
+        offload_optimizer=zero2.OFFLOAD_OPTIMIZER,
+        lora_rank=lora.LORA_RANK,
+        lora_targets=lora.LORA_TARGETS,
+        gradient_checkpointing=zero2.GRADIENT_CHECKPOINTING,
+        q_batch_size=q_batch_size,
+        train_micro_batch=zero2.TRAIN_MICRO_BATCH,
+        num_pre_q=num_pre_q,
+        max_new_tokens=max_new_tokens,
+        logp_chunk=fast_paths.LOGP_CHUNK,
+        logp_from_hidden=fast_paths.LOGP_FROM_HIDDEN,
+        shared_prefix=fast_paths.SHARED_PREFIX,
+        use_vllm=vllm_engine.USE_VLLM,
+        vllm_gpu_memory=vllm_engine.VLLM_GPU_MEMORY,
+        vllm_cpu_kv_gb=vllm_engine.VLLM_CPU_KV_GB,
+        distill_coef=distill_coef,
+        freeze_vision=vision.FREEZE_VISION,
+    )
     bucket = reduce_bucket_size(ds_config_path)
     if bucket is not None:
         setting.reduce_bucket_size = bucket
@@ -366,8 +412,12 @@ def main():
 
     setting = setting_from(os.environ)
     model_path = resolve_model_path(os.environ.get("MODEL_PATH", ""))
-    shape = model_shape(model_path, lora_rank=setting.lora_rank, lora_targets=setting.lora_targets,
-                        freeze_vision=setting.freeze_vision)
+    shape = model_shape(
+        model_path,
+        lora_rank=setting.lora_rank,
+        lora_targets=setting.lora_targets,
+        freeze_vision=setting.freeze_vision,
+    )
     gpu_gb = float(os.environ.get("GPU_GB", "80"))
     device_bytes = int(gpu_gb * 10**9)
     cpu_bytes = int(float(os.environ.get("CPU_GB", "0")) * 10**9) or None  # checked when given

@@ -24,9 +24,9 @@ FILE = "pass_rates.json"
 def pass_rate_pass(sampler, sample, score, *, count, group, output_dir, batch, rank,
                    pass_key=question_sampler.PASS_KEY):
     """Measure (or read back) the pass rates of the sampler's first `count` questions and keep the
-    sampler to those, weighted by them. sample(questions) -> the trainer's Rollout of `group` answers
-    to each; score(texts, golds, questions) -> (totals, {reward name: values}); an answer passes when
-    its pass_key reward is above 0."""
+    sampler to those, weighted by them. sample(questions) -> the trainer's Rollout of `group`
+    answers to each; score(texts, golds, questions) -> (totals, {reward name: values}); an answer
+    passes when its pass_key reward is above 0."""
     def answer_passes(part):  # for each question, its answers' right (True) or wrong
         out = sample(part)
         _, each = score(out.texts, out.golds, out.questions)
@@ -40,18 +40,24 @@ def pass_rate_pass(sampler, sample, score, *, count, group, output_dir, batch, r
 
 
 def measure(questions, answer_passes, *, output_dir, batch, rank, world):
-    """{question text: pass rate} for `questions`; answer_passes(some questions) -> for each, the list of
-    its k answers' right/wrong. Rank r measures questions r, r + world, ...; every rank returns all."""
+    """{question text: pass rate} for `questions`; answer_passes(some questions) -> for each, the
+    list of its k answers' right/wrong. Rank r measures questions r, r + world, ...; every rank
+    returns all."""
     path = os.path.join(output_dir, FILE)
     if os.path.exists(path):
         with open(path) as f:
             stored = json.load(f)
-        print(f"[rank {rank}] pass rates of {len(stored['rates'])} questions read from {path}", flush=True)
+        print(
+            f"[rank {rank}] pass rates of {len(stored['rates'])} questions read from {path}",
+            flush=True,
+        )
         return stored["rates"]
     mine = questions[rank::world]
     rates = {}
     start = time.time()
-    for i in tqdm(range(0, len(mine), batch), disable=rank != 0, desc="pass rates", dynamic_ncols=True):
+    for i in tqdm(
+        range(0, len(mine), batch), disable=rank != 0, desc="pass rates", dynamic_ncols=True
+    ):
         part = mine[i : i + batch]
         for q, passes in zip(part, answer_passes(part)):
             rates[q["question"]] = sum(passes) / len(passes)

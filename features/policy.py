@@ -1,7 +1,9 @@
-"""Loading the policy: a transformers causal LM (or a LoRA checkpoint onto its base) whose sampling comes from
-the trainer's constants alone, so that its samples are exactly softmax(logits / TEMPERATURE).
+"""Loading the policy: a transformers causal LM (or a LoRA checkpoint onto its base) whose sampling
+comes from the trainer's constants alone, so that its samples are exactly softmax(logits /
+TEMPERATURE).
 
-    python -c "import torch; from features.policy import load_for_sampling"     # the trainer, workers and benches call it
+    # the trainer, workers and benches call it
+    python -c "import torch; from features.policy import load_for_sampling"
 """
 import os
 
@@ -12,9 +14,9 @@ from features.lora import load_adapters
 
 
 def load_for_sampling(path, device, *, base_path, temperature, max_new_tokens):
-    """(model, tokenizer, eos_ids, gen_config) with plain sampling: what every log-prob assumes. A LoRA checkpoint
-    (adapters only, adapter_config.json) is loaded onto base_path. A vision-language model comes with its
-    processor in the tokenizer's place (features/vision.py)."""
+    """(model, tokenizer, eos_ids, gen_config) with plain sampling: what every log-prob assumes. A
+    LoRA checkpoint (adapters only, adapter_config.json) is loaded onto base_path. A vision-language
+    model comes with its processor in the tokenizer's place (features/vision.py)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     adapters = os.path.exists(os.path.join(path, "adapter_config.json"))
@@ -29,12 +31,22 @@ def load_for_sampling(path, device, *, base_path, temperature, max_new_tokens):
     model = load_adapters(model, path) if adapters else model
     eos_ids = model.generation_config.eos_token_id
     eos_ids = [eos_ids] if isinstance(eos_ids, int) else list(eos_ids or [tokenizer.eos_token_id])
-    # generate() fills every setting left unset from the model's own generation_config (Qwen2.5-Instruct:
-    # repetition_penalty 1.05, top_k 20, top_p 0.8), and its samples are then not softmax(logits / T), the
-    # distribution every log-prob assumes. So the model keeps none: sampling comes from the arguments alone.
-    model.generation_config = GenerationConfig(bos_token_id=model.generation_config.bos_token_id,
-                                               eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id)
-    gen_config = GenerationConfig(do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
-                                  max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                                  eos_token_id=eos_ids)
+    # generate() fills every setting left unset from the model's own generation_config
+    # (Qwen2.5-Instruct: repetition_penalty 1.05, top_k 20, top_p 0.8), and its samples are then not
+    # softmax(logits / T), the distribution every log-prob assumes. So the model keeps none:
+    # sampling comes from the arguments alone.
+    model.generation_config = GenerationConfig(
+        bos_token_id=model.generation_config.bos_token_id,
+        eos_token_id=eos_ids,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    gen_config = GenerationConfig(
+        do_sample=True,
+        temperature=temperature,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=eos_ids,
+    )
     return model, tokenizer, eos_ids, gen_config

@@ -1,6 +1,7 @@
-"""Other libraries' notices off (the trainer's VERBOSE = False): DeepSpeed's INFO lines and two notices
-that say nothing wrong, transformers' loading bars and notices, vLLM's FutureWarnings. Warnings and
-errors still show; VERBOSE = True shows everything. C++ notices (NUMA binding) are out of reach.
+"""Other libraries' notices off (the trainer's VERBOSE = False): DeepSpeed's INFO lines and two
+notices that say nothing wrong, transformers' loading bars and notices, vLLM's FutureWarnings.
+Warnings and errors still show; VERBOSE = True shows everything. C++ notices (NUMA binding) are out
+of reach.
 
     VERBOSE=1 bash scripts/run_demo.sh        # every library's notices, as they come
 """
@@ -15,7 +16,8 @@ env_overrides.apply_env_overrides(globals(), "features/quiet.py")
 
 # DeepSpeed warns of these on every CPU run; neither says anything is wrong.
 HARMLESS = ("Setting accelerator to CPU",  # no GPU: this machine has none
-            "Attempting to get learning rate from scheduler before it has started")  # its own __init__
+            # its own __init__
+            "Attempting to get learning rate from scheduler before it has started")
 
 
 class DropHarmless(logging.Filter):

@@ -1,6 +1,6 @@
-"""REGROUP (simple_GRPO's regroup_ver): the reference server pools each question's answers across uploads and
-sends out groups that have reward variance, so a question whose group all scored the same still teaches
-once a later upload brings a different reward.
+"""REGROUP (simple_GRPO's regroup_ver): the reference server pools each question's answers across
+uploads and sends out groups that have reward variance, so a question whose group all scored the
+same still teaches once a later upload brings a different reward.
 
     REGROUP=1 python ref_server.py
 """
@@ -14,28 +14,30 @@ from features.wire import OPTIONAL, sampled_version
 
 
 class RegroupPool:
-    """Per question, up to pool_size answer rows in upload order; at most `questions` questions, the least
-    recently uploaded forgotten first."""
+    """Per question, up to pool_size answer rows in upload order; at most `questions` questions, the
+    least recently uploaded forgotten first."""
 
     def __init__(self, pool_size, questions):
         self.pool_size, self.questions = pool_size, questions
-        self.pools = {}  # (prompt hash, temperature) -> list of answer rows; insertion order = recency
+        # (prompt hash, temperature) -> list of answer rows; insertion order = recency
+        self.pools = {}
         self.lock = threading.Lock()
         self.regrouped = 0  # groups sent out
 
     def add(self, tensors, meta):
-        """Add this upload's answers to its question's pool, and take out a group of as many answers, with
-        different rewards and fresh advantages, when the pool has one; else None.
+        """Add this upload's answers to its question's pool, and take out a group of as many
+        answers, with different rewards and fresh advantages, when the pool has one; else None.
 
-        Answers leave the pool when sent: none is trained twice. Each keeps its own gen_logps, so the clipped
-        ratio stays right for older answers, and its own policy version (an upload without one counts as
-        the oldest, 0): the group's version is its oldest answer's.
-        """
+        Answers leave the pool when sent: none is trained twice. Each keeps its own gen_logps, so
+        the clipped ratio stays right for older answers, and its own policy version (an upload
+        without one counts as the oldest, 0): the group's version is its oldest answer's. """
         g, plen = tensors["input_ids"].shape[0], meta["plen"]
-        prompt = tensors["input_ids"][0, :plen]  # (plen,) one prompt per group: the question's identity
+        # (plen,) one prompt per group: the question's identity
+        prompt = tensors["input_ids"][0, :plen]
         key = (hashlib.sha256(prompt.numpy().tobytes()).hexdigest(), meta.get("temperature", 1.0))
         answers = meta.get("answers") or [None] * g
-        rows = [{name: t[i] for name, t in tensors.items() if name != "advantages"}  # recomputed per new group
+        # recomputed per new group
+        rows = [{name: t[i] for name, t in tensors.items() if name != "advantages"}
                 | {"version": sampled_version(meta), "answer": answers[i]} for i in range(g)]
         with self.lock:
             pool = (self.pools.pop(key, []) + rows)[-self.pool_size :]
@@ -50,26 +52,40 @@ class RegroupPool:
             chosen = [pool[i] for i in picked]
             pool = [r for i, r in enumerate(pool) if i not in picked]
             if pool:
-                self.pools[key] = pool  # re-inserted last: dicts keep order, so the first key is the stalest
+                # re-inserted last: dicts keep order, so the first key is the stalest
+                self.pools[key] = pool
             while len(self.pools) > self.questions:
                 self.pools.pop(next(iter(self.pools)))
         return self._group(chosen, g, plen, meta) if chosen else None
 
     @staticmethod
     def _group(chosen, g, plen, meta):
-        tlen = max(len(r["completion_mask"]) for r in chosen)  # answers from several uploads: pad to the longest
+        # answers from several uploads: pad to the longest
+        tlen = max(len(r["completion_mask"]) for r in chosen)
 
         def padded(name, width, fill):  # (G, width)
-            return torch.stack([torch.cat([r[name], r[name].new_full((width - len(r[name]),), fill)]) for r in chosen])
+            return torch.stack(
+                [
+                    torch.cat([r[name], r[name].new_full((width - len(r[name]),), fill)])
+                    for r in chosen
+                ]
+            )
 
-        out = dict(input_ids=padded("input_ids", plen + tlen, 0),  # (G, plen + tlen) the padding is masked out
-                   completion_mask=padded("completion_mask", tlen, False),  # (G, tlen)
-                   rewards=torch.stack([r["rewards"] for r in chosen]))  # (G,)
-        scale = upload_scale(meta.get("scale_rewards", "group"))  # "batch": the trainer divides by its step's std
-        out["advantages"] = group_advantages(out["rewards"], g, scale)  # (G,) relative to this new group
+        # (G, plen + tlen) the padding is masked out
+        out = dict(
+            input_ids=padded("input_ids", plen + tlen, 0),
+            completion_mask=padded("completion_mask", tlen, False),  # (G, tlen)
+            rewards=torch.stack([r["rewards"] for r in chosen]),
+        )  # (G,)
+        # "batch": the trainer divides by its step's std
+        scale = upload_scale(meta.get("scale_rewards", "group"))
+        # (G,) relative to this new group
+        out["advantages"] = group_advantages(out["rewards"], g, scale)
         for name in OPTIONAL:  # gen_logps, sampler_logps: kept when every chosen answer has them
             if all(name in r for r in chosen):
                 out[name] = padded(name, tlen, 0.0)  # (G, tlen)
         answers = [r["answer"] for r in chosen]  # each answer's own text, for a REWARD_MODEL
-        meta = {k: v for k, v in meta.items() if k != "answers"} | ({"answers": answers} if None not in answers else {})
+        meta = {k: v for k, v in meta.items() if k != "answers"} | (
+            {"answers": answers} if None not in answers else {}
+        )
         return out, {**meta, "version": min(r["version"] for r in chosen), "regrouped": True}

@@ -1,7 +1,8 @@
-"""The trainer's side of ref_server.py: the handshake (/health: the same model?), uploads that are safe to retry,
-and pulling ready groups back, through restarts, timeouts and a busy server.
+"""The trainer's side of ref_server.py: the handshake (/health: the same model?), uploads that are
+safe to retry, and pulling ready groups back, through restarts, timeouts and a busy server.
 
-    python ref_server.py & deepspeed --num_gpus 1 grpo_ref_split.py     # the trainer makes one RefClient
+    # the trainer makes one RefClient
+    python ref_server.py & deepspeed --num_gpus 1 grpo_ref_split.py
 """
 import sys
 import time
@@ -16,7 +17,8 @@ from features.retry import READ_TIMEOUT_S, Backoff, ServerError, request_with_re
 from features.wire import decode_batch, encode_batch
 
 # Internal timings of the plumbing; SERVER_TIMEOUT (the trainer's) is the one to tune.
-_POLL_FIRST_S, _POLL_MAX_S = 0.02, 0.05  # /get polls while a forward runs: a group is at most _POLL_MAX_S late
+# /get polls while a forward runs: a group is at most _POLL_MAX_S late
+_POLL_FIRST_S, _POLL_MAX_S = 0.02, 0.05
 _FAILOVER_S = 15.0  # several servers: one silent this long is skipped, its groups sent to another
 _DOWN_RETRY_S = 30.0  # a skipped server is asked again after this long (it may have restarted)
 _HEALTH_TIMEOUT_S = 5.0  # a /health answer slower than this counts as not answering
@@ -85,8 +87,11 @@ class RefClient:
                     self.down[url] = time.time()
                     continue
                 if self.fingerprint and health.get("fingerprint") != self.fingerprint:
-                    print(f"reference server {url} now holds another model: skipped", file=sys.stderr,
-                          flush=True)
+                    print(
+                        f"reference server {url} now holds another model: skipped",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     self.down[url] = time.time()
                     continue
                 live.append((url, health))
@@ -104,12 +109,14 @@ class RefClient:
         return r
 
     def upload(self, groups, **tags) -> dict:
-        """POST each group, `tags` and a fresh upload_id added to its metadata, to the server with the
-        least work pending (counting what this call sent). Returns {upload_id: (url, instance)} of
-        the groups made ready (REGROUP may hold one back). A server that stops answering is skipped."""
+        """POST each group, `tags` and a fresh upload_id added to its metadata, to the server with
+        the least work pending (counting what this call sent). Returns {upload_id: (url, instance)}
+        of the groups made ready (REGROUP may hold one back). A server that stops answering is
+        skipped."""
         loads = {url: health["pending"] for url, health in self.least_loaded()}
         sent = {}
-        for tensors, meta in groups:  # the upload_id stays with the group: a retry is never queued twice
+        # the upload_id stays with the group: a retry is never queued twice
+        for tensors, meta in groups:
             meta = {**meta, **tags, "upload_id": meta.get("upload_id") or uuid.uuid4().hex}
             remember(self.uploaded, meta["upload_id"])
             while True:
@@ -129,8 +136,10 @@ class RefClient:
     def _gone(self, url):
         """A server that stopped answering: skip it for a while; raise if it is the only one."""
         if len(self.urls) == 1:
-            raise TimeoutError(f"reference server at {url} stopped answering for {self.timeout:.0f} s; "
-                               "is `python ref_server.py` running?")
+            raise TimeoutError(
+                f"reference server at {url} stopped answering for {self.timeout:.0f} s; "
+                "is `python ref_server.py` running?"
+            )
         print(f"reference server {url} stopped answering: skipped", file=sys.stderr, flush=True)
         self.down[url] = time.time()
 
@@ -141,11 +150,11 @@ class RefClient:
         A rank takes back exactly the groups it sent (GET /get?rank=N), so when a server stops
         answering or restarts (a new instance id), the ones it still held are known and uploaded
         again to another server (or the restarted one) under the same upload ids. Every take
-        acknowledges the one before (ref_server.py, Handouts), so an answer lost on the way is handed
-        again; and a group is taken back once: any later copy of an upload id (a slow server's
-        first copy, a worker's group that sits on two servers) is dropped. A group whose reference
-        forward failed comes back as an error: one group fewer, said on stderr. A group of an
-        earlier step that missed its deadline is returned too (its version tells sampled_by
+        acknowledges the one before (ref_server.py, Handouts), so an answer lost on the way is
+        handed again; and a group is taken back once: any later copy of an upload id (a slow
+        server's first copy, a worker's group that sits on two servers) is dropped. A group whose
+        reference forward failed comes back as an error: one group fewer, said on stderr. A group of
+        an earlier step that missed its deadline is returned too (its version tells sampled_by
         whether it may train)."""
         waiting = {}
         for tensors, meta in groups:
@@ -187,12 +196,17 @@ class RefClient:
         """(groups back, upload ids to send again) of `sent` ({upload_id: (url, instance)})."""
         owed, back, again, delay = dict(sent), [], [], _POLL_FIRST_S
 
-        def take_lost(url, instance=None):  # owed groups `url` no longer holds (instance: the live one)
-            lost = [uid for uid, (where, held_by) in owed.items()
-                    if where == url and held_by != instance]
+        # owed groups `url` no longer holds (instance: the live one)
+        def take_lost(url, instance=None):
+            lost = [
+                uid
+                for uid, (where, held_by) in owed.items()
+                if where == url and held_by != instance
+            ]
             for uid in lost:
                 del owed[uid]
             return lost
+
         while owed and time.time() < deadline:
             progress = False
             for url in {url for url, _ in owed.values()}:
@@ -205,22 +219,37 @@ class RefClient:
                 handed = r.status_code == 200
                 progress = progress or handed
                 if handed and uid not in self.uploaded:  # a leftover of another run on this rank
-                    print(f"[rank {rank}] dropped a group this trainer did not upload (an earlier "
-                          f"run's), handed over by {url}", file=sys.stderr, flush=True)
+                    print(
+                        f"[rank {rank}] dropped a group this trainer did not upload (an earlier "
+                        f"run's), handed over by {url}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 elif handed and not self._first_copy(uid):  # its other copy came back already
-                    print(f"[rank {rank}] dropped a second copy of a group, handed over by {url}",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"[rank {rank}] dropped a second copy of a group, handed over by {url}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 elif handed and group is None:  # its forward failed: that group will not come
-                    print(f"[rank {rank}] the reference server lost a group: {r.json()['error']}",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"[rank {rank}] the reference server lost a group: {r.json()['error']}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     owed.pop(uid, None)
                 elif handed:
                     owed.pop(uid, None)
                     back.append(group)
                 lost = take_lost(url, r.headers.get("X-Ref-Instance"))
                 if lost:
-                    print(f"[rank {rank}] the reference server {url} restarted: {len(lost)} uploaded groups "
-                          "were lost with it; uploading them again", file=sys.stderr, flush=True)
+                    print(
+                        f"[rank {rank}] the reference server {url} restarted: {len(lost)} uploaded "
+                        "groups "
+                        "were lost with it; uploading them again",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     again += lost
             if not progress:  # the reference forward is still running; a 204 poll is a tiny request
                 time.sleep(delay)
@@ -259,32 +288,46 @@ def check_reference(url, health, model, tokenizer, allow_mismatch, teacher=False
     model with the same vocabulary. teacher None: either role (a worker, which only samples)."""
     role = health.get("role", "reference")
     if teacher and role != "teacher":
-        sys.exit(f"DISTILL_COEF > 0 wants a teacher, but the server at {url} holds {health['model']} "
-                 "as a reference: start it with TEACHER=1 and the teacher's MODEL_PATH")
+        sys.exit(
+            f"DISTILL_COEF > 0 wants a teacher, but the server at {url} holds {health['model']} "
+            "as a reference: start it with TEACHER=1 and the teacher's MODEL_PATH"
+        )
     if teacher is False and role == "teacher":  # k3 towards a teacher: the forward KL's gradient
-        sys.exit(f"the server at {url} holds {health['model']} as a teacher: set DISTILL_COEF > 0 "
-                 "to distill from it, or restart it without TEACHER for a reference")
+        sys.exit(
+            f"the server at {url} holds {health['model']} as a teacher: set DISTILL_COEF > 0 "
+            "to distill from it, or restart it without TEACHER for a reference"
+        )
     words = health.get("vocabulary")
     if (role == "teacher" or words) and words != vocab_fingerprint(tokenizer):
-        sys.exit(f"the server at {url} holds {health['model']}, whose vocabulary (hash {words}) is not "
-                 f"this policy's ({vocab_fingerprint(tokenizer)}): token ids would mean other text "
-                 "there; a teacher must share the student's tokenizer")
+        sys.exit(
+            f"the server at {url} holds {health['model']}, whose vocabulary (hash {words}) is not "
+            f"this policy's ({vocab_fingerprint(tokenizer)}): token ids would mean other text "
+            "there; a teacher must share the student's tokenizer"
+        )
     if role == "teacher":  # any weights and shape; every id of ours must exist there
         if len(tokenizer) > health["vocab_size"]:
-            sys.exit(f"the teacher at {url} has {health['vocab_size']} output ids, fewer than this "
-                     f"tokenizer's {len(tokenizer)}")
+            sys.exit(
+                f"the teacher at {url} has {health['vocab_size']} output ids, fewer than this "
+                f"tokenizer's {len(tokenizer)}"
+            )
         return
     vocab = model.get_output_embeddings().weight.shape[0]
     if health["vocab_size"] != vocab or len(tokenizer) > health["vocab_size"]:
-        sys.exit(f"reference server at {url} holds {health['model']} with vocab {health['vocab_size']}, "
-                 f"but this policy has vocab {vocab} (tokenizer {len(tokenizer)}): start it with the same "
-                 "MODEL_PATH")
+        sys.exit(
+            f"reference server at {url} holds {health['model']} with vocab {health['vocab_size']}, "
+            f"but this policy has vocab {vocab} (tokenizer {len(tokenizer)}): start it with the "
+            "same "
+            "MODEL_PATH"
+        )
     ours = model_fingerprint(model)
     differ = [k for k in ours if health["fingerprint"].get(k) != ours[k]]
     if differ and not allow_mismatch:
-        sys.exit(f"reference server at {url} holds {health['model']}, whose {' and '.join(differ)} differ "
-                 f"from this policy's ({health['fingerprint']} against {ours}): start it with the same "
-                 "MODEL_PATH, or set ALLOW_REF_MISMATCH=1 to train against another reference on purpose")
+        sys.exit(
+            f"reference server at {url} holds {health['model']}, whose {' and '.join(differ)} "
+            "differ "
+            f"from this policy's ({health['fingerprint']} against {ours}): start it with the same "
+            "MODEL_PATH, or set ALLOW_REF_MISMATCH=1 to train against another reference on purpose"
+        )
 
 
 def uses_server(*, beta, distill_coef) -> bool:

@@ -1,9 +1,9 @@
-"""A SmolVLM-shaped vision-language model made here: no VLM weights reach this machine, but SmolVLM's
-language model is SmolLM2-135M, the embedded model. So: Idefics3 (SmolVLM's architecture) with the
-embedded model's weights as its language model, a small vision encoder and connector drawn at random
-from a seed, and a processor over the embedded tokenizer with the image tokens added. Then LLaVA's
-first stage: a short supervised pass on image-caption pairs with the language model frozen, which
-aligns the random vision side with it before any reward is asked for (docs/vision.md).
+"""A SmolVLM-shaped vision-language model made here: no VLM weights reach this machine, but
+SmolVLM's language model is SmolLM2-135M, the embedded model. So: Idefics3 (SmolVLM's architecture)
+with the embedded model's weights as its language model, a small vision encoder and connector drawn
+at random from a seed, and a processor over the embedded tokenizer with the image tokens added. Then
+LLaVA's first stage: a short supervised pass on image-caption pairs with the language model frozen,
+which aligns the random vision side with it before any reward is asked for (docs/vision.md).
 
     python scripts/make_vision_model.py          # writes the folder the CPU demo trains
 """
@@ -191,9 +191,11 @@ def align(folder: str, rows: list, *, steps: int, batch: int, lr: float, seed: i
     torch.manual_seed(seed)
     model.train()
     losses = []
-    for step in tqdm(range(steps), desc="caption pass", dynamic_ncols=True, disable=log is not print):
-        inputs, labels = caption_batch(processor, rng.sample(rows, batch),
-                                       system_prompt=system_prompt, prefill=prefill)
+    quiet = log is not print  # a caller's own log: no bar
+    for step in tqdm(range(steps), desc="caption pass", dynamic_ncols=True, disable=quiet):
+        inputs, labels = caption_batch(
+            processor, rng.sample(rows, batch), system_prompt=system_prompt, prefill=prefill
+        )
         loss = model(**inputs, labels=labels).loss
         optimizer.zero_grad()
         loss.backward()

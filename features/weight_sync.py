@@ -1,12 +1,13 @@
 """Weights to generation workers without a shared disk. Trainer rank 0 serves its newest weights
-(safetensors, never pickle) over HTTP every WEIGHT_SYNC_STEPS steps; a worker polls, downloads a newer
-version in the background while it keeps generating with the old one, resumes a transfer cut halfway
-(HTTP Range, pinned to that version), checks the whole file's size and sha256, and only then swaps it
-in. There is no endpoint that writes weights: workers only read, with the REF_TOKEN when one is set.
-Every client is served from the one published buffer (no copy per download), and a client that never
-finishes its request loses its connection. A worker trusts nothing it reads: the info document, the
-size (bounded by its own weights'), the body (capped, identity encoding, an overall deadline, no
-redirects) and every tensor (name, shape, dtype, finite) are checked before the first copy.
+(safetensors, never pickle) over HTTP every WEIGHT_SYNC_STEPS steps; a worker polls, downloads a
+newer version in the background while it keeps generating with the old one, resumes a transfer cut
+halfway (HTTP Range, pinned to that version), checks the whole file's size and sha256, and only then
+swaps it in. There is no endpoint that writes weights: workers only read, with the REF_TOKEN when
+one is set. Every client is served from the one published buffer (no copy per download), and a
+client that never finishes its request loses its connection. A worker trusts nothing it reads: the
+info document, the size (bounded by its own weights'), the body (capped, identity encoding, an
+overall deadline, no redirects) and every tensor (name, shape, dtype, finite) are checked before the
+first copy.
 
     WEIGHT_SYNC_STEPS=1 WEIGHT_SYNC_HOST=0.0.0.0 deepspeed grpo_ref_split.py           # the trainer
     WEIGHTS_FROM=http://<trainer>:59876 python grpo_ref_split.py genonly              # a worker
@@ -110,7 +111,8 @@ class WeightPublisher:
 
         tensors, seen = {}, set()
         for name, t in state_dict.items():
-            if t.data_ptr() in seen:  # a tied head is the embedding: sent once, as the model names it
+            # a tied head is the embedding: sent once, as the model names it
+            if t.data_ptr() in seen:
                 continue
             seen.add(t.data_ptr())
             tensors[name] = t.detach().to("cpu", copy=True).contiguous()
@@ -386,5 +388,6 @@ def swap_in(model, tensors: dict):
         for name in targets:
             if name not in base:
                 base[name] = own[name].detach().clone()
-            delta = tensors[f"lora_B:{name}"].float() @ tensors[f"lora_A:{name}"].float()  # (out, in)
+            # (out, in)
+            delta = tensors[f"lora_B:{name}"].float() @ tensors[f"lora_A:{name}"].float()
             own[name].copy_((base[name].float() + delta).to(own[name].dtype))

@@ -29,7 +29,8 @@ import ref_server  # noqa: E402
 import rewards  # noqa: E402
 
 
-SLOW_MODULES = {"test_e2e", "test_training_runs", "test_two_nodes", "test_vllm", "test_lora"}  # whole runs
+# whole runs
+SLOW_MODULES = {"test_e2e", "test_training_runs", "test_two_nodes", "test_vllm", "test_lora"}
 
 
 def pytest_configure(config):
@@ -38,14 +39,23 @@ def pytest_configure(config):
         threads = max(1, (os.cpu_count() or 1) // workers)
         os.environ["OMP_NUM_THREADS"] = str(threads)  # for the trainers and servers it starts
         torch.set_num_threads(threads)  # more threads than cores spin against each other in OpenMP
-    config.addinivalue_line("markers", "slow: a DeepSpeed launch, a vLLM engine or a server process under load; "
-                                       "`bash scripts/test.sh -m \"not slow\"` leaves them out")
+    config.addinivalue_line(
+        "markers",
+        "slow: a DeepSpeed launch, a vLLM engine or a server process under load; "
+        "`bash scripts/test.sh -m \"not slow\"` leaves them out",
+    )
 
 
 # The longest files first, longest at the head: pytest-xdist hands files out in this order, so the
 # short ones fill the end and neither worker waits long for the other.
-LONGEST_FIRST = ("test_training_runs", "test_tools", "test_vision", "test_vllm", "test_e2e",
-                 "test_lora")
+LONGEST_FIRST = (
+    "test_training_runs",
+    "test_tools",
+    "test_vision",
+    "test_vllm",
+    "test_e2e",
+    "test_lora",
+)
 
 
 def pytest_collection_modifyitems(items):
@@ -80,10 +90,20 @@ def tokenizer(embedded_path):
 def tiny_config(tokenizer, **overrides):
     from transformers import LlamaConfig
 
-    kw = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=32,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
-              bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-              pad_token_id=tokenizer.pad_token_id)
+    kw = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        head_dim=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     kw.update(overrides)
     return LlamaConfig(**kw)
 
@@ -97,8 +117,10 @@ def sft_target(rng, a, b):
 
 
 def tool_target(rng, a, b):
-    """Mostly a calculator call (its result written out, as the rollout appends it), else sft_target."""
-    call = f" {a} + {b} = <tool>{a} + {b}</tool><result>{a + b}</result> </think><answer>{a + b}</answer>"
+    """Mostly a calculator call (its result written out, as the rollout appends it), else
+    sft_target."""
+    call = (f" {a} + {b} = <tool>{a} + {b}</tool><result>{a + b}</result> </think>"
+            f"<answer>{a + b}</answer>")
     return call if rng.random() < 0.9 else sft_target(rng, a, b)
 
 
@@ -125,16 +147,23 @@ def built_once(tmp_path_factory, name, build):
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tokenizer, tmp_path_factory):
-    """A 2-layer Llama on the SmolLM2 vocabulary, taught the answer format by 150 SFT steps (~30 s)."""
-    return built_once(tmp_path_factory, "tiny_model",
-                      lambda folder: sft_tiny_model(tokenizer, folder, sft_target, mixed=False))
+    """A 2-layer Llama on the SmolLM2 vocabulary, taught the answer format by 150 SFT steps (~30
+    s)."""
+    return built_once(
+        tmp_path_factory,
+        "tiny_model",
+        lambda folder: sft_tiny_model(tokenizer, folder, sft_target, mixed=False),
+    )
 
 
 @pytest.fixture(scope="session")
 def tool_model_dir(tokenizer, tmp_path_factory):
     """The same on the mixed task, most of its answers a calculator call (TOOLS's runs)."""
-    return built_once(tmp_path_factory, "tool_model",
-                      lambda folder: sft_tiny_model(tokenizer, folder, tool_target, mixed=True))
+    return built_once(
+        tmp_path_factory,
+        "tool_model",
+        lambda folder: sft_tiny_model(tokenizer, folder, tool_target, mixed=True),
+    )
 
 
 def sft_tiny_model(tokenizer, folder, target, mixed):
@@ -151,7 +180,10 @@ def sft_tiny_model(tokenizer, folder, target, mixed):
         targets = []
         for r in rows:
             a, b = (int(s) for s in r["answer"].split("=")[0].split("+"))
-            targets.append(tokenizer.encode(target(rng, a, b), add_special_tokens=False) + [tokenizer.eos_token_id])
+            targets.append(
+                tokenizer.encode(target(rng, a, b), add_special_tokens=False)
+                + [tokenizer.eos_token_id]
+            )
         ids, attn, Tc = pack(tokenizer, prompts, targets)
         logps = completion_logps(model, ids, attn, Tc, 1.0, chunk=128, from_hidden=True)  # (B, Tc)
         mask = attn[:, -Tc:].bool()  # (B, Tc)
@@ -167,7 +199,9 @@ def sft_tiny_model(tokenizer, folder, target, mixed):
 
 def pack(tokenizer, prompts, targets):
     """Left-padded prompts followed by right-padded target ids: (ids, attention_mask, Tc)."""
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    enc = tokenizer(
+        prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False
+    )
     Tc = max(len(t) for t in targets)
     tgt = torch.full((len(targets), Tc), tokenizer.pad_token_id)
     tgt_attn = torch.zeros(len(targets), Tc, dtype=torch.long)
@@ -184,9 +218,11 @@ def setting_home(name):
 
     import grpo_ref_split
 
-    homes = [grpo_ref_split] + [m for m in vars(grpo_ref_split).values()
-                                if isinstance(m, types.ModuleType)
-                                and m.__name__.startswith("features.")]
+    homes = [grpo_ref_split] + [
+        m
+        for m in vars(grpo_ref_split).values()
+        if isinstance(m, types.ModuleType) and m.__name__.startswith("features.")
+    ]
     return next(m for m in homes if name in vars(m) and name.isupper())
 
 
@@ -196,43 +232,70 @@ def set_setting(monkeypatch, name, value):
 
 
 def trainer_cmd(ranks, master_port=None):
-    """The trainer's command line. Several ranks, or a given master port: `deepspeed --num_gpus ranks
-    grpo_ref_split.py` (DeepSpeed names its shared memory after the port, so runs in parallel test
-    workers never share it; test_e2e runs the README's launch this way on 1 and 2 ranks). One rank
-    otherwise: `python grpo_ref_split.py`, the world of one the trainer makes itself
-    (features/zero2.py), which skips the launcher's start and its once-a-second exit poll on each
-    of the suite's many one-rank runs."""
+    """The trainer's command line. Several ranks, or a given master port: `deepspeed --num_gpus
+    ranks grpo_ref_split.py` (DeepSpeed names its shared memory after the port, so runs in parallel
+    test workers never share it; test_e2e runs the README's launch this way on 1 and 2 ranks). One
+    rank otherwise: `python grpo_ref_split.py`, the world of one the trainer makes itself
+    (features/zero2.py), which skips the launcher's start and its once-a-second exit poll on each of
+    the suite's many one-rank runs."""
     if ranks == 1 and master_port is None:
         return [sys.executable, "grpo_ref_split.py"]
-    return [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(ranks),
-            "--master_port", str(master_port or free_port()), "grpo_ref_split.py"]
+    return [
+        os.path.join(os.path.dirname(sys.executable), "deepspeed"),
+        "--num_gpus",
+        str(ranks),
+        "--master_port",
+        str(master_port or free_port()),
+        "grpo_ref_split.py",
+    ]
 
 
 def trainer_env(model_dir, url, out, **env):
     """A tiny, quick training run: 2 steps of 2 questions x 4 answers x 16 tokens."""
-    return {**os.environ, "MODEL_PATH": str(model_dir), "REF_SERVER": url, "OUTPUT_DIR": str(out), "ALL_STEPS": "2",
-            "SAVE_STEPS": "1", "Q_BATCH_SIZE": "2", "NUM_PRE_Q": "4", "MAX_NEW_TOKENS": "16", "LR": "1e-3",
-            "EVAL_SIZE": "8", "SERVER_TIMEOUT": "120", **{k: str(v) for k, v in env.items()}}
+    return {
+        **os.environ,
+        "MODEL_PATH": str(model_dir),
+        "REF_SERVER": url,
+        "OUTPUT_DIR": str(out),
+        "ALL_STEPS": "2",
+        "SAVE_STEPS": "1",
+        "Q_BATCH_SIZE": "2",
+        "NUM_PRE_Q": "4",
+        "MAX_NEW_TOKENS": "16",
+        "LR": "1e-3",
+        "EVAL_SIZE": "8",
+        "SERVER_TIMEOUT": "120",
+        **{k: str(v) for k, v in env.items()},
+    }
 
 
 def train(model_dir, url, out, ranks, master_port=None, **env):
     """The trainer (trainer_cmd) to the end; returns the CompletedProcess."""
-    return subprocess.run(trainer_cmd(ranks, master_port), cwd=ROOT,
-                          env=trainer_env(model_dir, url, out, **env),
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        trainer_cmd(ranks, master_port),
+        cwd=ROOT,
+        env=trainer_env(model_dir, url, out, **env),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def params(folder):
     from transformers import AutoModelForCausalLM
 
-    return {k: v.clone() for k, v in AutoModelForCausalLM.from_pretrained(folder).state_dict().items()}
+    return {
+        k: v.clone() for k, v in AutoModelForCausalLM.from_pretrained(folder).state_dict().items()
+    }
 
 
 def metrics(out):
     """(training lines, eval lines) of out/metrics.jsonl."""
     import json
 
-    lines = [json.loads(line) for line in pathlib.Path(out, "metrics.jsonl").read_text().splitlines()]
+    lines = [
+        json.loads(line) for line in pathlib.Path(out, "metrics.jsonl").read_text().splitlines()
+    ]
     return [m for m in lines if not is_eval(m)], [m for m in lines if is_eval(m)]
 
 
@@ -242,12 +305,24 @@ class ServerProcess:
     def __init__(self, model_dir, port, log_path, **env):
         self.url = f"http://127.0.0.1:{port}"
         self.log = open(log_path, "w")
-        full_env = {**os.environ, "MODEL_PATH": model_dir, "PORT": str(port), **{k: str(v) for k, v in env.items()}}
-        self.proc = subprocess.Popen([sys.executable, "ref_server.py"], cwd=ROOT, env=full_env,
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+        full_env = {
+            **os.environ,
+            "MODEL_PATH": model_dir,
+            "PORT": str(port),
+            **{k: str(v) for k, v in env.items()},
+        }
+        self.proc = subprocess.Popen(
+            [sys.executable, "ref_server.py"],
+            cwd=ROOT,
+            env=full_env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.time() + 120
         while time.time() < deadline:
-            assert self.proc.poll() is None, f"ref_server.py exited early: {pathlib.Path(log_path).read_text()[-2000:]}"
+            assert self.proc.poll() is None, (
+                f"ref_server.py exited early: {pathlib.Path(log_path).read_text()[-2000:]}"
+            )
             try:
                 self.health()
                 return
@@ -278,7 +353,7 @@ def server(tiny_model_dir, tmp_path_factory):
     s.stop()
 
 
-# ----------------------------------------------------------------------------- in-process server helpers
+# ------------------------------------------------------------------------ in-process server helpers
 VOCAB = 49152  # the SmolLM2 tokenizer's
 
 
@@ -304,7 +379,8 @@ def stop(server, stop_serving):
 
 
 def fail_first_forward(server):
-    """The server's next reference forward raises (as a CUDA out-of-memory would); later ones work."""
+    """The server's next reference forward raises (as a CUDA out-of-memory would); later ones
+    work."""
     real, calls = server.reference_logps, []
 
     def flaky(*args):

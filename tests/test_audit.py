@@ -1,6 +1,7 @@
-"""Issue 36's audit, each place it found wrong checked against hand numbers: "batch" reward scaling of regrouped
-groups, of reward-model scores and over ranks; a tool answer cut by the call budget; a group pulled a step late;
-the settings refused at start; `python grpo_ref_split.py` without the launcher.
+"""Issue 36's audit, each place it found wrong checked against hand numbers: "batch" reward scaling
+of regrouped groups, of reward-model scores and over ranks; a tool answer cut by the call budget; a
+group pulled a step late; the settings refused at start; `python grpo_ref_split.py` without the
+launcher.
 
     bash scripts/test.sh -k audit
 """
@@ -32,7 +33,7 @@ def by_hand(rewards, everything):
     return [(r - mean) / (std + EPS) for r in rewards]
 
 
-# ----------------------------------------------------------------------------- 1. "batch" on the server
+# ------------------------------------------------------------------------- 1. "batch" on the server
 def answers_of_one_question(rewards):
     ids = torch.randint(0, 50, (4, 7), generator=torch.Generator().manual_seed(1))
     ids[:, :3] = ids[0, :3]  # one prompt
@@ -41,8 +42,9 @@ def answers_of_one_question(rewards):
 
 
 def test_a_regrouped_group_is_divided_by_the_std_of_the_rewards_it_trains_with():
-    """The issue's numbers: [3, 3, 3, 3] uploaded with the rollout's std 1.2, then [0, 0, 0, 0] with 0.0. The old
-    server divided the mixed group's centred rewards by that 0.0 (+ 1e-4): advantages of +-15000."""
+    """The issue's numbers: [3, 3, 3, 3] uploaded with the rollout's std 1.2, then [0, 0, 0, 0] with
+    0.0. The old server divided the mixed group's centred rewards by that 0.0 (+ 1e-4): advantages
+    of +-15000."""
     pool = RegroupPool(pool_size=8, questions=4)
     meta = dict(plen=3, scale_rewards="batch")
     assert pool.add(answers_of_one_question([3.0] * 4), dict(meta, batch_std=1.2)) is None
@@ -50,34 +52,41 @@ def test_a_regrouped_group_is_divided_by_the_std_of_the_rewards_it_trains_with()
     rewards = tensors["rewards"].tolist()
     assert len(set(rewards)) == 2  # a group with variance, mixed from both uploads
     mean = statistics.fmean(rewards)
-    assert tensors["advantages"].tolist() == pytest.approx([r - mean for r in rewards])  # centred, no division
+    # centred, no division
+    assert tensors["advantages"].tolist() == pytest.approx([r - mean for r in rewards])
     [(scaled, _)] = scale_to_step([(tensors, {})], torch.zeros(0), "cpu")  # the trainer's, one rank
     assert scaled["advantages"].tolist() == pytest.approx(by_hand(rewards, rewards), rel=1e-5)
     assert scaled["advantages"].abs().max() < 2
 
 
 def test_reward_model_scores_are_divided_by_the_std_of_the_rewards_they_make(monkeypatch):
-    """Rule rewards all 1 (the rollout's std 0.0) plus a reward model's scores: the old server gave advantages
-    of thousands; now it centres, and the trainer divides by the std of the rewards with the scores in."""
+    """Rule rewards all 1 (the rollout's std 0.0) plus a reward model's scores: the old server gave
+    advantages of thousands; now it centres, and the trainer divides by the std of the rewards with
+    the scores in."""
     scores = torch.tensor([0.3, -0.1, 0.2, -0.4])
     monkeypatch.setattr(reward_model, "reward_scores", lambda model, question, answers: scores)
     tensors = dict(rewards=torch.ones(4), advantages=torch.zeros(4))
     meta = dict(question="q", answers=["a"] * 4, scale_rewards="batch", batch_std=0.0)
     tensors, meta = reward_model.add_reward_model(tensors, meta, reward_model=None, weight=1.0)
     rewards = (1 + scores).tolist()
-    assert tensors["advantages"].tolist() == pytest.approx([r - statistics.fmean(rewards) for r in rewards])
+    assert tensors["advantages"].tolist() == pytest.approx(
+        [r - statistics.fmean(rewards) for r in rewards]
+    )
     [(scaled, _)] = scale_to_step([(tensors, meta)], torch.zeros(0), "cpu")
     assert scaled["advantages"].tolist() == pytest.approx(by_hand(rewards, rewards), rel=1e-5)
 
 
-# ----------------------------------------------------------------------------- 2. "batch" over ranks
-RANK_REWARDS = ([0.0, 0.0, 0.0, 1.0], [0.0, 3.0, 3.0, 3.0])  # each rank's trained group, beside a dropped 0-group
+# ---------------------------------------------------------------------------- 2. "batch" over ranks
+# each rank's trained group, beside a dropped 0-group
+RANK_REWARDS = ([0.0, 0.0, 0.0, 1.0], [0.0, 3.0, 3.0, 3.0])
 
 
 def _rank_scaled(rank, world, port, results):
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     groups = [({"rewards": torch.tensor(RANK_REWARDS[rank])}, {})]
     [(tensors, _)] = scale_to_step(groups, torch.zeros(4), "cpu")  # the dropped group's four zeros
     results.put((rank, tensors["advantages"].tolist()))
@@ -85,50 +94,63 @@ def _rank_scaled(rank, world, port, results):
 
 
 def test_batch_scaling_divides_by_the_std_of_the_whole_steps_rewards_on_all_ranks():
-    """Two forked gloo ranks. One rank's std gave the right answers 2.121 (0/1 group) and 0.483 (0/3 group); the
-    step's std over all 16 rewards gives each 0.623, so both groups weigh the same."""
+    """Two forked gloo ranks. One rank's std gave the right answers 2.121 (0/1 group) and 0.483 (0/3
+    group); the step's std over all 16 rewards gives each 0.623, so both groups weigh the same."""
     out = run_ranks(_rank_scaled, 2)
     everything = [*RANK_REWARDS[0], 0.0, 0.0, 0.0, 0.0, *RANK_REWARDS[1], 0.0, 0.0, 0.0, 0.0]
     for rank, rewards in enumerate(RANK_REWARDS):
         assert out[rank] == pytest.approx(by_hand(rewards, everything), rel=1e-5)
-    assert out[0][3] == pytest.approx(0.623, abs=1e-3) and out[1][1] == pytest.approx(0.623, abs=1e-3)
+    assert out[0][3] == pytest.approx(0.623, abs=1e-3) and out[1][1] == pytest.approx(
+        0.623, abs=1e-3
+    )
 
 
 # ----------------------------------------------------------------------------- 3. the call budget
-LONG = " 3 + 4 = 7, and 7 is the sum of 3 and 4, so the answer to the question is 7 </think><answer>7</answer>"
+LONG = (" 3 + 4 = 7, and 7 is the sum of 3 and 4, so the answer to the question is 7 </think>"
+        "<answer>7</answer>")
 
 
 def test_an_answer_cut_by_the_call_budget_trains_only_its_sampled_tokens_and_counts_as_truncated(
-        monkeypatch, model, tokenizer):
-    """MAX_TOOL_CALLS = 1: answer 0 ends right after its second call's close, with no EOS. Its padding is the EOS
-    id: a first-pad mask trained on that pad as if the policy had stopped, and called the answer stopped."""
+    monkeypatch, model, tokenizer
+):
+    """MAX_TOOL_CALLS = 1: answer 0 ends right after its second call's close, with no EOS. Its
+    padding is the EOS id: a first-pad mask trained on that pad as if the policy had stopped, and
+    called the answer stopped."""
     eos = tokenizer.eos_token_id
     script = {1: [" <tool>1 + 1</tool>", " <tool>2 + 2</tool>"], 2: [LONG]}
     monkeypatch.setattr(grpo.tools, "TOOLS", ["calculator"])
     monkeypatch.setattr(grpo.tools, "MAX_TOOL_CALLS", 1)
     monkeypatch.setattr(grpo, "NUM_PRE_Q", 2)
-    monkeypatch.setattr(grpo.tools, "generate_with_tools", scripted_generate_with_tools(script, eos))
+    monkeypatch.setattr(
+        grpo.tools, "generate_with_tools", scripted_generate_with_tools(script, eos)
+    )
     question = [dict(question="What is 1 + 1?", gold="2")]
     out = grpo.generate(model, tokenizer, question, None, [eos])
     enc = lambda t: tokenizer.encode(t, add_special_tokens=False)  # noqa: E731
-    first, result, second = enc(" <tool>1 + 1</tool>"), enc("<result>2</result>"), enc(" <tool>2 + 2</tool>")
+    first, result, second = (
+        enc(" <tool>1 + 1</tool>"),
+        enc("<result>2</result>"),
+        enc(" <tool>2 + 2</tool>"),
+    )
     want = [True] * len(first) + [False] * len(result) + [True] * len(second)  # token by token
     assert out.mask[0].tolist() == want + [False] * (out.mask.shape[1] - len(want))
-    assert out.completion_ids[0, len(want)].item() == eos  # the padding the old mask took for a sampled EOS
+    # the padding the old mask took for a sampled EOS
+    assert out.completion_ids[0, len(want)].item() == eos
     assert out.truncated == [True, False] and out.lengths[0] == len(first) + len(second)
     answer = enc(LONG) + [eos]  # longer than answer 0: its row is padded after the call
     assert len(answer) > len(want) and out.mask[1].tolist() == [True] * len(answer)
     monkeypatch.setattr(grpo, "MASK_TRUNCATED", True)  # DAPO's overlong filter now sees it
-    script.update({1: [" <tool>1 + 1</tool>", " <tool>2 + 2</tool>"], 2: [LONG]})  # the stand-in pops its texts
+    # the stand-in pops its texts
+    script.update({1: [" <tool>1 + 1</tool>", " <tool>2 + 2</tool>"], 2: [LONG]})
     masked = grpo.generate(model, tokenizer, question, None, [eos])
     assert not masked.mask[0].any() and masked.mask[1].sum() == len(answer)
 
 
-# ----------------------------------------------------------------------------- 4. a group a step late
+# --------------------------------------------------------------------------- 4. a group a step late
 def test_a_group_pulled_a_step_late_without_its_sampling_log_probs_is_dropped_and_counted(model):
-    """Step 1's group misses upload_and_pull's deadline; step 2 pulls it (the server hands groups out in order).
-    Without gen_logps its ratio would be 1 under weights that did not sample it: dropped and counted. With them
-    it trains."""
+    """Step 1's group misses upload_and_pull's deadline; step 2 pulls it (the server hands groups
+    out in order). Without gen_logps its ratio would be 1 under weights that did not sample it:
+    dropped and counted. With them it trains."""
     server, stop_serving, url = start(model)
     try:
         late, _ = group(seed=1)
@@ -142,18 +164,21 @@ def test_a_group_pulled_a_step_late_without_its_sampling_log_probs_is_dropped_an
         got = client.upload_and_pull([(on_time, {"plen": 5})], version=1, rank=0)
     finally:
         stop(server, stop_serving)
-    assert [meta["version"] for _, meta in got] == [0, 1]  # step 1's group, pulled at step 2 beside its own
+    # step 1's group, pulled at step 2 beside its own
+    assert [meta["version"] for _, meta in got] == [0, 1]
     late_one = got[:1]
 
     def sampled_by(groups, version):
         return grpo.sampled_by(groups, version, max_staleness=grpo.MAX_STALENESS)
+
     assert sampled_by(got, version=1) == (got[1:], Counter(late_groups_dropped=1))
-    with_logps = [(dict(got[0][0], gen_logps=torch.zeros(3, 4)), got[0][1])]  # what a worker's group carries
+    # what a worker's group carries
+    with_logps = [(dict(got[0][0], gen_logps=torch.zeros(3, 4)), got[0][1])]
     assert sampled_by(with_logps, version=1) == (with_logps, Counter())
     assert sampled_by(late_one, version=0) == (late_one, Counter())  # the weights that sampled it
 
 
-# ----------------------------------------------------------------------------- settings refused or warned at start
+# -------------------------------------------------------------- settings refused or warned at start
 @pytest.mark.parametrize("cap", [1.0, 0.5, -2.0])
 def test_a_tis_cap_that_cannot_work_is_refused_before_any_model_loads(monkeypatch, tmp_path, cap):
     monkeypatch.setattr(grpo, "OUTPUT_DIR", str(tmp_path))
@@ -175,8 +200,11 @@ def test_gspo_with_a_token_sum_loss_warns(monkeypatch, capfd, tmp_path, loss_typ
     assert "warning" not in capfd.readouterr().err  # GSPO with its own loss type
     monkeypatch.setattr(grpo, "LOSS_TYPE", loss_type)
     grpo.check_settings()
-    assert f"warning: GSPO with LOSS_TYPE '{loss_type}' weighs each answer's sequence loss by its length" in \
-        capfd.readouterr().err
+    assert (
+        f"warning: GSPO with LOSS_TYPE '{loss_type}' weighs each answer's sequence loss by its "
+        "length"
+        in capfd.readouterr().err
+    )
 
 
 # ----------------------------------------------------------------------------- 5. no launcher
@@ -184,7 +212,11 @@ def test_without_the_launcher_the_trainer_is_a_world_of_one(monkeypatch, capfd):
     for name in zero2.LAUNCHER_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     zero2.one_process_without_launcher()
-    assert (os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"]) == ("0", "0", "1")
+    assert (os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"]) == (
+        "0",
+        "0",
+        "1",
+    )
     assert os.environ["MASTER_ADDR"] == "127.0.0.1" and int(os.environ["MASTER_PORT"]) > 0
     assert "no launcher: one process" in capfd.readouterr().err
     monkeypatch.setenv("RANK", "1")  # a launcher's variables are left as they are
@@ -196,12 +228,28 @@ def test_without_the_launcher_the_trainer_is_a_world_of_one(monkeypatch, capfd):
 
 @pytest.mark.slow
 def test_python_grpo_ref_split_trains_as_one_process(tiny_model_dir, tmp_path):
-    """A newcomer's first command, `python grpo_ref_split.py`, with no launcher: it trains (BETA = 0, no server)."""
+    """A newcomer's first command, `python grpo_ref_split.py`, with no launcher: it trains (BETA =
+    0, no server)."""
     env = {k: v for k, v in os.environ.items() if k not in zero2.LAUNCHER_VARIABLES}
-    env.update(MODEL_PATH=tiny_model_dir, OUTPUT_DIR=str(tmp_path / "out"), ALL_STEPS="1", Q_BATCH_SIZE="2",
-               NUM_PRE_Q="4", MAX_NEW_TOKENS="16", EVAL_STEPS="0", BETA="0", LR="1e-3")
-    run = subprocess.run([sys.executable, "grpo_ref_split.py"], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=600)
+    env.update(
+        MODEL_PATH=tiny_model_dir,
+        OUTPUT_DIR=str(tmp_path / "out"),
+        ALL_STEPS="1",
+        Q_BATCH_SIZE="2",
+        NUM_PRE_Q="4",
+        MAX_NEW_TOKENS="16",
+        EVAL_STEPS="0",
+        BETA="0",
+        LR="1e-3",
+    )
+    run = subprocess.run(
+        [sys.executable, "grpo_ref_split.py"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "no launcher: one process" in run.stderr and "mpi4py" not in run.stderr
     assert (tmp_path / "out" / "step_1").is_dir()
@@ -214,12 +262,19 @@ def rollout_of(rewards_per_group, masked_groups=()):
     n = 4 * len(rewards_per_group)
     mask = torch.ones(n, 2, dtype=torch.bool)
     for q in masked_groups:
-        mask[4 * q:4 * q + 4] = False
-    return grpo.Rollout(prompt_ids=torch.ones(n, 3, dtype=torch.long),
-                        prompt_mask=torch.ones(n, 3, dtype=torch.long),
-                        completion_ids=torch.full((n, 2), 2), mask=mask, sampler_logps=None,
-                        texts=["a"] * n, lengths=[2] * n, truncated=[False] * n, golds=["1"] * n,
-                        questions=["q"] * n)
+        mask[4 * q : 4 * q + 4] = False
+    return grpo.Rollout(
+        prompt_ids=torch.ones(n, 3, dtype=torch.long),
+        prompt_mask=torch.ones(n, 3, dtype=torch.long),
+        completion_ids=torch.full((n, 2), 2),
+        mask=mask,
+        sampler_logps=None,
+        texts=["a"] * n,
+        lengths=[2] * n,
+        truncated=[False] * n,
+        golds=["1"] * n,
+        questions=["q"] * n,
+    )
 
 
 @pytest.mark.parametrize("keep_all", [False, True])

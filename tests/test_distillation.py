@@ -118,7 +118,8 @@ def test_bias_corrected_kl_by_hand():
     k3_value = 0.5 + math.log(2) - 1
     corrected = grpo.grpo_loss(logps=logp, bias_corrected_kl=True, **common).sum()
     assert corrected.item() == pytest.approx(2 * k3_value, abs=1e-12)
-    assert torch.autograd.grad(corrected, logp)[0].item() == pytest.approx(2 * math.log(2), abs=1e-12)
+    gradient = torch.autograd.grad(corrected, logp)[0].item()
+    assert gradient == pytest.approx(2 * math.log(2), abs=1e-12)
     plain = grpo.grpo_loss(logps=logp, **common).sum()
     assert plain.item() == pytest.approx(k3_value, abs=1e-12)
     assert torch.autograd.grad(plain, logp)[0].item() == pytest.approx(0.5, abs=1e-12)
@@ -135,10 +136,17 @@ def test_bias_corrected_kl_gives_the_reverse_kl_gradient_off_policy():
         total = torch.zeros(K, dtype=torch.float64)
         for y in range(K):
             logps = torch.log_softmax(theta, 0)[y].view(1, 1)
-            loss = grpo.grpo_loss(logps=logps, old_logps=torch.log(pi_old[y]).view(1, 1),
-                                  ref_logps=ref[y].view(1, 1), advantages=torch.zeros(1).double(),
-                                  mask=torch.ones(1, 1, dtype=torch.bool), beta=1.0, clip_eps=0.2,
-                                  clip_eps_high=0.2, bias_corrected_kl=corrected).sum()
+            loss = grpo.grpo_loss(
+                logps=logps,
+                old_logps=torch.log(pi_old[y]).view(1, 1),
+                ref_logps=ref[y].view(1, 1),
+                advantages=torch.zeros(1).double(),
+                mask=torch.ones(1, 1, dtype=torch.bool),
+                beta=1.0,
+                clip_eps=0.2,
+                clip_eps_high=0.2,
+                bias_corrected_kl=corrected,
+            ).sum()
             total += pi_old[y] * torch.autograd.grad(loss, theta)[0]
         return total
 
@@ -164,21 +172,29 @@ def test_off_policy_sequence_mask_by_hand():
     old = torch.tensor([[0.3, 0.1], [0.3, 0.1], [0.1, 0.0], [0.3, 5.0]])
     mask = torch.tensor([[True, True], [True, True], [True, True], [True, False]])
     advantages = torch.tensor([-1.0, 1.0, -1.0, -0.5])
-    keep = off_policy_mask(None, Rows(mask), advantages=advantages, old=old, logps=logps,
-                           delta=0.1)
+    keep = off_policy_mask(None, Rows(mask), advantages=advantages, old=old, logps=logps, delta=0.1)
     assert keep.view(-1).tolist() == [0.0, 1.0, 1.0, 0.0]
     tis = torch.full((4, 2), 0.5)
-    assert off_policy_mask(tis, Rows(mask), advantages=advantages, old=old, logps=logps,
-                           delta=0.1).tolist() == [[0.0, 0.0], [0.5, 0.5], [0.5, 0.5], [0.0, 0.0]]
+    assert off_policy_mask(
+        tis, Rows(mask), advantages=advantages, old=old, logps=logps, delta=0.1
+    ).tolist() == [[0.0, 0.0], [0.5, 0.5], [0.5, 0.5], [0.0, 0.0]]
 
 
 def test_off_policy_mask_reads_vllms_log_probs_where_it_sampled():
-    """Row 0 sampled by vLLM (drift from its log-probs, 0.5: masked); row 1 not (pi_old, 0: kept)."""
+    """Row 0 sampled by vLLM (drift from its log-probs, 0.5: masked); row 1 not (pi_old, 0:
+    kept)."""
     mask = torch.ones(2, 1, dtype=torch.bool)
-    rows = Rows(mask, sampler_logps=torch.tensor([[0.5], [0.5]]),
-                sampler_rows=torch.tensor([True, False]))
-    keep = off_policy_mask(None, rows, advantages=torch.tensor([-1.0, -1.0]),
-                           old=torch.zeros(2, 1), logps=torch.zeros(2, 1), delta=0.2)
+    rows = Rows(
+        mask, sampler_logps=torch.tensor([[0.5], [0.5]]), sampler_rows=torch.tensor([True, False])
+    )
+    keep = off_policy_mask(
+        None,
+        rows,
+        advantages=torch.tensor([-1.0, -1.0]),
+        old=torch.zeros(2, 1),
+        logps=torch.zeros(2, 1),
+        delta=0.2,
+    )
     assert keep.view(-1).tolist() == [0.0, 1.0]
 
 
@@ -186,14 +202,21 @@ def test_a_masked_answer_keeps_its_kl_penalty():
     """The mask multiplies the surrogate only: a masked answer's loss is beta k3 alone."""
     logps = torch.tensor([[-1.0, -2.0]])
     ref = torch.tensor([[-1.5, -1.0]])
-    common = dict(logps=logps, old_logps=logps, ref_logps=ref, advantages=torch.tensor([-2.0]),
-                  mask=torch.ones(1, 2, dtype=torch.bool), beta=0.1, clip_eps=0.2,
-                  clip_eps_high=0.2)
+    common = dict(
+        logps=logps,
+        old_logps=logps,
+        ref_logps=ref,
+        advantages=torch.tensor([-2.0]),
+        mask=torch.ones(1, 2, dtype=torch.bool),
+        beta=0.1,
+        clip_eps=0.2,
+        clip_eps_high=0.2,
+    )
     masked = grpo.grpo_loss(weights=torch.zeros(1, 1), **common)
     assert torch.allclose(masked, 0.1 * grpo.k3(ref, logps))
 
 
-# ----------------------------------------------------------------------------- the teacher's handshake
+# -------------------------------------------------------------------------- the teacher's handshake
 class Vocab:
     """A tokenizer as vocab_fingerprint and check_reference see it."""
 
@@ -217,38 +240,74 @@ def test_the_vocabulary_hash_sees_two_ids_swapped():
 def health_of(role, tokenizer, model, **changes):
     from features.fingerprint import model_fingerprint
 
-    return {"model": "m", "vocab_size": model.get_output_embeddings().weight.shape[0],
-            "fingerprint": model_fingerprint(model), "vocabulary": vocab_fingerprint(tokenizer),
-            "role": role, **changes}
+    return {
+        "model": "m",
+        "vocab_size": model.get_output_embeddings().weight.shape[0],
+        "fingerprint": model_fingerprint(model),
+        "vocabulary": vocab_fingerprint(tokenizer),
+        "role": role,
+        **changes,
+    }
 
 
 def test_a_teacher_needs_the_same_vocabulary_not_the_same_weights(model, tokenizer):
     other = {"config": "0", "weights": "0"}
-    check_reference("u", health_of("teacher", tokenizer, model, fingerprint=other), model,
-                    tokenizer, False, teacher=True)  # other weights and shape: fine
+    check_reference(
+        "u",
+        health_of("teacher", tokenizer, model, fingerprint=other),
+        model,
+        tokenizer,
+        False,
+        teacher=True,
+    )  # other weights and shape: fine
     with pytest.raises(SystemExit, match="vocabulary .* is not this policy's"):
-        check_reference("u", health_of("teacher", tokenizer, model, vocabulary="0" * 16), model,
-                        tokenizer, False, teacher=True)
+        check_reference(
+            "u",
+            health_of("teacher", tokenizer, model, vocabulary="0" * 16),
+            model,
+            tokenizer,
+            False,
+            teacher=True,
+        )
     with pytest.raises(SystemExit, match="vocabulary"):  # a teacher that does not say: refused
-        check_reference("u", health_of("teacher", tokenizer, model, vocabulary=""), model,
-                        tokenizer, False, teacher=True)
+        check_reference(
+            "u",
+            health_of("teacher", tokenizer, model, vocabulary=""),
+            model,
+            tokenizer,
+            False,
+            teacher=True,
+        )
     with pytest.raises(SystemExit, match="fewer than this tokenizer's"):
-        check_reference("u", health_of("teacher", tokenizer, model, vocab_size=100), model,
-                        tokenizer, False, teacher=True)
+        check_reference(
+            "u",
+            health_of("teacher", tokenizer, model, vocab_size=100),
+            model,
+            tokenizer,
+            False,
+            teacher=True,
+        )
 
 
 def test_roles_must_match_what_the_trainer_asks_for(model, tokenizer):
     with pytest.raises(SystemExit, match="wants a teacher, but .* as a reference"):
-        check_reference("u", health_of("reference", tokenizer, model), model, tokenizer, False,
-                        teacher=True)
+        check_reference(
+            "u", health_of("reference", tokenizer, model), model, tokenizer, False, teacher=True
+        )
     with pytest.raises(SystemExit, match="as a teacher: set DISTILL_COEF"):
         check_reference("u", health_of("teacher", tokenizer, model), model, tokenizer, False)
     for role in ("teacher", "reference"):  # a worker only samples: either will do
-        check_reference("u", health_of(role, tokenizer, model), model, tokenizer, False,
-                        teacher=None)
+        check_reference(
+            "u", health_of(role, tokenizer, model), model, tokenizer, False, teacher=None
+        )
     with pytest.raises(SystemExit, match="vocabulary"):  # a reference with another vocabulary
-        check_reference("u", health_of("reference", tokenizer, model, vocabulary="0" * 16), model,
-                        tokenizer, False)
+        check_reference(
+            "u",
+            health_of("reference", tokenizer, model, vocabulary="0" * 16),
+            model,
+            tokenizer,
+            False,
+        )
 
 
 def test_the_server_says_its_role_and_vocabulary(model):
@@ -264,7 +323,7 @@ def test_the_server_says_its_role_and_vocabulary(model):
         assert (health["role"], health["vocabulary"]) == (role, "abc")
 
 
-# ----------------------------------------------------------------------------- settings refused at start
+# ------------------------------------------------------------------------ settings refused at start
 def teacher_settings(monkeypatch, tmp_path, **changes):
     monkeypatch.setattr(grpo, "OUTPUT_DIR", str(tmp_path))
     for name, value in {"DISTILL_COEF": 1.0, "BETA": 0.0, **changes}.items():
@@ -282,8 +341,14 @@ def test_a_k3_penalty_towards_a_teacher_is_refused(monkeypatch, tmp_path):
     assert grpo.server_client.uses_server(beta=grpo.BETA, distill_coef=grpo.DISTILL_COEF)
 
 
-@pytest.mark.parametrize("setting", [dict(DISTILL_COEF=1.0), dict(OFF_POLICY_DELTA=0.1),
-                                     dict(KL_BIAS_CORRECTION=True, DISTILL_COEF=0.0)])
+@pytest.mark.parametrize(
+    "setting",
+    [
+        dict(DISTILL_COEF=1.0),
+        dict(OFF_POLICY_DELTA=0.1),
+        dict(KL_BIAS_CORRECTION=True, DISTILL_COEF=0.0),
+    ],
+)
 def test_triton_is_refused_with_a_teacher_or_a_correction(monkeypatch, tmp_path, setting):
     teacher_settings(monkeypatch, tmp_path, USE_TRITON=True, **setting)
     with pytest.raises(SystemExit, match="USE_TRITON takes one advantage per answer"):
@@ -311,14 +376,15 @@ def test_negative_weights_are_refused(monkeypatch, tmp_path, setting):
         grpo.check_settings()
 
 
-# ----------------------------------------------------------------------------- a run against a teacher
-def test_pure_distillation_trains_every_answer_and_moves_towards_the_teacher(tiny_model_dir,
-                                                                             tokenizer, tmp_path):
+# -------------------------------------------------------------------------- a run against a teacher
+def test_pure_distillation_trains_every_answer_and_moves_towards_the_teacher(
+    tiny_model_dir, tokenizer, tmp_path
+):
     """The trainer (deepspeed, one CPU rank) as a student, a noisy copy of the SFT-trained tiny
-    model; ref_server.py with TEACHER=1 holds the model itself. Pure distillation: REWARDS weighed 0, groups of one.
-    Every sampled answer trains (equal rewards are not dropped), the teacher metrics are logged,
-    and after 6 steps at LR 1e-3 the student's teacher_kl has fallen. The same student with
-    DISTILL_COEF 0 is refused by that server at the handshake."""
+    model; ref_server.py with TEACHER=1 holds the model itself. Pure distillation: REWARDS weighed
+    0, groups of one. Every sampled answer trains (equal rewards are not dropped), the teacher
+    metrics are logged, and after 6 steps at LR 1e-3 the student's teacher_kl has fallen. The same
+    student with DISTILL_COEF 0 is refused by that server at the handshake."""
     from transformers import LlamaForCausalLM
 
     from conftest import ServerProcess, free_port, metrics, train
@@ -334,9 +400,20 @@ def test_pure_distillation_trains_every_answer_and_moves_towards_the_teacher(tin
     teacher = ServerProcess(tiny_model_dir, free_port(), tmp_path / "teacher.log", TEACHER=1)
     try:
         assert teacher.health()["role"] == "teacher"
-        run = train(student, teacher.url, tmp_path / "out", 1, DISTILL_COEF=1.0, BETA=0.0,
-                    REWARDS='[["reward_correct", 0.0], ["reward_format", 0.0]]', NUM_PRE_Q=1,
-                    Q_BATCH_SIZE=8, ALL_STEPS=6, SAVE_STEPS=0, EVAL_STEPS=0)
+        run = train(
+            student,
+            teacher.url,
+            tmp_path / "out",
+            1,
+            DISTILL_COEF=1.0,
+            BETA=0.0,
+            REWARDS='[["reward_correct", 0.0], ["reward_format", 0.0]]',
+            NUM_PRE_Q=1,
+            Q_BATCH_SIZE=8,
+            ALL_STEPS=6,
+            SAVE_STEPS=0,
+            EVAL_STEPS=0,
+        )
         assert run.returncode == 0, run.stderr[-3000:]
         refused = train(student, teacher.url, tmp_path / "refused", 1, EVAL_STEPS=0)
     finally:

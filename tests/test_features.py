@@ -1,6 +1,7 @@
-"""The feature modules' branches a user hits that a whole run rarely shows: checkpoints refused on resume, the
-run log's files kept aside, TensorBoard's purge, a worker whose checkpoint vanished, the settings check,
-REGROUP's limits, prompts without the example or the prefill, questions from a JSONL file, environment values."""
+"""The feature modules' branches a user hits that a whole run rarely shows: checkpoints refused on
+resume, the run log's files kept aside, TensorBoard's purge, a worker whose checkpoint vanished, the
+settings check, REGROUP's limits, prompts without the example or the prefill, questions from a JSONL
+file, environment values."""
 import json
 import os
 import random
@@ -21,9 +22,11 @@ from rewards import load_questions
 
 # ----------------------------------------------------------------------------- checkpoints
 @pytest.mark.parametrize("missing, rank", [("deepspeed", 0), ("rng_rank1.pt", 1)])
-def test_resume_refuses_a_checkpoint_without_deepspeed_or_this_ranks_rng_state(tmp_path, missing, rank):
-    """An older checkpoint (no DeepSpeed state), or one saved with fewer ranks (no RNG state for this rank):
-    a clear message, nothing loaded."""
+def test_resume_refuses_a_checkpoint_without_deepspeed_or_this_ranks_rng_state(
+    tmp_path, missing, rank
+):
+    """An older checkpoint (no DeepSpeed state), or one saved with fewer ranks (no RNG state for
+    this rank): a clear message, nothing loaded."""
     folder = tmp_path / "step_4"
     (folder / "deepspeed").mkdir(parents=True)
     torch.save({}, folder / "rng_rank0.pt")
@@ -34,7 +37,9 @@ def test_resume_refuses_a_checkpoint_without_deepspeed_or_this_ranks_rng_state(t
         def __getattr__(self, name):
             raise AssertionError(f"the engine was used: {name}")
 
-    with pytest.raises(SystemExit, match=f"step_4 has no DeepSpeed state for rank {rank}.*same --num_gpus"):
+    with pytest.raises(
+        SystemExit, match=f"step_4 has no DeepSpeed state for rank {rank}.*same --num_gpus"
+    ):
         checkpoints.resume(NoEngine(), random.Random(0), rank, output_dir=str(tmp_path), lora=False)
 
 
@@ -55,10 +60,12 @@ def test_a_fresh_run_sets_an_earlier_runs_files_aside_and_a_resumed_one_keeps_it
     os.utime(path, (1_700_000_000, 1_700_000_000))
     with run_log.open_jsonl(str(tmp_path), "metrics.jsonl") as f:  # a fresh run
         f.write("new\n")
-    assert (tmp_path / "metrics.1700000000.jsonl").read_text().count("\n") == 3  # the earlier run, kept whole
+    # the earlier run, kept whole
+    assert (tmp_path / "metrics.1700000000.jsonl").read_text().count("\n") == 3
     assert path.read_text() == "new\n"
     path.write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3, 4)))
-    with run_log.open_jsonl(str(tmp_path), "metrics.jsonl", resumed_step=2) as f:  # resumed from step_2
+    # resumed from step_2
+    with run_log.open_jsonl(str(tmp_path), "metrics.jsonl", resumed_step=2) as f:
         f.write(json.dumps({"step": 3}) + "\n")
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
 
@@ -77,15 +84,27 @@ def test_tensorboard_drops_the_steps_a_resumed_run_redoes(tmp_path):
     resumed.close()
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
-    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [
+        (1, 1.0),
+        (2, 2.0),
+        (3, 30.0),
+        (4, 40.0),
+    ]
 
 
 def test_tensorboard_missing_stops_before_any_model_loads(monkeypatch):
     import importlib
 
     real = importlib.import_module
-    monkeypatch.setattr(importlib, "import_module", lambda name: (_ for _ in ()).throw(ImportError("no module"))
-                        if name == "torch.utils.tensorboard" else real(name))
+    monkeypatch.setattr(
+        importlib,
+        "import_module",
+        lambda name: (
+            (_ for _ in ()).throw(ImportError("no module"))
+            if name == "torch.utils.tensorboard"
+            else real(name)
+        ),
+    )
     run_log.check_tensorboard(False)  # off: not even looked for
     with pytest.raises(SystemExit, match="TENSORBOARD=1 needs the tensorboard package"):
         run_log.check_tensorboard(True)
@@ -93,10 +112,16 @@ def test_tensorboard_missing_stops_before_any_model_loads(monkeypatch):
 
 def test_step_metrics_count_dropped_groups_and_answers_over_every_rollout():
     m = {"fwd_bwd_s": 1.0, "optim_s": 0.25}
-    rewards = [1, 1, 2, 2, 0, 0, 0, 1, 1, 2, 2, 0, 0, 1, 1, 2]  # 2 rollouts x 4 groups of 2: 3 all-equal
+    # 2 rollouts x 4 groups of 2: 3 all-equal
+    rewards = [1, 1, 2, 2, 0, 0, 0, 1, 1, 2, 2, 0, 0, 1, 1, 2]
     answers = [dict(reward=float(r), length=5, truncated=False) for r in rewards]
-    groups = [({"advantages": torch.zeros(2)}, {"version": 3}), ({"advantages": torch.zeros(2)}, {"version": 1})]
-    out = run_log.step_metrics(m, groups, answers, step=4, attempts=2, step_start=0.0, group_size=2, reward_names=[])
+    groups = [
+        ({"advantages": torch.zeros(2)}, {"version": 3}),
+        ({"advantages": torch.zeros(2)}, {"version": 1}),
+    ]
+    out = run_log.step_metrics(
+        m, groups, answers, step=4, attempts=2, step_start=0.0, group_size=2, reward_names=[]
+    )
     assert out["zero_var_groups"] == 3 / 8  # 3 of the 2 x 4 groups sampled, read from the answers
     assert (out["rollouts"], out["answers_generated"], out["answers_trained"]) == (2, 16, 4)
     assert out["staleness"] == (0 + 2) / 2 and out["groups"] == 2 and out["train_s"] == 1.25
@@ -114,13 +139,14 @@ def test_gspo_with_a_token_sized_clip_warns(monkeypatch, capfd, tmp_path):
     assert "warning" not in capfd.readouterr().err
 
 
-# ----------------------------------------------------------------------------- the generation worker
+# ---------------------------------------------------------------------------- the generation worker
 class Stop(Exception):
     pass
 
 
 class FakeClient:
-    """The server as a worker sees it: room always, every upload recorded; the third upload ends the test."""
+    """The server as a worker sees it: room always, every upload recorded; the third upload ends the
+    test."""
 
     def __init__(self):
         self.uploads = []
@@ -135,8 +161,9 @@ class FakeClient:
 
 
 def test_a_worker_keeps_its_version_when_a_new_checkpoint_vanishes_as_it_loads(tmp_path, capfd):
-    """The trainer's keep limit deleted step_N while the worker read it (OSError): the worker says so, keeps
-    generating with the weights it has, and picks up the next checkpoint that does load."""
+    """The trainer's keep limit deleted step_N while the worker read it (OSError): the worker says
+    so, keeps generating with the weights it has, and picks up the next checkpoint that does
+    load."""
     (tmp_path / "step_2").mkdir()
     loads = []
 
@@ -146,24 +173,55 @@ def test_a_worker_keeps_its_version_when_a_new_checkpoint_vanishes_as_it_loads(t
             (tmp_path / "step_2").rmdir()
             (tmp_path / "step_3").mkdir()  # the trainer saved the next one meanwhile
             raise OSError("No such file or directory")
-        return ("model", "tokenizer", [2], None) if path == "base" else (f"model of {path}", "tokenizer", [2], None)
+        return (
+            ("model", "tokenizer", [2], None)
+            if path == "base"
+            else (f"model of {path}", "tokenizer", [2], None)
+        )
 
     def rollout(model, tokenizer, drawn, *, eos_ids, gen_config, llm, keep_all, m):
         return types.SimpleNamespace(groups=[({}, {})], records=[{"reward": 1.0}])
 
     client = FakeClient()
     with pytest.raises(Stop):
-        worker.run_worker(load, rollout, client, questions=["q1", "q2"], q_batch_size=1, first="base", seed=0,
-                          start_llm=None, output_dir=str(tmp_path), max_queued=8, allow_mismatch=False)
+        worker.run_worker(
+            load,
+            rollout,
+            client,
+            questions=["q1", "q2"],
+            q_batch_size=1,
+            first="base",
+            seed=0,
+            start_llm=None,
+            output_dir=str(tmp_path),
+            max_queued=8,
+            allow_mismatch=False,
+        )
     out = capfd.readouterr().out
     assert "could not load" in out and "step_2" in out and "keeping version 0" in out
-    assert loads == ["base", "step_2", "step_3"] and [u["version"] for u in client.uploads] == [0, 3, 3]
+    assert loads == ["base", "step_2", "step_3"] and [u["version"] for u in client.uploads] == [
+        0,
+        3,
+        3,
+    ]
 
 
 def test_a_worker_refuses_to_feed_trainers_that_never_read_the_server():
     with pytest.raises(SystemExit, match="trainers never read from the server"):
-        worker.run_worker(None, None, None, questions=[], q_batch_size=1, first="", seed=0, start_llm=None,
-                          output_dir="", max_queued=1, allow_mismatch=False, trainers_read_server=False)
+        worker.run_worker(
+            None,
+            None,
+            None,
+            questions=[],
+            q_batch_size=1,
+            first="",
+            seed=0,
+            start_llm=None,
+            output_dir="",
+            max_queued=1,
+            allow_mismatch=False,
+            trainers_read_server=False,
+        )
 
 
 # ----------------------------------------------------------------------------- REGROUP's limits
@@ -183,7 +241,7 @@ def test_regroup_keeps_the_newest_answers_per_question_and_forgets_the_stalest_q
     assert [len(p) for p in pool.pools.values()] == [4, 4] and pool.regrouped == 0
 
 
-# ----------------------------------------------------------------------------- prompts, questions, environment
+# ------------------------------------------------------------------ prompts, questions, environment
 def test_build_prompt_without_the_example_or_the_prefill(tokenizer, monkeypatch):
     with_all = grpo.build_prompt(tokenizer, "What is 2 + 2?")
     assert with_all.endswith("<think>") and "What is 3 + 4?" in with_all
@@ -193,17 +251,24 @@ def test_build_prompt_without_the_example_or_the_prefill(tokenizer, monkeypatch)
     monkeypatch.setattr(grpo, "THINK_PREFILL", "")
     bare = grpo.build_prompt(tokenizer, "What is 2 + 2?")
     assert bare == zero_shot[: -len("<think>")]  # nothing appended after the assistant header
-    assert grpo.decode(tokenizer, torch.tensor([tokenizer.encode(" 4")])) == [" 4"]  # and nothing put back
+    # and nothing put back
+    assert grpo.decode(tokenizer, torch.tensor([tokenizer.encode(" 4")])) == [" 4"]
 
 
 def test_questions_from_a_jsonl_file_and_a_clear_error_on_a_bad_line(tmp_path):
     path = tmp_path / "qs.jsonl"
-    path.write_text('{"question": "What is 1 + 1?", "answer": "1 + 1 = 2\\n#### 2"}\n\n'
-                    '{"question": "How many?", "answer": "#### 1,000"}\n')
-    assert load_questions(str(path), 0) == [{"question": "What is 1 + 1?", "gold": "2"},
-                                           {"question": "How many?", "gold": "1000"}]
+    path.write_text(
+        '{"question": "What is 1 + 1?", "answer": "1 + 1 = 2\\n#### 2"}\n\n'
+        '{"question": "How many?", "answer": "#### 1,000"}\n'
+    )
+    assert load_questions(str(path), 0) == [
+        {"question": "What is 1 + 1?", "gold": "2"},
+        {"question": "How many?", "gold": "1000"},
+    ]
     path.write_text('{"question": "q", "answer": "#### 1"}\n{"question": "q"}\n')
-    with pytest.raises(ValueError, match="qs.jsonl:2: need a JSON object with 'question' and 'answer'"):
+    with pytest.raises(
+        ValueError, match="qs.jsonl:2: need a JSON object with 'question' and 'answer'"
+    ):
         load_questions(str(path), 0)
 
 
@@ -231,10 +296,19 @@ def test_only_a_files_own_constants_are_settings(monkeypatch):
     the module's, so advantages_in_groups and group_advantages (held equal by the tests) differed.
     An imported constant named in the environment now stops at start, naming it, for the trainer
     and for ref_server.py (MAX_RANKS); the file's own constants still take their variable."""
-    for name, module in (("STD_EPS", "grpo_ref_split"), ("SCALES", "grpo_ref_split"),
-                         ("MAX_RANKS", "ref_server")):
-        run = subprocess.run([sys.executable, "-c", f"import {module}"], cwd=ROOT, text=True,
-                             env={**os.environ, name: "3"}, capture_output=True, timeout=120)
+    for name, module in (
+        ("STD_EPS", "grpo_ref_split"),
+        ("SCALES", "grpo_ref_split"),
+        ("MAX_RANKS", "ref_server"),
+    ):
+        run = subprocess.run(
+            [sys.executable, "-c", f"import {module}"],
+            cwd=ROOT,
+            text=True,
+            env={**os.environ, name: "3"},
+            capture_output=True,
+            timeout=120,
+        )
         assert run.returncode != 0 and f"{name} is not a setting of {module}.py" in run.stderr
     assert env_overrides.own_constants(vars(grpo)) >= {"ALL_STEPS", "BETA", "REWARDS"}
     assert "STD_EPS" not in env_overrides.own_constants(vars(grpo))
@@ -242,8 +316,8 @@ def test_only_a_files_own_constants_are_settings(monkeypatch):
 
 # ----------------------------------------------------------------------------- ds_config.json
 def test_ds_config_gets_the_trainers_settings_and_refuses_to_hold_them_itself(tmp_path):
-    """One source of truth: LR, bf16 and the schedule's length come from grpo_ref_split.py; a config file that
-    sets any of them is refused, naming them, instead of being silently overwritten."""
+    """One source of truth: LR, bf16 and the schedule's length come from grpo_ref_split.py; a config
+    file that sets any of them is refused, naming them, instead of being silently overwritten."""
     from conftest import ROOT
     from features.zero2 import ds_config
 
@@ -253,8 +327,11 @@ def test_ds_config_gets_the_trainers_settings_and_refuses_to_hold_them_itself(tm
     assert config["scheduler"]["params"]["total_num_steps"] == 60
     with open(shipped) as f:
         raw = json.load(f)
-    for where, extra in (("optimizer", {"lr": 1e-3}), (None, {"bf16": {"enabled": True}}),
-                         ("scheduler", {"total_num_steps": 5})):
+    for where, extra in (
+        ("optimizer", {"lr": 1e-3}),
+        (None, {"bf16": {"enabled": True}}),
+        ("scheduler", {"total_num_steps": 5}),
+    ):
         bad = json.loads(json.dumps(raw))
         (bad[where]["params"] if where else bad).update(extra)
         path = tmp_path / "bad.json"

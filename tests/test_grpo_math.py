@@ -18,13 +18,16 @@ def test_group_advantages_by_hand():
     adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0]), 4)
     std = math.sqrt(1 / 3)  # unbiased std of [1, 0, 0, 1]: sum of squares 1 over n - 1 = 3
     expected = [0.5 / (std + 1e-4), -0.5 / (std + 1e-4)] * 2
-    assert adv[:4].tolist() == pytest.approx([expected[0], expected[1], expected[1], expected[0]], rel=1e-6)
+    assert adv[:4].tolist() == pytest.approx(
+        [expected[0], expected[1], expected[1], expected[0]], rel=1e-6
+    )
     assert adv[4:].tolist() == [0.0] * 4  # an all-equal group carries no signal
 
 
 def test_group_advantages_are_per_group():
-    """Two groups of two, 100 apart: each is relative to its own mean and std, by hand. [0, 10]: mean 5,
-    unbiased std sqrt((25 + 25) / 1) = 7.0711; [100, 110] the same. A batch-wide mean would give -55 ... 55."""
+    """Two groups of two, 100 apart: each is relative to its own mean and std, by hand. [0, 10]:
+    mean 5, unbiased std sqrt((25 + 25) / 1) = 7.0711; [100, 110] the same. A batch-wide mean would
+    give -55 ... 55."""
     adv = group_advantages(torch.tensor([0.0, 10.0, 100.0, 110.0]), 2)
     a = 5 / (math.sqrt(50) + 1e-4)
     assert adv.tolist() == pytest.approx([-a, a, -a, a], rel=1e-6)
@@ -43,12 +46,14 @@ def test_group_advantages_of_no_rewards_are_none():
 # ----------------------------------------------------------------------------- completion mask
 def test_completion_mask_keeps_the_eos_when_pad_equals_eos():
     eos = 2  # SmolLM2: pad == eos == <|im_end|> == 2
-    ids = torch.tensor([
-        [5, 6, 2, 2, 2],  # stopped at position 2, then padded with the same token
-        [5, 6, 7, 8, 9],  # never stopped: every token counts
-        [2, 2, 2, 2, 2],  # stopped at once: the EOS alone is trained
-        [5, 2, 7, 2, 2],  # only the first EOS ends it
-    ])
+    ids = torch.tensor(
+        [
+            [5, 6, 2, 2, 2],  # stopped at position 2, then padded with the same token
+            [5, 6, 7, 8, 9],  # never stopped: every token counts
+            [2, 2, 2, 2, 2],  # stopped at once: the EOS alone is trained
+            [5, 2, 7, 2, 2],  # only the first EOS ends it
+        ]
+    )
     assert completion_mask(ids, eos).int().tolist() == [
         [1, 1, 1, 0, 0],
         [1, 1, 1, 1, 1],
@@ -93,15 +98,19 @@ def test_inplace_backward_through_a_real_lm_head_gives_the_same_weight_gradients
     for inplace in (False, True):
         model.zero_grad()
         logits = completion_logits(model, ids, attn, 12)  # (B, 12, V)
-        lp = chunked_logps(logits, ids[:, -12:], 0.7, chunk=5, inplace_backward=inplace)  # (B, 12) 3 chunks a row
+        # (B, 12) 3 chunks a row
+        lp = chunked_logps(logits, ids[:, -12:], 0.7, chunk=5, inplace_backward=inplace)
         (lp * w).sum().backward()
         grads[inplace] = {n: p.grad.clone() for n, p in model.named_parameters()}
         values[inplace] = lp.detach()
     model.zero_grad()
     with torch.no_grad():
         full = model(input_ids=ids).logits  # (B, L, V) every position: the plain way
-    want = torch.log_softmax(full[:, 7:19] / 0.7, -1).gather(-1, ids[:, 8:, None]).squeeze(-1)  # (B, 12)
-    assert torch.allclose(values[False], want, atol=1e-5) and torch.equal(values[False], values[True])
+    # (B, 12)
+    want = torch.log_softmax(full[:, 7:19] / 0.7, -1).gather(-1, ids[:, 8:, None]).squeeze(-1)
+    assert torch.allclose(values[False], want, atol=1e-5) and torch.equal(
+        values[False], values[True]
+    )
     for n in grads[False]:
         assert torch.allclose(grads[True][n], grads[False][n], atol=1e-7), n
     assert any(g.abs().sum() > 0 for g in grads[True].values())
@@ -109,15 +118,17 @@ def test_inplace_backward_through_a_real_lm_head_gives_the_same_weight_gradients
 
 @pytest.mark.parametrize("chunk", [0, 3, 128])
 def test_chunked_per_token_logps_match_the_plain_definition(chunk):
-    """chunked_logps (chunked, in-place backward) against per_token_logps_plain (log_softmax, gather);
-    LOGP_CHUNK = 0 selects the plain one."""
+    """chunked_logps (chunked, in-place backward) against per_token_logps_plain (log_softmax,
+    gather); LOGP_CHUNK = 0 selects the plain one."""
     torch.manual_seed(5)
     ids = torch.randint(0, 301, (3, 7))  # (B, T)
     w = torch.randn(3, 7)
     base = torch.randn(3, 7, 301) * 3  # (B, T, V)
     values, grads = [], []
-    for fn in (lambda z: chunked_logps(z, ids, 0.7, chunk=chunk, inplace_backward=True),
-               lambda z: per_token_logps_plain(z, ids, 0.7)):
+    for fn in (
+        lambda z: chunked_logps(z, ids, 0.7, chunk=chunk, inplace_backward=True),
+        lambda z: per_token_logps_plain(z, ids, 0.7),
+    ):
         leaf = base.clone().requires_grad_()
         logits = leaf * 1.0  # not a leaf, as the LM head's output: in place may overwrite it
         lp = fn(logits)
@@ -131,16 +142,18 @@ def test_chunked_per_token_logps_match_the_plain_definition(chunk):
 
 @pytest.mark.parametrize("chunk", [0, 5, 128])
 def test_hidden_logps_match_the_plain_definition_in_value_and_both_gradients(chunk):
-    """Chunks of 5 cross the rows' ends (B x T = 21 tokens); the LM-head weight gets its gradient summed
-    over the chunks; 0 = one chunk."""
+    """Chunks of 5 cross the rows' ends (B x T = 21 tokens); the LM-head weight gets its gradient
+    summed over the chunks; 0 = one chunk."""
     from features.fast_paths import hidden_logps
 
     torch.manual_seed(6)
     h0, w0 = torch.randn(3, 7, 16), torch.randn(301, 16) / 2  # (B, T, H), (V, H)
     ids, w = torch.randint(0, 301, (3, 7)), torch.randn(3, 7)  # (B, T) each
     results = []
-    for fn in (lambda h, wt, i, t: hidden_logps(h, wt, i, t, chunk=chunk),
-               lambda h, wt, i, t: per_token_logps_plain(h @ wt.T, i, t)):
+    for fn in (
+        lambda h, wt, i, t: hidden_logps(h, wt, i, t, chunk=chunk),
+        lambda h, wt, i, t: per_token_logps_plain(h @ wt.T, i, t),
+    ):
         hidden, weight = h0.clone().requires_grad_(), w0.clone().requires_grad_()
         lp = fn(hidden, weight, ids, 0.7)  # (B, T)
         (lp * w).sum().backward()
@@ -152,10 +165,12 @@ def test_hidden_logps_match_the_plain_definition_in_value_and_both_gradients(chu
 
 def test_log_probs_from_hidden_states_give_the_models_gradient_with_tied_embeddings(model):
     """completion_logps with LOGP_FROM_HIDDEN on and off, full rows and the shared prompt: the same
-    log-probs and the same gradient on every parameter, the tied embedding / LM-head weight included."""
+    log-probs and the same gradient on every parameter, the tied embedding / LM-head weight
+    included."""
     from features.fast_paths import completion_logps
 
-    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # tied, as SmolLM2
+    # tied, as SmolLM2
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     torch.manual_seed(4)
     prompt = torch.randint(0, 49152, (1, 9)).expand(3, -1)  # (G, P) one group
     ids = torch.cat([prompt, torch.randint(0, 49152, (3, 11))], 1)  # (G, L)
@@ -164,10 +179,21 @@ def test_log_probs_from_hidden_states_give_the_models_gradient_with_tied_embeddi
     for hidden in (False, True):
         for shared in (False, True):
             model.zero_grad()
-            lp = completion_logps(model, ids, torch.ones_like(ids), 11, 0.7, shared_prefix=shared, chunk=7,
-                                  from_hidden=hidden)  # (G, 11)
+            lp = completion_logps(
+                model,
+                ids,
+                torch.ones_like(ids),
+                11,
+                0.7,
+                shared_prefix=shared,
+                chunk=7,
+                from_hidden=hidden,
+            )  # (G, 11)
             (lp * w).sum().backward()
-            out[hidden, shared] = lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+            out[hidden, shared] = (
+                lp.detach(),
+                {n: p.grad.clone() for n, p in model.named_parameters()},
+            )
     base_lp, base_grads = out[False, False]
     for key, (lp, grads) in out.items():
         assert torch.allclose(lp, base_lp, atol=1e-5), key
@@ -176,7 +202,9 @@ def test_log_probs_from_hidden_states_give_the_models_gradient_with_tied_embeddi
     assert base_grads["model.embed_tokens.weight"].abs().sum() > 0
 
 
-def test_log_probs_from_hidden_states_refuse_a_model_whose_logits_are_not_the_plain_head(model, monkeypatch):
+def test_log_probs_from_hidden_states_refuse_a_model_whose_logits_are_not_the_plain_head(
+    model, monkeypatch
+):
     from features.fast_paths import lm_head_weight
 
     monkeypatch.setattr(model.config, "final_logit_softcapping", 30.0, raising=False)  # as Gemma 2
@@ -191,8 +219,11 @@ def test_negative_chunk_and_micro_batch_sizes_are_refused(monkeypatch):
     from features.fast_paths import hidden_logps
 
     with pytest.raises(ValueError, match="LOGP_CHUNK = -1"):
-        hidden_logps(torch.zeros(1, 2, 4), torch.zeros(5, 4), torch.zeros(1, 2, dtype=torch.long), chunk=-1)
-    with pytest.raises(ValueError, match="LOGP_CHUNK = -1"):  # not an empty loop leaving logps uninitialised
+        hidden_logps(
+            torch.zeros(1, 2, 4), torch.zeros(5, 4), torch.zeros(1, 2, dtype=torch.long), chunk=-1
+        )
+    # not an empty loop leaving logps uninitialised
+    with pytest.raises(ValueError, match="LOGP_CHUNK = -1"):
         chunked_logps(torch.zeros(1, 2, 5), torch.zeros(1, 2, dtype=torch.long), chunk=-1)
     monkeypatch.setattr(grpo.zero2, "TRAIN_MICRO_BATCH", -2)
     with pytest.raises(ValueError, match="TRAIN_MICRO_BATCH = -2"):
@@ -225,8 +256,15 @@ def naive_loss(logps, ref, gen, adv, mask, beta, eps):
 def test_grpo_loss_by_hand_single_token():
     # ratio e^0.5 = 1.6487 > 1.2 with A = +1: clipped to 1.2; KL with d = -0.2: e^-0.2 + 0.2 - 1
     logps, gen, ref = torch.tensor([[-1.0]]), torch.tensor([[-1.5]]), torch.tensor([[-1.2]])
-    loss = torch_loss(logps=logps, ref_logps=ref, gen_logps=gen, advantages=torch.tensor([1.0]),
-                     mask=torch.ones(1, 1, dtype=torch.bool), beta=0.1, clip_eps=0.2)
+    loss = torch_loss(
+        logps=logps,
+        ref_logps=ref,
+        gen_logps=gen,
+        advantages=torch.tensor([1.0]),
+        mask=torch.ones(1, 1, dtype=torch.bool),
+        beta=0.1,
+        clip_eps=0.2,
+    )
     assert loss.item() == pytest.approx(-(1.2 - 0.1 * (math.exp(-0.2) + 0.2 - 1)), rel=1e-6)
 
 
@@ -240,24 +278,36 @@ def test_grpo_loss_matches_naive_formula_in_all_clip_cases(seed):
     adv = torch.tensor([1.5, -1.5, 0.7, -0.2, 0.0, 2.0])  # positive and negative
     mask = torch.rand(B, T) > 0.3
     mask[:, 0] = True
-    got = torch_loss(logps=logps, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.04,
-                    clip_eps=0.2).item()
-    want = naive_loss(logps.tolist(), ref.tolist(), gen.tolist(), adv.tolist(), mask.tolist(), 0.04, 0.2)
+    got = torch_loss(
+        logps=logps,
+        ref_logps=ref,
+        gen_logps=gen,
+        advantages=adv,
+        mask=mask,
+        beta=0.04,
+        clip_eps=0.2,
+    ).item()
+    want = naive_loss(
+        logps.tolist(), ref.tolist(), gen.tolist(), adv.tolist(), mask.tolist(), 0.04, 0.2
+    )
     assert got == pytest.approx(want, rel=1e-5)
     ratio = torch.exp(logps - gen)
     assert ((ratio > 1.2) & (adv[:, None] > 0)).any() and ((ratio < 0.8) & (adv[:, None] < 0)).any()
 
 
 def naive_gradient(logps, ref, gen, adv, mask, beta, eps, h=1e-6):
-    """d naive_loss / d logps by central finite differences: a reference that shares no code with grpo_loss."""
+    """d naive_loss / d logps by central finite differences: a reference that shares no code with
+    grpo_loss."""
     grad = [[0.0] * len(row) for row in logps]
     for b in range(len(logps)):
         for t in range(len(logps[b])):
             plus, minus = [list(row) for row in logps], [list(row) for row in logps]
             plus[b][t] += h
             minus[b][t] -= h
-            grad[b][t] = (naive_loss(plus, ref, gen, adv, mask, beta, eps)
-                          - naive_loss(minus, ref, gen, adv, mask, beta, eps)) / (2 * h)
+            grad[b][t] = (
+                naive_loss(plus, ref, gen, adv, mask, beta, eps)
+                - naive_loss(minus, ref, gen, adv, mask, beta, eps)
+            ) / (2 * h)
     return torch.tensor(grad, dtype=torch.float64)
 
 
@@ -265,12 +315,28 @@ def test_grpo_loss_gradient_matches_finite_differences_of_the_plain_formula():
     torch.manual_seed(1)
     B, T = 4, 5
     logps = (-torch.rand(B, T) * 2).double().requires_grad_()
-    gen, ref = (logps.detach() + torch.randn(B, T) * 0.3), (logps.detach() + torch.randn(B, T) * 0.3)
+    gen, ref = (
+        (logps.detach() + torch.randn(B, T) * 0.3),
+        (logps.detach() + torch.randn(B, T) * 0.3),
+    )
     adv, mask = torch.randn(B).double(), torch.rand(B, T) > 0.2
-    (g,) = torch.autograd.grad(torch_loss(logps=logps, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask,
-                                         beta=0.04, clip_eps=0.2), logps)
-    # Clipped tokens pass no policy gradient, only the KL term's: finite differences of the plain-Python loss.
-    num = naive_gradient(logps.tolist(), ref.tolist(), gen.tolist(), adv.tolist(), mask.tolist(), 0.04, 0.2)
+    (g,) = torch.autograd.grad(
+        torch_loss(
+            logps=logps,
+            ref_logps=ref,
+            gen_logps=gen,
+            advantages=adv,
+            mask=mask,
+            beta=0.04,
+            clip_eps=0.2,
+        ),
+        logps,
+    )
+    # Clipped tokens pass no policy gradient, only the KL term's: finite differences of the
+    # plain-Python loss.
+    num = naive_gradient(
+        logps.tolist(), ref.tolist(), gen.tolist(), adv.tolist(), mask.tolist(), 0.04, 0.2
+    )
     assert torch.allclose(g, num, atol=1e-6)
     assert (g[~mask] == 0).all()  # masked tokens get no gradient
 
@@ -280,42 +346,84 @@ def test_gen_logps_none_is_the_on_policy_gradient():
     logps = (-torch.rand(3, 4)).requires_grad_()
     adv = torch.tensor([1.0, -2.0, 0.5])
     mask = torch.ones(3, 4, dtype=torch.bool)
-    loss = torch_loss(logps=logps, ref_logps=logps.detach(), gen_logps=None, advantages=adv, mask=mask, beta=0.0,
-                     clip_eps=0.2)
+    loss = torch_loss(
+        logps=logps,
+        ref_logps=logps.detach(),
+        gen_logps=None,
+        advantages=adv,
+        mask=mask,
+        beta=0.0,
+        clip_eps=0.2,
+    )
     assert loss.item() == pytest.approx(-adv.mean().item(), rel=1e-6)  # ratio 1: loss = -mean(A)
     (g,) = torch.autograd.grad(loss, logps)
     assert torch.allclose(g, -adv[:, None].expand(3, 4) / (4 * 3))  # d/dlogp of -A r / (T B), r = 1
 
 
 def test_score_refuses_answers_that_do_not_line_up_with_the_questions():
-    """zip would score the first 16 of 128 answers and average those: evaluation once reported 87.5% so."""
+    """zip would score the first 16 of 128 answers and average those: evaluation once reported 87.5%
+    so."""
 
     with pytest.raises(ValueError, match="16 answers for 128 gold answers"):
         score([], ["<answer>1</answer>"] * 16, ["1"] * 128, ["q"] * 128)
 
 
 def test_truncated_importance_sampling_weights_each_token_by_hand():
-    """Rows 0-1 sampled by vLLM (sampler_logps), row 2 by the trainer (not in sampler_rows; its values there are
-    junk that must not count): on-policy, pi_old is logp itself, so the weight is min(exp(logp - sampler), cap)
-    and the loss -w A per token; with gen_logps, pi_old is gen."""
+    """Rows 0-1 sampled by vLLM (sampler_logps), row 2 by the trainer (not in sampler_rows; its
+    values there are junk that must not count): on-policy, pi_old is logp itself, so the weight is
+    min(exp(logp - sampler), cap) and the loss -w A per token; with gen_logps, pi_old is gen."""
     logps = torch.tensor([[-1.0, -0.5], [-1.0, -0.2], [-0.3, -0.4]], requires_grad=True)  # (3, 2)
     sampler = torch.tensor([[-1.5, -0.5], [-2.0, -0.1], [-9.0, -9.0]])  # (3, 2)
     rows = torch.tensor([True, True, False])
     adv, mask = torch.tensor([1.0, -2.0, 0.5]), torch.ones(3, 2, dtype=torch.bool)
-    w = torch.tensor([[math.exp(0.5), 1.0], [2.0, math.exp(-0.1)], [1.0, 1.0]])  # exp(1) = 2.72 is cut to 2
-    loss = torch_loss(logps=logps, ref_logps=None, gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2,
-                     sampler_logps=sampler, sampler_rows=rows, tis_cap=2.0)
+    # exp(1) = 2.72 is cut to 2
+    w = torch.tensor([[math.exp(0.5), 1.0], [2.0, math.exp(-0.1)], [1.0, 1.0]])
+    loss = torch_loss(
+        logps=logps,
+        ref_logps=None,
+        gen_logps=None,
+        advantages=adv,
+        mask=mask,
+        beta=0.0,
+        clip_eps=0.2,
+        sampler_logps=sampler,
+        sampler_rows=rows,
+        tis_cap=2.0,
+    )
     assert loss.item() == pytest.approx(-(w * adv[:, None]).mean().item(), rel=1e-6)
     (g,) = torch.autograd.grad(loss, logps)
-    assert torch.allclose(g, -w * adv[:, None] / 6)  # ratio 1 on-policy: d(-w A r)/dlogp = -w A, mean of 2 x 3
-    off = torch_loss(logps=logps, ref_logps=None, gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2,
-                    sampler_logps=sampler, sampler_rows=rows, tis_cap=0.0)
+    # ratio 1 on-policy: d(-w A r)/dlogp = -w A, mean of 2 x 3
+    assert torch.allclose(g, -w * adv[:, None] / 6)
+    off = torch_loss(
+        logps=logps,
+        ref_logps=None,
+        gen_logps=None,
+        advantages=adv,
+        mask=mask,
+        beta=0.0,
+        clip_eps=0.2,
+        sampler_logps=sampler,
+        sampler_rows=rows,
+        tis_cap=0.0,
+    )
     assert off.item() == pytest.approx(-adv.mean().item(), rel=1e-6)  # tis_cap = 0: no correction
     gen = torch.full((3, 2), -1.0)  # pi_old given: weight exp(gen - sampler), ratio exp(logp - gen)
-    with_gen = torch_loss(logps=logps, ref_logps=None, gen_logps=gen, advantages=adv, mask=mask, beta=0.0,
-                         clip_eps=10.0, sampler_logps=sampler, sampler_rows=rows, tis_cap=2.0).item()
+    with_gen = torch_loss(
+        logps=logps,
+        ref_logps=None,
+        gen_logps=gen,
+        advantages=adv,
+        mask=mask,
+        beta=0.0,
+        clip_eps=10.0,
+        sampler_logps=sampler,
+        sampler_rows=rows,
+        tis_cap=2.0,
+    ).item()
     w_gen = torch.where(rows[:, None], torch.exp(gen - sampler), 1.0).clamp(max=2.0)
-    assert with_gen == pytest.approx(-(w_gen * torch.exp(logps - gen) * adv[:, None]).mean().item(), rel=1e-6)
+    assert with_gen == pytest.approx(
+        -(w_gen * torch.exp(logps - gen) * adv[:, None]).mean().item(), rel=1e-6
+    )
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
@@ -332,41 +440,73 @@ def test_padding_with_logp_minus_100_leaves_loss_and_gradient_finite(loss_type):
         logps.requires_grad_()
         pad_ref, pad_gen = ref.clone(), gen.clone()
         pad_ref[~mask], pad_gen[~mask] = 0.0, 0.0
-        loss = torch_loss(logps=logps, ref_logps=pad_ref, gen_logps=pad_gen, advantages=adv, mask=mask, beta=0.04,
-                         clip_eps=0.2, loss_type=loss_type, max_tokens=4)
+        loss = torch_loss(
+            logps=logps,
+            ref_logps=pad_ref,
+            gen_logps=pad_gen,
+            advantages=adv,
+            mask=mask,
+            beta=0.04,
+            clip_eps=0.2,
+            loss_type=loss_type,
+            max_tokens=4,
+        )
         (g,) = torch.autograd.grad(loss, logps)
         assert torch.isfinite(loss) and torch.isfinite(g).all()
         results.append((loss.item(), g))
-    assert results[0][0] == pytest.approx(results[1][0], rel=1e-6) and torch.allclose(results[0][1], results[1][1])
+    assert results[0][0] == pytest.approx(results[1][0], rel=1e-6) and torch.allclose(
+        results[0][1], results[1][1]
+    )
     assert (results[0][1][~mask] == 0).all()
-    assert masked_mean(torch.tensor([[1.0, float("inf")]]), torch.tensor([[True, False]])).item() == 1.0
+    assert (
+        masked_mean(torch.tensor([[1.0, float("inf")]]), torch.tensor([[True, False]])).item()
+        == 1.0
+    )
 
 
 def _rank_gradient(rank, world, port, data, loss_type, normalize, results):
-    """One gloo rank: its share of the answers, the loss, then DeepSpeed's gradient average over ranks."""
+    """One gloo rank: its share of the answers, the loss, then DeepSpeed's gradient average over
+    ranks."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    rows = [slice(0, 5), slice(5, 7)][rank] if world == 2 else slice(0, 7)  # 5 answers on rank 0, 2 on rank 1
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    # 5 answers on rank 0, 2 on rank 1
+    rows = [slice(0, 5), slice(5, 7)][rank] if world == 2 else slice(0, 7)
     x, ref, gen, adv, mask = (t[rows] for t in data)
-    w = torch.ones(x.shape[1], dtype=torch.float64, requires_grad=True)  # a weight every rank shares
+    # a weight every rank shares
+    w = torch.ones(x.shape[1], dtype=torch.float64, requires_grad=True)
     normalizer = global_count([mask], token_mean=loss_type == "dapo") if normalize else None
-    torch_loss(logps=x * w, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2,
-              loss_type=loss_type, max_tokens=4, normalizer=normalizer).backward()
+    torch_loss(
+        logps=x * w,
+        ref_logps=ref,
+        gen_logps=gen,
+        advantages=adv,
+        mask=mask,
+        beta=0.04,
+        clip_eps=0.2,
+        loss_type=loss_type,
+        max_tokens=4,
+        normalizer=normalizer,
+    ).backward()
     dist.all_reduce(w.grad)
     results.put((rank, (w.grad / world).tolist()))
     dist.destroy_process_group()
 
 
 def run_ranks(target, world, *args):
-    """`world` forked gloo ranks, each running target(rank, world, port, *args, results); {rank: what it put}."""
+    """`world` forked gloo ranks, each running target(rank, world, port, *args, results); {rank:
+    what it put}."""
     import multiprocessing as mp
 
     from conftest import free_port
 
     ctx, port = mp.get_context("fork"), free_port()
     results = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, world, port, *args, results)) for r in range(world)]
+    procs = [
+        ctx.Process(target=target, args=(r, world, port, *args, results)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     out = dict(results.get(timeout=60) for _ in procs)
@@ -380,8 +520,13 @@ def gradient_over_ranks(world, loss_type, normalize):
     g = torch.Generator().manual_seed(8)
     mask = torch.rand(7, 4, generator=g) > 0.3
     mask[:, 0] = True
-    data = (-torch.rand(7, 4, generator=g, dtype=torch.float64) * 2, -torch.rand(7, 4, generator=g).double(),
-            -torch.rand(7, 4, generator=g).double(), torch.randn(7, generator=g).double(), mask)
+    data = (
+        -torch.rand(7, 4, generator=g, dtype=torch.float64) * 2,
+        -torch.rand(7, 4, generator=g).double(),
+        -torch.rand(7, 4, generator=g).double(),
+        torch.randn(7, generator=g).double(),
+        mask,
+    )
     grads = run_ranks(_rank_gradient, world, data, loss_type, normalize)
     assert all(grads[r] == grads[0] for r in grads)  # the same averaged gradient on every rank
     return torch.tensor(grads[0])
@@ -392,7 +537,8 @@ def test_two_ranks_with_unequal_batches_give_the_gradient_of_one_rank_holding_al
     one = gradient_over_ranks(1, loss_type, normalize=True)
     two = gradient_over_ranks(2, loss_type, normalize=True)
     assert torch.allclose(one, two, atol=1e-12), (one, two)
-    own_counts = gradient_over_ranks(2, loss_type, normalize=False)  # each rank dividing by its own count
+    # each rank dividing by its own count
+    own_counts = gradient_over_ranks(2, loss_type, normalize=False)
     assert not torch.allclose(one, own_counts, atol=1e-3)
 
 
@@ -400,13 +546,18 @@ def test_k3_is_zero_at_the_reference_and_positive_elsewhere():
     x = torch.linspace(-3, 0, 7)
     assert k3(x, x).abs().max() == 0
     assert (k3(x, x + 0.3) > 0).all() and (k3(x, x - 0.3) > 0).all()
-    assert masked_mean(torch.ones(2, 3), torch.zeros(2, 3)).tolist() == [0.0, 0.0]  # empty row: no NaN
+    # empty row: no NaN
+    assert masked_mean(torch.ones(2, 3), torch.zeros(2, 3)).tolist() == [0.0, 0.0]
 
 
-# ----------------------------------------------------------------------------- wire format and batching
+# ------------------------------------------------------------------------- wire format and batching
 def test_encode_decode_round_trip_is_exact():
-    tensors = dict(input_ids=torch.randint(0, 100, (3, 7)), completion_mask=torch.rand(3, 4) > 0.5,
-                   advantages=torch.randn(3), gen_logps=torch.randn(3, 4))
+    tensors = dict(
+        input_ids=torch.randint(0, 100, (3, 7)),
+        completion_mask=torch.rand(3, 4) > 0.5,
+        advantages=torch.randn(3),
+        gen_logps=torch.randn(3, 4),
+    )
     meta = {"plen": 3, "temperature": 0.7, "note": "ünïcode"}
     back, back_meta = decode_batch(encode_batch(tensors, meta))
     assert back_meta == meta
@@ -416,17 +567,30 @@ def test_encode_decode_round_trip_is_exact():
 
 
 def test_collate_aligns_groups_of_different_lengths():
-    g1 = dict(input_ids=torch.tensor([[1, 2, 3, 10, 11], [1, 2, 3, 12, 13]]),
-              completion_mask=torch.ones(2, 2, dtype=torch.bool), advantages=torch.tensor([1.0, -1.0]),
-              ref_logps=torch.full((2, 2), -1.0), gen_logps=torch.full((2, 2), -2.0))
-    g2 = dict(input_ids=torch.tensor([[4, 20, 21, 22]]), completion_mask=torch.tensor([[True, True, False]]),
-              advantages=torch.tensor([0.5]), ref_logps=torch.full((1, 3), -3.0))
+    g1 = dict(
+        input_ids=torch.tensor([[1, 2, 3, 10, 11], [1, 2, 3, 12, 13]]),
+        completion_mask=torch.ones(2, 2, dtype=torch.bool),
+        advantages=torch.tensor([1.0, -1.0]),
+        ref_logps=torch.full((2, 2), -1.0),
+        gen_logps=torch.full((2, 2), -2.0),
+    )
+    g2 = dict(
+        input_ids=torch.tensor([[4, 20, 21, 22]]),
+        completion_mask=torch.tensor([[True, True, False]]),
+        advantages=torch.tensor([0.5]),
+        ref_logps=torch.full((1, 3), -3.0),
+    )
     b = collate([(g1, {"plen": 3}), (g2, {"plen": 1})], pad_id=0)
-    assert b.input_ids.tolist() == [[1, 2, 3, 10, 11, 0], [1, 2, 3, 12, 13, 0], [0, 0, 4, 20, 21, 22]]
+    assert b.input_ids.tolist() == [
+        [1, 2, 3, 10, 11, 0],
+        [1, 2, 3, 12, 13, 0],
+        [0, 0, 4, 20, 21, 22],
+    ]
     assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]]
     assert b.mask.int().tolist() == [[1, 1, 0], [1, 1, 0], [1, 1, 0]]
     assert b.ref_logps[2].tolist() == [-3.0] * 3 and b.ref_logps[0].tolist() == [-1.0, -1.0, 0.0]
-    assert b.gen_rows.tolist() == [True, True, False]  # a group sent without gen_logps: on-policy (ratio 1)
+    # a group sent without gen_logps: on-policy (ratio 1)
+    assert b.gen_rows.tolist() == [True, True, False]
     assert b.gen_logps[0].tolist()[:2] == [-2.0, -2.0] and b.gen_logps[2].tolist() == [0.0] * 3
     assert b.sampler_logps is None and b.sampler_rows is None  # no row has them
     only_g2 = collate([(g2, {"plen": 1})], pad_id=0)
@@ -443,21 +607,40 @@ def test_plot_curves_draws_each_metric(tmp_path):
     from features.curves import plot_curves
 
     path = tmp_path / "metrics.jsonl"
-    path.write_text(json.dumps({"step": 0, "eval_reward_correct": 0.1, "eval_reward_format": 0.0}) + "\n"
-                    + "".join(json.dumps({"step": s, "reward": s / 10, "reward_format": s / 20, "reward_correct": 0.5,
-                                          "kl": s / 100, "loss": 0.0}) + "\n" for s in range(1, 11))
-                    + json.dumps({"step": 10, "eval_reward_correct": 0.4, "eval_reward_format": 0.2}) + "\n")
+    path.write_text(
+        json.dumps({"step": 0, "eval_reward_correct": 0.1, "eval_reward_format": 0.0})
+        + "\n"
+        + "".join(
+            json.dumps(
+                {
+                    "step": s,
+                    "reward": s / 10,
+                    "reward_format": s / 20,
+                    "reward_correct": 0.5,
+                    "kl": s / 100,
+                    "loss": 0.0,
+                }
+            )
+            + "\n"
+            for s in range(1, 11)
+        )
+        + json.dumps({"step": 10, "eval_reward_correct": 0.4, "eval_reward_format": 0.2})
+        + "\n"
+    )
     png, panels = plot_curves(str(path), ["reward_correct", "reward_format"])
     assert png == str(tmp_path / "curves.png")
-    assert list(panels) == ["reward", "reward_correct", "reward_format", "kl"]  # the panels' titles, in order
-    assert panels["reward"] == (list(range(1, 11)), [s / 10 for s in range(1, 11)])  # the series itself, drawn
+    # the panels' titles, in order
+    assert list(panels) == ["reward", "reward_correct", "reward_format", "kl"]
+    # the series itself, drawn
+    assert panels["reward"] == (list(range(1, 11)), [s / 10 for s in range(1, 11)])
     assert panels["kl"] == (list(range(1, 11)), [s / 100 for s in range(1, 11)])
     assert panels["reward_format"][1] == [s / 20 for s in range(1, 11)]
     with Image.open(png) as f:
         img = f.convert("L")
     assert img.size == (1600, 320)
     quarters = [img.crop((400 * i, 40, 400 * (i + 1), 280)) for i in range(4)]
-    assert all(len(np.unique(np.asarray(q))) > 10 for q in quarters)  # a drawn line and axes in every panel
+    # a drawn line and axes in every panel
+    assert all(len(np.unique(np.asarray(q))) > 10 for q in quarters)
 
 
 def test_plot_curves_rejects_files_without_the_metrics(tmp_path):
@@ -481,7 +664,8 @@ def test_arithmetic_task_is_seeded_and_in_gsm8k_format():
 
 
 def test_held_out_questions_never_appear_in_training():
-    qs = [{"question": f"q{i % 30}", "gold": str(i)} for i in range(100)]  # many repeats, as in the built-in task
+    # many repeats, as in the built-in task
+    qs = [{"question": f"q{i % 30}", "gold": str(i)} for i in range(100)]
     train, held = split_held_out(qs, 10)
     assert held == qs[-10:]
     assert not {q["question"] for q in train} & {q["question"] for q in held}
@@ -491,14 +675,18 @@ def test_held_out_questions_never_appear_in_training():
 
 
 def _rank_weight_gap(rank, world, port, nudge, results):
-    """One gloo rank of two holding a small model; rank 1's weights nudged by `nudge`; weight_gap's answer."""
+    """One gloo rank of two holding a small model; rank 1's weights nudged by `nudge`; weight_gap's
+    answer."""
     import torch.distributed as dist
 
     from features.run_log import weight_gap
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))  # the same weights on both ranks
+    # the same weights on both ranks
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     if rank == 1:
         with torch.no_grad():
             model[1].bias[0] += nudge
@@ -508,8 +696,9 @@ def _rank_weight_gap(rank, world, port, nudge, results):
 
 @pytest.mark.parametrize("nudge", [0.0, 1e-3, 0.5])
 def test_weight_gap_shows_ranks_that_hold_different_weights(nudge):
-    """max_weight_gap is 0 only when every rank holds rank 0's weights: a rank whose weights drifted by `nudge`
-    in one parameter reports that difference (in float64, so even 1e-3 is read exactly enough)."""
+    """max_weight_gap is 0 only when every rank holds rank 0's weights: a rank whose weights drifted
+    by `nudge` in one parameter reports that difference (in float64, so even 1e-3 is read exactly
+    enough)."""
     gaps = run_ranks(_rank_weight_gap, 2, nudge)
     assert gaps[0] == 0.0  # rank 0 against itself
     assert gaps[1] == pytest.approx(nudge, rel=1e-4, abs=1e-9)

@@ -19,7 +19,8 @@ def questions(n):
 def test_weights_are_p_times_one_minus_p_and_follow_the_latest_group():
     sampler = QuestionSampler(questions(3), seed=0, mode="learnability")
     sampler.set_pass_rates({"q0": 0.25, "q1": 1.0})
-    assert [sampler.weight(q) for q in questions(3)] == [0.25 * 0.75, 0.0, 0.25]  # q2 unknown: p = 0.5
+    # q2 unknown: p = 0.5
+    assert [sampler.weight(q) for q in questions(3)] == [0.25 * 0.75, 0.0, 0.25]
     group = [{"question": "q1", "reward_correct": float(i < 3), "reward": 0.0} for i in range(8)]
     sampler.record(group, 8)
     assert sampler.pass_rates["q1"] == 3 / 8
@@ -51,27 +52,51 @@ def test_the_pass_is_stored_and_read_back_instead_of_measured_again(tmp_path):
         return [[True, False, False, False] for _ in part]
 
     asked = questions(5)
-    rates = pass_rates.measure(asked, answer_passes, output_dir=str(tmp_path), batch=2, rank=0, world=1)
+    rates = pass_rates.measure(
+        asked, answer_passes, output_dir=str(tmp_path), batch=2, rank=0, world=1
+    )
     assert rates == {f"q{i}": 0.25 for i in range(5)}
     assert calls == [["q0", "q1"], ["q2", "q3"], ["q4"]]
-    again = pass_rates.measure(asked, answer_passes, output_dir=str(tmp_path), batch=2, rank=0, world=1)
+    again = pass_rates.measure(
+        asked, answer_passes, output_dir=str(tmp_path), batch=2, rank=0, world=1
+    )
     assert again == rates and len(calls) == 3  # read from OUTPUT_DIR/pass_rates.json
     assert json.loads((tmp_path / "pass_rates.json").read_text())["rates"] == rates
 
 
-def test_a_learnability_run_measures_then_draws_only_measured_training_questions(tiny_model_dir, tmp_path):
+def test_a_learnability_run_measures_then_draws_only_measured_training_questions(
+    tiny_model_dir, tmp_path
+):
     """PASS_RATE_QUESTIONS=4 before step 1: pass_rates.json holds 4 training questions, none held
     out, each a share of NUM_PRE_Q; every question the run trains on is one of them."""
     dead = f"http://127.0.0.1:{free_port()}"
     out = tmp_path / "out"
-    run = train(tiny_model_dir, dead, out, 1, BETA=0, ALL_STEPS=2, EVAL_STEPS=0, SAMPLER="learnability",
-                PASS_RATE_QUESTIONS=4, Q_BATCH_SIZE=2, MAX_ROLLOUTS=40)
+    run = train(
+        tiny_model_dir,
+        dead,
+        out,
+        1,
+        BETA=0,
+        ALL_STEPS=2,
+        EVAL_STEPS=0,
+        SAMPLER="learnability",
+        PASS_RATE_QUESTIONS=4,
+        Q_BATCH_SIZE=2,
+        MAX_ROLLOUTS=40,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     rates = json.loads((out / "pass_rates.json").read_text())["rates"]
     assert len(rates) == 4 and all(r in (0, 0.25, 0.5, 0.75, 1.0) for r in rates.values())
-    held_out = {q["question"] for q in grpo.rewards.split_held_out(
-        grpo.rewards.load_questions(grpo.DATASET, grpo.SEED, grpo.ARITH_MAX), 8)[1]}
+    held_out = {
+        q["question"]
+        for q in grpo.rewards.split_held_out(
+            grpo.rewards.load_questions(grpo.DATASET, grpo.SEED, grpo.ARITH_MAX), 8
+        )[1]
+    }
     assert not set(rates) & held_out
-    trained = {json.loads(line)["question"] for line in (out / "completions.jsonl").read_text().splitlines()}
+    trained = {
+        json.loads(line)["question"]
+        for line in (out / "completions.jsonl").read_text().splitlines()
+    }
     assert trained and trained <= set(rates)
     assert len(metrics(out)[0]) == 2

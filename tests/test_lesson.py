@@ -1,5 +1,6 @@
-"""Issue 37's lesson: the plain definitions in grpo_ref_split.py equal the fast paths the default runs (value and
-gradient), and the rules a reader relies on hold (line widths and budgets, one-way imports, quiet libraries).
+"""Issue 37's lesson: the plain definitions in grpo_ref_split.py equal the fast paths the default
+runs (value and gradient), and the rules a reader relies on hold (line widths and budgets, one-way
+imports, quiet libraries).
 
     bash scripts/test.sh -k lesson
 """
@@ -28,7 +29,8 @@ ON_A_DEFAULT_STEP = ("features/fast_paths.py", "features/wire.py", "features/run
 
 @pytest.fixture
 def left_padded(tokenizer):
-    """A tiny Llama and 2 groups of 3 rows: prompts of different lengths (left-padded), then 5 answer tokens."""
+    """A tiny Llama and 2 groups of 3 rows: prompts of different lengths (left-padded), then 5
+    answer tokens."""
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -41,7 +43,14 @@ def left_padded(tokenizer):
             answer = torch.randint(5, 400, (5,), generator=g)
             pad = 6 - len(prompt)
             rows.append(torch.cat([torch.full((pad,), tokenizer.pad_token_id), prompt, answer]))
-            masks.append(torch.cat([torch.zeros(pad, dtype=torch.long), torch.ones(len(prompt) + 5, dtype=torch.long)]))
+            masks.append(
+                torch.cat(
+                    [
+                        torch.zeros(pad, dtype=torch.long),
+                        torch.ones(len(prompt) + 5, dtype=torch.long),
+                    ]
+                )
+            )
     return model, torch.stack(rows), torch.stack(masks)
 
 
@@ -52,16 +61,20 @@ def gradient_gap(got, want) -> float:
     and AVX-512 sum differently): held to 1e-4 of the norm. Element by element, a gradient near 0
     can differ by more than any relative tolerance."""
     gap = sum(((g - w) ** 2).sum() for g, w in zip(got, want)) ** 0.5
-    size = sum((w ** 2).sum() for w in want) ** 0.5
+    size = sum((w**2).sum() for w in want) ** 0.5
     return (gap / size).item()
 
 
-def test_the_plain_log_probs_equal_the_default_fast_path_in_value_and_gradient(left_padded, monkeypatch):
-    """per_token_logps (logits -> log_softmax(logits / T) -> gather) against what the default runs: one forward of
-    each shared prompt, chunks of the LM head from hidden states (features/fast_paths.py)."""
+def test_the_plain_log_probs_equal_the_default_fast_path_in_value_and_gradient(
+    left_padded, monkeypatch
+):
+    """per_token_logps (logits -> log_softmax(logits / T) -> gather) against what the default runs:
+    one forward of each shared prompt, chunks of the LM head from hidden states
+    (features/fast_paths.py)."""
     model, ids, attn = left_padded
     params = [p for p in model.parameters()]
-    weights = torch.randn(6, 5, generator=torch.Generator().manual_seed(2))  # a loss that weighs every token
+    # a loss that weighs every token
+    weights = torch.randn(6, 5, generator=torch.Generator().manual_seed(2))
     for name in ("SHARED_PREFIX", "LOGP_FROM_HIDDEN"):
         assert getattr(grpo.fast_paths, name)  # the default runs the fast path
     fast = grpo.logps_of(model, ids, attn, 5)  # (6, 5)
@@ -80,12 +93,21 @@ def test_the_plain_log_probs_equal_the_default_fast_path_in_value_and_gradient(l
 def test_with_every_fast_path_off_the_lessons_definition_is_what_trains(left_padded, monkeypatch):
     """The loss asks for the entropy too; with SHARED_PREFIX, LOGP_FROM_HIDDEN and LOGP_CHUNK off,
     per_token_logps still computes what it needs: features/fast_paths.py made to fail, a step's loss
-    and gradient come, equal to the default's fast path, and the entropy metric is the definition's."""
+    and gradient come, equal to the default's fast path, and the entropy metric is the
+    definition's."""
     model, ids, attn = left_padded
-    batch = grpo.Batch(input_ids=ids, attention_mask=attn, mask=torch.ones(6, 5, dtype=torch.bool),
-                       advantages=torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0]),
-                       ref_logps=torch.full((6, 5), -3.0), gen_logps=None, gen_rows=None,
-                       sampler_logps=None, sampler_rows=None, normalizer=6.0)
+    batch = grpo.Batch(
+        input_ids=ids,
+        attention_mask=attn,
+        mask=torch.ones(6, 5, dtype=torch.bool),
+        advantages=torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0]),
+        ref_logps=torch.full((6, 5), -3.0),
+        gen_logps=None,
+        gen_rows=None,
+        sampler_logps=None,
+        sampler_rows=None,
+        normalizer=6.0,
+    )
     params = list(model.parameters())
     fast_loss, fast_m = grpo.policy_loss(model, batch)
     fast_grads = torch.autograd.grad(fast_loss, params)
@@ -109,16 +131,40 @@ def test_with_every_fast_path_off_the_lessons_definition_is_what_trains(left_pad
 def test_the_lessons_group_advantages_are_the_features_for_group_scaling():
     scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 3.0, 3.0, 3.0, 0.5, 2.0, 0.0, 1.0])
     assert torch.equal(grpo.advantages_in_groups(scores, 4), group_advantages(scores, 4, "group"))
-    assert grpo.advantages_in_groups(scores, 4)[4:8].tolist() == [0.0] * 4  # all equal: nothing to learn
+    # all equal: nothing to learn
+    assert grpo.advantages_in_groups(scores, 4)[4:8].tolist() == [0.0] * 4
 
 
-# ----------------------------------------------------------------------------- rules a reader relies on
+# ------------------------------------------------------------------------- rules a reader relies on
 @pytest.mark.parametrize("name", READ_BY_PEOPLE + ON_A_DEFAULT_STEP)
-def test_lines_people_read_fit_in_100_columns_without_backslashes(name):
+def test_lines_people_read_have_no_backslash_continuations(name):
     lines = open(os.path.join(ROOT, name)).read().splitlines()
-    wide = [i + 1 for i, line in enumerate(lines) if len(line) > 100]
     continued = [i + 1 for i, line in enumerate(lines) if line.rstrip().endswith("\\")]
-    assert not wide and not continued, f"{name}: lines over 100 columns {wide}, backslash continuations {continued}"
+    assert not continued, f"{name}: backslash continuations {continued}"
+
+
+def project_code_files() -> list:
+    """Every file of code in the project: the Python and shell files at the top, in features/,
+    scripts/, bench/, tests/ and .ci/ (not .venv/ or downloads)."""
+    folders = ("", "features", "scripts", "bench", "tests", ".ci")
+    found = []
+    for folder in folders:
+        here = os.path.join(ROOT, folder)
+        found += [os.path.join(folder, name) for name in sorted(os.listdir(here))
+                  if name.endswith((".py", ".sh")) or folder == ".ci" and name == "run"]
+    return found
+
+
+def test_every_line_of_code_fits_in_100_columns():
+    """Issue 57: features/, scripts/, bench/ and tests/ too, not only the lesson's files."""
+    files = project_code_files()
+    assert "features/wire.py" in files and "tests/test_lesson.py" in files
+    assert "scripts/run_demo.sh" in files and "bench/lesson_path.py" in files
+    wide = []
+    for name in files:
+        lines = open(os.path.join(ROOT, name)).read().splitlines()
+        wide += [f"{name}:{i + 1}" for i, line in enumerate(lines) if len(line) > 100]
+    assert not wide, f"lines over 100 columns: {wide[:20]} ({len(wide)} in all)"
 
 
 def test_the_lesson_holds_its_own_settings_and_no_namespace_is_handed_out():
@@ -128,8 +174,13 @@ def test_the_lesson_holds_its_own_settings_and_no_namespace_is_handed_out():
     source = open(os.path.join(ROOT, "grpo_ref_split.py")).read()
     tree = ast.parse(source)
     override = next(n.lineno for n in tree.body if "apply_env_overrides" in ast.unparse(n))
-    settable = [t.id for n in tree.body if isinstance(n, ast.Assign) and n.lineno < override
-                for t in n.targets if isinstance(t, ast.Name) and t.id.isupper()]
+    settable = [
+        t.id
+        for n in tree.body
+        if isinstance(n, ast.Assign) and n.lineno < override
+        for t in n.targets
+        if isinstance(t, ast.Name) and t.id.isupper()
+    ]
     assert 30 <= len(settable) <= 40, settable
     for name in ("USE_VLLM", "LORA_RANK", "TOOLS", "SHARED_PREFIX", "EVAL_STEPS", "GENONLY"):
         assert name not in settable
@@ -148,21 +199,33 @@ def test_the_training_loop_reads_as_the_seven_steps():
     """main()'s loop over steps stays short enough to read at once, and names its steps."""
     tree = ast.parse(open(os.path.join(ROOT, "grpo_ref_split.py")).read())
     main = next(f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "main")
-    loop = next(n for n in ast.walk(main) if isinstance(n, ast.For) and getattr(n.target, "id", "") == "step")
+    loop = next(
+        n
+        for n in ast.walk(main)
+        if isinstance(n, ast.For) and getattr(n.target, "id", "") == "step"
+    )
     assert loop.end_lineno - loop.lineno + 1 <= 45
     text = ast.get_source_segment(open(os.path.join(ROOT, "grpo_ref_split.py")).read(), loop)
     for step in ("1. sample", "2-4.", "5. upload", "6-7."):
         assert step in text
 
 
-@pytest.mark.parametrize("module, forbidden", [
-    ("rewards", ("features", "grpo_ref_split", "ref_server")),  # the task stands alone
-    ("ref_server", ("grpo_ref_split", "rewards")),  # the server never imports the trainer or the task
-])
+@pytest.mark.parametrize(
+    "module, forbidden",
+    [
+        ("rewards", ("features", "grpo_ref_split", "ref_server")),  # the task stands alone
+        # the server never imports the trainer or the task
+        ("ref_server", ("grpo_ref_split", "rewards")),
+    ],
+)
 def test_imports_run_one_way(module, forbidden):
-    code = (f"import sys; import {module}; "
-            f"print(sorted(m for m in sys.modules if m.split('.')[0] in {forbidden!r}))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    code = (
+        f"import sys; import {module}; "
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {forbidden!r}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
 
@@ -171,8 +234,17 @@ def test_no_feature_module_imports_the_trainer():
     for name in os.listdir(os.path.join(ROOT, "features")):
         if name.endswith(".py"):
             tree = ast.parse(open(os.path.join(ROOT, "features", name)).read())
-            imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-            imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+            imported = {
+                alias.name
+                for node in ast.walk(tree)
+                if isinstance(node, ast.Import)
+                for alias in node.names
+            }
+            imported |= {
+                node.module
+                for node in ast.walk(tree)
+                if isinstance(node, ast.ImportFrom) and node.module
+            }
             assert "grpo_ref_split" not in imported, name
 
 
@@ -185,9 +257,15 @@ def test_quiet_raises_the_libraries_log_levels_unless_verbose():
         transformers_logging.set_verbosity_info()
         deepspeed_logger.setLevel(logging.INFO)
         quiet.quiet_libraries(verbose=True)  # VERBOSE: everything, as it comes
-        assert transformers_logging.get_verbosity() == logging.INFO and deepspeed_logger.level == logging.INFO
+        assert (
+            transformers_logging.get_verbosity() == logging.INFO
+            and deepspeed_logger.level == logging.INFO
+        )
         quiet.quiet_libraries(verbose=False)
-        assert transformers_logging.get_verbosity() == logging.ERROR and deepspeed_logger.level == logging.WARNING
+        assert (
+            transformers_logging.get_verbosity() == logging.ERROR
+            and deepspeed_logger.level == logging.WARNING
+        )
     finally:
         transformers_logging.set_verbosity(before[0])
         deepspeed_logger.setLevel(before[1])
@@ -198,14 +276,28 @@ def test_quiet_raises_the_libraries_log_levels_unless_verbose():
 def test_no_local_name_shadows_the_files_functions_or_modules_and_no_nested_conditionals(name):
     tree = ast.parse(open(os.path.join(ROOT, name)).read())
     top = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-    top |= {(a.asname or a.name).split(".")[0] for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
-            for a in n.names}
+    top |= {
+        (a.asname or a.name).split(".")[0]
+        for n in tree.body
+        if isinstance(n, (ast.Import, ast.ImportFrom))
+        for a in n.names
+    }
     shadows = []
     for fn in ast.walk(tree):
         if isinstance(fn, ast.FunctionDef):
             names = {a.arg for a in fn.args.args + fn.args.kwonlyargs + fn.args.posonlyargs}
-            names |= {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+            names |= {
+                n.id
+                for n in ast.walk(fn)
+                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+            }
             shadows += [f"{fn.name}: {n}" for n in sorted(names & top)]
-    nested = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.IfExp)
-              and any(c is not n and isinstance(c, ast.IfExp) for c in ast.walk(n))]
-    assert not shadows and not nested, f"{name}: shadowing {shadows}, nested conditional expressions {nested}"
+    nested = [
+        n.lineno
+        for n in ast.walk(tree)
+        if isinstance(n, ast.IfExp)
+        and any(c is not n and isinstance(c, ast.IfExp) for c in ast.walk(n))
+    ]
+    assert not shadows and not nested, (
+        f"{name}: shadowing {shadows}, nested conditional expressions {nested}"
+    )

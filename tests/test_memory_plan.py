@@ -13,15 +13,16 @@ from features import memory_plan
 
 def test_the_shape_counts_what_the_model_has_and_what_its_forward_saves(tiny_model_dir):
     """Parameters (tied ones once) and LoRA's trained ones as the built models count them; the bytes
-    saved for backward per token per layer at most 15% above a real fp32 forward's (never below), counted here by
-    storage address on real tensors."""
+    saved for backward per token per layer at most 15% above a real fp32 forward's (never below),
+    counted here by storage address on real tensors."""
     from transformers import AutoModelForCausalLM
 
     from features import lora
 
     shape = memory_plan.model_shape(str(tiny_model_dir))
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).train()
-    assert shape.params == sum(p.numel() for p in model.parameters())  # parameters() yields a tie once
+    # parameters() yields a tie once
+    assert shape.params == sum(p.numel() for p in model.parameters())
     assert shape.trainable == shape.params and shape.layers == model.config.num_hidden_layers
     weights = {p.data_ptr() for p in model.parameters()}
     saved = {}
@@ -35,7 +36,8 @@ def test_the_shape_counts_what_the_model_has_and_what_its_forward_saves(tiny_mod
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         model.get_decoder()(input_ids=torch.randint(100, 5000, (rows, length)))
     real = sum(saved.values()) / (rows * length * model.config.num_hidden_layers)
-    assert real <= shape.saved_per_token_fp32 <= 1.15 * real  # attention's plain path saves a little more
+    # attention's plain path saves a little more
+    assert real <= shape.saved_per_token_fp32 <= 1.15 * real
     adapted = lora.add_lora(model, rank=4, alpha=8, targets="all-linear", seed=0)
     lora_shape = memory_plan.model_shape(str(tiny_model_dir), lora_rank=4)
     assert lora_shape.trainable == sum(p.numel() for p in adapted.parameters() if p.requires_grad)
@@ -63,8 +65,16 @@ def test_model_states_follow_deepspeeds_zero2_arithmetic():
 def test_activations_follow_the_micro_batch_and_checkpointing():
     """Tokens of one forward: a micro-batch's groups, each prompt once with SHARED_PREFIX; with
     gradient checkpointing, each layer's input and one layer's saved tensors."""
-    shape = memory_plan.ModelShape(params=10, trainable=10, layers=4, hidden=8, kv_width=4, vocab=16,
-                                   saved_per_token=100.0, saved_per_token_fp32=200.0)
+    shape = memory_plan.ModelShape(
+        params=10,
+        trainable=10,
+        layers=4,
+        hidden=8,
+        kv_width=4,
+        vocab=16,
+        saved_per_token=100.0,
+        saved_per_token_fp32=200.0,
+    )
     base = dict(q_batch_size=4, num_pre_q=8, prompt_tokens=10, max_new_tokens=20)
     whole = memory_plan.plan(shape, memory_plan.Setting(**base), 10**12)
     tokens = 4 * 10 + 4 * 8 * 20
@@ -82,7 +92,9 @@ def test_a_setting_that_cannot_fit_stops_before_any_weight_loads(tiny_model_dir,
     stops with advice; no weights were loaded and OUTPUT_DIR holds nothing."""
     out = tmp_path / "out"
     env = trainer_env(tiny_model_dir, f"http://127.0.0.1:{free_port()}", out, MAX_NEW_TOKENS=10**7)
-    run = subprocess.run(trainer_cmd(1), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        trainer_cmd(1), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     text = run.stdout + run.stderr
     assert run.returncode != 0
     assert "does not fit" in text and "activations of" in text
@@ -94,12 +106,21 @@ def test_a_setting_that_cannot_fit_stops_before_any_weight_loads(tiny_model_dir,
 def test_vllm_takes_its_share_of_a_gpu_and_its_weights_and_cache_on_a_cpu():
     """GPU: VLLM_GPU_MEMORY of the device, held through the step. CPU: its own fp32 weights and
     VLLM_CPU_KV_GB of cache, not a share of the machine's RAM."""
-    shape = memory_plan.ModelShape(params=1000, trainable=1000, layers=2, hidden=8, kv_width=4,
-                                   vocab=16, saved_per_token=1.0, saved_per_token_fp32=2.0)
+    shape = memory_plan.ModelShape(
+        params=1000,
+        trainable=1000,
+        layers=2,
+        hidden=8,
+        kv_width=4,
+        vocab=16,
+        saved_per_token=1.0,
+        saved_per_token_fp32=2.0,
+    )
     gpu = memory_plan.plan(shape, memory_plan.Setting(use_vllm=True, vllm_gpu_memory=0.3), 10**10)
     assert gpu[4].trainer == 3 * 10**9
-    cpu = memory_plan.plan(shape, memory_plan.Setting(use_vllm=True, bf16=False, vllm_cpu_kv_gb=2.0),
-                           10**10)
+    cpu = memory_plan.plan(
+        shape, memory_plan.Setting(use_vllm=True, bf16=False, vllm_cpu_kv_gb=2.0), 10**10
+    )
     assert cpu[4].trainer == 4 * 1000 + 2 * 2**30
 
 
@@ -108,11 +129,23 @@ def test_the_verdict_reads_the_cpu_column_and_the_ds_configs_bucket(tmp_path):
     168 GB of CPU state (DeepSpeed's estimate) does not fit a host with 64 GiB of RAM, and does fit
     one with 512 GiB. On CPU ranks the offloaded state counts in the rank's own RAM share. The
     gradient bucket is DS_CONFIG's reduce_bucket_size when it sets one."""
-    shape = memory_plan.ModelShape(params=7_600_000_000, trainable=7_600_000_000, layers=28,
-                                   hidden=3584, kv_width=512, vocab=152064, saved_per_token=1.0,
-                                   saved_per_token_fp32=1.0)
-    offload = memory_plan.Setting(offload_optimizer=True, gradient_checkpointing=True,
-                                  train_micro_batch=1, max_new_tokens=512, prompt_tokens=256)
+    shape = memory_plan.ModelShape(
+        params=7_600_000_000,
+        trainable=7_600_000_000,
+        layers=28,
+        hidden=3584,
+        kv_width=512,
+        vocab=152064,
+        saved_per_token=1.0,
+        saved_per_token_fp32=1.0,
+    )
+    offload = memory_plan.Setting(
+        offload_optimizer=True,
+        gradient_checkpointing=True,
+        train_micro_batch=1,
+        max_new_tokens=512,
+        prompt_tokens=256,
+    )
     rows = memory_plan.plan(shape, offload, 80 * 10**9)
     assert rows[-1].cpu == 16 * 7.6e9 * 1.5
     assert memory_plan.verdict(rows, 80 * 10**9) == "fits"

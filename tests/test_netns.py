@@ -89,15 +89,21 @@ def test_a_worker_whose_link_goes_down_mid_transfer_ends_on_the_whole_version(tw
     published, fetched, progress = (tmp_path / n for n in ("published.json", "fetched.json",
                                                            "progress.json"))
     script = PUBLISHER.format(root=ROOT, host=addresses["trainer"], port=port, out=str(published))
-    trainer = subprocess.Popen(["ip", "netns", "exec", names["trainer"], sys.executable, "-c", script],
-                               start_new_session=True, stderr=open(tmp_path / "trainer.log", "w"))
+    trainer = subprocess.Popen(
+        ["ip", "netns", "exec", names["trainer"], sys.executable, "-c", script],
+        start_new_session=True,
+        stderr=open(tmp_path / "trainer.log", "w"),
+    )
     worker = None
     try:
         wait_for(published.exists, timeout=120)
         url = f"http://{addresses['trainer']}:{port}"
         script = FETCHER.format(root=ROOT, url=url, out=str(fetched), progress=str(progress))
-        worker = subprocess.Popen(["ip", "netns", "exec", names["worker"], sys.executable, "-c", script],
-                                  start_new_session=True, stderr=open(tmp_path / "worker.log", "w"))
+        worker = subprocess.Popen(
+            ["ip", "netns", "exec", names["worker"], sys.executable, "-c", script],
+            start_new_session=True,
+            stderr=open(tmp_path / "worker.log", "w"),
+        )
 
         def fraction():
             try:
@@ -127,10 +133,14 @@ def test_a_worker_whose_link_goes_down_mid_transfer_ends_on_the_whole_version(tw
 def start_on(namespace, command, log_path, procs, **env):
     """`command` in network namespace `namespace`, its output to log_path, added to procs (the
     test kills them all at its end)."""
-    proc = subprocess.Popen(["ip", "netns", "exec", namespace, *command], cwd=ROOT,
-                            env={**os.environ, **{k: str(v) for k, v in env.items()}},
-                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", namespace, *command],
+        cwd=ROOT,
+        env={**os.environ, **{k: str(v) for k, v in env.items()}},
+        stdout=open(log_path, "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     procs.append(proc)
     return proc
 
@@ -168,7 +178,8 @@ def four_hosts():
 
 
 def test_a_run_on_four_hosts_loses_a_reference_server_and_drops_a_stale_worker(
-        four_hosts, tiny_model_dir, tmp_path):
+    four_hosts, tiny_model_dir, tmp_path
+):
     """A trainer, two reference servers and a worker on four hosts. Server A is killed once step 1
     is logged: the run finishes on B, every step training exactly its own groups that had reward
     variance (none lost, none twice). The worker never gets new weights (its OUTPUT_DIR is its
@@ -181,8 +192,14 @@ def test_a_run_on_four_hosts_loses_a_reference_server_and_drops_a_stale_worker(
 
     try:
         for host in ("ref_a", "ref_b"):
-            servers[host] = run_on(host, [sys.executable, "ref_server.py"], f"{host}.log",
-                                   MODEL_PATH=tiny_model_dir, HOST=addresses[host], PORT=59875)
+            servers[host] = run_on(
+                host,
+                [sys.executable, "ref_server.py"],
+                f"{host}.log",
+                MODEL_PATH=tiny_model_dir,
+                HOST=addresses[host],
+                PORT=59875,
+            )
         urls = ",".join(f"http://{addresses[host]}:59875" for host in ("ref_a", "ref_b"))
 
         def both_up():
@@ -190,24 +207,42 @@ def test_a_run_on_four_hosts_loses_a_reference_server_and_drops_a_stale_worker(
                 return all(requests.get(url + "/health", timeout=2).ok for url in urls.split(","))
             except requests.RequestException:
                 return False
+
         wait_for(both_up, timeout=180)
         out = tmp_path / "out"
         settings = dict(ALL_STEPS=5, SAVE_STEPS=0, EVAL_STEPS=0, MAX_STALENESS=1, EXTRA_GROUPS=2)
-        worker = run_on("worker", [sys.executable, "grpo_ref_split.py", "genonly"], "worker.log",
-                        **trainer_env(tiny_model_dir, urls, tmp_path / "worker_out",
-                                      WORKER_MAX_QUEUED=4, **settings))
-        trainer = run_on("trainer", trainer_cmd(1), "trainer.log",
-                         **trainer_env(tiny_model_dir, urls, out, **settings))
-        wait_for(lambda: (out / "metrics.jsonl").exists() and any(
-            "answers_trained" in line for line in (out / "metrics.jsonl").read_text().splitlines()),
-            timeout=400)
+        worker = run_on(
+            "worker",
+            [sys.executable, "grpo_ref_split.py", "genonly"],
+            "worker.log",
+            **trainer_env(
+                tiny_model_dir, urls, tmp_path / "worker_out", WORKER_MAX_QUEUED=4, **settings
+            ),
+        )
+        trainer = run_on(
+            "trainer",
+            trainer_cmd(1),
+            "trainer.log",
+            **trainer_env(tiny_model_dir, urls, out, **settings),
+        )
+        wait_for(
+            lambda: (
+                (out / "metrics.jsonl").exists()
+                and any(
+                    "answers_trained" in line
+                    for line in (out / "metrics.jsonl").read_text().splitlines()
+                )
+            ),
+            timeout=400,
+        )
         kill_group(servers["ref_a"])  # mid-run, with whatever it held
         assert trainer.wait(timeout=500) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
         assert worker.poll() is None  # still generating, against B
         steps, _ = metrics(out)
         assert [m["step"] for m in steps] == [1, 2, 3, 4, 5]
         for m in steps:
-            own = round(m["answers_generated"] * (1 - m["zero_var_groups"]))  # varied groups' answers
+            # varied groups' answers
+            own = round(m["answers_generated"] * (1 - m["zero_var_groups"]))
             if m["step"] >= 3:  # the worker's groups are 2 or more versions behind: none trains
                 assert m["answers_trained"] == own, m
             else:
@@ -259,7 +294,8 @@ while True:
 
 @pytest.mark.parametrize("fault", ["die", "slow"])
 def test_groups_through_a_server_killed_mid_answer_or_slow_past_failover_come_back_once(
-        fault, four_hosts, tiny_model_dir, tmp_path, monkeypatch, capfd):
+    fault, four_hosts, tiny_model_dir, tmp_path, monkeypatch, capfd
+):
     """Two reference servers on their own hosts; this process uploads 8 steps of 2 groups (8 x 300
     tokens) through RefClient. 'die': server A's host is killed in the middle of its first group
     answer. 'slow': A answers uploads 4 s late for its first 8 s (alive, past the 2 s failover
@@ -278,22 +314,47 @@ def test_groups_through_a_server_killed_mid_answer_or_slow_past_failover_come_ba
 
     try:
         for host in ("ref_a", "ref_b"):
-            run_on(host, [sys.executable, "ref_server.py"], f"{host}.log",
-                   MODEL_PATH=tiny_model_dir, HOST="127.0.0.1", PORT=59870)
+            run_on(
+                host,
+                [sys.executable, "ref_server.py"],
+                f"{host}.log",
+                MODEL_PATH=tiny_model_dir,
+                HOST="127.0.0.1",
+                PORT=59870,
+            )
         urls = [f"http://{addresses[host]}:59875" for host in ("ref_a", "ref_b")]
-        wait_for(lambda: all((tmp_path / f"{h}.log").read_text().count("ready on") for h in
-                             ("ref_a", "ref_b")), timeout=180)
+        wait_for(
+            lambda: all(
+                (tmp_path / f"{h}.log").read_text().count("ready on") for h in ("ref_a", "ref_b")
+            ),
+            timeout=180,
+        )
         limit = 5000 if fault == "die" else 8
-        run_on("ref_a", [sys.executable, "-c", RELAY.format(listen=addresses["ref_a"],
-               upstream=59870, mode=fault, limit=limit)], "relay_a.log")
-        run_on("ref_b", [sys.executable, "-c", RELAY.format(listen=addresses["ref_b"],
-               upstream=59870, mode="pass", limit=0)], "relay_b.log")
+        run_on(
+            "ref_a",
+            [
+                sys.executable,
+                "-c",
+                RELAY.format(listen=addresses["ref_a"], upstream=59870, mode=fault, limit=limit),
+            ],
+            "relay_a.log",
+        )
+        run_on(
+            "ref_b",
+            [
+                sys.executable,
+                "-c",
+                RELAY.format(listen=addresses["ref_b"], upstream=59870, mode="pass", limit=0),
+            ],
+            "relay_b.log",
+        )
 
         def both_up():
             try:
                 return all(requests.get(url + "/health", timeout=8).ok for url in urls)
             except requests.RequestException:
                 return False
+
         wait_for(both_up, timeout=60)
         client = server_client.RefClient(",".join(urls), timeout=120)
         sent, back = {}, []

@@ -1,5 +1,6 @@
-"""Issue 30's objectives and sampling rules, each against a hand computation: Dr. GRPO's loss, the reward scalings,
-the mismatch modes, the entropy from the chunked pass, pass@k, the difficulty-aware sampler and the rollout bound.
+"""Issue 30's objectives and sampling rules, each against a hand computation: Dr. GRPO's loss, the
+reward scalings, the mismatch modes, the entropy from the chunked pass, pass@k, the difficulty-aware
+sampler and the rollout bound.
 
     bash scripts/test.sh -k objectives
 """
@@ -14,7 +15,16 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import grpo_ref_split as grpo
-from conftest import ROOT, ServerProcess, free_port, kill_group, metrics, train, trainer_env, wait_for
+from conftest import (
+    ROOT,
+    ServerProcess,
+    free_port,
+    kill_group,
+    metrics,
+    train,
+    trainer_env,
+    wait_for,
+)
 from features import env_overrides, fast_paths, question_sampler
 from features.advantages import group_advantages, scale_to_step
 from features.evaluation import pass_at_k, sampled_scores
@@ -26,7 +36,8 @@ from reference_loss import torch_loss
 
 # ----------------------------------------------------------------------------- Dr. GRPO
 def lengths_batch():
-    """Three answers of 4, 2 and 1 tokens (T = 4), on-policy (ratio 1), beta 0: each token's loss is -A."""
+    """Three answers of 4, 2 and 1 tokens (T = 4), on-policy (ratio 1), beta 0: each token's loss is
+    -A."""
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)  # (3, 4)
     logps = (-torch.rand(3, 4, generator=torch.Generator().manual_seed(0))).requires_grad_()
     return logps, mask, torch.tensor([1.0, -2.0, 0.5])
@@ -37,14 +48,17 @@ def test_dr_grpo_sums_tokens_over_a_constant_and_differs_from_grpo_by_each_answe
     kw = dict(ref_logps=None, gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2)
     dr = torch_loss(logps=logps, loss_type="dr_grpo", max_tokens=8, **kw)
     (g_dr,) = torch.autograd.grad(dr, logps)
-    assert dr.item() == pytest.approx(-(4 * 1.0 + 2 * -2.0 + 1 * 0.5) / (3 * 8))  # token sum / (G x MAX_NEW_TOKENS)
-    want = torch.where(mask, -adv[:, None] / (3 * 8), 0.0)  # every token 1 / (G L), whatever its answer's length
+    # token sum / (G x MAX_NEW_TOKENS)
+    assert dr.item() == pytest.approx(-(4 * 1.0 + 2 * -2.0 + 1 * 0.5) / (3 * 8))
+    # every token 1 / (G L), whatever its answer's length
+    want = torch.where(mask, -adv[:, None] / (3 * 8), 0.0)
     assert torch.allclose(g_dr, want)
     gr = torch_loss(logps=logps, loss_type="grpo", **kw)
     (g_grpo,) = torch.autograd.grad(gr, logps)
-    assert gr.item() == pytest.approx(-(1.0 - 2.0 + 0.5) / 3)  # GRPO: each answer's token mean, then the mean
-    # The paper's point (arXiv 2503.20783, sec. 3.1): GRPO's token weight 1 / (G |o_i|) favours short answers;
-    # Dr. GRPO's is 1 / (G L). Per token the gradients differ by exactly |o_i| / L.
+    # GRPO: each answer's token mean, then the mean
+    assert gr.item() == pytest.approx(-(1.0 - 2.0 + 0.5) / 3)
+    # The paper's point (arXiv 2503.20783, sec. 3.1): GRPO's token weight 1 / (G |o_i|) favours
+    # short answers; Dr. GRPO's is 1 / (G L). Per token the gradients differ by exactly |o_i| / L.
     length = mask.sum(1, keepdim=True).float()  # (3, 1)
     assert torch.allclose(torch.where(mask, g_grpo * length / 8, 0.0), g_dr)
     dapo = torch_loss(logps=logps, loss_type="dapo", **kw)
@@ -53,16 +67,29 @@ def test_dr_grpo_sums_tokens_over_a_constant_and_differs_from_grpo_by_each_answe
 
 def test_dr_grpo_normalizer_counts_answers_of_every_rank():
     logps, mask, adv = lengths_batch()
-    kw = dict(ref_logps=None, gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2, max_tokens=8)
+    kw = dict(
+        ref_logps=None,
+        gen_logps=None,
+        advantages=adv,
+        mask=mask,
+        beta=0.0,
+        clip_eps=0.2,
+        max_tokens=8,
+    )
     alone = torch_loss(logps=logps, loss_type="dr_grpo", **kw)
-    shared = torch_loss(logps=logps, loss_type="dr_grpo", normalizer=6.0, **kw)  # 6 answers over the ranks / world
+    # 6 answers over the ranks / world
+    shared = torch_loss(logps=logps, loss_type="dr_grpo", normalizer=6.0, **kw)
     assert shared.item() == pytest.approx(alone.item() * 3 / 6)
 
 
 def test_the_loss_refuses_unknown_types_and_modes():
     logps, mask, adv = lengths_batch()
     kw = dict(ref_logps=None, gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2)
-    for bad in (dict(loss_type="dr-grpo"), dict(tis_mode="sequence"), dict(loss_type="dr_grpo", max_tokens=0)):
+    for bad in (
+        dict(loss_type="dr-grpo"),
+        dict(tis_mode="sequence"),
+        dict(loss_type="dr_grpo", max_tokens=0),
+    ):
         with pytest.raises(ValueError, match="loss_type"):
             torch_loss(logps=logps, **kw, **bad)
 
@@ -75,47 +102,71 @@ def test_each_reward_scaling_by_hand():
     batch = math.sqrt(sum((x - 0.875) ** 2 for x in r.tolist()) / 7)  # unbiased std of all 8
     eps = 1e-4
     assert torch.allclose(group_advantages(r, 4, "none"), torch.tensor(centred))
-    assert torch.allclose(group_advantages(r, 4, "group"),
-                          torch.tensor([c / ((g1 if i < 4 else g2) + eps) for i, c in enumerate(centred)]))
-    assert torch.allclose(group_advantages(r, 4, "batch", batch_std=batch),
-                          torch.tensor([c / (batch + eps) for c in centred]))
-    assert torch.allclose(group_advantages(r[:4], 4, "batch", batch_std=batch),  # one group, the step's std
-                          torch.tensor([c / (batch + eps) for c in centred[:4]]))
-    assert torch.allclose(scale_to_step([({"rewards": r[:4]}, {}), ({"rewards": r[4:]}, {})], torch.zeros(0),
-                                        "cpu")[1][0]["advantages"], torch.tensor([c / (batch + eps) for c in centred[4:]]))
+    assert torch.allclose(
+        group_advantages(r, 4, "group"),
+        torch.tensor([c / ((g1 if i < 4 else g2) + eps) for i, c in enumerate(centred)]),
+    )
+    assert torch.allclose(
+        group_advantages(r, 4, "batch", batch_std=batch),
+        torch.tensor([c / (batch + eps) for c in centred]),
+    )
+    # one group, the step's std
+    assert torch.allclose(
+        group_advantages(r[:4], 4, "batch", batch_std=batch),
+        torch.tensor([c / (batch + eps) for c in centred[:4]]),
+    )
+    assert torch.allclose(
+        scale_to_step([({"rewards": r[:4]}, {}), ({"rewards": r[4:]}, {})], torch.zeros(0), "cpu")[
+            1
+        ][0]["advantages"],
+        torch.tensor([c / (batch + eps) for c in centred[4:]]),
+    )
     with pytest.raises(ValueError, match="SCALE_REWARDS"):
         group_advantages(r, 4, "batch_std")
-    with pytest.raises(ValueError, match="needs batch_std"):  # only the trainer knows the step's std
+    # only the trainer knows the step's std
+    with pytest.raises(ValueError, match="needs batch_std"):
         group_advantages(r, 4, "batch")
 
 
 def test_a_regrouped_group_keeps_the_rollouts_reward_scaling():
-    """The server recomputes a regrouped group's advantages with the scaling its uploads name (meta): no std
-    division for Dr. GRPO's "none"; for "batch" only centred, since the trainer divides by its step's std."""
+    """The server recomputes a regrouped group's advantages with the scaling its uploads name
+    (meta): no std division for Dr. GRPO's "none"; for "batch" only centred, since the trainer
+    divides by its step's std."""
+
     def regrouped(meta):
         pool = RegroupPool(pool_size=8, questions=4)
         ids = torch.randint(0, 50, (4, 7), generator=torch.Generator().manual_seed(1))
         ids[:, :3] = ids[0, :3]
-        first = dict(input_ids=ids, completion_mask=torch.ones(4, 4, dtype=torch.bool), rewards=torch.zeros(4),
-                     advantages=torch.zeros(4))
+        first = dict(
+            input_ids=ids,
+            completion_mask=torch.ones(4, 4, dtype=torch.bool),
+            rewards=torch.zeros(4),
+            advantages=torch.zeros(4),
+        )
         assert pool.add(first, {"plen": 3, **meta}) is None  # equal rewards: held back
         second = dict(first, rewards=torch.tensor([2.0, 2.0, 2.0, 2.0]))
         return pool.add(second, {"plen": 3, **meta})[0]
-    for meta, scale in ((dict(scale_rewards="none"), 1.0), (dict(scale_rewards="batch"), 1.0),
-                        ({}, None)):
+
+    for meta, scale in (
+        (dict(scale_rewards="none"), 1.0),
+        (dict(scale_rewards="batch"), 1.0),
+        ({}, None),
+    ):
         out = regrouped(meta)
         want = out["rewards"] - out["rewards"].mean()  # (4,)
-        scale = out["rewards"].std().item() + 1e-4 if scale is None else scale  # no field: GRPO's group std
+        # no field: GRPO's group std
+        scale = out["rewards"].std().item() + 1e-4 if scale is None else scale
         assert torch.allclose(out["advantages"], want / scale)
 
 
 # ----------------------------------------------------------------------------- mismatch modes
 def test_each_mismatch_mode_weighs_tokens_and_answers_by_hand():
-    """rho = pi_old / pi_vllm per token. Answer 0 has a token below 1/2 and answer 1 one above 2 (the band for cap 2);
-    answers 2 and 3 have every token inside it, but their products lie above and below it; row 4 was not sampled
-    by vLLM (weight 1, whatever its values)."""
-    log_rho = torch.tensor([[0.1, -0.9, 0.3], [0.2, 1.0, -0.1], [0.5, 0.4, 0.3], [-0.3, -0.3, -0.3],
-                            [5.0, 5.0, 5.0]])  # (5, 3)
+    """rho = pi_old / pi_vllm per token. Answer 0 has a token below 1/2 and answer 1 one above 2
+    (the band for cap 2); answers 2 and 3 have every token inside it, but their products lie above
+    and below it; row 4 was not sampled by vLLM (weight 1, whatever its values)."""
+    log_rho = torch.tensor(
+        [[0.1, -0.9, 0.3], [0.2, 1.0, -0.1], [0.5, 0.4, 0.3], [-0.3, -0.3, -0.3], [5.0, 5.0, 5.0]]
+    )  # (5, 3)
     old = torch.zeros(5, 3)
     sampler = old - log_rho
     mask = torch.ones(5, 3, dtype=torch.bool)
@@ -124,29 +175,46 @@ def test_each_mismatch_mode_weighs_tokens_and_answers_by_hand():
     rho = log_rho.exp()
     w = lambda mode: mismatch_weights(old, sampler, rows, mask, mode=mode, cap=2.0)  # noqa: E731
     ones = torch.ones(3)
-    assert torch.allclose(w("token_truncate")[:4], rho[:4].clamp(max=2.0)) and torch.equal(w("token_truncate")[4], ones)
+    assert torch.allclose(w("token_truncate")[:4], rho[:4].clamp(max=2.0)) and torch.equal(
+        w("token_truncate")[4], ones
+    )
     tm = w("token_mask")
-    assert tm[0, 1] == 0 and tm[1, 1] == 0  # e^-0.9 = 0.41 < 1/2 and e^1 = 2.72 > 2: those tokens only
+    # e^-0.9 = 0.41 < 1/2 and e^1 = 2.72 > 2: those tokens only
+    assert tm[0, 1] == 0 and tm[1, 1] == 0
     keep = torch.ones(5, 3, dtype=torch.bool)
     keep[0, 1] = keep[1, 1] = False
     assert torch.allclose(tm[:4][keep[:4]], rho[:4][keep[:4]]) and torch.equal(tm[4], ones)
-    seq = [math.exp(sum(r)) for r in log_rho.tolist()[:4]]  # e^-0.5, e^1.1, e^1.2, e^-0.9: the answers' ratios
-    assert torch.allclose(w("sequence_truncate")[:4], torch.tensor(seq)[:, None].clamp(max=2.0).expand(4, 3))
+    # e^-0.5, e^1.1, e^1.2, e^-0.9: the answers' ratios
+    seq = [math.exp(sum(r)) for r in log_rho.tolist()[:4]]
+    assert torch.allclose(
+        w("sequence_truncate")[:4], torch.tensor(seq)[:, None].clamp(max=2.0).expand(4, 3)
+    )
     sm = w("sequence_mask")
-    assert torch.allclose(sm[0], torch.full((3,), seq[0])) and (sm[1:4] == 0).all()  # 3.0, 3.3 and 0.41: out whole
+    # 3.0, 3.3 and 0.41: out whole
+    assert torch.allclose(sm[0], torch.full((3,), seq[0])) and (sm[1:4] == 0).all()
     assert torch.equal(sm[4], ones)
 
 
 def test_a_masked_answer_leaves_the_loss_and_its_gradient():
-    log_rho = torch.tensor([[0.1, 0.2], [1.5, 0.0]])  # answer 1's token 0: rho 4.5, outside [0.5, 2]
+    # answer 1's token 0: rho 4.5, outside [0.5, 2]
+    log_rho = torch.tensor([[0.1, 0.2], [1.5, 0.0]])
     logps = torch.full((2, 2), -1.0, requires_grad=True)
-    kw = dict(ref_logps=None, gen_logps=None, advantages=torch.tensor([1.0, -1.0]), mask=torch.ones(2, 2).bool(),
-              beta=0.0, clip_eps=0.2, sampler_logps=logps.detach() - log_rho, tis_cap=2.0)
+    kw = dict(
+        ref_logps=None,
+        gen_logps=None,
+        advantages=torch.tensor([1.0, -1.0]),
+        mask=torch.ones(2, 2).bool(),
+        beta=0.0,
+        clip_eps=0.2,
+        sampler_logps=logps.detach() - log_rho,
+        tis_cap=2.0,
+    )
     loss = torch_loss(logps=logps, tis_mode="sequence_mask", **kw)
     (g,) = torch.autograd.grad(loss, logps)
     assert (g[1] == 0).all() and (g[0] != 0).all()  # the whole answer 1 is out
     seq = math.exp(0.3)
-    assert loss.item() == pytest.approx(-(seq * 1.0 + seq * 1.0) / 2 / 2)  # answer 0's mean, over 2 answers
+    # answer 0's mean, over 2 answers
+    assert loss.item() == pytest.approx(-(seq * 1.0 + seq * 1.0) / 2 / 2)
 
 
 # ----------------------------------------------------------------------------- entropy
@@ -159,7 +227,7 @@ class Sizes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in (out if isinstance(out, (tuple, list)) else [out]):
+        for t in out if isinstance(out, (tuple, list)) else [out]:
             if isinstance(t, torch.Tensor):
                 self.largest = max(self.largest, t.numel())
         return out
@@ -171,15 +239,21 @@ def test_entropy_from_the_chunked_pass_equals_the_full_logits_and_never_makes_th
     g = torch.Generator().manual_seed(5)
     hidden, weight = torch.randn(B, T, H, generator=g), torch.randn(V, H, generator=g) * 0.5
     ids = torch.randint(0, V, (B, T), generator=g)
-    full = torch.log_softmax(hidden @ weight.T / temperature, -1)  # (B, T, V) the direct computation
+    # (B, T, V) the direct computation
+    full = torch.log_softmax(hidden @ weight.T / temperature, -1)
     want = -(full.exp() * full).sum(-1)  # (B, T)
     with Sizes() as sizes:
-        logps, entropy = fast_paths.hidden_logps(hidden, weight, ids, temperature, chunk=4, with_entropy=True)
-    assert torch.allclose(entropy, want, atol=1e-5) and torch.allclose(logps, full.gather(-1, ids[..., None])[..., 0])
+        logps, entropy = fast_paths.hidden_logps(
+            hidden, weight, ids, temperature, chunk=4, with_entropy=True
+        )
+    assert torch.allclose(entropy, want, atol=1e-5) and torch.allclose(
+        logps, full.gather(-1, ids[..., None])[..., 0]
+    )
     assert sizes.largest < B * T * V  # chunks of (4, V) and the (V, H) weight: never (B, T, V)
     assert sizes.largest <= max(4 * V, V * H)
     logits = hidden @ weight.T
-    chunked = fast_paths.chunked_logps(logits, ids, temperature, chunk=3, with_entropy=True)[1]  # the logits path
+    # the logits path
+    chunked = fast_paths.chunked_logps(logits, ids, temperature, chunk=3, with_entropy=True)[1]
     plain = fast_paths.chunked_logps(logits, ids, temperature, chunk=0, with_entropy=True)[1]
     assert torch.allclose(chunked, want, atol=1e-5) and torch.allclose(plain, want, atol=1e-5)
 
@@ -188,7 +262,9 @@ def test_entropy_is_log_v_for_a_uniform_policy_and_zero_for_a_certain_one():
     ids = torch.zeros(1, 2, dtype=torch.long)
     logits = torch.stack([torch.zeros(10), torch.tensor([100.0] + [0.0] * 9)])[None]  # (1, 2, 10)
     entropy = fast_paths.chunked_logps(logits, ids, 1.0, chunk=1, with_entropy=True)[1]
-    assert entropy[0, 0].item() == pytest.approx(math.log(10)) and entropy[0, 1].item() == pytest.approx(0, abs=1e-6)
+    assert entropy[0, 0].item() == pytest.approx(math.log(10)) and entropy[
+        0, 1
+    ].item() == pytest.approx(0, abs=1e-6)
 
 
 # ----------------------------------------------------------------------------- pass@k
@@ -199,7 +275,9 @@ def pass_at_k_by_enumeration(n, c, k):
     return sum(any(samples[i] for i in s) for s in subsets) / len(subsets)
 
 
-@pytest.mark.parametrize("n, c, k", [(4, 0, 2), (4, 1, 2), (4, 2, 2), (4, 1, 4), (5, 2, 3), (8, 3, 1), (6, 6, 4)])
+@pytest.mark.parametrize(
+    "n, c, k", [(4, 0, 2), (4, 1, 2), (4, 2, 2), (4, 1, 4), (5, 2, 3), (8, 3, 1), (6, 6, 4)]
+)
 def test_pass_at_k_is_the_unbiased_estimator(n, c, k):
     assert pass_at_k(n, c, k) == pytest.approx(pass_at_k_by_enumeration(n, c, k))
     assert pass_at_k(n, c, k) == pytest.approx(1 - math.comb(n - c, k) / math.comb(n, k))
@@ -216,10 +294,14 @@ def test_sampled_scores_give_mean_at_k_and_pass_at_k_per_question(monkeypatch):
 
     questions = [{"question": "q0", "gold": "1"}, {"question": "q1", "gold": "2"}]
     right = [1, 0, 0, 0, 1, 1, 1, 0]  # question 0: 1 of 4 right, question 1: 3 of 4
-    monkeypatch.setattr("features.evaluation.held_out_answers",
-                        lambda *a, **k: ([str(x) for x in right], [0] * 8))
-    score = lambda texts, golds, qs: (None, {"reward_correct": [float(t) for t in texts]})  # noqa: E731
-    out = sampled_scores(None, questions, 4, GenerationConfig(do_sample=True, temperature=0.7), score, {})
+    monkeypatch.setattr(
+        "features.evaluation.held_out_answers", lambda *a, **k: ([str(x) for x in right], [0] * 8)
+    )
+    def score(texts, golds, qs):
+        return None, {"reward_correct": [float(t) for t in texts]}
+    out = sampled_scores(
+        None, questions, 4, GenerationConfig(do_sample=True, temperature=0.7), score, {}
+    )
     assert out["reward_correct_mean@4"] == [0.25, 0.75]
     assert out["pass@2"] == [pytest.approx(0.5), pytest.approx(1.0)] and out["pass@4"] == [1.0, 1.0]
     assert "pass@1" not in out  # it would equal the mean@4
@@ -232,9 +314,13 @@ QUESTIONS = [{"question": f"q{i}", "gold": str(i)} for i in range(50)]
 
 
 def records(outcomes, group_size=4):
-    """Answer records of one rollout: {question text: varied?} -> G answers each, rewards equal or not."""
-    return [{"question": q, "reward": float(varied and i == 0)} for q, varied in outcomes.items()
-            for i in range(group_size)]
+    """Answer records of one rollout: {question text: varied?} -> G answers each, rewards equal or
+    not."""
+    return [
+        {"question": q, "reward": float(varied and i == 0)}
+        for q, varied in outcomes.items()
+        for i in range(group_size)
+    ]
 
 
 def test_the_uniform_sampler_draws_exactly_what_random_sample_drew():
@@ -254,11 +340,15 @@ def test_the_difficulty_sampler_replays_varied_questions_and_sets_uniform_ones_a
     second = [q["question"] for q in sampler.sample(4)]
     assert second[:3] == [first[0], first[2], first[3]]  # ceil(4 x 0.75) = 3 replays, oldest first
     assert second[3] not in first and len(set(second)) == 4  # a new question
-    sampler.record(records({second[0]: True, second[1]: False, second[2]: True, second[3]: True}), 4)
-    assert list(sampler.pool) == [second[0], second[2], second[3]]  # re-inserted in turn; first[2] now uniform: out
+    sampler.record(
+        records({second[0]: True, second[1]: False, second[2]: True, second[3]: True}), 4
+    )
+    # re-inserted in turn; first[2] now uniform: out
+    assert list(sampler.pool) == [second[0], second[2], second[3]]
     third = [q["question"] for q in sampler.sample(4)]
     sampler.record(records({q: True for q in third}), 4)
-    assert first[0] not in sampler.pool  # varied three times in a row: replayed MAX_REPLAYS = 2 times, then out
+    # varied three times in a row: replayed MAX_REPLAYS = 2 times, then out
+    assert first[0] not in sampler.pool
     assert question_sampler.MAX_REPLAYS == 2
 
 
@@ -268,7 +358,8 @@ def test_the_difficulty_sampler_draws_uniform_questions_less_often():
     drawn = [q["question"] for _ in range(400) for q in sampler.sample(1)]
     uniform_share = sum(t in {f"q{i}" for i in range(5)} for t in drawn) / len(drawn)
     keep = question_sampler.UNIFORM_KEEP
-    assert uniform_share == pytest.approx(5 * keep / (5 * keep + 5), abs=0.05)  # weights 0.1 against 1
+    # weights 0.1 against 1
+    assert uniform_share == pytest.approx(5 * keep / (5 * keep + 5), abs=0.05)
 
 
 def test_the_sampler_state_round_trips_and_reads_an_older_checkpoints_rng_state():
@@ -280,7 +371,8 @@ def test_the_sampler_state_round_trips_and_reads_an_older_checkpoints_rng_state(
     again.setstate(state)
     assert [again.sample(4) for _ in range(3)] == after and again.uniform == {"q4"}
     old = QuestionSampler(QUESTIONS, 5)
-    old.setstate(random.Random(11).getstate())  # a checkpoint saved before the sampler: the rng state alone
+    # a checkpoint saved before the sampler: the rng state alone
+    old.setstate(random.Random(11).getstate())
     assert old.sample(3) == random.Random(11).sample(QUESTIONS, 3)
     with pytest.raises(ValueError, match="SAMPLER"):
         QuestionSampler(QUESTIONS, 0, "hard")
@@ -296,7 +388,9 @@ def test_a_small_dataset_mostly_in_the_pool_still_gives_distinct_questions():
 
 
 def test_running_out_of_rollouts_stops_with_none_and_warns_with_some(capsys):
-    with pytest.raises(SystemExit, match="20 rollouts in a row gave no group with different rewards"):
+    with pytest.raises(
+        SystemExit, match="20 rollouts in a row gave no group with different rewards"
+    ):
         out_of_rollouts(0, 20, 4)
     out_of_rollouts(3, 20, 4)  # DYNAMIC_SAMPLING: trains on the 3
     assert "warning: 20 rollouts in a row gave only 3 of the 4 groups" in capsys.readouterr().out
@@ -304,9 +398,12 @@ def test_running_out_of_rollouts_stops_with_none_and_warns_with_some(capsys):
 
 def test_a_constant_outside_its_choices_stops_the_run_before_any_model_loads(monkeypatch, tmp_path):
     monkeypatch.setattr(grpo, "OUTPUT_DIR", str(tmp_path))
-    for module, name, bad in ((grpo, "LOSS_TYPE", "drgrpo"), (grpo, "SCALE_REWARDS", "std"),
-                              (grpo.vllm_engine, "TIS_MODE", "mask"),
-                              (grpo.question_sampler, "SAMPLER", "easy")):
+    for module, name, bad in (
+        (grpo, "LOSS_TYPE", "drgrpo"),
+        (grpo, "SCALE_REWARDS", "std"),
+        (grpo.vllm_engine, "TIS_MODE", "mask"),
+        (grpo.question_sampler, "SAMPLER", "easy"),
+    ):
         with monkeypatch.context() as m:
             m.setattr(module, name, bad)
             with pytest.raises(SystemExit, match=f"{name} = '{bad}': one of"):
@@ -322,10 +419,15 @@ def test_a_constant_outside_its_choices_stops_the_run_before_any_model_loads(mon
 def test_the_sampler_state_survives_a_checkpoints_weights_only_load(tmp_path):
     sampler = QuestionSampler(QUESTIONS, 1, "difficulty")
     sampler.record(records({"q3": True, "q4": False}), 4)
-    torch.save({"python": sampler.getstate()}, tmp_path / "rng.pt")  # as checkpoints.save_checkpoint does
+    # as checkpoints.save_checkpoint does
+    torch.save({"python": sampler.getstate()}, tmp_path / "rng.pt")
     again = QuestionSampler(QUESTIONS, 2, "difficulty")
     again.setstate(torch.load(tmp_path / "rng.pt", weights_only=True)["python"])
-    assert again.pool == sampler.pool and again.uniform == sampler.uniform and again.sample(4) == sampler.sample(4)
+    assert (
+        again.pool == sampler.pool
+        and again.uniform == sampler.uniform
+        and again.sample(4) == sampler.sample(4)
+    )
 
 
 # ----------------------------------------------------------------------------- whole runs
@@ -346,38 +448,65 @@ def varied_groups(answers, group_size):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_dynamic_sampling_trains_every_rank_on_a_full_batch_of_varied_groups(server, tiny_model_dir, tmp_path,
-                                                                             ranks):
-    """DYNAMIC_SAMPLING: each rank rolls out new questions until it holds Q_BATCH_SIZE (2) groups with different
-    rewards; groups with equal rewards are generated, logged and never trained. SAMPLER=difficulty rides along (its
-    records go into the checkpoints). The loss's normalisation over ranks is tests/test_grpo_math.py's."""
-    run = train(tiny_model_dir, server.url, tmp_path, ranks, DYNAMIC_SAMPLING=1, SAMPLER="difficulty", ALL_STEPS=3,
-                EVAL_STEPS=0, LR="3e-3")
+def test_dynamic_sampling_trains_every_rank_on_a_full_batch_of_varied_groups(
+    server, tiny_model_dir, tmp_path, ranks
+):
+    """DYNAMIC_SAMPLING: each rank rolls out new questions until it holds Q_BATCH_SIZE (2) groups
+    with different rewards; groups with equal rewards are generated, logged and never trained.
+    SAMPLER=difficulty rides along (its records go into the checkpoints). The loss's normalisation
+    over ranks is tests/test_grpo_math.py's."""
+    run = train(
+        tiny_model_dir,
+        server.url,
+        tmp_path,
+        ranks,
+        DYNAMIC_SAMPLING=1,
+        SAMPLER="difficulty",
+        ALL_STEPS=3,
+        EVAL_STEPS=0,
+        LR="3e-3",
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     lines = metrics(tmp_path)[0]
     assert [m["groups"] for m in lines] == [2.0] * 3  # the mean over ranks of 2 each
     assert all(m["answers_trained"] == 2 * 4 for m in lines)
     by_rank = varied_groups(completions(tmp_path), 4)
-    assert sorted(by_rank) == [(s, r) for s in (1, 2, 3) for r in range(ranks)]  # every rank logged every step
+    # every rank logged every step
+    assert sorted(by_rank) == [(s, r) for s in (1, 2, 3) for r in range(ranks)]
     for (step, rank), varied in by_rank.items():
-        assert sum(varied) == 2 and varied[-1], (step, rank, varied)  # stopped at the second varied group
-    generated = sum(m["answers_generated"] for m in lines) * ranks  # the metrics are means over ranks
+        # stopped at the second varied group
+        assert sum(varied) == 2 and varied[-1], (step, rank, varied)
+    # the metrics are means over ranks
+    generated = sum(m["answers_generated"] for m in lines) * ranks
     assert generated == 4 * sum(len(v) for v in by_rank.values())
 
 
 @pytest.mark.slow
 def test_dynamic_sampling_with_regroup_and_a_worker(tiny_model_dir, tmp_path):
-    """REGROUP's server (which sends only groups with different rewards, mixed across uploads) and a genonly worker
-    whose groups a trainer rank takes as extras: with DYNAMIC_SAMPLING the run trains on at least Q_BATCH_SIZE
-    groups each step."""
+    """REGROUP's server (which sends only groups with different rewards, mixed across uploads) and a
+    genonly worker whose groups a trainer rank takes as extras: with DYNAMIC_SAMPLING the run trains
+    on at least Q_BATCH_SIZE groups each step."""
     srv = ServerProcess(tiny_model_dir, free_port(), tmp_path / "server.log", REGROUP="1")
     log = open(tmp_path / "worker.log", "w")
-    worker = subprocess.Popen([sys.executable, "grpo_ref_split.py", "genonly"], cwd=ROOT, stdout=log,
-                              stderr=subprocess.STDOUT, start_new_session=True,
-                              env=trainer_env(tiny_model_dir, srv.url, tmp_path / "out", WORKER_MAX_QUEUED=2))
+    worker = subprocess.Popen(
+        [sys.executable, "grpo_ref_split.py", "genonly"],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env=trainer_env(tiny_model_dir, srv.url, tmp_path / "out", WORKER_MAX_QUEUED=2),
+    )
     try:
         wait_for(lambda: srv.health()["ready_workers"] > 0, timeout=300)
-        run = train(tiny_model_dir, srv.url, tmp_path / "out", 1, DYNAMIC_SAMPLING=1, EVAL_STEPS=0, EXTRA_GROUPS=2)
+        run = train(
+            tiny_model_dir,
+            srv.url,
+            tmp_path / "out",
+            1,
+            DYNAMIC_SAMPLING=1,
+            EVAL_STEPS=0,
+            EXTRA_GROUPS=2,
+        )
         assert run.returncode == 0, run.stderr[-3000:]
         lines = metrics(tmp_path / "out")[0]
         assert len(lines) == 2 and all(m["groups"] >= 2 for m in lines)

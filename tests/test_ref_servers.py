@@ -49,20 +49,24 @@ def test_the_same_group_gets_the_same_reference_log_probs_from_either_server(mod
 
 
 def test_groups_go_to_the_server_with_the_least_work_pending(model):
-    """Server A's forward is held with three groups waiting; a client of A and B sends its next three
-    groups to B (B's load, counting what it just sent, stays below A's 3), and gets all back."""
+    """Server A's forward is held with three groups waiting; a client of A and B sends its next
+    three groups to B (B's load, counting what it just sent, stays below A's 3), and gets all
+    back."""
     a, stop_a, url_a = start(model)
     b, stop_b, url_b = start(model)
     gate = hold_forwards(a)
     try:
         for seed in (1, 2, 9, 10):  # another rank's groups: one in A's forward, three waiting
-            requests.post(url_a + "/upload", data=encode_batch(*group(seed=seed, rank=1)), timeout=10)
+            requests.post(
+                url_a + "/upload", data=encode_batch(*group(seed=seed, rank=1)), timeout=10
+            )
         wait_for(lambda: requests.get(url_a + "/health").json()["pending"] == 3)
         client = RefClient(f"{url_a},{url_b}", timeout=60)
         got = client.upload_and_pull([group(seed=s) for s in (3, 4, 5)], version=0, rank=0)
         assert b.counters["uploaded"] == 3 and a.counters["uploaded"] == 4
         assert sorted(t["rewards"][0].item() for t, _ in got) == sorted(
-            group(seed=s)[0]["rewards"][0].item() for s in (3, 4, 5))
+            group(seed=s)[0]["rewards"][0].item() for s in (3, 4, 5)
+        )
     finally:
         gate.set()
         stop(a, stop_a)
@@ -70,7 +74,8 @@ def test_groups_go_to_the_server_with_the_least_work_pending(model):
 
 
 def test_a_server_that_stops_with_groups_held_is_skipped_and_they_come_back_from_the_other(
-        model, fast_failover, capfd):
+    model, fast_failover, capfd
+):
     """Two groups, one to each server; A's forward is held, then A stops with its group. The client
     skips A, uploads that group again to B under the same upload id, and returns both groups once
     each; the next round goes to B alone."""
@@ -91,7 +96,8 @@ def test_a_server_that_stops_with_groups_held_is_skipped_and_they_come_back_from
         assert not t.is_alive()
         got = result[0]
         assert sorted(tt["rewards"][0].item() for tt, _ in got) == sorted(
-            g[0]["rewards"][0].item() for g in sent)  # both, each once
+            g[0]["rewards"][0].item() for g in sent
+        )  # both, each once
         assert len({meta["upload_id"] for _, meta in got}) == 2
         assert b.counters["uploaded"] == 2  # the one A held, uploaded again
         assert "stopped answering: skipped" in capfd.readouterr().err
@@ -167,7 +173,9 @@ def test_every_server_must_hold_the_same_reference_model(model, tokenizer):
             client.health(model, tokenizer)
         with pytest.raises(SystemExit, match="differ in \\['fingerprint'\\]"):
             client.health(model, tokenizer, allow_mismatch=True)
-        assert RefClient(f"{url_a}, {url_a}/", timeout=30).health(model, tokenizer)["model"] == "tiny"
+        assert (
+            RefClient(f"{url_a}, {url_a}/", timeout=30).health(model, tokenizer)["model"] == "tiny"
+        )
     finally:
         stop(a, stop_a)
         stop(b, stop_b)
@@ -221,7 +229,8 @@ def test_an_answer_cut_mid_body_is_asked_again_and_the_group_comes_once(model):
 
 
 def test_a_slow_server_s_late_copy_of_a_group_sent_again_is_never_trained_twice(
-        model, fast_failover, monkeypatch, capfd):
+    model, fast_failover, monkeypatch, capfd
+):
     """Server A answers uploads after the failover time (alive, only slow): the client sends the
     group again to B and trains it from there. A then queues its own copy; when the next step's
     group goes to A, A's copy is dropped and only the new group comes back."""
@@ -279,8 +288,11 @@ def test_groups_sampled_by_newer_weights_are_dropped_and_counted():
     groups = [(logps, {"version": 9}), (logps, {"version": 5}), ({}, {}), (logps, {})]
     kept, counts = grpo.sampled_by(groups, 5, max_staleness=10)
     assert [meta.get("version") for _, meta in kept] == [5, None]
-    assert counts == {"ahead_groups_dropped": 1, "late_groups_dropped": 1,
-                      "stale_groups_dropped": 0}
+    assert counts == {
+        "ahead_groups_dropped": 1,
+        "late_groups_dropped": 1,
+        "stale_groups_dropped": 0,
+    }
     assert sampled_version({}) == sampled_version({"version": None}) == 0
 
 
@@ -296,7 +308,8 @@ def exchanges(monkeypatch, url):
 
 @pytest.mark.parametrize("which", ["plain", "sturdy"])
 def test_both_step_5_clients_bring_each_group_back_once_with_the_same_ref_logps(
-        which, model, monkeypatch):
+    which, model, monkeypatch
+):
     """The same three groups through either client: each comes back once, tagged with the version
     and rank, with ref_logps equal bit for bit to what the server computes for it."""
     server, stop_serving, url = start(model)
@@ -304,9 +317,12 @@ def test_both_step_5_clients_bring_each_group_back_once_with_the_same_ref_logps(
         exchange = dict(exchanges(monkeypatch, url))[which]
         sent = [group(seed=s) for s in (11, 12, 13)]
         got = exchange(sent, 4, 0)
-        assert [m["version"] for _, m in got] == [4, 4, 4] and [m["rank"] for _, m in got] == [0] * 3
+        assert [m["version"] for _, m in got] == [4, 4, 4] and [m["rank"] for _, m in got] == [
+            0
+        ] * 3
         assert sorted(t["rewards"][0].item() for t, _ in got) == sorted(
-            t["rewards"][0].item() for t, _ in sent)
+            t["rewards"][0].item() for t, _ in sent
+        )
         for tensors, meta in got:
             want = server.reference_logps(tensors["input_ids"], meta["plen"], 1.0)
             assert torch.equal(tensors["ref_logps"], want)
@@ -344,7 +360,8 @@ def test_both_step_5_clients_survive_a_restarted_server(which, model, monkeypatc
         assert not t.is_alive()
         got = result[0]
         assert sorted(tt["rewards"][0].item() for tt, _ in got) == sorted(
-            g[0]["rewards"][0].item() for g in sent)
+            g[0]["rewards"][0].item() for g in sent
+        )
         assert again.counters["uploaded"] == 2 and again.counters["served"] == 2
     finally:
         gate.set()

@@ -33,7 +33,9 @@ def test_load_every_group_comes_back_exactly_once(model, capsys):
                 tensors, meta = group(G=4, plen=6, tc=5, seed=u * 1000 + i, uid=uid)
                 with lock:
                     sent[uid] = tensors["input_ids"]
-                request_with_retry("POST", url + "/upload", data=encode_batch(tensors, meta), give_up_after=120)
+                request_with_retry(
+                    "POST", url + "/upload", data=encode_batch(tensors, meta), give_up_after=120
+                )
         except Exception as e:  # surfaced below: a thread's exception would otherwise vanish
             errors.append(e)
 
@@ -64,21 +66,29 @@ def test_load_every_group_comes_back_exactly_once(model, capsys):
         lost = set(sent) - set(uids)
         duplicated = len(uids) - len(set(uids))
         with capsys.disabled():
-            print(f"\n[load] groups in {len(sent)}, out {len(received)}, lost {len(lost)}, duplicated {duplicated}, "
-                  f"503s seen {server.counters['busy']}, wall {wall:.1f} s")
+            print(
+                f"\n[load] groups in {len(sent)}, out {len(received)}, lost {len(lost)}, "
+                f"duplicated {duplicated}, "
+                f"503s seen {server.counters['busy']}, wall {wall:.1f} s"
+            )
         assert len(sent) == 200 and not lost and duplicated == 0 and len(received) == 200
         for uid, tensors in received:
-            assert torch.equal(tensors["input_ids"], sent[uid]) and tensors["ref_logps"].shape == (4, 5)
-        assert server.counters["busy"] > 0, "the load never filled the queues: backpressure untested"
+            assert torch.equal(tensors["input_ids"], sent[uid]) and tensors["ref_logps"].shape == (
+                4,
+                5,
+            )
+        assert server.counters["busy"] > 0, (
+            "the load never filled the queues: backpressure untested"
+        )
         assert server.counters["uploaded"] == server.counters["served"] == 200
     finally:
         stop(server, httpd)
 
 
 def test_trainer_uploads_again_when_the_server_restarts_with_its_groups(model, capfd):
-    """upload_and_pull() uploads, the server dies with the groups queued, a new one comes up on the same
-    port: the trainer notices the new instance and uploads the lost groups again under their ids, instead
-    of waiting SERVER_TIMEOUT for groups that no longer exist; each comes back once."""
+    """upload_and_pull() uploads, the server dies with the groups queued, a new one comes up on the
+    same port: the trainer notices the new instance and uploads the lost groups again under their
+    ids, instead of waiting SERVER_TIMEOUT for groups that no longer exist; each comes back once."""
     port = free_port()
     old, old_httpd, url = start(model, port=port)
     gate = threading.Event()
@@ -91,7 +101,9 @@ def test_trainer_uploads_again_when_the_server_restarts_with_its_groups(model, c
     client = RefClient(url, timeout=120.0)
     result = []
     groups = [group(seed=1), group(seed=2)]
-    t = threading.Thread(target=lambda: result.append(client.upload_and_pull(groups, version=0, rank=0)))
+    t = threading.Thread(
+        target=lambda: result.append(client.upload_and_pull(groups, version=0, rank=0))
+    )
     t.start()
     wait_for(lambda: old.counters["uploaded"] == 2)
     gate.set()
@@ -101,30 +113,39 @@ def test_trainer_uploads_again_when_the_server_restarts_with_its_groups(model, c
         t.join(timeout=60)  # half of SERVER_TIMEOUT: it must not wait for the groups that died
         assert not t.is_alive() and len(result[0]) == 2
         assert sorted(tensors["rewards"].tolist() for tensors, _ in result[0]) == sorted(
-            g[0]["rewards"].tolist() for g in groups)  # the two lost groups, each once
-        assert "restarted: 2 uploaded groups were lost with it; uploading them again" in capfd.readouterr().err
+            g[0]["rewards"].tolist() for g in groups
+        )  # the two lost groups, each once
+        assert (
+            "restarted: 2 uploaded groups were lost with it; uploading them again"
+            in capfd.readouterr().err
+        )
         # and the next round trains normally on the new server
         got = client.upload_and_pull([group(seed=3)], version=0, rank=0)
-        (tensors, meta), = got
+        ((tensors, meta),) = got
         assert meta["version"] == 0 and meta["rank"] == 0 and tensors["ref_logps"].shape == (3, 4)
     finally:
         stop(new, new_httpd)
 
 
 def test_trainer_learns_at_once_of_a_group_whose_reference_forward_failed(model, capfd):
-    """The upload was answered 200, then the forward failed: the trainer is told on /get and goes on with
-    the other group, instead of waiting SERVER_TIMEOUT for one that will never come."""
+    """The upload was answered 200, then the forward failed: the trainer is told on /get and goes on
+    with the other group, instead of waiting SERVER_TIMEOUT for one that will never come."""
     server, stop_serving, url = start(model)
     fail_first_forward(server)
     try:
         t0 = time.time()
         client = RefClient(url, timeout=600.0)
         got = client.upload_and_pull([group(seed=1), group(seed=2)], version=0, rank=0)
-        assert len(got) == 1 and time.time() - t0 < 300  # told at once, not after SERVER_TIMEOUT (600 s)
+        # told at once, not after SERVER_TIMEOUT (600 s)
+        assert len(got) == 1 and time.time() - t0 < 300
         assert "lost a group: the reference forward failed" in capfd.readouterr().err
         ack = client.acks[(url, False)]  # the last group taken stays until acknowledged ...
-        assert requests.get(url + "/get", params={"rank": 0, "ack": ack}, timeout=10).status_code == 204
-        assert server.room.held == {"trainers": 0, "workers": 0} and server.room.held_bytes == 0  # ... then it all came back
+        assert (
+            requests.get(url + "/get", params={"rank": 0, "ack": ack}, timeout=10).status_code
+            == 204
+        )
+        # ... then it all came back
+        assert server.room.held == {"trainers": 0, "workers": 0} and server.room.held_bytes == 0
     finally:
         stop(server, stop_serving)
 
@@ -144,13 +165,17 @@ def test_killed_server_clients_retry_and_recover(tiny_model_dir, tmp_path, capfd
     with pytest.raises(requests.ConnectionError):
         requests.get(first.url + "/health", timeout=5)
     holder = {}
-    second = lambda: holder.setdefault("s", ServerProcess(tiny_model_dir, port, tmp_path / "second.log"))  # noqa: E731
+    second = lambda: holder.setdefault(
+        "s", ServerProcess(tiny_model_dir, port, tmp_path / "second.log")
+    )  # noqa: E731
     threading.Timer(2.0, second).start()
     try:
         t0 = time.time()
-        health = request_with_retry("GET", first.url + "/health", give_up_after=120).json()  # waits through the gap
+        # waits through the gap
+        health = request_with_retry("GET", first.url + "/health", give_up_after=120).json()
         assert time.time() - t0 >= 1.5
-        assert health["instance"] != first_instance and health["uploaded"] == 0  # the queued groups died with it
+        # the queued groups died with it
+        assert health["instance"] != first_instance and health["uploaded"] == 0
         assert "unreachable; retrying" in capfd.readouterr().err
         request_with_retry("POST", first.url + "/upload", data=encode_batch(*group(seed=9)))
         wait_for(lambda: requests.get(first.url + "/health").json()["ready"] == 1)
@@ -160,7 +185,8 @@ def test_killed_server_clients_retry_and_recover(tiny_model_dir, tmp_path, capfd
 
 
 def signal_a_thread(pid, sig):
-    """Send `sig` to one of the process's threads other than the main one (Linux tgkill), as the kernel may."""
+    """Send `sig` to one of the process's threads other than the main one (Linux tgkill), as the
+    kernel may."""
     tid = max(int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid)
     if ctypes.CDLL(None, use_errno=True).tgkill(pid, tid, sig) != 0:
         raise OSError(ctypes.get_errno(), "tgkill failed")
@@ -185,10 +211,18 @@ def test_sigterm_shuts_down_cleanly_and_frees_the_port(tiny_model_dir, tmp_path,
         sock.listen()
 
 
-@pytest.mark.parametrize("host, token, warns", [
-    ("127.0.0.1", "", False), ("localhost", "", False), ("::1", "", False), ("127.0.0.2", "", False),
-    ("0.0.0.0", "", True), ("10.1.2.3", "", True), ("0.0.0.0", "s3cret", False),
-])
+@pytest.mark.parametrize(
+    "host, token, warns",
+    [
+        ("127.0.0.1", "", False),
+        ("localhost", "", False),
+        ("::1", "", False),
+        ("127.0.0.2", "", False),
+        ("0.0.0.0", "", True),
+        ("10.1.2.3", "", True),
+        ("0.0.0.0", "s3cret", False),
+    ],
+)
 def test_a_server_open_beyond_loopback_without_a_token_warns(host, token, warns):
     message = exposure_warning(host, token)
     assert (message is not None) == warns
@@ -196,8 +230,7 @@ def test_a_server_open_beyond_loopback_without_a_token_warns(host, token, warns)
         assert host in message and "REF_TOKEN" in message
 
 
-
-# ----------------------------------------------------------------------------- malformed HTTP (waitress)
+# ------------------------------------------------------------------------ malformed HTTP (waitress)
 def raw_request(port, data, shut=False, wait=60):
     """Send raw bytes; returns (seconds until the server answered or closed, what it sent)."""
     with socket.create_connection(("127.0.0.1", port)) as s:
@@ -224,28 +257,54 @@ def quick_server(model, monkeypatch):
     stop(server, stop_serving)
 
 
-@pytest.mark.parametrize("name, data, status", [
-    ("non-numeric Content-Length", b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n", b"400"),
-    ("negative Content-Length", b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n", b"400"),
-    ("not HTTP at all", b"\x00\x01\x02 garbage\r\n\r\n", b"400"),
-    ("non-UTF-8 bytes in a header", b"GET /health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\n"
-                                    b"Connection: close\r\n\r\n", b"401"),
-    ("non-UTF-8 bytes in the query", b"GET /get?from=\xff\xfe HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret\r\n"
-                                     b"Connection: close\r\n\r\n", b"400"),
-])
+@pytest.mark.parametrize(
+    "name, data, status",
+    [
+        (
+            "non-numeric Content-Length",
+            b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+            b"400",
+        ),
+        (
+            "negative Content-Length",
+            b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
+            b"400",
+        ),
+        ("not HTTP at all", b"\x00\x01\x02 garbage\r\n\r\n", b"400"),
+        (
+            "non-UTF-8 bytes in a header",
+            b"GET /health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\n"
+            b"Connection: close\r\n\r\n",
+            b"401",
+        ),
+        (
+            "non-UTF-8 bytes in the query",
+            b"GET /get?from=\xff\xfe HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret\r\n"
+            b"Connection: close\r\n\r\n",
+            b"400",
+        ),
+    ],
+)
 def test_malformed_http_gets_its_answer_at_once_never_a_5xx(quick_server, name, data, status):
     server, port = quick_server
     seconds, out = raw_request(port, data)
-    assert out.split(b" ")[1] == status, out[:200]  # an answer: the idle close would have sent nothing
-    assert requests.get(f"http://127.0.0.1:{port}/health", headers={"Authorization": "Bearer s3cret"},
-                        timeout=5).status_code == 200  # still serving
+    # an answer: the idle close would have sent nothing
+    assert out.split(b" ")[1] == status, out[:200]
+    assert (
+        requests.get(
+            f"http://127.0.0.1:{port}/health", headers={"Authorization": "Bearer s3cret"}, timeout=5
+        ).status_code
+        == 200
+    )  # still serving
 
 
 def test_stalled_and_idle_connections_are_closed_and_never_reach_the_app(quick_server):
-    """A body shorter than its Content-Length is never handed to bottle: the connection is closed once
-    the client gives up (half-close) or after IDLE_TIMEOUT; an idle connection is closed too."""
+    """A body shorter than its Content-Length is never handed to bottle: the connection is closed
+    once the client gives up (half-close) or after IDLE_TIMEOUT; an idle connection is closed
+    too."""
     server, port = quick_server
-    short = b"POST /upload HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret\r\nContent-Length: 100\r\n\r\nabc"
+    short = (b"POST /upload HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret\r\n"
+             b"Content-Length: 100\r\n\r\nabc")
     seconds, out = raw_request(port, short)
     assert out == b"" and IDLE - 1 < seconds < 60  # closed by IDLE_TIMEOUT, not before, and no 5xx
     seconds, out = raw_request(port, short, shut=True)
@@ -262,12 +321,14 @@ def test_two_hundred_connections_are_accepted_at_once(quick_server):
         t0 = time.time()
         sockets.append(socket.create_connection(("127.0.0.1", port), timeout=30))
         slowest = max(slowest, time.time() - t0)
-    # Past a full listen backlog a connect waits for a SYN retransmission, 1 s at least (wsgiref's backlog
-    # of 5 made 200 connects take 29 s): none of them waited, so the backlog held all 200.
+    # Past a full listen backlog a connect waits for a SYN retransmission, 1 s at least (wsgiref's
+    # backlog of 5 made 200 connects take 29 s): none of them waited, so the backlog held all 200.
     assert slowest < 1.0
     for s in sockets:
         s.close()
-    r = requests.get(f"http://127.0.0.1:{port}/health", headers={"Authorization": "Bearer s3cret"}, timeout=10)
+    r = requests.get(
+        f"http://127.0.0.1:{port}/health", headers={"Authorization": "Bearer s3cret"}, timeout=10
+    )
     assert r.status_code == 200
 
 
@@ -277,14 +338,24 @@ def rss_mb(pid):
 
 
 @pytest.mark.slow
-def test_the_server_process_stays_within_300_mb_of_its_start_under_hostile_input(tiny_model_dir, tmp_path, capsys):
-    """Every kind of bad upload ten times, 60 MB bodies that are not safetensors, malformed HTTP, stalled
-    bodies and 200 idle connections against `python ref_server.py`: no 5xx, and its memory stays within
-    300 MB of what it held once started (after one valid group, so the first forward's buffers count)."""
+def test_the_server_process_stays_within_300_mb_of_its_start_under_hostile_input(
+    tiny_model_dir, tmp_path, capsys
+):
+    """Every kind of bad upload ten times, 60 MB bodies that are not safetensors, malformed HTTP,
+    stalled bodies and 200 idle connections against `python ref_server.py`: no 5xx, and its memory
+    stays within 300 MB of what it held once started (after one valid group, so the first forward's
+    buffers count)."""
     from test_server import BAD
 
-    srv = ServerProcess(tiny_model_dir, free_port(), tmp_path / "server.log", IDLE_TIMEOUT=2, MAX_ROWS=16,
-                        MAX_GROUP_TOKENS=6000)  # as test_server's limits: every one of BAD is refused
+    srv = ServerProcess(
+        tiny_model_dir,
+        free_port(),
+        tmp_path / "server.log",
+        IDLE_TIMEOUT=2,
+        MAX_ROWS=16,
+        # as test_server's limits: every one of BAD is refused
+        MAX_GROUP_TOKENS=6000,
+    )
     port = int(srv.url.rsplit(":", 1)[1])
     try:
         request_with_retry("POST", srv.url + "/upload", data=encode_batch(*group(seed=1)))
@@ -293,24 +364,38 @@ def test_the_server_process_stays_within_300_mb_of_its_start_under_hostile_input
         for _ in range(10):
             for name, (body, _, _) in BAD.items():
                 if body is not None:
-                    statuses.append(requests.post(srv.url + "/upload", data=body, timeout=30).status_code)
+                    statuses.append(
+                        requests.post(srv.url + "/upload", data=body, timeout=30).status_code
+                    )
         after_bad = rss_mb(srv.proc.pid) - start_mb
         for _ in range(5):
-            statuses.append(requests.post(srv.url + "/upload", data=os.urandom(60 * 2**20), timeout=60).status_code)
+            statuses.append(
+                requests.post(
+                    srv.url + "/upload", data=os.urandom(60 * 2**20), timeout=60
+                ).status_code
+            )
         after_big = rss_mb(srv.proc.pid) - start_mb
-        for data in (b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n", b"\x00garbage\r\n\r\n"):
+        for data in (
+            b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+            b"\x00garbage\r\n\r\n",
+        ):
             statuses.append(int(raw_request(port, data)[1].split(b" ")[1]))
         stalled = [socket.create_connection(("127.0.0.1", port)) for _ in range(200)]
         for s in stalled[:50]:
             s.sendall(b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\nabc")
-        for s in stalled:  # the server closes each after IDLE_TIMEOUT: read its end of the connection
+        # the server closes each after IDLE_TIMEOUT: read its end of the connection
+        for s in stalled:
             s.settimeout(60)
             assert s.recv(1) == b""
             s.close()
         grown = rss_mb(srv.proc.pid) - start_mb
         with capsys.disabled():  # shown by `bash scripts/test.sh`, as the load test's line
-            print(f"\n[memory] server RSS {start_mb:.0f} MB at start, +{grown:.0f} MB after {len(statuses)} hostile "
-                  f"requests (+{after_bad:.0f} after the bad uploads, +{after_big:.0f} after the 60 MB bodies)")
+            print(
+                f"\n[memory] server RSS {start_mb:.0f} MB at start, +{grown:.0f} MB after "
+                f"{len(statuses)} hostile "
+                f"requests (+{after_bad:.0f} after the bad uploads, +{after_big:.0f} after the 60 "
+                "MB bodies)"
+            )
         assert all(400 <= code < 500 for code in statuses), sorted(set(statuses))
         assert grown < 300 and after_bad < 300 and after_big < 300
         assert srv.health()["ready"] >= 1  # still serving, its valid group still there

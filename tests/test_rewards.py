@@ -61,7 +61,9 @@ def test_extract_gsm8k_answer():
         extract_gsm8k_answer("The answer is 4")
 
 
-needs_gsm8k = pytest.mark.skipif(not os.path.isdir(SHARED_GSM8K), reason="../shared/gsm8k not present")
+needs_gsm8k = pytest.mark.skipif(
+    not os.path.isdir(SHARED_GSM8K), reason="../shared/gsm8k not present"
+)
 
 
 @needs_gsm8k
@@ -86,7 +88,8 @@ def test_reward_correct_agrees_with_labelled_model_solutions():
         gold = row["ground_truth"].split("A:")[-1].strip()
         for key, value in row.items():
             if isinstance(value, dict) and "solution" in value:
-                got = reward_correct(value["solution"], gold)  # no tags: the last number is the answer
+                # no tags: the last number is the answer
+                got = reward_correct(value["solution"], gold)
                 agree += got == float(value["is_correct"])
                 checked += 1
     assert checked == 1000

@@ -25,13 +25,17 @@ def smollm(embedded_path):
 def two_groups(tokenizer, G=4, T=10):
     """Two groups as the trainer collates them: prompts of different lengths (left-padded), ragged
     completions (right-padded). Returns (input_ids, attention_mask, mask)."""
-    questions = ["What is 3 + 5?", "Anna has 12 apples and gives away 4 of them. How many does she keep?"]
+    questions = [
+        "What is 3 + 5?",
+        "Anna has 12 apples and gives away 4 of them. How many does she keep?",
+    ]
     enc = grpo.encode_prompts(tokenizer, [{"question": q} for q in questions])
     assert enc.attention_mask[0].sum() < enc.attention_mask[1].sum()  # the first prompt is padded
     g = torch.Generator().manual_seed(0)
     completions = torch.randint(100, 20000, (2 * G, T), generator=g)  # (B, T)
     mask = torch.ones(2 * G, T, dtype=torch.long)
-    mask[1, 6:] = mask[G:, 8:] = mask[G + 2, 3:] = 0  # answers that ended early; the second group, all of them
+    # answers that ended early; the second group, all of them
+    mask[1, 6:] = mask[G:, 8:] = mask[G + 2, 3:] = 0
     ids = torch.cat([enc.input_ids.repeat_interleave(G, 0), completions], 1)  # (B, P+T)
     attn = torch.cat([enc.attention_mask.repeat_interleave(G, 0), mask], 1)  # (B, P+T)
     return ids, attn, mask.bool()
@@ -50,12 +54,23 @@ def test_shared_prefix_gives_the_log_probs_and_gradients_of_full_rows(smollm, ch
     try:
         for shared in (False, True):
             model.zero_grad()
-            logps = completion_logps(model, ids, attn, T, grpo.TEMPERATURE, shared_prefix=shared,
-                                     chunk=grpo.fast_paths.LOGP_CHUNK,
-                                     from_hidden=grpo.fast_paths.LOGP_FROM_HIDDEN)  # (B, T)
-            ((logps * weights).sum() / mask.sum()).backward()  # a loss on the GRPO loss's scale: a token mean
-            results.append((logps.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
-        assert all(layer.gradient_checkpointing == checkpointing for layer in model.model.layers)  # left as found
+            logps = completion_logps(
+                model,
+                ids,
+                attn,
+                T,
+                grpo.TEMPERATURE,
+                shared_prefix=shared,
+                chunk=grpo.fast_paths.LOGP_CHUNK,
+                from_hidden=grpo.fast_paths.LOGP_FROM_HIDDEN,
+            )  # (B, T)
+            # a loss on the GRPO loss's scale: a token mean
+            ((logps * weights).sum() / mask.sum()).backward()
+            results.append(
+                (logps.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+            )
+        # left as found
+        assert all(layer.gradient_checkpointing == checkpointing for layer in model.model.layers)
     finally:
         model.gradient_checkpointing_disable()
         model.zero_grad()
@@ -64,17 +79,33 @@ def test_shared_prefix_gives_the_log_probs_and_gradients_of_full_rows(smollm, ch
     assert full[mask].min() < -1.0  # real log-probs, not a degenerate case
     for name, g in full_grads.items():
         assert (g - shared_grads[name]).abs().max() <= 1e-4, name
-    assert full_grads["model.embed_tokens.weight"].abs().max() > 1e-3  # the gradient is not trivially 0
+    # the gradient is not trivially 0
+    assert full_grads["model.embed_tokens.weight"].abs().max() > 1e-3
 
 
-def test_generation_from_the_shared_prompt_cache_samples_the_same_answers(tiny_model_dir, monkeypatch):
+def test_generation_from_the_shared_prompt_cache_samples_the_same_answers(
+    tiny_model_dir, monkeypatch
+):
 
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    model, tok = AutoModelForCausalLM.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
-    cfg = GenerationConfig(do_sample=True, temperature=grpo.TEMPERATURE, top_k=0, top_p=1.0, max_new_tokens=12,
-                           pad_token_id=tok.pad_token_id, eos_token_id=[tok.eos_token_id])
-    questions = [{"question": q, "gold": "1"} for q in ("What is 2 + 3?", "What is 11 + 12, counting carefully?")]
+    model, tok = (
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+        AutoTokenizer.from_pretrained(tiny_model_dir),
+    )
+    cfg = GenerationConfig(
+        do_sample=True,
+        temperature=grpo.TEMPERATURE,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=12,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=[tok.eos_token_id],
+    )
+    questions = [
+        {"question": q, "gold": "1"}
+        for q in ("What is 2 + 3?", "What is 11 + 12, counting carefully?")
+    ]
     monkeypatch.setattr(grpo, "NUM_PRE_Q", 4)
     samples = {}
     for shared in (False, True):
@@ -88,10 +119,16 @@ def test_generation_from_the_shared_prompt_cache_samples_the_same_answers(tiny_m
 def test_rows_that_share_a_prompt_are_found_by_comparing_prompts():
     ids = torch.tensor([[0, 5, 6], [0, 5, 6], [4, 5, 6], [4, 5, 6], [0, 5, 6]])  # (B, P)
     attn = torch.tensor([[0, 1, 1], [0, 1, 1], [1, 1, 1], [1, 1, 1], [0, 1, 1]])  # (B, P)
-    assert same_prompt_runs(ids, attn) == [slice(0, 2), slice(2, 4), slice(4, 5)]  # runs are consecutive rows
+    # runs are consecutive rows
+    assert same_prompt_runs(ids, attn) == [slice(0, 2), slice(2, 4), slice(4, 5)]
     padded_token = attn.clone()
     padded_token[1, 1] = 0
-    assert same_prompt_runs(ids, padded_token) == [slice(0, 1), slice(1, 2), slice(2, 4), slice(4, 5)]
+    assert same_prompt_runs(ids, padded_token) == [
+        slice(0, 1),
+        slice(1, 2),
+        slice(2, 4),
+        slice(4, 5),
+    ]
 
 
 def test_a_model_that_ignores_the_kv_cache_is_refused(smollm):
@@ -106,26 +143,45 @@ def test_a_model_that_ignores_the_kv_cache_is_refused(smollm):
         def forward(self, past_key_values=None, **kw):
             return self.inner(**kw)
 
-    with torch.no_grad(), pytest.raises(RuntimeError, match="ignored the prompt's KV cache.*SHARED_PREFIX = False"):
+    with (
+        torch.no_grad(),
+        pytest.raises(RuntimeError, match="ignored the prompt's KV cache.*SHARED_PREFIX = False"),
+    ):
         completion_logits(NoCache(model), ids, attn, 4, shared_prefix=True)
 
 
 @pytest.fixture(scope="module")
 def zero2_steps(tiny_model_dir, tmp_path_factory):
-    """zero2_steps(ranks, checkpointing): tests/zero2_gradient.py's results, {(SHARED_PREFIX, TRAIN_MICRO_BATCH):
-    {"grads", "weights", "gen_logps", "mask", "parts", "loss"}}, one launch (~1 min) per argument pair."""
+    """zero2_steps(ranks, checkpointing): tests/zero2_gradient.py's results, {(SHARED_PREFIX,
+    TRAIN_MICRO_BATCH): {"grads", "weights", "gen_logps", "mask", "parts", "loss"}}, one launch (~1
+    min) per argument pair."""
     done = {}
 
     def run(ranks=2, checkpointing="0"):
         if (ranks, checkpointing) not in done:
             out = tmp_path_factory.mktemp("zero2") / "steps.pt"
-            cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(ranks),
-                   "--master_port", str(free_port()), "tests/zero2_gradient.py", str(out)]
-            env = {**os.environ, "MODEL_PATH": str(tiny_model_dir), "MU": "2", "GRADIENT_CHECKPOINTING": checkpointing}
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+            cmd = [
+                os.path.join(os.path.dirname(sys.executable), "deepspeed"),
+                "--num_gpus",
+                str(ranks),
+                "--master_port",
+                str(free_port()),
+                "tests/zero2_gradient.py",
+                str(out),
+            ]
+            env = {
+                **os.environ,
+                "MODEL_PATH": str(tiny_model_dir),
+                "MU": "2",
+                "GRADIENT_CHECKPOINTING": checkpointing,
+            }
+            proc = subprocess.run(
+                cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+            )
             assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
             done[ranks, checkpointing] = torch.load(out)
         return done[ranks, checkpointing]
+
     return run
 
 
@@ -152,8 +208,9 @@ def test_shared_prefix_under_zero2_on_two_ranks_with_mu_two(zero2_steps):
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_micro_batches_give_the_gradient_and_step_of_one_batch(zero2_steps, ranks):
-    """TRAIN_MICRO_BATCH = 1 and 2 groups against all at once, shared prompt on and off. On 2 ranks rank 0
-    holds 3 groups and rank 1 holds 2: rank 1 runs a repeat with loss x 0 to keep ZeRO-2's reductions in step."""
+    """TRAIN_MICRO_BATCH = 1 and 2 groups against all at once, shared prompt on and off. On 2 ranks
+    rank 0 holds 3 groups and rank 1 holds 2: rank 1 runs a repeat with loss x 0 to keep ZeRO-2's
+    reductions in step."""
     steps = zero2_steps(ranks)
     for shared in (0, 1):
         whole = steps[shared, 0]
@@ -162,29 +219,40 @@ def test_micro_batches_give_the_gradient_and_step_of_one_batch(zero2_steps, rank
             part = steps[shared, micro]
             assert part["parts"] == (3 if micro == 1 else 2)  # rank 0's count (rank 1 matched it)
             assert abs(part["loss"] - whole["loss"]) <= 1e-5 * abs(whole["loss"])
-            # A quiet run puts the two within 3e-7 of the largest entry; one CI run under load moved the
-            # whole batch's own gradient by 2.5e-5 of it (the same step, so fp32 reductions split
-            # otherwise, not the micro-batches). A wrong share of a part would be off by a third or more.
-            assert_same(whole["grads"], part["grads"], f"shared {shared}, micro-batch {micro}: gradient",
-                        tolerance=1e-4)
-            assert_same(whole["weights"], part["weights"], f"shared {shared}, micro-batch {micro}: weights")
-        assert whole["moved"] > 1e-7  # the step changed the weights (the comparison means something)
+            # A quiet run puts the two within 3e-7 of the largest entry; one CI run under load moved
+            # the whole batch's own gradient by 2.5e-5 of it (the same step, so fp32 reductions
+            # split otherwise, not the micro-batches). A wrong share of a part would be off by a
+            # third or more.
+            assert_same(
+                whole["grads"],
+                part["grads"],
+                f"shared {shared}, micro-batch {micro}: gradient",
+                tolerance=1e-4,
+            )
+            assert_same(
+                whole["weights"], part["weights"], f"shared {shared}, micro-batch {micro}: weights"
+            )
+        # the step changed the weights (the comparison means something)
+        assert whole["moved"] > 1e-7
 
 
 def test_the_layer_flags_it_switches_are_the_ones_transformers_reads(model):
-    """features/fast_paths.layer_flags writes gradient_checkpointing and _can_checkpoint_with_cache into
-    transformers' decoder layers for one block. If transformers stopped reading either name, the prompt's
-    forward would silently checkpoint (dropping its cache): this fails loudly instead, and the writes are
-    undone after the block."""
+    """features/fast_paths.layer_flags writes gradient_checkpointing and _can_checkpoint_with_cache
+    into transformers' decoder layers for one block. If transformers stopped reading either name,
+    the prompt's forward would silently checkpoint (dropping its cache): this fails loudly instead,
+    and the writes are undone after the block."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     from features import fast_paths
 
-    assert set(fast_paths._flags_read()) == set(fast_paths.LAYER_FLAGS)  # what this transformers reads
+    # what this transformers reads
+    assert set(fast_paths._flags_read()) == set(fast_paths.LAYER_FLAGS)
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     assert len(layers) == model.config.num_hidden_layers
     before = [dict(layer.__dict__) for layer in layers]
-    with fast_paths.layer_flags(model, gradient_checkpointing=False, _can_checkpoint_with_cache=True):
+    with fast_paths.layer_flags(
+        model, gradient_checkpointing=False, _can_checkpoint_with_cache=True
+    ):
         assert all(layer.__dict__["_can_checkpoint_with_cache"] is True for layer in layers)
     assert [dict(layer.__dict__) for layer in layers] == before
     fast_paths._flags_read.cache_clear()

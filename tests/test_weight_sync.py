@@ -1,5 +1,6 @@
-"""Weights to workers over HTTP (features/weight_sync.py) and the staleness bound: versions served and
-fetched whole, a transfer cut halfway resumed, a version replaced mid-transfer never mixed, the guard."""
+"""Weights to workers over HTTP (features/weight_sync.py) and the staleness bound: versions served
+and fetched whole, a transfer cut halfway resumed, a version replaced mid-transfer never mixed, the
+guard."""
 import requests
 import torch
 
@@ -68,8 +69,8 @@ def test_a_transfer_cut_halfway_resumes_and_ends_on_the_whole_version(publisher)
 
 
 def test_a_version_replaced_mid_transfer_is_never_mixed(publisher):
-    """The first transfer is cut; before the worker resumes, version 2 replaces version 1: the resume
-    of version 1 is refused (409), and the worker ends on version 2 whole, never on a mix."""
+    """The first transfer is cut; before the worker resumes, version 2 replaces version 1: the
+    resume of version 1 is refused (409), and the worker ends on version 2 whole, never on a mix."""
     publisher.publish(weights(4), 1)
     proxy = CuttingProxy(int(publisher.url.rsplit(":", 1)[1]), after=1_000_000, cuts=1)
     second = weights(5)
@@ -106,29 +107,43 @@ def test_the_weight_channel_is_read_only_and_guarded():
         for method in (requests.post, requests.put):
             answer = method(url + "/weights", data=b"x" * 100, headers=auth, timeout=10)
             assert answer.status_code in (401, 405) and answer.status_code != 200
-        assert requests.post(url + "/weights", data=b"x", headers=auth, timeout=10).status_code == 405
+        answer = requests.post(url + "/weights", data=b"x", headers=auth, timeout=10)
+        assert answer.status_code == 405
         bad = requests.get(url + "/weights", params={"version": "seven"}, headers=auth, timeout=10)
         assert bad.status_code == 400 and "version" in bad.json()["error"]
         old = requests.get(url + "/weights", params={"version": 6}, headers=auth, timeout=10)
         assert old.status_code == 409
         for header in ("bytes=99999999-", "bytes=0-10", "items=3-"):
-            ranged = requests.get(url + "/weights", params={"version": 7},
-                                  headers={**auth, "Range": header}, timeout=10)
+            ranged = requests.get(
+                url + "/weights",
+                params={"version": 7},
+                headers={**auth, "Range": header},
+                timeout=10,
+            )
             assert ranged.status_code == 416, header
         whole = requests.get(url + "/weights", params={"version": 7}, headers=auth, timeout=10)
-        tail = requests.get(url + "/weights", params={"version": 7},
-                            headers={**auth, "Range": "bytes=100-"}, timeout=10)
+        tail = requests.get(
+            url + "/weights",
+            params={"version": 7},
+            headers={**auth, "Range": "bytes=100-"},
+            timeout=10,
+        )
         assert tail.status_code == 206 and tail.content == whole.content[100:]
     finally:
         pub.stop()
 
 
 def test_groups_older_than_max_staleness_are_dropped_and_counted():
-    """At version 12 with MAX_STALENESS 3: a worker's group of version 9 (with gen_logps) trains, one of
-    version 8 is dropped as stale; a group of the current version always trains."""
+    """At version 12 with MAX_STALENESS 3: a worker's group of version 9 (with gen_logps) trains,
+    one of version 8 is dropped as stale; a group of the current version always trains."""
     logps = {"gen_logps": torch.zeros(1)}
-    groups = [(logps, {"version": 12}), (logps, {"version": 9}), (logps, {"version": 8}),
-              ({}, {"version": 12}), (logps, {"version": 2})]
+    groups = [
+        (logps, {"version": 12}),
+        (logps, {"version": 9}),
+        (logps, {"version": 8}),
+        ({}, {"version": 12}),
+        (logps, {"version": 2}),
+    ]
     kept, counts = grpo.sampled_by(groups, 12, max_staleness=3)
     assert [meta["version"] for _, meta in kept] == [12, 9, 12]
     assert counts["stale_groups_dropped"] == 2 and counts["late_groups_dropped"] == 0
@@ -149,12 +164,23 @@ def test_a_worker_without_a_shared_disk_swaps_in_weights_served_over_http(tiny_m
     srv = ServerProcess(tiny_model_dir, free_port(), tmp_path / "server.log")
     port = free_port()
     pub = weight_sync.WeightPublisher("127.0.0.1", port, token="")
-    env = trainer_env(tiny_model_dir, srv.url, tmp_path / "worker_out", WORKER_MAX_QUEUED=2,
-                      MAX_NEW_TOKENS=24, WEIGHTS_FROM=f"http://127.0.0.1:{port}")
+    env = trainer_env(
+        tiny_model_dir,
+        srv.url,
+        tmp_path / "worker_out",
+        WORKER_MAX_QUEUED=2,
+        MAX_NEW_TOKENS=24,
+        WEIGHTS_FROM=f"http://127.0.0.1:{port}",
+    )
     log_path = tmp_path / "worker.log"
-    worker = subprocess.Popen([sys.executable, "grpo_ref_split.py", "genonly"], cwd=ROOT, env=env,
-                              stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
-                              start_new_session=True)
+    worker = subprocess.Popen(
+        [sys.executable, "grpo_ref_split.py", "genonly"],
+        cwd=ROOT,
+        env=env,
+        stdout=open(log_path, "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         tensors, meta = pull(srv.url, timeout=300, path="/get?from=workers")
         assert meta["version"] == 0
@@ -170,11 +196,14 @@ def test_a_worker_without_a_shared_disk_swaps_in_weights_served_over_http(tiny_m
         assert "swapped in the trainer's weights: policy version 3" in log_path.read_text()
         ids, mask = tensors["input_ids"], tensors["completion_mask"]
         with torch.no_grad():
-            new, old = (grpo.logps_of(m.eval(), ids, torch.ones_like(ids), mask.shape[1]) for m in
-                        (moved, AutoModelForCausalLM.from_pretrained(tiny_model_dir)))  # (G, T)
+            new, old = (
+                grpo.logps_of(m.eval(), ids, torch.ones_like(ids), mask.shape[1])
+                for m in (moved, AutoModelForCausalLM.from_pretrained(tiny_model_dir))
+            )  # (G, T)
         assert (tensors["gen_logps"] - new)[mask].abs().max() < 1e-4
         assert (tensors["gen_logps"] - old)[mask].abs().max() > 1e-2
-        assert not list(tmp_path.glob("**/step_*"))  # no checkpoint anywhere: nothing shared on disk
+        # no checkpoint anywhere: nothing shared on disk
+        assert not list(tmp_path.glob("**/step_*"))
     finally:
         kill_group(worker)
         pub.stop()
@@ -189,8 +218,13 @@ def test_lora_sends_the_adapters_alone_and_the_worker_merges_them(tiny_model_dir
 
     from features import lora
 
-    policy = lora.add_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), rank=4, alpha=8,
-                           targets="all-linear", seed=0)
+    policy = lora.add_lora(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+        rank=4,
+        alpha=8,
+        targets="all-linear",
+        seed=0,
+    )
     worker = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     full_bytes = sum(p.numel() * p.element_size() for p in worker.parameters())
     for version in (1, 2):
@@ -199,7 +233,9 @@ def test_lora_sends_the_adapters_alone_and_the_worker_merges_them(tiny_model_dir
                 if "lora_B" in name:  # B starts at 0: give the adapters something to say
                     p.add_(torch.randn_like(p) * 0.05)
         weight_sync.publish_every(publisher, policy, version, 1)
-        body = requests.get(publisher.url + "/weights", params={"version": version}, timeout=30).content
+        body = requests.get(
+            publisher.url + "/weights", params={"version": version}, timeout=30
+        ).content
         assert len(body) < 0.2 * full_bytes
         from safetensors.torch import load
 

@@ -109,34 +109,47 @@ def main(path):
     from features.lora import add_lora
 
     base = trainer_logps(pixels)  # (B, T) before peft wraps the model's layers in place
-    lora = add_lora(model, rank=4, alpha=grpo.lora.LORA_ALPHA, targets="all-linear", seed=0, quiet=True)
+    lora = add_lora(model, rank=4, alpha=grpo.lora.LORA_ALPHA, targets="all-linear", seed=0,
+                    quiet=True)
     with torch.no_grad():
         for name, p in lora.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.05)  # a trained adapter
     with_adapters = grpo.per_token_logps(lora, ids, attn, T, **pixels)  # (B, T)
     vllm_engine.push_weights(llm, lora)
-    report.update(lora_vs_base=gap(with_adapters, base),
-                  after_lora_push=gap(vllm_logps_of(llm, marked, own, r.completion_ids, mask),
-                                      with_adapters))
+    report.update(
+        lora_vs_base=gap(with_adapters, base),
+        after_lora_push=gap(vllm_logps_of(llm, marked, own, r.completion_ids, mask), with_adapters),
+    )
     model = lora.unload()  # the base model again, adapters dropped, for what follows
     vllm_engine.push_weights(llm, model)
 
     # Greedy answers with images: vLLM's (as the evaluation asks) against transformers'.
     grpo.TEMPERATURE = 0.7
     enc = grpo.encode_prompts(tokenizer, questions)
-    greedy_vllm, _ = vllm_engine.vllm_sample(llm, enc, 1, 0.0, eos_ids, tokenizer.pad_token_id,
-                                             grpo.MAX_NEW_TOKENS, seeded=False)
+    greedy_vllm, _ = vllm_engine.vllm_sample(
+        llm, enc, 1, 0.0, eos_ids, tokenizer.pad_token_id, grpo.MAX_NEW_TOKENS, seeded=False
+    )
     from transformers import GenerationConfig
 
-    greedy_hf = model.generate(input_ids=enc.input_ids, attention_mask=enc.attention_mask,
-                               **vision.pixel_rows(enc, 1), generation_config=GenerationConfig(
-                                   do_sample=False, max_new_tokens=grpo.MAX_NEW_TOKENS,
-                                   pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids))
-    texts = [tokenizer.batch_decode(x, skip_special_tokens=True)
-             for x in (greedy_vllm, greedy_hf[:, enc.input_ids.shape[1]:])]
-    report.update(greedy_same_texts=sum(a == b for a, b in zip(*texts)),
-                  greedy_questions=len(questions))
+    greedy_hf = model.generate(
+        input_ids=enc.input_ids,
+        attention_mask=enc.attention_mask,
+        **vision.pixel_rows(enc, 1),
+        generation_config=GenerationConfig(
+            do_sample=False,
+            max_new_tokens=grpo.MAX_NEW_TOKENS,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=eos_ids,
+        ),
+    )
+    texts = [
+        tokenizer.batch_decode(x, skip_special_tokens=True)
+        for x in (greedy_vllm, greedy_hf[:, enc.input_ids.shape[1] :])
+    ]
+    report.update(
+        greedy_same_texts=sum(a == b for a, b in zip(*texts)), greedy_questions=len(questions)
+    )
 
     # A processor that expands the image marks otherwise than the trainer's is caught.
     enc["marked_ids"] = [ids_ + ids_[-1:] for ids_ in enc["marked_ids"]]
