@@ -118,6 +118,7 @@ def per_token_logps(model, input_ids, attention_mask, n_completion: int, with_en
                     **pixels):
     """(B, T) log-probs at TEMPERATURE of each row's last n_completion tokens, the definition:
     logits -> log_softmax(logits / TEMPERATURE) -> each token's; with_entropy: also the entropy.
+    Its one home: logps_of and ref_server.py run fast_paths.completion_logps, tested equal to it.
     pixels: a vision-language model's, of each row's images (features/vision.py); none for text."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask, **pixels).logits  # (B, L, V)
     logits = logits[:, -n_completion - 1 : -1]  # (B, T, V): position t predicts token t + 1

@@ -4,8 +4,9 @@ tested equal to it in values and gradients; a reader may skip this file.
 The shared prefix (SHARED_PREFIX): a group's prompt runs once, its KV cache is repeated for the
 group's answers, and the completions run on it ("Prefix Grouper", arXiv 2506.05433); the prompt's
 cost no longer grows with NUM_PRE_Q (tests/test_shared_prefix.py).
-Chunked log-probs (LOGP_FROM_HIDDEN, LOGP_CHUNK): the definition is per_token_logps_plain
-(log_softmax, then gather); completion_logps by default never holds whole (B, T, V) logits: the LM
+Chunked log-probs (LOGP_FROM_HIDDEN, LOGP_CHUNK): the definition is the trainer's per_token_logps
+(log_softmax, then gather), its one home; completion_logps, which the trainer and ref_server.py run,
+is tested equal to it and by default never holds whole (B, T, V) logits: the LM
 head runs `chunk` tokens at a time inside one autograd function, as Liger-Kernel's fused linear
 losses and Cut Cross-Entropy (arXiv 2411.09009) do (tests/test_grpo_math.py).
 
@@ -197,27 +198,16 @@ LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scalin
                         "output_multiplier_scale")
 
 
-def per_token_logps_plain(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0,
-                          with_entropy=False):
-    """The definition: (B, T) log softmax(logits / T)[ids]. The paths below must match it in value
-    and gradient. Costs two (B, T, V) fp32 buffers (log_softmax and its gradient). with_entropy:
-    (logps, (B, T) entropy of softmax(logits / T), -sum p log p, detached)."""
-    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, T, V)
-    logps = logp_all.gather(-1, ids[..., None]).squeeze(-1)  # (B, T)
-    if with_entropy:
-        return logps, -(logp_all.exp() * logp_all).sum(-1).detach()  # (B, T), (B, T)
-    return logps
-
-
 def spans(n: int, chunk: int) -> list:
     """Slices of `chunk` positions (the last one shorter) covering 0..n; one slice for chunk = 0."""
     if chunk < 0:
         raise ValueError(f"LOGP_CHUNK = {chunk}: need tokens per chunk >= 1, or 0 = all at once")
-    return [slice(s, s + (chunk or n)) for s in range(0, n, chunk or n)]
+    step = chunk or max(n, 1)  # 0: one slice of everything
+    return [slice(s, s + step) for s in range(0, n, step)]
 
 
 class _TokenLogps(torch.autograd.Function):
-    """per_token_logps_plain without a (B, T, V) buffer in forward or backward.
+    """log softmax(logits / T)[ids] without a (B, T, V) buffer in forward or backward.
 
     Forward keeps only the per-token logsumexp (B, T); backward recomputes the softmax `chunk`
     tokens at a time. With inplace=True the gradient is written over the logits themselves (nothing
@@ -272,22 +262,20 @@ def chunked_logps(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 
     """(B, T) fp32 log-probs of `ids` under softmax(logits / temperature); logits[:, t] predicts
     ids[:, t].
 
-    The memory-saving form of per_token_logps_plain (chunk = 0 selects the plain one).
+    The memory-saving form of the trainer's per_token_logps (chunk = 0: a whole row at a time).
     inplace_backward=True writes d(logits) over the logits (the caller must not read them after
     backward): saves a (B, T, V) buffer, as the Triton kernel's option of the same name.
     with_entropy: (logps, (B, T) entropies), from the same chunks.
     """
     if logits.shape[:2] != ids.shape:
         raise ValueError(f"logits {tuple(logits.shape)} do not match ids {tuple(ids.shape)}")
-    if chunk == 0:
-        return per_token_logps_plain(logits, ids, temperature, with_entropy)
     logps, entropy = _TokenLogps.apply(logits, ids, float(temperature), inplace_backward, chunk,
                                        with_entropy)
     return (logps, entropy) if with_entropy else logps
 
 
 class _HiddenLogps(torch.autograd.Function):
-    """per_token_logps_plain(hidden @ weight.T, ids) without ever holding the (B, T, V) logits.
+    """log softmax(hidden @ weight.T / T)[ids] without ever holding the (B, T, V) logits.
 
     Forward keeps the hidden states and a logsumexp per token; each chunk of tokens (rows and time
     flattened) gets its own LM-head matmul. Backward recomputes that chunk's logits (one more
@@ -358,7 +346,7 @@ def hidden_logps(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor,
     time.
 
     hidden (B, T, H) is the LM head's input; weight (V, H) its weight (lm_head_weight). Equal, in
-    value and in the gradients of hidden and weight, to per_token_logps_plain on the full logits.
+    value and in the gradients of hidden and weight, to the definition on the full logits.
     with_entropy: (logps, (B, T) entropy of each token's distribution, detached), from the same
     chunks.
     """

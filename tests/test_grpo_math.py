@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from features.advantages import group_advantages
-from features.fast_paths import chunked_logps, per_token_logps_plain
+from features.fast_paths import chunked_logps
 from features.wire import decode_batch, encode_batch
 from grpo_ref_split import collate, completion_mask, global_count, k3, masked_mean
 from reference_loss import torch_loss
@@ -116,10 +116,16 @@ def test_inplace_backward_through_a_real_lm_head_gives_the_same_weight_gradients
     assert any(g.abs().sum() > 0 for g in grads[True].values())
 
 
+def plain_logps(logits, ids, temperature):
+    """The definition, written here: log softmax(logits / T) at each id (B, T)."""
+    logp_all = torch.log_softmax(logits.float() / temperature, -1)  # (B, T, V)
+    return logp_all.gather(-1, ids[..., None]).squeeze(-1)  # (B, T)
+
+
 @pytest.mark.parametrize("chunk", [0, 3, 128])
 def test_chunked_per_token_logps_match_the_plain_definition(chunk):
-    """chunked_logps (chunked, in-place backward) against per_token_logps_plain (log_softmax,
-    gather); LOGP_CHUNK = 0 selects the plain one."""
+    """chunked_logps (chunked, in-place backward) against the definition (log_softmax, gather);
+    LOGP_CHUNK = 0 is a whole row at a time."""
     torch.manual_seed(5)
     ids = torch.randint(0, 301, (3, 7))  # (B, T)
     w = torch.randn(3, 7)
@@ -127,7 +133,7 @@ def test_chunked_per_token_logps_match_the_plain_definition(chunk):
     values, grads = [], []
     for fn in (
         lambda z: chunked_logps(z, ids, 0.7, chunk=chunk, inplace_backward=True),
-        lambda z: per_token_logps_plain(z, ids, 0.7),
+        lambda z: plain_logps(z, ids, 0.7),
     ):
         leaf = base.clone().requires_grad_()
         logits = leaf * 1.0  # not a leaf, as the LM head's output: in place may overwrite it
@@ -152,7 +158,7 @@ def test_hidden_logps_match_the_plain_definition_in_value_and_both_gradients(chu
     results = []
     for fn in (
         lambda h, wt, i, t: hidden_logps(h, wt, i, t, chunk=chunk),
-        lambda h, wt, i, t: per_token_logps_plain(h @ wt.T, i, t),
+        lambda h, wt, i, t: plain_logps(h @ wt.T, i, t),
     ):
         hidden, weight = h0.clone().requires_grad_(), w0.clone().requires_grad_()
         lp = fn(hidden, weight, ids, 0.7)  # (B, T)

@@ -65,6 +65,25 @@ def gradient_gap(got, want) -> float:
     return (gap / size).item()
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_the_servers_reference_log_probs_are_the_lessons_definition(left_padded, fast):
+    """One definition of a token's log-prob: ref_server.py's reference_logps (its default fast paths,
+    or all of them off) gives the trainer's per_token_logps on the same rows, at the same
+    temperature; at another temperature it would not."""
+    import ref_server
+
+    model, ids, attn = left_padded
+    switches = dict(shared_prefix=fast, logp_from_hidden=fast, logp_chunk=128 if fast else 0)
+    server = ref_server.RefServer(model, "tiny", ref_micro_batch=2, **switches)
+    with torch.no_grad():
+        want = grpo.per_token_logps(model, ids[:3], attn[:3], 5)  # (3, 5) the first group's
+    got = server.reference_logps(ids[:3], ids.shape[1] - 5, grpo.TEMPERATURE)  # (3, 5)
+    # the same fp32 sums in another order (chunks, a shared prompt): a few ulps of values near 10
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
+    other = server.reference_logps(ids[:3], ids.shape[1] - 5, 1.0)
+    assert (other - want).abs().max() > 1e-3
+
+
 def test_the_plain_log_probs_equal_the_default_fast_path_in_value_and_gradient(
     left_padded, monkeypatch
 ):
