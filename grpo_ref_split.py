@@ -426,19 +426,23 @@ def rollout(model, tokenizer, questions, *, eos_ids, gen_config, llm, keep_all, 
     return Scored(groups=groups, records=records, other_rewards=other)
 
 
-def upload_and_pull(groups: list, version: int, rank: int) -> list:
+def upload_and_pull(groups: list, version: int, rank: int, *, run: str) -> list:
     """Step 5 with one reference server, as simple_GRPO does it: POST each group, then GET this
     rank's groups back with their ref_logps. Each GET acknowledges the one taken before (a lost
-    answer comes again); what a restarted server lost is sent again. Else RefClient's (main())."""
+    answer comes again), and the last GET finds none ready, so nothing taken stays unacknowledged;
+    what a restarted server lost is sent again. A group of this run that missed an earlier step's
+    deadline comes back too (sampled_by decides if it trains); one that an earlier run left on the
+    server (its upload id lacks `run`) is dropped. RefClient (main()) does the same for several
+    servers and workers' groups."""
     def ask(method, path, body=None):  # asked again while busy or unreachable; a 4xx stops
         return retry.request_with_retry(method, REF_SERVER + path, REF_TOKEN, body,
                                         give_up_after=SERVER_TIMEOUT)
-    owed = {uuid.uuid4().hex: group for group in groups}  # upload_id -> (tensors, meta)
+    owed = {f"{run}-{uuid.uuid4().hex}": group for group in groups}  # upload_id -> (tensors, meta)
     where = {}  # upload_id -> the server instance that holds it
     back = []  # (tensors, meta) with ref_logps, in the order they came
     ack = ""  # the upload_id taken last
     deadline = time.time() + SERVER_TIMEOUT
-    while owed and time.time() < deadline:
+    while True:
         for uid in [uid for uid in owed if uid not in where]:  # new, or lost in a restart
             tagged = {**owed[uid][1], "version": version, "rank": rank, "upload_id": uid}
             answer = ask("POST", "/upload", wire.encode_batch(owed[uid][0], tagged)).json()
@@ -446,14 +450,16 @@ def upload_and_pull(groups: list, version: int, rank: int) -> list:
         answer = ask("GET", f"/get?rank={rank}&ack={ack}")
         live = answer.headers.get("X-Ref-Instance")
         where = {uid: held for uid, held in where.items() if held == live}
-        if answer.status_code == 204:  # its reference forward is still running
-            time.sleep(0.05)
+        if answer.status_code == 204:  # none ready, and the one taken last is acknowledged
+            if not owed or time.time() > deadline:  # a group still owed comes back a step late
+                return back
+            time.sleep(0.05)  # its reference forward is still running
             continue
         ack = answer.headers.get("X-Upload-Id", "")
-        if ack in owed and answer.headers.get("Content-Type") == "application/octet-stream":
+        ours = ack.startswith(f"{run}-")  # this run's, sent now or a step ago
+        if ours and answer.headers.get("Content-Type") == "application/octet-stream":
             back.append(wire.decode_batch(answer.content))  # else its forward failed: one fewer
         owed.pop(ack, None)
-    return back
 
 
 def sampled_by(groups, version, *, max_staleness) -> tuple:
@@ -683,7 +689,8 @@ def main():
     regroup = bool(health.get("regroup"))  # it pools answers of older weights: send gen_logps
     keep_all = bool(regroup or health.get("reward_model") or DISTILL_COEF)  # equal groups teach too
     several = "," in REF_SERVER or worker.EXTRA_GROUPS > 0 or regroup  # RefClient's cases
-    exchange = upload_and_pull  # step 5 with one server, as the lesson writes it
+    run = uuid.uuid4().hex  # marks this run's upload ids: an earlier run's leftovers are not ours
+    exchange = functools.partial(upload_and_pull, run=run)  # step 5 with one server, as above
     if client is None:  # no server: our own groups come straight back, tagged with the version
         exchange = server_client.own_groups
     elif several:  # several servers, or workers' groups: RefClient's failover and extras

@@ -296,14 +296,62 @@ def test_groups_sampled_by_newer_weights_are_dropped_and_counted():
     assert sampled_version({}) == sampled_version({"version": None}) == 0
 
 
-def exchanges(monkeypatch, url):
-    """Step 5's two clients against one server at `url`: the lesson's plain upload_and_pull and the
-    sturdy RefClient, as (name, function(groups, version, rank))."""
+def exchanges(monkeypatch, url, timeout=60.0):
+    """Step 5's two clients against one server at `url`: the lesson's plain upload_and_pull (as
+    main() binds it to its run) and the sturdy RefClient, as (name, function(groups, version,
+    rank)); `timeout` seconds of SERVER_TIMEOUT for both."""
+    import functools
+
     import grpo_ref_split as grpo
 
     monkeypatch.setattr(grpo, "REF_SERVER", url)
-    monkeypatch.setattr(grpo, "SERVER_TIMEOUT", 60.0)
-    return [("plain", grpo.upload_and_pull), ("sturdy", RefClient(url, timeout=60).upload_and_pull)]
+    monkeypatch.setattr(grpo, "SERVER_TIMEOUT", timeout)
+    plain = functools.partial(grpo.upload_and_pull, run="this-run")
+    return [("plain", plain), ("sturdy", RefClient(url, timeout=timeout).upload_and_pull)]
+
+
+@pytest.mark.parametrize("which", ["plain", "sturdy"])
+def test_both_step_5_clients_bring_back_a_late_group_of_theirs_and_drop_an_earlier_runs(
+    which, model, monkeypatch
+):
+    """An earlier run left a group queued for rank 0: either client drops it. Step 1's group whose
+    reference forward outlasts the deadline comes back at step 2, first, beside step 2's own, with
+    its version; sampled_by then drops it (no gen_logps: its ratio would be 1) and counts it."""
+    import grpo_ref_split as grpo
+
+    server, stop_serving, url = start(model)
+    forward = server.reference_logps
+    gate = threading.Event()
+
+    def held(*args, **kwargs):  # step 1's forward outlasts its deadline
+        gate.wait(timeout=60)
+        return forward(*args, **kwargs)
+
+    try:
+        leftover, meta = group(seed=30)
+        tagged = {**meta, "rank": 0, "version": 7, "upload_id": "an-earlier-run-0"}
+        answer = requests.post(url + "/upload", data=encode_batch(leftover, tagged), timeout=10)
+        assert answer.status_code == 200
+        wait_for(lambda: server.queue_of(0).qsize() == 1)
+        server.reference_logps = held
+        exchange = dict(exchanges(monkeypatch, url, timeout=1.0))[which]
+        late, on_time = group(seed=31), group(seed=32)
+        for tensors, _ in (late, on_time):
+            del tensors["gen_logps"]  # MU = 1: a rank's own groups carry none
+        assert exchange([late], 0, 0) == []  # step 1: the leftover dropped, its own not ready
+        gate.set()
+        monkeypatch.setattr(grpo, "SERVER_TIMEOUT", 60.0)
+        if which == "sturdy":
+            exchange.__self__.timeout = 60.0
+        got = exchange([on_time], 1, 0)  # step 2
+    finally:
+        gate.set()
+        stop(server, stop_serving)
+    assert [meta["version"] for _, meta in got] == [0, 1]
+    assert torch.equal(got[0][0]["rewards"], late[0]["rewards"])
+    assert torch.equal(got[1][0]["rewards"], on_time[0]["rewards"])
+    kept, counts = grpo.sampled_by(got, 1, max_staleness=grpo.MAX_STALENESS)
+    assert kept == got[1:] and counts["late_groups_dropped"] == 1
 
 
 @pytest.mark.parametrize("which", ["plain", "sturdy"])
@@ -327,6 +375,24 @@ def test_both_step_5_clients_bring_each_group_back_once_with_the_same_ref_logps(
             want = server.reference_logps(tensors["input_ids"], meta["plen"], 1.0)
             assert torch.equal(tensors["ref_logps"], want)
         assert server.counters["served"] == 3
+    finally:
+        stop(server, stop_serving)
+
+
+@pytest.mark.parametrize("which", ["plain", "sturdy"])
+def test_both_step_5_clients_never_take_a_group_twice_across_steps(which, model, monkeypatch):
+    """Step after step on one server: each call brings back its own groups and no group a call
+    before took (the last one a call takes is acknowledged before it returns, or remembered)."""
+    server, stop_serving, url = start(model)
+    try:
+        exchange = dict(exchanges(monkeypatch, url))[which]
+        for step in range(3):
+            sent = [group(seed=40 + 2 * step), group(seed=41 + 2 * step)]
+            got = exchange(sent, step, 0)
+            assert [meta["version"] for _, meta in got] == [step, step]
+            want = sorted(tensors["rewards"][0].item() for tensors, _ in sent)
+            assert sorted(tensors["rewards"][0].item() for tensors, _ in got) == want
+        assert server.counters["served"] == 6
     finally:
         stop(server, stop_serving)
 
