@@ -1,7 +1,7 @@
 """GRPO with the reference model on its own server, trained with DeepSpeed ZeRO-2.
 
 One step on every rank, as main() runs it:
-  1. sample Q_BATCH_SIZE questions          5. upload the groups to ref_server.py, which adds the
+  1. draw Q_BATCH_SIZE questions            5. upload the groups to ref_server.py, which adds the
   2. generate NUM_PRE_Q answers to each        reference log-probs, and pull ready groups back
   3. score them (rewards.py)                6. the clipped GRPO loss with a k3 KL penalty
   4. advantages relative to each group      7. the optimizer step (MU passes over the batch)
@@ -203,7 +203,7 @@ def global_count(masks, *, token_mean: bool) -> float:
     """reduce_loss's normalizer: the step's answers (token_mean: tokens) in its (B, T) masks on all
     ranks, / the ranks, so each answer weighs the same wherever it landed (ZeRO-2 averages
     gradients over ranks)."""
-    count = sum(int(m.sum()) if token_mean else m.shape[0] for m in masks)
+    count = sum(int(mask.sum()) if token_mean else mask.shape[0] for mask in masks)
     total = torch.tensor(float(count), dtype=torch.float64, device=masks[0].device)  # NCCL: GPU
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(total)
@@ -353,49 +353,51 @@ def logps_of(model, input_ids, attention_mask, n_completion, entropy=False, **pi
 
 
 @torch.no_grad()
-def pack_groups(model, sampled: Rollout, scores, advantages, keep_all, with_gen_logps):
+def pack_groups(model, generated: Rollout, scores, advantages, keep_all, with_gen_logps):
     """Step 5's upload: ((tensors, meta) of the groups worth training, (D,) the others' rewards:
     equal unless keep_all, or none to train); pi_old if with_gen_logps, MU > 1, SKIP_GEN_LOGPS 0."""
     G = NUM_PRE_Q
     varied = scores.view(-1, G).std(1) > 0  # (Q,)
     kept = [q for q in range(len(varied))
-            if (varied[q] or keep_all) and sampled.mask[q * G:(q + 1) * G].any()]
-    ids = torch.cat([sampled.prompt_ids, sampled.completion_ids], 1)  # (B, P+T)
-    attn = torch.cat([sampled.prompt_mask, torch.ones_like(sampled.completion_ids)], 1)  # (B, P+T)
+            if (varied[q] or keep_all) and generated.mask[q * G:(q + 1) * G].any()]
+    ids = torch.cat([generated.prompt_ids, generated.completion_ids], 1)  # (B, P+T)
+    answer_attn = torch.ones_like(generated.completion_ids)  # (B, T)
+    attn = torch.cat([generated.prompt_mask, answer_attn], 1)  # (B, P+T)
     rows = [q * G + i for q in kept for i in range(G)]
     gen_logps = None  # (K, T) pi_old of the kept rows
     if kept and (with_gen_logps or MU > 1 or not SKIP_GEN_LOGPS):
         pixels = {}  # the kept rows' pixel inputs; text: none
-        if sampled.vision_inputs:
-            pixels = vision.select_rows(sampled.vision_inputs, rows)
-        gen_logps = logps_of(model, ids[rows], attn[rows], sampled.mask.shape[1], **pixels).cpu()
+        if generated.vision_inputs:
+            pixels = vision.select_rows(generated.vision_inputs, rows)
+        gen_logps = logps_of(model, ids[rows], attn[rows], generated.mask.shape[1], **pixels).cpu()
     meta = dict(temperature=TEMPERATURE, scale_rewards=SCALE_REWARDS)  # the server redoes with it
     dropped = scores.view(-1, G)[[q for q in range(len(varied)) if q not in kept]].view(-1)  # (D,)
-    return group_tensors(sampled, ids, kept, scores, advantages, gen_logps, meta), dropped
+    return group_tensors(generated, ids, kept, scores, advantages, gen_logps, meta), dropped
 
 
-def group_tensors(sampled: Rollout, ids, kept, scores, advantages, gen_logps, meta) -> list:
+def group_tensors(generated: Rollout, ids, kept, scores, advantages, gen_logps, meta) -> list:
     """The kept groups as (tensors, meta) in the wire's layout (features/wire.UPLOAD_SPEC): each
     prompt without its left padding, the columns every answer finished before dropped. ids
     (B, P + T); kept: group indices; gen_logps (K, T) the kept rows' pi_old, or None."""
     G = NUM_PRE_Q
-    P = sampled.prompt_ids.shape[1]
+    P = generated.prompt_ids.shape[1]
     groups = []
     for j, q in enumerate(kept):
         rows = slice(q * G, (q + 1) * G)
-        plen = int(sampled.prompt_mask[q * G].sum())  # the prompt without its left padding
-        tlen = int(sampled.mask[rows].any(0).nonzero().max()) + 1  # the group's longest answer
+        plen = int(generated.prompt_mask[q * G].sum())  # the prompt without its left padding
+        tlen = int(generated.mask[rows].any(0).nonzero().max()) + 1  # the group's longest answer
         tensors = dict(input_ids=ids[rows, P - plen : P + tlen].cpu(),  # (G, plen + tlen)
-                       completion_mask=sampled.mask[rows, :tlen].cpu(),  # (G, tlen)
+                       completion_mask=generated.mask[rows, :tlen].cpu(),  # (G, tlen)
                        advantages=advantages[rows],  # (G,)
                        rewards=scores[rows])  # (G,)
         if gen_logps is not None:
             tensors["gen_logps"] = gen_logps[j * G : (j + 1) * G, :tlen]  # (G, tlen)
-        if sampled.sampler_logps is not None:  # vLLM's own: the loss's importance weights
-            tensors["sampler_logps"] = sampled.sampler_logps[rows, :tlen]  # (G, tlen)
-        if sampled.images:  # the question's images, as their own bytes (features/vision.py)
-            tensors.update(vision.pack_images(sampled.images[q * G]))
-        for_reward_model = {"question": sampled.questions[q * G], "answers": sampled.texts[rows]}
+        if generated.sampler_logps is not None:  # vLLM's own: the loss's importance weights
+            tensors["sampler_logps"] = generated.sampler_logps[rows, :tlen]  # (G, tlen)
+        if generated.images:  # the question's images, as their own bytes (features/vision.py)
+            tensors.update(vision.pack_images(generated.images[q * G]))
+        for_reward_model = {"question": generated.questions[q * G],
+                            "answers": generated.texts[rows]}
         groups.append((tensors, {"plen": plen, **for_reward_model, **meta}))
     return groups
 
@@ -409,20 +411,21 @@ class Scored:
 
 
 def rollout(model, tokenizer, questions, *, eos_ids, gen_config, llm, keep_all, with_gen_logps,
-            m: Counter, step=0, rank=0) -> Scored:
-    """Steps 2-4 on `questions`, for the trainer and a genonly worker; m gets their seconds."""
-    with timed(m, "generate_s"):
-        sampled = generate(model, tokenizer, questions, gen_config, eos_ids, llm)  # 2. generate
-    with timed(m, "score_s"):  # 3. score
-        total, each = rewards.score(REWARDS, sampled.texts, sampled.golds, sampled.questions)
+            seconds: Counter, step=0, rank=0) -> Scored:
+    """Steps 2-4 on `questions`, for the trainer and a genonly worker; `seconds` gets their
+    times (generate_s, score_s, gen_logps_s)."""
+    with timed(seconds, "generate_s"):
+        generated = generate(model, tokenizer, questions, gen_config, eos_ids, llm)  # 2. generate
+    with timed(seconds, "score_s"):  # 3. score
+        total, each = rewards.score(REWARDS, generated.texts, generated.golds, generated.questions)
     scores = torch.tensor(total, dtype=torch.float32)  # (N,) the weighted sum of REWARDS
     if SCALE_REWARDS == "group":  # 4. advantages
         advantages = advantages_in_groups(scores, NUM_PRE_Q)  # (N,)
     else:  # "batch": centred here, / the step's std once known (scale_to_step); "none": centred
         advantages = group_advantages(scores, NUM_PRE_Q, upload_scale(SCALE_REWARDS))  # (N,)
-    with timed(m, "gen_logps_s"):
-        groups, other = pack_groups(model, sampled, scores, advantages, keep_all, with_gen_logps)
-    records = answer_records(step, rank, sampled, each, scores, advantages)
+    with timed(seconds, "gen_logps_s"):
+        groups, other = pack_groups(model, generated, scores, advantages, keep_all, with_gen_logps)
+    records = answer_records(step, rank, generated, each, scores, advantages)
     return Scored(groups=groups, records=records, other_rewards=other)
 
 
@@ -431,9 +434,9 @@ def upload_and_pull(groups: list, version: int, rank: int, *, run: str) -> list:
     rank's groups back with their ref_logps. Each GET acknowledges the one taken before (a lost
     answer comes again), and the last GET finds none ready, so nothing taken stays unacknowledged;
     what a restarted server lost is sent again. A group of this run that missed an earlier step's
-    deadline comes back too (sampled_by decides if it trains); one that an earlier run left on the
-    server (its upload id lacks `run`) is dropped. RefClient (main()) does the same for several
-    servers and workers' groups."""
+    deadline comes back too (drop_untrainable decides if it trains); one that an earlier run left
+    on the server (its upload id lacks `run`) is dropped. RefClient (main()) does the same for
+    several servers and workers' groups."""
     def ask(method, path, body=None):  # asked again while busy or unreachable; a 4xx stops
         return retry.request_with_retry(method, REF_SERVER + path, REF_TOKEN, body,
                                         give_up_after=SERVER_TIMEOUT)
@@ -462,7 +465,7 @@ def upload_and_pull(groups: list, version: int, rank: int, *, run: str) -> list:
         owed.pop(ack, None)
 
 
-def sampled_by(groups, version, *, max_staleness) -> tuple:
+def drop_untrainable(groups, version, *, max_staleness) -> tuple:
     """(the pulled groups the policy at `version` may train on, the counts dropped). A group that
     other weights sampled (a step late) needs their log-probs as pi_old (gen_logps), else its ratio
     would be 1 as if these weights had sampled it: workers' and regrouped groups carry them. One
@@ -504,10 +507,10 @@ def prepare_batch(engine, batch: Batch, normalizer=None) -> Batch:
 def policy_loss(engine, b: Batch):
     """Step 6: (the GRPO loss of a (micro-)batch under the current weights, its metrics)."""
     engine.train()
-    advantages = b.advantages  # (B,) one per answer; with a teacher (B, T), one per token
+    advantages = b.advantages[:, None].expand_as(b.mask)  # (B, T) each answer's, on every token
     if fast_paths.USE_TRITON:  # the same loss fused in one pass over the logits (GPU)
         import grpo_loss_triton
-        loss, logps, entropy, old, weights = grpo_loss_triton.batch_loss(
+        loss, logps, entropy, old_logps, weights = grpo_loss_triton.batch_loss(
             engine, b, temperature=TEMPERATURE, beta=BETA, clip_eps=CLIP_EPS,
             clip_eps_high=CLIP_EPS_HIGH, loss_type=LOSS_TYPE, max_tokens=MAX_NEW_TOKENS,
             shared_prefix=fast_paths.SHARED_PREFIX, tis_cap=vllm_engine.TIS_CAP,
@@ -515,53 +518,58 @@ def policy_loss(engine, b: Batch):
     else:
         logps, entropy = logps_of(engine, b.input_ids, b.attention_mask, b.mask.shape[1],
                                   entropy=True, **b.vision_inputs)
-        old = pi_old_logps(logps, b.gen_logps, b.gen_rows, b.mask)  # (B, T) pi_old
-        if DISTILL_COEF:  # the teacher's term on each token (docs/distillation.md)
+        old_logps = pi_old_logps(logps, b.gen_logps, b.gen_rows, b.mask)  # (B, T) pi_old
+        if DISTILL_COEF:  # + the teacher's term on each token (docs/distillation.md)
             advantages = distill_advantages(b.advantages, teacher_logps=b.teacher_logps,
-                                            sampler_logps=old, mask=b.mask, coef=DISTILL_COEF)
+                                            sampler_logps=old_logps, mask=b.mask,
+                                            coef=DISTILL_COEF)  # (B, T)
         weights = None  # vLLM's mismatch pi_old / pi_vllm, truncated or masked (TIS_MODE)
         if b.sampler_logps is not None and vllm_engine.TIS_CAP:
-            weights = vllm_engine.mismatch_weights(old, b.sampler_logps, b.sampler_rows,
+            weights = vllm_engine.mismatch_weights(old_logps, b.sampler_logps, b.sampler_rows,
                                                    b.mask.bool(), mode=vllm_engine.TIS_MODE,
                                                    cap=vllm_engine.TIS_CAP)
         if OFF_POLICY_DELTA:  # DeepSeek-V3.2: far off-policy answers with A < 0 leave the surrogate
-            weights = vllm_engine.off_policy_mask(weights, b, advantages=advantages, old=old,
+            weights = vllm_engine.off_policy_mask(weights, b, advantages=advantages, old=old_logps,
                                                   logps=logps, delta=OFF_POLICY_DELTA)  # (B, T)
-        per_token = grpo_loss(logps=logps, old_logps=old, ref_logps=b.ref_logps,
+        per_token = grpo_loss(logps=logps, old_logps=old_logps, ref_logps=b.ref_logps,
                               advantages=advantages, mask=b.mask, beta=BETA, clip_eps=CLIP_EPS,
                               clip_eps_high=CLIP_EPS_HIGH, weights=weights, gspo=GSPO,
                               bias_corrected_kl=KL_BIAS_CORRECTION)  # (B, T)
         loss = reduce_loss(per_token, b.mask, loss_type=LOSS_TYPE, normalizer=b.normalizer,
                            max_tokens=MAX_NEW_TOKENS)
     with torch.no_grad():  # the metrics at the weights before this step (features/run_log.py)
-        log_ratio = policy_log_ratio(logps=logps, old_logps=old, mask=b.mask, gspo=GSPO)  # (B, T)
+        log_ratio = policy_log_ratio(logps=logps, old_logps=old_logps, mask=b.mask,
+                                     gspo=GSPO)  # (B, T)
         kl = None if b.ref_logps is None else k3(b.ref_logps, logps)  # (B, T)
-        m = loss_metrics(loss, b, old=old, ratio=torch.exp(log_ratio), kl=kl, tis=weights,
-                         entropy=entropy, clip_eps=CLIP_EPS, clip_eps_high=CLIP_EPS_HIGH,
-                         vllm=vllm_engine.USE_VLLM, advantages=advantages,
-                         teacher=b.teacher_logps)
+        metrics = loss_metrics(loss, b, ratio=torch.exp(log_ratio), kl=kl, entropy=entropy,
+                               advantages=advantages, clip_eps=CLIP_EPS,
+                               clip_eps_high=CLIP_EPS_HIGH)
+        if vllm_engine.USE_VLLM:  # how far vLLM's log-probs are from pi_old
+            metrics |= run_log.vllm_metrics(b, old_logps=old_logps, weights=weights)
+        if b.teacher_logps is not None:  # how far the student is from its teacher
+            metrics |= run_log.teacher_metrics(b, old_logps=old_logps)
     if not b.share:  # a repeat that keeps this rank in step with the others: no gradient
         loss = loss * 0.0
-    return loss, m
+    return loss, metrics
 
 
 def train_step(engine, batches) -> Counter:
     """Steps 6-7, MU times on the same batches: the loss's gradient over every (micro-)batch, added
     up (ZeRO-2 averages it over ranks), then one optimizer step."""
-    m = Counter()
+    metrics = Counter()  # summed over the MU passes, each a 1 / MU share
     for _ in range(MU):
-        with timed(m, "fwd_bwd_s"):
+        with timed(metrics, "fwd_bwd_s"):
             this_pass = Counter()  # the (micro-)batches' metrics, each a share of the step's
             for i, b in enumerate(batches):  # 6. the loss and its gradient
                 engine.set_gradient_accumulation_boundary(i == len(batches) - 1)
-                loss, metrics = policy_loss(engine, b)
+                loss, batch_metrics = policy_loss(engine, b)
                 engine.backward(loss)
-                this_pass.update(metrics)
-            m.update({name: value / MU for name, value in this_pass.items()})
-        m["lr"] += engine.get_lr()[0] / MU  # the rate this step uses (moved in engine.step)
-        with timed(m, "optim_s"):
+                this_pass.update(batch_metrics)
+            metrics.update({name: value / MU for name, value in this_pass.items()})
+        metrics["lr"] += engine.get_lr()[0] / MU  # the rate this step uses (moved in engine.step)
+        with timed(metrics, "optim_s"):
             engine.step()  # 7. the optimizer step
-    return m
+    return metrics
 
 
 def collate(groups, pad_id, *, teacher=False, image_processor=None) -> Batch:
@@ -699,13 +707,13 @@ def main():
                                                question_sampler.REPLAY_SHARE)
     llm = vllm_engine.start(resolve_model_path(MODEL_PATH), SEED + rank, model.dtype,
                             verbose=quiet.VERBOSE)  # USE_VLLM; else None
-    sample = functools.partial(generate, model, tokenizer, gen_config=gen_config, eos_ids=eos_ids,
-                               llm=llm)  # sample(questions): NUM_PRE_Q answers to each
+    generate_answers = functools.partial(generate, model, tokenizer, gen_config=gen_config,
+                                         eos_ids=eos_ids, llm=llm)  # NUM_PRE_Q to each question
     score = functools.partial(rewards.score, REWARDS)  # score(texts, golds, questions)
     if pass_rates.PASS_RATE_QUESTIONS:  # "learnability": pass rates measured before step 1
-        pass_rates.pass_rate_pass(sampler, sample, score, count=pass_rates.PASS_RATE_QUESTIONS,
-                                  group=NUM_PRE_Q, output_dir=OUTPUT_DIR, batch=Q_BATCH_SIZE,
-                                  rank=rank)
+        pass_rates.pass_rate_pass(sampler, generate_answers, score,
+                                  count=pass_rates.PASS_RATE_QUESTIONS, group=NUM_PRE_Q,
+                                  output_dir=OUTPUT_DIR, batch=Q_BATCH_SIZE, rank=rank)
     start = 0  # the last step done: a resumed checkpoint's
     adapters_only = lora.LORA_RANK > 0  # LoRA: checkpoints hold the adapters, not the model
     if checkpoints.RESUME:
@@ -728,25 +736,25 @@ def main():
     wanted = Q_BATCH_SIZE if DYNAMIC_SAMPLING else 1  # groups with different rewards a step needs
     steps = range(start + 1, ALL_STEPS + 1)
     for step in tqdm(steps, disable=rank != 0, desc="GRPO", dynamic_ncols=True):
-        m = Counter()  # this step's metrics
+        metrics = Counter()  # this step's numbers, added up as they come
         step_start = clock()
         answers = []  # every answer the step sampled, for the log
         groups = []  # the (tensors, meta) pairs the step trains on
         other_rewards = []  # the rewards of the groups not uploaded (equal ones), per rollout
         for attempt in range(1, MAX_ROLLOUTS + 1):  # until groups with different rewards
             n_questions = Q_BATCH_SIZE - len(groups) if DYNAMIC_SAMPLING else Q_BATCH_SIZE
-            drawn = sampler.sample(n_questions)  # 1. sample; then 2-4. generate, score, advantages
+            drawn = sampler.draw(n_questions)  # 1. draw questions; 2-4. generate, score, advantages
             scored = rollout(model, tokenizer, drawn, eos_ids=eos_ids, gen_config=gen_config,
-                             llm=llm, keep_all=keep_all, with_gen_logps=regroup, m=m, step=step,
-                             rank=rank)
+                             llm=llm, keep_all=keep_all, with_gen_logps=regroup, seconds=metrics,
+                             step=step, rank=rank)
             if sampler.mode != "uniform":  # which groups varied ("difficulty"), pass rates
                 sampler.record(scored.records, NUM_PRE_Q)
             answers += scored.records
             other_rewards.append(scored.other_rewards)
-            with timed(m, "wait_s"):  # 5. upload; pull them back with ref_logps (no server: ours)
+            with timed(metrics, "wait_s"):  # 5. upload; pull them back with ref_logps
                 pulled = exchange(scored.groups, step - 1, rank)
-            pulled, counts = sampled_by(pulled, step - 1, max_staleness=MAX_STALENESS)
-            m.update(counts)  # late_groups_dropped, stale_groups_dropped
+            pulled, counts = drop_untrainable(pulled, step - 1, max_staleness=MAX_STALENESS)
+            metrics.update(counts)  # late_groups_dropped, stale_groups_dropped
             groups += pulled
             if len(groups) >= wanted:
                 break
@@ -755,16 +763,16 @@ def main():
         if SCALE_REWARDS == "batch":  # every rank: the std of all the step's rewards, all ranks
             groups = scale_to_step(groups, torch.cat(other_rewards), device)
         batches = batches_of(engine, groups, tokenizer.pad_token_id, image_processor)
-        m.update(train_step(engine, batches))  # 6-7. the loss, the optimizer step
-        m["max_weight_gap"] = weight_gap(model)  # 0: every rank holds the same weights
+        metrics.update(train_step(engine, batches))  # 6-7. the loss, the optimizer step
+        metrics["max_weight_gap"] = weight_gap(model)  # 0: every rank holds the same weights
         if publisher is not None:  # rank 0 with WEIGHT_SYNC_STEPS: the weights to workers
             weight_sync.publish_every(publisher, model, step, weight_sync.WEIGHT_SYNC_STEPS)
         if llm is not None:
-            with timed(m, "push_s"):
+            with timed(metrics, "push_s"):
                 vllm_engine.push_weights(llm, model)  # the next rollouts' weights
-        m = step_metrics(m, groups, answers, step=step, attempts=attempt, step_start=step_start,
-                         group_size=NUM_PRE_Q, reward_names=reward_names)
-        log_step(step, m, answers, log, device)
+        logged = step_metrics(metrics, groups, answers, step=step, attempts=attempt,
+                              began=step_start, group_size=NUM_PRE_Q, reward_names=reward_names)
+        log_step(step, logged, answers, log, device)
         if evaluation.due(step, last_step=ALL_STEPS):
             evaluate(step)
         if checkpoints.due(step, last_step=ALL_STEPS):

@@ -97,7 +97,10 @@ def shared_prefix_logits(model, input_ids, attention_mask, n_completion: int,
         return first.expand(G, 1, -1)  # (G, 1, V)
     inner = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
     positions = torch.arange(plen, plen + T - 1, device=ids.device).expand(G, -1)  # (G, T - 1)
-    with layer_flags(inner, _can_checkpoint_with_cache=True):
+    switch = contextlib.nullcontext()  # no layer recomputes: its flags need no switching
+    if checkpointing(inner):
+        switch = layer_flags(inner, _can_checkpoint_with_cache=True)
+    with switch:
         rest_mask = torch.cat([attn.new_ones(G, plen), attn[:, : T - 1]], 1)  # (G, plen + T - 1)
         rest = model_outputs(model, hidden, 0, input_ids=ids[:, : T - 1], past_key_values=cache,
                              position_ids=positions, attention_mask=rest_mask)  # (G, T-1, V)
@@ -119,7 +122,10 @@ def prompt_cache(model, prompt_ids, prompt_mask, repeats: int, hidden: bool = Fa
     # Gradient checkpointing drops a KV cache in training mode (its recompute would write it twice):
     # the prompts, one row each, run uncheckpointed; the completions read the cache and keep
     # checkpointing.
-    with layer_flags(inner, gradient_checkpointing=False):
+    switch = contextlib.nullcontext()  # no layer recomputes: its flags need no switching
+    if checkpointing(inner):
+        switch = layer_flags(inner, gradient_checkpointing=False)
+    with switch:
         last = model_outputs(model, hidden, 1, input_ids=prompt_ids, attention_mask=prompt_mask,
                              position_ids=positions, past_key_values=cache)  # (Q, 1, V or H)
     _check_cache(cache, prompt_ids.shape[1], inner)
@@ -145,6 +151,12 @@ def _flags_read() -> tuple:
 
     source = inspect.getsource(GradientCheckpointingLayer.__call__)
     return tuple(name for name in LAYER_FLAGS if f"self.{name}" in source)
+
+
+def checkpointing(model) -> bool:
+    """Whether any layer of the model recomputes in backward (GRADIENT_CHECKPOINTING): only then
+    do the LAYER_FLAGS matter, and layer_flags switches them."""
+    return any(getattr(layer, "gradient_checkpointing", False) for layer in model.modules())
 
 
 @contextlib.contextmanager

@@ -21,14 +21,14 @@ env_overrides.apply_env_overrides(globals(), "features/pass_rates.py")
 FILE = "pass_rates.json"
 
 
-def pass_rate_pass(sampler, sample, score, *, count, group, output_dir, batch, rank,
+def pass_rate_pass(sampler, generate_answers, score, *, count, group, output_dir, batch, rank,
                    pass_key=question_sampler.PASS_KEY):
     """Measure (or read back) the pass rates of the sampler's first `count` questions and keep the
-    sampler to those, weighted by them. sample(questions) -> the trainer's Rollout of `group`
-    answers to each; score(texts, golds, questions) -> (totals, {reward name: values}); an answer
-    passes when its pass_key reward is above 0."""
+    sampler to those, weighted by them. generate_answers(questions) -> the trainer's Rollout of
+    `group` answers to each; score(texts, golds, questions) -> (totals, {reward name: values}); an
+    answer passes when its pass_key reward is above 0."""
     def answer_passes(part):  # for each question, its answers' right (True) or wrong
-        out = sample(part)
+        out = generate_answers(part)
         _, each = score(out.texts, out.golds, out.questions)
         right = [value > 0 for value in each[pass_key]]
         return [right[i : i + group] for i in range(0, len(right), group)]

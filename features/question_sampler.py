@@ -49,7 +49,7 @@ def check_settings():
 
 
 class QuestionSampler:
-    """sample(n) -> n distinct questions; record(answer records, group size) after each rollout."""
+    """draw(n) -> n distinct questions; record(answer records, group size) after each rollout."""
 
     def __init__(self, questions, seed, mode="uniform", replay_share=0.75):
         """replay_share: of each draw at most this share (rounded up) comes from the replay pool
@@ -62,7 +62,7 @@ class QuestionSampler:
         self.uniform = set()  # question texts whose latest group had equal rewards
         self.pass_rates = {}  # "learnability": question text -> its latest pass rate
 
-    def sample(self, n: int) -> list:
+    def draw(self, n: int) -> list:
         # exactly random.Random(seed).sample: the draws of runs before this module
         if self.mode == "uniform":
             return self.rng.sample(self.questions, n)

@@ -157,53 +157,64 @@ def weight_gap(model) -> float:
 
 
 @torch.no_grad()
-def loss_metrics(loss, b, *, old, ratio, entropy, kl, tis, clip_eps, clip_eps_high, vllm,
-                 advantages=None, teacher=None) -> dict:
+def loss_metrics(loss, b, *, ratio, entropy, kl, advantages, clip_eps, clip_eps_high) -> dict:
     """A (micro-)batch's loss metrics at the weights before the step, each x the batch's share of
     the step's (its answers, or its tokens for per-token ones), so the step's sum over micro-batches
     is the whole batch's value: loss; clip_low/high (tokens the clip cut: ratio below 1 - clip_eps
     with A < 0, above 1 + clip_eps_high with A > 0); ratio_drift (|ratio - 1| per answer, 0
-    on-policy); entropy (per token); kl (k3 per answer); with vLLM, sampler_gap and tis_masked
-    (tokens whose importance weight is 0); with a teacher (DISTILL_COEF), teacher_kl (the mean of
-    log pi_old - log teacher over tokens, the reverse KL's estimate) and teacher_better (the share
-    of tokens the teacher finds likelier). b: the batch (mask, advantages, sampler_logps,
-    sampler_rows, share, token_share); old, ratio, entropy, kl, tis, teacher (B, T): the
-    importance weights (kl, tis and teacher may be None); advantages (B,) or (B, T), default b's."""
-    if advantages is None:
-        advantages = b.advantages
-    mask, share, tokens = b.mask, b.share, b.token_share
-    adv = advantages[:, None] if advantages.dim() == 1 else advantages  # (B, 1) or (B, T)
-    n, per_answer = mask.sum().clamp(min=1), mask.sum(-1).clamp(min=1)  # (), (B,)
-    low = (ratio < 1 - clip_eps) & (adv < 0) & mask  # (B, T)
-    high = (ratio > 1 + clip_eps_high) & (adv > 0) & mask  # (B, T)
+    on-policy); entropy (per token); kl (k3 per answer; kl None: none). b: the batch (mask, share,
+    token_share); ratio, entropy, kl, advantages (B, T)."""
+    mask = b.mask
+    tokens = b.token_share
+    n = mask.sum().clamp(min=1)  # ()
+    per_answer = mask.sum(-1).clamp(min=1)  # (B,)
+    low = (ratio < 1 - clip_eps) & (advantages < 0) & mask  # (B, T)
+    high = (ratio > 1 + clip_eps_high) & (advantages > 0) & mask  # (B, T)
     entropy_mean = (torch.where(mask, entropy, 0.0).sum() / n).item()
     drift = (torch.where(mask, (ratio - 1).abs(), 0.0).sum(-1) / per_answer).mean().item()
-    m = dict(loss=loss.item() * (share > 0), clip_low=(low.sum() / n).item() * tokens,
-             clip_high=(high.sum() / n).item() * tokens, entropy=entropy_mean * tokens,
-             ratio_drift=drift * share)
+    metrics = dict(loss=loss.item() * (b.share > 0), clip_low=(low.sum() / n).item() * tokens,
+                   clip_high=(high.sum() / n).item() * tokens, entropy=entropy_mean * tokens,
+                   ratio_drift=drift * b.share)
     if kl is not None:
-        m["kl"] = (torch.where(mask, kl, 0.0).sum(-1) / per_answer).mean().item() * share
-    if vllm:  # the engines' mismatch on the sampled tokens, the share of tokens TIS_MODE masks
-        m["sampler_gap"] = sampler_gap(old, b.sampler_logps, b.sampler_rows, mask) * tokens
-        m["tis_masked"] = 0.0 if tis is None else (((tis == 0) & mask).sum() / n).item() * tokens
-    if teacher is not None:
-        gap = torch.where(mask, old - teacher, 0.0)  # (B, T) log pi_old - log teacher
-        m["teacher_kl"] = (gap.sum() / n).item() * tokens
-        m["teacher_better"] = (((gap < 0) & mask).sum() / n).item() * tokens
-    return m
+        metrics["kl"] = (torch.where(mask, kl, 0.0).sum(-1) / per_answer).mean().item() * b.share
+    return metrics
 
 
-def answer_records(step, rank, sampled, each, rewards, advantages) -> list:
+@torch.no_grad()
+def vllm_metrics(b, *, old_logps, weights) -> dict:
+    """With vLLM, each x the batch's token share: sampler_gap (the two engines' mismatch on the
+    sampled tokens) and tis_masked (the share of tokens whose importance weight TIS_MODE made 0).
+    old_logps, weights (B, T); weights None: none."""
+    mask = b.mask
+    n = mask.sum().clamp(min=1)  # ()
+    gap = sampler_gap(old_logps, b.sampler_logps, b.sampler_rows, mask)
+    masked = 0.0 if weights is None else (((weights == 0) & mask).sum() / n).item()
+    return dict(sampler_gap=gap * b.token_share, tis_masked=masked * b.token_share)
+
+
+@torch.no_grad()
+def teacher_metrics(b, *, old_logps) -> dict:
+    """With a teacher (DISTILL_COEF), each x the batch's token share: teacher_kl (the mean of
+    log pi_old - log teacher over tokens, the reverse KL's estimate) and teacher_better (the share
+    of tokens the teacher finds likelier). old_logps (B, T)."""
+    mask = b.mask
+    n = mask.sum().clamp(min=1)  # ()
+    gap = torch.where(mask, old_logps - b.teacher_logps, 0.0)  # (B, T) log pi_old - log teacher
+    return dict(teacher_kl=(gap.sum() / n).item() * b.token_share,
+                teacher_better=(((gap < 0) & mask).sum() / n).item() * b.token_share)
+
+
+def answer_records(step, rank, generated, each, rewards, advantages) -> list:
     """One dict per sampled answer, a line of completions.jsonl: what the model wrote and how it
-    scored. sampled: the trainer's Rollout; each: {reward name: its N values}; rewards, advantages
+    scored. generated: the trainer's Rollout; each: {reward name: its N values}; rewards, advantages
     (N,)."""
-    tool = {k: getattr(sampled, k) for k in ("tool_calls", "tool_errors")
-            if getattr(sampled, k) is not None}
-    return [dict(step=step, rank=rank, question=sampled.questions[i], gold=sampled.golds[i],
-                 answer=sampled.texts[i], reward=rewards[i].item(),
+    tool = {k: getattr(generated, k) for k in ("tool_calls", "tool_errors")
+            if getattr(generated, k) is not None}
+    return [dict(step=step, rank=rank, question=generated.questions[i], gold=generated.golds[i],
+                 answer=generated.texts[i], reward=rewards[i].item(),
                  **{name: values[i] for name, values in each.items()},
-                 advantage=advantages[i].item(), length=sampled.lengths[i],
-                 truncated=sampled.truncated[i], **{k: values[i] for k, values in tool.items()})
+                 advantage=advantages[i].item(), length=generated.lengths[i],
+                 truncated=generated.truncated[i], **{k: values[i] for k, values in tool.items()})
             for i in range(len(rewards))]
 
 
@@ -256,7 +267,7 @@ def timed(metrics, key: str):
     metrics[key] += clock() - start
 
 
-def step_metrics(m, groups, answers, *, step, attempts, step_start, group_size,
+def step_metrics(m, groups, answers, *, step, attempts, began, group_size,
                  reward_names) -> dict:
     """The step's metrics with the derived ones: sample_stats over every rollout's answers,
     rollouts, answers generated and trained (this rank's: their ratio over a run is the rollouts'
@@ -267,7 +278,7 @@ def step_metrics(m, groups, answers, *, step, attempts, step_start, group_size,
                groups=len(groups), answers_generated=len(answers), answers_trained=trained,
                train_s=m["fwd_bwd_s"] + m["optim_s"],
                staleness=sum(step - 1 - sampled_version(meta) for _, meta in groups) / len(groups),
-               seconds=clock() - step_start)
+               seconds=clock() - began)
     scores = [meta["reward_model_mean"] for _, meta in groups if "reward_model_mean" in meta]
     if scores:
         out["reward_model"] = sum(scores) / len(scores)

@@ -154,7 +154,7 @@ class RefClient:
         handed again; and a group is taken back once: any later copy of an upload id (a slow
         server's first copy, a worker's group that sits on two servers) is dropped. A group whose
         reference forward failed comes back as an error: one group fewer, said on stderr. A group of
-        an earlier step that missed its deadline is returned too (its version tells sampled_by
+        an earlier step that missed its deadline is returned too (its version tells drop_untrainable
         whether it may train)."""
         waiting = {}
         for tensors, meta in groups:

@@ -48,11 +48,11 @@ def run_worker(
     """Forever: pick up the newest checkpoint, wait while the server holds max_queued groups
     (trainers are behind: the pile would only grow stale), else draw q_batch_size of `questions`,
     make groups and upload them. The trainer's own functions come in: load(path, device) -> policy,
-    rollout(model, tokenizer, drawn, eos_ids=, gen_config=, llm=, keep_all=, m=) -> the trainer's
-    Scored (groups, records), and start_llm(seed, dtype) -> a vLLM engine (None: transformers
-    generates). trainers_read_server False (BETA = 0, or LoRA's reference from the base) stops it at
-    once: it would feed nobody. weights_from (WEIGHTS_FROM): the trainer's weight server
-    (features/weight_sync.py, with `token`), instead of OUTPUT_DIR's checkpoints."""
+    rollout(model, tokenizer, drawn, eos_ids=, gen_config=, llm=, keep_all=, seconds=) -> the
+    trainer's Scored (groups, records), and start_llm(seed, dtype) -> a vLLM engine (None:
+    transformers generates). trainers_read_server False (BETA = 0, or LoRA's reference from the
+    base) stops it at once: it would feed nobody. weights_from (WEIGHTS_FROM): the trainer's weight
+    server (features/weight_sync.py, with `token`), instead of OUTPUT_DIR's checkpoints."""
     # BETA = 0, or LoRA with REF_FROM_BASE (REF_FROM_BASE=0 on both sends LoRA groups)
     if not trainers_read_server:
         sys.exit(
@@ -125,7 +125,7 @@ def run_worker(
             gen_config=gen_config,
             llm=llm,
             keep_all=keep_all,
-            m=Counter(),
+            seconds=Counter(),
         )
         client.upload(scored.groups, version=version, worker=name)
         records = scored.records

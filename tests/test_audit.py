@@ -168,14 +168,15 @@ def test_a_group_pulled_a_step_late_without_its_sampling_log_probs_is_dropped_an
     assert [meta["version"] for _, meta in got] == [0, 1]
     late_one = got[:1]
 
-    def sampled_by(groups, version):
-        return grpo.sampled_by(groups, version, max_staleness=grpo.MAX_STALENESS)
+    def drop_untrainable(groups, version):
+        return grpo.drop_untrainable(groups, version, max_staleness=grpo.MAX_STALENESS)
 
-    assert sampled_by(got, version=1) == (got[1:], Counter(late_groups_dropped=1))
+    assert drop_untrainable(got, version=1) == (got[1:], Counter(late_groups_dropped=1))
     # what a worker's group carries
     with_logps = [(dict(got[0][0], gen_logps=torch.zeros(3, 4)), got[0][1])]
-    assert sampled_by(with_logps, version=1) == (with_logps, Counter())
-    assert sampled_by(late_one, version=0) == (late_one, Counter())  # the weights that sampled it
+    assert drop_untrainable(with_logps, version=1) == (with_logps, Counter())
+    # at the weights that sampled it
+    assert drop_untrainable(late_one, version=0) == (late_one, Counter())
 
 
 # -------------------------------------------------------------- settings refused or warned at start

@@ -120,7 +120,7 @@ def test_step_metrics_count_dropped_groups_and_answers_over_every_rollout():
         ({"advantages": torch.zeros(2)}, {"version": 1}),
     ]
     out = run_log.step_metrics(
-        m, groups, answers, step=4, attempts=2, step_start=0.0, group_size=2, reward_names=[]
+        m, groups, answers, step=4, attempts=2, began=0.0, group_size=2, reward_names=[]
     )
     assert out["zero_var_groups"] == 3 / 8  # 3 of the 2 x 4 groups sampled, read from the answers
     assert (out["rollouts"], out["answers_generated"], out["answers_trained"]) == (2, 16, 4)
@@ -179,7 +179,7 @@ def test_a_worker_keeps_its_version_when_a_new_checkpoint_vanishes_as_it_loads(t
             else (f"model of {path}", "tokenizer", [2], None)
         )
 
-    def rollout(model, tokenizer, drawn, *, eos_ids, gen_config, llm, keep_all, m):
+    def rollout(model, tokenizer, drawn, *, eos_ids, gen_config, llm, keep_all, seconds):
         return types.SimpleNamespace(groups=[({}, {})], records=[{"reward": 1.0}])
 
     client = FakeClient()

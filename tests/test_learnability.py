@@ -35,12 +35,12 @@ def test_draw_frequencies_follow_the_weights_and_weight_zero_only_fills_up():
     sampler.set_pass_rates(rates)
     weights = {q: p * (1 - p) for q, p in rates.items()}
     total = sum(weights.values())
-    draws = Counter(sampler.sample(1)[0]["question"] for _ in range(20000))
+    draws = Counter(sampler.draw(1)[0]["question"] for _ in range(20000))
     for name, w in weights.items():
         assert draws[name] / 20000 == pytest.approx(w / total, abs=0.015), (name, draws)
     assert draws["q3"] == 0 and draws["q4"] == 0
     for _ in range(200):
-        drawn = [q["question"] for q in sampler.sample(4)]
+        drawn = [q["question"] for q in sampler.draw(4)]
         assert len(set(drawn)) == 4 and {"q0", "q1", "q2"} <= set(drawn)
 
 

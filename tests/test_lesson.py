@@ -67,8 +67,8 @@ def gradient_gap(got, want) -> float:
 
 @pytest.mark.parametrize("fast", [True, False])
 def test_the_servers_reference_log_probs_are_the_lessons_definition(left_padded, fast):
-    """One definition of a token's log-prob: ref_server.py's reference_logps (its default fast paths,
-    or all of them off) gives the trainer's per_token_logps on the same rows, at the same
+    """One definition of a token's log-prob: ref_server.py's reference_logps (its default fast
+    paths, or all of them off) gives the trainer's per_token_logps on the same rows, at the same
     temperature; at another temperature it would not."""
     import ref_server
 
@@ -225,7 +225,7 @@ def test_the_training_loop_reads_as_the_seven_steps():
     )
     assert loop.end_lineno - loop.lineno + 1 <= 45
     text = ast.get_source_segment(open(os.path.join(ROOT, "grpo_ref_split.py")).read(), loop)
-    for step in ("1. sample", "2-4.", "5. upload", "6-7."):
+    for step in ("1. draw", "2-4.", "5. upload", "6-7."):
         assert step in text
 
 

@@ -326,18 +326,18 @@ def records(outcomes, group_size=4):
 def test_the_uniform_sampler_draws_exactly_what_random_sample_drew():
     sampler, rng = QuestionSampler(QUESTIONS, 7), random.Random(7)
     for n in (4, 4, 2, 4):
-        assert sampler.sample(n) == rng.sample(QUESTIONS, n)
+        assert sampler.draw(n) == rng.sample(QUESTIONS, n)
         sampler.record(records({"q1": True}), 4)  # records nothing in uniform mode
     assert sampler.pool == {} and sampler.uniform == set()
 
 
 def test_the_difficulty_sampler_replays_varied_questions_and_sets_uniform_ones_aside():
     sampler = QuestionSampler(QUESTIONS, 0, "difficulty")
-    first = [q["question"] for q in sampler.sample(4)]
+    first = [q["question"] for q in sampler.draw(4)]
     assert len(set(first)) == 4
     sampler.record(records({first[0]: True, first[1]: False, first[2]: True, first[3]: True}), 4)
     assert list(sampler.pool) == [first[0], first[2], first[3]] and sampler.uniform == {first[1]}
-    second = [q["question"] for q in sampler.sample(4)]
+    second = [q["question"] for q in sampler.draw(4)]
     assert second[:3] == [first[0], first[2], first[3]]  # ceil(4 x 0.75) = 3 replays, oldest first
     assert second[3] not in first and len(set(second)) == 4  # a new question
     sampler.record(
@@ -345,7 +345,7 @@ def test_the_difficulty_sampler_replays_varied_questions_and_sets_uniform_ones_a
     )
     # re-inserted in turn; first[2] now uniform: out
     assert list(sampler.pool) == [second[0], second[2], second[3]]
-    third = [q["question"] for q in sampler.sample(4)]
+    third = [q["question"] for q in sampler.draw(4)]
     sampler.record(records({q: True for q in third}), 4)
     # varied three times in a row: replayed MAX_REPLAYS = 2 times, then out
     assert first[0] not in sampler.pool
@@ -355,7 +355,7 @@ def test_the_difficulty_sampler_replays_varied_questions_and_sets_uniform_ones_a
 def test_the_difficulty_sampler_draws_uniform_questions_less_often():
     sampler = QuestionSampler(QUESTIONS[:10], 3, "difficulty")
     sampler.record(records({f"q{i}": False for i in range(5)}), 4)  # q0..q4 uniform, q5..q9 unseen
-    drawn = [q["question"] for _ in range(400) for q in sampler.sample(1)]
+    drawn = [q["question"] for _ in range(400) for q in sampler.draw(1)]
     uniform_share = sum(t in {f"q{i}" for i in range(5)} for t in drawn) / len(drawn)
     keep = question_sampler.UNIFORM_KEEP
     # weights 0.1 against 1
@@ -366,24 +366,24 @@ def test_the_sampler_state_round_trips_and_reads_an_older_checkpoints_rng_state(
     sampler = QuestionSampler(QUESTIONS, 1, "difficulty")
     sampler.record(records({"q3": True, "q4": False}), 4)
     state = sampler.getstate()
-    after = [sampler.sample(4) for _ in range(3)]
+    after = [sampler.draw(4) for _ in range(3)]
     again = QuestionSampler(QUESTIONS, 99, "difficulty")
     again.setstate(state)
-    assert [again.sample(4) for _ in range(3)] == after and again.uniform == {"q4"}
+    assert [again.draw(4) for _ in range(3)] == after and again.uniform == {"q4"}
     old = QuestionSampler(QUESTIONS, 5)
     # a checkpoint saved before the sampler: the rng state alone
     old.setstate(random.Random(11).getstate())
-    assert old.sample(3) == random.Random(11).sample(QUESTIONS, 3)
+    assert old.draw(3) == random.Random(11).sample(QUESTIONS, 3)
     with pytest.raises(ValueError, match="SAMPLER"):
         QuestionSampler(QUESTIONS, 0, "hard")
     with pytest.raises(ValueError, match="cannot draw 51"):
-        QuestionSampler(QUESTIONS, 0, "difficulty").sample(51)
+        QuestionSampler(QUESTIONS, 0, "difficulty").draw(51)
 
 
 def test_a_small_dataset_mostly_in_the_pool_still_gives_distinct_questions():
     sampler = QuestionSampler(QUESTIONS[:5], 2, "difficulty")
     sampler.record(records({f"q{i}": True for i in range(4)}), 4)  # 4 of 5 pooled
-    drawn = [q["question"] for q in sampler.sample(5)]
+    drawn = [q["question"] for q in sampler.draw(5)]
     assert sorted(drawn) == [f"q{i}" for i in range(5)]
 
 
@@ -426,7 +426,7 @@ def test_the_sampler_state_survives_a_checkpoints_weights_only_load(tmp_path):
     assert (
         again.pool == sampler.pool
         and again.uniform == sampler.uniform
-        and again.sample(4) == sampler.sample(4)
+        and again.draw(4) == sampler.draw(4)
     )
 
 

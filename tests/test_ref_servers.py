@@ -286,7 +286,7 @@ def test_groups_sampled_by_newer_weights_are_dropped_and_counted():
 
     logps = {"gen_logps": torch.zeros(1)}
     groups = [(logps, {"version": 9}), (logps, {"version": 5}), ({}, {}), (logps, {})]
-    kept, counts = grpo.sampled_by(groups, 5, max_staleness=10)
+    kept, counts = grpo.drop_untrainable(groups, 5, max_staleness=10)
     assert [meta.get("version") for _, meta in kept] == [5, None]
     assert counts == {
         "ahead_groups_dropped": 1,
@@ -316,7 +316,8 @@ def test_both_step_5_clients_bring_back_a_late_group_of_theirs_and_drop_an_earli
 ):
     """An earlier run left a group queued for rank 0: either client drops it. Step 1's group whose
     reference forward outlasts the deadline comes back at step 2, first, beside step 2's own, with
-    its version; sampled_by then drops it (no gen_logps: its ratio would be 1) and counts it."""
+    its version; drop_untrainable then drops it (no gen_logps: its ratio would be 1) and counts
+    it."""
     import grpo_ref_split as grpo
 
     server, stop_serving, url = start(model)
@@ -350,7 +351,7 @@ def test_both_step_5_clients_bring_back_a_late_group_of_theirs_and_drop_an_earli
     assert [meta["version"] for _, meta in got] == [0, 1]
     assert torch.equal(got[0][0]["rewards"], late[0]["rewards"])
     assert torch.equal(got[1][0]["rewards"], on_time[0]["rewards"])
-    kept, counts = grpo.sampled_by(got, 1, max_staleness=grpo.MAX_STALENESS)
+    kept, counts = grpo.drop_untrainable(got, 1, max_staleness=grpo.MAX_STALENESS)
     assert kept == got[1:] and counts["late_groups_dropped"] == 1
 
 

@@ -465,7 +465,7 @@ def short_rollout(
         # steps 2-4 as the trainer runs them
         keep_all=keep_all,
         with_gen_logps=with_gen_logps,
-        m=m,
+        seconds=m,
     )
     # as main() does
     m.update(sample_stats(scored.records, 4, [fn.__name__ for fn, _ in grpo.REWARDS]))
@@ -877,7 +877,7 @@ def test_the_reward_models_mean_score_is_a_metric_of_the_step():
         (adv, {"version": 4, "reward_model_mean": 0.6}),
     ]
     out = step_metrics(
-        m, groups, answers, step=5, attempts=1, step_start=clock(), group_size=4, reward_names=[]
+        m, groups, answers, step=5, attempts=1, began=clock(), group_size=4, reward_names=[]
     )
     assert (
         out["reward_model"] == pytest.approx(0.4)
@@ -891,7 +891,7 @@ def test_the_reward_models_mean_score_is_a_metric_of_the_step():
         answers,
         step=1,
         attempts=1,
-        step_start=clock(),
+        began=clock(),
         group_size=4,
         reward_names=[],
     )

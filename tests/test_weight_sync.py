@@ -144,7 +144,7 @@ def test_groups_older_than_max_staleness_are_dropped_and_counted():
         ({}, {"version": 12}),
         (logps, {"version": 2}),
     ]
-    kept, counts = grpo.sampled_by(groups, 12, max_staleness=3)
+    kept, counts = grpo.drop_untrainable(groups, 12, max_staleness=3)
     assert [meta["version"] for _, meta in kept] == [12, 9, 12]
     assert counts["stale_groups_dropped"] == 2 and counts["late_groups_dropped"] == 0
 
