@@ -317,8 +317,7 @@ def grpo_loss_triton(
         raise ValueError(
             f"grpo_loss_triton supports loss_type in {LOSS_TYPES} (got {loss_type!r}), tis_mode in "
             f"{TIS_MODES} (got {tis_mode!r}; sequence modes need an answer's tokens before "
-            "any token's "
-            f"gradient: use the PyTorch loss) and max_tokens >= 1 (got {max_tokens})"
+            f"any token's gradient: use the PyTorch loss) and max_tokens >= 1 (got {max_tokens})"
         )
     clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
     loss, logps, entropy = _GRPOLoss.apply(logits, completion_ids, ref_logps, gen_logps, advantages,

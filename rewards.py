@@ -20,7 +20,7 @@ import sys
 import re
 import threading
 
-from math_verify import parse, verify
+from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
 TOOL_CLOSE = "</tool>"  # how a tool call ends; features/tools.py uses the same (a test checks)
 
@@ -54,16 +54,32 @@ def reward_correct(completion: str, gold: str, question: str | None = None) -> f
     answer = extract_answer(completion)
     if answer is None or not answer:
         return 0.0
+    return 1.0 if same_value(answer, gold) else 0.0
+
+
+# How math-verify reads a LaTeX answer whole: as math mode, then as a plain expression. Bare,
+# it would take the first number it finds (3\sqrt{2} read as 3).
+LATEX = (LatexExtractionConfig(), ExprExtractionConfig())
+
+
+def same_value(answer: str, gold: str, *, latex: bool = False) -> bool:
+    """Whether `answer` and `gold` are the same value to math-verify; latex: both are LaTeX
+    (geometry3k's 3\\sqrt{2}, \\frac{40}{3}), each read whole in $...$."""
     # math-verify bounds its sympy work with signal.alarm, which only the main thread may set;
     # elsewhere (a server worker, say) we run without its timeout rather than crash.
     on_main = threading.current_thread() is threading.main_thread()
     timeout = 5 if on_main else None
+    config = {}  # plain: math-verify's default extraction
+    if latex:
+        answer = f"${answer}$"
+        gold = f"${gold}$"
+        config = {"extraction_config": LATEX}
     try:
-        gold_parsed = parse(gold, parsing_timeout=timeout)
-        answer_parsed = parse(answer, parsing_timeout=timeout)
-        return 1.0 if verify(gold_parsed, answer_parsed, timeout_seconds=timeout) else 0.0
+        gold_parsed = parse(gold, parsing_timeout=timeout, **config)
+        answer_parsed = parse(answer, parsing_timeout=timeout, **config)
+        return bool(verify(gold_parsed, answer_parsed, timeout_seconds=timeout))
     except Exception:  # sympy can raise on adversarial strings; a wrong answer, not a crash
-        return 0.0
+        return False
 
 
 def boxed_answer(completion: str) -> str | None:
@@ -84,11 +100,11 @@ def boxed_answer(completion: str) -> str | None:
 
 def reward_boxed(completion: str, gold: str, question: str | None = None) -> float:
     """EasyR1's accuracy on geometry3k: 1.0 when the last \\boxed{...} equals `gold`
-    mathematically (math-verify, which reads LaTeX such as 3\\sqrt{2}), else 0.0."""
+    mathematically, both read whole as LaTeX (3\\sqrt{2} is not 3), else 0.0."""
     answer = boxed_answer(completion)
     if not answer:
         return 0.0
-    return reward_correct(f"<answer>{answer}</answer>", gold)
+    return 1.0 if same_value(answer, gold, latex=True) else 0.0
 
 
 BOXED_FORMAT_RE = re.compile(r"<think>.*</think>.*\\boxed\{.*\}.*", re.DOTALL)

@@ -91,8 +91,7 @@ def main():
         results["runs"].append(row)
         print(
             f"V={V}: PyTorch path {torch_ms:.2f} ms, {torch_mem / 2**30:.2f} GiB | Triton "
-            f"{triton_ms:.2f} ms, "
-            f"{triton_mem / 2**30:.2f} GiB | {row['speedup']:.2f}x faster, "
+            f"{triton_ms:.2f} ms, {triton_mem / 2**30:.2f} GiB | {row['speedup']:.2f}x faster, "
             f"{row['memory_ratio']:.2f}x less memory"
         )
     os.makedirs(os.path.join(ROOT, "bench", "results"), exist_ok=True)

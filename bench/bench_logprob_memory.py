@@ -141,8 +141,7 @@ def main():
     }
     print(
         f"{machine}: B={B}, H={H}, {results['dtype']}, LOGP_CHUNK={MEMORY_CHUNK}; extra peak "
-        "memory of "
-        "forward+backward:",
+        "memory of forward+backward:",
         flush=True,
     )
     for T, V in SHAPES:

@@ -108,8 +108,7 @@ def main():
         print(
             f"{k:4s}: {r['trainable']:>11,} trainable of {r['total']:,} | "
             f"checkpoint {r['checkpoint_bytes'] / mib:7.1f} MiB | step peak RSS "
-            f"{r['peak_bytes'] / gib:.2f} GiB | "
-            f"step {r['seconds']:.1f} s "
+            f"{r['peak_bytes'] / gib:.2f} GiB | step {r['seconds']:.1f} s "
             f"(peaks {[round(x['peak_bytes'] / gib, 2) for x in runs[k]]})"
         )
     f, lo = best["full"], best["lora"]

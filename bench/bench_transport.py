@@ -97,10 +97,8 @@ def main():
                 f"G={G:2d} L={plen + tc:4d}: up {len(body) / 1024:7.1f} KiB, down "
                 f"{len(r.content) / 1024:7.1f} KiB | "
                 f"encode {med['encode'] * 1e3:5.1f} ms, upload {med['upload'] * 1e3:5.1f} ms, "
-                "download "
-                f"{med['download'] * 1e3:5.1f} ms, decode {med['decode'] * 1e3:5.1f} ms | "
-                "reference forward "
-                f"{med['forward'] * 1e3:7.1f} ms | transport / forward = "
+                f"download {med['download'] * 1e3:5.1f} ms, decode {med['decode'] * 1e3:5.1f} ms | "
+                f"reference forward {med['forward'] * 1e3:7.1f} ms | transport / forward = "
                 f"{transport / med['forward']:.2%}"
             )
     finally:

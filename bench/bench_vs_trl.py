@@ -160,8 +160,7 @@ def main():
     )
     print(
         f"TRL {trl.__version__}: {theirs['s_per_step']:.1f} s/step, "
-        f"{theirs['s_per_token'] * 1000:.1f} ms per "
-        f"generated token"
+        f"{theirs['s_per_token'] * 1000:.1f} ms per generated token"
     )
     import grpo_ref_split as g
 

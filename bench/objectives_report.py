@@ -89,8 +89,7 @@ def main(folder):
             ]
             print(
                 f"| {SETTINGS.get(setting, setting)} | {seed} | {' | '.join(cells)} | "
-                f"{r['ratio']:.2f} | "
-                f"{r['minutes']:.1f} |"
+                f"{r['ratio']:.2f} | {r['minutes']:.1f} |"
             )
 
 

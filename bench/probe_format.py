@@ -47,8 +47,7 @@ def main():
     closed = sum("</think>" in t for t in texts)
     print(
         f"EXAMPLE={grpo.EXAMPLE!r}: {len(texts)} answers | format {m['reward_format']:.0%} "
-        f"| correct {m['reward_correct']:.0%} "
-        f"| {closed} contain </think>"
+        f"| correct {m['reward_correct']:.0%} | {closed} contain </think>"
     )
 
 

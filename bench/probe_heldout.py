@@ -73,8 +73,7 @@ def main():
     misses = [i for i, r in enumerate(right) if r == 0]
     print(
         f"{CHECKPOINT}: {len(held_out)} held-out questions | greedy accuracy "
-        f"{sum(right) / len(right):.1%} "
-        f"| sampled (T={grpo.TEMPERATURE}, {SAMPLES} each) "
+        f"{sum(right) / len(right):.1%} | sampled (T={grpo.TEMPERATURE}, {SAMPLES} each) "
         f"{sum(per_question) / len(per_question):.1%} "
         f"| format greedy {sum(greedy['reward_format']) / len(right):.1%}"
     )

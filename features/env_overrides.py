@@ -76,8 +76,7 @@ def apply_env_overrides(namespace: dict, file: str, functions=None) -> None:
         if loud and near and name not in namespace:
             print(
                 f"[{file}] WARNING: environment variable {name} is not a constant of {file}; did "
-                "you mean "
-                f"{near[0]}? It is ignored.",
+                f"you mean {near[0]}? It is ignored.",
                 file=sys.stderr,
                 flush=True,
             )

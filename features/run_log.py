@@ -97,10 +97,9 @@ class RunLog:
         tqdm.write(f"step {step:4d} | loss {m['loss']:+.4f} | reward {m['reward']:.3f} | {parts} | "
                    f"{kl}clip {m['clip_low']:.3f}/{m['clip_high']:.3f} | lr {m['lr']:.2e} | "
                    f"len {m['length']:.1f} | {m['seconds']:.1f}s")
-        if "tool_calls" in answers[0]:  # TOOLS: how the answers used them
+        if "tool_calls" in answers[0]:  # TOOLS: how the answers used them, on a line of its own
             m = m | tool_stats(answers)
-            tqdm.write(f"  tools  | {m['tool_share']:.0%} of answers called one, "
-                       f"{m['tool_calls']:.2f} calls and {m['tool_errors']:.2f} errors per answer")
+            tool_line(m)
         a = answers[-1]  # the newest rollout's last: a person watching sees the format appear
         tqdm.write(f"  sample | reward {a['reward']:.2f} | {a['question'][:60]!r} -> "
                    f"{a['answer'][:SAMPLE_CHARS]!r}")
@@ -232,6 +231,12 @@ def sample_stats(answers, group_size, reward_names) -> dict:
                  length=lengths.mean().item(), max_length=lengths.max().item(),
                  truncated=sum(a["truncated"] for a in answers) / len(answers))
     return stats | {name: sum(a[name] for a in answers) / len(answers) for name in reward_names}
+
+
+def tool_line(m):
+    """The line under a step that says how its answers used the tools (TOOLS)."""
+    tqdm.write(f"  tools  | {m['tool_share']:.0%} of answers called one, "
+               f"{m['tool_calls']:.2f} calls and {m['tool_errors']:.2f} errors per answer")
 
 
 def tool_stats(answers) -> dict:

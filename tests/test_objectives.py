@@ -115,12 +115,9 @@ def test_each_reward_scaling_by_hand():
         group_advantages(r[:4], 4, "batch", batch_std=batch),
         torch.tensor([c / (batch + eps) for c in centred[:4]]),
     )
-    assert torch.allclose(
-        scale_to_step([({"rewards": r[:4]}, {}), ({"rewards": r[4:]}, {})], torch.zeros(0), "cpu")[
-            1
-        ][0]["advantages"],
-        torch.tensor([c / (batch + eps) for c in centred[4:]]),
-    )
+    halves = [({"rewards": r[:4]}, {}), ({"rewards": r[4:]}, {})]
+    second = scale_to_step(halves, torch.zeros(0), "cpu")[1][0]["advantages"]
+    assert torch.allclose(second, torch.tensor([c / (batch + eps) for c in centred[4:]]))
     with pytest.raises(ValueError, match="SCALE_REWARDS"):
         group_advantages(r, 4, "batch_std")
     # only the trainer knows the step's std

@@ -366,9 +366,8 @@ def test_both_step_5_clients_bring_each_group_back_once_with_the_same_ref_logps(
         exchange = dict(exchanges(monkeypatch, url))[which]
         sent = [group(seed=s) for s in (11, 12, 13)]
         got = exchange(sent, 4, 0)
-        assert [m["version"] for _, m in got] == [4, 4, 4] and [m["rank"] for _, m in got] == [
-            0
-        ] * 3
+        assert [m["version"] for _, m in got] == [4, 4, 4]
+        assert [m["rank"] for _, m in got] == [0, 0, 0]
         assert sorted(t["rewards"][0].item() for t, _ in got) == sorted(
             t["rewards"][0].item() for t, _ in sent
         )

@@ -68,8 +68,7 @@ def test_load_every_group_comes_back_exactly_once(model, capsys):
         with capsys.disabled():
             print(
                 f"\n[load] groups in {len(sent)}, out {len(received)}, lost {len(lost)}, "
-                f"duplicated {duplicated}, "
-                f"503s seen {server.counters['busy']}, wall {wall:.1f} s"
+                f"duplicated {duplicated}, 503s seen {server.counters['busy']}, wall {wall:.1f} s"
             )
         assert len(sent) == 200 and not lost and duplicated == 0 and len(received) == 200
         for uid, tensors in received:

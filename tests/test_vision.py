@@ -423,6 +423,44 @@ def test_the_shapes_task_names_the_larger_squares_colour_and_captions_never_tell
     assert 70 <= larger_first <= 130
 
 
+# geometry3k's answer forms: (the boxed answer, the gold, whether they are one value). Every case of
+# issue 58's table, then equal forms written differently and different values that share a number.
+BOXED_TABLE = [
+    ("3", "3\\sqrt{2}", False),  # bare math-verify read the gold as 3
+    ("4\\sqrt{5}", "4\\sqrt{3}", False),
+    ("3\\pi", "3", False),
+    ("\\frac{\\sqrt{3}}{2}", "\\frac{\\sqrt{3}}{2}", True),  # identical, scored 0 before
+    ("\\dfrac{40}{3}", "\\frac{40}{3}", True),
+    ("2\\sqrt{5}", "2 \\sqrt { 5 }", True),  # a spaced gold, as the dataset writes some
+    ("5", "2 \\sqrt { 5 }", False),
+    ("3\\sqrt{2}", "3\\sqrt{2}", True),
+    ("\\sqrt{18}", "3\\sqrt{2}", True),
+    ("9\\sqrt{2}", "9 \\sqrt 2", True),
+    ("\\frac{\\sqrt{2}}{2}", "\\sqrt{2}/2", True),
+    ("\\frac{7\\sqrt{3}}{2}", "\\frac{7}{2}\\sqrt{3}", True),
+    ("2.5", "\\frac{5}{2}", True),
+    ("\\frac{1}{2}", "0.5", True),
+    ("4\\pi", "4 \\pi", True),
+    ("60^\\circ", "60", True),
+    ("62", "62", True),
+    ("12.5", "12.5", True),
+    ("4.3", "4.2", False),
+    ("2\\sqrt{3}", "3\\sqrt{2}", False),
+    ("\\frac{5}{3}", "\\frac{3}{5}", False),
+    ("16", "16\\sqrt{2}", False),
+    ("13.33", "\\frac{40}{3}", False),  # rounded is not equal
+    ("8\\sqrt{3}", "8", False),
+]
+
+
+@pytest.mark.parametrize("boxed, gold, equal", BOXED_TABLE)
+def test_the_boxed_reward_reads_both_sides_as_latex(boxed, gold, equal):
+    """Issue 58: reward_boxed handed bare LaTeX to math-verify, which took the first number it met
+    (3\\sqrt{2} as 3): wrong answers scored 1 and right ones 0. Each side is now read whole."""
+    completion = f"<think>the figure</think> so the answer is \\boxed{{{boxed}}}."
+    assert rewards.reward_boxed(completion, gold) == float(equal)
+
+
 def test_easyr1s_boxed_rewards():
     assert rewards.reward_boxed("<think>x</think> so \\boxed{3\\sqrt{2}}", "3\\sqrt{2}") == 1.0
     assert rewards.reward_boxed("\\boxed{\\frac{1}{2}}", "0.5") == 1.0
