@@ -10,7 +10,7 @@ import threading
 import torch
 
 from features.advantages import group_advantages, upload_scale
-from features.wire import OPTIONAL, sampled_version
+from features.wire import IMAGE_FIELDS, OPTIONAL, sampled_version
 
 
 class RegroupPool:
@@ -18,9 +18,9 @@ class RegroupPool:
     least recently uploaded forgotten first."""
 
     def __init__(self, pool_size, questions):
-        self.pool_size, self.questions = pool_size, questions
-        # (prompt hash, temperature) -> list of answer rows; insertion order = recency
-        self.pools = {}
+        self.pool_size = pool_size
+        self.questions = questions
+        self.pools = {}  # (prompt hash, temperature) -> answer rows; insertion order = recency
         self.lock = threading.Lock()
         self.regrouped = 0  # groups sent out
 
@@ -31,14 +31,19 @@ class RegroupPool:
         Answers leave the pool when sent: none is trained twice. Each keeps its own gen_logps, so
         the clipped ratio stays right for older answers, and its own policy version (an upload
         without one counts as the oldest, 0): the group's version is its oldest answer's. """
-        g, plen = tensors["input_ids"].shape[0], meta["plen"]
-        # (plen,) one prompt per group: the question's identity
-        prompt = tensors["input_ids"][0, :plen]
-        key = (hashlib.sha256(prompt.numpy().tobytes()).hexdigest(), meta.get("temperature", 1.0))
+        g = tensors["input_ids"].shape[0]
+        plen = meta["plen"]
+        prompt = tensors["input_ids"][0, :plen]  # (plen,) one prompt per group: the question
+        images = {name: tensors[name] for name in IMAGE_FIELDS if name in tensors}  # the group's
+        digest = hashlib.sha256(prompt.numpy().tobytes())
+        for name in sorted(images):  # the same text with other images is another question
+            digest.update(images[name].numpy().tobytes())
+        key = (digest.hexdigest(), meta.get("temperature", 1.0))
         answers = meta.get("answers") or [None] * g
-        # recomputed per new group
-        rows = [{name: t[i] for name, t in tensors.items() if name != "advantages"}
-                | {"version": sampled_version(meta), "answer": answers[i]} for i in range(g)]
+        per_row = [name for name in tensors if name != "advantages" and name not in images]
+        rows = [{name: tensors[name][i] for name in per_row}  # advantages are redone
+                | {"version": sampled_version(meta), "answer": answers[i], "images": images}
+                for i in range(g)]
         with self.lock:
             pool = (self.pools.pop(key, []) + rows)[-self.pool_size :]
             rewards = torch.stack([r["rewards"] for r in pool])  # (n,)
@@ -60,32 +65,24 @@ class RegroupPool:
 
     @staticmethod
     def _group(chosen, g, plen, meta):
-        # answers from several uploads: pad to the longest
-        tlen = max(len(r["completion_mask"]) for r in chosen)
+        tlen = max(len(r["completion_mask"]) for r in chosen)  # from several uploads: the longest
 
-        def padded(name, width, fill):  # (G, width)
-            return torch.stack(
-                [
-                    torch.cat([r[name], r[name].new_full((width - len(r[name]),), fill)])
-                    for r in chosen
-                ]
-            )
+        def padded(name, width, fill):  # (G, width) each row padded with `fill` to `width`
+            rows = [torch.cat([r[name], r[name].new_full((width - len(r[name]),), fill)])
+                    for r in chosen]
+            return torch.stack(rows)
 
-        # (G, plen + tlen) the padding is masked out
-        out = dict(
-            input_ids=padded("input_ids", plen + tlen, 0),
-            completion_mask=padded("completion_mask", tlen, False),  # (G, tlen)
-            rewards=torch.stack([r["rewards"] for r in chosen]),
-        )  # (G,)
-        # "batch": the trainer divides by its step's std
-        scale = upload_scale(meta.get("scale_rewards", "group"))
-        # (G,) relative to this new group
-        out["advantages"] = group_advantages(out["rewards"], g, scale)
+        out = dict(input_ids=padded("input_ids", plen + tlen, 0),  # (G, plen + tlen), pads masked
+                   completion_mask=padded("completion_mask", tlen, False),  # (G, tlen)
+                   rewards=torch.stack([r["rewards"] for r in chosen]))  # (G,)
+        scale = upload_scale(meta.get("scale_rewards", "group"))  # "batch": the trainer divides
+        out["advantages"] = group_advantages(out["rewards"], g, scale)  # (G,) in this new group
         for name in OPTIONAL:  # gen_logps, sampler_logps: kept when every chosen answer has them
             if all(name in r for r in chosen):
                 out[name] = padded(name, tlen, 0.0)  # (G, tlen)
+        out.update(chosen[0]["images"])  # one question's pool: its answers share its images
         answers = [r["answer"] for r in chosen]  # each answer's own text, for a REWARD_MODEL
-        meta = {k: v for k, v in meta.items() if k != "answers"} | (
-            {"answers": answers} if None not in answers else {}
-        )
+        meta = {k: v for k, v in meta.items() if k != "answers"}
+        if None not in answers:
+            meta["answers"] = answers
         return out, {**meta, "version": min(r["version"] for r in chosen), "regrouped": True}

@@ -658,6 +658,32 @@ def test_regroup_mixes_uploads_of_one_question_into_a_group_with_variance(model)
         stop(server, httpd)
 
 
+def test_regroup_keeps_a_questions_images_and_pools_other_images_apart():
+    """Issue 58: an upload with images failed (its image fields were indexed per row: a 500 on the
+    server) and the pool keyed on the prompt's ids alone, so the same text showing another image
+    would have mixed in. A question is its prompt and its images: the group sent out carries them."""
+    from features.regroup import RegroupPool
+    from features.vision import pack_images
+
+    pool = RegroupPool(64, 16)
+    red = pack_images([b"the bytes of a red picture"])
+    blue = pack_images([b"the bytes of a blue one", b"and a second"])
+
+    def upload_of(seed, reward, images):  # four answers to the one text, showing `images`
+        tensors, meta = group(G=4, plen=5, tc=3, seed=seed)
+        tensors["input_ids"][:, :5] = torch.arange(5)  # the same prompt ids every time
+        tensors["rewards"] = torch.full((4,), reward)
+        return {**tensors, **images}, meta
+
+    assert pool.add(*upload_of(1, 0.0, red)) is None  # equal rewards: nothing to send yet
+    assert pool.add(*upload_of(2, 1.0, blue)) is None  # another picture: another question
+    tensors, meta = pool.add(*upload_of(3, 1.0, red))  # the red question's second upload
+    assert tensors["rewards"].unique().numel() == 2 and meta["regrouped"]
+    assert torch.equal(tensors["image_bytes"], red["image_bytes"])
+    assert torch.equal(tensors["image_ends"], red["image_ends"])
+    assert len(pool.pools) == 2  # red's leftovers and blue's four, apart
+
+
 def test_without_regroup_every_upload_is_one_group(model):
     server, httpd, url = start(model)
     try:
