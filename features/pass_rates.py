@@ -35,12 +35,12 @@ def pass_rate_pass(sampler, generate_answers, score, *, count, group, output_dir
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     rates = measure(sampler.questions[:count], answer_passes, output_dir=output_dir, batch=batch,
                     rank=rank, world=world)
-    sampler.questions = [q for q in sampler.questions if q["question"] in rates]
+    sampler.questions = [q for q in sampler.questions if question_sampler.id_of(q) in rates]
     sampler.set_pass_rates(rates)
 
 
 def measure(questions, answer_passes, *, output_dir, batch, rank, world):
-    """{question text: pass rate} for `questions`; answer_passes(some questions) -> for each, the
+    """{question_id: pass rate} for `questions`; answer_passes(some questions) -> for each, the
     list of its k answers' right/wrong. Rank r measures questions r, r + world, ...; every rank
     returns all."""
     path = os.path.join(output_dir, FILE)
@@ -60,7 +60,7 @@ def measure(questions, answer_passes, *, output_dir, batch, rank, world):
     ):
         part = mine[i : i + batch]
         for q, passes in zip(part, answer_passes(part)):
-            rates[q["question"]] = sum(passes) / len(passes)
+            rates[question_sampler.id_of(q)] = sum(passes) / len(passes)
     rates = gather(rates, world)
     if rank == 0:
         os.makedirs(output_dir, exist_ok=True)

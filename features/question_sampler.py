@@ -23,6 +23,7 @@ random.Random too (getstate/setstate), so a checkpoint keeps the records with th
 
     SAMPLER=difficulty bash scripts/run_demo.sh
 """
+import hashlib
 import math
 import random
 import sys
@@ -43,6 +44,30 @@ MAX_REPLAYS = 2  # a question trained this many times in a row goes back among t
 UNIFORM_KEEP = 0.1
 
 
+def question_id(text: str, images=None) -> str:
+    """What the sampler knows a question by: its text, with a digest of its images where it has
+    any (geometry3k repeats texts such as "Find x." over different figures; the shapes task asks
+    one text of every picture)."""
+    if not images:
+        return text
+    digest = hashlib.sha256()
+    for data in images:  # each image's length too: the same bytes cut another way differ
+        digest.update(len(data).to_bytes(8, "little"))
+        digest.update(data)
+    return f"{text} [images {digest.hexdigest()[:16]}]"
+
+
+def id_of(question: dict) -> str:
+    """question_id of a dataset question ({"question", "images"...})."""
+    return question_id(question["question"], question.get("images"))
+
+
+def answer_id(record: dict) -> str:
+    """question_id of an answer record (features/run_log.answer_records): its question_id when its
+    question had images, else its question's text."""
+    return record.get("question_id", record["question"])
+
+
 def check_settings():
     """Stop, before any model loads, on a SAMPLER that is none of SAMPLERS."""
     env_overrides.check_choice("SAMPLER", SAMPLER, SAMPLERS)
@@ -58,9 +83,9 @@ class QuestionSampler:
             raise ValueError(f"SAMPLER = {mode!r}: one of {', '.join(SAMPLERS)}")
         self.questions, self.mode, self.rng = questions, mode, random.Random(seed)
         self.replay_share = replay_share
-        self.pool = {}  # question text -> replays so far; insertion order = oldest first
-        self.uniform = set()  # question texts whose latest group had equal rewards
-        self.pass_rates = {}  # "learnability": question text -> its latest pass rate
+        self.pool = {}  # question_id -> replays so far; insertion order = oldest first
+        self.uniform = set()  # question_ids whose latest group had equal rewards
+        self.pass_rates = {}  # "learnability": question_id -> its latest pass rate
 
     def draw(self, n: int) -> list:
         # exactly random.Random(seed).sample: the draws of runs before this module
@@ -70,23 +95,23 @@ class QuestionSampler:
             raise ValueError(f"cannot draw {n} questions out of {len(self.questions)}")
         if self.mode == "learnability":
             return self.learnable(n)
-        by_text = {q["question"]: q for q in self.questions}
+        by_id = {id_of(q): q for q in self.questions}
         oldest = list(self.pool)[: math.ceil(n * self.replay_share)]
-        replays = [by_text[t] for t in oldest if t in by_text]
-        rest = [q for q in self.questions if q["question"] not in self.pool]
+        replays = [by_id[key] for key in oldest if key in by_id]
+        rest = [q for q in self.questions if id_of(q) not in self.pool]
         # a dataset smaller than its pool: fresh draws may be pooled ones too
         if len(rest) < n - len(replays):
             rest = [q for q in self.questions if q not in replays]
         # Weighted draws without replacement (Efraimidis-Spirakis): the largest u ** (1 / weight)
         # win.
-        weights = [UNIFORM_KEEP if q["question"] in self.uniform else 1.0 for q in rest]
+        weights = [UNIFORM_KEEP if id_of(q) in self.uniform else 1.0 for q in rest]
         keys = [self.rng.random() ** (1 / weight) for weight in weights]
         best = sorted(range(len(rest)), key=keys.__getitem__, reverse=True)[: n - len(replays)]
         return replays + [rest[i] for i in best]
 
     def weight(self, question) -> float:
         """"learnability": p (1 - p) of the question's pass rate p."""
-        p = self.pass_rates.get(question["question"], UNKNOWN_PASS_RATE)
+        p = self.pass_rates.get(id_of(question), UNKNOWN_PASS_RATE)
         return p * (1 - p)
 
     def learnable(self, n: int) -> list:
@@ -114,10 +139,10 @@ class QuestionSampler:
             for i in range(0, len(answers), group_size):
                 group = answers[i : i + group_size]
                 right = sum(a[PASS_KEY] > 0 for a in group)
-                self.pass_rates[group[0]["question"]] = right / len(group)
+                self.pass_rates[answer_id(group[0])] = right / len(group)
             return
         for i in range(0, len(answers), group_size):
-            text = answers[i]["question"]
+            text = answer_id(answers[i])
             varied = len({a["reward"] for a in answers[i : i + group_size]}) > 1
             replays = self.pool.pop(text, -1) + 1  # -1: it was a fresh draw
             if varied and replays < MAX_REPLAYS:

@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from features import env_overrides
+from features.question_sampler import question_id
 from features.vllm_engine import sampler_gap
 from features.wire import sampled_version
 
@@ -209,11 +210,16 @@ def answer_records(step, rank, generated, each, rewards, advantages) -> list:
     (N,)."""
     tool = {k: getattr(generated, k) for k in ("tool_calls", "tool_errors")
             if getattr(generated, k) is not None}
+    ids = {}  # a question with images: what the sampler knows it by (question_sampler)
+    if generated.images:
+        ids["question_id"] = [question_id(text, images)
+                              for text, images in zip(generated.questions, generated.images)]
     return [dict(step=step, rank=rank, question=generated.questions[i], gold=generated.golds[i],
                  answer=generated.texts[i], reward=rewards[i].item(),
                  **{name: values[i] for name, values in each.items()},
                  advantage=advantages[i].item(), length=generated.lengths[i],
-                 truncated=generated.truncated[i], **{k: values[i] for k, values in tool.items()})
+                 truncated=generated.truncated[i], **{k: values[i] for k, values in tool.items()},
+                 **{k: values[i] for k, values in ids.items()})
             for i in range(len(rewards))]
 
 

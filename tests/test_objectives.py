@@ -349,6 +349,31 @@ def test_the_difficulty_sampler_replays_varied_questions_and_sets_uniform_ones_a
     assert question_sampler.MAX_REPLAYS == 2
 
 
+def test_the_samplers_know_questions_of_one_text_apart_by_their_images():
+    """Issue 58: the samplers keyed on the question's text, so four pictures asked "Which colour
+    is larger?" were one entry, and a replay of one could be another picture. A question's id is
+    its text and its images' digest; an answer record carries it (run_log.answer_records)."""
+    pictures = [f"picture {i}".encode() for i in range(4)]
+    same_text = [{"question": "Find x.", "gold": str(i), "images": [data]}
+                 for i, data in enumerate(pictures)]
+    ids = [question_sampler.id_of(q) for q in same_text]
+    assert len(set(ids)) == 4 and question_sampler.id_of({"question": "q1"}) == "q1"
+    sampler = QuestionSampler(same_text, 0, "difficulty")
+    drawn = sampler.draw(4)
+    varied = question_sampler.id_of(drawn[2])  # only the third picture's group had variance
+    answers = [{"question": "Find x.", "question_id": question_sampler.id_of(q),
+                "reward": float(q is drawn[2] and i == 0),
+                "reward_correct": float(q is drawn[2] and i == 0)}
+               for q in drawn for i in range(4)]
+    sampler.record(answers, 4)
+    assert list(sampler.pool) == [varied] and len(sampler.uniform) == 3
+    assert sampler.draw(1) == [drawn[2]]  # the replay is that picture, not another
+    learnable = QuestionSampler(same_text, 0, "learnability")
+    learnable.record(answers, 4)
+    assert learnable.pass_rates == {question_sampler.id_of(q): 0.25 if q is drawn[2] else 0.0
+                                    for q in drawn}
+
+
 def test_the_difficulty_sampler_draws_uniform_questions_less_often():
     sampler = QuestionSampler(QUESTIONS[:10], 3, "difficulty")
     sampler.record(records({f"q{i}": False for i in range(5)}), 4)  # q0..q4 uniform, q5..q9 unseen
