@@ -661,7 +661,8 @@ def test_regroup_mixes_uploads_of_one_question_into_a_group_with_variance(model)
 def test_regroup_keeps_a_questions_images_and_pools_other_images_apart():
     """Issue 58: an upload with images failed (its image fields were indexed per row: a 500 on the
     server) and the pool keyed on the prompt's ids alone, so the same text showing another image
-    would have mixed in. A question is its prompt and its images: the group sent out carries them."""
+    would have mixed in. A question is its prompt and its images: the group sent out carries
+    them."""
     from features.regroup import RegroupPool
     from features.vision import pack_images
 
