@@ -25,7 +25,8 @@ env_overrides.apply_env_overrides(globals(), "features/vision.py")
 
 IMAGE_MARK = "<image>"  # where a question's image stands in its text (geometry3k's problems)
 IMAGE_FORMATS = ("PNG", "JPEG")  # what an image may be; anything else is refused undecoded
-MAX_IMAGE_PIXELS = 2**24  # width x height of one image, read from its header before decoding
+MAX_IMAGE_PIXELS = 2**22  # width x height of one image (EasyR1's max_pixels), read from its header
+MAX_QUESTION_PIXELS = 2**23  # all of one question's images together: what one upload may decode
 MAX_IMAGES = 8  # images per question (geometry3k has one)
 MAX_IMAGE_BYTES = 16 * 2**20  # encoded bytes of one question's images together
 TESTED_TYPES = ("idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl")  # run and tested (docs/vision.md)
@@ -280,10 +281,10 @@ def freeze_tower(model) -> int:
 
 
 # ----------------------------------------------------------------------------- images, checked
-def open_image(data: bytes, what: str = "image"):
-    """An RGB PIL image of PNG or JPEG bytes. ValueError for anything else, and for more than
-    MAX_IMAGE_PIXELS pixels, read from the header before the pixels are decoded: a
-    decompression bomb never unpacks."""
+def unopened(data: bytes, what: str = "image"):
+    """A PIL image of PNG or JPEG bytes with only its header read (no pixel decoded yet).
+    ValueError for anything else, and for more than MAX_IMAGE_PIXELS pixels: a decompression bomb
+    is refused from its header."""
     from PIL import Image
 
     if not isinstance(data, (bytes, bytearray)) or not data:
@@ -295,10 +296,30 @@ def open_image(data: bytes, what: str = "image"):
         width, height = image.size
         if width * height > MAX_IMAGE_PIXELS or min(width, height) < 1:
             raise ValueError(f"{width} x {height} pixels; at most {MAX_IMAGE_PIXELS} in all")
-        image.load()
-        return image.convert("RGB")
+        return image
     except Exception as e:  # PIL raises many kinds on a broken file: one clear error
         raise ValueError(f"{what} is not a usable PNG or JPEG: {str(e)[:200]}") from None
+
+
+def open_image(data: bytes, what: str = "image"):
+    """An RGB PIL image of PNG or JPEG bytes, checked from its header first (unopened)."""
+    image = unopened(data, what)
+    try:
+        image.load()
+        return image.convert("RGB")
+    except Exception as e:  # a header that promised more than the file holds
+        raise ValueError(f"{what} is not a usable PNG or JPEG: {str(e)[:200]}") from None
+
+
+def check_pixel_budget(images: list) -> None:
+    """ValueError when one question's images, by their headers, hold more than
+    MAX_QUESTION_PIXELS pixels together: the most one upload can make a server decode, so a few
+    kilobytes of large flat PNGs cannot hold its threads for seconds. Nothing is decoded here."""
+    sizes = [unopened(data, f"image {i}").size for i, data in enumerate(images)]
+    total = sum(width * height for width, height in sizes)
+    if total > MAX_QUESTION_PIXELS:
+        raise ValueError(f"{len(images)} images of {total} pixels together; at most "
+                         f"{MAX_QUESTION_PIXELS} per question")
 
 
 def pack_images(images: list) -> dict:
@@ -313,7 +334,8 @@ def pack_images(images: list) -> dict:
 
 def unpack_images(tensors: dict) -> list:
     """The bytes of each image in an upload's tensors ([] for none), all or nothing: ValueError
-    on a malformed field, too many images or too many bytes. Nothing is decoded here."""
+    on a malformed field, too many images, too many bytes, or headers past the pixel budgets.
+    Nothing is decoded here."""
     present = [name for name in WIRE_FIELDS if name in tensors]
     if not present:
         return []
@@ -333,7 +355,9 @@ def unpack_images(tensors: dict) -> list:
         raise ValueError(f"image_ends {bounds[1:][:20]} must rise strictly to the "
                          f"{len(flat)} bytes")
     data = flat.numpy().tobytes()
-    return [data[a:b] for a, b in zip(bounds, bounds[1:])]
+    images = [data[a:b] for a, b in zip(bounds, bounds[1:])]
+    check_pixel_budget(images)  # from the headers
+    return images
 
 
 def decoded(images: list) -> list:

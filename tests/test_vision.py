@@ -3,8 +3,10 @@ trainer's forwards, the upload and the reference server's guard, on a tiny SmolV
 built from the embedded tokenizer (features/vision_demo.py)."""
 import io
 import json
+import struct
 import subprocess
 import sys
+import zlib
 
 import pytest
 import requests
@@ -268,6 +270,41 @@ def bomb() -> bytes:
     return png((255, 255, 255), (5000, 5000))
 
 
+def png_header(width: int, height: int) -> bytes:
+    """A PNG that says it is width x height and holds no pixels: its signature, IHDR and IEND.
+    What a hostile peer sends to make a server decode large images from a few bytes."""
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        crc = zlib.crc32(kind + body)
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", crc)
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IEND", b"")
+
+
+@pytest.mark.parametrize("sizes, refused", [
+    ([(64, 64)], False),
+    ([(2048, 2048)], False),  # one image at EasyR1's max_pixels, 2^22
+    ([(2049, 2048)], True),  # a column over it
+    ([(1, 2**22 + 1)], True),
+    ([(2048, 2048), (2048, 2048)], False),  # the question's budget, 2^23, exactly
+    ([(2048, 2048)] * 3, True),  # each within its own limit, together over the question's
+    ([(4096, 4096)] * 8, True),  # issue 58's attack: 134 M pixels in a few hundred bytes
+])
+def test_the_pixel_budgets_refuse_large_images_from_their_headers(sizes, refused):
+    """Issue 58: eight 4096 x 4096 PNGs fit in a few kilobytes and took seconds of a server's
+    thread to decode. Each image's header (MAX_IMAGE_PIXELS) and a question's images together
+    (MAX_QUESTION_PIXELS) are checked before anything is decoded: these images have no pixels, so
+    a decode would fail, and what passes the check is still undecoded bytes."""
+    tensors = vision.pack_images([png_header(width, height) for width, height in sizes])
+    if refused:
+        with pytest.raises(ValueError, match="pixels"):
+            vision.unpack_images(tensors)
+        return
+    images = vision.unpack_images(tensors)
+    assert len(images) == len(sizes)
+    with pytest.raises(ValueError, match="not a usable PNG"):  # decoding is a later, separate step
+        vision.decoded(images)
+
+
 def malformed_uploads(processor):
     """(name, tensors, meta) of uploads the guard must refuse: each one thing wrong."""
     good, meta = prompt_group(processor, [png()])
@@ -295,6 +332,7 @@ def malformed_uploads(processor):
     case("a GIF", **vision.pack_images([png(fmt="GIF")]))
     case("a truncated PNG", **vision.pack_images([png()[:60]]))
     case("a decompression bomb", **vision.pack_images([bomb()]))
+    case("over the question's pixel budget", **vision.pack_images([png_header(2048, 2048)] * 3))
     case("two images for a prompt made for one", **vision.pack_images([png(), png()]))
     answer_with_image = good["input_ids"].clone()
     answer_with_image[0, -1] = processor.image_token_id
