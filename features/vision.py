@@ -403,13 +403,13 @@ def check_group(processor, tensors: dict, plen: int) -> list:
 
 def group_vision_inputs(groups: list, image_processor) -> dict:
     """The pixel inputs of collated groups, one row per answer (a group's rows share its
-    images); {} when no group has images. Groups with and without images do not mix."""
+    images; a text question's rows have none, which the processors pad and the models skip); {}
+    when no group has images. ValueError when images reach a text model."""
     per_group = [decoded(unpack_images(tensors)) for tensors, _ in groups]
     if not any(per_group):
         return {}
-    if not all(per_group) or image_processor is None:
-        raise ValueError("a batch mixes groups with and without images, or images reached a "
-                         "text model")
+    if image_processor is None:
+        raise ValueError("images reached a text model: it has no image processor")
     rows = [images for (tensors, _), images in zip(groups, per_group)
             for _ in range(tensors["input_ids"].shape[0])]
     return vision_inputs(image_processor, rows)

@@ -90,8 +90,8 @@ def prompt_group(processor, images, G=3, answer_tokens=5, seed=0):
     text = processor.apply_chat_template(
         [{"role": "user", "content": vision.IMAGE_MARK * len(images) + "Which colour?"}],
         tokenize=False, add_generation_prompt=True)
-    pil = vision.decoded(images)
-    prompt = processor([text], images=[pil], return_tensors="pt",
+    shown = {"images": [vision.decoded(images)]} if images else {}  # none: a text question
+    prompt = processor([text], **shown, return_tensors="pt",
                        add_special_tokens=False)["input_ids"]  # (1, P)
     g = torch.Generator().manual_seed(seed)
     answers = torch.randint(0, 49152, (G, answer_tokens), generator=g)  # (G, T) text ids only
@@ -157,6 +157,30 @@ def test_the_servers_log_probs_equal_the_trainers_for_the_same_weights_and_image
     # a sum's order over 49k logits moves the last bits (2^-23 relative of values near 10).
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
     assert (moved - want).abs().max() > 1e-3  # the pixels matter: the check can fail
+
+
+def test_a_batch_mixes_groups_with_and_without_images(any_vlm):
+    """Issue 58: a step whose groups mix questions with and without images raised ValueError in
+    collate; EasyR1 and TRL train such data. Each row of the mixed batch gets the log-probs it gets
+    in a batch of its own group alone (a row without images: no pixels at all)."""
+    model, processor = any_vlm
+    shown, shown_meta = prompt_group(processor, [png()], G=2, answer_tokens=4, seed=1)
+    text, text_meta = prompt_group(processor, [], G=2, answer_tokens=4, seed=2)
+    assert "image_bytes" not in text
+
+    def logps(groups, image_processor):  # (B, 4) at the trainer's temperature, no gradient
+        batch = grpo.collate(groups, processor.pad_token_id, image_processor=image_processor)
+        with torch.no_grad():
+            return grpo.per_token_logps(model, batch.input_ids, batch.attention_mask, 4,
+                                        **batch.vision_inputs)
+
+    mixed = logps([(shown, shown_meta), (text, text_meta)], processor.image_processor)  # (4, 4)
+    alone_shown = logps([(shown, shown_meta)], processor.image_processor)  # (2, 4)
+    alone_text = logps([(text, text_meta)], None)  # (2, 4) the text rows without any pixels
+    # The same fp32 forward of each row; the batch changes only padding and the order of sums: a
+    # few ulps of log-probs near 10.
+    torch.testing.assert_close(mixed[:2], alone_shown, rtol=0, atol=1e-4)
+    torch.testing.assert_close(mixed[2:], alone_text, rtol=0, atol=1e-4)
 
 
 def test_chunked_log_probs_equal_the_plain_definition_with_pixels_in_value_and_gradient(any_vlm):
