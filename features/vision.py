@@ -91,6 +91,33 @@ class ImageTextProcessor:
     def __getattr__(self, name):  # called only for names this class does not hold itself
         return getattr(self.processor.tokenizer, name)
 
+    def chat_template(self) -> str | None:
+        """The processor's chat template (a released VLM folder's chat_template file), else its
+        tokenizer's."""
+        own = getattr(self.processor, "chat_template", None)
+        return own or self.processor.tokenizer.chat_template
+
+    def takes_parts(self) -> bool:
+        """Whether the chat template reads a message's content as a list of parts
+        ({"type": "text"}, {"type": "image"}), as SmolVLM's and Qwen2-VL's do: handed a plain
+        string, SmolVLM's renders "User: <end_of_utterance>", the question lost."""
+        probe = [{"role": "user", "content": [{"type": "text", "text": "PROBE"}]}]
+        try:
+            shown = self.processor.tokenizer.apply_chat_template(
+                probe, chat_template=self.chat_template(), tokenize=False)
+        except Exception:  # a template that cannot read parts at all
+            return False
+        return "PROBE" in shown and "'type'" not in shown  # not the list's repr
+
+    def apply_chat_template(self, messages, **kwargs):
+        """The tokenizer's apply_chat_template with this model's template, each message's text
+        turned into parts (an image part where IMAGE_MARK stands) when the template reads parts."""
+        if self.takes_parts():
+            messages = [{**message, "content": content_parts(message["content"])}
+                        for message in messages]
+        return self.processor.tokenizer.apply_chat_template(
+            messages, chat_template=self.chat_template(), **kwargs)
+
     def __len__(self):
         return len(self.processor.tokenizer)
 
@@ -110,6 +137,18 @@ class ImageTextProcessor:
 
     def save_pretrained(self, folder):
         return self.processor.save_pretrained(folder)
+
+
+def content_parts(text: str) -> list:
+    """A message's text as chat-template parts: text, and an image part where each IMAGE_MARK
+    stands, in order."""
+    parts = []
+    for i, piece in enumerate(text.split(IMAGE_MARK)):
+        if i:
+            parts.append({"type": "image"})
+        if piece:
+            parts.append({"type": "text", "text": piece})
+    return parts
 
 
 def load(path: str, device, dtype=torch.float32):

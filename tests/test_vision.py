@@ -159,6 +159,39 @@ def test_the_servers_log_probs_equal_the_trainers_for_the_same_weights_and_image
     assert (moved - want).abs().max() > 1e-3  # the pixels matter: the check can fail
 
 
+# SmolVLM-256M/500M-Instruct's chat template (their chat_template file, the structure Idefics3
+# uses): a message's content is a list of parts.
+SMOLVLM_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+
+def test_a_chat_template_of_parts_gets_the_question_and_its_image(vlm_dir):
+    """Issue 58: SmolVLM's and Idefics3's released templates read a list of parts; build_prompt
+    sent strings and the template rendered "User: <end_of_utterance>", the question lost, so the
+    rollout raised. The processor now hands parts to a template that reads them (strings to one
+    that does not: the tiny models' ChatML), and the prompt holds the question and one image's
+    tokens."""
+    _, processor = vision.load(vlm_dir, "cpu")
+    as_strings = grpo.build_prompt(processor, "What is 2 + 3?")  # the tiny model's own template
+    processor.processor.chat_template = SMOLVLM_TEMPLATE
+    assert processor.takes_parts()
+    question = {"question": vision.IMAGE_MARK + "What colour is the larger shape?", "gold": "red",
+                "images": [png()]}
+    prompt = grpo.build_prompt(processor, question["question"])
+    assert "User:<image>What colour is the larger shape?<end_of_utterance>" in prompt
+    assert prompt.endswith("Assistant:" + grpo.THINK_PREFILL)
+    assert "System: " + grpo.SYSTEM_PROMPT in prompt
+    enc = grpo.encode_prompts(processor, [question])
+    image_tokens = int((enc["input_ids"] == processor.image_token_id).sum())
+    assert image_tokens == vision.image_token_count(processor.processor, vision.decoded([png()]))
+    assert "What is 2 + 3?" in as_strings and "'type'" not in as_strings
+
+
 def test_a_batch_mixes_groups_with_and_without_images(any_vlm):
     """Issue 58: a step whose groups mix questions with and without images raised ValueError in
     collate; EasyR1 and TRL train such data. Each row of the mixed batch gets the log-probs it gets
