@@ -304,8 +304,9 @@ def image_questions(dataset: str, seed: int) -> list[dict]:
     if dataset == IMAGE_HUB_DATASET:
         import datasets
 
-        for row in datasets.load_dataset(dataset, split="train"):
-            rows.append({"question": row["problem"], "gold": str(row["answer"]),
+        for i, row in enumerate(datasets.load_dataset(dataset, split="train"), 1):
+            question = marked(row["problem"], len(row["images"]), where=f"{dataset} row {i}")
+            rows.append({"question": question, "gold": str(row["answer"]),
                          "images": [png_bytes(image) for image in row["images"]]})
         return rows
     folder = os.path.dirname(os.path.abspath(dataset))
@@ -317,6 +318,7 @@ def image_questions(dataset: str, seed: int) -> list[dict]:
                 row = json.loads(line)
                 question = str(row["problem"] if "problem" in row else row["question"])
                 images = [read_image(os.path.join(folder, name)) for name in row["images"]]
+                question = marked(question, len(images), where=f"{dataset}:{i}")
                 rows.append({"question": question, "gold": str(row["answer"]), "images": images})
             except (json.JSONDecodeError, KeyError, TypeError, OSError, ValueError) as e:
                 raise ValueError(f"{dataset}:{i}: need a JSON object with 'problem' (or "
@@ -324,6 +326,20 @@ def image_questions(dataset: str, seed: int) -> list[dict]:
     if not rows:
         raise ValueError(f"dataset {dataset!r} has no questions")
     return rows
+
+
+def marked(question: str, n_images: int, *, where: str) -> str:
+    """The question with one IMAGE_MARK per image, where the processor puts each image's tokens.
+    A question without marks gets them in front (as TRL places a row's images before its text);
+    a question whose marks do not count its images is refused here, at load, not at a processor's
+    error mid-run."""
+    marks = question.count(IMAGE_MARK)
+    if marks == 0:
+        return IMAGE_MARK * n_images + question
+    if marks != n_images:
+        raise ValueError(f"{where}: {marks} {IMAGE_MARK} marks in the question but {n_images} "
+                         "images: one mark per image, in order (or none: all images first)")
+    return question
 
 
 def read_image(path: str) -> bytes:

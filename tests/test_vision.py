@@ -479,6 +479,22 @@ def test_questions_with_images_load_from_a_jsonl_with_files_beside_it(tmp_path):
         rewards.load_questions(str(tmp_path / "gif.jsonl"), 0)
 
 
+def test_a_questions_image_marks_count_its_images_or_are_put_in_front(tmp_path):
+    (tmp_path / "a.png").write_bytes(png())
+    unmarked = {"problem": "Find x.", "answer": "3", "images": ["a.png", "a.png"]}
+    (tmp_path / "unmarked.jsonl").write_text(json.dumps(unmarked))
+    [question] = rewards.load_questions(str(tmp_path / "unmarked.jsonl"), 0)
+    assert question["question"] == "<image><image>Find x."
+    short = {**unmarked, "problem": "<image>Find x."}  # two images, one mark
+    (tmp_path / "short.jsonl").write_text("\n" + json.dumps(short))
+    with pytest.raises(ValueError, match="short.jsonl:2: 1 <image> marks .* but 2 images"):
+        rewards.load_questions(str(tmp_path / "short.jsonl"), 0)
+    both = {**unmarked, "problem": "<image>Find x in <image>."}  # where the author put them
+    (tmp_path / "both.jsonl").write_text(json.dumps(both))
+    [question] = rewards.load_questions(str(tmp_path / "both.jsonl"), 0)
+    assert question["question"] == "<image>Find x in <image>."
+
+
 def test_the_task_and_the_guard_agree_on_the_image_mark_and_formats():
     """rewards.py stands alone (no features import), so it keeps its own copies: they must agree."""
     assert rewards.IMAGE_MARK == vision.IMAGE_MARK
