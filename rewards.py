@@ -297,7 +297,8 @@ def jsonl_has_images(path: str) -> bool:
 def image_questions(dataset: str, seed: int) -> list[dict]:
     """Questions with images as {"question", "gold", "images": [PNG/JPEG bytes]}: "shapes", the
     hub's geometry3k, or a .jsonl of {"problem" (or "question"), "answer", "images": [file names
-    beside the .jsonl]}. Every image is checked (format, pixels) as it loads."""
+    beside the .jsonl]} (a row without images is a text question: a step may mix both). Every
+    image is checked (format, pixels) as it loads."""
     if dataset == "shapes":
         return make_shapes(5000, seed)
     rows = []
@@ -317,9 +318,11 @@ def image_questions(dataset: str, seed: int) -> list[dict]:
             try:
                 row = json.loads(line)
                 question = str(row["problem"] if "problem" in row else row["question"])
-                images = [read_image(os.path.join(folder, name)) for name in row["images"]]
+                names = row.get("images") or []  # none or []: a text question among them
+                images = [read_image(os.path.join(folder, name)) for name in names]
                 question = marked(question, len(images), where=f"{dataset}:{i}")
-                rows.append({"question": question, "gold": str(row["answer"]), "images": images})
+                shown = {"images": images} if images else {}
+                rows.append({"question": question, "gold": str(row["answer"]), **shown})
             except (json.JSONDecodeError, KeyError, TypeError, OSError, ValueError) as e:
                 raise ValueError(f"{dataset}:{i}: need a JSON object with 'problem' (or "
                                  f"'question'), 'answer' and 'images' (files beside it): {e}")

@@ -7,6 +7,7 @@ import struct
 import subprocess
 import sys
 import zlib
+from collections import Counter
 
 import pytest
 import requests
@@ -214,6 +215,44 @@ def test_a_batch_mixes_groups_with_and_without_images(any_vlm):
     # few ulps of log-probs near 10.
     torch.testing.assert_close(mixed[:2], alone_shown, rtol=0, atol=1e-4)
     torch.testing.assert_close(mixed[2:], alone_text, rtol=0, atol=1e-4)
+
+
+def test_a_step_draws_questions_with_and_without_images_and_trains_each_row_as_generated(
+        any_vlm, monkeypatch):
+    """Issue 58: data mixing questions with and without images, steps 2 to 6 as the trainer runs
+    them: one generate over both kinds, the groups packed for upload (the text group without image
+    fields), collated back, and each row's log-probs in the batch equal to those of the inputs it
+    was generated from (its own pixels, or none)."""
+    from transformers import GenerationConfig
+
+    model, processor = any_vlm
+    monkeypatch.setattr(fast_paths, "SHARED_PREFIX", False)  # as the trainer sets for images
+    monkeypatch.setattr(fast_paths, "LOGP_FROM_HIDDEN", False)
+    monkeypatch.setattr(grpo, "NUM_PRE_Q", 2)
+    monkeypatch.setattr(grpo, "REWARDS", [(rewards.reward_word, 1.0)])
+    shapes = rewards.make_shapes(1, seed=5)[0]
+    text = {"question": "Which colour is the sky?", "gold": "blue"}
+    eos = processor.processor.tokenizer.eos_token_id
+    gen_config = GenerationConfig(do_sample=True, temperature=grpo.TEMPERATURE, top_k=0, top_p=1.0,
+                                  max_new_tokens=4, pad_token_id=processor.pad_token_id,
+                                  eos_token_id=[eos])
+    torch.manual_seed(0)
+    scored = grpo.rollout(model, processor, [shapes, text], eos_ids=[eos], gen_config=gen_config,
+                          llm=None, keep_all=True, with_gen_logps=True, seconds=Counter())
+    [(shown, shown_meta), (plain, plain_meta)] = scored.groups
+    assert "image_bytes" in shown and "image_bytes" not in plain
+    batch = grpo.collate(scored.groups, processor.pad_token_id,
+                         image_processor=processor.image_processor)
+    T = batch.mask.shape[1]
+    with torch.no_grad():
+        trained = grpo.per_token_logps(model, batch.input_ids, batch.attention_mask, T,
+                                       **batch.vision_inputs)  # (4, T)
+    # pi_old, computed at generation from the rollout's own prompt ids and pixels
+    generated = batch.gen_logps  # (4, T)
+    mask = batch.mask  # (4, T)
+    # The same fp32 forward of each row, with other padding and batch neighbours: a few ulps of
+    # log-probs whose size is about 10.
+    torch.testing.assert_close(trained[mask], generated[mask], rtol=0, atol=1e-4)
 
 
 def test_chunked_log_probs_equal_the_plain_definition_with_pixels_in_value_and_gradient(any_vlm):
@@ -489,6 +528,14 @@ def test_a_questions_image_marks_count_its_images_or_are_put_in_front(tmp_path):
     (tmp_path / "short.jsonl").write_text("\n" + json.dumps(short))
     with pytest.raises(ValueError, match="short.jsonl:2: 1 <image> marks .* but 2 images"):
         rewards.load_questions(str(tmp_path / "short.jsonl"), 0)
+    text = {"problem": "What is 2 + 3?", "answer": "5", "images": []}  # a text row among them
+    (tmp_path / "mixed.jsonl").write_text(json.dumps(unmarked) + "\n" + json.dumps(text))
+    shown, plain = rewards.load_questions(str(tmp_path / "mixed.jsonl"), 0)
+    assert len(shown["images"]) == 2 and plain == {"question": "What is 2 + 3?", "gold": "5"}
+    marked_text = {**text, "problem": "<image>What is 2 + 3?"}  # a mark with no image
+    (tmp_path / "marked.jsonl").write_text(json.dumps(unmarked) + "\n" + json.dumps(marked_text))
+    with pytest.raises(ValueError, match="marked.jsonl:2: 1 <image> marks .* but 0 images"):
+        rewards.load_questions(str(tmp_path / "marked.jsonl"), 0)
     both = {**unmarked, "problem": "<image>Find x in <image>."}  # where the author put them
     (tmp_path / "both.jsonl").write_text(json.dumps(both))
     [question] = rewards.load_questions(str(tmp_path / "both.jsonl"), 0)
