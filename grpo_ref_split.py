@@ -648,6 +648,16 @@ def check_settings():
         fast_paths.switch_off_for_images()
 
 
+def load_dataset() -> tuple:
+    """(training questions, held-out questions): DATASET's last EVAL_SIZE never train. Images are
+    fitted to one pixel budget here, once (features/vision.py's MIN_PIXELS, MAX_PIXELS), so the
+    trainer, the server and vLLM see the same image and the same number of image tokens."""
+    dataset = rewards.load_questions(DATASET, SEED, ARITH_MAX)
+    if with_images(dataset):
+        dataset = vision.fit_questions(dataset)
+    return rewards.split_held_out(dataset, evaluation.EVAL_SIZE)
+
+
 def setup_deepspeed():
     """(engine, tokenizer, eos_ids, gen_config, rank, device): the policy (load_policy, LoRA,
     FREEZE_VISION) under ZeRO-2, set up from these constants (features/zero2.py)."""
@@ -659,8 +669,7 @@ def run_genonly():
     """`python grpo_ref_split.py genonly`: steps 1-4 forever, its groups uploaded for trainers to
     take (features/worker.py); its questions are the training ones, never the held-out."""
     client = server_client.RefClient(REF_SERVER, REF_TOKEN, SERVER_TIMEOUT)
-    dataset = rewards.load_questions(DATASET, SEED, ARITH_MAX)
-    questions, _ = rewards.split_held_out(dataset, evaluation.EVAL_SIZE)
+    questions, _ = load_dataset()
     model_path = resolve_model_path(MODEL_PATH)
     start_llm = None  # transformers generates
     if vllm_engine.USE_VLLM:
@@ -678,8 +687,7 @@ def run_genonly():
 def main():
     check_settings()  # before any model loads
     quiet.quiet_libraries(quiet.VERBOSE)
-    dataset = rewards.load_questions(DATASET, SEED, ARITH_MAX)  # its last EVAL_SIZE never train
-    questions, held_out = rewards.split_held_out(dataset, evaluation.EVAL_SIZE)
+    questions, held_out = load_dataset()
     if memory_plan.MEMORY_PLAN:  # will this setting fit? printed; a stop before the weights load
         setting = memory_plan.setting_for_run(q_batch_size=Q_BATCH_SIZE, num_pre_q=NUM_PRE_Q,
                                               max_new_tokens=MAX_NEW_TOKENS,

@@ -6,6 +6,7 @@
 #   bash bench/gpu_checks.sh part2   # a bf16 ZeRO-2 gradient three ways, bench_logprob_memory.py
 #   bash bench/gpu_checks.sh part3   # the bf16 gradient, LOGP_FROM_HIDDEN on and off, against fp32
 #   bash bench/gpu_checks.sh part4   # bf16 CUDA weights over the weight channel; the plan's verdict
+#   bash bench/gpu_checks.sh part5   # vLLM for a tiny Qwen2.5-VL (needs vllm, torchvision in .whl/)
 set -u
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -17,6 +18,12 @@ if [ "$1" = part1 ]; then
 print(torch.__version__, triton.__version__, t.__version__, d.__version__)"
   python3 -m pytest -q -p no:cacheprovider tests/test_triton.py 2>&1 | tail -8
   python3 bench/bench_kernel.py && cp bench/results/kernel.json "$OUT"/
+elif [ "$1" = part5 ]; then
+  # Issue 58: vLLM samples a tiny Qwen2.5-VL with images at the log-probs the trainer computes and
+  # follows its pushes (the CPU checks stop at vLLM's expansion rule: no torchvision there).
+  python3 -c "from features import vision_demo
+vision_demo.build_qwen('.gpu', '/tmp/qwen25', seed=0, kind='qwen2_5_vl')"
+  python3 tests/vllm_vision_checks.py /tmp/qwen25 2>&1 | tail -5
 elif [ "$1" = part4 ]; then
   python3 - <<'PY'
 # A bf16 CUDA policy published, fetched, checked and swapped into a bf16 CUDA worker; a corrupted

@@ -12,6 +12,7 @@ pickled or model-shaped tensor crosses the wire, and both sides see the same pix
 """
 import io
 import json
+import math
 import os
 import sys
 
@@ -25,7 +26,10 @@ env_overrides.apply_env_overrides(globals(), "features/vision.py")
 
 IMAGE_MARK = "<image>"  # where a question's image stands in its text (geometry3k's problems)
 IMAGE_FORMATS = ("PNG", "JPEG")  # what an image may be; anything else is refused undecoded
-MAX_IMAGE_PIXELS = 2**22  # width x height of one image (EasyR1's max_pixels), read from its header
+# One pixel budget (EasyR1's min_pixels / max_pixels), applied once as the data loads (fit_pixels):
+# the trainer, the server and vLLM then see the same image and the same number of image tokens.
+MIN_PIXELS = 0  # width x height at least; smaller images are scaled up (EasyR1: 262,144); 0 = none
+MAX_PIXELS = 2**22  # width x height at most; larger scaled down; the server refuses more (header)
 MAX_QUESTION_PIXELS = 2**23  # all of one question's images together: what one upload may decode
 MAX_IMAGES = 8  # images per question (geometry3k has one)
 MAX_IMAGE_BYTES = 16 * 2**20  # encoded bytes of one question's images together
@@ -56,6 +60,9 @@ def check_settings(path: str, *, tools_on: bool, use_triton: bool, use_vllm: boo
     """Whether MODEL_PATH (path) is a vision-language model. For one, stop on settings that cannot
     work with images (the keywords: TOOLS set, USE_TRITON, USE_VLLM); the trainer then switches off
     the fast paths that run the text model alone (features/fast_paths.py)."""
+    if not 0 <= MIN_PIXELS <= MAX_PIXELS or MAX_PIXELS < 1:
+        sys.exit(f"MIN_PIXELS = {MIN_PIXELS}, MAX_PIXELS = {MAX_PIXELS}: need "
+                 "0 <= MIN_PIXELS <= MAX_PIXELS and MAX_PIXELS >= 1")
     kind = model_type(path)
     if kind is None and FREEZE_VISION:
         sys.exit("FREEZE_VISION with a text model: MODEL_PATH has no vision tower to freeze")
@@ -66,14 +73,25 @@ def check_settings(path: str, *, tools_on: bool, use_triton: bool, use_vllm: boo
                  f"{TESTED_TYPES} (docs/vision.md says why)")
     refused = {"TOOLS": (tools_on, "a tool's result turn has no image"),
                "USE_TRITON": (use_triton, "the fused loss reads hidden states, not pixels")}
-    if kind in VIDEO_TYPES:  # vLLM's modules for them import torchvision's image processing
-        reason = f"not run with {kind} (vLLM's needs torchvision; docs/vision.md)"
+    if kind in VIDEO_TYPES and not has_torchvision():  # vLLM's modules for them import it
+        reason = f"vLLM's {kind} needs torchvision, which is not installed (docs/vision.md)"
         refused["USE_VLLM"] = (use_vllm, reason)
     for name, (on, reason) in refused.items():
         if on:
             sys.exit(f"{name} with a vision-language model: {reason}; set it off "
                      "(docs/vision.md)")
+    if use_vllm and kind in VIDEO_TYPES:
+        print(f"USE_VLLM with {kind}: checked here up to vLLM's expansion of image marks; "
+              "bench/gpu_checks.sh part5 runs it whole on a GPU", flush=True)
     return True
+
+
+def has_torchvision() -> bool:
+    """Whether torchvision is installed: vLLM's Qwen2-VL and SmolVLM modules import it, and the
+    CPU machines here have none (its CPU wheel does not match torch 2.13's)."""
+    import importlib.util
+
+    return importlib.util.find_spec("torchvision") is not None
 
 
 class ImageTextProcessor:
@@ -322,7 +340,7 @@ def freeze_tower(model) -> int:
 # ----------------------------------------------------------------------------- images, checked
 def unopened(data: bytes, what: str = "image"):
     """A PIL image of PNG or JPEG bytes with only its header read (no pixel decoded yet).
-    ValueError for anything else, and for more than MAX_IMAGE_PIXELS pixels: a decompression bomb
+    ValueError for anything else, and for more than MAX_PIXELS pixels: a decompression bomb
     is refused from its header."""
     from PIL import Image
 
@@ -333,11 +351,48 @@ def unopened(data: bytes, what: str = "image"):
         if image.format not in IMAGE_FORMATS:
             raise ValueError(f"format {image.format}, not one of {IMAGE_FORMATS}")
         width, height = image.size
-        if width * height > MAX_IMAGE_PIXELS or min(width, height) < 1:
-            raise ValueError(f"{width} x {height} pixels; at most {MAX_IMAGE_PIXELS} in all")
+        if width * height > MAX_PIXELS or min(width, height) < 1:
+            raise ValueError(f"{width} x {height} pixels; at most {MAX_PIXELS} in all")
         return image
     except Exception as e:  # PIL raises many kinds on a broken file: one clear error
         raise ValueError(f"{what} is not a usable PNG or JPEG: {str(e)[:200]}") from None
+
+
+def fit_pixels(data: bytes) -> bytes:
+    """An image's bytes scaled, its aspect kept, to MIN_PIXELS..MAX_PIXELS pixels as PNG (EasyR1's
+    process_image); bytes already within the budget come back unchanged. Sides round down when
+    shrinking and up when growing, so the budget holds; a side is at least 1 pixel (a 1-pixel-high
+    strip loses its aspect rather than the budget)."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as image:
+        width, height = image.size
+        pixels = width * height
+        if MIN_PIXELS <= pixels <= MAX_PIXELS:
+            return data
+        if pixels > MAX_PIXELS:
+            scale = math.sqrt(MAX_PIXELS / pixels)
+            size = (max(1, math.floor(width * scale)), max(1, math.floor(height * scale)))
+            if size[0] * size[1] > MAX_PIXELS and size[1] == 1:  # held at 1: the other gives
+                size = (MAX_PIXELS, 1)
+            elif size[0] * size[1] > MAX_PIXELS:
+                size = (1, MAX_PIXELS)
+        else:
+            scale = math.sqrt(MIN_PIXELS / pixels)
+            size = (math.ceil(width * scale), math.ceil(height * scale))
+            if size[0] * size[1] > MAX_PIXELS:  # a budget too narrow for the rounding up
+                size = (math.floor(width * scale), math.floor(height * scale))
+        resized = image.convert("RGB").resize(size, Image.Resampling.BICUBIC)
+    out = io.BytesIO()
+    resized.save(out, format="PNG")
+    return out.getvalue()
+
+
+def fit_questions(questions: list) -> list:
+    """The questions with each image fitted to the pixel budget (fit_pixels): the trainer's data
+    layer runs it once, before any prompt is built or group uploaded."""
+    return [{**q, "images": [fit_pixels(data) for data in q["images"]]} if q.get("images") else q
+            for q in questions]
 
 
 def open_image(data: bytes, what: str = "image"):

@@ -128,11 +128,16 @@ def test_the_embedded_language_model_keeps_its_weights(embedded_path, tmp_path):
             torch.testing.assert_close(ours[name], value, rtol=0, atol=0)
 
 
-def test_the_servers_log_probs_equal_the_trainers_for_the_same_weights_and_images(any_vlm):
+def test_the_servers_log_probs_equal_the_trainers_for_the_same_weights_and_images(any_vlm,
+                                                                                  monkeypatch):
     """ref_server.py's forward (its own processor on the uploaded bytes) and the trainer's lesson
-    definition on collate's pixels give the same log-probs; other pixels give other log-probs."""
+    definition on collate's pixels give the same log-probs; other pixels give other log-probs. One
+    image was scaled down to the pixel budget as the data loads: both sides see the fitted one."""
     model, processor = any_vlm
-    images = [png((220, 30, 30)), png((30, 60, 220), (40, 56))]
+    monkeypatch.setattr(vision, "MAX_PIXELS", 64 * 64)  # the other image's, exactly
+    fitted = vision.fit_pixels(png((30, 60, 220), (80, 112)))
+    assert image_size(fitted) == (54, 75)  # sqrt(4096 / 8960) = 0.676: 54.1 x 75.7, rounded down
+    images = [png((220, 30, 30)), fitted]
     tensors, meta = prompt_group(processor, images)
     decoded_group = decode_batch(encode_batch(tensors, meta))  # as it crosses the wire
     server = ref_server.RefServer(model, "tiny-vlm", processor=processor)
@@ -350,6 +355,100 @@ def test_qwens_pixels_one_row_per_prompt_give_what_transformers_own_flat_layout_
     assert torch.equal(samples[0], samples[1])
 
 
+# ----------------------------------------------------------------------------- one pixel budget
+def image_size(data: bytes) -> tuple:
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as image:
+        return image.size
+
+
+@pytest.mark.parametrize("size, budget, want", [
+    ((64, 64), (0, 2**22), (64, 64)),  # within: the same bytes
+    ((4096, 4096), (0, 2**22), (2048, 2048)),  # issue 58's: EasyR1's max_pixels, exactly
+    ((3000, 1000), (0, 2**20), (1773, 591)),  # sqrt(2^20 / 3e6) = 0.5912: sides rounded down
+    ((64, 64), (262144, 2**22), (512, 512)),  # EasyR1's min_pixels: scaled up
+    ((30, 20), (1000, 2**22), (39, 26)),  # sqrt(1000 / 600) = 1.291: 38.7 -> 39, 25.8 -> 26
+    ((100000, 1), (0, 1000), (1000, 1)),  # a side never falls below 1 pixel: the other gives
+    ((2, 100000), (0, 1000), (1, 1000)),
+])
+def test_the_pixel_budget_scales_an_image_keeping_its_aspect(size, budget, want, monkeypatch):
+    """Issue 58: MIN_PIXELS / MAX_PIXELS applied as the data loads. The sizes are worked by hand
+    from EasyR1's rule: scale sqrt(budget / pixels), sides rounded so the budget holds."""
+    monkeypatch.setattr(vision, "MIN_PIXELS", budget[0])
+    monkeypatch.setattr(vision, "MAX_PIXELS", budget[1])
+    data = png((10, 200, 10), size)
+    fitted = vision.fit_pixels(data)
+    assert image_size(fitted) == want
+    if want == size:
+        assert fitted is data
+    width, height = want
+    assert budget[0] <= width * height <= budget[1]
+
+
+def test_qwens_image_tokens_stay_within_the_budget_that_its_own_processor_would_exceed():
+    """Qwen2.5-VL-3B-Instruct's preprocessor_config.json (patch 14, merge 2, 3,136 to 12,845,056
+    pixels): a 4096 x 4096 image is 16,384 image tokens as it comes, and within 2^22 / 28^2 (each
+    side rounded to a multiple of 28: at most 14 pixels more) once the data layer fitted it."""
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil)
+
+    released = Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=12845056, patch_size=14,
+                                        merge_size=2, temporal_patch_size=2)
+    data = png((10, 200, 10), (4096, 4096))
+
+    def tokens(image_bytes):  # grid_thw.prod() / merge^2: vLLM's and transformers' count
+        with Image.open(io.BytesIO(image_bytes)) as image:
+            grid = released(images=[image.convert("RGB")], return_tensors="pt")["image_grid_thw"]
+        return int(grid.prod()) // 4
+
+    assert tokens(data) == 16384  # Qwen's own budget: 12.8 M pixels, 4096 x 4096 -> 3584 x 3584
+    fitted = vision.fit_pixels(data)
+    width, height = image_size(fitted)
+    assert tokens(fitted) <= (width + 14) * (height + 14) // 28**2
+    assert tokens(fitted) == 73 * 73  # 2048 / 28 = 73.1: rounded to 73 patches of 2 x 14
+
+
+def test_the_trainer_loads_its_data_with_every_image_within_the_pixel_budget(tmp_path,
+                                                                            monkeypatch):
+    (tmp_path / "big.png").write_bytes(png((200, 30, 30), (300, 200)))
+    rows = [{"problem": f"<image>Find x{i}.", "answer": "3", "images": ["big.png"]}
+            for i in range(3)]
+    rows.append({"problem": "What is 2 + 3?", "answer": "5"})
+    (tmp_path / "geo.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    monkeypatch.setattr(grpo, "DATASET", str(tmp_path / "geo.jsonl"))
+    monkeypatch.setattr(grpo.evaluation, "EVAL_SIZE", 1)
+    monkeypatch.setattr(vision, "MAX_PIXELS", 6000)  # 300 x 200 -> 94 x 63
+    train, held_out = grpo.load_dataset()
+    shown = [q for q in train + held_out if q.get("images")]
+    assert len(shown) == 3 and all(image_size(q["images"][0]) == (94, 63) for q in shown)
+    assert held_out == [{"question": "What is 2 + 3?", "gold": "5"}]
+
+
+@pytest.mark.parametrize("kind", vision.QWEN_TYPES)
+def test_qwens_marked_ids_expand_to_the_processors_ids_by_vllms_rule(kind, qwen_dirs):
+    """vLLM expands each <|image_pad|> of the ids it is given into grid_thw.prod() / merge^2
+    copies. The marked ids the trainer hands vLLM, expanded by that rule (written here, no vLLM or
+    torchvision), are the processor's own input_ids, for prompts of one and of two images of
+    different sizes: vLLM for Qwen2.5-VL is a switch on a GPU, not a port."""
+    processor = vision.load_processor(qwen_dirs[kind])
+    merge = processor.image_processor.merge_size
+    pad = processor.image_token_id
+    texts = [vision.IMAGE_MARK + "Which colour?", vision.IMAGE_MARK * 2 + "Which is larger?"]
+    images = [[png((200, 0, 0), (64, 48))], [png((0, 0, 200), (40, 40)), png((0, 200, 0))]]
+    for text, shown in zip(texts, images):
+        out = processor([text], images=[vision.decoded(shown)], add_special_tokens=False,
+                        return_tensors="pt")
+        grids = out["image_grid_thw"][0]  # (n, 3) rows_first's: this prompt's images
+        counts = iter((grids.prod(-1) // merge**2).tolist())
+        expanded = []
+        for token in out["marked_ids"][0]:
+            expanded += [pad] * next(counts) if token == pad else [token]
+        assert expanded == out["input_ids"][0].tolist()
+        assert out["marked_ids"][0].count(pad) == len(shown)
+
+
 # ----------------------------------------------------------------------------- the upload's guard
 @pytest.fixture(scope="module")
 def vlm_server(vlm):
@@ -362,7 +461,7 @@ def vlm_server(vlm):
 
 
 def bomb() -> bytes:
-    """A PNG of 5000 x 5000 pixels (more than MAX_IMAGE_PIXELS) in a few kilobytes."""
+    """A PNG of 5000 x 5000 pixels (more than MAX_PIXELS) in a few kilobytes."""
     return png((255, 255, 255), (5000, 5000))
 
 
@@ -387,7 +486,7 @@ def png_header(width: int, height: int) -> bytes:
 ])
 def test_the_pixel_budgets_refuse_large_images_from_their_headers(sizes, refused):
     """Issue 58: eight 4096 x 4096 PNGs fit in a few kilobytes and took seconds of a server's
-    thread to decode. Each image's header (MAX_IMAGE_PIXELS) and a question's images together
+    thread to decode. Each image's header (MAX_PIXELS) and a question's images together
     (MAX_QUESTION_PIXELS) are checked before anything is decoded: these images have no pixels, so
     a decode would fail, and what passes the check is still undecoded bytes."""
     tensors = vision.pack_images([png_header(width, height) for width, height in sizes])
@@ -660,6 +759,19 @@ def test_a_vision_model_switches_off_the_text_fast_paths_and_refuses_what_cannot
     monkeypatch.setattr(grpo, "MODEL_PATH", "")
     grpo.check_settings()
     assert grpo.fast_paths.SHARED_PREFIX is True
+
+
+@pytest.mark.parametrize("kind", vision.QWEN_TYPES)
+def test_vllm_for_qwen_is_refused_without_torchvision_and_a_switch_with_it(kind, qwen_dirs,
+                                                                         monkeypatch):
+    """vLLM's Qwen2-VL modules import torchvision: without it USE_VLLM stops at start with the
+    reason; with it the setting is let through (bench/gpu_checks.sh part5 runs it on a GPU)."""
+    monkeypatch.setattr(vision, "has_torchvision", lambda: False)
+    with pytest.raises(SystemExit, match="USE_VLLM .* needs torchvision"):
+        vision.check_settings(qwen_dirs[kind], tools_on=False, use_triton=False, use_vllm=True)
+    monkeypatch.setattr(vision, "has_torchvision", lambda: True)
+    assert vision.check_settings(qwen_dirs[kind], tools_on=False, use_triton=False,
+                                 use_vllm=True)
 
 
 def test_lora_adapts_the_language_model_only_and_freeze_vision_stops_the_tower(vlm_dir):
