@@ -51,6 +51,7 @@ HTTP_THREADS = 8  # requests handled at once; more wait in the listen backlog
 BACKLOG = 1024  # connections waiting for a thread: a burst of ranks is never refused at connect
 IDLE_TIMEOUT = 30  # s before an idle or stalled connection (a body that never comes) is closed
 UPLOAD_IDS = 4096  # upload ids remembered: a retried upload gets its first answer, queued once
+DECODE_PIXELS_PER_S = 2**22  # image pixels decoded at upload per second, all peers; more gets 503
 MAX_ACK_CHARS = 200  # an acknowledged upload id: a name, never a payload
 # The reference forward
 REF_MICRO_BATCH = 8  # rows per reference forward: bounds activation memory, not throughput
@@ -73,6 +74,7 @@ def settings_now() -> dict:
     return dict(ref_token=REF_TOKEN, max_body_bytes=MAX_BODY_BYTES, max_rows=MAX_ROWS,
                 max_group_tokens=MAX_GROUP_TOKENS, queue_size=QUEUE_SIZE,
                 max_queued_bytes=MAX_QUEUED_BYTES, upload_ids=UPLOAD_IDS,
+                decode_pixels_per_s=DECODE_PIXELS_PER_S,
                 ref_micro_batch=REF_MICRO_BATCH, shared_prefix=SHARED_PREFIX,
                 logp_chunk=LOGP_CHUNK, logp_from_hidden=LOGP_FROM_HIDDEN,
                 reward_model_weight=REWARD_MODEL_WEIGHT, regroup=REGROUP,
@@ -105,10 +107,13 @@ class RefServer:
         self.vocabulary = vocabulary  # the tokenizer's hash: a teacher's must be the student's
         self.reward_model = reward_model  # (model, tokenizer) or None
         self.reward_model_name = reward_model_name
-        self.pending = queue.Queue()  # (tensors, meta, key, nbytes) waiting for the forward thread
+        self.pending = queue.Queue()  # (tensors, meta, images, key, nbytes) for the forward thread
         self.ready = {"workers": queue.Queue()}  # "workers" or a rank -> (body, type, nbytes, id)
         self.handouts = Handouts()  # the group each rank was handed and has not acknowledged
         self.room = Room(self.queue_size, self.max_queued_bytes)
+        # One upload may hold a question's whole budget: the burst is at least that.
+        burst = max(self.decode_pixels_per_s, vision.MAX_QUESTION_PIXELS)
+        self.decoding = DecodeBudget(self.decode_pixels_per_s, burst)
         self.counters = dict(uploaded=0, served=0, rejected=0, busy=0, ref_errors=0)
         self.pool = None  # REGROUP's pool of answers per question
         if self.regroup:
@@ -121,13 +126,13 @@ class RefServer:
         self.worker = threading.Thread(target=self._work, name="ref-forward", daemon=True)
         self.app = self._build_app()
 
-    def reference_logps(self, input_ids, plen, temperature, group=None):
+    def reference_logps(self, input_ids, plen, temperature, images=()):
         """(G, L - plen) reference log-probs of the completion tokens, at the sampling temperature,
-        ref_micro_batch rows at a time; group: the upload's tensors, its images for every row."""
+        ref_micro_batch rows at a time; images: the group's, decoded at upload, for every row."""
         ids = input_ids.to(self.device)  # (G, L)
         pixels = {}  # text: no pixel inputs
-        if group is not None and carries_images(group):
-            pixels = vision.server_pixels(self.processor, group, len(ids), self.device)
+        if images:
+            pixels = vision.server_pixels(self.processor, images, len(ids), self.device)
         with torch.no_grad():
             logps = completion_logps(self.model, ids, torch.ones_like(ids), ids.shape[1] - plen,
                                      temperature, self.ref_micro_batch, self.shared_prefix,
@@ -139,14 +144,14 @@ class RefServer:
         """The forward thread: each pending group gets its ref_logps and goes to a ready queue."""
         while not self.stopping.is_set():
             try:
-                tensors, meta, key, nbytes = self.pending.get(timeout=0.2)  # sees a stop() soon
+                tensors, meta, images, key, nbytes = self.pending.get(timeout=0.2)  # stop() soon
             except queue.Empty:
                 continue
             uid = meta.get("upload_id") or uuid.uuid4().hex  # what a taker acknowledges it by
             failed = False  # counted once its error can be taken: /health never runs ahead
             try:
                 ref_logps = self.reference_logps(tensors["input_ids"], meta["plen"],
-                                                 meta.get("temperature", 1.0), tensors)  # images
+                                                 meta.get("temperature", 1.0), images)
                 if not torch.isfinite(ref_logps).all():  # never hand a trainer NaN or inf
                     raise FloatingPointError("the reference forward gave NaN or inf log-probs")
                 tensors["ref_logps"] = ref_logps  # (G, T)
@@ -181,8 +186,9 @@ class RefServer:
     def _busy(self):
         self._refuse(503, "queue full, retry later", "busy", {"Retry-After": "1"})
 
-    def _accept(self, tensors, meta, nbytes):
-        """Queue a valid upload for the forward (REGROUP: pool it; queue a group if one formed)."""
+    def _accept(self, tensors, meta, nbytes, images=()):
+        """Queue a valid upload for the forward (REGROUP: pool it; queue a group if one formed:
+        its question's, whose images are these)."""
         kind = "workers" if meta.get("worker") else "trainers"
         if not self.room.take(kind, nbytes):  # first: a refusal takes nothing out of a pool
             self._busy()
@@ -193,7 +199,7 @@ class RefServer:
             self.room.give_back(kind, nbytes)
         else:
             key = "workers" if kind == "workers" else meta.get("rank", 0)
-            self.pending.put((*group, key, nbytes))
+            self.pending.put((*group, images, key, nbytes))
         self._count("uploaded")
         return {"ok": True, "groups": int(group is not None), "pending": self.pending.qsize(),
                 "instance": self.instance}
@@ -217,8 +223,11 @@ class RefServer:
                 tensors, meta = decode_batch(body)
                 meta = validate_group(tensors, meta, self.vocab_size, self.max_rows, self.max_len,
                                       self.max_group_tokens)
-                if self.processor is not None or carries_images(tensors):  # images: decoded
-                    vision.check_group(self.processor, tensors, meta["plen"])
+                images = []  # decoded here, once, within the pixel budgets
+                if carries_images(tensors) and not self.decoding.take(vision.pixels_of(tensors)):
+                    self._busy()  # this second's decoding is spent: a retry comes later
+                if self.processor is not None or carries_images(tensors):
+                    images = vision.check_group(self.processor, tensors, meta["plen"])
                 needs_text = meta.get("question") is None or meta.get("answers") is None
                 if self.reward_model is not None and needs_text:
                     raise ValueError("this server has a REWARD_MODEL: "
@@ -233,7 +242,8 @@ class RefServer:
                 return first
             answer = None
             try:
-                answer = self._accept(tensors, meta, 2 * len(body))  # tensors, then encoding
+                held = 2 * len(body) + 3 * vision.pixels_of(tensors)  # tensors, encoding, RGB
+                answer = self._accept(tensors, meta, held, images)
                 return answer
             finally:  # refused (503): answer None, the id is forgotten, a retry is handled anew
                 self.answered.settle(uid, answer)
@@ -333,6 +343,30 @@ class Room:
         with self.lock:
             self.held[kind] -= 1
             self.held_bytes -= nbytes
+
+
+class DecodeBudget:
+    """How many image pixels the upload threads may decode: `per_second` flow in, at most `burst`
+    saved up. An upload that finds too few is answered 503 at once and retried later, so a peer
+    with the token cannot keep the threads decoding (one upload is bounded by MAX_QUESTION_PIXELS,
+    their flow by this)."""
+
+    def __init__(self, per_second, burst):
+        self.per_second = per_second
+        self.burst = burst
+        self.left = burst  # pixels that may be decoded now
+        self.last = time.monotonic()
+        self.lock = threading.Lock()
+
+    def take(self, pixels) -> bool:
+        with self.lock:
+            now = time.monotonic()
+            self.left = min(self.burst, self.left + (now - self.last) * self.per_second)
+            self.last = now
+            if pixels > self.left:
+                return False
+            self.left -= pixels
+            return True
 
 
 # GET /get?rank=N&ack=ID hands a rank the group at the head of its queue and keeps it until the

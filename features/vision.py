@@ -303,13 +303,18 @@ def load_any(path: str, device, dtype=torch.float32):
     return model, AutoTokenizer.from_pretrained(path), None
 
 
-def server_pixels(processor, group: dict | None, rows: int, device) -> dict:
-    """The reference forward's pixel inputs: an uploaded group's images (checked at upload) for
-    each of its rows; {} for a group without images."""
-    images = decoded(unpack_images(group or {}))
-    if not images:
-        return {}
+def server_pixels(processor, images: list, rows: int, device) -> dict:
+    """The reference forward's pixel inputs: an uploaded group's images (decoded and checked at
+    upload, check_group) for each of its rows."""
     return to_device(vision_inputs(processor.image_processor, [images] * rows), device)
+
+
+def pixels_of(tensors: dict) -> int:
+    """The pixels an upload's images hold by their headers (unpack_images has checked them):
+    what decoding them costs. 0 for a text upload."""
+    images = unpack_images(tensors) if any(name in tensors for name in WIRE_FIELDS) else []
+    return sum(width * height for width, height in
+               (unopened(data, f"image {i}").size for i, data in enumerate(images)))
 
 
 def image_processor_of(tokenizer):

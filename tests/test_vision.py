@@ -6,6 +6,7 @@ import json
 import struct
 import subprocess
 import sys
+import time
 import zlib
 from collections import Counter
 
@@ -17,7 +18,7 @@ import grpo_ref_split as grpo
 import ref_server
 import rewards
 from conftest import (ROOT, ServerProcess, free_port, group, metrics, start, stop, trainer_cmd,
-                      trainer_env)
+                      trainer_env, wait_for)
 from features import fast_paths, lora, memory_plan, vision, vision_demo
 from features.wire import decode_batch, encode_batch
 
@@ -142,8 +143,8 @@ def test_the_servers_log_probs_equal_the_trainers_for_the_same_weights_and_image
     decoded_group = decode_batch(encode_batch(tensors, meta))  # as it crosses the wire
     server = ref_server.RefServer(model, "tiny-vlm", processor=processor)
     assert not server.shared_prefix and not server.logp_from_hidden
-    vision.check_group(processor, decoded_group[0], meta["plen"])
-    got = server.reference_logps(decoded_group[0]["input_ids"], meta["plen"], 0.7, decoded_group[0])
+    shown = vision.check_group(processor, decoded_group[0], meta["plen"])  # decoded at upload
+    got = server.reference_logps(decoded_group[0]["input_ids"], meta["plen"], 0.7, shown)
     batch = grpo.collate([decoded_group], processor.pad_token_id,
                          image_processor=processor.image_processor)
     assert batch.vision_inputs["pixel_values"].shape[0] == 3  # one row per answer
@@ -547,6 +548,42 @@ def test_every_malformed_image_upload_gets_a_clear_400_and_nothing_is_queued(vlm
     tensors, meta = prompt_group(processor, [png()])  # and the good one still goes through
     r = requests.post(url + "/upload", data=encode_batch(tensors, meta), timeout=30)
     assert r.status_code == 200, r.text
+
+
+def test_a_server_decodes_each_image_once_and_at_most_its_pixels_per_second(vlm, monkeypatch):
+    """Issue 58: a peer with the token could keep the upload threads decoding, and every image
+    was decoded twice (at upload, then for the forward). Now each is decoded once, at upload,
+    within DECODE_PIXELS_PER_S: with a burst of three 64 x 64 images and one image's pixels a
+    second, a fourth quick upload is answered 503 (Retry-After) undecoded and queues nothing, and
+    one more goes through a second later; every accepted group's log-probs come back."""
+    model, processor = vlm
+    monkeypatch.setattr(vision, "MAX_QUESTION_PIXELS", 3 * 64 * 64)  # the burst: three images
+    opened = []
+    real_open = vision.open_image
+    monkeypatch.setattr(vision, "open_image", lambda data, what="image": opened.append(what)
+                        or real_open(data, what))
+    server = ref_server.RefServer(model, "tiny-vlm", processor=processor,
+                                  decode_pixels_per_s=64 * 64)
+    port = free_port()
+    stop_serving = ref_server.serve(server, "127.0.0.1", port)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        tensors, meta = prompt_group(processor, [png()])
+        body = encode_batch(tensors, {**meta, "rank": 0})
+        opened.clear()  # prompt_group's own decoding
+        answers = [requests.post(url + "/upload", data=body, timeout=30) for _ in range(4)]
+        assert [a.status_code for a in answers] == [200, 200, 200, 503]
+        assert answers[3].headers["Retry-After"] == "1" and len(opened) == 3
+        time.sleep(1.1)  # one image's pixels flowed back in
+        assert requests.post(url + "/upload", data=body, timeout=30).status_code == 200
+        wait_for(lambda: server.queue_of(0).qsize() == 4)  # every forward done
+        taken = [requests.get(url + "/get?rank=0", timeout=30) for _ in range(4)]
+        assert all(t.headers["Content-Type"] == "application/octet-stream" for t in taken)
+        assert all("ref_logps" in decode_batch(t.content)[0] for t in taken)
+    finally:
+        stop(server, stop_serving)
+    assert server.counters["uploaded"] == 4 and server.counters["ref_errors"] == 0
+    assert len(opened) == 4  # once each: the forward used the images decoded at upload
 
 
 def test_a_bomb_is_refused_from_its_header_before_any_pixel_is_decoded(monkeypatch):
