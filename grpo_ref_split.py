@@ -156,7 +156,11 @@ def policy_log_ratio(*, logps, old_logps, mask, gspo=False) -> torch.Tensor:
     log_ratio = logps - old_logps  # (B, T)
     if not gspo:
         return log_ratio
-    return masked_mean(log_ratio, mask)[:, None].expand_as(log_ratio)  # (B, T)
+    answer_mean = masked_mean(log_ratio, mask)[:, None]  # (B, 1)
+    # GSPO-token (the GSPO paper's per-token form): the answer's ratio as the value, each token's
+    # own log-prob as the gradient. With one advantage per answer its gradient is GSPO's; with a
+    # teacher's per-token advantages each token moves by its own, not by the answer's mean.
+    return answer_mean.detach() + log_ratio - log_ratio.detach()  # (B, T)
 
 
 def grpo_loss(*, logps, old_logps, ref_logps, advantages, mask, beta, clip_eps, clip_eps_high,
@@ -179,6 +183,16 @@ def grpo_loss(*, logps, old_logps, ref_logps, advantages, mask, beta, clip_eps, 
         kl_weight = ratio if bias_corrected_kl else 1.0  # DeepSeek-V3.2: reverse KL's gradient
         surrogate = surrogate - beta * kl_weight * k3(ref, logps)  # (B, T)
     return -surrogate  # (B, T)
+
+
+def off_policy_mask(*, advantages, behaviour_logps, logps, mask, delta) -> torch.Tensor:
+    """(B, T) DeepSeek-V3.2's off-policy mask (OFF_POLICY_DELTA): 0 on a token with a negative
+    advantage in an answer whose mean log(pi_behaviour / pi) exceeds delta, else 1. One advantage
+    per answer keeps or drops the answer whole, as the paper; with a teacher's per-token advantages
+    each token's own sign decides (docs/distillation.md). All (B, T); it multiplies the surrogate."""
+    drift = masked_mean(behaviour_logps - logps.detach(), mask)  # (B,) how far pi moved away
+    far = (drift > delta)[:, None]  # (B, 1)
+    return (~(far & (advantages < 0))).float()  # (B, T)
 
 
 def reduce_loss(per_token, mask, *, loss_type="grpo", normalizer=None, max_tokens=1):
@@ -528,9 +542,12 @@ def policy_loss(engine, b: Batch):
             weights = vllm_engine.mismatch_weights(old_logps, b.sampler_logps, b.sampler_rows,
                                                    b.mask.bool(), mode=vllm_engine.TIS_MODE,
                                                    cap=vllm_engine.TIS_CAP)
-        if OFF_POLICY_DELTA:  # DeepSeek-V3.2: far off-policy answers with A < 0 leave the surrogate
-            weights = vllm_engine.off_policy_mask(weights, b, advantages=advantages, old=old_logps,
-                                                  logps=logps, delta=OFF_POLICY_DELTA)  # (B, T)
+        if OFF_POLICY_DELTA:  # DeepSeek-V3.2: far off-policy tokens with A < 0 leave the surrogate
+            # pi_behaviour: vLLM's log-probs on the rows it sampled, pi_old on the others
+            behaviour = pi_old_logps(old_logps, b.sampler_logps, b.sampler_rows, b.mask)  # (B, T)
+            keep = off_policy_mask(advantages=advantages, behaviour_logps=behaviour, logps=logps,
+                                   mask=b.mask, delta=OFF_POLICY_DELTA)  # (B, T)
+            weights = keep if weights is None else weights * keep  # (B, T)
         per_token = grpo_loss(logps=logps, old_logps=old_logps, ref_logps=b.ref_logps,
                               advantages=advantages, mask=b.mask, beta=BETA, clip_eps=CLIP_EPS,
                               clip_eps_high=CLIP_EPS_HIGH, weights=weights, gspo=GSPO,
@@ -640,7 +657,8 @@ def check_settings():
                                loss_type=LOSS_TYPE, output_dir=OUTPUT_DIR)
     refusals.refuse_distillation(distill_coef=DISTILL_COEF, off_policy_delta=OFF_POLICY_DELTA,
                                  beta=BETA, kl_bias_correction=KL_BIAS_CORRECTION,
-                                 rewards=REWARDS, num_pre_q=NUM_PRE_Q, scale_rewards=SCALE_REWARDS)
+                                 rewards=REWARDS, num_pre_q=NUM_PRE_Q, scale_rewards=SCALE_REWARDS,
+                                 dynamic_sampling=DYNAMIC_SAMPLING)
     images = vision.check_settings(resolve_model_path(MODEL_PATH), tools_on=bool(tools.TOOLS),
                                    use_triton=fast_paths.USE_TRITON,
                                    use_vllm=vllm_engine.USE_VLLM)

@@ -194,21 +194,3 @@ def mismatch_weights(old, sampler_logps, sampler_rows, mask, *, mode, cap) -> to
     if mode.endswith("_truncate"):
         return rho.clamp(max=cap)  # (B, T)
     return torch.where((rho >= 1 / cap) & (rho <= cap), rho, 0.0)  # (B, T)
-
-
-def off_policy_mask(weights, batch, *, advantages, old, logps, delta) -> torch.Tensor:
-    """(B, T) weights (None = 1) x DeepSeek-V3.2's off-policy sequence mask (OFF_POLICY_DELTA):
-    0 on an answer whose advantage's mean over its tokens is negative and whose mean
-    log(pi_behaviour / pi) exceeds delta. pi_behaviour: vLLM's log-probs on the rows it sampled
-    (batch.sampler_rows), pi_old (old) elsewhere. advantages (B,) or (B, T); old, logps (B, T)."""
-    mask = batch.mask.bool()  # (B, T)
-    behaviour = old  # (B, T)
-    if batch.sampler_logps is not None:
-        rows = torch.ones_like(mask[:, 0]) if batch.sampler_rows is None else batch.sampler_rows
-        behaviour = torch.where(rows[:, None], batch.sampler_logps, old)  # (B, T)
-    tokens = mask.sum(-1).clamp(min=1)  # (B,)
-    drift = torch.where(mask, behaviour - logps.detach(), 0.0).sum(-1) / tokens  # (B,)
-    adv = advantages[:, None] if advantages.dim() == 1 else advantages  # (B, 1) or (B, T)
-    negative = torch.where(mask, adv.expand_as(mask), 0.0).sum(-1) < 0  # (B,)
-    keep = (~(negative & (drift > delta))).float()[:, None]  # (B, 1)
-    return keep if weights is None else weights * keep  # (B, 1) or (B, T)

@@ -13,7 +13,6 @@ import grpo_ref_split as grpo
 from conftest import set_setting
 from features.fingerprint import vocab_fingerprint
 from features.server_client import check_reference
-from features.vllm_engine import off_policy_mask
 
 K = 5  # the categorical policy's choices: one-token answers
 
@@ -164,6 +163,14 @@ class Rows:
         self.sampler_rows = sampler_rows
 
 
+def off_policy_keep(advantages, old, logps, mask, delta, sampler_logps=None, sampler_rows=None):
+    """The trainer's mask as policy_loss builds it: pi_behaviour is vLLM's log-probs on the rows
+    it sampled, pi_old on the others."""
+    behaviour = grpo.pi_old_logps(old, sampler_logps, sampler_rows, mask)  # (B, T)
+    return grpo.off_policy_mask(advantages=advantages, behaviour_logps=behaviour, logps=logps,
+                                mask=mask, delta=delta)  # (B, T)
+
+
 def test_off_policy_sequence_mask_by_hand():
     """Four answers of two tokens, delta 0.1. log(pi_old / pi) per token: row 0 [0.3, 0.1] mean 0.2,
     A < 0: masked. Row 1 the same drift, A > 0: kept. Row 2 A < 0, mean 0.05: kept. Row 3 A < 0,
@@ -171,31 +178,75 @@ def test_off_policy_sequence_mask_by_hand():
     logps = torch.zeros(4, 2)
     old = torch.tensor([[0.3, 0.1], [0.3, 0.1], [0.1, 0.0], [0.3, 5.0]])
     mask = torch.tensor([[True, True], [True, True], [True, True], [True, False]])
-    advantages = torch.tensor([-1.0, 1.0, -1.0, -0.5])
-    keep = off_policy_mask(None, Rows(mask), advantages=advantages, old=old, logps=logps, delta=0.1)
-    assert keep.view(-1).tolist() == [0.0, 1.0, 1.0, 0.0]
-    tis = torch.full((4, 2), 0.5)
-    assert off_policy_mask(
-        tis, Rows(mask), advantages=advantages, old=old, logps=logps, delta=0.1
-    ).tolist() == [[0.0, 0.0], [0.5, 0.5], [0.5, 0.5], [0.0, 0.0]]
+    advantages = torch.tensor([-1.0, 1.0, -1.0, -0.5])[:, None].expand(4, 2)  # one per answer
+    keep = off_policy_keep(advantages, old, logps, mask, 0.1)
+    assert keep.tolist() == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0], [0.0, 0.0]]
+
+
+def test_with_per_token_advantages_the_mask_reads_each_tokens_own_sign():
+    """Issue 60: with a teacher the answer's mean advantage is about minus the KL, so a whole-answer
+    rule dropped every drifted answer in pure distillation, its tokens the teacher prefers with it.
+    Each token's own sign decides: on an answer drifted past delta, [+0.8, -4, 0] keeps its first
+    and third tokens; on one within delta, every token stays."""
+    advantages = torch.tensor([[0.8, -4.0, 0.0], [0.8, -4.0, 0.0]])  # mean < 0 on both
+    old = torch.tensor([[0.3, 0.3, 0.3], [0.05, 0.05, 0.05]])  # drift 0.3 and 0.05
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    keep = off_policy_keep(advantages, old, torch.zeros(2, 3), mask, 0.1)
+    assert keep.tolist() == [[1.0, 0.0, 1.0], [1.0, 1.0, 1.0]]
 
 
 def test_off_policy_mask_reads_vllms_log_probs_where_it_sampled():
     """Row 0 sampled by vLLM (drift from its log-probs, 0.5: masked); row 1 not (pi_old, 0:
     kept)."""
     mask = torch.ones(2, 1, dtype=torch.bool)
-    rows = Rows(
-        mask, sampler_logps=torch.tensor([[0.5], [0.5]]), sampler_rows=torch.tensor([True, False])
-    )
-    keep = off_policy_mask(
-        None,
-        rows,
-        advantages=torch.tensor([-1.0, -1.0]),
-        old=torch.zeros(2, 1),
-        logps=torch.zeros(2, 1),
-        delta=0.2,
-    )
+    keep = off_policy_keep(torch.tensor([[-1.0], [-1.0]]), torch.zeros(2, 1), torch.zeros(2, 1),
+                           mask, 0.2, sampler_logps=torch.tensor([[0.5], [0.5]]),
+                           sampler_rows=torch.tensor([True, False]))
     assert keep.view(-1).tolist() == [0.0, 1.0]
+
+
+def test_gspo_with_a_teachers_per_token_advantages_moves_each_token_by_its_own():
+    """Issue 60: GSPO took the answer's mean log-ratio, so every token got the answer's mean
+    teacher term: for advantages [+0.8, -4, 0] the gradient on log pi was [+0.36, +0.36, +0.36],
+    pushing down the token the teacher prefers. GSPO-token keeps GSPO's value and gives
+    d loss / d log pi_t = -ratio A_t / |y| ("grpo" loss, one answer): [-0.27, +1.33, 0] at ratio 1,
+    as without GSPO."""
+    logps = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    advantages = torch.tensor([[0.8, -4.0, 0.0]])
+    for old, ratio in ((logps.detach(), 1.0), (logps.detach() - 0.03, math.exp(0.03))):
+        per_token = grpo.grpo_loss(logps=logps, old_logps=old, ref_logps=None,
+                                   advantages=advantages, mask=mask, beta=0.0, clip_eps=0.2,
+                                   clip_eps_high=0.2, gspo=True)  # (1, 3)
+        loss = grpo.reduce_loss(per_token, mask, loss_type="grpo")
+        (grad,) = torch.autograd.grad(loss, logps)
+        want = [-ratio * a / 3 for a in (0.8, -4.0, 0.0)]
+        assert grad.view(-1).tolist() == pytest.approx(want, abs=1e-6)
+        assert loss.item() == pytest.approx(-ratio * (0.8 - 4.0) / 3, abs=1e-6)  # GSPO's value
+
+
+def test_gspo_with_one_advantage_per_answer_is_the_sequence_objective_in_value_and_gradient():
+    """GSPO's definition, written here: s = exp(mean_t log(pi / pi_old)) per answer, the loss
+    -min(s A, clip(s, 1 - eps, 1 + eps) A) averaged over answers. The per-token form gives the
+    same value and gradient, inside and outside the clip range."""
+    g = torch.Generator().manual_seed(0)
+    logps = (torch.randn(4, 5, generator=g) - 2).requires_grad_()
+    old = logps.detach() + torch.tensor([0.0, 0.001, -0.002, 0.01])[:, None]  # some past 3e-3
+    mask = torch.rand(4, 5, generator=g) > 0.2
+    mask[:, 0] = True
+    advantages = torch.tensor([1.0, -0.5, 2.0, -1.5])
+    eps = 3e-3
+    s = torch.exp(grpo.masked_mean(logps - old, mask))  # (4,)
+    want = -torch.min(s * advantages, s.clamp(1 - eps, 1 + eps) * advantages).mean()
+    per_token = grpo.grpo_loss(logps=logps, old_logps=old, ref_logps=None,
+                               advantages=advantages[:, None].expand(4, 5), mask=mask, beta=0.0,
+                               clip_eps=eps, clip_eps_high=eps, gspo=True)  # (4, 5)
+    got = grpo.reduce_loss(per_token, mask, loss_type="grpo")
+    (want_grad,) = torch.autograd.grad(want, logps)
+    (got_grad,) = torch.autograd.grad(got, logps)
+    # float32 sums of five terms of size ~2: a few ulps
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got_grad, want_grad, rtol=0, atol=1e-6)
 
 
 def test_a_masked_answer_keeps_its_kl_penalty():
@@ -353,6 +404,17 @@ def test_triton_is_refused_with_a_teacher_or_a_correction(monkeypatch, tmp_path,
     teacher_settings(monkeypatch, tmp_path, USE_TRITON=True, **setting)
     with pytest.raises(SystemExit, match="USE_TRITON takes one advantage per answer"):
         grpo.check_settings()
+
+
+def test_dynamic_sampling_with_a_teacher_says_it_draws_once(monkeypatch, tmp_path, capsys):
+    """Issue 60: with a teacher every group is kept (its term varies within any group), so
+    DYNAMIC_SAMPLING silently did nothing; it is said at start."""
+    teacher_settings(monkeypatch, tmp_path, DYNAMIC_SAMPLING=True)
+    grpo.check_settings()
+    assert "DYNAMIC_SAMPLING with DISTILL_COEF: every group trains" in capsys.readouterr().out
+    teacher_settings(monkeypatch, tmp_path, DYNAMIC_SAMPLING=True, DISTILL_COEF=0.0)
+    grpo.check_settings()
+    assert "DYNAMIC_SAMPLING" not in capsys.readouterr().out
 
 
 def test_groups_of_one_only_for_pure_distillation(monkeypatch, tmp_path):
