@@ -49,6 +49,7 @@ BETA = 0.04  # KL penalty weight towards the reference model; 0 = no reference, 
 CLIP_EPS = 0.2  # PPO clip: the ratio pi / pi_old may fall to 1 - CLIP_EPS ...
 CLIP_EPS_HIGH = 0.2  # ... and rise to 1 + CLIP_EPS_HIGH; DAPO's 0.28 lets rare good tokens grow
 DISTILL_COEF = 0.0  # > 0 = the server holds a teacher: A_t += this x (log teacher - log pi_old)
+DISTILL_DISCOUNT = 0.0  # teacher terms of later tokens added at this^distance (tinker's); 0 = own
 LR = 1e-5  # AdamW learning rate; the optimizer's other settings and its schedule are DS_CONFIG's
 ALL_STEPS = 30  # training steps
 SEED = 42  # seeds questions and sampling (rank r uses SEED + r)
@@ -70,7 +71,7 @@ MU = 1  # optimizer steps on each batch; > 1 reuses it, the clipped ratio keepin
 SKIP_GEN_LOGPS = True  # MU = 1: a rank's own groups need no pi_old forward (ratio 1); False = one
 MASK_TRUNCATED = False  # True = answers cut at MAX_NEW_TOKENS leave the loss (DAPO overlong filter)
 KL_BIAS_CORRECTION = False  # True = DeepSeek-V3.2: k3 x pi / pi_old, the reverse KL's gradient
-OFF_POLICY_DELTA = 0.0  # > 0 = DeepSeek-V3.2: answers with A < 0 and log(pi_old / pi) > this leave
+OFF_POLICY_DELTA = 0.0  # > 0 = DeepSeek-V3.2: A_t < 0 leaves answers with log(pi_old / pi) > this
 # Which questions a step trains on (docs/sampling.md)
 DYNAMIC_SAMPLING = False  # True = DAPO: roll out until Q_BATCH_SIZE groups have different rewards
 MAX_ROLLOUTS = 20  # rollouts a step may take before it gives up on a group with different rewards
@@ -107,10 +108,18 @@ def advantages_in_groups(scores: torch.Tensor, num_pre_q: int) -> torch.Tensor:
     return (centred / (spread + STD_EPS)).view(-1)  # (N,)
 
 
-def distill_advantages(advantages, *, teacher_logps, sampler_logps, mask, coef) -> torch.Tensor:
+def distill_advantages(advantages, *, teacher_logps, sampler_logps, mask, coef,
+                       discount=0.0) -> torch.Tensor:
     """(B, T) on-policy distillation: A_t = A + coef (log teacher(y_t) - log pi_old(y_t)), each
-    token's own term, no discount; its expected gradient is -coef grad KL(pi || teacher)."""
+    token's own term; its expected gradient is -coef grad KL(pi || teacher). discount g > 0 adds
+    the later tokens' terms too, g^(t' - t) each (tinker's KL discount: a token is also credited
+    with where it led), the reverse KL's return rather than its one step."""
     term = torch.where(mask.bool(), teacher_logps - sampler_logps.detach(), 0.0)  # (B, T)
+    if discount:
+        T = term.shape[1]
+        distance = torch.arange(T)[None, :] - torch.arange(T)[:, None]  # (T, T) t' - t
+        weight = torch.where(distance >= 0, discount ** distance.clamp(min=0).double(), 0.0)
+        term = term @ weight.T.to(term)  # (B, T) sum over t' >= t of g^(t' - t) term_t'
     return advantages[:, None] + coef * term  # (B, T)
 
 
@@ -188,8 +197,9 @@ def grpo_loss(*, logps, old_logps, ref_logps, advantages, mask, beta, clip_eps, 
 def off_policy_mask(*, advantages, behaviour_logps, logps, mask, delta) -> torch.Tensor:
     """(B, T) DeepSeek-V3.2's off-policy mask (OFF_POLICY_DELTA): 0 on a token with a negative
     advantage in an answer whose mean log(pi_behaviour / pi) exceeds delta, else 1. One advantage
-    per answer keeps or drops the answer whole, as the paper; with a teacher's per-token advantages
-    each token's own sign decides (docs/distillation.md). All (B, T); it multiplies the surrogate."""
+    per answer keeps or drops the answer whole, as the paper; with a teacher's per-token
+    advantages each token's own sign decides (docs/distillation.md). All (B, T); it multiplies
+    the surrogate."""
     drift = masked_mean(behaviour_logps - logps.detach(), mask)  # (B,) how far pi moved away
     far = (drift > delta)[:, None]  # (B, 1)
     return (~(far & (advantages < 0))).float()  # (B, T)
@@ -536,7 +546,7 @@ def policy_loss(engine, b: Batch):
         if DISTILL_COEF:  # + the teacher's term on each token (docs/distillation.md)
             advantages = distill_advantages(b.advantages, teacher_logps=b.teacher_logps,
                                             sampler_logps=old_logps, mask=b.mask,
-                                            coef=DISTILL_COEF)  # (B, T)
+                                            coef=DISTILL_COEF, discount=DISTILL_DISCOUNT)  # (B, T)
         weights = None  # vLLM's mismatch pi_old / pi_vllm, truncated or masked (TIS_MODE)
         if b.sampler_logps is not None and vllm_engine.TIS_CAP:
             weights = vllm_engine.mismatch_weights(old_logps, b.sampler_logps, b.sampler_rows,
@@ -655,7 +665,8 @@ def check_settings():
     tools.check_settings()
     refusals.refuse_impossible(gspo=GSPO, clip_eps=CLIP_EPS, clip_eps_high=CLIP_EPS_HIGH,
                                loss_type=LOSS_TYPE, output_dir=OUTPUT_DIR)
-    refusals.refuse_distillation(distill_coef=DISTILL_COEF, off_policy_delta=OFF_POLICY_DELTA,
+    refusals.refuse_distillation(distill_coef=DISTILL_COEF, discount=DISTILL_DISCOUNT,
+                                 off_policy_delta=OFF_POLICY_DELTA,
                                  beta=BETA, kl_bias_correction=KL_BIAS_CORRECTION,
                                  rewards=REWARDS, num_pre_q=NUM_PRE_Q, scale_rewards=SCALE_REWARDS,
                                  dynamic_sampling=DYNAMIC_SAMPLING)

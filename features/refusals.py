@@ -34,8 +34,8 @@ def refuse_impossible(*, gspo, clip_eps, clip_eps_high, loss_type, output_dir):
 
 
 def refuse_distillation(
-    *, distill_coef, off_policy_delta, beta, kl_bias_correction, rewards, num_pre_q, scale_rewards,
-    dynamic_sampling
+    *, distill_coef, discount, off_policy_delta, beta, kl_bias_correction, rewards, num_pre_q,
+    scale_rewards, dynamic_sampling
 ):
     """Stop on a teacher setting that cannot work (docs/distillation.md): a k3 penalty towards the
     teacher (its gradient is the forward KL's), the fused Triton loss (one advantage per answer, no
@@ -45,6 +45,9 @@ def refuse_distillation(
     delta = off_policy_delta
     if coef < 0 or delta < 0:
         sys.exit(f"DISTILL_COEF = {coef}, OFF_POLICY_DELTA = {delta}: each is 0 (off) or above")
+    if not 0 <= discount <= 1 or (discount and not coef):
+        sys.exit(f"DISTILL_DISCOUNT = {discount}: a discount in [0, 1] of the teacher's terms, "
+                 "with DISTILL_COEF > 0")
     if coef and beta and not lora.own_reference():
         sys.exit(
             f"DISTILL_COEF > 0 with BETA = {beta}: the server holds the teacher, and "

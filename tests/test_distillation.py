@@ -90,6 +90,31 @@ def test_distill_advantages_by_hand():
     assert got.tolist() == [[1.5, 1.0, 1.0], [0.0, -0.5, 4.0]]
 
 
+def test_a_discounted_teacher_term_adds_the_later_tokens_by_hand():
+    """DISTILL_DISCOUNT g: A_t = A + coef sum_{t' >= t} g^(t' - t) (log teacher - log pi_old)_t'.
+    Terms [1, -2, 4] and a padding token, g 0.5, coef 2, A 0.1: t=2: 4; t=1: -2 + 2 = 0;
+    t=0: 1 + 0.5 (-2) + 0.25 (4) = 1; x2 + 0.1 -> [2.1, 0.1, 8.1], padding 0.1. g 0: each its
+    own."""
+    teacher = torch.tensor([[1.0, -2.0, 4.0, 9.0]])
+    sampler = torch.zeros(1, 4)
+    mask = torch.tensor([[True, True, True, False]])
+    got = grpo.distill_advantages(torch.tensor([0.1]), teacher_logps=teacher,
+                                  sampler_logps=sampler, mask=mask, coef=2.0, discount=0.5)
+    assert got.view(-1).tolist() == pytest.approx([2.1, 0.1, 8.1, 0.1])
+    own = grpo.distill_advantages(torch.tensor([0.1]), teacher_logps=teacher,
+                                  sampler_logps=sampler, mask=mask, coef=2.0)
+    assert own.view(-1).tolist() == pytest.approx([2.1, -3.9, 8.1, 0.1])
+
+
+def test_a_discount_outside_zero_to_one_or_without_a_teacher_is_refused(monkeypatch, tmp_path):
+    for coef, discount in ((1.0, 1.5), (1.0, -0.1), (0.0, 0.5)):
+        teacher_settings(monkeypatch, tmp_path, DISTILL_COEF=coef, DISTILL_DISCOUNT=discount)
+        with pytest.raises(SystemExit, match="DISTILL_DISCOUNT"):
+            grpo.check_settings()
+    teacher_settings(monkeypatch, tmp_path, DISTILL_DISCOUNT=0.9)
+    grpo.check_settings()
+
+
 def test_per_token_advantages_of_equal_values_give_the_per_answer_loss():
     torch.manual_seed(0)
     logps = torch.randn(3, 4, requires_grad=True)
