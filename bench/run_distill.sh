@@ -9,8 +9,15 @@
 # Each run's metrics.jsonl and wall seconds go to $RESULTS as it ends; a run already there is
 # skipped, so the script can be stopped and started again. Then bench/distill_report.py prints the
 # table and draws bench/results/distill_curves.png.
+# The recipe (issue 60): pure OPD stopped at step STOP_AT of the 30, three ways to spend the same
+# 32 answers a step:
+#   opd           4 questions x 8 answers, LOSS_TYPE grpo (the defaults)
+#   opd_wide      32 questions x 1 answer
+#   opd_wide_sum  32 x 1 with LOSS_TYPE dr_grpo (every token weighs the same, as tinker and SkyRL sum)
 #   bash bench/run_distill.sh                      # 6 runs, about 15 min each on 2 CPU cores
 #   RUNS="opd" SEEDS=42 bash bench/run_distill.sh
+#   RUNS="opd opd_wide opd_wide_sum" SEEDS="42 43 44" STOP_AT=5 EVAL_SIZE=512 \
+#     RESULTS=bench/results/distill_recipe bash bench/run_distill.sh
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 . scripts/setup.sh
@@ -20,6 +27,8 @@ RESULTS=${RESULTS:-bench/results}
 RUNS=${RUNS:-grpo opd grpo_opd}
 SEEDS=${SEEDS:-42 43}
 TEACHER_DIR=${TEACHER_DIR:-output/distill_teacher}  # the demo's OUTPUT_DIR: step_30 is the teacher
+STOP_AT=${STOP_AT:-0}  # > 0: stop each run once its held-out evaluation at this step is written
+export EVAL_SIZE=${EVAL_SIZE:-128}  # held-out questions: 512 tells 3 points apart, 128 cannot
 mkdir -p "$OUT" "$RESULTS"
 if [ ! -e "$TEACHER_DIR/step_30/config.json" ]; then
   echo "=== the teacher: the demo's 30 GRPO steps -> $TEACHER_DIR"
@@ -36,9 +45,14 @@ for seed in $SEEDS; do
       grpo) served=(TEACHER=0 MODEL_PATH=) trained=() ;;
       opd) served=(TEACHER=1 MODEL_PATH="$TEACHER_DIR/step_30")
            trained=(DISTILL_COEF=1 BETA=0 REWARDS="$no_rewards") ;;
+      opd_wide) served=(TEACHER=1 MODEL_PATH="$TEACHER_DIR/step_30")
+                trained=(DISTILL_COEF=1 BETA=0 REWARDS="$no_rewards" NUM_PRE_Q=1 Q_BATCH_SIZE=32) ;;
+      opd_wide_sum) served=(TEACHER=1 MODEL_PATH="$TEACHER_DIR/step_30")
+                    trained=(DISTILL_COEF=1 BETA=0 REWARDS="$no_rewards" NUM_PRE_Q=1
+                             Q_BATCH_SIZE=32 LOSS_TYPE=dr_grpo) ;;
       grpo_opd) served=(TEACHER=1 MODEL_PATH="$TEACHER_DIR/step_30")
                 trained=(DISTILL_COEF=1 BETA=0) ;;
-      *) echo "unknown run $run: grpo, opd or grpo_opd" >&2; exit 1 ;;
+      *) echo "unknown run $run: grpo, opd, opd_wide, opd_wide_sum or grpo_opd" >&2; exit 1 ;;
     esac
     dir="$OUT/${run}_s$seed"
     rm -rf "$dir"
@@ -51,8 +65,23 @@ for seed in $SEEDS; do
       kill -0 $server 2>/dev/null || { tail -20 "$log" >&2; exit 1; }
       sleep 1
     done
-    env "${trained[@]}" SEED="$seed" OUTPUT_DIR="$dir" USE_VLLM=1 EVAL_STEPS=5 SAVE_STEPS=0 \
-      deepspeed --log_level error --num_gpus 1 grpo_ref_split.py > "$OUT/${run}_s${seed}.log" 2>&1
+    # its own process group, so that STOP_AT can stop the launcher, the rank and vLLM together
+    setsid env "${trained[@]}" SEED="$seed" OUTPUT_DIR="$dir" USE_VLLM=1 EVAL_STEPS=5 SAVE_STEPS=0 \
+      deepspeed --log_level error --num_gpus 1 grpo_ref_split.py > "$OUT/${run}_s${seed}.log" 2>&1 &
+    trainer=$!
+    if [ "$STOP_AT" -gt 0 ]; then
+      until grep -q "\"step\": $STOP_AT, \"eval_" "$dir/metrics.jsonl" 2>/dev/null; do
+        kill -0 $trainer 2>/dev/null || break
+        sleep 5
+      done
+      kill -TERM -- -$trainer 2>/dev/null || true
+    fi
+    wait $trainer || [ "$STOP_AT" -gt 0 ] || { tail -20 "$OUT/${run}_s${seed}.log" >&2; exit 1; }
+    if [ "$STOP_AT" -gt 0 ] && ! grep -q "\"step\": $STOP_AT, \"eval_" "$dir/metrics.jsonl"; then
+      echo "$name stopped before step $STOP_AT's evaluation:" >&2
+      tail -20 "$OUT/${run}_s${seed}.log" >&2
+      exit 1
+    fi
     kill $server
     wait $server 2>/dev/null || true
     server=""
