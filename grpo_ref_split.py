@@ -30,7 +30,8 @@ from features import (checkpoints, curves, env_overrides, evaluation, fast_paths
                       memory_plan, pass_rates, policy, question_sampler, quiet, refusals, retry,
                       run_log, server_client, tools, vision, vllm_engine, weight_sync, wire, worker,
                       zero2)
-from features.advantages import SCALES, STD_EPS, group_advantages, scale_to_step, upload_scale
+from features.advantages import (SCALES, STD_EPS, group_advantages, scale_to_step, upload_scale,
+                                 whiten_to_step)
 from features.embedded_model import resolve_model_path
 from features.run_log import (RunLog, answer_records, clock, log_step, loss_metrics, step_metrics,
                               timed, weight_gap)
@@ -67,6 +68,12 @@ ARITH_MAX = 20  # the built-in task's operands lie in 1..ARITH_MAX (a range the 
 LOSS_TYPE = "grpo"  # answers' token means, then their mean | "dapo": all tokens' mean | "dr_grpo"
 SCALE_REWARDS = "group"  # advantages / the std of: "group" (GRPO) | "batch" (the step's) | "none"
 GSPO = False  # True = one ratio per answer (tokens' geometric mean); CLIP_EPS 3e-4, HIGH 4e-4
+OBJECTIVE = "clip"  # the surrogate: "clip" (PPO's) | "cispo" | "sapo" | "gmpo" (docs/loss.md)
+SAPO_TAU_POS = 1.0  # OBJECTIVE "sapo": the soft gate's temperature where A > 0 (the paper's)
+SAPO_TAU_NEG = 1.05  # ... and where A < 0: a little steeper, negative updates kept closer
+ADVANTAGE = "grpo"  # the baseline: "grpo" (SCALE_REWARDS) | "rloo" | "reinforce_pp" | "passk"
+REWARD_NORM = "sum_then_normalize"  # several REWARDS: | "normalize_then_sum" (GDPO, each first)
+TOP_ENTROPY_QUANTILE = 1.0  # only this share of answer tokens, the highest-entropy ones, trains
 MU = 1  # optimizer steps on each batch; > 1 reuses it, the clipped ratio keeping each near pi_old
 SKIP_GEN_LOGPS = True  # MU = 1: a rank's own groups need no pi_old forward (ratio 1); False = one
 MASK_TRUNCATED = False  # True = answers cut at MAX_NEW_TOKENS leave the loss (DAPO overlong filter)
@@ -74,11 +81,8 @@ KL_BIAS_CORRECTION = False  # True = DeepSeek-V3.2: k3 x pi / pi_old, the revers
 OFF_POLICY_DELTA = 0.0  # > 0 = DeepSeek-V3.2: A_t < 0 leaves answers with log(pi_old / pi) > this
 # Which questions a step trains on (docs/sampling.md)
 DYNAMIC_SAMPLING = False  # True = DAPO: roll out until Q_BATCH_SIZE groups have different rewards
-MAX_ROLLOUTS = 20  # rollouts a step may take before it gives up on a group with different rewards
 # The reference server (docs/server.md, docs/reliability.md)
 SERVER_TIMEOUT = 600.0  # s to keep retrying an unreachable or busy server before giving up
-ALLOW_REF_MISMATCH = False  # True = train against a reference that is not the starting policy
-MAX_STALENESS = 10  # steps a group's weights may lag the trained ones; older groups are dropped
 # Each optional feature's constants sit at the top of its module: vLLM's in features/vllm_engine.py,
 # LoRA's in features/lora.py, the fast paths' in features/fast_paths.py... (docs/constants.md).
 env_overrides.apply_env_overrides(globals(), "grpo_ref_split.py", functions={"REWARDS": rewards})
@@ -86,6 +90,9 @@ env_overrides.apply_env_overrides(globals(), "grpo_ref_split.py", functions={"RE
 
 # ----------------------------------------------------------------------------- the GRPO math
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")  # LOSS_TYPE's choices
+OBJECTIVES = ("clip", "cispo", "sapo", "gmpo")  # OBJECTIVE's choices
+ADVANTAGES = ("grpo", "rloo", "reinforce_pp", "passk")  # ADVANTAGE's choices
+REWARD_NORMS = ("sum_then_normalize", "normalize_then_sum")  # REWARD_NORM's choices
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_id) -> torch.Tensor:
@@ -106,6 +113,39 @@ def advantages_in_groups(scores: torch.Tensor, num_pre_q: int) -> torch.Tensor:
     centred = grouped - grouped.mean(1, keepdim=True)  # (Q, G)
     spread = grouped.std(1, keepdim=True, correction=int(num_pre_q > 1))  # (Q, 1); G = 1: 0
     return (centred / (spread + STD_EPS)).view(-1)  # (N,)
+
+
+# The baselines users compare (ADVANTAGE), each of one answer's reward against its group's.
+def rloo_advantages(scores: torch.Tensor, num_pre_q: int) -> torch.Tensor:
+    """(N,) RLOO (Ahmadian et al. 2024, arXiv 2402.14740): r minus the mean of the group's other
+    answers, G / (G - 1) (r - the group's mean); no std, so a reward's scale stays in the step."""
+    grouped = scores.float().view(-1, num_pre_q)  # (Q, G)
+    others = (grouped.sum(1, keepdim=True) - grouped) / (num_pre_q - 1)  # (Q, G)
+    return (grouped - others).view(-1)  # (N,)
+
+
+def passk_advantages(scores: torch.Tensor, num_pre_q: int) -> torch.Tensor:
+    """(N,) the pass@k advantage (arXiv 2503.19595, verl's grpo_passk): only each group's best
+    answer gets one, (r_best - r_second) / (the group's std + STD_EPS); the others 0. It trains
+    for the best of k samples, not for each one."""
+    grouped = scores.float().view(-1, num_pre_q)  # (Q, G)
+    top2 = grouped.topk(2, dim=1).values  # (Q, 2)
+    gap = (top2[:, 0] - top2[:, 1]) / (grouped.std(1) + STD_EPS)  # (Q,)
+    best = grouped.argmax(1)  # (Q,) the first of equal bests
+    advantages = torch.zeros_like(grouped)  # (Q, G)
+    advantages[torch.arange(len(best)), best] = gap
+    return advantages.view(-1)  # (N,)
+
+
+def gdpo_advantages(each: torch.Tensor, weights: torch.Tensor, num_pre_q: int) -> torch.Tensor:
+    """(N,) GDPO's (arXiv 2601.05242) normalize-then-sum: each reward of `each` (N, K) normalised
+    in its group, (r_k - mean) / (std + STD_EPS), then their sum with `weights` (K,). Summing first
+    lets the reward of largest variance drown the others; here each counts by its weight. The step
+    then divides by the std over all its answers (features/advantages.whiten_to_step)."""
+    grouped = each.float().view(-1, num_pre_q, each.shape[1])  # (Q, G, K)
+    centred = grouped - grouped.mean(1, keepdim=True)  # (Q, G, K)
+    normalised = centred / (grouped.std(1, keepdim=True) + STD_EPS)  # (Q, G, K)
+    return (normalised * weights.float()).sum(-1).view(-1)  # (N,)
 
 
 def distill_advantages(advantages, *, teacher_logps, sampler_logps, mask, coef,
@@ -173,18 +213,31 @@ def policy_log_ratio(*, logps, old_logps, mask, gspo=False) -> torch.Tensor:
 
 
 def grpo_loss(*, logps, old_logps, ref_logps, advantages, mask, beta, clip_eps, clip_eps_high,
-              weights=None, gspo=False, bias_corrected_kl=False) -> torch.Tensor:
+              weights=None, gspo=False, bias_corrected_kl=False, objective="clip",
+              sapo_taus=(1.0, 1.05)) -> torch.Tensor:
     """(B, T) DeepSeekMath's clipped loss per token, r = pi / pi_old: -(min(r A, clip(r, 1 - eps,
     1 + eps_high) A) - beta k3); reduce_loss averages it (docs/loss.md). logps, old_logps,
-    ref_logps (None: beta 0), mask, weights (vLLM's mismatch) (B, T); advantages (B,) or (B, T)."""
+    ref_logps (None: beta 0), mask, weights (vLLM's mismatch) (B, T); advantages (B,) or (B, T).
+    objective: the surrogate, PPO's "clip" or a variant below (OBJECTIVE); sapo_taus: SAPO's."""
     if ref_logps is None and beta:
         raise ValueError(f"grpo_loss: ref_logps=None needs beta=0 (beta {beta})")
     mask = mask.bool()  # (B, T)
     log_ratio = policy_log_ratio(logps=logps, old_logps=old_logps, mask=mask, gspo=gspo)  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T)
     adv = advantages[:, None] if advantages.dim() == 1 else advantages  # (B, 1) or (B, T)
-    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high)  # (B, T)
-    surrogate = torch.min(ratio * adv, clipped * adv)  # (B, T)
+    if objective == "clip":
+        clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high)  # (B, T)
+        surrogate = torch.min(ratio * adv, clipped * adv)  # (B, T)
+    elif objective == "cispo":
+        surrogate = cispo_surrogate(ratio=ratio, logps=logps, advantages=adv,
+                                    clip_eps_high=clip_eps_high)  # (B, T)
+    elif objective == "sapo":
+        surrogate = sapo_surrogate(ratio=ratio, advantages=adv, taus=sapo_taus)  # (B, T)
+    elif objective == "gmpo":
+        surrogate = gmpo_surrogate(log_ratio=log_ratio, advantages=adv, mask=mask,
+                                   clip_eps=clip_eps, clip_eps_high=clip_eps_high)  # (B, T)
+    else:
+        raise ValueError(f"objective {objective!r}: one of {OBJECTIVES}")
     if weights is not None:
         surrogate = surrogate * weights  # (B, T) importance weights, detached
     if ref_logps is not None:  # the reference only where there are answer tokens: no overflow
@@ -192,6 +245,39 @@ def grpo_loss(*, logps, old_logps, ref_logps, advantages, mask, beta, clip_eps, 
         kl_weight = ratio if bias_corrected_kl else 1.0  # DeepSeek-V3.2: reverse KL's gradient
         surrogate = surrogate - beta * kl_weight * k3(ref, logps)  # (B, T)
     return -surrogate  # (B, T)
+
+
+# The surrogates of OBJECTIVE, PPO's clip's rivals; each (B, T), its gradient that of sum A_t log pi
+# at r = 1, as the clip's is.
+def cispo_surrogate(*, ratio, logps, advantages, clip_eps_high) -> torch.Tensor:
+    """CISPO (MiniMax-M1, arXiv 2506.13585): sg(min(r, 1 + eps_high)) A log pi. The clip caps
+    the importance weight and is detached, so every token keeps its gradient: PPO's clip zeroes
+    it for a token past the range, often a rare "fork" token that matters. No lower bound, as in
+    the paper (its eps_low is set high)."""
+    weight = ratio.clamp(max=1 + clip_eps_high).detach()  # (B, T)
+    return weight * advantages * logps  # (B, T)
+
+
+def sapo_surrogate(*, ratio, advantages, taus) -> torch.Tensor:
+    """SAPO (Qwen, arXiv 2511.20347): a soft gate (4 / tau) sigmoid(tau (r - 1)) A instead of the
+    hard clip, tau = taus[0] where A > 0, taus[1] where A < 0. Its gradient on log pi is
+    4 s(1 - s) r A with s the sigmoid: A at r = 1, fading smoothly as r leaves 1."""
+    tau = torch.where(advantages > 0, taus[0], taus[1])  # (B, T) or (B, 1)
+    return 4 / tau * torch.sigmoid(tau * (ratio - 1)) * advantages  # (B, T)
+
+
+def gmpo_surrogate(*, log_ratio, advantages, mask, clip_eps, clip_eps_high) -> torch.Tensor:
+    """GMPO (arXiv 2507.20673, verl's "geo_mean"): the geometric mean of the answer's token ratios,
+    each clipped in log space to [-clip_eps, clip_eps_high] on the side its advantage's sign
+    limits, times A; one value per answer, on each of its tokens (reduce_loss's "grpo" means it
+    back). An outlier token moves a geometric mean far less than an arithmetic one. A is per
+    answer (refused with a teacher's per-token term)."""
+    sign = torch.sign(advantages)  # (B, 1) or (B, T)
+    clamped = log_ratio.clamp(-clip_eps, clip_eps_high)  # (B, T)
+    kept = sign * torch.min(sign * log_ratio, sign * clamped)  # (B, T) the pessimistic one
+    answer_ratio = torch.exp(masked_mean(kept, mask))[:, None]  # (B, 1)
+    answer_advantage = masked_mean(advantages.expand_as(log_ratio), mask)[:, None]  # (B, 1)
+    return (answer_ratio * answer_advantage).expand_as(log_ratio)  # (B, T)
 
 
 def off_policy_mask(*, advantages, behaviour_logps, logps, mask, delta) -> torch.Tensor:
@@ -203,6 +289,17 @@ def off_policy_mask(*, advantages, behaviour_logps, logps, mask, delta) -> torch
     drift = masked_mean(behaviour_logps - logps.detach(), mask)  # (B,) how far pi moved away
     far = (drift > delta)[:, None]  # (B, 1)
     return (~(far & (advantages < 0))).float()  # (B, T)
+
+
+def high_entropy_mask(*, entropy, mask, quantile) -> torch.Tensor:
+    """(B, T) 1 on the answer tokens whose entropy is in the top `quantile` share of this batch's,
+    0 elsewhere ("Beyond the 80/20 rule", arXiv 2506.01939: the few high-entropy "forking" tokens
+    carry the learning; TRL's top_entropy_quantile). entropy, mask (B, T); entropy detached."""
+    mask = mask.bool()  # (B, T)
+    if not mask.any():
+        return mask.float()  # (B, T)
+    threshold = torch.quantile(entropy[mask].float(), 1 - quantile)  # () the share's lowest
+    return (mask & (entropy >= threshold)).float()  # (B, T)
 
 
 def reduce_loss(per_token, mask, *, loss_type="grpo", normalizer=None, max_tokens=1):
@@ -377,11 +474,12 @@ def logps_of(model, input_ids, attention_mask, n_completion, entropy=False, **pi
 
 
 @torch.no_grad()
-def pack_groups(model, generated: Rollout, scores, advantages, keep_all, with_gen_logps):
+def pack_groups(model, generated: Rollout, scores, advantages, keep_all, with_gen_logps,
+                each=None):
     """Step 5's upload: ((tensors, meta) of the groups worth training, (D,) the others' rewards:
     equal unless keep_all, or none to train); pi_old if with_gen_logps, MU > 1, SKIP_GEN_LOGPS 0."""
     G = NUM_PRE_Q
-    varied = scores.view(-1, G).std(1) > 0  # (Q,)
+    varied = varied_groups(scores, each)  # (Q,) rewards that differ: a signal to learn
     kept = [q for q in range(len(varied))
             if (varied[q] or keep_all) and generated.mask[q * G:(q + 1) * G].any()]
     ids = torch.cat([generated.prompt_ids, generated.completion_ids], 1)  # (B, P+T)
@@ -443,14 +541,63 @@ def rollout(model, tokenizer, questions, *, eos_ids, gen_config, llm, keep_all, 
     with timed(seconds, "score_s"):  # 3. score
         total, each = rewards.score(REWARDS, generated.texts, generated.golds, generated.questions)
     scores = torch.tensor(total, dtype=torch.float32)  # (N,) the weighted sum of REWARDS
-    if SCALE_REWARDS == "group":  # 4. advantages
-        advantages = advantages_in_groups(scores, NUM_PRE_Q)  # (N,)
-    else:  # "batch": centred here, / the step's std once known (scale_to_step); "none": centred
-        advantages = group_advantages(scores, NUM_PRE_Q, upload_scale(SCALE_REWARDS))  # (N,)
+    advantages = answer_advantages(scores, each)  # (N,) 4. advantages
     with timed(seconds, "gen_logps_s"):
-        groups, other = pack_groups(model, generated, scores, advantages, keep_all, with_gen_logps)
+        groups, other = pack_groups(model, generated, scores, advantages, keep_all, with_gen_logps,
+                                    each)
     records = answer_records(step, rank, generated, each, scores, advantages)
     return Scored(groups=groups, records=records, other_rewards=other)
+
+
+def varied_groups(scores, each) -> torch.Tensor:
+    """(Q,) the groups whose rewards differ, the ones with a signal: the weighted sums differ, or
+    with REWARD_NORM "normalize_then_sum" any one reward (GDPO: a group is uninformative only if
+    every reward is equal in it). scores (N,); each: {reward name: N values}."""
+    if REWARD_NORM != "normalize_then_sum" or each is None:
+        return scores.view(-1, NUM_PRE_Q).std(1) > 0  # (Q,)
+    table = torch.tensor([each[fn.__name__] for fn, _ in REWARDS]).T  # (N, K)
+    return table.view(-1, NUM_PRE_Q, table.shape[1]).std(1).gt(0).any(-1)  # (Q,)
+
+
+def scaled_to_step(groups, dropped_rewards, device) -> list:
+    """The step's groups, their advantages divided by a std over all the step's answers on all
+    ranks (every rank calls it): the rewards' for SCALE_REWARDS "batch" (scale_to_step), the
+    advantages' for REINFORCE++ and GDPO (whiten_to_step). dropped_rewards (D,): the rewards of the
+    groups dropped for equal rewards, which count in the std."""
+    if SCALE_REWARDS == "batch":
+        return scale_to_step(groups, dropped_rewards, device)
+    return whiten_to_step(groups, len(dropped_rewards), device)
+
+
+def whitened_at_step() -> bool:
+    """Whether the step divides its advantages by their std over all its answers on all ranks."""
+    return ADVANTAGE == "reinforce_pp" or REWARD_NORM == "normalize_then_sum"
+
+
+def whitened_or_other_baseline() -> bool:
+    """Whether step 4 is not GRPO's (ADVANTAGE or REWARD_NORM set): a server that redoes
+    advantages (REGROUP, REWARD_MODEL) knows only GRPO's rule."""
+    return ADVANTAGE != "grpo" or REWARD_NORM != "sum_then_normalize"
+
+
+def answer_advantages(scores, each: dict) -> torch.Tensor:
+    """Step 4: (N,) each answer's advantage from its group's rewards: GRPO's, or the ADVANTAGE and
+    REWARD_NORM variants. scores (N,) the weighted sums; each: {reward name: N values}."""
+    if REWARD_NORM == "normalize_then_sum":  # GDPO: each reward in its group; / the step's std
+        names = [fn.__name__ for fn, _ in REWARDS]
+        table = torch.tensor([each[name] for name in names], dtype=torch.float32).T  # (N, K)
+        weights = torch.tensor([weight for _, weight in REWARDS])  # (K,)
+        return gdpo_advantages(table, weights, NUM_PRE_Q)  # (N,)
+    if ADVANTAGE == "rloo":
+        return rloo_advantages(scores, NUM_PRE_Q)  # (N,)
+    if ADVANTAGE == "passk":
+        return passk_advantages(scores, NUM_PRE_Q)  # (N,)
+    if ADVANTAGE == "reinforce_pp":  # REINFORCE++: centred here, / the step's std (whiten_to_step)
+        return group_advantages(scores, NUM_PRE_Q, "none")  # (N,)
+    if SCALE_REWARDS == "group":  # GRPO
+        return advantages_in_groups(scores, NUM_PRE_Q)  # (N,)
+    # "batch": centred here, / the step's std once known (scale_to_step); "none": centred
+    return group_advantages(scores, NUM_PRE_Q, upload_scale(SCALE_REWARDS))  # (N,)
 
 
 def upload_and_pull(groups: list, version: int, rank: int, *, run: str) -> list:
@@ -558,10 +705,16 @@ def policy_loss(engine, b: Batch):
             keep = off_policy_mask(advantages=advantages, behaviour_logps=behaviour, logps=logps,
                                    mask=b.mask, delta=OFF_POLICY_DELTA)  # (B, T)
             weights = keep if weights is None else weights * keep  # (B, T)
+        trained = weights  # (B, T) or None: which tokens' surrogates train, and by how much
+        if TOP_ENTROPY_QUANTILE < 1:  # "Beyond the 80/20 rule": the forking tokens alone
+            keep = high_entropy_mask(entropy=entropy, mask=b.mask,
+                                     quantile=TOP_ENTROPY_QUANTILE)  # (B, T)
+            trained = keep if weights is None else weights * keep  # (B, T)
         per_token = grpo_loss(logps=logps, old_logps=old_logps, ref_logps=b.ref_logps,
                               advantages=advantages, mask=b.mask, beta=BETA, clip_eps=CLIP_EPS,
-                              clip_eps_high=CLIP_EPS_HIGH, weights=weights, gspo=GSPO,
-                              bias_corrected_kl=KL_BIAS_CORRECTION)  # (B, T)
+                              clip_eps_high=CLIP_EPS_HIGH, weights=trained, gspo=GSPO,
+                              bias_corrected_kl=KL_BIAS_CORRECTION, objective=OBJECTIVE,
+                              sapo_taus=(SAPO_TAU_POS, SAPO_TAU_NEG))  # (B, T)
         loss = reduce_loss(per_token, b.mask, loss_type=LOSS_TYPE, normalizer=b.normalizer,
                            max_tokens=MAX_NEW_TOKENS)
     with torch.no_grad():  # the metrics at the weights before this step (features/run_log.py)
@@ -660,11 +813,19 @@ def check_settings():
     feature's own check)."""
     env_overrides.check_choice("LOSS_TYPE", LOSS_TYPE, LOSS_TYPES)
     env_overrides.check_choice("SCALE_REWARDS", SCALE_REWARDS, SCALES)
+    env_overrides.check_choice("OBJECTIVE", OBJECTIVE, OBJECTIVES)
+    env_overrides.check_choice("ADVANTAGE", ADVANTAGE, ADVANTAGES)
+    env_overrides.check_choice("REWARD_NORM", REWARD_NORM, REWARD_NORMS)
     vllm_engine.check_settings()
     question_sampler.check_settings()
     tools.check_settings()
     refusals.refuse_impossible(gspo=GSPO, clip_eps=CLIP_EPS, clip_eps_high=CLIP_EPS_HIGH,
                                loss_type=LOSS_TYPE, output_dir=OUTPUT_DIR)
+    refusals.refuse_objectives(objective=OBJECTIVE, advantage=ADVANTAGE, reward_norm=REWARD_NORM,
+                               top_entropy_quantile=TOP_ENTROPY_QUANTILE,
+                               sapo_taus=(SAPO_TAU_POS, SAPO_TAU_NEG), gspo=GSPO,
+                               loss_type=LOSS_TYPE, scale_rewards=SCALE_REWARDS,
+                               distill_coef=DISTILL_COEF, num_pre_q=NUM_PRE_Q)
     refusals.refuse_distillation(distill_coef=DISTILL_COEF, discount=DISTILL_DISCOUNT,
                                  off_policy_delta=OFF_POLICY_DELTA,
                                  beta=BETA, kl_bias_correction=KL_BIAS_CORRECTION,
@@ -706,7 +867,8 @@ def run_genonly():
     worker.run_worker(load_policy, functools.partial(rollout, with_gen_logps=True), client,
                       questions=questions, q_batch_size=Q_BATCH_SIZE, first=model_path, seed=SEED,
                       start_llm=start_llm, output_dir=OUTPUT_DIR,
-                      max_queued=worker.WORKER_MAX_QUEUED, allow_mismatch=ALLOW_REF_MISMATCH,
+                      max_queued=worker.WORKER_MAX_QUEUED,
+                      allow_mismatch=server_client.ALLOW_REF_MISMATCH,
                       trainers_read_server=server_client.uses_server(beta=BETA,
                                                                      distill_coef=DISTILL_COEF),
                       weights_from=weight_sync.WEIGHTS_FROM, token=REF_TOKEN)
@@ -730,7 +892,11 @@ def main():
     if server_client.uses_server(beta=BETA, distill_coef=DISTILL_COEF):
         client = server_client.RefClient(REF_SERVER, REF_TOKEN, SERVER_TIMEOUT,
                                          worker.EXTRA_GROUPS)
-        health = client.health(model, tokenizer, ALLOW_REF_MISMATCH, teacher=DISTILL_COEF > 0)
+        health = client.health(model, tokenizer, server_client.ALLOW_REF_MISMATCH,
+                               teacher=DISTILL_COEF > 0)
+    if (health.get("regroup") or health.get("reward_model")) and whitened_or_other_baseline():
+        sys.exit("the server redoes advantages (REGROUP or a REWARD_MODEL) by GRPO's rule: "
+                 f"ADVANTAGE {ADVANTAGE!r} and REWARD_NORM {REWARD_NORM!r} need a plain server")
     regroup = bool(health.get("regroup"))  # it pools answers of older weights: send gen_logps
     keep_all = bool(regroup or health.get("reward_model") or DISTILL_COEF)  # equal groups teach too
     several = "," in REF_SERVER or worker.EXTRA_GROUPS > 0 or regroup  # RefClient's cases
@@ -778,7 +944,7 @@ def main():
         answers = []  # every answer the step sampled, for the log
         groups = []  # the (tensors, meta) pairs the step trains on
         other_rewards = []  # the rewards of the groups not uploaded (equal ones), per rollout
-        for attempt in range(1, MAX_ROLLOUTS + 1):  # until groups with different rewards
+        for attempt in range(1, question_sampler.MAX_ROLLOUTS + 1):  # until groups that differ
             n_questions = Q_BATCH_SIZE - len(groups) if DYNAMIC_SAMPLING else Q_BATCH_SIZE
             drawn = sampler.draw(n_questions)  # 1. draw questions; 2-4. generate, score, advantages
             scored = rollout(model, tokenizer, drawn, eos_ids=eos_ids, gen_config=gen_config,
@@ -790,15 +956,15 @@ def main():
             other_rewards.append(scored.other_rewards)
             with timed(metrics, "wait_s"):  # 5. upload; pull them back with ref_logps
                 pulled = exchange(scored.groups, step - 1, rank)
-            pulled, counts = drop_untrainable(pulled, step - 1, max_staleness=MAX_STALENESS)
+            pulled, counts = drop_untrainable(pulled, step - 1, max_staleness=worker.MAX_STALENESS)
             metrics.update(counts)  # late_groups_dropped, stale_groups_dropped
             groups += pulled
             if len(groups) >= wanted:
                 break
         else:
-            question_sampler.out_of_rollouts(len(groups), MAX_ROLLOUTS, wanted)
-        if SCALE_REWARDS == "batch":  # every rank: the std of all the step's rewards, all ranks
-            groups = scale_to_step(groups, torch.cat(other_rewards), device)
+            question_sampler.out_of_rollouts(len(groups), question_sampler.MAX_ROLLOUTS, wanted)
+        if SCALE_REWARDS == "batch" or whitened_at_step():  # every rank: / a std over the step
+            groups = scaled_to_step(groups, torch.cat(other_rewards), device)
         batches = batches_of(engine, groups, tokenizer.pad_token_id, image_processor)
         metrics.update(train_step(engine, batches))  # 6-7. the loss, the optimizer step
         metrics["max_weight_gap"] = weight_gap(model)  # 0: every rank holds the same weights

@@ -13,7 +13,7 @@
 # 32 answers a step:
 #   opd           4 questions x 8 answers, LOSS_TYPE grpo (the defaults)
 #   opd_wide      32 questions x 1 answer
-#   opd_wide_sum  32 x 1 with LOSS_TYPE dr_grpo (every token weighs the same, as tinker and SkyRL sum)
+#   opd_wide_sum  32 x 1 with LOSS_TYPE dr_grpo (every token weighs the same: tinker, SkyRL)
 #   bash bench/run_distill.sh                      # 6 runs, about 15 min each on 2 CPU cores
 #   RUNS="opd" SEEDS=42 bash bench/run_distill.sh
 #   RUNS="opd opd_wide opd_wide_sum" SEEDS="42 43 44" STOP_AT=5 EVAL_SIZE=512 \

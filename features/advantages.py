@@ -84,3 +84,16 @@ def scale_to_step(groups, dropped_rewards: torch.Tensor, device) -> list:
         )
         for tensors, meta in groups
     ]
+
+
+def whiten_to_step(groups, n_dropped: int, device) -> list:
+    """ADVANTAGE "reinforce_pp" and REWARD_NORM "normalize_then_sum": every group the step trains
+    on, its advantages divided by their std over all the step's answers on all ranks: the trained
+    groups' and the n_dropped answers of groups dropped for equal rewards (their advantages are 0).
+    Each group's advantages sum to 0, so their mean over the step is 0 and this is the whitening
+    REINFORCE++ and GDPO apply, per answer (theirs weighs each answer by its tokens). groups:
+    (tensors, meta) pairs."""
+    trained = [tensors["advantages"].float() for tensors, _ in groups]  # (G,) each
+    std = step_std(torch.cat([*trained, torch.zeros(n_dropped)]), device)
+    return [({**tensors, "advantages": tensors["advantages"] / (std + STD_EPS)}, meta)
+            for tensors, meta in groups]

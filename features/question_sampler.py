@@ -34,6 +34,7 @@ from features import env_overrides
 
 SAMPLER = "uniform"  # | "difficulty": redraw varied ones | "learnability": weight p (1 - p)
 REPLAY_SHARE = 0.75  # SAMPLER "difficulty": at most this share of a draw replays varied questions
+MAX_ROLLOUTS = 20  # rollouts a step may take before it gives up on a group with different rewards
 env_overrides.apply_env_overrides(globals(), "features/question_sampler.py")
 
 SAMPLERS = ("uniform", "difficulty", "learnability")  # SAMPLER's choices

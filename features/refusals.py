@@ -33,6 +33,40 @@ def refuse_impossible(*, gspo, clip_eps, clip_eps_high, loss_type, output_dir):
         )
 
 
+def refuse_objectives(*, objective, advantage, reward_norm, top_entropy_quantile, sapo_taus,
+                      gspo, loss_type, scale_rewards, distill_coef, num_pre_q):
+    """Stop on a variant of the surrogate, the baseline or the rewards' normalisation that cannot
+    work with the rest (docs/loss.md says why each). The keywords are the trainer's constants of
+    those names (sapo_taus: SAPO_TAU_POS, SAPO_TAU_NEG)."""
+    if not 0 < top_entropy_quantile <= 1:
+        sys.exit(f"TOP_ENTROPY_QUANTILE = {top_entropy_quantile}: the share of answer tokens that "
+                 "train, in (0, 1]; 1 = all")
+    if min(sapo_taus) <= 0:
+        sys.exit(f"SAPO_TAU_POS, SAPO_TAU_NEG = {sapo_taus}: temperatures above 0")
+    if fast_paths.USE_TRITON and (objective != "clip" or top_entropy_quantile < 1):
+        sys.exit(f"USE_TRITON fuses PPO's clip over every token: OBJECTIVE {objective!r} and "
+                 "TOP_ENTROPY_QUANTILE < 1 run on the PyTorch path (USE_TRITON=0)")
+    if gspo and objective != "clip":
+        sys.exit(f"GSPO with OBJECTIVE {objective!r}: GSPO is a ratio for PPO's clip; the other "
+                 "surrogates define their own (gmpo: a geometric mean already)")
+    if objective == "gmpo" and distill_coef:
+        sys.exit("OBJECTIVE gmpo with DISTILL_COEF: GMPO takes one advantage per answer, a "
+                 "teacher's term is per token (clip, cispo or sapo keep it)")
+    if objective == "gmpo" and loss_type != "grpo":
+        sys.exit(f'OBJECTIVE gmpo with LOSS_TYPE {loss_type!r}: its one value per answer would '
+                 'count once per token; GMPO is defined with LOSS_TYPE "grpo"')
+    if (advantage != "grpo" or reward_norm != "sum_then_normalize") and scale_rewards != "group":
+        sys.exit(f"ADVANTAGE {advantage!r}, REWARD_NORM {reward_norm!r} with SCALE_REWARDS "
+                 f"{scale_rewards!r}: SCALE_REWARDS scales GRPO's advantages; the others bring "
+                 "their own scale (leave it \"group\")")
+    if reward_norm != "sum_then_normalize" and advantage != "grpo":
+        sys.exit(f"REWARD_NORM {reward_norm!r} with ADVANTAGE {advantage!r}: GDPO normalises "
+                 "each reward in its group as GRPO does; choose one of the two")
+    if (advantage != "grpo" or reward_norm != "sum_then_normalize") and num_pre_q < 2:
+        sys.exit(f"ADVANTAGE {advantage!r}, REWARD_NORM {reward_norm!r}: each needs groups of "
+                 f"2 answers or more (NUM_PRE_Q = {num_pre_q})")
+
+
 def refuse_distillation(
     *, distill_coef, discount, off_policy_delta, beta, kl_bias_correction, rewards, num_pre_q,
     scale_rewards, dynamic_sampling

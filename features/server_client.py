@@ -12,9 +12,13 @@ from urllib.parse import urlencode
 
 import requests
 
+from features import env_overrides
 from features.fingerprint import model_fingerprint, vocab_fingerprint
 from features.retry import READ_TIMEOUT_S, Backoff, ServerError, request_with_retry
 from features.wire import decode_batch, encode_batch
+
+ALLOW_REF_MISMATCH = False  # True = train against a reference that is not the starting policy
+env_overrides.apply_env_overrides(globals(), "features/server_client.py")
 
 # Internal timings of the plumbing; SERVER_TIMEOUT (the trainer's) is the one to tune.
 # /get polls while a forward runs: a group is at most _POLL_MAX_S late

@@ -169,7 +169,7 @@ def test_a_group_pulled_a_step_late_without_its_sampling_log_probs_is_dropped_an
     late_one = got[:1]
 
     def drop_untrainable(groups, version):
-        return grpo.drop_untrainable(groups, version, max_staleness=grpo.MAX_STALENESS)
+        return grpo.drop_untrainable(groups, version, max_staleness=grpo.worker.MAX_STALENESS)
 
     assert drop_untrainable(got, version=1) == (got[1:], Counter(late_groups_dropped=1))
     # what a worker's group carries

@@ -351,7 +351,7 @@ def test_both_step_5_clients_bring_back_a_late_group_of_theirs_and_drop_an_earli
     assert [meta["version"] for _, meta in got] == [0, 1]
     assert torch.equal(got[0][0]["rewards"], late[0]["rewards"])
     assert torch.equal(got[1][0]["rewards"], on_time[0]["rewards"])
-    kept, counts = grpo.drop_untrainable(got, 1, max_staleness=grpo.MAX_STALENESS)
+    kept, counts = grpo.drop_untrainable(got, 1, max_staleness=grpo.worker.MAX_STALENESS)
     assert kept == got[1:] and counts["late_groups_dropped"] == 1
 
 

@@ -1,0 +1,243 @@
+"""The objectives of 2025-26 beside GRPO's (issue 59, docs/loss.md): the surrogates OBJECTIVE cispo,
+sapo and gmpo, the baselines ADVANTAGE rloo, reinforce_pp and passk, REWARD_NORM's GDPO and
+TOP_ENTROPY_QUANTILE. Each by hand values, and its gradient against a definition written here.
+
+    python -m pytest -q tests/test_surrogates.py
+"""
+import math
+
+import pytest
+import torch
+
+import grpo_ref_split as grpo
+from conftest import set_setting
+from features.advantages import whiten_to_step
+
+EPS = 0.2  # CLIP_EPS and CLIP_EPS_HIGH in these hand values
+
+
+def loss_and_grad(objective, log_ratio, advantages, **extra):
+    """(loss, d loss / d log pi) of one answer's tokens under `objective`, reduce_loss "grpo"
+    (its token mean); log pi_old = 0, so log pi is the log-ratio."""
+    logps = torch.tensor([log_ratio], dtype=torch.float64, requires_grad=True)  # (1, T)
+    mask = torch.ones_like(logps, dtype=torch.bool)  # (1, T)
+    adv = torch.tensor([advantages], dtype=torch.float64)  # (1, T)
+    per_token = grpo.grpo_loss(logps=logps, old_logps=torch.zeros_like(logps), ref_logps=None,
+                               advantages=adv, mask=mask, beta=0.0, clip_eps=EPS,
+                               clip_eps_high=EPS, objective=objective, **extra)  # (1, T)
+    loss = grpo.reduce_loss(per_token, mask, loss_type="grpo")
+    (grad,) = torch.autograd.grad(loss, logps)
+    return loss.item(), grad.view(-1).tolist()
+
+
+# ----------------------------------------------------------------------------- the surrogates
+def test_cispo_keeps_the_gradient_of_a_token_past_the_clip_by_hand():
+    """log r = [log 0.5, 0, log 1.5], A = [+1, -1, +1]: the weights min(r, 1.2) = [0.5, 1, 1.2],
+    detached, so d loss / d log pi_t = -w_t A_t / 3 = [-1/6, +1/3, -0.4]. PPO's clip gives the third
+    token (r 1.5 > 1.2 with A > 0) no gradient at all."""
+    log_ratio = [math.log(0.5), 0.0, math.log(1.5)]
+    _, grad = loss_and_grad("cispo", log_ratio, [1.0, -1.0, 1.0])
+    assert grad == pytest.approx([-1 / 6, 1 / 3, -0.4])
+    _, clipped = loss_and_grad("clip", log_ratio, [1.0, -1.0, 1.0])
+    assert clipped[2] == 0.0
+
+
+def test_sapo_is_a_soft_gate_by_hand():
+    """f(r) = 4 / tau sigmoid(tau (r - 1)); d f / d log pi = 4 s (1 - s) r. At r = 1.5, A = +1,
+    tau_pos 1: s = sigmoid(0.5) = 0.62246, the gradient -4 s (1 - s) 1.5 / 2 = -0.70501 (token
+    mean of 2). At r = 1, A = -1, tau_neg 1.05: s = 0.5, +4 (0.25) 1 / 2 = +0.5."""
+    _, grad = loss_and_grad("sapo", [math.log(1.5), 0.0], [1.0, -1.0], sapo_taus=(1.0, 1.05))
+    s = 1 / (1 + math.exp(-0.5))
+    assert grad == pytest.approx([-4 * s * (1 - s) * 1.5 / 2, 0.5])
+    assert grad[0] == pytest.approx(-0.70501, abs=1e-5)
+
+
+def test_gmpo_clips_in_log_space_on_the_side_of_the_advantage_by_hand():
+    """log r = [0.1, 0.5, -0.1], eps 0.2. A = +1: 0.5 is held at 0.2 (no gradient), the mean
+    0.2 / 3 = 0.0667, ratio e^0.0667 = 1.0689, loss -1.0689; d / d log pi = -1.0689 / 3 on the two
+    others. A = -1: max(log r, clamp) keeps 0.5 (the pessimistic side), mean 0.5 / 3, ratio
+    1.1814, loss +1.1814, gradient +1.1814 / 3 on all three."""
+    loss, grad = loss_and_grad("gmpo", [0.1, 0.5, -0.1], [1.0, 1.0, 1.0])
+    ratio = math.exp(0.2 / 3)
+    assert loss == pytest.approx(-ratio) and grad == pytest.approx([-ratio / 3, 0.0, -ratio / 3])
+    loss, grad = loss_and_grad("gmpo", [0.1, 0.5, -0.1], [-1.0, -1.0, -1.0])
+    ratio = math.exp(0.5 / 3)
+    assert loss == pytest.approx(ratio) and grad == pytest.approx([ratio / 3] * 3)
+
+
+def test_each_surrogate_against_its_definition_in_value_and_gradient():
+    """Random answers of several lengths; each definition written here from its paper, in the
+    loss's token mean per answer, then the mean over answers."""
+    g = torch.Generator().manual_seed(0)
+    logps = (torch.randn(6, 7, generator=g, dtype=torch.float64) * 0.3).requires_grad_()
+    mask = torch.rand(6, 7, generator=g) > 0.25
+    mask[:, 0] = True
+    A = torch.randn(6, generator=g, dtype=torch.float64)[:, None].expand(6, 7)  # one per answer
+    r = torch.exp(logps)  # log pi_old = 0
+
+    def answers_mean(per_token):  # "grpo": each answer's token mean, then their mean
+        return (torch.where(mask, per_token, 0.0).sum(1) / mask.sum(1)).mean()
+
+    tau = torch.where(A > 0, 1.0, 1.05)
+    s = torch.sigmoid(tau * (r - 1))
+    log_r = logps
+    clipped = log_r.clamp(-EPS, EPS)
+    kept = torch.where(A > 0, torch.minimum(log_r, clipped), torch.maximum(log_r, clipped))
+    geo = torch.exp(torch.where(mask, kept, 0.0).sum(1) / mask.sum(1))  # (6,)
+    definitions = {
+        "cispo": answers_mean(-torch.clamp(r, max=1 + EPS).detach() * A * logps),
+        "sapo": answers_mean(-(4 / tau) * s * A),
+        "gmpo": (-geo * A[:, 0]).mean(),
+    }
+    for objective, want in definitions.items():
+        per_token = grpo.grpo_loss(logps=logps, old_logps=torch.zeros_like(logps), ref_logps=None,
+                                   advantages=A[:, 0], mask=mask, beta=0.0, clip_eps=EPS,
+                                   clip_eps_high=EPS, objective=objective)  # (6, 7)
+        got = grpo.reduce_loss(per_token, mask, loss_type="grpo")
+        (got_grad,) = torch.autograd.grad(got, logps)
+        (want_grad,) = torch.autograd.grad(want, logps)
+        # float64 sums of a few terms of size ~1: far below 1e-12
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12, msg=objective)
+        torch.testing.assert_close(got_grad, want_grad, rtol=0, atol=1e-12, msg=objective)
+
+
+@pytest.mark.parametrize("objective", grpo.OBJECTIVES)
+def test_at_ratio_one_every_surrogate_has_the_policy_gradient(objective):
+    """On the samples' own weights (r = 1) each surrogate's gradient is the policy gradient's,
+    -A_t / |y| on each token: they differ only in how they treat a ratio that has moved."""
+    _, grad = loss_and_grad(objective, [0.0, 0.0, 0.0, 0.0], [0.7] * 4,
+                            sapo_taus=(grpo.SAPO_TAU_POS, grpo.SAPO_TAU_NEG))
+    assert grad == pytest.approx([-0.7 / 4] * 4)
+
+
+# ----------------------------------------------------------------------------- the baselines
+def test_rloo_by_hand():
+    """[1, 0, 0, 1]: each answer against the mean of the other three, 2/3 and -2/3; no std."""
+    got = grpo.rloo_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 3.0, 0.0, 6.0]), 4)
+    assert got.tolist() == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3, 0.0, 0.0, -4.0, 4.0])
+
+
+def test_passk_gives_the_best_answer_alone_its_lead_by_hand():
+    """[0.2, 1, 0.5, 0]: the best leads the second by 0.5, over the group's std 0.43493: 1.14961
+    on it, 0 elsewhere. Two equal bests: no lead, all 0."""
+    got = grpo.passk_advantages(torch.tensor([0.2, 1.0, 0.5, 0.0, 1.0, 0.0, 1.0, 0.0]), 4)
+    std = torch.tensor([0.2, 1.0, 0.5, 0.0]).std().item()
+    assert std == pytest.approx(0.43493, abs=1e-5)
+    assert got.tolist() == pytest.approx([0.0, 0.5 / (std + grpo.STD_EPS), 0.0, 0.0] + [0.0] * 4)
+
+
+def test_gdpo_normalises_each_reward_before_the_sum_by_hand():
+    """correct [1, 1, 0, 0] (weight 2) and format [1, 0, 1, 0] (weight 1): each z-score is
+    +-0.86603 (std 0.57735), so 2 c + f = [2.598, 0.866, -0.866, -2.598]. Summed first, [3, 2, 1, 0]
+    gives GRPO's [1.162, 0.387, -0.387, -1.162]: format's steps weigh as much as correct's."""
+    each = torch.tensor([[1.0, 1.0], [1.0, 0.0], [0.0, 1.0], [0.0, 0.0]])  # (N, K)
+    got = grpo.gdpo_advantages(each, torch.tensor([2.0, 1.0]), 4)
+    z = 0.5 / (math.sqrt(1 / 3) + grpo.STD_EPS)
+    assert got.tolist() == pytest.approx([3 * z, z, -z, -3 * z])
+    assert got[0].item() == pytest.approx(2.598, abs=1e-3)
+
+
+def test_a_group_with_equal_sums_but_different_rewards_trains_under_gdpo(monkeypatch):
+    """Issue 59: a group is uninformative only if every reward is equal within it. correct
+    [1, 0, 1, 0] and format [0, 1, 0, 1], both weight 1: every sum is 1. GRPO drops the group;
+    normalize_then_sum keeps it."""
+    monkeypatch.setattr(grpo, "NUM_PRE_Q", 4)
+    monkeypatch.setattr(grpo, "REWARDS", [(grpo.reward_correct, 1.0), (grpo.reward_format, 1.0)])
+    each = {"reward_correct": [1.0, 0.0, 1.0, 0.0], "reward_format": [0.0, 1.0, 0.0, 1.0]}
+    scores = torch.ones(4)
+    assert grpo.varied_groups(scores, each).tolist() == [False]
+    monkeypatch.setattr(grpo, "REWARD_NORM", "normalize_then_sum")
+    assert grpo.varied_groups(scores, each).tolist() == [True]
+
+
+@pytest.mark.parametrize("setting, want", [
+    (dict(ADVANTAGE="rloo"), "rloo"),
+    (dict(ADVANTAGE="passk"), "passk"),
+    (dict(ADVANTAGE="reinforce_pp"), "centred"),
+    (dict(REWARD_NORM="normalize_then_sum"), "gdpo"),
+    (dict(), "grpo"),
+])
+def test_step_4_takes_the_chosen_baseline(setting, want, monkeypatch):
+    monkeypatch.setattr(grpo, "NUM_PRE_Q", 4)
+    monkeypatch.setattr(grpo, "REWARDS", [(grpo.reward_correct, 2.0), (grpo.reward_format, 1.0)])
+    for name, value in setting.items():
+        monkeypatch.setattr(grpo, name, value)
+    each = {"reward_correct": [1.0, 1.0, 0.0, 0.0], "reward_format": [1.0, 0.0, 1.0, 0.0]}
+    scores = torch.tensor([3.0, 2.0, 1.0, 0.0])
+    expected = {
+        "rloo": grpo.rloo_advantages(scores, 4),
+        "passk": grpo.passk_advantages(scores, 4),
+        "centred": scores - scores.mean(),
+        "gdpo": grpo.gdpo_advantages(torch.tensor([each["reward_correct"],
+                                                   each["reward_format"]]).T,
+                                     torch.tensor([2.0, 1.0]), 4),
+        "grpo": grpo.advantages_in_groups(scores, 4),
+    }[want]
+    assert grpo.answer_advantages(scores, each).tolist() == pytest.approx(expected.tolist())
+    assert grpo.whitened_at_step() == (want in ("centred", "gdpo"))
+
+
+def test_reinforce_pp_divides_by_the_std_over_every_answer_of_the_step_by_hand():
+    """Centred advantages [1, -1] and [3, -3], and one dropped group of 2 (zeros): the step's 6
+    advantages have mean 0 and unbiased std sqrt(20 / 5) = 2, so [0.5, -0.5] and [1.5, -1.5]."""
+    groups = [({"advantages": torch.tensor([1.0, -1.0])}, {}),
+              ({"advantages": torch.tensor([3.0, -3.0])}, {})]
+    got = whiten_to_step(groups, 2, "cpu")
+    assert [t["advantages"].tolist() for t, _ in got] == [
+        pytest.approx([0.5 / (1 + 0.5e-4), -0.5 / (1 + 0.5e-4)], rel=1e-6),
+        pytest.approx([1.5 / (1 + 0.5e-4), -1.5 / (1 + 0.5e-4)], rel=1e-6)]
+
+
+# ----------------------------------------------------------------------------- high-entropy tokens
+def test_the_top_entropy_share_by_hand_and_only_those_tokens_train():
+    """Entropies [0.1, 2.0, 0.5, 3.0 | 1.0, (padding 9.0)], top 0.4 of the 5 answer tokens: the
+    0.6 quantile of [0.1, 0.5, 1.0, 2.0, 3.0] is 1.4 (linear between 1.0 and 2.0), so 2.0 and 3.0
+    train; the padding's 9.0 never counts. In the loss the others get no surrogate gradient."""
+    entropy = torch.tensor([[0.1, 2.0, 0.5, 3.0], [1.0, 9.0, 9.0, 9.0]])
+    mask = torch.tensor([[True] * 4, [True, False, False, False]])
+    keep = grpo.high_entropy_mask(entropy=entropy, mask=mask, quantile=0.4)
+    assert keep.tolist() == [[0.0, 1.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0]]
+    assert grpo.high_entropy_mask(entropy=entropy, mask=mask, quantile=1.0).tolist() == \
+        mask.float().tolist()
+    logps = torch.zeros(2, 4, requires_grad=True)
+    per_token = grpo.grpo_loss(logps=logps, old_logps=logps.detach(), ref_logps=None,
+                               advantages=torch.tensor([1.0, 1.0]), mask=mask, beta=0.0,
+                               clip_eps=EPS, clip_eps_high=EPS, weights=keep)
+    (grad,) = torch.autograd.grad(grpo.reduce_loss(per_token, mask, loss_type="grpo"), logps)
+    assert (grad != 0).tolist() == [[False, True, False, True], [False] * 4]
+
+
+# ----------------------------------------------------------------------------- refused at start
+@pytest.mark.parametrize("setting, message", [
+    (dict(OBJECTIVE="ppo"), "OBJECTIVE = 'ppo'"),
+    (dict(ADVANTAGE="gae"), "ADVANTAGE = 'gae'"),
+    (dict(REWARD_NORM="sum"), "REWARD_NORM = 'sum'"),
+    (dict(TOP_ENTROPY_QUANTILE=0.0), "TOP_ENTROPY_QUANTILE = 0.0"),
+    (dict(TOP_ENTROPY_QUANTILE=1.5), "TOP_ENTROPY_QUANTILE = 1.5"),
+    (dict(OBJECTIVE="sapo", SAPO_TAU_NEG=0.0), "temperatures above 0"),
+    (dict(OBJECTIVE="cispo", USE_TRITON=True), "USE_TRITON fuses PPO's clip"),
+    (dict(TOP_ENTROPY_QUANTILE=0.2, USE_TRITON=True), "USE_TRITON fuses PPO's clip"),
+    (dict(OBJECTIVE="cispo", GSPO=True), "GSPO with OBJECTIVE 'cispo'"),
+    (dict(OBJECTIVE="gmpo", DISTILL_COEF=1.0, BETA=0.0), "GMPO takes one advantage per answer"),
+    (dict(OBJECTIVE="gmpo", LOSS_TYPE="dapo"), "OBJECTIVE gmpo with LOSS_TYPE 'dapo'"),
+    (dict(ADVANTAGE="rloo", SCALE_REWARDS="batch"), "bring their own scale"),
+    (dict(REWARD_NORM="normalize_then_sum", ADVANTAGE="passk"), "choose one of the two"),
+])
+def test_a_variant_that_cannot_work_is_refused_at_start(setting, message, monkeypatch, tmp_path):
+    monkeypatch.setattr(grpo, "OUTPUT_DIR", str(tmp_path))
+    for name, value in setting.items():
+        set_setting(monkeypatch, name, value)
+    with pytest.raises(SystemExit, match=message):
+        grpo.check_settings()
+
+
+@pytest.mark.parametrize("setting", [
+    dict(OBJECTIVE="cispo", MU=2), dict(OBJECTIVE="sapo", DISTILL_COEF=1.0, BETA=0.0),
+    dict(OBJECTIVE="gmpo"), dict(ADVANTAGE="reinforce_pp"),
+    dict(REWARD_NORM="normalize_then_sum"), dict(TOP_ENTROPY_QUANTILE=0.2),
+])
+def test_the_variants_that_work_together_start(setting, monkeypatch, tmp_path):
+    monkeypatch.setattr(grpo, "OUTPUT_DIR", str(tmp_path))
+    for name, value in setting.items():
+        set_setting(monkeypatch, name, value)
+    grpo.check_settings()
