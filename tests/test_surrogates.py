@@ -5,6 +5,7 @@ TOP_ENTROPY_QUANTILE. Each by hand values, and its gradient against a definition
     python -m pytest -q tests/test_surrogates.py
 """
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ import torch
 import grpo_ref_split as grpo
 from conftest import set_setting
 from features.advantages import whiten_to_step
+from test_variants import (PlainEngine, batch_for, fresh_model,  # noqa: F401 (fixtures)
+                           short_rollout, tiny_policy)
 
 EPS = 0.2  # CLIP_EPS and CLIP_EPS_HIGH in these hand values
 
@@ -241,3 +244,52 @@ def test_the_variants_that_work_together_start(setting, monkeypatch, tmp_path):
     for name, value in setting.items():
         set_setting(monkeypatch, name, value)
     grpo.check_settings()
+
+
+# ----------------------------------------------------------------------------- through the step
+@pytest.mark.parametrize("setting", [
+    dict(OBJECTIVE="cispo"), dict(OBJECTIVE="sapo"), dict(OBJECTIVE="gmpo"),
+    dict(TOP_ENTROPY_QUANTILE=0.3),
+])
+def test_policy_loss_runs_each_variant_and_it_changes_the_gradient(setting, fresh_model,
+                                                                   monkeypatch):
+    """Step 6 as the trainer runs it, on a batch whose pi_old is away from the weights (so each
+    surrogate's own treatment of the ratio shows): a finite loss, and a gradient that is not the
+    default's."""
+    b = batch_for(fresh_model)
+    b.gen_logps = b.ref_logps - 0.3 * torch.arange(6.0)  # (4, 6) ratios well away from 1
+    b.gen_rows = torch.ones(4, dtype=torch.bool)
+    params = list(fresh_model.parameters())
+
+    def gradient():
+        engine = PlainEngine(fresh_model, lr=0.0)
+        loss, metrics = grpo.policy_loss(engine, replace(b, normalizer=4.0))
+        assert torch.isfinite(loss) and metrics["kl"] >= 0
+        return torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])
+
+    default = gradient()
+    for name, value in setting.items():
+        monkeypatch.setattr(grpo, name, value)
+    varied = gradient()
+    assert torch.isfinite(varied).all() and not torch.allclose(varied, default)
+
+
+@pytest.mark.parametrize("setting", [
+    dict(ADVANTAGE="rloo"), dict(ADVANTAGE="passk"), dict(ADVANTAGE="reinforce_pp"),
+    dict(REWARD_NORM="normalize_then_sum"),
+])
+def test_steps_2_to_4_pack_each_baselines_advantages(setting, tiny_policy, monkeypatch):
+    """A rollout on the tiny model (8 questions x 4 answers): each uploaded group's advantages
+    are the chosen baseline's of its own rewards (REWARDS' weighted sums, or each reward for
+    GDPO)."""
+    for name, value in setting.items():
+        monkeypatch.setattr(grpo, name, value)
+    groups, _ = short_rollout(tiny_policy, monkeypatch, False, max_new_tokens=24)
+    assert groups
+    for tensors, _ in groups:
+        rewards = tensors["rewards"]
+        if "ADVANTAGE" in setting:
+            want = grpo.answer_advantages(rewards, each=None)
+            assert tensors["advantages"].tolist() == pytest.approx(want.tolist(), abs=1e-6)
+        else:  # GDPO's sum of normalised rewards: centred like any group's
+            assert tensors["advantages"].sum().item() == pytest.approx(0.0, abs=1e-5)
