@@ -69,6 +69,7 @@ class Setting:
     reduce_bucket_size: int = 500_000_000  # DeepSpeed's zero_optimization.reduce_bucket_size
     distill_coef: float = 0.0  # DISTILL_COEF: > 0, the server holds a teacher the plan cannot size
     freeze_vision: bool = False  # FREEZE_VISION: a vision-language model's tower does not train
+    tower_saved: int = 0  # bytes one row's images save in the tower's training forward (traced)
 
 
 @dataclasses.dataclass
@@ -107,13 +108,68 @@ def saved_bytes_per_token(model) -> float:
     return 2 * per_token[0] - per_token[1]  # the line through both, at length 0
 
 
+def saved_bytes(run, model) -> int:
+    """Bytes autograd saves while run() does one training forward of `model`'s parts, weights
+    left out (each storage once)."""
+    weights = {p.untyped_storage()._cdata for p in model.parameters()}
+    saved = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage._cdata not in weights:  # a weight is not an activation
+            saved[storage._cdata] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        run()
+    return sum(saved.values())
+
+
+def tower_saved_bytes(model_path: str, pixels: dict, *, dtype, tower_trains=True,
+                      connector_trains=True) -> int:
+    """Bytes autograd saves when one training row's images (`pixels`, the processor's) go through
+    the vision tower and connector of the model at model_path. Traced on this CPU in real
+    arithmetic (the tower's own ops read the pixels' values, which the meta device cannot): the
+    tower built from its config with 1 and then 2 layers, random weights, the second layer's bytes
+    extrapolated to its depth. A frozen part (FREEZE_VISION: the tower; LoRA: both) saves nothing
+    for backward. Without gradient checkpointing: with it, an upper bound."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from features import vision
+
+    config = AutoConfig.from_pretrained(model_path)
+    depth_name = "depth" if hasattr(config.vision_config, "depth") else "num_hidden_layers"
+    depth = getattr(config.vision_config, depth_name)
+    traced = []
+    for layers in (1, 2):
+        setattr(config.vision_config, depth_name, layers)
+        with torch.device("meta"):
+            model = AutoModelForImageTextToText.from_config(config, dtype=dtype,
+                                                            attn_implementation="sdpa")
+        language_model = model.get_decoder()
+        for part in model.model.children():  # the tower and connector, with real weights
+            if part is not language_model:
+                part.to_empty(device="cpu")
+                for weight in part.parameters():
+                    torch.nn.init.normal_(weight, std=0.02)
+                    weight.requires_grad_(connector_trains)
+        for weight in vision.vision_tower(model).parameters():
+            weight.requires_grad_(tower_trains)
+        model.train()
+        inputs = {name: value.to(dtype) if value.is_floating_point() else value
+                  for name, value in pixels.items()}
+        traced.append(saved_bytes(lambda: vision.image_features(model, inputs), model))
+    return traced[0] + (depth - 1) * (traced[1] - traced[0])
+
+
 def model_shape(model_path: str, *, lora_rank=0, lora_targets="all-linear",
                 freeze_vision=False) -> ModelShape:
     """The ModelShape of a hub id or local folder: its config.json only, the model built on the meta
     device (LoRA's adapters by peft, as the trainer adds them). A vision-language model counts its
     vision tower and connector in the weights, and in what trains unless LoRA (the language model's
     layers) or freeze_vision leaves them out; its layers, widths and activations are its language
-    model's (the tower's activations, per image, are not planned)."""
+    model's (the tower's activations, per row of images, are Setting.tower_saved, traced by
+    tower_saved_bytes)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     from features import lora, vision
@@ -202,7 +258,12 @@ def plan(shape: ModelShape, s: Setting, device_bytes: int) -> list:
         kept = tokens * (shape.layers * shape.hidden * item + per_token)
     else:
         kept = tokens * shape.layers * per_token
-    rows.append(Row(f"activations of {tokens:,} tokens", int(kept)))
+    what = f"activations of {tokens:,} tokens"
+    if s.tower_saved:  # every answer row runs its question's images through the tower
+        image_rows = (s.train_micro_batch or s.q_batch_size) * s.num_pre_q
+        kept += image_rows * s.tower_saved
+        what += f" and {image_rows} rows' images"
+    rows.append(Row(what, int(kept)))
     answer_tokens = (s.train_micro_batch or s.q_batch_size) * s.num_pre_q * s.max_new_tokens
     logit_tokens = min(s.logp_chunk or answer_tokens, answer_tokens)
     if not s.logp_from_hidden:
@@ -319,8 +380,16 @@ def check(model_path: str, s: Setting, *, build_prompt, questions):
         if vision.model_type(model_path):  # its image tokens count in the prompt
             tokenizer = vision.load_processor(model_path)
         prompt = build_prompt(tokenizer, longest["question"])
-        encoded = tokenizer([prompt], **vision.image_kwargs([longest]), add_special_tokens=False)
+        encoded = tokenizer([prompt], **vision.image_kwargs([longest]), add_special_tokens=False,
+                            return_tensors="pt")
         s.prompt_tokens = len(encoded["input_ids"][0])
+        pixels = {name: value for name, value in encoded.items()
+                  if torch.is_tensor(value) and name not in ("input_ids", "attention_mask")}
+        if pixels:  # the longest question's images, as one training row holds them
+            dtype = torch.bfloat16 if s.bf16 else torch.float32
+            s.tower_saved = tower_saved_bytes(model_path, pixels, dtype=dtype,
+                                              tower_trains=not (s.freeze_vision or s.lora_rank),
+                                              connector_trains=not s.lora_rank)
         shape = model_shape(
             model_path,
             lora_rank=s.lora_rank,

@@ -333,6 +333,16 @@ def vision_tower(model):
     return found[0] if found else None
 
 
+def image_features(model, pixels: dict):
+    """The tower and connector's output for one call's pixel inputs (this toolkit's rows-first
+    layout), as the model's forward computes it: what memory_plan traces."""
+    inputs = dict(pixels)
+    if qwen_native(inputs, image_token_id=-1):  # Qwen2-VL: back to its flat layout
+        inputs.pop("mm_token_type_ids", None)
+        return model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
+    return model.model.get_image_features(**inputs)
+
+
 def freeze_tower(model) -> int:
     """EasyR1's freeze_vision_tower: the vision encoder's weights stop training (the connector
     and the language model go on). Returns how many parameters it froze."""

@@ -877,6 +877,45 @@ def test_the_memory_plan_counts_the_vision_tower(vlm_dir):
     assert shape.layers == model.config.text_config.num_hidden_layers
 
 
+@pytest.mark.parametrize("kind", ["idefics3", "qwen2_5_vl"])
+def test_the_memory_plan_counts_the_towers_activations_as_a_training_forward_saves_them(
+        kind, vlm_dir, qwen_dirs, tmp_path):
+    """Issue 58: the plan left out the vision tower's activations. A 4-layer tower (the tiny
+    model's config deepened) in a real training forward of one row's images saves exactly what
+    tower_saved_bytes extrapolates from its 1- and 2-layer traces; a frozen tower saves only the
+    connector's share, LoRA nothing; and the plan adds them for every answer row."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    folder = str(tmp_path / kind)
+    shutil.copytree(vlm_dir if kind == "idefics3" else qwen_dirs[kind], folder)
+    config = AutoConfig.from_pretrained(folder)
+    depth_name = "depth" if hasattr(config.vision_config, "depth") else "num_hidden_layers"
+    setattr(config.vision_config, depth_name, 4)
+    config.save_pretrained(folder)
+    processor = vision.load_processor(folder)
+    shown = processor([vision.IMAGE_MARK + "Which colour?"],
+                      images=[vision.decoded([png((200, 0, 0), (64, 48))])], return_tensors="pt")
+    pixels = {name: value for name, value in shown.items()
+              if torch.is_tensor(value) and name not in ("input_ids", "attention_mask")}
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa").train()
+    real = memory_plan.saved_bytes(lambda: vision.image_features(model, pixels), model)
+    planned = memory_plan.tower_saved_bytes(folder, pixels, dtype=torch.float32)
+    assert planned == real > 0
+    frozen = memory_plan.tower_saved_bytes(folder, pixels, dtype=torch.float32,
+                                           tower_trains=False)
+    assert 0 <= frozen < planned
+    assert memory_plan.tower_saved_bytes(folder, pixels, dtype=torch.float32, tower_trains=False,
+                                         connector_trains=False) == 0
+    shape = memory_plan.model_shape(folder)
+    setting = memory_plan.Setting(q_batch_size=2, num_pre_q=4)
+    without = memory_plan.plan(shape, setting, 2**40)[2].trainer
+    setting.tower_saved = planned
+    assert memory_plan.plan(shape, setting, 2**40)[2].trainer == without + 8 * planned
+
+
 # ----------------------------------------------------------------------------- end to end
 @pytest.fixture(scope="module")
 def vllm_checks(vlm_dir):
