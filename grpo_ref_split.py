@@ -51,6 +51,7 @@ CLIP_EPS = 0.2  # PPO clip: the ratio pi / pi_old may fall to 1 - CLIP_EPS ...
 CLIP_EPS_HIGH = 0.2  # ... and rise to 1 + CLIP_EPS_HIGH; DAPO's 0.28 lets rare good tokens grow
 DISTILL_COEF = 0.0  # > 0 = the server holds a teacher: A_t += this x (log teacher - log pi_old)
 DISTILL_DISCOUNT = 0.0  # teacher terms of later tokens added at this^distance (tinker's); 0 = own
+DISTILL_TOP_K = 0  # > 0 = the term is the reverse KL over the teacher's k likeliest tokens (~20)
 LR = 1e-5  # AdamW learning rate; the optimizer's other settings and its schedule are DS_CONFIG's
 ALL_STEPS = 30  # training steps
 SEED = 42  # seeds questions and sampling (rank r uses SEED + r)
@@ -75,7 +76,6 @@ ADVANTAGE = "grpo"  # the baseline: "grpo" (SCALE_REWARDS) | "rloo" | "reinforce
 REWARD_NORM = "sum_then_normalize"  # several REWARDS: | "normalize_then_sum" (GDPO, each first)
 TOP_ENTROPY_QUANTILE = 1.0  # only this share of answer tokens, the highest-entropy ones, trains
 MU = 1  # optimizer steps on each batch; > 1 reuses it, the clipped ratio keeping each near pi_old
-SKIP_GEN_LOGPS = True  # MU = 1: a rank's own groups need no pi_old forward (ratio 1); False = one
 MASK_TRUNCATED = False  # True = answers cut at MAX_NEW_TOKENS leave the loss (DAPO overlong filter)
 KL_BIAS_CORRECTION = False  # True = DeepSeek-V3.2: k3 x pi / pi_old, the reverse KL's gradient
 OFF_POLICY_DELTA = 0.0  # > 0 = DeepSeek-V3.2: A_t < 0 leaves answers with log(pi_old / pi) > this
@@ -169,14 +169,29 @@ def per_token_logps(model, input_ids, attention_mask, n_completion: int, with_en
     logits -> log_softmax(logits / TEMPERATURE) -> each token's; with_entropy: also the entropy.
     Its one home: logps_of and ref_server.py run fast_paths.completion_logps, tested equal to it.
     pixels: a vision-language model's, of each row's images (features/vision.py); none for text."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, **pixels).logits  # (B, L, V)
-    logits = logits[:, -n_completion - 1 : -1]  # (B, T, V): position t predicts token t + 1
-    logp_all = torch.log_softmax(logits.float() / TEMPERATURE, dim=-1)  # (B, T, V), its grad too
+    logp_all = answer_log_probs(model, input_ids, attention_mask, n_completion, **pixels)
     completion_ids = input_ids[:, -n_completion:, None]  # (B, T, 1)
     logps = logp_all.gather(-1, completion_ids).squeeze(-1)  # (B, T)
     if not with_entropy:
         return logps
     return logps, -(logp_all.exp() * logp_all).sum(-1).detach()  # (B, T), (B, T) no gradient
+
+
+def answer_log_probs(model, input_ids, attention_mask, n_completion: int, **pixels):
+    """(B, T, V) log softmax(logits / TEMPERATURE) at each of the last n_completion positions:
+    the whole distribution each answer token was drawn from (per_token_logps reads one entry of
+    it, DISTILL_TOP_K the teacher's k likeliest)."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, **pixels).logits  # (B, L, V)
+    logits = logits[:, -n_completion - 1 : -1]  # (B, T, V): position t predicts token t + 1
+    return torch.log_softmax(logits.float() / TEMPERATURE, dim=-1)  # (B, T, V), its grad too
+
+
+def topk_reverse_kl(*, student_logps, teacher_logps) -> torch.Tensor:
+    """(B, T) sum over the teacher's k likeliest tokens v of pi(v) (log pi(v) - log teacher(v)):
+    the reverse KL KL(pi || teacher) restricted to them, exact and differentiable (no sampled
+    estimate), its whole value at k = V (DISTILL_TOP_K; verl's and tinker's top-k distillation).
+    student_logps, teacher_logps (B, T, k) at the same token ids."""
+    return (student_logps.exp() * (student_logps - teacher_logps)).sum(-1)  # (B, T)
 
 
 def k3(ref_logps: torch.Tensor, logps: torch.Tensor) -> torch.Tensor:
@@ -368,6 +383,8 @@ class Batch:
     share: float = 1.0  # of the step's answers in this micro-batch; 0 = a repeat (no gradient)
     token_share: float = 1.0  # of the step's answer tokens in this micro-batch
     teacher_logps: torch.Tensor | None = None  # (B, T) DISTILL_COEF: the server's, never in k3
+    teacher_topk_ids: torch.Tensor | None = None  # (B, T, k) DISTILL_TOP_K: its likeliest tokens
+    teacher_topk_logps: torch.Tensor | None = None  # (B, T, k) and their log-probs
     vision_inputs: dict = field(default_factory=dict)  # each row's pixels; {} = text
 
 
@@ -477,7 +494,8 @@ def logps_of(model, input_ids, attention_mask, n_completion, entropy=False, **pi
 def pack_groups(model, generated: Rollout, scores, advantages, keep_all, with_gen_logps,
                 each=None):
     """Step 5's upload: ((tensors, meta) of the groups worth training, (D,) the others' rewards:
-    equal unless keep_all, or none to train); pi_old if with_gen_logps, MU > 1, SKIP_GEN_LOGPS 0."""
+    equal unless keep_all, or none to train); pi_old if with_gen_logps, MU > 1, or without
+    fast_paths.SKIP_GEN_LOGPS. each: {reward name: N values}, for varied_groups."""
     G = NUM_PRE_Q
     varied = varied_groups(scores, each)  # (Q,) rewards that differ: a signal to learn
     kept = [q for q in range(len(varied))
@@ -487,12 +505,14 @@ def pack_groups(model, generated: Rollout, scores, advantages, keep_all, with_ge
     attn = torch.cat([generated.prompt_mask, answer_attn], 1)  # (B, P+T)
     rows = [q * G + i for q in kept for i in range(G)]
     gen_logps = None  # (K, T) pi_old of the kept rows
-    if kept and (with_gen_logps or MU > 1 or not SKIP_GEN_LOGPS):
+    if kept and (with_gen_logps or MU > 1 or not fast_paths.SKIP_GEN_LOGPS):
         pixels = {}  # the kept rows' pixel inputs; text: none
         if generated.vision_inputs:
             pixels = vision.select_rows(generated.vision_inputs, rows)
         gen_logps = logps_of(model, ids[rows], attn[rows], generated.mask.shape[1], **pixels).cpu()
     meta = dict(temperature=TEMPERATURE, scale_rewards=SCALE_REWARDS)  # the server redoes with it
+    if DISTILL_TOP_K:  # the teacher server sends its k likeliest tokens of each answer token
+        meta["teacher_top_k"] = DISTILL_TOP_K
     dropped = scores.view(-1, G)[[q for q in range(len(varied)) if q not in kept]].view(-1)  # (D,)
     return group_tensors(generated, ids, kept, scores, advantages, gen_logps, meta), dropped
 
@@ -686,11 +706,18 @@ def policy_loss(engine, b: Batch):
             clip_eps_high=CLIP_EPS_HIGH, loss_type=LOSS_TYPE, max_tokens=MAX_NEW_TOKENS,
             shared_prefix=fast_paths.SHARED_PREFIX, tis_cap=vllm_engine.TIS_CAP,
             tis_mode=vllm_engine.TIS_MODE)
+    elif DISTILL_TOP_K:  # the student's whole distribution, for the teacher's top-k term
+        T = b.mask.shape[1]
+        logp_all = answer_log_probs(engine, b.input_ids, b.attention_mask, T,
+                                    **b.vision_inputs)  # (B, T, V)
+        logps = logp_all.gather(-1, b.input_ids[:, -T:, None]).squeeze(-1)  # (B, T)
+        entropy = -(logp_all.exp() * logp_all).sum(-1).detach()  # (B, T)
     else:
         logps, entropy = logps_of(engine, b.input_ids, b.attention_mask, b.mask.shape[1],
                                   entropy=True, **b.vision_inputs)
+    if not fast_paths.USE_TRITON:
         old_logps = pi_old_logps(logps, b.gen_logps, b.gen_rows, b.mask)  # (B, T) pi_old
-        if DISTILL_COEF:  # + the teacher's term on each token (docs/distillation.md)
+        if DISTILL_COEF and not DISTILL_TOP_K:  # + the teacher's term on each token
             advantages = distill_advantages(b.advantages, teacher_logps=b.teacher_logps,
                                             sampler_logps=old_logps, mask=b.mask,
                                             coef=DISTILL_COEF, discount=DISTILL_DISCOUNT)  # (B, T)
@@ -715,6 +742,10 @@ def policy_loss(engine, b: Batch):
                               clip_eps_high=CLIP_EPS_HIGH, weights=trained, gspo=GSPO,
                               bias_corrected_kl=KL_BIAS_CORRECTION, objective=OBJECTIVE,
                               sapo_taus=(SAPO_TAU_POS, SAPO_TAU_NEG))  # (B, T)
+        if DISTILL_TOP_K:  # + the reverse KL over the teacher's k likeliest tokens, per token
+            student = logp_all.gather(-1, b.teacher_topk_ids)  # (B, T, k)
+            per_token = per_token + DISTILL_COEF * topk_reverse_kl(
+                student_logps=student, teacher_logps=b.teacher_topk_logps)  # (B, T)
         loss = reduce_loss(per_token, b.mask, loss_type=LOSS_TYPE, normalizer=b.normalizer,
                            max_tokens=MAX_NEW_TOKENS)
     with torch.no_grad():  # the metrics at the weights before this step (features/run_log.py)
@@ -752,12 +783,14 @@ def train_step(engine, batches) -> Counter:
     return metrics
 
 
-def collate(groups, pad_id, *, teacher=False, image_processor=None) -> Batch:
+def collate(groups, pad_id, *, teacher=False, image_processor=None, top_k=0,
+            vocab_size=None) -> Batch:
     """Groups of different prompt and answer lengths as one Batch: prompts left-padded to end at
     column P, answers right-padded. Optional log-probs come with the rows that carry them
     (gen_rows, sampler_rows), never with a value that means "missing". teacher: the server's
     log-probs are a teacher's (teacher_logps), never a reference's. image_processor: a vision
-    model's, for each row's pixels (features/vision.py)."""
+    model's, for each row's pixels (features/vision.py). top_k: DISTILL_TOP_K, the teacher's
+    likeliest tokens each group must carry (ids below vocab_size)."""
     P = max(meta["plen"] for _, meta in groups)
     T = max(g["input_ids"].shape[1] - meta["plen"] for g, meta in groups)
     B = sum(g["input_ids"].shape[0] for g, _ in groups)
@@ -791,14 +824,27 @@ def collate(groups, pad_id, *, teacher=False, image_processor=None) -> Batch:
                   sampler_logps=optional("sampler_logps"), sampler_rows=rows_of("sampler_logps"))
     if image_processor is not None or any(wire.carries_images(g) for g, _ in groups):
         batch.vision_inputs = vision.group_vision_inputs(groups, image_processor)  # or refused
+    if top_k:  # DISTILL_TOP_K: the teacher's k likeliest tokens, checked, padded like the rest
+        batch.teacher_topk_ids = torch.zeros(B, T, top_k, dtype=torch.long)  # (B, T, k)
+        batch.teacher_topk_logps = torch.zeros(B, T, top_k)  # (B, T, k)
+        row = 0
+        for g, meta in groups:
+            wire.check_teacher_topk(g, top_k=top_k, answer_tokens=g["completion_mask"].shape[1],
+                                    vocab_size=vocab_size)
+            n, tlen = g["completion_mask"].shape
+            batch.teacher_topk_ids[row : row + n, :tlen] = g["teacher_topk_ids"]
+            batch.teacher_topk_logps[row : row + n, :tlen] = g["teacher_topk_logps"]
+            row += n
     return batch
 
 
 def batches_of(engine, groups, pad_id, image_processor=None) -> list:
     """Step 6's input: the groups as one batch, or TRAIN_MICRO_BATCH groups a batch, each with the
     step's normalizer, so their gradients add up to the one batch's (features/zero2.py)."""
+    vocab_size = engine.module.get_output_embeddings().weight.shape[0]  # a teacher's ids below it
     def to_batch(part):  # the groups as one padded Batch
-        return collate(part, pad_id, teacher=DISTILL_COEF > 0, image_processor=image_processor)
+        return collate(part, pad_id, teacher=DISTILL_COEF > 0, image_processor=image_processor,
+                       top_k=DISTILL_TOP_K, vocab_size=vocab_size)
     if not zero2.TRAIN_MICRO_BATCH:
         return [prepare_batch(engine, to_batch(groups))]
     return zero2.micro_batches(groups, zero2.TRAIN_MICRO_BATCH, to_batch,
@@ -827,6 +873,7 @@ def check_settings():
                                loss_type=LOSS_TYPE, scale_rewards=SCALE_REWARDS,
                                distill_coef=DISTILL_COEF, num_pre_q=NUM_PRE_Q)
     refusals.refuse_distillation(distill_coef=DISTILL_COEF, discount=DISTILL_DISCOUNT,
+                                 top_k=DISTILL_TOP_K,
                                  off_policy_delta=OFF_POLICY_DELTA,
                                  beta=BETA, kl_bias_correction=KL_BIAS_CORRECTION,
                                  rewards=REWARDS, num_pre_q=NUM_PRE_Q, scale_rewards=SCALE_REWARDS,

@@ -26,7 +26,7 @@ from features import vision
 from features.embedded_model import resolve_model_path
 from features.env_overrides import apply_env_overrides
 from features.fingerprint import model_fingerprint, vocab_fingerprint
-from features.fast_paths import completion_logps
+from features.fast_paths import completion_logits, completion_logps
 from features.http_server import json_errors, start_http, token_ok, warn_if_exposed
 from features.regroup import RegroupPool
 from features.reward_model import add_reward_model, load_reward_model
@@ -140,6 +140,26 @@ class RefServer:
                                      vision_inputs=pixels)
         return logps.cpu()  # (G, T)
 
+    def teacher_topk(self, input_ids, plen, temperature, k, images=()):
+        """((G, T, k) ids, (G, T, k) log-probs): the teacher's k likeliest tokens at each answer
+        position, at the sampling temperature, ref_micro_batch rows at a time (DISTILL_TOP_K).
+        The whole logits of a micro-batch exist at once: (rows, T, V)."""
+        ids = input_ids.to(self.device)  # (G, L)
+        pixels = {}  # text: no pixel inputs
+        if images:
+            pixels = vision.server_pixels(self.processor, images, len(ids), self.device)
+        top_ids, top_logps = [], []
+        for start in range(0, len(ids), self.ref_micro_batch):
+            rows = slice(start, start + self.ref_micro_batch)
+            with torch.no_grad():
+                logits = completion_logits(self.model, ids[rows], torch.ones_like(ids[rows]),
+                                           ids.shape[1] - plen, self.shared_prefix,
+                                           vision_inputs=vision.select_rows(pixels, rows))
+                top = torch.log_softmax(logits.float() / temperature, -1).topk(k, -1)  # (b, T, k)
+            top_ids.append(top.indices.cpu())
+            top_logps.append(top.values.cpu())
+        return torch.cat(top_ids), torch.cat(top_logps)  # (G, T, k) each
+
     def _work(self):
         """The forward thread: each pending group gets its ref_logps and goes to a ready queue."""
         while not self.stopping.is_set():
@@ -155,6 +175,10 @@ class RefServer:
                 if not torch.isfinite(ref_logps).all():  # never hand a trainer NaN or inf
                     raise FloatingPointError("the reference forward gave NaN or inf log-probs")
                 tensors["ref_logps"] = ref_logps  # (G, T)
+                if meta.get("teacher_top_k"):  # DISTILL_TOP_K: the teacher's likeliest tokens
+                    tensors["teacher_topk_ids"], tensors["teacher_topk_logps"] = self.teacher_topk(
+                        tensors["input_ids"], meta["plen"], meta.get("temperature", 1.0),
+                        meta["teacher_top_k"], images)
                 if self.reward_model is not None:  # the last reward is known only here
                     tensors, meta = add_reward_model(tensors, meta, self.reward_model,
                                                      self.reward_model_weight)
@@ -228,6 +252,9 @@ class RefServer:
                     self._busy()  # this second's decoding is spent: a retry comes later
                 if self.processor is not None or carries_images(tensors):
                     images = vision.check_group(self.processor, tensors, meta["plen"])
+                if meta.get("teacher_top_k") and not self.teacher:
+                    raise ValueError("teacher_top_k asks a teacher (TEACHER=1); this server holds "
+                                     "a reference")
                 needs_text = meta.get("question") is None or meta.get("answers") is None
                 if self.reward_model is not None and needs_text:
                     raise ValueError("this server has a REWARD_MODEL: "

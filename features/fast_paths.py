@@ -26,6 +26,7 @@ SHARED_PREFIX = True  # each group's prompt runs once, its KV cache shared; Fals
 LOGP_FROM_HIDDEN = True  # log-probs from the LM head's input in chunks; False = the plain logits
 LOGP_CHUNK = 128  # tokens whose logits exist at once: (LOGP_CHUNK, V), not (B, T, V); 0 = all
 USE_TRITON = False  # True = the fused Triton loss (grpo_loss_triton.py, GPU)
+SKIP_GEN_LOGPS = True  # MU = 1: a rank's own groups need no pi_old forward (ratio 1); False = one
 env_overrides.apply_env_overrides(globals(), "features/fast_paths.py")
 
 

@@ -6,7 +6,7 @@ main().
 """
 import sys
 
-from features import checkpoints, fast_paths, lora, run_log, vllm_engine
+from features import checkpoints, fast_paths, lora, run_log, vllm_engine, wire
 
 
 def refuse_impossible(*, gspo, clip_eps, clip_eps_high, loss_type, output_dir):
@@ -68,8 +68,8 @@ def refuse_objectives(*, objective, advantage, reward_norm, top_entropy_quantile
 
 
 def refuse_distillation(
-    *, distill_coef, discount, off_policy_delta, beta, kl_bias_correction, rewards, num_pre_q,
-    scale_rewards, dynamic_sampling
+    *, distill_coef, discount, top_k, off_policy_delta, beta, kl_bias_correction, rewards,
+    num_pre_q, scale_rewards, dynamic_sampling
 ):
     """Stop on a teacher setting that cannot work (docs/distillation.md): a k3 penalty towards the
     teacher (its gradient is the forward KL's), the fused Triton loss (one advantage per answer, no
@@ -79,6 +79,12 @@ def refuse_distillation(
     delta = off_policy_delta
     if coef < 0 or delta < 0:
         sys.exit(f"DISTILL_COEF = {coef}, OFF_POLICY_DELTA = {delta}: each is 0 (off) or above")
+    if not 0 <= top_k <= wire.MAX_TOP_K or (top_k and not coef):
+        sys.exit(f"DISTILL_TOP_K = {top_k}: 0 (off) or 1..{wire.MAX_TOP_K} of the teacher's "
+                 "likeliest tokens, with DISTILL_COEF > 0")
+    if top_k and (discount or fast_paths.USE_TRITON):
+        sys.exit("DISTILL_TOP_K's term is each token's exact reverse KL over the teacher's top "
+                 "tokens: DISTILL_DISCOUNT (a sampled return) and USE_TRITON do not apply")
     if not 0 <= discount <= 1 or (discount and not coef):
         sys.exit(f"DISTILL_DISCOUNT = {discount}: a discount in [0, 1] of the teacher's terms, "
                  "with DISTILL_COEF > 0")

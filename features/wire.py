@@ -43,6 +43,7 @@ META_FIELDS = {
     "worker": (str, "RefClient.upload from a genonly worker", "its groups wait apart"),
     "regrouped": (bool, "regroup.RegroupPool", "REGROUP mixed it from several uploads"),
     "reward_model_mean": (float, "reward_model.add_reward_model", "the REWARD_MODEL's mean score"),
+    "teacher_top_k": (int, "the trainer's pack_groups", "DISTILL_TOP_K: a teacher's k likeliest"),
 }
 MAX_META_CHARS = 2**22  # metadata: numbers, names, and the answers' text for a reward model
 MAX_META_DEPTH = 8  # JSON nesting levels of the metadata
@@ -51,7 +52,9 @@ QUOTE_CHARS = 200
 MAX_NAME_CHARS = 200  # metadata worker and upload_id: a name, never a payload
 TEMPERATURE_RANGE = (0.01, 100)  # below 0.01, logits / T overflow to inf and the log-probs are NaN
 MAX_RANKS = 4096  # trainer ranks a server keeps ready queues for
-CHECKED_META = ("version", "rank", "worker", "upload_id", "regrouped", "question", "answers")
+MAX_TOP_K = 64  # teacher_top_k: tokens per answer token a teacher sends back, (G, T, k) twice
+CHECKED_META = ("version", "rank", "worker", "upload_id", "regrouped", "question", "answers",
+                "teacher_top_k")
 META_TYPES = {name: META_FIELDS[name][0] for name in CHECKED_META}  # optional fields' types
 
 
@@ -111,6 +114,28 @@ def carries_images(tensors: dict) -> bool:
     return any(name in tensors for name in IMAGE_FIELDS)
 
 
+def check_teacher_topk(tensors: dict, *, top_k: int, answer_tokens: int, vocab_size) -> None:
+    """ValueError unless a teacher's reply carries its k likeliest tokens of each answer token as
+    asked: teacher_topk_ids (G, T, k) int64 below vocab_size, teacher_topk_logps (G, T, k) finite
+    float32 log-probs (<= 0). What a trainer reads from a server is checked before it is used."""
+    ids = tensors.get("teacher_topk_ids")
+    logps = tensors.get("teacher_topk_logps")
+    if ids is None or logps is None:
+        raise ValueError("the teacher sent no top-k tokens: a server older than DISTILL_TOP_K?")
+    rows = tensors["completion_mask"].shape[0]
+    shape = (rows, answer_tokens, top_k)
+    if ids.dtype != torch.int64 or tuple(ids.shape) != shape:
+        raise ValueError(f"teacher_topk_ids must be int64 {shape}, got {ids.dtype} "
+                         f"{tuple(ids.shape)}")
+    if logps.dtype != torch.float32 or tuple(logps.shape) != shape:
+        raise ValueError(f"teacher_topk_logps must be float32 {shape}, got {logps.dtype} "
+                         f"{tuple(logps.shape)}")
+    if ids.numel() and (ids.min() < 0 or (vocab_size is not None and ids.max() >= vocab_size)):
+        raise ValueError(f"teacher_topk_ids outside the vocabulary [0, {vocab_size})")
+    if not torch.isfinite(logps).all() or (logps > 0).any():
+        raise ValueError("teacher_topk_logps must be finite log-probs (<= 0)")
+
+
 # ------------------------------------------------------------------------ what a group must be
 class TooLarge(ValueError):
     """An upload over a size limit: 413."""
@@ -150,7 +175,8 @@ def validate_group(tensors: dict, meta: dict, vocab_size: int, max_rows: int, ma
         value = meta.get(name)
         named = name in ("worker", "upload_id")  # names, never payloads
         if value is not None and (type(value) is not kind or named and len(value) > MAX_NAME_CHARS):
-            wanted = f"a {kind.__name__}"
+            article = "an" if kind.__name__[0] in "aeiou" else "a"
+            wanted = f"{article} {kind.__name__}"
             if kind is str:
                 wanted = f"a string of at most {MAX_NAME_CHARS} characters"
             shown = str(value)[:MAX_NAME_CHARS // 2]
@@ -158,6 +184,9 @@ def validate_group(tensors: dict, meta: dict, vocab_size: int, max_rows: int, ma
     rank = meta.get("rank")
     if rank is not None and not 0 <= rank < MAX_RANKS:  # each rank gets a ready queue of its own
         raise ValueError(f"metadata rank must be an int in 0..{MAX_RANKS - 1}, got {rank!r}")
+    top_k = meta.get("teacher_top_k")
+    if top_k is not None and not 1 <= top_k <= MAX_TOP_K:  # the reply is (G, T, k) twice
+        raise ValueError(f"metadata teacher_top_k must be an int in 1..{MAX_TOP_K}, got {top_k}")
     answers = meta.get("answers")
     if answers is not None and (len(answers) != g or not all(isinstance(a, str) for a in answers)):
         raise ValueError(f"metadata answers must be a list of {g} strings, one per row")

@@ -285,7 +285,7 @@ def test_batch_scaling_counts_every_generated_reward_once(keep_all, monkeypatch)
     not, each reward enters the step's std once: 12 rewards, std 0.937 (the old count, with
     [1, 1, 1, 1] uploaded and listed as dropped too, gave 0.718 on the first two groups, against
     their 0.886)."""
-    monkeypatch.setattr(grpo, "SKIP_GEN_LOGPS", True)
+    monkeypatch.setattr(grpo.fast_paths, "SKIP_GEN_LOGPS", True)
     monkeypatch.setattr(grpo, "NUM_PRE_Q", 4)
     rewards = [[1.0] * 4, [0.0, 1.0, 2.0, 3.0], [0.0, 2.0, 0.0, 2.0]]
     scores = torch.tensor(sum(rewards, []))

@@ -7,10 +7,12 @@ handshake (vocabulary, role) and the settings refused at start.
 import math
 
 import pytest
+import requests
 import torch
 
 import grpo_ref_split as grpo
-from conftest import set_setting
+from conftest import VOCAB, group, pull, set_setting, start, stop
+from features.wire import encode_batch
 from features.fingerprint import vocab_fingerprint
 from features.server_client import check_reference
 
@@ -514,3 +516,134 @@ def test_pure_distillation_trains_every_answer_and_moves_towards_the_teacher(
     assert sum(kl[-2:]) < 0.8 * sum(kl[:2]), kl
     assert refused.returncode != 0
     assert "as a teacher: set DISTILL_COEF > 0" in refused.stdout + refused.stderr
+
+
+# ------------------------------------------------------------- the teacher's top-k (DISTILL_TOP_K)
+def test_the_top_k_reverse_kl_is_the_full_reverse_kl_at_k_equal_v_in_value_and_gradient():
+    """The definition written here: KL(pi || t) = sum_v pi(v) (log pi(v) - log t(v)) over the whole
+    vocabulary (11 tokens). At k = V the top-k term is it, value and gradient; at k = 3 it is the
+    same sum over the teacher's 3 likeliest tokens alone."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 3, 11, generator=g, dtype=torch.float64, requires_grad=True)
+    teacher = torch.log_softmax(torch.randn(2, 3, 11, generator=g, dtype=torch.float64), -1)
+    student = torch.log_softmax(logits, -1)  # (B, T, V)
+    full = (student.exp() * (student - teacher)).sum(-1)  # (B, T)
+    top = teacher.topk(11, -1)
+    got = grpo.topk_reverse_kl(student_logps=student.gather(-1, top.indices),
+                               teacher_logps=top.values)  # (B, T)
+    torch.testing.assert_close(got, full, rtol=0, atol=1e-12)
+    (want_grad,) = torch.autograd.grad(full.sum(), logits, retain_graph=True)
+    (got_grad,) = torch.autograd.grad(got.sum(), logits, retain_graph=True)
+    torch.testing.assert_close(got_grad, want_grad, rtol=0, atol=1e-12)
+    three = teacher.topk(3, -1).indices  # (B, T, 3)
+    partial = grpo.topk_reverse_kl(student_logps=student.gather(-1, three),
+                                   teacher_logps=teacher.gather(-1, three))
+    by_hand = sum(student[0, 0, v].exp() * (student[0, 0, v] - teacher[0, 0, v])
+                  for v in three[0, 0].tolist())
+    assert partial[0, 0].item() == pytest.approx(by_hand.item(), abs=1e-12)
+
+
+def test_a_teacher_server_sends_its_k_likeliest_tokens_and_the_trainer_lays_them_out(model):
+    """An upload asking teacher_top_k = 5 comes back with (G, T, 5) ids and log-probs: the tiny
+    model's own top 5 of log softmax(logits / T) at each answer position (computed here without
+    the server's paths), and collate puts them on the answer columns."""
+    server, stop_serving, url = start(model, teacher=True)
+    try:
+        tensors, meta = group(G=3, plen=5, tc=4, seed=2, rank=0, teacher_top_k=5, temperature=0.7)
+        r = requests.post(url + "/upload", data=encode_batch(tensors, meta), timeout=30)
+        assert r.status_code == 200, r.text
+        back, back_meta = pull(url + "", path="/get?rank=0")
+    finally:
+        stop(server, stop_serving)
+    with torch.no_grad():
+        logits = model(input_ids=tensors["input_ids"]).logits[:, 4:-1]  # (G, T, V)
+        want = torch.log_softmax(logits.float() / 0.7, -1).topk(5, -1)
+    assert torch.equal(back["teacher_topk_ids"], want.indices)
+    # the same fp32 forward, the server's micro-batched: a few ulps of log-probs near 10
+    torch.testing.assert_close(back["teacher_topk_logps"], want.values, rtol=0, atol=1e-4)
+    batch = grpo.collate([(back, back_meta)], 0, teacher=True, top_k=5, vocab_size=VOCAB)
+    assert batch.teacher_topk_ids.shape == (3, 4, 5)
+    assert torch.equal(batch.teacher_topk_ids, back["teacher_topk_ids"])
+
+
+def test_a_reference_server_refuses_top_k_and_so_does_any_server_past_its_bound(model):
+    server, stop_serving, url = start(model)
+    teacher, stop_teacher, teacher_url = start(model, teacher=True)
+    try:
+        for where, k, message in ((url, 5, "asks a teacher"), (teacher_url, 65, "1..64"),
+                                  (teacher_url, 0, "1..64"), (teacher_url, "5", "an int")):
+            tensors, meta = group(seed=3, teacher_top_k=k)
+            r = requests.post(where + "/upload", data=encode_batch(tensors, meta), timeout=30)
+            assert r.status_code == 400 and message in r.json()["error"], (k, r.text)
+    finally:
+        stop(server, stop_serving)
+        stop(teacher, stop_teacher)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda t: t.pop("teacher_topk_ids"), "no top-k tokens"),
+    (lambda t: t.update(teacher_topk_ids=t["teacher_topk_ids"][:, :, :2]), "must be int64"),
+    (lambda t: t.update(teacher_topk_ids=t["teacher_topk_ids"].int()), "must be int64"),
+    (lambda t: t["teacher_topk_ids"].__setitem__((0, 0, 0), VOCAB), "outside the vocabulary"),
+    (lambda t: t["teacher_topk_ids"].__setitem__((0, 0, 0), -1), "outside the vocabulary"),
+    (lambda t: t["teacher_topk_logps"].__setitem__((0, 0, 0), 0.5), "finite log-probs"),
+    (lambda t: t["teacher_topk_logps"].__setitem__((0, 0, 0), float("nan")), "finite log-probs"),
+    (lambda t: t.update(teacher_topk_logps=t["teacher_topk_logps"].double()), "must be float32"),
+])
+def test_a_hostile_teacher_reply_is_refused_before_any_of_it_is_used(change, message):
+    tensors, meta = group(G=2, plen=3, tc=4, seed=4)
+    tensors["ref_logps"] = -torch.rand(2, 4)
+    tensors["teacher_topk_ids"] = torch.randint(0, VOCAB, (2, 4, 3))
+    tensors["teacher_topk_logps"] = -torch.rand(2, 4, 3)
+    grpo.collate([(dict(tensors), meta)], 0, teacher=True, top_k=3, vocab_size=VOCAB)  # as sent
+    change(tensors)
+    with pytest.raises(ValueError, match=message):
+        grpo.collate([(tensors, meta)], 0, teacher=True, top_k=3, vocab_size=VOCAB)
+
+
+@pytest.mark.parametrize("setting, message", [
+    (dict(DISTILL_TOP_K=20, DISTILL_COEF=0.0), "DISTILL_TOP_K = 20"),
+    (dict(DISTILL_TOP_K=65), "DISTILL_TOP_K = 65"),
+    (dict(DISTILL_TOP_K=20, DISTILL_DISCOUNT=0.5), "DISTILL_DISCOUNT .* do not apply"),
+    (dict(DISTILL_TOP_K=20, USE_TRITON=True), "USE_TRITON"),
+])
+def test_top_k_settings_that_cannot_work_are_refused(setting, message, monkeypatch, tmp_path):
+    teacher_settings(monkeypatch, tmp_path, **setting)
+    with pytest.raises(SystemExit, match=message):
+        grpo.check_settings()
+
+
+def test_the_top_k_term_enters_the_loss_as_coef_times_its_token_means(monkeypatch):
+    """policy_loss with DISTILL_TOP_K on a tiny model: its loss minus the same batch's without the
+    term is coef x the mean over answers of each answer's token mean of the top-k reverse KL,
+    computed here from the model's own logits."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from conftest import tiny_config
+    from test_variants import PlainEngine, batch_for
+
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(grpo.resolve_model_path(""))
+    model = LlamaForCausalLM(tiny_config(tok))
+    b = batch_for(model)
+    g = torch.Generator().manual_seed(5)
+    b.teacher_topk_ids = torch.randint(0, 49152, (4, 6, 3), generator=g)
+    b.teacher_topk_logps = -torch.rand(4, 6, 3, generator=g) * 3
+    b.teacher_logps = b.ref_logps
+    b.normalizer = 4.0  # the answers of the step
+    b.ref_logps = None
+    set_setting(monkeypatch, "BETA", 0.0)
+    set_setting(monkeypatch, "DISTILL_COEF", 2.0)
+    set_setting(monkeypatch, "DISTILL_TOP_K", 3)
+    engine = PlainEngine(model, lr=0.0)
+    with_term, _ = grpo.policy_loss(engine, b)
+    set_setting(monkeypatch, "DISTILL_COEF", 1e-30)  # the same path, the term vanishing
+    without, _ = grpo.policy_loss(engine, b)
+    with torch.no_grad():
+        logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, -7:-1]
+        student = torch.log_softmax(logits.float() / grpo.TEMPERATURE, -1).gather(
+            -1, b.teacher_topk_ids)  # (B, T, k)
+        kl = (student.exp() * (student - b.teacher_topk_logps)).sum(-1)  # (B, T)
+        mask = b.mask.bool()
+        want = 2.0 * (torch.where(mask, kl, 0.0).sum(1) / mask.sum(1)).sum() / b.normalizer
+    assert (with_term - without).item() == pytest.approx(want.item(), rel=1e-4)

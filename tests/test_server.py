@@ -270,7 +270,7 @@ BAD = {
         400,
         "deeper than 8",
     ),
-    "version a string": (mutate(meta_version="3"), 400, "metadata version must be a int"),
+    "version a string": (mutate(meta_version="3"), 400, "metadata version must be an int"),
     "question a number": (mutate(meta_question=3), 400, "metadata question must be a string"),
     "answers one short": (
         mutate(meta_answers=["a", "b"]),
@@ -282,7 +282,7 @@ BAD = {
         400,
         "metadata answers must be a list of 3 strings",
     ),
-    "rank a float": (mutate(meta_rank=1.0), 400, "metadata rank must be a int"),
+    "rank a float": (mutate(meta_rank=1.0), 400, "metadata rank must be an int"),
     "worker a list": (mutate(meta_worker=["w"]), 400, "metadata worker must be a string"),
     "regrouped a number": (mutate(meta_regrouped=1), 400, "metadata regrouped must be a bool"),
     "sequence past the model's positions": (

@@ -585,7 +585,7 @@ def test_skip_gen_logps_gives_the_plain_paths_loss_and_gradient(tiny_policy, mon
     params = [p for p in model.parameters() if p.requires_grad]
     out = {}
     for skip in (True, False):
-        monkeypatch.setattr(grpo, "SKIP_GEN_LOGPS", skip)
+        monkeypatch.setattr(grpo.fast_paths, "SKIP_GEN_LOGPS", skip)
         groups, _ = short_rollout(
             tiny_policy, monkeypatch, False, max_new_tokens=16, with_gen_logps=False
         )
