@@ -841,7 +841,9 @@ def collate(groups, pad_id, *, teacher=False, image_processor=None, top_k=0,
 def batches_of(engine, groups, pad_id, image_processor=None) -> list:
     """Step 6's input: the groups as one batch, or TRAIN_MICRO_BATCH groups a batch, each with the
     step's normalizer, so their gradients add up to the one batch's (features/zero2.py)."""
-    vocab_size = engine.module.get_output_embeddings().weight.shape[0]  # a teacher's ids below it
+    vocab_size = None  # DISTILL_TOP_K: a teacher's top-k ids must lie below it
+    if DISTILL_TOP_K:
+        vocab_size = engine.module.get_output_embeddings().weight.shape[0]
     def to_batch(part):  # the groups as one padded Batch
         return collate(part, pad_id, teacher=DISTILL_COEF > 0, image_processor=image_processor,
                        top_k=DISTILL_TOP_K, vocab_size=vocab_size)
