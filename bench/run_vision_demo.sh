@@ -9,8 +9,9 @@
 # 10 steps on 128 images never trained on. RUNS: "aligned" (the above) and "unaligned" (the same
 # GRPO from the random vision side, ALIGN_STEPS=0: the control); "aligned_vllm" is "aligned" with
 # USE_VLLM=1 (vLLM samples with the images; run it beside "aligned" to compare times). Each run's
-# metrics.jsonl and wall seconds go to $RESULTS as it ends; a run already there is skipped. Then
-# bench/vision_report.py prints the table.
+# metrics.jsonl and wall seconds go to $RESULTS as it ends, with the controls of its step 30
+# (bench/vision_controls.py: colour-swapped twins, shuffled and blank images); a run already there
+# is skipped. Then bench/vision_report.py prints the table.
 #   bash bench/run_vision_demo.sh                        # aligned s42 s43, unaligned s42
 #   RUNS="aligned aligned_vllm" SEEDS=42 RESULTS=/tmp/side bash bench/run_vision_demo.sh
 set -euo pipefail
@@ -59,7 +60,7 @@ for run in $RUNS; do
     # A run whose rollouts never give a group with different rewards stops (MAX_ROLLOUTS): kept
     # as its result, the trainer's last line in ${name}_stopped; any other failure stops the script.
     if ! MODEL_PATH="$model" DATASET=shapes REWARDS='[["reward_word", 1.0]]' EXAMPLE=null \
-      MAX_NEW_TOKENS=8 LR=2e-5 EVAL_SIZE=128 SAVE_STEPS=0 SEED="$seed" OUTPUT_DIR="$dir" \
+      MAX_NEW_TOKENS=8 LR=2e-5 EVAL_SIZE=128 SAVE_STEPS=30 SEED="$seed" OUTPUT_DIR="$dir" \
       USE_VLLM=$use_vllm \
       deepspeed --log_level error --num_gpus 1 --master_port "${MASTER_PORT:-29500}" \
       grpo_ref_split.py > "$OUT/${run}_s${seed}.log" 2>&1; then
@@ -71,6 +72,10 @@ for run in $RUNS; do
     server=""
     cp "$dir/metrics.jsonl" "$RESULTS/${name}_metrics.jsonl"
     echo $(( $(date +%s) - start )) > "$RESULTS/${name}_wall_s"
+    if [ -e "$dir/step_30/config.json" ]; then  # the controls: does the policy read the image?
+      python bench/vision_controls.py "$dir/step_30" "$seed" | tail -1 \
+        > "$RESULTS/${name}_controls.json"
+    fi
     rm -rf "$dir"/step_*
   done
 done

@@ -3,6 +3,7 @@ trainer's forwards, the upload and the reference server's guard, on a tiny SmolV
 built from the embedded tokenizer (features/vision_demo.py)."""
 import io
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -1058,3 +1059,44 @@ def test_pixel_rows_repeat_each_prompts_pixels_for_its_answers():
     assert rows["pixel_values"].view(-1).tolist() == [1, 1, 1, 2, 2, 2]
     assert vision.select_rows(rows, [0, 4])["pixel_values"].view(-1).tolist() == [1, 2]
     assert vision.pixel_rows({"input_ids": torch.zeros(2, 3)}, 3) == {}
+
+
+# ----------------------------------------------------------------------------- the demo's controls
+def test_the_controls_swap_colours_shuffle_and_blank_the_held_out_images():
+    """bench/vision_controls.py (issue 58): a twin is the same picture with its two colours
+    exchanged and the other colour as gold; shuffled images come from the next question; the
+    blank image is white."""
+    from PIL import Image
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import vision_controls
+
+    held_out = rewards.make_shapes(3, seed=11)
+    sets = vision_controls.control_sets(held_out)
+    for q, twin in zip(held_out, sets["twins"]):
+        before = Image.open(io.BytesIO(q["images"][0])).convert("RGB")
+        after = Image.open(io.BytesIO(twin["images"][0])).convert("RGB")
+        big, small = rewards.COLOURS[q["gold"]], rewards.COLOURS[twin["gold"]]
+        assert twin["gold"] != q["gold"] and twin["question"] == q["question"]
+        for was, now in zip(before.getdata(), after.getdata()):  # pixel for pixel
+            assert now == {big: small, small: big}.get(was, was)
+    assert [s["images"] for s in sets["shuffled"]] == [q["images"] for q in held_out[1:] +
+                                                       held_out[:1]]
+    assert [s["gold"] for s in sets["shuffled"]] == [q["gold"] for q in held_out]
+    blank = Image.open(io.BytesIO(sets["blank"][0]["images"][0])).convert("RGB")
+    assert set(blank.getdata()) == {(255, 255, 255)}
+
+
+def test_the_controls_run_on_a_checkpoint(answering_vlm_dir, monkeypatch):
+    """The script end to end on the tiny answering VLM (8 held-out questions): each control's
+    accuracy and the share right on both twins, each a share. The demo's figures need a trained
+    run (bench/run_vision_demo.sh, then this script on its step_30)."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import vision_controls
+
+    monkeypatch.setattr(vision_controls, "EVAL_SIZE", 8)
+    monkeypatch.setattr(grpo, "MAX_NEW_TOKENS", 4)
+    out = vision_controls.controls(answering_vlm_dir, seed=42)
+    assert set(out) == {"original", "twins", "shuffled", "blank", "both_twins"}
+    assert all(0 <= value <= 1 for value in out.values())
+    assert out["both_twins"] <= min(out["original"], out["twins"])
