@@ -88,23 +88,13 @@ def saved_bytes_per_token(model) -> float:
     The meta device runs attention's plain path, which also saves the (heads, T, T) weights; GPUs
     and PyTorch's CPU attention do not. Tracing two lengths and extrapolating to length 0 keeps only
     the per-token part, which is what flash and memory-efficient attention save. """
-    weights = {p.untyped_storage()._cdata for p in model.parameters()}
     # peft: its base's config; a VLM: its LM's
     layers = model.config.get_text_config().num_hidden_layers
     per_token = []
     for length in (64, 128):
-        saved = {}
-
-        def pack(tensor):
-            storage = tensor.untyped_storage()
-            if storage._cdata not in weights:  # a weight is not an activation
-                saved[storage._cdata] = storage.nbytes()
-            return tensor
-
         ids = torch.zeros(1, length, dtype=torch.long, device="meta")  # (1, length)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            model.get_decoder()(input_ids=ids)
-        per_token.append(sum(saved.values()) / (length * layers))
+        saved = saved_bytes(lambda: model.get_decoder()(input_ids=ids), model)
+        per_token.append(saved / (length * layers))
     return 2 * per_token[0] - per_token[1]  # the line through both, at length 0
 
 
