@@ -52,6 +52,7 @@ CLIP_EPS_HIGH = 0.2  # ... and rise to 1 + CLIP_EPS_HIGH; DAPO's 0.28 lets rare 
 DISTILL_COEF = 0.0  # > 0 = the server holds a teacher: A_t += this x (log teacher - log pi_old)
 DISTILL_DISCOUNT = 0.0  # teacher terms of later tokens added at this^distance (tinker's); 0 = own
 DISTILL_TOP_K = 0  # > 0 = the term is the reverse KL over the teacher's k likeliest tokens (~20)
+DISTILL_SCALE = "fixed"  # | "matched": the teacher term x rms(group term) / rms(its own), each step
 LR = 1e-5  # AdamW learning rate; the optimizer's other settings and its schedule are DS_CONFIG's
 ALL_STEPS = 30  # training steps
 SEED = 42  # seeds questions and sampling (rank r uses SEED + r)
@@ -93,6 +94,7 @@ LOSS_TYPES = ("grpo", "dapo", "dr_grpo")  # LOSS_TYPE's choices
 OBJECTIVES = ("clip", "cispo", "sapo", "gmpo")  # OBJECTIVE's choices
 ADVANTAGES = ("grpo", "rloo", "reinforce_pp", "passk")  # ADVANTAGE's choices
 REWARD_NORMS = ("sum_then_normalize", "normalize_then_sum")  # REWARD_NORM's choices
+DISTILL_SCALES = ("fixed", "matched")  # DISTILL_SCALE's choices
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_id) -> torch.Tensor:
@@ -149,17 +151,25 @@ def gdpo_advantages(each: torch.Tensor, weights: torch.Tensor, num_pre_q: int) -
 
 
 def distill_advantages(advantages, *, teacher_logps, sampler_logps, mask, coef,
-                       discount=0.0) -> torch.Tensor:
+                       discount=0.0, matched=False) -> torch.Tensor:
     """(B, T) on-policy distillation: A_t = A + coef (log teacher(y_t) - log pi_old(y_t)), each
     token's own term; its expected gradient is -coef grad KL(pi || teacher). discount g > 0 adds
     the later tokens' terms too, g^(t' - t) each (tinker's KL discount: a token is also credited
-    with where it led), the reverse KL's return rather than its one step."""
-    term = torch.where(mask.bool(), teacher_logps - sampler_logps.detach(), 0.0)  # (B, T)
+    with where it led), the reverse KL's return rather than its one step. matched: the term scaled
+    by rms(A) / rms(term) over the answer tokens, so it keeps the group term's size as the KL falls
+    (DISTILL_SCALE "matched"; GRPO's A stays near 1 per token whatever the rewards)."""
+    mask = mask.bool()  # (B, T)
+    term = torch.where(mask, teacher_logps - sampler_logps.detach(), 0.0)  # (B, T)
     if discount:
         T = term.shape[1]
         distance = torch.arange(T)[None, :] - torch.arange(T)[:, None]  # (T, T) t' - t
         weight = torch.where(distance >= 0, discount ** distance.clamp(min=0).double(), 0.0)
         term = term @ weight.T.to(term)  # (B, T) sum over t' >= t of g^(t' - t) term_t'
+    if matched:  # the two terms' root mean squares over the answer tokens, equal
+        group = advantages[:, None].expand_as(term)  # (B, T)
+        group_rms = masked_mean(group.square(), mask).mean().sqrt()  # ()
+        term_rms = masked_mean(term.square(), mask).mean().sqrt()  # ()
+        term = term * (group_rms / term_rms.clamp(min=1e-8))  # (B, T)
     return advantages[:, None] + coef * term  # (B, T)
 
 
@@ -720,7 +730,8 @@ def policy_loss(engine, b: Batch):
         if DISTILL_COEF and not DISTILL_TOP_K:  # + the teacher's term on each token
             advantages = distill_advantages(b.advantages, teacher_logps=b.teacher_logps,
                                             sampler_logps=old_logps, mask=b.mask,
-                                            coef=DISTILL_COEF, discount=DISTILL_DISCOUNT)  # (B, T)
+                                            coef=DISTILL_COEF, discount=DISTILL_DISCOUNT,
+                                            matched=DISTILL_SCALE == "matched")  # (B, T)
         weights = None  # vLLM's mismatch pi_old / pi_vllm, truncated or masked (TIS_MODE)
         if b.sampler_logps is not None and vllm_engine.TIS_CAP:
             weights = vllm_engine.mismatch_weights(old_logps, b.sampler_logps, b.sampler_rows,
@@ -864,6 +875,7 @@ def check_settings():
     env_overrides.check_choice("OBJECTIVE", OBJECTIVE, OBJECTIVES)
     env_overrides.check_choice("ADVANTAGE", ADVANTAGE, ADVANTAGES)
     env_overrides.check_choice("REWARD_NORM", REWARD_NORM, REWARD_NORMS)
+    env_overrides.check_choice("DISTILL_SCALE", DISTILL_SCALE, DISTILL_SCALES)
     vllm_engine.check_settings()
     question_sampler.check_settings()
     tools.check_settings()
@@ -875,7 +887,7 @@ def check_settings():
                                loss_type=LOSS_TYPE, scale_rewards=SCALE_REWARDS,
                                distill_coef=DISTILL_COEF, num_pre_q=NUM_PRE_Q)
     refusals.refuse_distillation(distill_coef=DISTILL_COEF, discount=DISTILL_DISCOUNT,
-                                 top_k=DISTILL_TOP_K,
+                                 top_k=DISTILL_TOP_K, matched=DISTILL_SCALE == "matched",
                                  off_policy_delta=OFF_POLICY_DELTA,
                                  beta=BETA, kl_bias_correction=KL_BIAS_CORRECTION,
                                  rewards=REWARDS, num_pre_q=NUM_PRE_Q, scale_rewards=SCALE_REWARDS,

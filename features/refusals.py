@@ -68,8 +68,8 @@ def refuse_objectives(*, objective, advantage, reward_norm, top_entropy_quantile
 
 
 def refuse_distillation(
-    *, distill_coef, discount, top_k, off_policy_delta, beta, kl_bias_correction, rewards,
-    num_pre_q, scale_rewards, dynamic_sampling
+    *, distill_coef, discount, top_k, matched, off_policy_delta, beta, kl_bias_correction,
+    rewards, num_pre_q, scale_rewards, dynamic_sampling
 ):
     """Stop on a teacher setting that cannot work (docs/distillation.md): a k3 penalty towards the
     teacher (its gradient is the forward KL's), the fused Triton loss (one advantage per answer, no
@@ -100,6 +100,9 @@ def refuse_distillation(
             "set DISTILL_COEF, OFF_POLICY_DELTA and KL_BIAS_CORRECTION off, or USE_TRITON=0"
         )
     pure = coef > 0 and all(weight == 0 for _, weight in rewards)
+    if matched and (pure or not coef or top_k):
+        sys.exit('DISTILL_SCALE "matched" sizes the sampled teacher term to the rewards\' group '
+                 "term: it needs DISTILL_COEF > 0, a REWARDS weight above 0 and no DISTILL_TOP_K")
     if num_pre_q < 1 or (num_pre_q == 1 and not pure):
         sys.exit(
             f"NUM_PRE_Q = {num_pre_q}: a group needs 2 answers or more to compare "

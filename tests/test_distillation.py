@@ -108,6 +108,37 @@ def test_a_discounted_teacher_term_adds_the_later_tokens_by_hand():
     assert own.view(-1).tolist() == pytest.approx([2.1, -3.9, 8.1, 0.1])
 
 
+def test_a_matched_teacher_term_has_the_group_terms_size_by_hand():
+    """DISTILL_SCALE "matched" (issue 60, item 6): advantages [1, -1] on 2 tokens each, terms
+    [[0.3, 0.1], [-0.2, 0.0]] and a padding token. rms(A) over the 4 tokens = 1; rms(term) =
+    sqrt((0.09 + 0.01 + 0.04 + 0) / 4) = 0.18708; so the term x 5.3452, coef 0.5:
+    A_t = [1 + 0.80178, 1 + 0.26726, -1 - 0.53452, -1 + 0]; padding keeps A."""
+    teacher = torch.tensor([[0.3, 0.1, 7.0], [-0.2, 0.0, 7.0]])
+    mask = torch.tensor([[True, True, False], [True, True, False]])
+    got = grpo.distill_advantages(torch.tensor([1.0, -1.0]), teacher_logps=teacher,
+                                  sampler_logps=torch.zeros(2, 3), mask=mask, coef=0.5,
+                                  matched=True)
+    scale = 1 / math.sqrt(0.14 / 4)
+    assert scale == pytest.approx(5.3452, abs=1e-4)
+    want = [[1 + 0.5 * 0.3 * scale, 1 + 0.5 * 0.1 * scale, 1.0],
+            [-1 - 0.5 * 0.2 * scale, -1.0, -1.0]]
+    assert got.tolist() == [pytest.approx(row, abs=1e-5) for row in want]
+
+
+def test_matched_scaling_needs_rewards_and_a_sampled_term(monkeypatch, tmp_path):
+    no_rewards = [(fn, 0.0) for fn, _ in grpo.REWARDS]
+    fine = dict(REWARDS=grpo.REWARDS, DISTILL_COEF=1.0, DISTILL_TOP_K=0)
+    for setting in (dict(REWARDS=no_rewards), dict(DISTILL_COEF=0.0), dict(DISTILL_TOP_K=5)):
+        teacher_settings(monkeypatch, tmp_path, DISTILL_SCALE="matched", **(fine | setting))
+        with pytest.raises(SystemExit, match='DISTILL_SCALE "matched"'):
+            grpo.check_settings()
+    teacher_settings(monkeypatch, tmp_path, DISTILL_SCALE="matched", **fine)
+    grpo.check_settings()
+    teacher_settings(monkeypatch, tmp_path, DISTILL_SCALE="always")
+    with pytest.raises(SystemExit, match="DISTILL_SCALE = 'always'"):
+        grpo.check_settings()
+
+
 def test_a_discount_outside_zero_to_one_or_without_a_teacher_is_refused(monkeypatch, tmp_path):
     for coef, discount in ((1.0, 1.5), (1.0, -0.1), (0.0, 0.5)):
         teacher_settings(monkeypatch, tmp_path, DISTILL_COEF=coef, DISTILL_DISCOUNT=discount)
