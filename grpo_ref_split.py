@@ -584,7 +584,7 @@ def varied_groups(scores, each) -> torch.Tensor:
     with REWARD_NORM "normalize_then_sum" any one reward (GDPO: a group is uninformative only if
     every reward is equal in it). scores (N,); each: {reward name: N values}."""
     if REWARD_NORM != "normalize_then_sum" or each is None:
-        return scores.view(-1, NUM_PRE_Q).std(1) > 0  # (Q,)
+        return scores.view(-1, NUM_PRE_Q).std(1, correction=int(NUM_PRE_Q > 1)) > 0  # (Q,); G=1: 0
     table = torch.tensor([each[fn.__name__] for fn, _ in REWARDS]).T  # (N, K)
     return table.view(-1, NUM_PRE_Q, table.shape[1]).std(1).gt(0).any(-1)  # (Q,)
 
