@@ -819,6 +819,7 @@ def collate(groups, pad_id, *, teacher=False, image_processor=None, top_k=0,
         attention_mask[row : row + n, P - plen : P + tlen] = 1
         mask[row : row + n, :tlen] = g["completion_mask"]
         for name in [name for name in logps if name in g]:
+            wire.check_logps(g[name], name, rows=n, tokens=tlen)  # a server's reply: before use
             logps[name][row : row + n, :tlen] = g[name]
             given[name][row : row + n] = True
         row += n

@@ -114,6 +114,16 @@ def carries_images(tensors: dict) -> bool:
     return any(name in tensors for name in IMAGE_FIELDS)
 
 
+def check_logps(values, name: str, *, rows: int, tokens: int) -> None:
+    """ValueError unless a group's per-token log-probs (ref_logps from a server, gen_logps or
+    sampler_logps from a worker) are finite float32 of the group's (rows, tokens) shape."""
+    if values.dtype != torch.float32 or tuple(values.shape) != (rows, tokens):
+        raise ValueError(f"{name} must be float32 {(rows, tokens)}, got {values.dtype} "
+                         f"{tuple(values.shape)}")
+    if not torch.isfinite(values).all():
+        raise ValueError(f"{name} has NaN or inf values")
+
+
 def check_teacher_topk(tensors: dict, *, top_k: int, answer_tokens: int, vocab_size) -> None:
     """ValueError unless a teacher's reply carries its k likeliest tokens of each answer token as
     asked: teacher_topk_ids (G, T, k) int64 below vocab_size, teacher_topk_logps (G, T, k) finite

@@ -678,3 +678,20 @@ def test_the_top_k_term_enters_the_loss_as_coef_times_its_token_means(monkeypatc
         mask = b.mask.bool()
         want = 2.0 * (torch.where(mask, kl, 0.0).sum(1) / mask.sum(1)).sum() / b.normalizer
     assert (with_term - without).item() == pytest.approx(want.item(), rel=1e-4)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda t: t.update(ref_logps=t["ref_logps"][:, :3]), "ref_logps must be float32"),
+    (lambda t: t.update(ref_logps=t["ref_logps"].double()), "ref_logps must be float32"),
+    (lambda t: t["ref_logps"].__setitem__((0, 0), float("inf")), "ref_logps has NaN"),
+    (lambda t: t["gen_logps"].__setitem__((1, 2), float("nan")), "gen_logps has NaN"),
+])
+def test_a_servers_log_probs_are_checked_before_the_loss_reads_them(change, message):
+    """What a trainer reads from a server (or a worker's upload through it) is checked and bounded
+    before use: a wrong shape or a NaN in ref_logps or gen_logps stops collate with its name."""
+    tensors, meta = group(G=2, plen=3, tc=4, seed=6)
+    tensors["ref_logps"] = -torch.rand(2, 4)
+    grpo.collate([(dict(tensors), meta)], 0)  # as sent
+    change(tensors)
+    with pytest.raises(ValueError, match=message):
+        grpo.collate([(tensors, meta)], 0)
