@@ -837,17 +837,25 @@ def collate(groups, pad_id, *, teacher=False, image_processor=None, top_k=0,
     if image_processor is not None or any(wire.carries_images(g) for g, _ in groups):
         batch.vision_inputs = vision.group_vision_inputs(groups, image_processor)  # or refused
     if top_k:  # DISTILL_TOP_K: the teacher's k likeliest tokens, checked, padded like the rest
-        batch.teacher_topk_ids = torch.zeros(B, T, top_k, dtype=torch.long)  # (B, T, k)
-        batch.teacher_topk_logps = torch.zeros(B, T, top_k)  # (B, T, k)
-        row = 0
-        for g, meta in groups:
-            wire.check_teacher_topk(g, top_k=top_k, answer_tokens=g["completion_mask"].shape[1],
-                                    vocab_size=vocab_size)
-            n, tlen = g["completion_mask"].shape
-            batch.teacher_topk_ids[row : row + n, :tlen] = g["teacher_topk_ids"]
-            batch.teacher_topk_logps[row : row + n, :tlen] = g["teacher_topk_logps"]
-            row += n
+        batch.teacher_topk_ids, batch.teacher_topk_logps = teacher_topk_of(groups, T, top_k,
+                                                                           vocab_size)
     return batch
+
+
+def teacher_topk_of(groups, T: int, top_k: int, vocab_size) -> tuple:
+    """((B, T, k) ids, (B, T, k) log-probs): each group's teacher top-k (DISTILL_TOP_K), checked
+    (wire.check_teacher_topk) and laid on its answer columns as collate lays the rest."""
+    B = sum(g["completion_mask"].shape[0] for g, _ in groups)
+    ids = torch.zeros(B, T, top_k, dtype=torch.long)  # (B, T, k)
+    logps = torch.zeros(B, T, top_k)  # (B, T, k)
+    row = 0
+    for g, _ in groups:
+        n, tlen = g["completion_mask"].shape
+        wire.check_teacher_topk(g, top_k=top_k, answer_tokens=tlen, vocab_size=vocab_size)
+        ids[row : row + n, :tlen] = g["teacher_topk_ids"]
+        logps[row : row + n, :tlen] = g["teacher_topk_logps"]
+        row += n
+    return ids, logps
 
 
 def batches_of(engine, groups, pad_id, image_processor=None) -> list:

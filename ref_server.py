@@ -248,7 +248,10 @@ class RefServer:
                 meta = validate_group(tensors, meta, self.vocab_size, self.max_rows, self.max_len,
                                       self.max_group_tokens)
                 images = []  # decoded here, once, within the pixel budgets
-                if carries_images(tensors) and not self.decoding.take(vision.pixels_of(tensors)):
+                pixels = 0  # what decoding them costs; text: nothing
+                if carries_images(tensors):
+                    pixels = vision.pixels_of(tensors)
+                if pixels and not self.decoding.take(pixels):
                     self._busy()  # this second's decoding is spent: a retry comes later
                 if self.processor is not None or carries_images(tensors):
                     images = vision.check_group(self.processor, tensors, meta["plen"])
@@ -269,7 +272,7 @@ class RefServer:
                 return first
             answer = None
             try:
-                held = 2 * len(body) + 3 * vision.pixels_of(tensors)  # tensors, encoding, RGB
+                held = 2 * len(body) + 3 * pixels  # the tensors, their encoding, decoded RGB
                 answer = self._accept(tensors, meta, held, images)
                 return answer
             finally:  # refused (503): answer None, the id is forgotten, a retry is handled anew
