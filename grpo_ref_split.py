@@ -52,7 +52,7 @@ CLIP_EPS_HIGH = 0.2  # ... and rise to 1 + CLIP_EPS_HIGH; DAPO's 0.28 lets rare 
 DISTILL_COEF = 0.0  # > 0 = the server holds a teacher: A_t += this x (log teacher - log pi_old)
 DISTILL_DISCOUNT = 0.0  # teacher terms of later tokens added at this^distance (tinker's); 0 = own
 DISTILL_TOP_K = 0  # > 0 = the term is the reverse KL over the teacher's k likeliest tokens (~20)
-DISTILL_SCALE = "fixed"  # | "matched": the teacher term x rms(group term) / rms(its own), each step
+DISTILL_SCALE = "fixed"  # | "matched": the teacher term x rms(group term) / rms(its own), a batch
 LR = 1e-5  # AdamW learning rate; the optimizer's other settings and its schedule are DS_CONFIG's
 ALL_STEPS = 30  # training steps
 SEED = 42  # seeds questions and sampling (rank r uses SEED + r)
