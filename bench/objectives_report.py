@@ -19,6 +19,14 @@ SETTINGS = {
     "dr_grpo": "LOSS_TYPE=dr_grpo SCALE_REWARDS=none, flat LR",
     "learnability": "SAMPLER=learnability, pass of 256",
     "learn_dynamic": "learnability + DYNAMIC",
+    "cispo": "OBJECTIVE=cispo",
+    "sapo": "OBJECTIVE=sapo",
+    "gmpo": "OBJECTIVE=gmpo",
+    "rloo": "ADVANTAGE=rloo",
+    "reinforce_pp": "ADVANTAGE=reinforce_pp",
+    "passk": "ADVANTAGE=passk",
+    "gdpo": "REWARD_NORM=normalize_then_sum",
+    "top_entropy": "TOP_ENTROPY_QUANTILE=0.2",
 }
 STEPS = (0, 10, 20, 30)
 

@@ -6,6 +6,7 @@
 #   grpo      the default: rewards, a reference server, BETA 0.04
 #   opd       pure distillation: a TEACHER=1 server, DISTILL_COEF=1, REWARDS weighed 0, BETA 0
 #   grpo_opd  both: the default rewards plus DISTILL_COEF=1 against the teacher, BETA 0
+#   grpo_opd_matched  both, the teacher term sized to the group term each batch (DISTILL_SCALE)
 # Each run's metrics.jsonl and wall seconds go to $RESULTS as it ends; a run already there is
 # skipped, so the script can be stopped and started again. Then bench/distill_report.py prints the
 # table and draws bench/results/distill_curves.png.
@@ -52,7 +53,10 @@ for seed in $SEEDS; do
                              Q_BATCH_SIZE=32 LOSS_TYPE=dr_grpo) ;;
       grpo_opd) served=(TEACHER=1 MODEL_PATH="$TEACHER_DIR/step_30")
                 trained=(DISTILL_COEF=1 BETA=0) ;;
-      *) echo "unknown run $run: grpo, opd, opd_wide, opd_wide_sum or grpo_opd" >&2; exit 1 ;;
+      grpo_opd_matched) served=(TEACHER=1 MODEL_PATH="$TEACHER_DIR/step_30")
+                        trained=(DISTILL_COEF=1 BETA=0 DISTILL_SCALE=matched) ;;
+      *) echo "unknown run $run: grpo, opd, opd_wide, opd_wide_sum, grpo_opd or" \
+              "grpo_opd_matched" >&2; exit 1 ;;
     esac
     dir="$OUT/${run}_s$seed"
     rm -rf "$dir"
