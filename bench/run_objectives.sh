@@ -6,7 +6,7 @@
 # too). Then bench/objectives_report.py prints the table.
 #   bash bench/run_objectives.sh     # 10 runs, 20-30 min each on 2 CPU cores; OUT=/tmp/objectives
 #   RUNS="default dynamic" SEEDS=42 bash bench/run_objectives.sh
-#   RUNS="default cispo sapo gmpo" SEEDS="42 43 44" bash bench/run_objectives.sh   # issue 59
+#   RUNS="mu2 cispo sapo gmpo" SEEDS="42 43 44" bash bench/run_objectives.sh   # issue 59
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-/tmp/objectives}
@@ -33,17 +33,19 @@ for seed in $SEEDS; do
       # the pass before step 1 counts in the wall time
       learnability) settings=(SAMPLER=learnability PASS_RATE_QUESTIONS=256) ;;
       learn_dynamic) settings=(SAMPLER=learnability PASS_RATE_QUESTIONS=256 DYNAMIC_SAMPLING=1) ;;
-      # the objectives of 2025-26 (issue 59, docs/loss.md), each beside the default's cosine LR
-      cispo) settings=(OBJECTIVE=cispo) ;;
-      sapo) settings=(OBJECTIVE=sapo) ;;
-      gmpo) settings=(OBJECTIVE=gmpo) ;;
+      # The objectives of 2025-26 (issue 59, docs/loss.md). At MU = 1 every token's ratio is 1 and
+      # the four surrogates take the same gradient, so they compare at MU = 2, beside PPO's clip.
+      mu2) settings=(MU=2) ;;
+      cispo) settings=(OBJECTIVE=cispo MU=2) ;;
+      sapo) settings=(OBJECTIVE=sapo MU=2) ;;
+      gmpo) settings=(OBJECTIVE=gmpo MU=2) ;;
       rloo) settings=(ADVANTAGE=rloo) ;;
       reinforce_pp) settings=(ADVANTAGE=reinforce_pp) ;;
       passk) settings=(ADVANTAGE=passk) ;;
       gdpo) settings=(REWARD_NORM=normalize_then_sum) ;;
       top_entropy) settings=(TOP_ENTROPY_QUANTILE=0.2) ;;
       *) echo "unknown run $run: default, flat, dynamic, difficulty, dr_grpo, learnability," \
-              "learn_dynamic, cispo, sapo, gmpo, rloo, reinforce_pp, passk, gdpo or" \
+              "learn_dynamic, mu2, cispo, sapo, gmpo, rloo, reinforce_pp, passk, gdpo or" \
               "top_entropy" >&2; exit 1 ;;
     esac
     echo "=== $run, seed $seed: ${settings[*]:-the defaults} -> $dir"
