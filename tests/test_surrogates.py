@@ -113,6 +113,20 @@ def test_at_ratio_one_every_surrogate_has_the_policy_gradient(objective):
     assert grad == pytest.approx([-0.7 / 4] * 4)
 
 
+@pytest.mark.parametrize("objective", grpo.OBJECTIVES)
+def test_at_ratio_one_with_vllm_weights_only_gmpo_moves_off_the_clip(objective):
+    """The demo's case (docs/loss.md): r = 1 with vLLM's mismatch weights w_t. The clip, CISPO
+    and SAPO give each token -w_t A / |y|; GMPO's one value per answer gives every token
+    -mean(w) A / |y|. A = 0.7, w = [0.5, 1, 1.5, 2], |y| = 4, by hand."""
+    weights = torch.tensor([[0.5, 1.0, 1.5, 2.0]], dtype=torch.float64)  # (1, T)
+    _, grad = loss_and_grad(objective, [0.0] * 4, [0.7] * 4, weights=weights,
+                            sapo_taus=(grpo.SAPO_TAU_POS, grpo.SAPO_TAU_NEG))
+    if objective == "gmpo":
+        assert grad == pytest.approx([-1.25 * 0.7 / 4] * 4)  # mean(w) = 1.25
+    else:
+        assert grad == pytest.approx([-w * 0.7 / 4 for w in (0.5, 1.0, 1.5, 2.0)])
+
+
 # ----------------------------------------------------------------------------- the baselines
 def test_rloo_by_hand():
     """[1, 0, 0, 1]: each answer against the mean of the other three, 2/3 and -2/3; no std."""
