@@ -20,7 +20,7 @@ import sys
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from tqdm import tqdm
@@ -28,8 +28,8 @@ from tqdm import tqdm
 import rewards
 from features import (checkpoints, curves, env_overrides, evaluation, fast_paths, lora,
                       memory_plan, pass_rates, policy, question_sampler, quiet, refusals, retry,
-                      run_log, server_client, tools, vision, vllm_engine, weight_sync, wire, worker,
-                      zero2)
+                      run_log, server_client, teacher_first, tools, vision, vllm_engine,
+                      weight_sync, wire, worker, zero2)
 from features.advantages import (SCALES, STD_EPS, group_advantages, scale_to_step, upload_scale,
                                  whiten_to_step)
 from features.embedded_model import resolve_model_path
@@ -769,16 +769,22 @@ def policy_loss(engine, b: Batch):
         if vllm_engine.USE_VLLM:  # how far vLLM's log-probs are from pi_old
             metrics |= run_log.vllm_metrics(b, old_logps=old_logps, weights=weights)
         if b.teacher_logps is not None:  # how far the student is from its teacher
-            metrics |= run_log.teacher_metrics(b, old_logps=old_logps)
+            sampled_term = None if DISTILL_TOP_K else advantages  # (B, T) A + the teacher's term
+            metrics |= run_log.teacher_metrics(b, old_logps=old_logps, advantages=sampled_term)
     if not b.share:  # a repeat that keeps this rank in step with the others: no gradient
         loss = loss * 0.0
     return loss, metrics
 
 
-def train_step(engine, batches) -> Counter:
+def train_step(engine, batches, rewards_joined=True) -> Counter:
     """Steps 6-7, MU times on the same batches: the loss's gradient over every (micro-)batch, added
-    up (ZeRO-2 averages it over ranks), then one optimizer step."""
+    up (ZeRO-2 averages it over ranks), then one optimizer step. rewards_joined False: the rewards'
+    advantages are 0, the teacher's term trains alone (features/teacher_first.py)."""
     metrics = Counter()  # summed over the MU passes, each a 1 / MU share
+    if teacher_first.TEACHER_FIRST_KL:  # 1 once the rewards train beside the teacher
+        metrics["rewards_joined"] = float(rewards_joined)
+    if not rewards_joined:
+        batches = [replace(b, advantages=torch.zeros_like(b.advantages)) for b in batches]
     for _ in range(MU):
         with timed(metrics, "fwd_bwd_s"):
             this_pass = Counter()  # the (micro-)batches' metrics, each a share of the step's
@@ -886,6 +892,7 @@ def check_settings():
     env_overrides.check_choice("REWARD_NORM", REWARD_NORM, REWARD_NORMS)
     env_overrides.check_choice("DISTILL_SCALE", DISTILL_SCALE, DISTILL_SCALES)
     vllm_engine.check_settings()
+    teacher_first.check_settings(distill_coef=DISTILL_COEF, rewards=REWARDS)
     question_sampler.check_settings()
     tools.check_settings()
     refusals.refuse_impossible(gspo=GSPO, clip_eps=CLIP_EPS, clip_eps_high=CLIP_EPS_HIGH,
@@ -1008,6 +1015,7 @@ def main():
     image_processor = vision.image_processor_of(tokenizer)  # a vision model's: pixels; else None
     wanted = Q_BATCH_SIZE if DYNAMIC_SAMPLING else 1  # groups with different rewards a step needs
     steps = range(start + 1, ALL_STEPS + 1)
+    rewards_joined = not teacher_first.TEACHER_FIRST_KL  # else the teacher alone until it is near
     for step in tqdm(steps, disable=rank != 0, desc="GRPO", dynamic_ncols=True):
         metrics = Counter()  # this step's numbers, added up as they come
         step_start = clock()
@@ -1036,7 +1044,7 @@ def main():
         if SCALE_REWARDS == "batch" or whitened_at_step():  # every rank: / a std over the step
             groups = scaled_to_step(groups, torch.cat(other_rewards), device)
         batches = batches_of(engine, groups, tokenizer.pad_token_id, image_processor)
-        metrics.update(train_step(engine, batches))  # 6-7. the loss, the optimizer step
+        metrics.update(train_step(engine, batches, rewards_joined))  # 6-7. loss, optimizer step
         metrics["max_weight_gap"] = weight_gap(model)  # 0: every rank holds the same weights
         if publisher is not None:  # rank 0 with WEIGHT_SYNC_STEPS: the weights to workers
             weight_sync.publish_every(publisher, model, step, weight_sync.WEIGHT_SYNC_STEPS)
@@ -1045,7 +1053,8 @@ def main():
                 vllm_engine.push_weights(llm, model)  # the next rollouts' weights
         logged = step_metrics(metrics, groups, answers, step=step, attempts=attempt,
                               began=step_start, group_size=NUM_PRE_Q, reward_names=reward_names)
-        log_step(step, logged, answers, log, device)
+        averaged = log_step(step, logged, answers, log, device)  # the same on every rank
+        rewards_joined = rewards_joined or averaged["teacher_kl"] <= teacher_first.TEACHER_FIRST_KL
         if evaluation.due(step, last_step=ALL_STEPS):
             evaluate(step)
         if checkpoints.due(step, last_step=ALL_STEPS):

@@ -122,12 +122,13 @@ class RunLog:
 
 def log_step(step, m, answers, log, device):
     """Every rank calls it: the metrics averaged over ranks and every rank's answers go to rank 0's
-    `log` (None on the other ranks)."""
+    `log` (None on the other ranks). Returns the averaged metrics, the same on every rank."""
     m = reduce_over_ranks(m, device)
     gathered = [None] * torch.distributed.get_world_size() if log is not None else None
     torch.distributed.gather_object(answers, gathered, dst=0)
     if log is not None:
         log.step(step, m, [a for rank_answers in gathered for a in rank_answers])
+    return m
 
 
 def reduce_over_ranks(values: dict, device) -> dict:
@@ -193,15 +194,26 @@ def vllm_metrics(b, *, old_logps, weights) -> dict:
 
 
 @torch.no_grad()
-def teacher_metrics(b, *, old_logps) -> dict:
+def teacher_metrics(b, *, old_logps, advantages=None) -> dict:
     """With a teacher (DISTILL_COEF), each x the batch's token share: teacher_kl (the mean of
-    log pi_old - log teacher over tokens, the reverse KL's estimate) and teacher_better (the share
-    of tokens the teacher finds likelier). old_logps (B, T)."""
+    log pi_old - log teacher over tokens, the reverse KL's estimate), teacher_better (the share
+    of tokens the teacher finds likelier) and, given the (B, T) advantages the surrogate used,
+    teacher_share: rms(teacher term) / (rms(group term) + rms(teacher term)) over the answer
+    tokens, how much of the advantages' size is the teacher's (DISTILL_SCALE "matched": 0.5; the
+    rewards waiting, TEACHER_FIRST_KL: 1). old_logps (B, T)."""
     mask = b.mask
     n = mask.sum().clamp(min=1)  # ()
     gap = torch.where(mask, old_logps - b.teacher_logps, 0.0)  # (B, T) log pi_old - log teacher
-    return dict(teacher_kl=(gap.sum() / n).item() * b.token_share,
-                teacher_better=(((gap < 0) & mask).sum() / n).item() * b.token_share)
+    metrics = dict(teacher_kl=(gap.sum() / n).item() * b.token_share,
+                   teacher_better=(((gap < 0) & mask).sum() / n).item() * b.token_share)
+    if advantages is not None:
+        group = torch.where(mask, b.advantages[:, None], 0.0)  # (B, T) the rewards' term
+        term = torch.where(mask, advantages - b.advantages[:, None], 0.0)  # (B, T) the teacher's
+        group_rms = (group.square().sum() / n).sqrt()  # ()
+        term_rms = (term.square().sum() / n).sqrt()  # ()
+        share = term_rms / (group_rms + term_rms).clamp(min=1e-12)  # ()
+        metrics["teacher_share"] = share.item() * b.token_share
+    return metrics
 
 
 def answer_records(step, rank, generated, each, rewards, advantages) -> list:

@@ -139,6 +139,48 @@ def test_matched_scaling_needs_rewards_and_a_sampled_term(monkeypatch, tmp_path)
         grpo.check_settings()
 
 
+def test_teacher_first_needs_rewards_a_teacher_and_a_threshold(monkeypatch, tmp_path):
+    """TEACHER_FIRST_KL (issue 60, item 6): the rewards join later, so there must be rewards to
+    join and a teacher to start with; a negative or NaN threshold is refused. 0 is off."""
+    no_rewards = [(fn, 0.0) for fn, _ in grpo.REWARDS]
+    fine = {"REWARDS": grpo.REWARDS, "DISTILL_COEF": 1.0, "TEACHER_FIRST_KL": 0.05}
+    for setting, message in (({"REWARDS": no_rewards}, "REWARDS weight"),
+                             ({"DISTILL_COEF": 0.0}, "DISTILL_COEF > 0"),
+                             ({"TEACHER_FIRST_KL": -0.01}, "or 0 = off"),
+                             ({"TEACHER_FIRST_KL": float("nan")}, "or 0 = off")):
+        teacher_settings(monkeypatch, tmp_path, **(fine | setting))
+        with pytest.raises(SystemExit, match=message):
+            grpo.check_settings()
+    teacher_settings(monkeypatch, tmp_path, **fine)
+    grpo.check_settings()
+    teacher_settings(monkeypatch, tmp_path, **(fine | {"TEACHER_FIRST_KL": 0.0}))
+    grpo.check_settings()
+
+
+def test_teacher_share_is_the_teacher_terms_part_of_the_advantages_size_by_hand():
+    """run_log.teacher_metrics' teacher_share: group advantages [1, -1] on 2 answer tokens each
+    (rms 1), teacher terms [[0.3, 0.1], [-0.2, 0.0]] (rms sqrt(0.14 / 4) = 0.18708) and a
+    padding token whose values must not count: 0.18708 / 1.18708 = 0.15760. With the group term
+    at 0 (teacher_first's wait) the share is 1; token_share 0.5 halves each metric."""
+    from features.run_log import teacher_metrics
+
+    mask = torch.tensor([[True, True, False], [True, True, False]])
+    group = torch.tensor([1.0, -1.0])
+    term = torch.tensor([[0.3, 0.1, 9.0], [-0.2, 0.0, 9.0]])
+    old = torch.zeros(2, 3)
+    b = grpo.Batch(input_ids=None, attention_mask=None, mask=mask, advantages=group,
+                   ref_logps=None, gen_logps=None, gen_rows=None, sampler_logps=None,
+                   sampler_rows=None, teacher_logps=term, token_share=0.5)
+    got = teacher_metrics(b, old_logps=old, advantages=group[:, None] + term)
+    rms = math.sqrt(0.14 / 4)
+    assert got["teacher_share"] == pytest.approx(0.5 * rms / (1 + rms), abs=1e-6)
+    assert got["teacher_kl"] == pytest.approx(0.5 * -0.2 / 4, abs=1e-6)
+    waiting = grpo.Batch(**{**b.__dict__, "advantages": torch.zeros(2)})
+    alone = teacher_metrics(waiting, old_logps=old, advantages=term)
+    assert alone["teacher_share"] == pytest.approx(0.5, abs=1e-6)
+    assert "teacher_share" not in teacher_metrics(b, old_logps=old)  # DISTILL_TOP_K: not given
+
+
 def test_a_discount_outside_zero_to_one_or_without_a_teacher_is_refused(monkeypatch, tmp_path):
     for coef, discount in ((1.0, 1.5), (1.0, -0.1), (0.0, 0.5)):
         teacher_settings(monkeypatch, tmp_path, DISTILL_COEF=coef, DISTILL_DISCOUNT=discount)
@@ -547,6 +589,53 @@ def test_pure_distillation_trains_every_answer_and_moves_towards_the_teacher(
     assert sum(kl[-2:]) < 0.8 * sum(kl[:2]), kl
     assert refused.returncode != 0
     assert "as a teacher: set DISTILL_COEF > 0" in refused.stdout + refused.stderr
+
+
+def test_teacher_first_trains_on_the_teacher_alone_until_its_kl_is_low_then_the_rewards_join(
+    tiny_model_dir, tokenizer, tmp_path
+):
+    """TEACHER_FIRST_KL in the trainer's loop, the default rewards, the tiny model as the
+    teacher. A student near it (each weight + noise of 0.1 its std: rewards still differ within
+    groups) with TEACHER_FIRST_KL 1e6, met by step 1's teacher_kl: step 1 trains on the
+    teacher's term alone (teacher_share 1, the group term 0 though rewards differ), steps 2 and 3
+    with the rewards too. A student far from it (noise 0.3) with TEACHER_FIRST_KL 1e-4: its KL
+    stays above, so every step waits."""
+    from transformers import LlamaForCausalLM
+
+    from conftest import ServerProcess, free_port, metrics, train
+
+    torch.manual_seed(2)
+    students = {}  # noise -> folder: the teacher's weights, each tensor + noise x its std
+    for noise in (0.1, 0.3):
+        model = LlamaForCausalLM.from_pretrained(tiny_model_dir)
+        with torch.no_grad():
+            for weight in model.parameters():
+                weight += noise * weight.std() * torch.randn_like(weight)
+        students[noise] = tmp_path / f"student_{noise}"
+        model.save_pretrained(students[noise])
+        tokenizer.save_pretrained(students[noise])
+    teacher = ServerProcess(tiny_model_dir, free_port(), tmp_path / "teacher.log", TEACHER=1)
+    runs = {}
+    try:
+        for noise, join_kl, steps in ((0.1, 1e6, 3), (0.3, 1e-4, 2)):
+            out = tmp_path / f"join_{join_kl}"
+            run = train(students[noise], teacher.url, out, 1, DISTILL_COEF=1.0, BETA=0.0,
+                        TEACHER_FIRST_KL=join_kl, ALL_STEPS=steps,
+                        Q_BATCH_SIZE=4, SAVE_STEPS=0, EVAL_STEPS=0)
+            assert run.returncode == 0, run.stderr[-3000:]
+            runs[join_kl] = metrics(out)[0]
+    finally:
+        teacher.stop()
+    joined = runs[1e6]
+    assert [m["rewards_joined"] for m in joined] == [0.0, 1.0, 1.0]
+    assert joined[0]["reward_std"] > 0, joined  # the rewards differed, and still did not count
+    assert joined[0]["teacher_share"] == pytest.approx(1.0, abs=1e-6)
+    varied = [m for m in joined[1:] if m["reward_std"] > 0]
+    assert varied and all(m["teacher_share"] < 0.99 for m in varied), joined
+    waiting = runs[1e-4]
+    assert all(m["teacher_kl"] > 1e-4 for m in waiting), waiting
+    assert [m["rewards_joined"] for m in waiting] == [0.0, 0.0]
+    assert all(m["teacher_share"] == pytest.approx(1.0, abs=1e-6) for m in waiting)
 
 
 # ------------------------------------------------------------- the teacher's top-k (DISTILL_TOP_K)
