@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On-policy distillation against GRPO on this CPU (docs/distillation.md): the student is the
 # embedded SmolLM2-135M, the teacher the demo's own GRPO-trained step_30 (trained first, by
-# scripts/run_demo.sh, if $TEACHER_DIR holds none). Three runs per seed, each the demo's 30 steps
+# scripts/run_demo.sh, if $TEACHER_DIR holds none; TEACHER_STEP=60 trains and takes a 60-step
+# run's last checkpoint, a stronger teacher). Three runs per seed, each the demo's 30 steps
 # (vLLM, 4 questions x 8 answers, held-out greedy accuracy every 5 steps), back to back:
 #   grpo      the default: rewards, a reference server, BETA 0.04
 #   opd       pure distillation: a TEACHER=1 server, DISTILL_COEF=1, REWARDS weighed 0, BETA 0
@@ -19,6 +20,8 @@
 #   opd_wide_sum  32 x 1 with LOSS_TYPE dr_grpo (every token weighs the same: tinker, SkyRL)
 #   bash bench/run_distill.sh                      # 6 runs, about 15 min each on 2 CPU cores
 #   RUNS="opd" SEEDS=42 bash bench/run_distill.sh
+#   TEACHER_DIR=output/distill_teacher60 TEACHER_STEP=60 RUNS="opd grpo_opd" SEEDS=42 \
+#     EVAL_SIZE=512 RESULTS=bench/results/distill_teacher60 bash bench/run_distill.sh
 #   RUNS="opd opd_wide opd_wide_sum" SEEDS="42 43 44" STOP_AT=5 EVAL_SIZE=512 \
 #     RESULTS=bench/results/distill_recipe bash bench/run_distill.sh
 set -euo pipefail
@@ -29,13 +32,16 @@ OUT=${OUT:-/tmp/distill}
 RESULTS=${RESULTS:-bench/results}
 RUNS=${RUNS:-grpo opd grpo_opd}
 SEEDS=${SEEDS:-42 43}
-TEACHER_DIR=${TEACHER_DIR:-output/distill_teacher}  # the demo's OUTPUT_DIR: step_30 is the teacher
+TEACHER_DIR=${TEACHER_DIR:-output/distill_teacher}  # the demo's OUTPUT_DIR, trained if empty
+TEACHER_STEP=${TEACHER_STEP:-30}  # the teacher is its step_$TEACHER_STEP, of a run that long
+teacher="$TEACHER_DIR/step_$TEACHER_STEP"
 STOP_AT=${STOP_AT:-0}  # > 0: stop each run once its held-out evaluation at this step is written
 export EVAL_SIZE=${EVAL_SIZE:-128}  # held-out questions: 512 tells 3 points apart, 128 cannot
 mkdir -p "$OUT" "$RESULTS"
-if [ ! -e "$TEACHER_DIR/step_30/config.json" ]; then
-  echo "=== the teacher: the demo's 30 GRPO steps -> $TEACHER_DIR"
-  OUTPUT_DIR="$TEACHER_DIR" bash scripts/run_demo.sh > "$OUT/teacher.log" 2>&1
+if [ ! -e "$teacher/config.json" ]; then
+  echo "=== the teacher: the demo's GRPO, $TEACHER_STEP steps -> $TEACHER_DIR"
+  ALL_STEPS=$TEACHER_STEP OUTPUT_DIR="$TEACHER_DIR" bash scripts/run_demo.sh \
+    > "$OUT/teacher.log" 2>&1
 fi
 server=""
 trap '[ -n "$server" ] && kill $server 2>/dev/null; wait 2>/dev/null || true' EXIT
@@ -46,20 +52,20 @@ for seed in $SEEDS; do
     no_rewards='[["reward_correct", 0.0], ["reward_format", 0.0]]'
     case $run in
       grpo) served=(TEACHER=0 MODEL_PATH=) trained=() ;;
-      opd) served=(TEACHER=1 MODEL_PATH="$TEACHER_DIR/step_30")
+      opd) served=(TEACHER=1 MODEL_PATH="$teacher")
            trained=(DISTILL_COEF=1 BETA=0 REWARDS="$no_rewards") ;;
-      opd_wide) served=(TEACHER=1 MODEL_PATH="$TEACHER_DIR/step_30")
+      opd_wide) served=(TEACHER=1 MODEL_PATH="$teacher")
                 trained=(DISTILL_COEF=1 BETA=0 REWARDS="$no_rewards" NUM_PRE_Q=1 Q_BATCH_SIZE=32) ;;
-      opd_wide_sum) served=(TEACHER=1 MODEL_PATH="$TEACHER_DIR/step_30")
+      opd_wide_sum) served=(TEACHER=1 MODEL_PATH="$teacher")
                     trained=(DISTILL_COEF=1 BETA=0 REWARDS="$no_rewards" NUM_PRE_Q=1
                              Q_BATCH_SIZE=32 LOSS_TYPE=dr_grpo) ;;
-      grpo_opd) served=(TEACHER=1 MODEL_PATH="$TEACHER_DIR/step_30")
+      grpo_opd) served=(TEACHER=1 MODEL_PATH="$teacher")
                 trained=(DISTILL_COEF=1 BETA=0) ;;
-      grpo_opd_matched) served=(TEACHER=1 MODEL_PATH="$TEACHER_DIR/step_30")
+      grpo_opd_matched) served=(TEACHER=1 MODEL_PATH="$teacher")
                         trained=(DISTILL_COEF=1 BETA=0 DISTILL_SCALE=matched) ;;
-      grpo_opd_none) served=(TEACHER=1 MODEL_PATH="$TEACHER_DIR/step_30")
+      grpo_opd_none) served=(TEACHER=1 MODEL_PATH="$teacher")
                      trained=(DISTILL_COEF=1 BETA=0 SCALE_REWARDS=none) ;;
-      grpo_opd_first) served=(TEACHER=1 MODEL_PATH="$TEACHER_DIR/step_30")
+      grpo_opd_first) served=(TEACHER=1 MODEL_PATH="$teacher")
                       trained=(DISTILL_COEF=1 BETA=0 TEACHER_FIRST_KL=0.05) ;;
       *) echo "unknown run $run: grpo, opd, opd_wide, opd_wide_sum, grpo_opd," \
               "grpo_opd_matched, grpo_opd_none or grpo_opd_first" >&2; exit 1 ;;
