@@ -236,7 +236,8 @@ class _GRPOLoss(torch.autograd.Function):
             BLOCK=BLOCK_V,
         )
         ctx.save_for_backward(logits, ids, lse, dcoef * weight)
-        ctx.inv_temperature, ctx.inplace = 1.0 / float(temperature), inplace
+        ctx.inv_temperature = 1.0 / float(temperature)
+        ctx.inplace = inplace
         ctx.mark_non_differentiable(logp, entropy)
         return (loss_tok * weight).sum(), logp, entropy
 

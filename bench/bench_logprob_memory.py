@@ -127,7 +127,8 @@ def fits(variant, logits_bytes):
 
 
 def main():
-    gib, elem = 2**30, 2 if GPU else 4
+    gib = 2**30
+    elem = 2 if GPU else 4  # bytes per value: bf16 on a GPU, float32 on the CPU
     machine = torch.cuda.get_device_name() if GPU else f"{os.cpu_count()} CPU cores"
     results = {
         "date": time.strftime("%Y-%m-%d"),

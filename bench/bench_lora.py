@@ -48,7 +48,8 @@ def child():
         f.write("5")  # resets VmHWM to the RSS now
     start = time.perf_counter()
     grpo.train_step(engine, grpo.batches_of(engine, groups, tokenizer.pad_token_id))  # steps 6-7
-    seconds, peak = time.perf_counter() - start, hwm_bytes()
+    seconds = time.perf_counter() - start
+    peak = hwm_bytes()
     with tempfile.TemporaryDirectory() as out:  # what save_checkpoint writes per step
         save_checkpoint(
             engine,
@@ -103,7 +104,8 @@ def main():
         runs["full"].append(measure(0))
         runs["lora"].append(measure(LORA_RANK))
     best = {k: min(r, key=lambda x: x["peak_bytes"]) for k, r in runs.items()}
-    gib, mib = 2**30, 2**20
+    gib = 2**30
+    mib = 2**20
     for k, r in best.items():
         print(
             f"{k:4s}: {r['trainable']:>11,} trainable of {r['total']:,} | "
@@ -111,12 +113,13 @@ def main():
             f"{r['peak_bytes'] / gib:.2f} GiB | step {r['seconds']:.1f} s "
             f"(peaks {[round(x['peak_bytes'] / gib, 2) for x in runs[k]]})"
         )
-    f, lo = best["full"], best["lora"]
+    full = best["full"]
+    adapters = best["lora"]
     ratios = {
-        "trainable": f["trainable"] / lo["trainable"],
-        "peak": f["peak_bytes"] / lo["peak_bytes"],
-        "checkpoint": f["checkpoint_bytes"] / lo["checkpoint_bytes"],
-        "seconds": lo["seconds"] / f["seconds"],
+        "trainable": full["trainable"] / adapters["trainable"],
+        "peak": full["peak_bytes"] / adapters["peak_bytes"],
+        "checkpoint": full["checkpoint_bytes"] / adapters["checkpoint_bytes"],
+        "seconds": adapters["seconds"] / full["seconds"],
     }
     print(
         f"full / LoRA rank {LORA_RANK}: trainable {ratios['trainable']:.0f}x, "

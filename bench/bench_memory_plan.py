@@ -113,7 +113,8 @@ def planned(changes: dict, prompt_tokens: int) -> int:
 
 
 def main():
-    gib, rows = 2**30, []
+    gib = 2**30
+    rows = []
     print(f"{'setting':<28}{'plan GiB':>10}{'measured GiB':>14}{'plan / measured':>17}", flush=True)
     for name, changes in SETTINGS.items():
         got = measure(changes)

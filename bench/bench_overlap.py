@@ -41,7 +41,8 @@ def demo_batch(tokenizer):
 
     questions = load_questions(grpo.DATASET, grpo.SEED, grpo.ARITH_MAX)[: grpo.Q_BATCH_SIZE]
     enc = grpo.encode_prompts(tokenizer, questions)
-    G, g = grpo.NUM_PRE_Q, torch.Generator().manual_seed(0)
+    G = grpo.NUM_PRE_Q
+    g = torch.Generator().manual_seed(0)
     answers = torch.randint(100, 5000, (len(questions) * G, ANSWER_TOKENS), generator=g)  # (B, T)
     ids = torch.cat([enc.input_ids.repeat_interleave(G, 0), answers], 1)  # (B, P+T)
     # (B, P+T)

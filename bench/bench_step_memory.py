@@ -122,7 +122,8 @@ def measure(n_groups, micro):
 
 
 def main():
-    gib, rows = 2**30, []
+    gib = 2**30
+    rows = []
     print(
         "groups per rank | peak RSS of the step: all at once | micro-batches of 1 group", flush=True
     )

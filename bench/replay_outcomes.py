@@ -20,7 +20,8 @@ def outcomes(path, group_size=8, split=10):
         rows = [json.loads(line) for line in f if line.strip()]
     if len(rows) % group_size:
         raise ValueError(f"{path}: {len(rows)} answers do not split into groups of {group_size}")
-    before, out = {}, defaultdict(list)  # (rank, question) -> (varied, right) of its latest group
+    before = {}  # (rank, question) -> (varied, right) of its latest group
+    out = defaultdict(list)  # (phase, kind) -> whether each such group varied
     for i in range(0, len(rows), group_size):
         group = rows[i : i + group_size]
         key = (group[0]["rank"], group[0]["question"])
@@ -29,10 +30,8 @@ def outcomes(path, group_size=8, split=10):
                 f"{path}: answers {i}-{i + group_size - 1} are not one group (group size "
                 f"{group_size}?)"
             )
-        varied, right = (
-            len({a["reward"] for a in group}) > 1,
-            sum(a["reward_correct"] > 0 for a in group),
-        )
+        varied = len({a["reward"] for a in group}) > 1
+        right = sum(a["reward_correct"] > 0 for a in group)
         kind = (
             "new"
             if key not in before

@@ -11,7 +11,8 @@ import json
 import os
 import sys
 
-TRUE, FALSE = ("1", "true", "yes"), ("0", "false", "no")  # what a boolean constant accepts
+TRUE = ("1", "true", "yes")  # what a boolean constant accepts as True
+FALSE = ("0", "false", "no")  # and as False; anything else is refused
 
 
 def apply_env_overrides(namespace: dict, file: str, functions=None) -> None:
@@ -35,7 +36,8 @@ def apply_env_overrides(namespace: dict, file: str, functions=None) -> None:
     for name in constants:
         if name not in os.environ:
             continue
-        default, raw = namespace[name], os.environ[name]
+        default = namespace[name]
+        raw = os.environ[name]
         try:
             json.dumps(default)
         except TypeError:  # holds functions, and is not a list of them by name

@@ -101,7 +101,8 @@ def held_out_answers(model, questions, *, encode, decode, eos_ids, pad_id, max_n
     temperature = 0.0 if greedy else gen_config.temperature
     device = next(model.parameters()).device
     model.eval()
-    texts, calls = [], []
+    texts = []
+    calls = []
     batch_size = batch_size if llm is None else len(questions)  # vLLM schedules all of them at once
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for i in range(0, len(questions), batch_size):

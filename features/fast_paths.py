@@ -239,7 +239,9 @@ class _TokenLogps(torch.autograd.Function):
             if with_entropy:
                 entropy[b, s] = chunk_entropy(z, lse[b, s])  # (c,)
         ctx.save_for_backward(logits, ids, lse)
-        ctx.temperature, ctx.inplace, ctx.chunk = temperature, inplace, chunk
+        ctx.temperature = temperature
+        ctx.inplace = inplace
+        ctx.chunk = chunk
         ctx.mark_non_differentiable(entropy)
         return logps, entropy
 
@@ -309,7 +311,8 @@ class _HiddenLogps(torch.autograd.Function):
             if with_entropy:
                 entropy[s] = chunk_entropy(z, lse[s])  # (c,)
         ctx.save_for_backward(hidden, weight, ids, lse)
-        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.temperature = temperature
+        ctx.chunk = chunk
         ctx.mark_non_differentiable(entropy)
         return logps.view(ids.shape), entropy.view(ids.shape)  # (B, T) each
 
@@ -413,7 +416,8 @@ def completion_logps(model, input_ids, attention_mask, n_completion: int, temper
     at a time. from_hidden: from the hidden states, `chunk` tokens of logits at a time
     (hidden_logps); else from the whole logits (chunked_logps). with_entropy: (logps, (B,
     n_completion) entropies), from the same pass. vision_inputs: each row's pixels, or None."""
-    step, out = micro_batch or input_ids.shape[0], []
+    step = micro_batch or input_ids.shape[0]
+    out = []
     for i in range(0, input_ids.shape[0], step):
         ids, attn = input_ids[i : i + step], attention_mask[i : i + step]  # (b, L) each
         pixels = {}  # this micro-batch's pixel inputs; text: none

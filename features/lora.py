@@ -41,10 +41,8 @@ def add_lora(model, *, rank, alpha, targets, seed, quiet=False):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = get_peft_model(model, config)
-    n, total = (
-        sum(p.numel() for p in model.parameters() if p.requires_grad),
-        sum(p.numel() for p in model.parameters()),
-    )
+    n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
     if os.environ.get("RANK", "0") == "0" and not quiet:
         print(
             f"LoRA rank {rank}: {n:,} trainable parameters of {total:,} ({100 * n / total:.2f}%)",

@@ -82,7 +82,9 @@ class QuestionSampler:
         (REPLAY_SHARE); the rest are new questions."""
         if mode not in SAMPLERS:
             raise ValueError(f"SAMPLER = {mode!r}: one of {', '.join(SAMPLERS)}")
-        self.questions, self.mode, self.rng = questions, mode, random.Random(seed)
+        self.questions = questions
+        self.mode = mode
+        self.rng = random.Random(seed)
         self.replay_share = replay_share
         self.pool = {}  # question_id -> replays so far; insertion order = oldest first
         self.uniform = set()  # question_ids whose latest group had equal rewards
@@ -162,7 +164,8 @@ class QuestionSampler:
         if not isinstance(state, dict):
             return self.rng.setstate(state)
         self.rng.setstate(state["rng"])
-        self.pool, self.uniform = dict(state["pool"]), set(state["uniform"])
+        self.pool = dict(state["pool"])
+        self.uniform = set(state["uniform"])
         self.pass_rates = dict(state.get("pass_rates", {}))
 
 

@@ -66,7 +66,8 @@ class RunLog:
 
     def __init__(self, output_dir, reward_names, *, resumed_step=0, completions_every=1,
                  tensorboard=False):
-        self.reward_names, self.completions_every = list(reward_names), completions_every
+        self.reward_names = list(reward_names)
+        self.completions_every = completions_every
         self.metrics = open_jsonl(output_dir, "metrics.jsonl", resumed_step)
         self.answers = None  # completions.jsonl, unless completions_every is 0
         if completions_every > 0:
@@ -264,7 +265,8 @@ def tool_stats(answers) -> dict:
     tools."""
     if not answers or "tool_calls" not in answers[0]:
         return {}
-    n, used = len(answers), [a for a in answers if a["tool_calls"] > 0]
+    n = len(answers)
+    used = [a for a in answers if a["tool_calls"] > 0]
     out = dict(tool_calls=sum(a["tool_calls"] for a in answers) / n, tool_share=len(used) / n,
                tool_errors=sum(a["tool_errors"] for a in answers) / n)
     unused = [a for a in answers if not a["tool_calls"]]

@@ -21,8 +21,8 @@ ALLOW_REF_MISMATCH = False  # True = train against a reference that is not the s
 env_overrides.apply_env_overrides(globals(), "features/server_client.py")
 
 # Internal timings of the plumbing; SERVER_TIMEOUT (the trainer's) is the one to tune.
-# /get polls while a forward runs: a group is at most _POLL_MAX_S late
-_POLL_FIRST_S, _POLL_MAX_S = 0.02, 0.05
+_POLL_FIRST_S = 0.02  # /get polls while a forward runs: the first wait, doubled each empty poll
+_POLL_MAX_S = 0.05  # up to this, so a ready group waits at most this long to be fetched
 _FAILOVER_S = 15.0  # several servers: one silent this long is skipped, its groups sent to another
 _DOWN_RETRY_S = 30.0  # a skipped server is asked again after this long (it may have restarted)
 _HEALTH_TIMEOUT_S = 5.0  # a /health answer slower than this counts as not answering
@@ -40,7 +40,9 @@ class RefClient:
         self.urls = [url.strip().rstrip("/") for url in urls.split(",") if url.strip()]
         if not self.urls:
             raise ValueError(f"REF_SERVER names no server: {urls!r}")
-        self.token, self.timeout, self.extra_groups = token, timeout, extra_groups
+        self.token = token
+        self.timeout = timeout
+        self.extra_groups = extra_groups
         self.fingerprint = None  # the reference model every server must hold (the first handshake)
         self.down = {}  # url -> when it last failed to answer; skipped for _DOWN_RETRY_S
         self.uploaded = OrderedDict()  # upload ids this client sent (bounded): nothing else is ours
@@ -164,7 +166,8 @@ class RefClient:
         for tensors, meta in groups:
             uid = uuid.uuid4().hex
             waiting[uid] = (tensors, {**meta, "upload_id": uid})
-        got, deadline = [], time.time() + self.timeout
+        got = []
+        deadline = time.time() + self.timeout
         while waiting:  # past the deadline, groups sent again come back as late ones next step
             sent = self.upload(waiting.values(), version=version, rank=rank)
             back, again = self._pull(sent, rank, deadline)
@@ -198,7 +201,10 @@ class RefClient:
 
     def _pull(self, sent, rank, deadline):
         """(groups back, upload ids to send again) of `sent` ({upload_id: (url, instance)})."""
-        owed, back, again, delay = dict(sent), [], [], _POLL_FIRST_S
+        owed = dict(sent)
+        back = []
+        again = []
+        delay = _POLL_FIRST_S
 
         # owed groups `url` no longer holds (instance: the live one)
         def take_lost(url, instance=None):

@@ -107,7 +107,8 @@ def run_tool(tools, call: str) -> str:
     MAX_RESULT_CHARS. One tool gets the whole call; with several, the call is "name: text". A tool
     that raises gives an error text."""
     if len(tools) == 1:
-        fn, argument = tools[0], call
+        fn = tools[0]
+        argument = call
     else:
         name, _, argument = call.partition(":")
         fn = {f.__name__: f for f in tools}.get(name.strip())
@@ -152,8 +153,13 @@ def tool_rollout(
     SmolLM2 and Qwen, and an answer cut after a call has none, so a first-pad rule would train on a
     token never sampled."""
     B = len(prompts)
-    ids, tool, logps = [[] for _ in range(B)], [[] for _ in range(B)], [[] for _ in range(B)]
-    calls, errors, active, sampled = [0] * B, [0] * B, list(range(B)), False
+    ids = [[] for _ in range(B)]
+    tool = [[] for _ in range(B)]
+    logps = [[] for _ in range(B)]
+    calls = [0] * B
+    errors = [0] * B
+    active = list(range(B))
+    sampled = False
     stopped = [False] * B
     while active:
         outs = sample(
@@ -191,7 +197,8 @@ def tool_rollout(
             ids[i] += result
             tool[i] += [True] * len(result)
             logps[i] += [0.0] * len(result)
-            calls[i], errors[i] = calls[i] + 1, errors[i] + answer.startswith("error:")
+            calls[i] += 1
+            errors[i] += answer.startswith("error:")
             if len(ids[i]) < max_new_tokens:
                 still.append(i)
         active = still
@@ -222,7 +229,8 @@ def transformers_sampler(model, tokenizer, gen_config):
     batch, each row stopping at an EOS or at TOOL_CLOSE (generate's stop_strings)."""
 
     def sample(prefixes, budgets):
-        width, device = max(map(len, prefixes)), next(model.parameters()).device
+        width = max(map(len, prefixes))
+        device = next(model.parameters()).device
         ids = torch.tensor(
             [[gen_config.pad_token_id] * (width - len(p)) + p for p in prefixes], device=device
         )
@@ -231,7 +239,8 @@ def transformers_sampler(model, tokenizer, gen_config):
             [[0] * (width - len(p)) + [1] * len(p) for p in prefixes], device=device
         )
         config = copy.deepcopy(gen_config)  # the trainer's sampling, stopping at a call too
-        config.max_new_tokens, config.stop_strings = max(budgets), [TOOL_CLOSE]
+        config.max_new_tokens = max(budgets)
+        config.stop_strings = [TOOL_CLOSE]
         out = model.generate(
             input_ids=ids, attention_mask=attn, generation_config=config, tokenizer=tokenizer
         )

@@ -109,7 +109,8 @@ class WeightPublisher:
         """Serve these weights as `version` from now on; a download of the old one then gets 409."""
         from safetensors.torch import save
 
-        tensors, seen = {}, set()
+        tensors = {}
+        seen = set()
         for name, t in state_dict.items():
             # a tied head is the embedding: sent once, as the model names it
             if t.data_ptr() in seen:

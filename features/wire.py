@@ -100,7 +100,8 @@ def decode_batch(data: bytes) -> tuple[dict, dict]:
 def _depth(x) -> int:
     """Nesting depth of JSON values, without recursion (a hostile document may be thousands
     deep)."""
-    depth, level = 0, [x]
+    depth = 0
+    level = [x]
     while level:
         depth += 1
         values = [c.values() if isinstance(c, dict) else c for c in level

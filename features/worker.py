@@ -64,7 +64,8 @@ def run_worker(
     torch.manual_seed(seed + os.getpid())  # workers must not repeat each other's samples
     rng = random.Random(seed + os.getpid())
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    policy, version = load(first, device), 0
+    policy = load(first, device)
+    version = 0
     # either role: it only samples
     health = client.health(policy[0], policy[1], allow_mismatch, teacher=None)
     # the server may still tell equal groups apart
