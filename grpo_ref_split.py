@@ -53,6 +53,7 @@ DISTILL_COEF = 0.0  # > 0 = the server holds a teacher: A_t += this x (log teach
 DISTILL_DISCOUNT = 0.0  # teacher terms of later tokens added at this^distance (tinker's); 0 = own
 DISTILL_TOP_K = 0  # > 0 = the term is the reverse KL over the teacher's k likeliest tokens (~20)
 DISTILL_SCALE = "fixed"  # | "matched": the teacher term x rms(group term) / rms(its own), a batch
+DISTILL_BELOW = 0.0  # > 0 = the teacher term only on answers whose reward is under this; 0 = all
 LR = 1e-5  # AdamW learning rate; the optimizer's other settings and its schedule are DS_CONFIG's
 ALL_STEPS = 30  # training steps
 SEED = 42  # seeds questions and sampling (rank r uses SEED + r)
@@ -151,24 +152,27 @@ def gdpo_advantages(each: torch.Tensor, weights: torch.Tensor, num_pre_q: int) -
 
 
 def distill_advantages(advantages, *, teacher_logps, sampler_logps, mask, coef,
-                       discount=0.0, matched=False) -> torch.Tensor:
+                       discount=0.0, matched=False, answers=None) -> torch.Tensor:
     """(B, T) on-policy distillation: A_t = A + coef (log teacher(y_t) - log pi_old(y_t)), each
     token's own term; its expected gradient is -coef grad KL(pi || teacher). discount g > 0 adds
     the later tokens' terms too, g^(t' - t) each (tinker's KL discount: a token is also credited
     with where it led), the reverse KL's return rather than its one step. matched: the term scaled
     by rms(A) / rms(term) over the answer tokens, so it keeps the group term's size as the KL falls
-    (DISTILL_SCALE "matched"; GRPO's A stays near 1 per token whatever the rewards)."""
+    (DISTILL_SCALE "matched"; GRPO's A stays near 1 per token whatever the rewards). answers
+    (B,) bool: the answers that take the term, the others keep A alone (DISTILL_BELOW: KDRL's
+    reward-guided mask, arXiv 2506.02208, spares the correct ones); None = every answer."""
     mask = mask.bool()  # (B, T)
-    term = torch.where(mask, teacher_logps - sampler_logps.detach(), 0.0)  # (B, T)
+    taking = mask if answers is None else mask & answers[:, None]  # (B, T) tokens with the term
+    term = torch.where(taking, teacher_logps - sampler_logps.detach(), 0.0)  # (B, T)
     if discount:
         T = term.shape[1]
         distance = torch.arange(T)[None, :] - torch.arange(T)[:, None]  # (T, T) t' - t
         weight = torch.where(distance >= 0, discount ** distance.clamp(min=0).double(), 0.0)
         term = term @ weight.T.to(term)  # (B, T) sum over t' >= t of g^(t' - t) term_t'
-    if matched:  # the two terms' root mean squares over the answer tokens, equal
+    if matched and taking.any():  # the two terms' root mean squares over their tokens, equal
         group = advantages[:, None].expand_as(term)  # (B, T)
-        group_rms = masked_mean(group.square(), mask).mean().sqrt()  # ()
-        term_rms = masked_mean(term.square(), mask).mean().sqrt()  # ()
+        group_rms = masked_mean(group.square(), mask)[mask.any(1)].mean().sqrt()  # ()
+        term_rms = masked_mean(term.square(), taking)[taking.any(1)].mean().sqrt()  # ()
         term = term * (group_rms / term_rms.clamp(min=1e-8))  # (B, T)
     return advantages[:, None] + coef * term  # (B, T)
 
@@ -393,6 +397,7 @@ class Batch:
     share: float = 1.0  # of the step's answers in this micro-batch; 0 = a repeat (no gradient)
     token_share: float = 1.0  # of the step's answer tokens in this micro-batch
     teacher_logps: torch.Tensor | None = None  # (B, T) DISTILL_COEF: the server's, never in k3
+    rewards: torch.Tensor | None = None  # (B,) each answer's summed reward, for DISTILL_BELOW
     teacher_topk_ids: torch.Tensor | None = None  # (B, T, k) DISTILL_TOP_K: its likeliest tokens
     teacher_topk_logps: torch.Tensor | None = None  # (B, T, k) and their log-probs
     vision_inputs: dict = field(default_factory=dict)  # each row's pixels; {} = text
@@ -705,6 +710,15 @@ def prepare_batch(engine, batch: Batch, normalizer=None) -> Batch:
     return b
 
 
+def distilled_answers(b: Batch):
+    """(B,) bool, the answers that take the teacher's term: those whose reward is under
+    DISTILL_BELOW (KDRL's reward-guided mask: a correct answer already has the rewards' push, and
+    the teacher's would only narrow it further); None = every answer (DISTILL_BELOW 0)."""
+    if not DISTILL_BELOW:
+        return None
+    return b.rewards < DISTILL_BELOW  # (B,)
+
+
 def policy_loss(engine, b: Batch):
     """Step 6: (the GRPO loss of a (micro-)batch under the current weights, its metrics)."""
     engine.train()
@@ -731,7 +745,8 @@ def policy_loss(engine, b: Batch):
             advantages = distill_advantages(b.advantages, teacher_logps=b.teacher_logps,
                                             sampler_logps=old_logps, mask=b.mask,
                                             coef=DISTILL_COEF, discount=DISTILL_DISCOUNT,
-                                            matched=DISTILL_SCALE == "matched")  # (B, T)
+                                            matched=DISTILL_SCALE == "matched",
+                                            answers=distilled_answers(b))  # (B, T)
         weights = None  # vLLM's mismatch pi_old / pi_vllm, truncated or masked (TIS_MODE)
         if b.sampler_logps is not None and vllm_engine.TIS_CAP:
             weights = vllm_engine.mismatch_weights(old_logps, b.sampler_logps, b.sampler_rows,
@@ -755,8 +770,11 @@ def policy_loss(engine, b: Batch):
                               sapo_taus=(SAPO_TAU_POS, SAPO_TAU_NEG))  # (B, T)
         if DISTILL_TOP_K:  # + the reverse KL over the teacher's k likeliest tokens, per token
             student = logp_all.gather(-1, b.teacher_topk_ids)  # (B, T, k)
-            per_token = per_token + DISTILL_COEF * topk_reverse_kl(
-                student_logps=student, teacher_logps=b.teacher_topk_logps)  # (B, T)
+            rkl = topk_reverse_kl(student_logps=student, teacher_logps=b.teacher_topk_logps)
+            answers = distilled_answers(b)  # (B,) or None: every answer
+            if answers is not None:
+                rkl = rkl * answers[:, None]  # (B, T)
+            per_token = per_token + DISTILL_COEF * rkl  # (B, T)
         loss = reduce_loss(per_token, b.mask, loss_type=LOSS_TYPE, normalizer=b.normalizer,
                            max_tokens=MAX_NEW_TOKENS)
     with torch.no_grad():  # the metrics at the weights before this step (features/run_log.py)
@@ -836,6 +854,7 @@ def collate(groups, pad_id, *, teacher=False, image_processor=None, top_k=0,
     server_logps = logps["ref_logps"] if given["ref_logps"].all() else None  # None: not asked
     batch = Batch(input_ids=input_ids, attention_mask=attention_mask, mask=mask,
                   advantages=torch.cat([g["advantages"] for g, _ in groups]),
+                  rewards=torch.cat([g["rewards"] for g, _ in groups]),
                   ref_logps=None if teacher else server_logps,
                   teacher_logps=server_logps if teacher else None,
                   gen_logps=optional("gen_logps"), gen_rows=rows_of("gen_logps"),
@@ -907,7 +926,7 @@ def check_settings():
                                  off_policy_delta=OFF_POLICY_DELTA,
                                  beta=BETA, kl_bias_correction=KL_BIAS_CORRECTION,
                                  rewards=REWARDS, num_pre_q=NUM_PRE_Q, scale_rewards=SCALE_REWARDS,
-                                 dynamic_sampling=DYNAMIC_SAMPLING)
+                                 dynamic_sampling=DYNAMIC_SAMPLING, below=DISTILL_BELOW)
     images = vision.check_settings(resolve_model_path(MODEL_PATH), tools_on=bool(tools.TOOLS),
                                    use_triton=fast_paths.USE_TRITON,
                                    use_vllm=vllm_engine.USE_VLLM)

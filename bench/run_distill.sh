@@ -10,6 +10,8 @@
 #   grpo_opd_matched  both, the teacher term sized to the group term each batch (DISTILL_SCALE)
 #   grpo_opd_none     both, SCALE_REWARDS none: the rewards' own scale (0 to 2) beside the teacher
 #   grpo_opd_first    the teacher alone until its KL is TEACHER_FIRST_KL=0.05 or less, then both
+#   grpo_opd_wrong    both, the teacher's term only on answers rewarded under 2 (DISTILL_BELOW=2:
+#                     the wrong ones; KDRL's reward-guided mask)
 # Each run's metrics.jsonl and wall seconds go to $RESULTS as it ends; a run already there is
 # skipped, so the script can be stopped and started again. Then bench/distill_report.py prints the
 # table and draws bench/results/distill_curves.png.
@@ -67,8 +69,10 @@ for seed in $SEEDS; do
                      trained=(DISTILL_COEF=1 BETA=0 SCALE_REWARDS=none) ;;
       grpo_opd_first) served=(TEACHER=1 MODEL_PATH="$teacher")
                       trained=(DISTILL_COEF=1 BETA=0 TEACHER_FIRST_KL=0.05) ;;
+      grpo_opd_wrong) served=(TEACHER=1 MODEL_PATH="$teacher")
+                      trained=(DISTILL_COEF=1 BETA=0 DISTILL_BELOW=2) ;;
       *) echo "unknown run $run: grpo, opd, opd_wide, opd_wide_sum, grpo_opd," \
-              "grpo_opd_matched, grpo_opd_none or grpo_opd_first" >&2; exit 1 ;;
+              "grpo_opd_matched, grpo_opd_none, grpo_opd_first or grpo_opd_wrong" >&2; exit 1 ;;
     esac
     dir="$OUT/${run}_s$seed"
     rm -rf "$dir"

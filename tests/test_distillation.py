@@ -784,3 +784,92 @@ def test_a_servers_log_probs_are_checked_before_the_loss_reads_them(change, mess
     change(tensors)
     with pytest.raises(ValueError, match=message):
         grpo.collate([(tensors, meta)], 0)
+
+
+def test_the_teacher_term_only_on_the_answers_chosen_by_hand():
+    """DISTILL_BELOW's mask in distill_advantages: answers [True, False] keep the first answer's
+    terms (A + c (log t - log pi_old)) and leave the second at its A. Matched, the term's rms is
+    over the first answer's tokens alone: terms [0.3, -0.4] (rms sqrt(0.125)), A [1, -1] (rms 1),
+    so the term x 1 / sqrt(0.125) = 2.8284, coef 0.5."""
+    teacher = torch.tensor([[0.3, -0.4], [2.0, 5.0]])
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    chosen = torch.tensor([True, False])
+    got = grpo.distill_advantages(torch.tensor([1.0, -1.0]), teacher_logps=teacher,
+                                  sampler_logps=torch.zeros(2, 2), mask=mask, coef=0.5,
+                                  answers=chosen)
+    assert got.tolist() == [pytest.approx([1.15, 0.8]), [-1.0, -1.0]]
+    matched = grpo.distill_advantages(torch.tensor([1.0, -1.0]), teacher_logps=teacher,
+                                      sampler_logps=torch.zeros(2, 2), mask=mask, coef=0.5,
+                                      matched=True, answers=chosen)
+    scale = 1 / math.sqrt(0.125)
+    assert matched.tolist() == [pytest.approx([1 + 0.15 * scale, 1 - 0.2 * scale]), [-1.0, -1.0]]
+    nobody = grpo.distill_advantages(torch.tensor([1.0, -1.0]), teacher_logps=teacher,
+                                     sampler_logps=torch.zeros(2, 2), mask=mask, coef=0.5,
+                                     matched=True, answers=torch.tensor([False, False]))
+    assert nobody.tolist() == [[1.0, 1.0], [-1.0, -1.0]]  # no term to size: A alone, no NaN
+
+
+def test_collate_carries_each_answers_reward():
+    first, second = group(G=3, seed=0), group(G=2, seed=1, plen=4, tc=3)
+    batch = grpo.collate([first, second], pad_id=0)
+    assert batch.rewards.tolist() == torch.cat([first[0]["rewards"],
+                                                second[0]["rewards"]]).tolist()
+
+
+@pytest.mark.parametrize("top_k", [0, 3])
+def test_distill_below_gives_the_teacher_term_to_the_answers_under_it_alone(monkeypatch, top_k):
+    """policy_loss on a tiny model, rewards [3, 0, 2, 1.5] and DISTILL_BELOW 2: the loss equals
+    the same batch's with every answer taking the term but answers 0 and 2 given a teacher equal
+    to pi_old (a term of 0; top-k: their teacher log-probs equal to the student's own), and
+    differs from the loss where all four take it."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from conftest import tiny_config
+    from test_variants import PlainEngine, batch_for
+
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(grpo.resolve_model_path(""))
+    model = LlamaForCausalLM(tiny_config(tok))
+    b = batch_for(model)
+    pi_old = b.ref_logps  # (B, T) the model's own log-probs: on-policy, gen_logps None
+    g = torch.Generator().manual_seed(3)
+    b.teacher_logps = pi_old - torch.rand(4, 6, generator=g)  # (B, T)
+    b.ref_logps = None
+    b.rewards = torch.tensor([3.0, 0.0, 2.0, 1.5])
+    b.normalizer = 4.0
+    correct = b.rewards >= 2  # (B,) the answers that keep their rewards' term alone
+    spared = grpo.Batch(**b.__dict__)
+    spared.teacher_logps = torch.where(correct[:, None], pi_old, b.teacher_logps)  # (B, T)
+    if top_k:
+        b.teacher_topk_ids = torch.randint(0, 49152, (4, 6, top_k), generator=g)
+        b.teacher_topk_logps = -torch.rand(4, 6, top_k, generator=g) * 3
+        with torch.no_grad():
+            logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
+            own = torch.log_softmax(logits[:, -7:-1].float() / grpo.TEMPERATURE, -1)
+            own = own.gather(-1, b.teacher_topk_ids)  # (B, T, k) the student's at those ids
+        spared.teacher_topk_ids = b.teacher_topk_ids
+        spared.teacher_topk_logps = torch.where(correct[:, None, None], own,
+                                                b.teacher_topk_logps)  # (B, T, k)
+    set_setting(monkeypatch, "BETA", 0.0)
+    set_setting(monkeypatch, "DISTILL_COEF", 2.0)
+    set_setting(monkeypatch, "DISTILL_TOP_K", top_k)
+    engine = PlainEngine(model, lr=0.0)
+    set_setting(monkeypatch, "DISTILL_BELOW", 2.0)
+    below, _ = grpo.policy_loss(engine, b)
+    set_setting(monkeypatch, "DISTILL_BELOW", 0.0)
+    every, _ = grpo.policy_loss(engine, b)
+    want, _ = grpo.policy_loss(engine, spared)
+    assert below.item() == pytest.approx(want.item(), rel=1e-5, abs=1e-6)
+    assert abs(every.item() - below.item()) > 1e-4  # 100x the tolerance above
+
+
+def test_distill_below_needs_a_teacher_and_rewards(monkeypatch, tmp_path):
+    rewards = grpo.REWARDS
+    no_rewards = [(fn, 0.0) for fn, _ in rewards]
+    for setting in (dict(DISTILL_BELOW=-1.0), dict(DISTILL_BELOW=2.0, DISTILL_COEF=0.0),
+                    dict(DISTILL_BELOW=2.0, REWARDS=no_rewards, NUM_PRE_Q=8)):
+        teacher_settings(monkeypatch, tmp_path, **setting)
+        with pytest.raises(SystemExit, match="DISTILL_BELOW"):
+            grpo.check_settings()
+    teacher_settings(monkeypatch, tmp_path, DISTILL_BELOW=2.0, REWARDS=rewards)
+    grpo.check_settings()
