@@ -28,8 +28,8 @@ from tqdm import tqdm
 import rewards
 from features import (checkpoints, curves, env_overrides, evaluation, fast_paths, lora,
                       memory_plan, pass_rates, policy, question_sampler, quiet, refusals, retry,
-                      run_log, server_client, teacher_first, tools, vision, vllm_engine,
-                      weight_sync, wire, worker, zero2)
+                      run_log, server_client, teacher_first, teacher_mask, tools, vision,
+                      vllm_engine, weight_sync, wire, worker, zero2)
 from features.advantages import (SCALES, STD_EPS, group_advantages, scale_to_step, upload_scale,
                                  whiten_to_step)
 from features.embedded_model import resolve_model_path
@@ -53,7 +53,6 @@ DISTILL_COEF = 0.0  # > 0 = the server holds a teacher: A_t += this x (log teach
 DISTILL_DISCOUNT = 0.0  # teacher terms of later tokens added at this^distance (tinker's); 0 = own
 DISTILL_TOP_K = 0  # > 0 = the term is the reverse KL over the teacher's k likeliest tokens (~20)
 DISTILL_SCALE = "fixed"  # | "matched": the teacher term x rms(group term) / rms(its own), a batch
-DISTILL_BELOW = 0.0  # > 0 = the teacher term only on answers whose reward is under this; 0 = all
 LR = 1e-5  # AdamW learning rate; the optimizer's other settings and its schedule are DS_CONFIG's
 ALL_STEPS = 30  # training steps
 SEED = 42  # seeds questions and sampling (rank r uses SEED + r)
@@ -159,8 +158,8 @@ def distill_advantages(advantages, *, teacher_logps, sampler_logps, mask, coef,
     with where it led), the reverse KL's return rather than its one step. matched: the term scaled
     by rms(A) / rms(term) over the answer tokens, so it keeps the group term's size as the KL falls
     (DISTILL_SCALE "matched"; GRPO's A stays near 1 per token whatever the rewards). answers
-    (B,) bool: the answers that take the term, the others keep A alone (DISTILL_BELOW: KDRL's
-    reward-guided mask, arXiv 2506.02208, spares the correct ones); None = every answer."""
+    (B,) bool: the answers that take the term, the others keep A alone (features/teacher_mask:
+    KDRL's reward-guided mask spares the correct ones); None = every answer."""
     mask = mask.bool()  # (B, T)
     taking = mask if answers is None else mask & answers[:, None]  # (B, T) tokens with the term
     term = torch.where(taking, teacher_logps - sampler_logps.detach(), 0.0)  # (B, T)
@@ -397,7 +396,7 @@ class Batch:
     share: float = 1.0  # of the step's answers in this micro-batch; 0 = a repeat (no gradient)
     token_share: float = 1.0  # of the step's answer tokens in this micro-batch
     teacher_logps: torch.Tensor | None = None  # (B, T) DISTILL_COEF: the server's, never in k3
-    rewards: torch.Tensor | None = None  # (B,) each answer's summed reward, for DISTILL_BELOW
+    rewards: torch.Tensor | None = None  # (B,) each answer's summed reward (features/teacher_mask)
     teacher_topk_ids: torch.Tensor | None = None  # (B, T, k) DISTILL_TOP_K: its likeliest tokens
     teacher_topk_logps: torch.Tensor | None = None  # (B, T, k) and their log-probs
     vision_inputs: dict = field(default_factory=dict)  # each row's pixels; {} = text
@@ -710,15 +709,6 @@ def prepare_batch(engine, batch: Batch, normalizer=None) -> Batch:
     return b
 
 
-def distilled_answers(b: Batch):
-    """(B,) bool, the answers that take the teacher's term: those whose reward is under
-    DISTILL_BELOW (KDRL's reward-guided mask: a correct answer already has the rewards' push, and
-    the teacher's would only narrow it further); None = every answer (DISTILL_BELOW 0)."""
-    if not DISTILL_BELOW:
-        return None
-    return b.rewards < DISTILL_BELOW  # (B,)
-
-
 def policy_loss(engine, b: Batch):
     """Step 6: (the GRPO loss of a (micro-)batch under the current weights, its metrics)."""
     engine.train()
@@ -746,7 +736,7 @@ def policy_loss(engine, b: Batch):
                                             sampler_logps=old_logps, mask=b.mask,
                                             coef=DISTILL_COEF, discount=DISTILL_DISCOUNT,
                                             matched=DISTILL_SCALE == "matched",
-                                            answers=distilled_answers(b))  # (B, T)
+                                            answers=teacher_mask.answers(b.rewards))  # (B, T)
         weights = None  # vLLM's mismatch pi_old / pi_vllm, truncated or masked (TIS_MODE)
         if b.sampler_logps is not None and vllm_engine.TIS_CAP:
             weights = vllm_engine.mismatch_weights(old_logps, b.sampler_logps, b.sampler_rows,
@@ -771,7 +761,7 @@ def policy_loss(engine, b: Batch):
         if DISTILL_TOP_K:  # + the reverse KL over the teacher's k likeliest tokens, per token
             student = logp_all.gather(-1, b.teacher_topk_ids)  # (B, T, k)
             rkl = topk_reverse_kl(student_logps=student, teacher_logps=b.teacher_topk_logps)
-            answers = distilled_answers(b)  # (B,) or None: every answer
+            answers = teacher_mask.answers(b.rewards)  # (B,) or None: every answer
             if answers is not None:
                 rkl = rkl * answers[:, None]  # (B, T)
             per_token = per_token + DISTILL_COEF * rkl  # (B, T)
@@ -912,6 +902,7 @@ def check_settings():
     env_overrides.check_choice("DISTILL_SCALE", DISTILL_SCALE, DISTILL_SCALES)
     vllm_engine.check_settings()
     teacher_first.check_settings(distill_coef=DISTILL_COEF, rewards=REWARDS)
+    teacher_mask.check_settings(distill_coef=DISTILL_COEF, rewards=REWARDS)
     question_sampler.check_settings()
     tools.check_settings()
     refusals.refuse_impossible(gspo=GSPO, clip_eps=CLIP_EPS, clip_eps_high=CLIP_EPS_HIGH,
@@ -926,7 +917,7 @@ def check_settings():
                                  off_policy_delta=OFF_POLICY_DELTA,
                                  beta=BETA, kl_bias_correction=KL_BIAS_CORRECTION,
                                  rewards=REWARDS, num_pre_q=NUM_PRE_Q, scale_rewards=SCALE_REWARDS,
-                                 dynamic_sampling=DYNAMIC_SAMPLING, below=DISTILL_BELOW)
+                                 dynamic_sampling=DYNAMIC_SAMPLING)
     images = vision.check_settings(resolve_model_path(MODEL_PATH), tools_on=bool(tools.TOOLS),
                                    use_triton=fast_paths.USE_TRITON,
                                    use_vllm=vllm_engine.USE_VLLM)

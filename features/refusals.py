@@ -69,7 +69,7 @@ def refuse_objectives(*, objective, advantage, reward_norm, top_entropy_quantile
 
 def refuse_distillation(
     *, distill_coef, discount, top_k, matched, off_policy_delta, beta, kl_bias_correction,
-    rewards, num_pre_q, scale_rewards, dynamic_sampling, below=0.0
+    rewards, num_pre_q, scale_rewards, dynamic_sampling
 ):
     """Stop on a teacher setting that cannot work (docs/distillation.md): a k3 penalty towards the
     teacher (its gradient is the forward KL's), the fused Triton loss (one advantage per answer, no
@@ -103,10 +103,6 @@ def refuse_distillation(
     if matched and (pure or not coef or top_k):
         sys.exit('DISTILL_SCALE "matched" sizes the sampled teacher term to the rewards\' group '
                  "term: it needs DISTILL_COEF > 0, a REWARDS weight above 0 and no DISTILL_TOP_K")
-    if below < 0 or (below and (pure or not coef)):
-        sys.exit(f"DISTILL_BELOW = {below}: 0 (the teacher on every answer) or a reward above 0, "
-                 "under which an answer takes the teacher's term; it needs DISTILL_COEF > 0 and "
-                 "a REWARDS weight above 0 (pure distillation has no reward to read)")
     if num_pre_q < 1 or (num_pre_q == 1 and not pure):
         sys.exit(
             f"NUM_PRE_Q = {num_pre_q}: a group needs 2 answers or more to compare "
