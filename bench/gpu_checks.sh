@@ -7,6 +7,8 @@
 #   bash bench/gpu_checks.sh part3   # the bf16 gradient, LOGP_FROM_HIDDEN on and off, against fp32
 #   bash bench/gpu_checks.sh part4   # bf16 CUDA weights over the weight channel; the plan's verdict
 #   bash bench/gpu_checks.sh part5   # vLLM for a tiny Qwen2.5-VL (needs vllm, torchvision in .whl/)
+#   bash bench/gpu_checks.sh part6   # the Triton tests compiled; every loss variant on the GPU in
+#                                    # fp32 and bf16 against the CPU; bench_kernel.py (no DeepSpeed)
 set -u
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -17,6 +19,11 @@ if [ "$1" = part1 ]; then
   python3 -c "import torch, triton, transformers as t, deepspeed as d
 print(torch.__version__, triton.__version__, t.__version__, d.__version__)"
   python3 -m pytest -q -p no:cacheprovider tests/test_triton.py 2>&1 | tail -8
+  python3 bench/bench_kernel.py && cp bench/results/kernel.json "$OUT"/
+elif [ "$1" = part6 ]; then
+  nvidia-smi -L
+  python3 -m pytest -q -p no:cacheprovider tests/test_triton.py 2>&1 | tail -8
+  python3 bench/gpu_loss_variants.py 2>&1 | tee "$OUT"/loss_variants.txt
   python3 bench/bench_kernel.py && cp bench/results/kernel.json "$OUT"/
 elif [ "$1" = part5 ]; then
   # Issue 58: vLLM samples a tiny Qwen2.5-VL with images at the log-probs the trainer computes and
