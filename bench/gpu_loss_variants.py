@@ -43,6 +43,10 @@ VARIANTS = {
     "teacher below 2": {"DISTILL_COEF": 1.0, "BETA": 0.0, "DISTILL_BELOW": 2.0},
     "teacher top-k": {"DISTILL_COEF": 1.0, "BETA": 0.0, "DISTILL_TOP_K": TOP_K},
     "triton": {"USE_TRITON": True},
+    "triton dapo": {"USE_TRITON": True, "LOSS_TYPE": "dapo"},
+    "triton dr_grpo": {"USE_TRITON": True, "LOSS_TYPE": "dr_grpo"},
+    "triton tis mask": {"USE_TRITON": True, "TIS_MODE": "token_mask"},
+    "triton clip 0.28": {"USE_TRITON": True, "CLIP_EPS_HIGH": 0.28},
 }
 HOMES = {"TIS_MODE": vllm_engine, "USE_TRITON": fast_paths, "DISTILL_BELOW": teacher_mask}
 
@@ -115,8 +119,6 @@ def run(model, batch, settings, device, dtype):
             b = replace(b, ref_logps=None)
         if settings.get("LOSS_TYPE") == "dapo":  # dapo divides by the step's answer tokens
             b = replace(b, normalizer=float(batch.mask.sum()))
-        if settings.get("USE_TRITON"):  # one advantage per answer, pi_old on every row
-            b = replace(b, sampler_logps=None, sampler_rows=None)
         loss, _ = grpo.policy_loss(Engine(copy, torch.device(device)), b)
         loss.backward()
         grads = {n: p.grad.float().cpu() for n, p in copy.named_parameters()}
