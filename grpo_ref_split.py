@@ -28,8 +28,8 @@ from tqdm import tqdm
 import rewards
 from features import (checkpoints, curves, env_overrides, evaluation, fast_paths, lora,
                       memory_plan, pass_rates, policy, question_sampler, quiet, refusals, retry,
-                      run_log, server_client, teacher_first, teacher_mask, tools, vision,
-                      vllm_engine, weight_sync, wire, worker, zero2)
+                      run_log, server_client, teacher_mix, tools, vision, vllm_engine,
+                      weight_sync, wire, worker, zero2)
 from features.advantages import (SCALES, STD_EPS, group_advantages, scale_to_step, upload_scale,
                                  whiten_to_step)
 from features.embedded_model import resolve_model_path
@@ -158,7 +158,7 @@ def distill_advantages(advantages, *, teacher_logps, sampler_logps, mask, coef,
     with where it led), the reverse KL's return rather than its one step. matched: the term scaled
     by rms(A) / rms(term) over the answer tokens, so it keeps the group term's size as the KL falls
     (DISTILL_SCALE "matched"; GRPO's A stays near 1 per token whatever the rewards). answers
-    (B,) bool: the answers that take the term, the others keep A alone (features/teacher_mask:
+    (B,) bool: the answers that take the term, the others keep A alone (features/teacher_mix:
     KDRL's reward-guided mask spares the correct ones); None = every answer."""
     mask = mask.bool()  # (B, T)
     taking = mask if answers is None else mask & answers[:, None]  # (B, T) tokens with the term
@@ -396,7 +396,7 @@ class Batch:
     share: float = 1.0  # of the step's answers in this micro-batch; 0 = a repeat (no gradient)
     token_share: float = 1.0  # of the step's answer tokens in this micro-batch
     teacher_logps: torch.Tensor | None = None  # (B, T) DISTILL_COEF: the server's, never in k3
-    rewards: torch.Tensor | None = None  # (B,) each answer's summed reward (features/teacher_mask)
+    rewards: torch.Tensor | None = None  # (B,) each answer's summed reward (features/teacher_mix)
     teacher_topk_ids: torch.Tensor | None = None  # (B, T, k) DISTILL_TOP_K: its likeliest tokens
     teacher_topk_logps: torch.Tensor | None = None  # (B, T, k) and their log-probs
     vision_inputs: dict = field(default_factory=dict)  # each row's pixels; {} = text
@@ -736,7 +736,7 @@ def policy_loss(engine, b: Batch):
                                             sampler_logps=old_logps, mask=b.mask,
                                             coef=DISTILL_COEF, discount=DISTILL_DISCOUNT,
                                             matched=DISTILL_SCALE == "matched",
-                                            answers=teacher_mask.answers(b.rewards))  # (B, T)
+                                            answers=teacher_mix.answers(b.rewards))  # (B, T)
         weights = None  # vLLM's mismatch pi_old / pi_vllm, truncated or masked (TIS_MODE)
         if b.sampler_logps is not None and vllm_engine.TIS_CAP:
             weights = vllm_engine.mismatch_weights(old_logps, b.sampler_logps, b.sampler_rows,
@@ -761,7 +761,7 @@ def policy_loss(engine, b: Batch):
         if DISTILL_TOP_K:  # + the reverse KL over the teacher's k likeliest tokens, per token
             student = logp_all.gather(-1, b.teacher_topk_ids)  # (B, T, k)
             rkl = topk_reverse_kl(student_logps=student, teacher_logps=b.teacher_topk_logps)
-            answers = teacher_mask.answers(b.rewards)  # (B,) or None: every answer
+            answers = teacher_mix.answers(b.rewards)  # (B,) or None: every answer
             if answers is not None:
                 rkl = rkl * answers[:, None]  # (B, T)
             per_token = per_token + DISTILL_COEF * rkl  # (B, T)
@@ -787,9 +787,9 @@ def policy_loss(engine, b: Batch):
 def train_step(engine, batches, rewards_joined=True) -> Counter:
     """Steps 6-7, MU times on the same batches: the loss's gradient over every (micro-)batch, added
     up (ZeRO-2 averages it over ranks), then one optimizer step. rewards_joined False: the rewards'
-    advantages are 0, the teacher's term trains alone (features/teacher_first.py)."""
+    advantages are 0, the teacher's term trains alone (features/teacher_mix.py)."""
     metrics = Counter()  # summed over the MU passes, each a 1 / MU share
-    if teacher_first.TEACHER_FIRST_KL:  # 1 once the rewards train beside the teacher
+    if teacher_mix.TEACHER_FIRST_KL:  # 1 once the rewards train beside the teacher
         metrics["rewards_joined"] = float(rewards_joined)
     if not rewards_joined:
         batches = [replace(b, advantages=torch.zeros_like(b.advantages)) for b in batches]
@@ -901,8 +901,7 @@ def check_settings():
     env_overrides.check_choice("REWARD_NORM", REWARD_NORM, REWARD_NORMS)
     env_overrides.check_choice("DISTILL_SCALE", DISTILL_SCALE, DISTILL_SCALES)
     vllm_engine.check_settings()
-    teacher_first.check_settings(distill_coef=DISTILL_COEF, rewards=REWARDS)
-    teacher_mask.check_settings(distill_coef=DISTILL_COEF, rewards=REWARDS)
+    teacher_mix.check_settings(distill_coef=DISTILL_COEF, rewards=REWARDS)
     question_sampler.check_settings()
     tools.check_settings()
     refusals.refuse_impossible(gspo=GSPO, clip_eps=CLIP_EPS, clip_eps_high=CLIP_EPS_HIGH,
@@ -1025,7 +1024,7 @@ def main():
     image_processor = vision.image_processor_of(tokenizer)  # a vision model's: pixels; else None
     wanted = Q_BATCH_SIZE if DYNAMIC_SAMPLING else 1  # groups with different rewards a step needs
     steps = range(start + 1, ALL_STEPS + 1)
-    rewards_joined = not teacher_first.TEACHER_FIRST_KL  # else the teacher alone until it is near
+    rewards_joined = not teacher_mix.TEACHER_FIRST_KL  # else the teacher alone until it is near
     for step in tqdm(steps, disable=rank != 0, desc="GRPO", dynamic_ncols=True):
         metrics = Counter()  # this step's numbers, added up as they come
         step_start = clock()
@@ -1064,7 +1063,7 @@ def main():
         logged = step_metrics(metrics, groups, answers, step=step, attempts=attempt,
                               began=step_start, group_size=NUM_PRE_Q, reward_names=reward_names)
         averaged = log_step(step, logged, answers, log, device)  # the same on every rank
-        rewards_joined = rewards_joined or averaged["teacher_kl"] <= teacher_first.TEACHER_FIRST_KL
+        rewards_joined = rewards_joined or averaged["teacher_kl"] <= teacher_mix.TEACHER_FIRST_KL
         if evaluation.due(step, last_step=ALL_STEPS):
             evaluate(step)
         if checkpoints.due(step, last_step=ALL_STEPS):

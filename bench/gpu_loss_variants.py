@@ -17,7 +17,7 @@ import transformers
 
 sys.path.insert(0, ".")
 import grpo_ref_split as grpo  # noqa: E402
-from features import fast_paths, teacher_mask, vllm_engine  # noqa: E402
+from features import fast_paths, teacher_mix, vllm_engine  # noqa: E402
 
 VOCAB = 49152  # SmolLM2's vocabulary: the logits' width the fused loss tiles
 ANSWERS = 8  # rows of the batch: two groups of four
@@ -48,7 +48,7 @@ VARIANTS = {
     "triton tis mask": {"USE_TRITON": True, "TIS_MODE": "token_mask"},
     "triton clip 0.28": {"USE_TRITON": True, "CLIP_EPS_HIGH": 0.28},
 }
-HOMES = {"TIS_MODE": vllm_engine, "USE_TRITON": fast_paths, "DISTILL_BELOW": teacher_mask}
+HOMES = {"TIS_MODE": vllm_engine, "USE_TRITON": fast_paths, "DISTILL_BELOW": teacher_mix}
 
 
 class Engine:

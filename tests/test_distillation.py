@@ -161,7 +161,7 @@ def test_teacher_share_is_the_teacher_terms_part_of_the_advantages_size_by_hand(
     """run_log.teacher_metrics' teacher_share: group advantages [1, -1] on 2 answer tokens each
     (rms 1), teacher terms [[0.3, 0.1], [-0.2, 0.0]] (rms sqrt(0.14 / 4) = 0.18708) and a
     padding token whose values must not count: 0.18708 / 1.18708 = 0.15760. With the group term
-    at 0 (teacher_first's wait) the share is 1; token_share 0.5 halves each metric."""
+    at 0 (TEACHER_FIRST_KL's wait) the share is 1; token_share 0.5 halves each metric."""
     from features.run_log import teacher_metrics
 
     mask = torch.tensor([[True, True, False], [True, True, False]])

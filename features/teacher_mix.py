@@ -1,0 +1,56 @@
+"""How GRPO + OPD mixes the teacher's term with the rewards (docs/distillation.md), two settings
+beside DISTILL_COEF, each off by default:
+
+- TEACHER_FIRST_KL, the teacher first: every step trains on the teacher's term alone, the rewards'
+  advantages set to 0, until a step's teacher_kl (the ranks' mean) is TEACHER_FIRST_KL or less;
+  from the next step on, for the rest of the run, the rewards join. Pure distillation reaches the
+  teacher's level in fewer answers than GRPO does, and the rewards can then keep teaching past a
+  teacher no better than the student's own GRPO would become. The trainer holds the state
+  (rewards_joined in main's loop) and applies it in train_step.
+- DISTILL_BELOW, the teacher on the wrong answers only: an answer whose summed reward is
+  DISTILL_BELOW or more trains on the rewards' advantage alone; the others take the teacher's
+  per-token term beside it (KDRL's reward-guided mask, arXiv 2506.02208). A correct answer already
+  has the rewards' push; the reverse KL towards a confident teacher would only narrow it further,
+  and a group whose answers are all alike has no reward signal left. The trainer reads the mask
+  in policy_loss (distill_advantages' answers, the top-k term's rows).
+
+This module holds the two settings, their check and the mask.
+
+    TEACHER_FIRST_KL=0.05 DISTILL_COEF=1 BETA=0 deepspeed grpo_ref_split.py  # a TEACHER=1 server
+    DISTILL_BELOW=2 DISTILL_COEF=1 BETA=0 deepspeed grpo_ref_split.py
+"""
+import math
+import sys
+
+import torch
+
+from features import env_overrides
+
+TEACHER_FIRST_KL = 0.0  # > 0 = rewards wait until a step's teacher_kl <= this (nats a token)
+DISTILL_BELOW = 0.0  # > 0 = the teacher's term only on answers rewarded under this; 0 = all
+env_overrides.apply_env_overrides(globals(), "features/teacher_mix.py")
+
+
+def check_settings(*, distill_coef, rewards):
+    """Stop, before any model loads, on a mix with nothing to mix: a value out of range, no
+    teacher, or no reward weighed above 0 (every answer's reward would be 0). rewards: the
+    trainer's (function, weight) pairs."""
+    if not math.isfinite(TEACHER_FIRST_KL) or TEACHER_FIRST_KL < 0:
+        sys.exit(f"TEACHER_FIRST_KL = {TEACHER_FIRST_KL}: a teacher_kl in nats a token (0.05 is "
+                 "where the demo's pure distillation had come most of the way), or 0 = off")
+    if not math.isfinite(DISTILL_BELOW) or DISTILL_BELOW < 0:
+        sys.exit(f"DISTILL_BELOW = {DISTILL_BELOW}: a summed reward (2 = the demo's correct "
+                 "answers), or 0 = the teacher's term on every answer")
+    no_rewards = all(weight == 0 for _, weight in rewards)
+    for name, value in (("TEACHER_FIRST_KL", TEACHER_FIRST_KL), ("DISTILL_BELOW", DISTILL_BELOW)):
+        if value and (distill_coef <= 0 or no_rewards):
+            sys.exit(f"{name} = {value} mixes a teacher's term with the rewards: it needs "
+                     "DISTILL_COEF > 0 (a TEACHER=1 server) and a REWARDS weight above 0")
+
+
+def answers(rewards: torch.Tensor) -> torch.Tensor | None:
+    """(B,) bool, the answers that take the teacher's term: those whose summed reward (B,) is
+    under DISTILL_BELOW; None = every answer (DISTILL_BELOW 0)."""
+    if not DISTILL_BELOW:
+        return None
+    return rewards < DISTILL_BELOW  # (B,)
