@@ -821,7 +821,9 @@ def test_distill_below_gives_the_teacher_term_to_the_answers_under_it_alone(monk
     """policy_loss on a tiny model, rewards [3, 0, 2, 1.5] and DISTILL_BELOW 2: the loss equals
     the same batch's with every answer taking the term but answers 0 and 2 given a teacher equal
     to pi_old (a term of 0; top-k: their teacher log-probs equal to the student's own), and
-    differs from the loss where all four take it."""
+    differs from the loss where all four take it. pi_old is the batch's gen_logps, and the top-k
+    copy comes from the same forward the loss runs, so each spared term is 0 exactly and the two
+    losses are the same sums of the same floats on any processor: 1e-6 is for the report only."""
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     from conftest import tiny_config
@@ -831,8 +833,10 @@ def test_distill_below_gives_the_teacher_term_to_the_answers_under_it_alone(monk
     tok = AutoTokenizer.from_pretrained(grpo.resolve_model_path(""))
     model = LlamaForCausalLM(tiny_config(tok))
     b = batch_for(model)
-    pi_old = b.ref_logps  # (B, T) the model's own log-probs: on-policy, gen_logps None
     g = torch.Generator().manual_seed(3)
+    pi_old = b.ref_logps + 0.1 * torch.randn(4, 6, generator=g)  # (B, T) what the loss reads
+    b.gen_logps = pi_old
+    b.gen_rows = torch.ones(4, dtype=torch.bool)
     b.teacher_logps = pi_old - torch.rand(4, 6, generator=g)  # (B, T)
     b.ref_logps = None
     b.rewards = torch.tensor([3.0, 0.0, 2.0, 1.5])
