@@ -40,10 +40,22 @@ teacher="$TEACHER_DIR/step_$TEACHER_STEP"
 STOP_AT=${STOP_AT:-0}  # > 0: stop each run once its held-out evaluation at this step is written
 export EVAL_SIZE=${EVAL_SIZE:-128}  # held-out questions: 512 tells 3 points apart, 128 cannot
 mkdir -p "$OUT" "$RESULTS"
+# EVAL_SIZE also sets what trains: the dataset's last EVAL_SIZE questions are held out and the rest
+# train. A teacher trained with another EVAL_SIZE has trained on some of the student's held-out
+# questions, so the teacher's folder records its EVAL_SIZE and a different one is refused.
 if [ ! -e "$teacher/config.json" ]; then
   echo "=== the teacher: the demo's GRPO, $TEACHER_STEP steps -> $TEACHER_DIR"
   ALL_STEPS=$TEACHER_STEP OUTPUT_DIR="$TEACHER_DIR" bash scripts/run_demo.sh \
     > "$OUT/teacher.log" 2>&1
+  echo "$EVAL_SIZE" > "$TEACHER_DIR/eval_size"
+fi
+teacher_eval_size=$(cat "$TEACHER_DIR/eval_size" 2>/dev/null || echo "not recorded")
+if [ "$teacher_eval_size" != "$EVAL_SIZE" ]; then
+  echo "the teacher in $TEACHER_DIR was trained with EVAL_SIZE $teacher_eval_size, these runs" \
+       "hold out $EVAL_SIZE: it may have trained on the student's held-out questions. Train it" \
+       "with this EVAL_SIZE (an empty TEACHER_DIR), or, if it was, echo $EVAL_SIZE >" \
+       "$TEACHER_DIR/eval_size" >&2
+  exit 1
 fi
 server=""
 trap '[ -n "$server" ] && kill $server 2>/dev/null; wait 2>/dev/null || true' EXIT
