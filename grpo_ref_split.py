@@ -397,6 +397,7 @@ class Batch:
     token_share: float = 1.0  # of the step's answer tokens in this micro-batch
     teacher_logps: torch.Tensor | None = None  # (B, T) DISTILL_COEF: the server's, never in k3
     rewards: torch.Tensor | None = None  # (B,) each answer's summed reward (features/teacher_mix)
+    teacher_on: bool = True  # False: the teacher's term left after TEACHER_STEPS (teacher_mix)
     teacher_topk_ids: torch.Tensor | None = None  # (B, T, k) DISTILL_TOP_K: its likeliest tokens
     teacher_topk_logps: torch.Tensor | None = None  # (B, T, k) and their log-probs
     vision_inputs: dict = field(default_factory=dict)  # each row's pixels; {} = text
@@ -736,7 +737,8 @@ def policy_loss(engine, b: Batch):
                                             sampler_logps=old_logps, mask=b.mask,
                                             coef=DISTILL_COEF, discount=DISTILL_DISCOUNT,
                                             matched=DISTILL_SCALE == "matched",
-                                            answers=teacher_mix.answers(b.rewards))  # (B, T)
+                                            answers=teacher_mix.answers(
+                                                b.rewards, teacher_on=b.teacher_on))  # (B, T)
         weights = None  # vLLM's mismatch pi_old / pi_vllm, truncated or masked (TIS_MODE)
         if b.sampler_logps is not None and vllm_engine.TIS_CAP:
             weights = vllm_engine.mismatch_weights(old_logps, b.sampler_logps, b.sampler_rows,
@@ -761,7 +763,7 @@ def policy_loss(engine, b: Batch):
         if DISTILL_TOP_K:  # + the reverse KL over the teacher's k likeliest tokens, per token
             student = logp_all.gather(-1, b.teacher_topk_ids)  # (B, T, k)
             rkl = topk_reverse_kl(student_logps=student, teacher_logps=b.teacher_topk_logps)
-            answers = teacher_mix.answers(b.rewards)  # (B,) or None: every answer
+            answers = teacher_mix.answers(b.rewards, teacher_on=b.teacher_on)  # (B,) or None
             if answers is not None:
                 rkl = rkl * answers[:, None]  # (B, T)
             per_token = per_token + DISTILL_COEF * rkl  # (B, T)
@@ -784,15 +786,18 @@ def policy_loss(engine, b: Batch):
     return loss, metrics
 
 
-def train_step(engine, batches, rewards_joined=True) -> Counter:
+def train_step(engine, batches, rewards_joined=True, teacher_on=True) -> Counter:
     """Steps 6-7, MU times on the same batches: the loss's gradient over every (micro-)batch, added
     up (ZeRO-2 averages it over ranks), then one optimizer step. rewards_joined False: the rewards'
-    advantages are 0, the teacher's term trains alone (features/teacher_mix.py)."""
+    advantages are 0, the teacher's term trains alone; teacher_on False: the teacher's term is 0,
+    the rewards train alone (features/teacher_mix.py)."""
     metrics = Counter()  # summed over the MU passes, each a 1 / MU share
-    if teacher_mix.TEACHER_FIRST_KL:  # 1 once the rewards train beside the teacher
+    if teacher_mix.TEACHER_FIRST_KL or teacher_mix.TEACHER_STEPS:  # 1 once the rewards train
         metrics["rewards_joined"] = float(rewards_joined)
     if not rewards_joined:
         batches = [replace(b, advantages=torch.zeros_like(b.advantages)) for b in batches]
+    if not teacher_on:
+        batches = [replace(b, teacher_on=False) for b in batches]
     for _ in range(MU):
         with timed(metrics, "fwd_bwd_s"):
             this_pass = Counter()  # the (micro-)batches' metrics, each a share of the step's
@@ -901,7 +906,7 @@ def check_settings():
     env_overrides.check_choice("REWARD_NORM", REWARD_NORM, REWARD_NORMS)
     env_overrides.check_choice("DISTILL_SCALE", DISTILL_SCALE, DISTILL_SCALES)
     vllm_engine.check_settings()
-    teacher_mix.check_settings(distill_coef=DISTILL_COEF, rewards=REWARDS)
+    teacher_mix.check_settings(distill_coef=DISTILL_COEF, rewards=REWARDS, all_steps=ALL_STEPS)
     question_sampler.check_settings()
     tools.check_settings()
     refusals.refuse_impossible(gspo=GSPO, clip_eps=CLIP_EPS, clip_eps_high=CLIP_EPS_HIGH,
@@ -1053,7 +1058,9 @@ def main():
         if SCALE_REWARDS == "batch" or whitened_at_step():  # every rank: / a std over the step
             groups = scaled_to_step(groups, torch.cat(other_rewards), device)
         batches = batches_of(engine, groups, tokenizer.pad_token_id, image_processor)
-        metrics.update(train_step(engine, batches, rewards_joined))  # 6-7. loss, optimizer step
+        teacher_on = teacher_mix.teacher_trains(step)  # TEACHER_STEPS: the teacher's steps first
+        rewards_on = rewards_joined and teacher_mix.rewards_train(step)  # then the rewards'
+        metrics.update(train_step(engine, batches, rewards_on, teacher_on))  # 6-7. loss, step
         metrics["max_weight_gap"] = weight_gap(model)  # 0: every rank holds the same weights
         if publisher is not None:  # rank 0 with WEIGHT_SYNC_STEPS: the weights to workers
             weight_sync.publish_every(publisher, model, step, weight_sync.WEIGHT_SYNC_STEPS)

@@ -1,4 +1,4 @@
-"""How GRPO + OPD mixes the teacher's term with the rewards (docs/distillation.md), two settings
+"""How GRPO + OPD mixes the teacher's term with the rewards (docs/distillation.md), three settings
 beside DISTILL_COEF, each off by default:
 
 - TEACHER_FIRST_KL, the teacher first: every step trains on the teacher's term alone, the rewards'
@@ -13,11 +13,19 @@ beside DISTILL_COEF, each off by default:
   has the rewards' push; the reverse KL towards a confident teacher would only narrow it further,
   and a group whose answers are all alike has no reward signal left. The trainer reads the mask
   in policy_loss (distill_advantages' answers, the top-k term's rows).
+- TEACHER_STEPS, distillation then RL: the first TEACHER_STEPS steps train on the teacher's term
+  alone (the rewards' advantages 0), every later step on the rewards alone (the teacher's term
+  0), the order of a distill-then-RL pipeline. Pure distillation comes most of the way to the
+  teacher in a few steps, and then, near a teacher that is wrong where the student is, keeps
+  pulling toward the teacher's mistakes where no reward pulls back; from the hand-off on the
+  rewards alone decide. The server still sends the teacher's log-probs after it, for the
+  teacher_kl metric. The trainer asks teacher_trains and rewards_train each step.
 
-This module holds the two settings, their check and the mask.
+This module holds the three settings, their check, the mask and the hand-off.
 
     TEACHER_FIRST_KL=0.05 DISTILL_COEF=1 BETA=0 deepspeed grpo_ref_split.py  # a TEACHER=1 server
     DISTILL_BELOW=2 DISTILL_COEF=1 BETA=0 deepspeed grpo_ref_split.py
+    TEACHER_STEPS=10 DISTILL_COEF=1 BETA=0 deepspeed grpo_ref_split.py
 """
 import math
 import sys
@@ -28,29 +36,57 @@ from features import env_overrides
 
 TEACHER_FIRST_KL = 0.0  # > 0 = rewards wait until a step's teacher_kl <= this (nats a token)
 DISTILL_BELOW = 0.0  # > 0 = the teacher's term only on answers rewarded under this; 0 = all
+TEACHER_STEPS = 0  # > 0 = the teacher alone for this many steps, then the rewards alone; 0 = off
 env_overrides.apply_env_overrides(globals(), "features/teacher_mix.py")
 
 
-def check_settings(*, distill_coef, rewards):
+def check_settings(*, distill_coef, rewards, all_steps):
     """Stop, before any model loads, on a mix with nothing to mix: a value out of range, no
     teacher, or no reward weighed above 0 (every answer's reward would be 0). rewards: the
-    trainer's (function, weight) pairs."""
+    trainer's (function, weight) pairs; all_steps: the run's last step."""
     if not math.isfinite(TEACHER_FIRST_KL) or TEACHER_FIRST_KL < 0:
         sys.exit(f"TEACHER_FIRST_KL = {TEACHER_FIRST_KL}: a teacher_kl in nats a token (0.05 is "
                  "where the demo's pure distillation had come most of the way), or 0 = off")
     if not math.isfinite(DISTILL_BELOW) or DISTILL_BELOW < 0:
         sys.exit(f"DISTILL_BELOW = {DISTILL_BELOW}: a summed reward (2 = the demo's correct "
                  "answers), or 0 = the teacher's term on every answer")
-    no_rewards = all(weight == 0 for _, weight in rewards)
+    if not isinstance(TEACHER_STEPS, int) or TEACHER_STEPS < 0:
+        sys.exit(f"TEACHER_STEPS = {TEACHER_STEPS!r}: a whole number of steps the teacher trains "
+                 "alone before the rewards take over, or 0 = off")
+    if TEACHER_STEPS and TEACHER_STEPS >= all_steps:
+        sys.exit(f"TEACHER_STEPS = {TEACHER_STEPS} with ALL_STEPS = {all_steps}: the rewards would "
+                 "never train. That is pure distillation: REWARDS weighed 0 and TEACHER_STEPS 0")
     for name, value in (("TEACHER_FIRST_KL", TEACHER_FIRST_KL), ("DISTILL_BELOW", DISTILL_BELOW)):
+        if TEACHER_STEPS and value:  # both rules shape steps that train the two terms together
+            sys.exit(f"TEACHER_STEPS = {TEACHER_STEPS} with {name} = {value}: after the hand-off "
+                     f"no step trains the teacher and the rewards together, so {name} has "
+                     "nothing to act on. Set one of them to 0")
+    no_rewards = all(weight == 0 for _, weight in rewards)
+    mixes = (("TEACHER_FIRST_KL", TEACHER_FIRST_KL), ("DISTILL_BELOW", DISTILL_BELOW),
+             ("TEACHER_STEPS", TEACHER_STEPS))
+    for name, value in mixes:
         if value and (distill_coef <= 0 or no_rewards):
             sys.exit(f"{name} = {value} mixes a teacher's term with the rewards: it needs "
                      "DISTILL_COEF > 0 (a TEACHER=1 server) and a REWARDS weight above 0")
 
 
-def answers(rewards: torch.Tensor) -> torch.Tensor | None:
+def answers(rewards: torch.Tensor, *, teacher_on=True) -> torch.Tensor | None:
     """(B,) bool, the answers that take the teacher's term: those whose summed reward (B,) is
-    under DISTILL_BELOW; None = every answer (DISTILL_BELOW 0)."""
+    under DISTILL_BELOW, none once the teacher has left (teacher_on False); None = every
+    answer."""
+    if not teacher_on:
+        return torch.zeros_like(rewards, dtype=torch.bool)  # (B,)
     if not DISTILL_BELOW:
         return None
     return rewards < DISTILL_BELOW  # (B,)
+
+
+def teacher_trains(step: int) -> bool:
+    """Whether step (1, 2, ...) trains on the teacher's term: all, or TEACHER_STEPS' first."""
+    return not TEACHER_STEPS or step <= TEACHER_STEPS
+
+
+def rewards_train(step: int) -> bool:
+    """Whether step trains on the rewards as far as TEACHER_STEPS goes: after the teacher's steps
+    (TEACHER_FIRST_KL's wait is the trainer's, from each step's teacher_kl)."""
+    return step > TEACHER_STEPS
