@@ -157,6 +157,56 @@ def test_teacher_first_needs_rewards_a_teacher_and_a_threshold(monkeypatch, tmp_
     grpo.check_settings()
 
 
+def test_teacher_steps_needs_rewards_a_teacher_and_steps_left_for_the_rewards(monkeypatch,
+                                                                              tmp_path):
+    """TEACHER_STEPS (distillation, then RL): the rewards take over after it, so there must be
+    rewards, a teacher, and steps left after it; a count that is not a whole number >= 0 is
+    refused, and so is either rule of the two terms' mix (TEACHER_FIRST_KL, DISTILL_BELOW),
+    which has no step to act on. 0 is off."""
+    no_rewards = [(fn, 0.0) for fn, _ in grpo.REWARDS]
+    fine = {"REWARDS": grpo.REWARDS, "DISTILL_COEF": 1.0, "TEACHER_STEPS": 10, "ALL_STEPS": 30,
+            "TEACHER_FIRST_KL": 0.0, "DISTILL_BELOW": 0.0}
+    for setting, message in (({"REWARDS": no_rewards}, "REWARDS weight"),
+                             ({"DISTILL_COEF": 0.0}, "DISTILL_COEF > 0"),
+                             ({"TEACHER_STEPS": -1}, "or 0 = off"),
+                             ({"TEACHER_STEPS": 2.5}, "a whole number"),
+                             ({"ALL_STEPS": 10}, "the rewards would never train"),
+                             ({"TEACHER_FIRST_KL": 0.05}, "TEACHER_FIRST_KL has nothing"),
+                             ({"DISTILL_BELOW": 2.0}, "DISTILL_BELOW has nothing")):
+        teacher_settings(monkeypatch, tmp_path, **(fine | setting))
+        with pytest.raises(SystemExit, match=message):
+            grpo.check_settings()
+    teacher_settings(monkeypatch, tmp_path, **fine)
+    grpo.check_settings()
+    teacher_settings(monkeypatch, tmp_path, **(fine | {"TEACHER_STEPS": 0, "ALL_STEPS": 1}))
+    grpo.check_settings()
+
+
+def test_teacher_steps_hand_the_steps_from_the_teacher_to_the_rewards(monkeypatch):
+    """Steps 1..TEACHER_STEPS train the teacher alone, every later one the rewards alone; at 0
+    every step trains both. Once the teacher has left no answer takes its term, whatever
+    DISTILL_BELOW would say, and distill_advantages returns the group term itself."""
+    from features import teacher_mix
+
+    monkeypatch.setattr(teacher_mix, "TEACHER_STEPS", 2)
+    assert [teacher_mix.teacher_trains(step) for step in (1, 2, 3, 4)] == [1, 1, 0, 0]
+    assert [teacher_mix.rewards_train(step) for step in (1, 2, 3, 4)] == [0, 0, 1, 1]
+    monkeypatch.setattr(teacher_mix, "TEACHER_STEPS", 0)
+    assert all(teacher_mix.teacher_trains(step) for step in (1, 2, 3))
+    assert all(teacher_mix.rewards_train(step) for step in (1, 2, 3))
+    rewards = torch.tensor([0.0, 2.0])  # (B,)
+    assert teacher_mix.answers(rewards, teacher_on=False).tolist() == [False, False]
+    monkeypatch.setattr(teacher_mix, "DISTILL_BELOW", 2.0)
+    assert teacher_mix.answers(rewards).tolist() == [True, False]
+    assert teacher_mix.answers(rewards, teacher_on=False).tolist() == [False, False]
+    group = torch.tensor([0.5, -0.5])  # (B,)
+    got = grpo.distill_advantages(group, teacher_logps=torch.full((2, 3), -1.0),
+                                  sampler_logps=torch.full((2, 3), -2.0),
+                                  mask=torch.ones(2, 3), coef=1.0, matched=True,
+                                  answers=teacher_mix.answers(rewards, teacher_on=False))
+    assert got.tolist() == [[0.5] * 3, [-0.5] * 3]
+
+
 def test_teacher_share_is_the_teacher_terms_part_of_the_advantages_size_by_hand():
     """run_log.teacher_metrics' teacher_share: group advantages [1, -1] on 2 answer tokens each
     (rms 1), teacher terms [[0.3, 0.1], [-0.2, 0.0]] (rms sqrt(0.14 / 4) = 0.18708) and a
@@ -599,7 +649,8 @@ def test_teacher_first_trains_on_the_teacher_alone_until_its_kl_is_low_then_the_
     groups) with TEACHER_FIRST_KL 1e6, met by step 1's teacher_kl: step 1 trains on the
     teacher's term alone (teacher_share 1, the group term 0 though rewards differ), steps 2 and 3
     with the rewards too. A student far from it (noise 0.3) with TEACHER_FIRST_KL 1e-4: its KL
-    stays above, so every step waits."""
+    stays above, so every step waits. Then TEACHER_STEPS 1 with the near student: step 1 trains
+    on the teacher alone, steps 2 and 3 on the rewards alone (teacher_share exactly 0)."""
     from transformers import LlamaForCausalLM
 
     from conftest import ServerProcess, free_port, metrics, train
@@ -624,6 +675,11 @@ def test_teacher_first_trains_on_the_teacher_alone_until_its_kl_is_low_then_the_
                         Q_BATCH_SIZE=4, SAVE_STEPS=0, EVAL_STEPS=0)
             assert run.returncode == 0, run.stderr[-3000:]
             runs[join_kl] = metrics(out)[0]
+        out = tmp_path / "handoff"  # TEACHER_STEPS: the teacher alone, then the rewards alone
+        run = train(students[0.1], teacher.url, out, 1, DISTILL_COEF=1.0, BETA=0.0,
+                    TEACHER_STEPS=1, ALL_STEPS=3, Q_BATCH_SIZE=4, SAVE_STEPS=0, EVAL_STEPS=0)
+        assert run.returncode == 0, run.stderr[-3000:]
+        handoff = metrics(out)[0]
     finally:
         teacher.stop()
     joined = runs[1e6]
@@ -636,6 +692,12 @@ def test_teacher_first_trains_on_the_teacher_alone_until_its_kl_is_low_then_the_
     assert all(m["teacher_kl"] > 1e-4 for m in waiting), waiting
     assert [m["rewards_joined"] for m in waiting] == [0.0, 0.0]
     assert all(m["teacher_share"] == pytest.approx(1.0, abs=1e-6) for m in waiting)
+    # TEACHER_STEPS 1: step 1 as TEACHER_FIRST_KL's first (the teacher alone), then the rewards
+    # alone: the teacher's term is exactly 0 (share 0), its KL still logged from the server's
+    assert [m["rewards_joined"] for m in handoff] == [0.0, 1.0, 1.0]
+    assert handoff[0]["teacher_share"] == pytest.approx(1.0, abs=1e-6)
+    assert [m["teacher_share"] for m in handoff[1:]] == [0.0, 0.0], handoff
+    assert all(m["teacher_kl"] != 0 for m in handoff), handoff
 
 
 # ------------------------------------------------------------- the teacher's top-k (DISTILL_TOP_K)
