@@ -1060,6 +1060,7 @@ def main():
         batches = batches_of(engine, groups, tokenizer.pad_token_id, image_processor)
         teacher_on = teacher_mix.teacher_trains(step)  # TEACHER_STEPS: the teacher's steps first
         rewards_on = rewards_joined and teacher_mix.rewards_train(step)  # then the rewards'
+        teacher_mix.hand_off(engine, step, rank=rank)  # TEACHER_STEPS: a fresh optimizer, once
         metrics.update(train_step(engine, batches, rewards_on, teacher_on))  # 6-7. loss, step
         metrics["max_weight_gap"] = weight_gap(model)  # 0: every rank holds the same weights
         if publisher is not None:  # rank 0 with WEIGHT_SYNC_STEPS: the weights to workers

@@ -18,8 +18,11 @@ beside DISTILL_COEF, each off by default:
   0), the order of a distill-then-RL pipeline. Pure distillation comes most of the way to the
   teacher in a few steps, and then, near a teacher that is wrong where the student is, keeps
   pulling toward the teacher's mistakes where no reward pulls back; from the hand-off on the
-  rewards alone decide. The server still sends the teacher's log-probs after it, for the
-  teacher_kl metric. The trainer asks teacher_trains and rewards_train each step.
+  rewards alone decide. The hand-off also clears AdamW's moments, so that the rewards' stage
+  starts as a run of its own would: the first moment would otherwise keep pushing the teacher's
+  last direction for a few steps, and the second would scale the rewards' gradients by the
+  teacher's. The server still sends the teacher's log-probs after it, for the teacher_kl
+  metric. The trainer asks teacher_trains and rewards_train each step, and calls hand_off.
 
 This module holds the three settings, their check, the mask and the hand-off.
 
@@ -90,3 +93,16 @@ def rewards_train(step: int) -> bool:
     """Whether step trains on the rewards as far as TEACHER_STEPS goes: after the teacher's steps
     (TEACHER_FIRST_KL's wait is the trainer's, from each step's teacher_kl)."""
     return step > TEACHER_STEPS
+
+
+def hand_off(engine, step: int, *, rank: int) -> None:
+    """At the first step after TEACHER_STEPS: clear the optimizer's state (AdamW's two moments and
+    its step count, which restarts the bias correction), so that the next optimizer step is a
+    fresh AdamW's first. The learning rate schedule goes on. engine: DeepSpeed's, whose optimizer
+    (ZeRO-2's, or ZeRO-Offload's) holds the torch optimizer it steps as .optimizer."""
+    if not TEACHER_STEPS or step != TEACHER_STEPS + 1:
+        return
+    engine.optimizer.optimizer.state.clear()  # refilled with zeros by the next step
+    if rank == 0:
+        print(f"step {step}: the teacher's {TEACHER_STEPS} steps are over; the rewards train "
+              "alone from here, AdamW's moments cleared", flush=True)

@@ -207,6 +207,39 @@ def test_teacher_steps_hand_the_steps_from_the_teacher_to_the_rewards(monkeypatc
     assert got.tolist() == [[0.5] * 3, [-0.5] * 3]
 
 
+def test_the_hand_off_makes_the_next_optimizer_step_a_fresh_adamws_first(monkeypatch, capsys):
+    """TEACHER_STEPS 3: hand_off at step 4, and only there, clears the optimizer's state, so the
+    step after it moves the weights exactly as a new AdamW would from the same weights and
+    gradient; at any other step the teacher stage's moments stay and the step differs."""
+    from types import SimpleNamespace
+
+    from features import teacher_mix
+
+    monkeypatch.setattr(teacher_mix, "TEACHER_STEPS", 3)
+    g = torch.Generator().manual_seed(0)
+    gradients = [torch.randn(5, generator=g) for _ in range(4)]  # the teacher's 3, then one
+    moved = {}
+    for hand_off_at in (4, 3, 5):
+        weight = torch.nn.Parameter(torch.ones(5))
+        adamw = torch.optim.AdamW([weight], lr=0.1)
+        engine = SimpleNamespace(optimizer=SimpleNamespace(optimizer=adamw))  # ZeRO's wrapper
+        for gradient in gradients[:3]:
+            weight.grad = gradient.clone()
+            adamw.step()
+        teacher_mix.hand_off(engine, hand_off_at, rank=0)
+        before = weight.detach().clone()
+        weight.grad = gradients[3].clone()
+        adamw.step()
+        moved[hand_off_at] = (before, weight.detach().clone())
+    fresh_weight = torch.nn.Parameter(moved[4][0].clone())
+    fresh_weight.grad = gradients[3].clone()
+    torch.optim.AdamW([fresh_weight], lr=0.1).step()
+    assert torch.equal(moved[4][1], fresh_weight.detach())
+    for other in (3, 5):
+        assert not torch.allclose(moved[other][1], fresh_weight.detach(), atol=1e-3)
+    assert capsys.readouterr().out.count("AdamW's moments cleared") == 1
+
+
 def test_teacher_share_is_the_teacher_terms_part_of_the_advantages_size_by_hand():
     """run_log.teacher_metrics' teacher_share: group advantages [1, -1] on 2 answer tokens each
     (rms 1), teacher terms [[0.3, 0.1], [-0.2, 0.0]] (rms sqrt(0.14 / 4) = 0.18708) and a
@@ -680,6 +713,7 @@ def test_teacher_first_trains_on_the_teacher_alone_until_its_kl_is_low_then_the_
                     TEACHER_STEPS=1, ALL_STEPS=3, Q_BATCH_SIZE=4, SAVE_STEPS=0, EVAL_STEPS=0)
         assert run.returncode == 0, run.stderr[-3000:]
         handoff = metrics(out)[0]
+        handed = run.stdout + run.stderr  # the hand-off says so, once, at step 2
     finally:
         teacher.stop()
     joined = runs[1e6]
@@ -698,6 +732,7 @@ def test_teacher_first_trains_on_the_teacher_alone_until_its_kl_is_low_then_the_
     assert handoff[0]["teacher_share"] == pytest.approx(1.0, abs=1e-6)
     assert [m["teacher_share"] for m in handoff[1:]] == [0.0, 0.0], handoff
     assert all(m["teacher_kl"] != 0 for m in handoff), handoff
+    assert handed.count("step 2: the teacher's 1 steps are over") == 1, handed[-3000:]
 
 
 # ------------------------------------------------------------- the teacher's top-k (DISTILL_TOP_K)
