@@ -921,6 +921,7 @@ def check_settings():
                                  off_policy_delta=OFF_POLICY_DELTA,
                                  beta=BETA, kl_bias_correction=KL_BIAS_CORRECTION,
                                  rewards=REWARDS, num_pre_q=NUM_PRE_Q, scale_rewards=SCALE_REWARDS,
+                                 teacher_steps=teacher_mix.TEACHER_STEPS,
                                  dynamic_sampling=DYNAMIC_SAMPLING)
     images = vision.check_settings(resolve_model_path(MODEL_PATH), tools_on=bool(tools.TOOLS),
                                    use_triton=fast_paths.USE_TRITON,
@@ -989,7 +990,7 @@ def main():
         sys.exit("the server redoes advantages (REGROUP or a REWARD_MODEL) by GRPO's rule: "
                  f"ADVANTAGE {ADVANTAGE!r} and REWARD_NORM {REWARD_NORM!r} need a plain server")
     regroup = bool(health.get("regroup"))  # it pools answers of older weights: send gen_logps
-    keep_all = bool(regroup or health.get("reward_model") or DISTILL_COEF)  # equal groups teach too
+    keeps_equal = bool(regroup or health.get("reward_model"))  # equal-reward groups teach too
     several = "," in REF_SERVER or worker.EXTRA_GROUPS > 0 or regroup  # RefClient's cases
     run = uuid.uuid4().hex  # marks this run's upload ids: an earlier run's leftovers are not ours
     exchange = functools.partial(upload_and_pull, run=run)  # step 5 with one server, as above
@@ -1036,6 +1037,8 @@ def main():
         answers = []  # every answer the step sampled, for the log
         groups = []  # the (tensors, meta) pairs the step trains on
         other_rewards = []  # the rewards of the groups not uploaded (equal ones), per rollout
+        teacher_on = teacher_mix.teacher_trains(step)  # TEACHER_STEPS: the teacher's steps first
+        keep_all = keeps_equal or (DISTILL_COEF > 0 and teacher_on)  # its term differs in any group
         for attempt in range(1, question_sampler.MAX_ROLLOUTS + 1):  # until groups that differ
             n_questions = Q_BATCH_SIZE - len(groups) if DYNAMIC_SAMPLING else Q_BATCH_SIZE
             drawn = sampler.draw(n_questions)  # 1. draw questions; 2-4. generate, score, advantages
@@ -1058,7 +1061,6 @@ def main():
         if SCALE_REWARDS == "batch" or whitened_at_step():  # every rank: / a std over the step
             groups = scaled_to_step(groups, torch.cat(other_rewards), device)
         batches = batches_of(engine, groups, tokenizer.pad_token_id, image_processor)
-        teacher_on = teacher_mix.teacher_trains(step)  # TEACHER_STEPS: the teacher's steps first
         rewards_on = rewards_joined and teacher_mix.rewards_train(step)  # then the rewards'
         teacher_mix.hand_off(engine, step, rank=rank)  # TEACHER_STEPS: a fresh optimizer, once
         metrics.update(train_step(engine, batches, rewards_on, teacher_on))  # 6-7. loss, step

@@ -69,12 +69,13 @@ def refuse_objectives(*, objective, advantage, reward_norm, top_entropy_quantile
 
 def refuse_distillation(
     *, distill_coef, discount, top_k, matched, off_policy_delta, beta, kl_bias_correction,
-    rewards, num_pre_q, scale_rewards, dynamic_sampling
+    rewards, num_pre_q, scale_rewards, dynamic_sampling, teacher_steps=0
 ):
     """Stop on a teacher setting that cannot work (docs/distillation.md): a k3 penalty towards the
     teacher (its gradient is the forward KL's), the fused Triton loss (one advantage per answer, no
     DeepSeek-V3.2 corrections), groups of one answer with rewards still weighed. Say so when
-    DYNAMIC_SAMPLING has nothing to do. The keywords are the trainer's constants of those names."""
+    DYNAMIC_SAMPLING has nothing to do. The keywords are the trainer's constants of those names
+    (teacher_steps: features/teacher_mix.TEACHER_STEPS)."""
     coef = distill_coef
     delta = off_policy_delta
     if coef < 0 or delta < 0:
@@ -109,8 +110,9 @@ def refuse_distillation(
             "rewards; 1 only for pure distillation (DISTILL_COEF > 0, every REWARDS weight 0)"
         )
     if coef and dynamic_sampling:
+        until = f" until the hand-off after step {teacher_steps}" if teacher_steps else ""
         print("DYNAMIC_SAMPLING with DISTILL_COEF: every group trains (the teacher's term differs "
-              "within any group, equal rewards or not), so each step draws its questions once",
-              flush=True)
+              f"within any group, equal rewards or not), so each step{until} draws its questions "
+              "once", flush=True)
     if num_pre_q == 1 and scale_rewards != "group":
         sys.exit('NUM_PRE_Q = 1 takes SCALE_REWARDS = "group" (its advantages are 0 then)')

@@ -733,6 +733,11 @@ def test_teacher_first_trains_on_the_teacher_alone_until_its_kl_is_low_then_the_
     assert [m["teacher_share"] for m in handoff[1:]] == [0.0, 0.0], handoff
     assert all(m["teacher_kl"] != 0 for m in handoff), handoff
     assert handed.count("step 2: the teacher's 1 steps are over") == 1, handed[-3000:]
+    # every group trains while the teacher does; after it, as in GRPO, only groups whose rewards
+    # differ (zero_var_groups: the share of groups with one reward for all)
+    assert handoff[0]["answers_trained"] == handoff[0]["answers_generated"]
+    for m in handoff[1:]:
+        assert m["answers_trained"] == m["answers_generated"] * (1 - m["zero_var_groups"]), m
 
 
 # ------------------------------------------------------------- the teacher's top-k (DISTILL_TOP_K)
