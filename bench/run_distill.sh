@@ -13,7 +13,7 @@
 #   grpo_opd_wrong    both, the teacher's term only on answers rewarded under 2 (DISTILL_BELOW=2:
 #                     the wrong ones; KDRL's reward-guided mask)
 #   grpo_opd_handoff  the teacher alone for the first TEACHER_STEPS=10 steps, then the rewards
-#                     alone: distillation, then RL
+#                     alone with a fresh AdamW and DYNAMIC_SAMPLING: distillation, then RL
 # Each run's metrics.jsonl and wall seconds go to $RESULTS as it ends; a run already there is
 # skipped, so the script can be stopped and started again. Then bench/distill_report.py prints the
 # table and draws bench/results/distill_curves.png.
@@ -86,7 +86,7 @@ for seed in $SEEDS; do
       grpo_opd_wrong) served=(TEACHER=1 MODEL_PATH="$teacher")
                       trained=(DISTILL_COEF=1 BETA=0 DISTILL_BELOW=2) ;;
       grpo_opd_handoff) served=(TEACHER=1 MODEL_PATH="$teacher")
-                        trained=(DISTILL_COEF=1 BETA=0 TEACHER_STEPS=10) ;;
+                        trained=(DISTILL_COEF=1 BETA=0 TEACHER_STEPS=10 DYNAMIC_SAMPLING=1) ;;
       *) echo "unknown run $run: grpo, opd, opd_wide, opd_wide_sum, grpo_opd," \
               "grpo_opd_matched, grpo_opd_none, grpo_opd_first, grpo_opd_wrong or" \
               "grpo_opd_handoff" >&2; exit 1 ;;
