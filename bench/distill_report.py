@@ -18,6 +18,8 @@ RUNS = {"grpo": "GRPO (rewards, k3 to the reference)", "opd": "pure OPD (teacher
         "grpo_opd_none": "GRPO + OPD, SCALE_REWARDS none",
         "grpo_opd_first": "GRPO + OPD, TEACHER_FIRST_KL 0.05",
         "grpo_opd_wrong": "GRPO + OPD, DISTILL_BELOW 2",
+        "grpo_opd_handoff_plain": "OPD, then GRPO: the optimizer kept, equal groups kept",
+        "grpo_opd_handoff_reset": "OPD, then GRPO: AdamW cleared, equal groups kept",
         "grpo_opd_handoff": "OPD, then GRPO (TEACHER_STEPS 10, DYNAMIC_SAMPLING)"}
 STEPS = (0, 5, 10, 20, 30)
 TARGET = 0.85  # held-out accuracy the issue asks about
