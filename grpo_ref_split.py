@@ -786,17 +786,19 @@ def policy_loss(engine, b: Batch):
     return loss, metrics
 
 
-def train_step(engine, batches, rewards_joined=True, teacher_on=True) -> Counter:
+def train_step(engine, batches, phase=None) -> Counter:
     """Steps 6-7, MU times on the same batches: the loss's gradient over every (micro-)batch, added
-    up (ZeRO-2 averages it over ranks), then one optimizer step. rewards_joined False: the rewards'
-    advantages are 0, the teacher's term trains alone; teacher_on False: the teacher's term is 0,
-    the rewards train alone (features/teacher_mix.py)."""
+    up (ZeRO-2 averages it over ranks), then one optimizer step. phase (features/teacher_mix.py;
+    None = both terms): phase.rewards False, the rewards' advantages are 0 and the teacher's term
+    trains alone; phase.teacher False, the teacher's term is 0 and the rewards train alone."""
     metrics = Counter()  # summed over the MU passes, each a 1 / MU share
+    if phase is not None and phase.hand_off:  # TEACHER_STEPS: the rewards' stage, a fresh AdamW
+        teacher_mix.hand_off(engine, phase.step)
     if teacher_mix.TEACHER_FIRST_KL or teacher_mix.TEACHER_STEPS:  # 1 once the rewards train
-        metrics["rewards_joined"] = float(rewards_joined)
-    if not rewards_joined:
+        metrics["rewards_joined"] = float(phase is None or phase.rewards)
+    if phase is not None and not phase.rewards:
         batches = [replace(b, advantages=torch.zeros_like(b.advantages)) for b in batches]
-    if not teacher_on:
+    if phase is not None and not phase.teacher:
         batches = [replace(b, teacher_on=False) for b in batches]
     for _ in range(MU):
         with timed(metrics, "fwd_bwd_s"):
@@ -1030,21 +1032,19 @@ def main():
     image_processor = vision.image_processor_of(tokenizer)  # a vision model's: pixels; else None
     wanted = Q_BATCH_SIZE if DYNAMIC_SAMPLING else 1  # groups with different rewards a step needs
     steps = range(start + 1, ALL_STEPS + 1)
-    rewards_joined = not teacher_mix.TEACHER_FIRST_KL  # else the teacher alone until it is near
+    phase = teacher_mix.phase(start + 1, joined=not teacher_mix.TEACHER_FIRST_KL)  # which terms
     for step in tqdm(steps, disable=rank != 0, desc="GRPO", dynamic_ncols=True):
         metrics = Counter()  # this step's numbers, added up as they come
         step_start = clock()
         answers = []  # every answer the step sampled, for the log
         groups = []  # the (tensors, meta) pairs the step trains on
         other_rewards = []  # the rewards of the groups not uploaded (equal ones), per rollout
-        teacher_on = teacher_mix.teacher_trains(step)  # TEACHER_STEPS: the teacher's steps first
-        keep_all = keeps_equal or (DISTILL_COEF > 0 and teacher_on)  # its term differs in any group
         for attempt in range(1, question_sampler.MAX_ROLLOUTS + 1):  # until groups that differ
             n_questions = Q_BATCH_SIZE - len(groups) if DYNAMIC_SAMPLING else Q_BATCH_SIZE
             drawn = sampler.draw(n_questions)  # 1. draw questions; 2-4. generate, score, advantages
             scored = rollout(model, tokenizer, drawn, eos_ids=eos_ids, gen_config=gen_config,
-                             llm=llm, keep_all=keep_all, with_gen_logps=regroup, seconds=metrics,
-                             step=step, rank=rank)
+                             llm=llm, keep_all=keeps_equal or (DISTILL_COEF > 0 and phase.teacher),
+                             with_gen_logps=regroup, seconds=metrics, step=step, rank=rank)
             if sampler.mode != "uniform":  # which groups varied ("difficulty"), pass rates
                 sampler.record(scored.records, NUM_PRE_Q)
             answers += scored.records
@@ -1061,9 +1061,7 @@ def main():
         if SCALE_REWARDS == "batch" or whitened_at_step():  # every rank: / a std over the step
             groups = scaled_to_step(groups, torch.cat(other_rewards), device)
         batches = batches_of(engine, groups, tokenizer.pad_token_id, image_processor)
-        rewards_on = rewards_joined and teacher_mix.rewards_train(step)  # then the rewards'
-        teacher_mix.hand_off(engine, step, rank=rank)  # TEACHER_STEPS: a fresh optimizer, once
-        metrics.update(train_step(engine, batches, rewards_on, teacher_on))  # 6-7. loss, step
+        metrics.update(train_step(engine, batches, phase))  # 6-7. loss, optimizer step
         metrics["max_weight_gap"] = weight_gap(model)  # 0: every rank holds the same weights
         if publisher is not None:  # rank 0 with WEIGHT_SYNC_STEPS: the weights to workers
             weight_sync.publish_every(publisher, model, step, weight_sync.WEIGHT_SYNC_STEPS)
@@ -1073,7 +1071,7 @@ def main():
         logged = step_metrics(metrics, groups, answers, step=step, attempts=attempt,
                               began=step_start, group_size=NUM_PRE_Q, reward_names=reward_names)
         averaged = log_step(step, logged, answers, log, device)  # the same on every rank
-        rewards_joined = rewards_joined or averaged["teacher_kl"] <= teacher_mix.TEACHER_FIRST_KL
+        phase = teacher_mix.next_phase(phase, teacher_kl=averaged.get("teacher_kl", 0.0))
         if evaluation.due(step, last_step=ALL_STEPS):
             evaluate(step)
         if checkpoints.due(step, last_step=ALL_STEPS):

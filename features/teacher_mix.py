@@ -22,9 +22,9 @@ beside DISTILL_COEF, each off by default:
   starts as a run of its own would: the first moment would otherwise keep pushing the teacher's
   last direction for a few steps, and the second would scale the rewards' gradients by the
   teacher's. The server still sends the teacher's log-probs after it, for the teacher_kl
-  metric. The trainer asks teacher_trains and rewards_train each step, and calls hand_off.
+  metric. The trainer's loop holds each step's Phase; train_step applies it.
 
-This module holds the three settings, their check, the mask and the hand-off.
+This module holds the three settings, their check, the mask, each step's phase and the hand-off.
 
     TEACHER_FIRST_KL=0.05 DISTILL_COEF=1 BETA=0 deepspeed grpo_ref_split.py  # a TEACHER=1 server
     DISTILL_BELOW=2 DISTILL_COEF=1 BETA=0 deepspeed grpo_ref_split.py
@@ -32,6 +32,7 @@ This module holds the three settings, their check, the mask and the hand-off.
 """
 import math
 import sys
+from dataclasses import dataclass
 
 import torch
 
@@ -95,14 +96,36 @@ def rewards_train(step: int) -> bool:
     return step > TEACHER_STEPS
 
 
-def hand_off(engine, step: int, *, rank: int) -> None:
-    """At the first step after TEACHER_STEPS: clear the optimizer's state (AdamW's two moments and
-    its step count, which restarts the bias correction), so that the next optimizer step is a
-    fresh AdamW's first. The learning rate schedule goes on. engine: DeepSpeed's, whose optimizer
-    (ZeRO-2's, or ZeRO-Offload's) holds the torch optimizer it steps as .optimizer."""
-    if not TEACHER_STEPS or step != TEACHER_STEPS + 1:
-        return
+@dataclass(frozen=True)
+class Phase:
+    """Which terms one step trains on (the trainer's loop holds it; train_step applies it)."""
+    step: int
+    joined: bool  # the rewards may train: TEACHER_FIRST_KL's wait is over (or it is off)
+    teacher: bool  # the teacher's term trains: every step, or TEACHER_STEPS' first
+    rewards: bool  # the rewards' advantages train: joined, and past TEACHER_STEPS
+    hand_off: bool  # the first step after TEACHER_STEPS: AdamW's state is cleared first
+
+
+def phase(step: int, *, joined: bool) -> Phase:
+    """Step's Phase. joined: False while TEACHER_FIRST_KL waits."""
+    return Phase(step=step, joined=joined, teacher=teacher_trains(step),
+                 rewards=joined and rewards_train(step),
+                 hand_off=bool(TEACHER_STEPS) and step == TEACHER_STEPS + 1)
+
+
+def next_phase(current: Phase, *, teacher_kl: float) -> Phase:
+    """The next step's Phase, given this step's teacher_kl (the ranks' mean): the rewards join for
+    good once it is TEACHER_FIRST_KL or less."""
+    joined = current.joined or teacher_kl <= TEACHER_FIRST_KL
+    return phase(current.step + 1, joined=joined)
+
+
+def hand_off(engine, step: int) -> None:
+    """Clear the optimizer's state (AdamW's two moments and its step count, which restarts the
+    bias correction), so that the next optimizer step is a fresh AdamW's first; the learning
+    rate schedule goes on. engine: DeepSpeed's, whose optimizer (ZeRO-2's, or ZeRO-Offload's)
+    holds the torch optimizer it steps as .optimizer, and whose global_rank 0 says so."""
     engine.optimizer.optimizer.state.clear()  # refilled with zeros by the next step
-    if rank == 0:
+    if engine.global_rank == 0:
         print(f"step {step}: the teacher's {TEACHER_STEPS} steps are over; the rewards train "
               "alone from here, AdamW's moments cleared", flush=True)

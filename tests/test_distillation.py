@@ -194,6 +194,18 @@ def test_teacher_steps_hand_the_steps_from_the_teacher_to_the_rewards(monkeypatc
     monkeypatch.setattr(teacher_mix, "TEACHER_STEPS", 0)
     assert all(teacher_mix.teacher_trains(step) for step in (1, 2, 3))
     assert all(teacher_mix.rewards_train(step) for step in (1, 2, 3))
+    monkeypatch.setattr(teacher_mix, "TEACHER_STEPS", 2)
+    first = teacher_mix.phase(1, joined=True)
+    second = teacher_mix.next_phase(first, teacher_kl=0.5)
+    third = teacher_mix.next_phase(second, teacher_kl=0.5)
+    assert [(p.step, p.teacher, p.rewards) for p in (first, second, third)] == [
+        (1, True, False), (2, True, False), (3, False, True)]
+    monkeypatch.setattr(teacher_mix, "TEACHER_STEPS", 0)
+    monkeypatch.setattr(teacher_mix, "TEACHER_FIRST_KL", 0.05)  # waits until a low teacher_kl
+    waiting = teacher_mix.phase(1, joined=False)
+    assert not waiting.rewards and not teacher_mix.next_phase(waiting, teacher_kl=0.06).rewards
+    assert teacher_mix.next_phase(waiting, teacher_kl=0.05).rewards
+    monkeypatch.setattr(teacher_mix, "TEACHER_FIRST_KL", 0.0)
     rewards = torch.tensor([0.0, 2.0])  # (B,)
     assert teacher_mix.answers(rewards, teacher_on=False).tolist() == [False, False]
     monkeypatch.setattr(teacher_mix, "DISTILL_BELOW", 2.0)
@@ -208,35 +220,37 @@ def test_teacher_steps_hand_the_steps_from_the_teacher_to_the_rewards(monkeypatc
 
 
 def test_the_hand_off_makes_the_next_optimizer_step_a_fresh_adamws_first(monkeypatch, capsys):
-    """TEACHER_STEPS 3: hand_off at step 4, and only there, clears the optimizer's state, so the
-    step after it moves the weights exactly as a new AdamW would from the same weights and
-    gradient; at any other step the teacher stage's moments stay and the step differs."""
+    """TEACHER_STEPS 3: step 4's phase, and no other, hands off; hand_off clears the optimizer's
+    state, so the step after it moves the weights exactly as a new AdamW would from the same
+    weights and gradient, where the teacher stage's moments, kept, move them differently."""
     from types import SimpleNamespace
 
     from features import teacher_mix
 
     monkeypatch.setattr(teacher_mix, "TEACHER_STEPS", 3)
+    assert [teacher_mix.phase(step, joined=True).hand_off for step in (1, 3, 4, 5)] == [
+        False, False, True, False]
     g = torch.Generator().manual_seed(0)
     gradients = [torch.randn(5, generator=g) for _ in range(4)]  # the teacher's 3, then one
     moved = {}
-    for hand_off_at in (4, 3, 5):
+    for handed in (True, False):
         weight = torch.nn.Parameter(torch.ones(5))
         adamw = torch.optim.AdamW([weight], lr=0.1)
-        engine = SimpleNamespace(optimizer=SimpleNamespace(optimizer=adamw))  # ZeRO's wrapper
+        engine = SimpleNamespace(optimizer=SimpleNamespace(optimizer=adamw), global_rank=0)
         for gradient in gradients[:3]:
             weight.grad = gradient.clone()
             adamw.step()
-        teacher_mix.hand_off(engine, hand_off_at, rank=0)
+        if handed:
+            teacher_mix.hand_off(engine, 4)
         before = weight.detach().clone()
         weight.grad = gradients[3].clone()
         adamw.step()
-        moved[hand_off_at] = (before, weight.detach().clone())
-    fresh_weight = torch.nn.Parameter(moved[4][0].clone())
+        moved[handed] = (before, weight.detach().clone())
+    fresh_weight = torch.nn.Parameter(moved[True][0].clone())
     fresh_weight.grad = gradients[3].clone()
     torch.optim.AdamW([fresh_weight], lr=0.1).step()
-    assert torch.equal(moved[4][1], fresh_weight.detach())
-    for other in (3, 5):
-        assert not torch.allclose(moved[other][1], fresh_weight.detach(), atol=1e-3)
+    assert torch.equal(moved[True][1], fresh_weight.detach())
+    assert not torch.allclose(moved[False][1], fresh_weight.detach(), atol=1e-3)
     assert capsys.readouterr().out.count("AdamW's moments cleared") == 1
 
 
