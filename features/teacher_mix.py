@@ -16,13 +16,13 @@ beside DISTILL_COEF, each off by default:
 - TEACHER_STEPS, distillation then RL: the first TEACHER_STEPS steps train on the teacher's term
   alone (the rewards' advantages 0), every later step on the rewards alone (the teacher's term
   0), the order of a distill-then-RL pipeline. Pure distillation comes most of the way to the
-  teacher in a few steps, and then, near a teacher that is wrong where the student is, keeps
-  pulling toward the teacher's mistakes where no reward pulls back; from the hand-off on the
-  rewards alone decide. The hand-off also clears AdamW's moments, so that the rewards' stage
-  starts as a run of its own would: the first moment would otherwise keep pushing the teacher's
-  last direction for a few steps, and the second would scale the rewards' gradients by the
-  teacher's. The server still sends the teacher's log-probs after it, for the teacher_kl
-  metric. The trainer's loop holds each step's Phase; train_step applies it.
+  teacher in a few steps and then stops rising; from the hand-off on the rewards alone decide.
+  The hand-off also clears AdamW's moments, so that the rewards' stage starts as a run of its
+  own would, not carried along by the moments the teacher's gradients built. After it, as in
+  GRPO, groups whose rewards are all equal teach nothing and are dropped, so DYNAMIC_SAMPLING
+  refills the step: a distilled student samples narrowly, and many of its groups are alike.
+  The server still sends the teacher's log-probs after it, for the teacher_kl metric. The
+  trainer's loop holds each step's Phase; train_step applies it.
 
 This module holds the three settings, their check, the mask, each step's phase and the hand-off.
 
