@@ -1,6 +1,8 @@
 """The objectives comparison's table (bench/run_objectives.sh): for each setting and seed, held-out
 greedy accuracy and pass@4 at steps 0/10/20/30, answers generated per answer trained over the run,
-and wall time; then each setting's mean over its seeds.
+seconds per training step and wall time; then each setting's mean over its seeds. It also draws
+objectives_curves.png in the folder: each of issue 59's settings' held-out accuracy (the mean of its
+seeds) against the default's.
 
     # reads objectives_<setting>_s<seed>_metrics.jsonl
     python bench/objectives_report.py bench/results
@@ -30,6 +32,13 @@ SETTINGS = {
     "top_entropy": "TOP_ENTROPY_QUANTILE=0.2",
 }
 STEPS = (0, 10, 20, 30)
+# The curves' two panels: the surrogates, which compare at MU = 2 beside PPO's clip there, and the
+# advantages and token choices, which compare beside the default as it is.
+PANELS = {
+    "surrogates (MU=2)": ("default", "mu2", "cispo", "sapo", "gmpo"),
+    "advantages and tokens (MU=1)": ("default", "rloo", "reinforce_pp", "passk", "gdpo",
+                                     "top_entropy"),
+}
 
 
 def summary(path):
@@ -51,6 +60,7 @@ def summary(path):
         pass4={s: evals[s].get("eval_pass@4") for s in STEPS if s in evals},
         ratio=(before + sum(m["answers_generated"] for m in train))
         / max(1, sum(m["answers_trained"] for m in train)),
+        step_s=sum(m["seconds"] for m in train) / max(1, len(train)),
         minutes=int(open(wall).read()) / 60 if os.path.exists(wall) else float("nan"),
         steps=len(train),
     )
@@ -70,8 +80,8 @@ def main(folder):
     head = (
         " | ".join(f"greedy {s}" for s in STEPS) + " | " + " | ".join(f"pass@4 {s}" for s in STEPS)
     )
-    print(f"| setting | seed | {head} | generated / trained | minutes |")
-    print("|---|---|" + "---|" * (2 * len(STEPS) + 2))
+    print(f"| setting | seed | {head} | generated / trained | s / step | minutes |")
+    print("|---|---|" + "---|" * (2 * len(STEPS) + 3))
     for setting in [s for s in SETTINGS if s in runs] + [s for s in runs if s not in SETTINGS]:
         seeds = runs[setting]
         rows = [(str(seed), r) for seed, r in sorted(seeds.items())]
@@ -88,6 +98,7 @@ def main(folder):
                         greedy={s: mean("greedy", s) for s in STEPS},
                         pass4={s: mean("pass4", s) for s in STEPS},
                         ratio=sum(r["ratio"] for r in seeds.values()) / len(seeds),
+                        step_s=sum(r["step_s"] for r in seeds.values()) / len(seeds),
                         minutes=sum(r["minutes"] for r in seeds.values()) / len(seeds),
                     ),
                 )
@@ -98,8 +109,36 @@ def main(folder):
             ]
             print(
                 f"| {SETTINGS.get(setting, setting)} | {seed} | {' | '.join(cells)} | "
-                f"{r['ratio']:.2f} | {r['minutes']:.1f} |"
+                f"{r['ratio']:.2f} | {r['step_s']:.1f} | {r['minutes']:.1f} |"
             )
+    curves(runs, os.path.join(folder, "objectives_curves.png"))
+
+
+def curves(runs: dict, image: str):
+    """Each panel's settings, the mean of their seeds' held-out greedy accuracy at STEPS; a setting
+    with fewer seeds than the default is drawn dashed and says how many it has."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(12, 4.5), sharey=True)
+    for ax, (title, settings) in zip(axes, PANELS.items()):
+        for setting in [s for s in settings if s in runs]:
+            seeds = runs[setting]
+            steps = [s for s in STEPS if all(s in r["greedy"] for r in seeds.values())]
+            accuracy = [100 * sum(r["greedy"][s] for r in seeds.values()) / len(seeds)
+                        for s in steps]
+            full = len(seeds) >= len(runs["default"]) if "default" in runs else True
+            ax.plot(steps, accuracy, marker="o", linestyle="-" if full else "--",
+                    label=f"{SETTINGS.get(setting, setting)} ({len(seeds)} seeds)")
+        ax.set_title(title)
+        ax.set_xlabel("training step")
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("held-out greedy accuracy (%), mean of seeds")
+    fig.tight_layout()
+    fig.savefig(image, dpi=110)
+    print(f"curves: {image}")
 
 
 if __name__ == "__main__":
