@@ -752,6 +752,8 @@ def test_teacher_first_trains_on_the_teacher_alone_until_its_kl_is_low_then_the_
     assert handoff[0]["answers_trained"] == handoff[0]["answers_generated"]
     for m in handoff[1:]:
         assert m["answers_trained"] == m["answers_generated"] * (1 - m["zero_var_groups"]), m
+    # the check above tells dropping from keeping only where some group's rewards were all equal
+    assert any(m["zero_var_groups"] > 0 for m in handoff[1:]), handoff
 
 
 # ------------------------------------------------------------- the teacher's top-k (DISTILL_TOP_K)
