@@ -1,8 +1,8 @@
 """The objectives comparison's table (bench/run_objectives.sh): for each setting and seed, held-out
 greedy accuracy and pass@4 at steps 0/10/20/30, answers generated per answer trained over the run,
 seconds per training step and wall time; then each setting's mean over its seeds. It also draws
-objectives_curves.png in the folder: each of issue 59's settings' held-out accuracy (the mean of its
-seeds) against the default's.
+objectives_curves.png in the folder: issue 59's settings' held-out accuracy beside the default's, on
+the seeds they share.
 
     # reads objectives_<setting>_s<seed>_metrics.jsonl
     python bench/objectives_report.py bench/results
@@ -115,8 +115,8 @@ def main(folder):
 
 
 def curves(runs: dict, image: str):
-    """Each panel's settings, the mean of their seeds' held-out greedy accuracy at STEPS; a setting
-    with fewer seeds than the default is drawn dashed and says how many it has."""
+    """Each panel's settings on the seeds all of them have (so the default is never a mean of more
+    seeds than the others): the mean held-out greedy accuracy at STEPS."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -124,22 +124,22 @@ def curves(runs: dict, image: str):
 
     fig, axes = plt.subplots(1, len(PANELS), figsize=(12, 4.5), sharey=True)
     for ax, (title, settings) in zip(axes, PANELS.items()):
-        for setting in [s for s in settings if s in runs]:
-            seeds = runs[setting]
-            steps = [s for s in STEPS if all(s in r["greedy"] for r in seeds.values())]
-            accuracy = [100 * sum(r["greedy"][s] for r in seeds.values()) / len(seeds)
-                        for s in steps]
-            full = len(seeds) >= len(runs["default"]) if "default" in runs else True
-            ax.plot(steps, accuracy, marker="o", linestyle="-" if full else "--",
-                    label=f"{SETTINGS.get(setting, setting)} ({len(seeds)} seeds)")
-        ax.set_title(title)
+        drawn = [s for s in settings if s in runs]
+        if not drawn:
+            continue
+        common = sorted(set.intersection(*(set(runs[s]) for s in drawn)))
+        for setting in drawn:
+            seeds = [runs[setting][seed] for seed in common]
+            steps = [s for s in STEPS if all(s in r["greedy"] for r in seeds)]
+            accuracy = [100 * sum(r["greedy"][s] for r in seeds) / len(seeds) for s in steps]
+            ax.plot(steps, accuracy, marker="o", label=SETTINGS.get(setting, setting))
+        ax.set_title(f"{title}, seeds {', '.join(map(str, common))}")
         ax.set_xlabel("training step")
         ax.legend(fontsize=7)
     axes[0].set_ylabel("held-out greedy accuracy (%), mean of seeds")
     fig.tight_layout()
     fig.savefig(image, dpi=110)
     print(f"curves: {image}")
-
 
 if __name__ == "__main__":
     main(
