@@ -128,6 +128,8 @@ def curves(runs: dict, image: str):
         if not drawn:
             continue
         common = sorted(set.intersection(*(set(runs[s]) for s in drawn)))
+        if not common:  # no seed that every setting of the panel has run yet
+            continue
         for setting in drawn:
             seeds = [runs[setting][seed] for seed in common]
             steps = [s for s in STEPS if all(s in r["greedy"] for r in seeds)]
