@@ -1,8 +1,9 @@
 """The objectives comparison's table (bench/run_objectives.sh): for each setting and seed, held-out
 greedy accuracy and pass@4 at steps 0/10/20/30, answers generated per answer trained over the run,
-seconds per training step and wall time; then each setting's mean over its seeds. It also draws
-objectives_curves.png in the folder: issue 59's settings' held-out accuracy beside the default's, on
-the seeds they share.
+seconds per training step and wall time; then each setting's mean over its seeds, and each one's
+last held-out accuracy against the default's on the same seed (a default changes only for a setting
+ahead on every seed). It also draws objectives_curves.png in the folder: issue 59's settings'
+held-out accuracy beside the default's, on the seeds they share.
 
     # reads objectives_<setting>_s<seed>_metrics.jsonl
     python bench/objectives_report.py bench/results
@@ -111,7 +112,31 @@ def main(folder):
                 f"| {SETTINGS.get(setting, setting)} | {seed} | {' | '.join(cells)} | "
                 f"{r['ratio']:.2f} | {r['step_s']:.1f} | {r['minutes']:.1f} |"
             )
+    against_default(runs)
     curves(runs, os.path.join(folder, "objectives_curves.png"))
+
+
+def against_default(runs: dict):
+    """The issue's rule for changing a default: each setting's held-out greedy accuracy at the last
+    step minus the default's on the same seed, and on how many of those seeds it is ahead."""
+    last = STEPS[-1]
+    default = runs.get("default", {})
+    print(f"\n| setting | greedy {last} minus the default's, by seed | seeds ahead |")
+    print("|---|---|---|")
+    for setting in [s for s in SETTINGS if s in runs and s != "default"]:
+        seeds = [
+            seed
+            for seed in sorted(runs[setting])
+            if seed in default
+            and last in default[seed]["greedy"]
+            and last in runs[setting][seed]["greedy"]
+        ]
+        gaps = [
+            runs[setting][seed]["greedy"][last] - default[seed]["greedy"][last] for seed in seeds
+        ]
+        by_seed = ", ".join(f"{seed}: {100 * gap:+.1f}" for seed, gap in zip(seeds, gaps))
+        ahead = sum(gap > 0 for gap in gaps)
+        print(f"| {SETTINGS[setting]} | {by_seed or '-'} | {ahead} of {len(gaps)} |")
 
 
 def curves(runs: dict, image: str):
