@@ -160,7 +160,8 @@ def curves(runs: dict, image: str):
             steps = [s for s in STEPS if all(s in r["greedy"] for r in seeds)]
             accuracy = [100 * sum(r["greedy"][s] for r in seeds) / len(seeds) for s in steps]
             ax.plot(steps, accuracy, marker="o", label=SETTINGS.get(setting, setting))
-        ax.set_title(f"{title}, seeds {', '.join(map(str, common))}")
+        seed_word = "seeds" if len(common) > 1 else "seed"
+        ax.set_title(f"{title}, {seed_word} {', '.join(map(str, common))}")
         ax.set_xlabel("training step")
         ax.legend(fontsize=7)
     axes[0].set_ylabel("held-out greedy accuracy (%), mean of seeds")
