@@ -169,6 +169,7 @@ def curves(runs: dict, image: str):
     fig.savefig(image, dpi=110)
     print(f"curves: {image}")
 
+
 if __name__ == "__main__":
     main(
         sys.argv[1]
