@@ -32,12 +32,12 @@ def _grpo_fwd_kernel(
     stride_lv,  # (B, T, V) any strides, fp32 or bf16
     ids_ptr,
     ref_ptr,
-    gen_ptr,
-    samp_ptr,
+    pi_old_ptr,
+    vllm_ptr,
     adv_ptr,
-    weight_ptr,  # ids, ref, gen, samp, weight: contiguous (B, T)
-    gen_rows_ptr,
-    samp_rows_ptr,  # (B,) 1.0 where a row carries gen_logps / sampler_logps, 0.0 where not
+    weight_ptr,  # ids, ref, pi_old, vllm, weight: contiguous (B, T)
+    pi_old_rows_ptr,
+    vllm_rows_ptr,  # (B,) 1.0 where a row carries pi_old_logps / vllm_logps, 0.0 where not
     loss_ptr,
     logp_ptr,
     lse_ptr,
@@ -50,7 +50,7 @@ def _grpo_fwd_kernel(
     clip_high,
     inv_temperature,
     tis_cap,
-    HAS_GEN: tl.constexpr,
+    HAS_PI_OLD: tl.constexpr,
     HAS_REF: tl.constexpr,
     HAS_TIS: tl.constexpr,
     TIS_MASK: tl.constexpr,
@@ -81,19 +81,19 @@ def _grpo_fwd_kernel(
         lse = m + tl.log(s)
         token = tl.load(ids_ptr + row)
         logp = tl.load(base + token * stride_lv).to(tl.float32) * inv_temperature - lse
-        old = logp  # pi_old: the trainer's own log-prob where no gen_logps came (on-policy)
-        if HAS_GEN:  # a row without gen_logps is trained on-policy: ratio 1
-            gen = tl.load(gen_ptr + row)
-            old = tl.where(tl.load(gen_rows_ptr + b) != 0.0, gen, logp)
+        old = logp  # pi_old: the trainer's own log-prob where no pi_old_logps came (on-policy)
+        if HAS_PI_OLD:  # a row without pi_old_logps is trained on-policy: ratio 1
+            given = tl.load(pi_old_ptr + row)
+            old = tl.where(tl.load(pi_old_rows_ptr + b) != 0.0, given, logp)
         ratio = tl.exp(logp - old)  # on-policy: exp(logp - logp.detach()), 1 with gradient logp's
         tis = (
             1.0 + 0.0 * logp
-        )  # truncated importance weight min(pi_old / pi_sampler, cap), a constant
+        )  # truncated importance weight min(pi_old / pi_vllm, cap), a constant
         if HAS_TIS:
-            samp = tl.load(samp_ptr + row)
-            sampled = tl.load(samp_rows_ptr + b) != 0.0
-            rho = tl.where(sampled, tl.exp(old - samp), 1.0 + 0.0 * logp)
-            if TIS_MASK:  # token_mask: 0 outside [1 / cap, cap], as vllm_engine.mismatch_weights
+            vllm = tl.load(vllm_ptr + row)
+            sampled = tl.load(vllm_rows_ptr + b) != 0.0
+            rho = tl.where(sampled, tl.exp(old - vllm), 1.0 + 0.0 * logp)
+            if TIS_MASK:  # token_mask: 0 outside [1 / cap, cap], as objectives.mismatch_weights
                 tis = tl.where((rho >= 1.0 / tis_cap) & (rho <= tis_cap), rho, 0.0)
             else:  # token_truncate
                 tis = tl.minimum(rho, tis_cap)
@@ -172,9 +172,9 @@ def _grpo_bwd_kernel(
 
 class _GRPOLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, ids, ref_logps, gen_logps, advantages, mask, beta, clip_eps,
+    def forward(ctx, logits, ids, ref_logps, pi_old_logps, advantages, mask, beta, clip_eps,
                 clip_eps_high, loss_type, max_tokens, temperature, inplace, normalizer,
-                sampler_logps, tis_cap, tis_mode, gen_rows, sampler_rows):
+                vllm_logps, tis_cap, tis_mode, pi_old_rows, vllm_rows):
         B, T, V = logits.shape
         mask = mask.float()  # (B, T)
         if (
@@ -193,16 +193,16 @@ class _GRPOLoss(torch.autograd.Function):
         ref = (
             mask if ref_logps is None else ref_logps.float().contiguous()
         )  # (B, T) unread when None
-        gen = (
-            ref if gen_logps is None else gen_logps.float().contiguous()
+        pi_old = (
+            ref if pi_old_logps is None else pi_old_logps.float().contiguous()
         )  # (B, T) unread when None
-        has_tis = sampler_logps is not None and tis_cap > 0
-        samp = sampler_logps.float().contiguous() if has_tis else ref  # (B, T) unread without TIS
+        has_tis = vllm_logps is not None and tis_cap > 0
+        vllm = vllm_logps.float().contiguous() if has_tis else ref  # (B, T) unread without TIS
         every = torch.ones(
             B, dtype=torch.float32, device=logits.device
         )  # (B,) no marks given: every row carries them
-        gen_rows = every if gen_rows is None else gen_rows.float().contiguous()  # (B,)
-        sampler_rows = every if sampler_rows is None else sampler_rows.float().contiguous()  # (B,)
+        pi_old_rows = every if pi_old_rows is None else pi_old_rows.float().contiguous()  # (B,)
+        vllm_rows = every if vllm_rows is None else vllm_rows.float().contiguous()  # (B,)
         loss_tok, logp, lse, dcoef, entropy = (
             torch.empty(B, T, dtype=torch.float32, device=logits.device) for _ in range(5)
         )
@@ -211,12 +211,12 @@ class _GRPOLoss(torch.autograd.Function):
             *logits.stride(),
             ids,
             ref,
-            gen,
-            samp,
+            pi_old,
+            vllm,
             advantages.float().contiguous(),
             weight.contiguous(),
-            gen_rows,
-            sampler_rows,
+            pi_old_rows,
+            vllm_rows,
             loss_tok,
             logp,
             lse,
@@ -229,7 +229,7 @@ class _GRPOLoss(torch.autograd.Function):
             float(clip_eps_high),
             1.0 / float(temperature),
             float(tis_cap),
-            HAS_GEN=gen_logps is not None,
+            HAS_PI_OLD=pi_old_logps is not None,
             HAS_REF=ref_logps is not None,
             HAS_TIS=has_tis,
             TIS_MASK=tis_mode == "token_mask",
@@ -275,7 +275,7 @@ def grpo_loss_triton(
     logits,
     completion_ids,
     ref_logps,
-    gen_logps,
+    pi_old_logps,
     advantages,
     mask,
     beta,
@@ -288,9 +288,9 @@ def grpo_loss_triton(
     return_entropy=False,
     inplace_backward=False,
     normalizer=None,
-    gen_rows=None,
-    sampler_logps=None,
-    sampler_rows=None,
+    pi_old_rows=None,
+    vllm_logps=None,
+    vllm_rows=None,
     tis_cap=0.0,
     tis_mode="token_truncate",
 ):
@@ -298,9 +298,10 @@ def grpo_loss_triton(
     same keywords.
 
     logits[:, t] predicts completion_ids[:, t] (a strided view such as full[:, plen-1:-1] is read in
-    place, never copied); ref_logps, gen_logps, mask (B, T); advantages (B,); gen_logps=None, or a
-    row outside gen_rows (B,) bool, means ratio = 1 (on-policy); ref_logps=None (only with beta=0)
-    drops the KL term. sampler_logps count on the rows in sampler_rows (None: every row).
+    place, never copied); ref_logps, pi_old_logps, mask (B, T); advantages (B,); pi_old_logps=None,
+    or a row outside pi_old_rows (B,) bool, means ratio = 1 (on-policy); ref_logps=None (only with
+    beta=0)
+    drops the KL term. vllm_logps count on the rows in vllm_rows (None: every row).
     return_logps=True also returns the per-token log-probs (B, T), detached, for logging KL and clip
     fraction; return_entropy=True also the (B, T) entropy of each token's distribution (0 on masked
     ones), from the same pass. inplace_backward=True writes d(logits) over the logits: saves a (B,
@@ -321,43 +322,47 @@ def grpo_loss_triton(
             f"any token's gradient: use the PyTorch loss) and max_tokens >= 1 (got {max_tokens})"
         )
     clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
-    loss, logps, entropy = _GRPOLoss.apply(logits, completion_ids, ref_logps, gen_logps, advantages,
-                                           mask, beta, clip_eps, clip_eps_high, loss_type,
+    loss, logps, entropy = _GRPOLoss.apply(logits, completion_ids, ref_logps, pi_old_logps,
+                                           advantages, mask, beta, clip_eps, clip_eps_high,
+                                           loss_type,
                                            max_tokens, temperature, inplace_backward, normalizer,
-                                           sampler_logps, tis_cap, tis_mode, gen_rows, sampler_rows)
+                                           vllm_logps, tis_cap, tis_mode, pi_old_rows, vllm_rows)
     extra = ([logps] if return_logps else []) + ([entropy] if return_entropy else [])
     return (loss, *extra) if extra else loss
 
 
-def batch_loss(engine, batch, *, temperature, beta, clip_eps, clip_eps_high, loss_type,
-               max_tokens, shared_prefix, tis_cap, tis_mode):
-    """The trainer's USE_TRITON step 6: (loss, logps, entropy, pi_old, vLLM's mismatch weights or
-    None) of a Batch (grpo_ref_split.py) from its completion logits in one fused pass; d(logits) is
-    written over them, which nothing reads afterwards. pi_old and the weights, the kernel's own
-    rule in PyTorch, are for the step's metrics. The keywords are the trainer's constants of the
-    same names (shared_prefix: SHARED_PREFIX; tis_cap, tis_mode: features/vllm_engine.py's)."""
-    from features.fast_paths import completion_logits
-    from features.vllm_engine import mismatch_weights
+def policy_loss(engine, batch, *, temperature, beta, clip_eps, clip_eps_high, loss_type,
+                max_tokens):
+    """The trainer's USE_TRITON step 6 of a Batch (grpo_ref_split.py), from its completion logits in
+    one fused pass: (loss, logps, entropy, pi_old, metrics only this path adds), the (B, T) tensors
+    detached, for the step's metrics. d(logits) is written over the logits, which nothing reads
+    afterwards. The keywords are the trainer's constants of the same names; SHARED_PREFIX and
+    USE_VLLM (features/), TIS_CAP and TIS_MODE (objectives.py) are read from their modules. pi_old
+    and vLLM's weights for the metrics follow the kernel's own rule, in PyTorch."""
+    import objectives
+    from features import fast_paths, run_log, vllm_engine
 
-    loss_keywords = dict(beta=beta, clip_eps=clip_eps, clip_eps_high=clip_eps_high,
-                         loss_type=loss_type, max_tokens=max_tokens, tis_cap=tis_cap,
-                         tis_mode=tis_mode)
     T = batch.mask.shape[1]
-    logits = completion_logits(engine, batch.input_ids, batch.attention_mask, T,
-                               shared_prefix)  # (B, T, V)
+    logits = fast_paths.completion_logits(engine, batch.input_ids, batch.attention_mask, T,
+                                          fast_paths.SHARED_PREFIX)  # (B, T, V)
     loss, logps, entropy = grpo_loss_triton(
         logits=logits, completion_ids=batch.input_ids[:, -T:], temperature=temperature,
         return_logps=True, return_entropy=True, inplace_backward=True, ref_logps=batch.ref_logps,
-        gen_logps=batch.gen_logps, gen_rows=batch.gen_rows, advantages=batch.advantages,
-        mask=batch.mask, normalizer=batch.normalizer, sampler_logps=batch.sampler_logps,
-        sampler_rows=batch.sampler_rows, **loss_keywords)  # logps (B, T) detached
+        pi_old_logps=batch.pi_old_logps, pi_old_rows=batch.pi_old_rows,
+        advantages=batch.advantages, mask=batch.mask, normalizer=batch.normalizer,
+        vllm_logps=batch.vllm_logps, vllm_rows=batch.vllm_rows, beta=beta, clip_eps=clip_eps,
+        clip_eps_high=clip_eps_high, loss_type=loss_type, max_tokens=max_tokens,
+        tis_cap=objectives.TIS_CAP, tis_mode=objectives.TIS_MODE)  # logps (B, T) detached
     mask = batch.mask.bool()  # (B, T)
-    old = logps  # (B, T) pi_old: the current weights' own (ratio 1), but where gen_logps are given
-    if batch.gen_logps is not None:
-        given = mask if batch.gen_rows is None else mask & batch.gen_rows[:, None]  # (B, T)
-        old = torch.where(given, batch.gen_logps, logps)  # (B, T)
-    weights = None  # (B, T) vLLM's mismatch pi_old / pi_vllm (TIS_MODE), as the kernel weighs
-    if batch.sampler_logps is not None and loss_keywords["tis_cap"]:
-        weights = mismatch_weights(old, batch.sampler_logps, batch.sampler_rows, mask,
-                                   mode=loss_keywords["tis_mode"], cap=loss_keywords["tis_cap"])
-    return loss, logps, entropy, old, weights
+    old = logps  # (B, T) pi_old: the current weights' own (ratio 1), but where pi_old_logps given
+    if batch.pi_old_logps is not None:
+        given = mask if batch.pi_old_rows is None else mask & batch.pi_old_rows[:, None]  # (B, T)
+        old = torch.where(given, batch.pi_old_logps, logps)  # (B, T)
+    extra = {}  # vLLM's gap and masked share
+    if vllm_engine.USE_VLLM:
+        weights = None  # (B, T) vLLM's mismatch pi_old / pi_vllm (TIS_MODE), as the kernel weighs
+        if batch.vllm_logps is not None and objectives.TIS_CAP:
+            weights = objectives.mismatch_weights(old, batch.vllm_logps, batch.vllm_rows, mask,
+                                                  mode=objectives.TIS_MODE, cap=objectives.TIS_CAP)
+        extra = run_log.vllm_metrics(batch, pi_old_logps=old, weights=weights)
+    return loss, logps, entropy, old, extra

@@ -11,30 +11,32 @@ One step on every rank, as main() runs it:
     python grpo_ref_split.py genonly        # an extra generation worker (a spare GPU or machine)
 
 Read top to bottom: constants, the GRPO math, one step, the loop; then rewards.py and ref_server.py.
-Where a step runs a faster equal (features/fast_paths.py), its plain definition is here, tested.
-Left out of GRPO: a value model (the group is the baseline) and process rewards per reasoning step.
-Shapes: B answers, P prompt and T answer columns, V vocabulary. Constants: env vars of their name.
+This file is plain GRPO. The variants the menu below switches on (other surrogates and baselines,
+token selection, a teacher) are objectives.py's, reached by one call in step 4 and one in step 6.
+A call into features/ says what it is: a faster equal (features/fast_paths.py: computes what the
+plain definition here computes, tested equal), a guard (checks and bounds) or a log; each may be
+skipped. Left out of GRPO: a value model (the group is the baseline) and process rewards per
+reasoning step. Shapes: B answers, P prompt and T answer columns, V vocabulary. Constants: env vars
+of their name.
 """
 import functools
 import sys
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
 
+import objectives
 import rewards
 from features import (checkpoints, curves, env_overrides, evaluation, fast_paths, lora,
                       memory_plan, pass_rates, policy, question_sampler, quiet, refusals, retry,
                       run_log, server_client, teacher_mix, tools, vision, vllm_engine,
                       weight_sync, wire, worker, zero2)
-from features.advantages import (SCALES, STD_EPS, group_advantages, scale_to_step, upload_scale,
-                                 whiten_to_step)
 from features.embedded_model import resolve_model_path
-from features.run_log import (RunLog, answer_records, clock, log_step, loss_metrics, step_metrics,
-                              timed, weight_gap)
+from features.run_log import clock, loss_metrics, timed
 from rewards import reward_correct, reward_format
 
 # ----------------------------------------------------------------------------- constants
@@ -46,18 +48,20 @@ Q_BATCH_SIZE = 4  # questions per rank per step
 NUM_PRE_Q = 8  # answers per question: the group that advantages are relative to
 MAX_NEW_TOKENS = 64  # answer budget in tokens; longer answers are cut (and still trained on)
 TEMPERATURE = 0.7  # sampling temperature, and every log-prob's; 1.0 hardly learned (docs/tuning.md)
+STD_EPS = 1e-4  # added to a group's reward std: a group of near-equal rewards stays bounded
 BETA = 0.04  # KL penalty weight towards the reference model; 0 = no reference, no server
 CLIP_EPS = 0.2  # PPO clip: the ratio pi / pi_old may fall to 1 - CLIP_EPS ...
 CLIP_EPS_HIGH = 0.2  # ... and rise to 1 + CLIP_EPS_HIGH; DAPO's 0.28 lets rare good tokens grow
-DISTILL_COEF = 0.0  # > 0 = the server holds a teacher: A_t += this x (log teacher - log pi_old)
-DISTILL_DISCOUNT = 0.0  # teacher terms of later tokens added at this^distance (tinker's); 0 = own
-DISTILL_TOP_K = 0  # > 0 = the term is the reverse KL over the teacher's k likeliest tokens (~20)
-DISTILL_SCALE = "fixed"  # | "matched": the teacher term x rms(group term) / rms(its own), a batch
+LOSS_TYPE = "grpo"  # answers' token means, then their mean | "dapo": all tokens' mean | "dr_grpo"
+MU = 1  # optimizer steps on each batch; > 1 reuses it, the clipped ratio keeping each near pi_old
 LR = 1e-5  # AdamW learning rate; the optimizer's other settings and its schedule are DS_CONFIG's
 ALL_STEPS = 30  # training steps
 SEED = 42  # seeds questions and sampling (rank r uses SEED + r)
 REF_SERVER = "http://127.0.0.1:59875"  # where ref_server.py listens; several: comma-separated
 REF_TOKEN = ""  # must equal the server's REF_TOKEN when it has one
+SERVER_TIMEOUT = 600.0  # s to keep retrying an unreachable or busy server before giving up
+MAX_STALENESS = 10  # steps a pulled group's weights may lag the trained ones; older are dropped
+MAX_ROLLOUTS = 20  # rollouts a step may take to find groups with different rewards, then it stops
 DS_CONFIG = "ds_config.json"  # ZeRO-2, AdamW, clipping, schedule; LR and bf16 are set here
 OUTPUT_DIR = "output"  # checkpoints, metrics.jsonl, completions.jsonl and curves.png
 # The prompt (docs/rewards.md)
@@ -66,24 +70,19 @@ SYSTEM_PROMPT = ("You are a helpful assistant. Think about the problem step by s
 EXAMPLE = ("What is 3 + 4?", "<think> 3 + 4 = 7 </think><answer>7</answer>")  # None = zero-shot
 THINK_PREFILL = "<think>"  # after the assistant header; "" = none (small models then skip tags)
 ARITH_MAX = 20  # the built-in task's operands lie in 1..ARITH_MAX (a range the 135M model learns)
-# Loss variants (docs/loss.md)
-LOSS_TYPE = "grpo"  # answers' token means, then their mean | "dapo": all tokens' mean | "dr_grpo"
+# The menu of variants: each off at its default; objectives.py holds their math and settings
 SCALE_REWARDS = "group"  # advantages / the std of: "group" (GRPO) | "batch" (the step's) | "none"
-GSPO = False  # True = one ratio per answer (tokens' geometric mean); CLIP_EPS 3e-4, HIGH 4e-4
-OBJECTIVE = "clip"  # the surrogate: "clip" (PPO's) | "cispo" | "sapo" | "gmpo" (docs/loss.md)
-SAPO_TAU_POS = 1.0  # OBJECTIVE "sapo": the soft gate's temperature where A > 0 (the paper's)
-SAPO_TAU_NEG = 1.05  # ... and where A < 0: a little steeper, negative updates kept closer
-ADVANTAGE = "grpo"  # the baseline: "grpo" (SCALE_REWARDS) | "rloo" | "reinforce_pp" | "passk"
+ADVANTAGE = "grpo"  # the baseline: "grpo" | "rloo" | "reinforce_pp" (its -baseline) | "passk"
 REWARD_NORM = "sum_then_normalize"  # several REWARDS: | "normalize_then_sum" (GDPO, each first)
+OBJECTIVE = "clip"  # the surrogate: "clip" (PPO's) | "cispo" | "sapo" | "gmpo" (docs/loss.md)
+GSPO = False  # True = one ratio per answer (tokens' geometric mean); CLIP_EPS 3e-4, HIGH 4e-4
 TOP_ENTROPY_QUANTILE = 1.0  # only this share of answer tokens, the highest-entropy ones, trains
-MU = 1  # optimizer steps on each batch; > 1 reuses it, the clipped ratio keeping each near pi_old
-MASK_TRUNCATED = False  # True = answers cut at MAX_NEW_TOKENS leave the loss (DAPO overlong filter)
 KL_BIAS_CORRECTION = False  # True = DeepSeek-V3.2: k3 x pi / pi_old, the reverse KL's gradient
 OFF_POLICY_DELTA = 0.0  # > 0 = DeepSeek-V3.2: A_t < 0 leaves answers with log(pi_old / pi) > this
-# Which questions a step trains on (docs/sampling.md)
+MASK_TRUNCATED = False  # True = answers cut at MAX_NEW_TOKENS leave the loss (DAPO overlong filter)
 DYNAMIC_SAMPLING = False  # True = DAPO: roll out until Q_BATCH_SIZE groups have different rewards
-# The reference server (docs/server.md, docs/reliability.md)
-SERVER_TIMEOUT = 600.0  # s to keep retrying an unreachable or busy server before giving up
+DISTILL_COEF = 0.0  # > 0 = the server holds a teacher: A_t += this x (log teacher - log pi_old)
+DISTILL_TOP_K = 0  # > 0 = the teacher's term is the reverse KL over its k likeliest tokens (~20)
 # Each optional feature's constants sit at the top of its module: vLLM's in features/vllm_engine.py,
 # LoRA's in features/lora.py, the fast paths' in features/fast_paths.py... (docs/constants.md).
 env_overrides.apply_env_overrides(globals(), "grpo_ref_split.py", functions={"REWARDS": rewards})
@@ -91,10 +90,6 @@ env_overrides.apply_env_overrides(globals(), "grpo_ref_split.py", functions={"RE
 
 # ----------------------------------------------------------------------------- the GRPO math
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")  # LOSS_TYPE's choices
-OBJECTIVES = ("clip", "cispo", "sapo", "gmpo")  # OBJECTIVE's choices
-ADVANTAGES = ("grpo", "rloo", "reinforce_pp", "passk")  # ADVANTAGE's choices
-REWARD_NORMS = ("sum_then_normalize", "normalize_then_sum")  # REWARD_NORM's choices
-DISTILL_SCALES = ("fixed", "matched")  # DISTILL_SCALE's choices
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_id) -> torch.Tensor:
@@ -109,71 +104,12 @@ def completion_mask(completion_ids: torch.Tensor, eos_id) -> torch.Tensor:
 
 
 def advantages_in_groups(scores: torch.Tensor, num_pre_q: int) -> torch.Tensor:
-    """(N,) GRPO's advantages A = (r - its group's mean) / (the group's std + STD_EPS); the other
-    SCALE_REWARDS are features/advantages.group_advantages, tested equal to this on "group"."""
+    """(N,) GRPO's advantages A = (r - its group's mean) / (the group's std + STD_EPS): each
+    answer against the others sampled for its question, so no value model is needed."""
     grouped = scores.float().view(-1, num_pre_q)  # (Q, G)
     centred = grouped - grouped.mean(1, keepdim=True)  # (Q, G)
     spread = grouped.std(1, keepdim=True, correction=int(num_pre_q > 1))  # (Q, 1); G = 1: 0
     return (centred / (spread + STD_EPS)).view(-1)  # (N,)
-
-
-# The baselines users compare (ADVANTAGE), each of one answer's reward against its group's.
-def rloo_advantages(scores: torch.Tensor, num_pre_q: int) -> torch.Tensor:
-    """(N,) RLOO (Ahmadian et al. 2024, arXiv 2402.14740): r minus the mean of the group's other
-    answers, G / (G - 1) (r - the group's mean); no std, so a reward's scale stays in the step."""
-    grouped = scores.float().view(-1, num_pre_q)  # (Q, G)
-    others = (grouped.sum(1, keepdim=True) - grouped) / (num_pre_q - 1)  # (Q, G)
-    return (grouped - others).view(-1)  # (N,)
-
-
-def passk_advantages(scores: torch.Tensor, num_pre_q: int) -> torch.Tensor:
-    """(N,) the pass@k advantage (arXiv 2503.19595, verl's grpo_passk): only each group's best
-    answer gets one, (r_best - r_second) / (the group's std + STD_EPS); the others 0. It trains
-    for the best of k samples, not for each one."""
-    grouped = scores.float().view(-1, num_pre_q)  # (Q, G)
-    top2 = grouped.topk(2, dim=1).values  # (Q, 2)
-    gap = (top2[:, 0] - top2[:, 1]) / (grouped.std(1) + STD_EPS)  # (Q,)
-    best = grouped.argmax(1)  # (Q,) the first of equal bests
-    advantages = torch.zeros_like(grouped)  # (Q, G)
-    advantages[torch.arange(len(best)), best] = gap
-    return advantages.view(-1)  # (N,)
-
-
-def gdpo_advantages(each: torch.Tensor, weights: torch.Tensor, num_pre_q: int) -> torch.Tensor:
-    """(N,) GDPO's (arXiv 2601.05242) normalize-then-sum: each reward of `each` (N, K) normalised
-    in its group, (r_k - mean) / (std + STD_EPS), then their sum with `weights` (K,). Summing first
-    lets the reward of largest variance drown the others; here each counts by its weight. The step
-    then divides by the std over all its answers (features/advantages.whiten_to_step)."""
-    grouped = each.float().view(-1, num_pre_q, each.shape[1])  # (Q, G, K)
-    centred = grouped - grouped.mean(1, keepdim=True)  # (Q, G, K)
-    normalised = centred / (grouped.std(1, keepdim=True) + STD_EPS)  # (Q, G, K)
-    return (normalised * weights.float()).sum(-1).view(-1)  # (N,)
-
-
-def distill_advantages(advantages, *, teacher_logps, sampler_logps, mask, coef,
-                       discount=0.0, matched=False, answers=None) -> torch.Tensor:
-    """(B, T) on-policy distillation: A_t = A + coef (log teacher(y_t) - log pi_old(y_t)), each
-    token's own term; its expected gradient is -coef grad KL(pi || teacher). discount g > 0 adds
-    the later tokens' terms too, g^(t' - t) each (tinker's KL discount: a token is also credited
-    with where it led), the reverse KL's return rather than its one step. matched: the term scaled
-    by rms(A) / rms(term) over the answer tokens, so it keeps the group term's size as the KL falls
-    (DISTILL_SCALE "matched"; GRPO's A stays near 1 per token whatever the rewards). answers
-    (B,) bool: the answers that take the term, the others keep A alone (features/teacher_mix:
-    KDRL's reward-guided mask spares the correct ones); None = every answer."""
-    mask = mask.bool()  # (B, T)
-    taking = mask if answers is None else mask & answers[:, None]  # (B, T) tokens with the term
-    term = torch.where(taking, teacher_logps - sampler_logps.detach(), 0.0)  # (B, T)
-    if discount:
-        T = term.shape[1]
-        distance = torch.arange(T)[None, :] - torch.arange(T)[:, None]  # (T, T) t' - t
-        weight = torch.where(distance >= 0, discount ** distance.clamp(min=0).double(), 0.0)
-        term = term @ weight.T.to(term)  # (B, T) sum over t' >= t of g^(t' - t) term_t'
-    if matched and taking.any():  # the two terms' root mean squares over their tokens, equal
-        group = advantages[:, None].expand_as(term)  # (B, T)
-        group_rms = masked_mean(group.square(), mask)[mask.any(1)].mean().sqrt()  # ()
-        term_rms = masked_mean(term.square(), taking)[taking.any(1)].mean().sqrt()  # ()
-        term = term * (group_rms / term_rms.clamp(min=1e-8))  # (B, T)
-    return advantages[:, None] + coef * term  # (B, T)
 
 
 def per_token_logps(model, input_ids, attention_mask, n_completion: int, with_entropy=False,
@@ -182,29 +118,14 @@ def per_token_logps(model, input_ids, attention_mask, n_completion: int, with_en
     logits -> log_softmax(logits / TEMPERATURE) -> each token's; with_entropy: also the entropy.
     Its one home: logps_of and ref_server.py run fast_paths.completion_logps, tested equal to it.
     pixels: a vision-language model's, of each row's images (features/vision.py); none for text."""
-    logp_all = answer_log_probs(model, input_ids, attention_mask, n_completion, **pixels)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, **pixels).logits  # (B, L, V)
+    logits = logits[:, -n_completion - 1 : -1]  # (B, T, V): position t predicts token t + 1
+    logp_all = torch.log_softmax(logits.float() / TEMPERATURE, dim=-1)  # (B, T, V)
     completion_ids = input_ids[:, -n_completion:, None]  # (B, T, 1)
     logps = logp_all.gather(-1, completion_ids).squeeze(-1)  # (B, T)
     if not with_entropy:
         return logps
     return logps, -(logp_all.exp() * logp_all).sum(-1).detach()  # (B, T), (B, T) no gradient
-
-
-def answer_log_probs(model, input_ids, attention_mask, n_completion: int, **pixels):
-    """(B, T, V) log softmax(logits / TEMPERATURE) at each of the last n_completion positions:
-    the whole distribution each answer token was drawn from (per_token_logps reads one entry of
-    it, DISTILL_TOP_K the teacher's k likeliest)."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, **pixels).logits  # (B, L, V)
-    logits = logits[:, -n_completion - 1 : -1]  # (B, T, V): position t predicts token t + 1
-    return torch.log_softmax(logits.float() / TEMPERATURE, dim=-1)  # (B, T, V), its grad too
-
-
-def topk_reverse_kl(*, student_logps, teacher_logps) -> torch.Tensor:
-    """(B, T) sum over the teacher's k likeliest tokens v of pi(v) (log pi(v) - log teacher(v)):
-    the reverse KL KL(pi || teacher) restricted to them, exact and differentiable (no sampled
-    estimate), its whole value at k = V (DISTILL_TOP_K; verl's and tinker's top-k distillation).
-    student_logps, teacher_logps (B, T, k) at the same token ids."""
-    return (student_logps.exp() * (student_logps - teacher_logps)).sum(-1)  # (B, T)
 
 
 def k3(ref_logps: torch.Tensor, logps: torch.Tensor) -> torch.Tensor:
@@ -213,121 +134,29 @@ def k3(ref_logps: torch.Tensor, logps: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1  # (B, T)
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(B,) mean of x over each row's True positions (0 if none); selects, as inf x 0 is NaN."""
-    return torch.where(mask.bool(), x, 0.0).sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
+def reference_kl(ref_logps, logps, mask) -> torch.Tensor | None:
+    """(B, T) k3 towards the reference on the answer tokens, None without a reference (BETA 0);
+    on padding the policy's own log-prob stands in, so nothing there overflows."""
+    if ref_logps is None:
+        return None
+    ref = torch.where(mask.bool(), ref_logps, logps.detach())  # (B, T)
+    return k3(ref, logps)  # (B, T)
 
 
-def pi_old_logps(logps, gen_logps, gen_rows, mask) -> torch.Tensor:
-    """(B, T) pi_old: gen_logps on the rows that carry them (gen_rows (B,), None = all), else logps
-    detached (ratio 1, the policy gradient's gradient); padding too, so nothing overflows."""
-    if gen_logps is None:
-        return logps.detach()  # (B, T)
-    given = mask.bool() if gen_rows is None else mask.bool() & gen_rows[:, None]  # (B, T)
-    return torch.where(given, gen_logps, logps.detach())  # (B, T)
-
-
-def policy_log_ratio(*, logps, old_logps, mask, gspo=False) -> torch.Tensor:
-    """(B, T) log(pi / pi_old) of each answer token, the ratio the loss clips and the metrics show;
-    GSPO: each answer's mean log-ratio on its every token (one ratio, clipped whole)."""
-    log_ratio = logps - old_logps  # (B, T)
-    if not gspo:
-        return log_ratio
-    answer_mean = masked_mean(log_ratio, mask)[:, None]  # (B, 1)
-    # GSPO-token (the GSPO paper's per-token form): the answer's ratio as the value, each token's
-    # own log-prob as the gradient. With one advantage per answer its gradient is GSPO's; with a
-    # teacher's per-token advantages each token moves by its own, not by the answer's mean.
-    return answer_mean.detach() + log_ratio - log_ratio.detach()  # (B, T)
-
-
-def grpo_loss(*, logps, old_logps, ref_logps, advantages, mask, beta, clip_eps, clip_eps_high,
-              weights=None, gspo=False, bias_corrected_kl=False, objective="clip",
-              sapo_taus=(1.0, 1.05)) -> torch.Tensor:
-    """(B, T) DeepSeekMath's clipped loss per token, r = pi / pi_old: -(min(r A, clip(r, 1 - eps,
-    1 + eps_high) A) - beta k3); reduce_loss averages it (docs/loss.md). logps, old_logps,
-    ref_logps (None: beta 0), mask, weights (vLLM's mismatch) (B, T); advantages (B,) or (B, T).
-    objective: the surrogate, PPO's "clip" or a variant below (OBJECTIVE); sapo_taus: SAPO's."""
+def grpo_loss(*, logps, old_logps, ref_logps, advantages, mask, beta, clip_eps, clip_eps_high):
+    """(B, T) DeepSeekMath's clipped loss per token, r = pi / pi_old:
+    -(min(r A, clip(r, 1 - clip_eps, 1 + clip_eps_high) A) - beta k3); reduce_loss averages it.
+    logps, old_logps, ref_logps (None: beta 0), mask (B, T); advantages (B,), one per answer."""
     if ref_logps is None and beta:
         raise ValueError(f"grpo_loss: ref_logps=None needs beta=0 (beta {beta})")
-    mask = mask.bool()  # (B, T)
-    log_ratio = policy_log_ratio(logps=logps, old_logps=old_logps, mask=mask, gspo=gspo)  # (B, T)
-    ratio = torch.exp(log_ratio)  # (B, T)
-    adv = advantages[:, None] if advantages.dim() == 1 else advantages  # (B, 1) or (B, T)
-    if objective == "clip":
-        clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high)  # (B, T)
-        surrogate = torch.min(ratio * adv, clipped * adv)  # (B, T)
-    elif objective == "cispo":
-        surrogate = cispo_surrogate(ratio=ratio, logps=logps, advantages=adv,
-                                    clip_eps_high=clip_eps_high)  # (B, T)
-    elif objective == "sapo":
-        surrogate = sapo_surrogate(ratio=ratio, advantages=adv, taus=sapo_taus)  # (B, T)
-    elif objective == "gmpo":
-        surrogate = gmpo_surrogate(log_ratio=log_ratio, advantages=adv, mask=mask,
-                                   clip_eps=clip_eps, clip_eps_high=clip_eps_high)  # (B, T)
-    else:
-        raise ValueError(f"objective {objective!r}: one of {OBJECTIVES}")
-    if weights is not None:
-        surrogate = surrogate * weights  # (B, T) importance weights, detached
-    if ref_logps is not None:  # the reference only where there are answer tokens: no overflow
-        ref = torch.where(mask, ref_logps, logps.detach())  # (B, T)
-        kl_weight = ratio if bias_corrected_kl else 1.0  # DeepSeek-V3.2: reverse KL's gradient
-        surrogate = surrogate - beta * kl_weight * k3(ref, logps)  # (B, T)
-    return -surrogate  # (B, T)
-
-
-# The surrogates of OBJECTIVE, PPO's clip's rivals; each (B, T), its gradient that of sum A_t log pi
-# at r = 1, as the clip's is.
-def cispo_surrogate(*, ratio, logps, advantages, clip_eps_high) -> torch.Tensor:
-    """CISPO (MiniMax-M1, arXiv 2506.13585): sg(min(r, 1 + eps_high)) A log pi. The clip caps
-    the importance weight and is detached, so every token keeps its gradient: PPO's clip zeroes
-    it for a token past the range, often a rare "fork" token that matters. No lower bound, as in
-    the paper (its eps_low is set high)."""
-    weight = ratio.clamp(max=1 + clip_eps_high).detach()  # (B, T)
-    return weight * advantages * logps  # (B, T)
-
-
-def sapo_surrogate(*, ratio, advantages, taus) -> torch.Tensor:
-    """SAPO (Qwen, arXiv 2511.20347): a soft gate (4 / tau) sigmoid(tau (r - 1)) A instead of the
-    hard clip, tau = taus[0] where A > 0, taus[1] where A < 0. Its gradient on log pi is
-    4 s(1 - s) r A with s the sigmoid: A at r = 1, fading smoothly as r leaves 1."""
-    tau = torch.where(advantages > 0, taus[0], taus[1])  # (B, T) or (B, 1)
-    return 4 / tau * torch.sigmoid(tau * (ratio - 1)) * advantages  # (B, T)
-
-
-def gmpo_surrogate(*, log_ratio, advantages, mask, clip_eps, clip_eps_high) -> torch.Tensor:
-    """GMPO (arXiv 2507.20673, verl's "geo_mean"): the geometric mean of the answer's token ratios,
-    each clipped in log space to [-clip_eps, clip_eps_high] on the side its advantage's sign
-    limits, times A; one value per answer, on each of its tokens (reduce_loss's "grpo" means it
-    back). An outlier token moves a geometric mean far less than an arithmetic one. A is per
-    answer (refused with a teacher's per-token term)."""
-    sign = torch.sign(advantages)  # (B, 1) or (B, T)
-    clamped = log_ratio.clamp(-clip_eps, clip_eps_high)  # (B, T)
-    kept = sign * torch.min(sign * log_ratio, sign * clamped)  # (B, T) the pessimistic one
-    answer_ratio = torch.exp(masked_mean(kept, mask))[:, None]  # (B, 1)
-    answer_advantage = masked_mean(advantages.expand_as(log_ratio), mask)[:, None]  # (B, 1)
-    return (answer_ratio * answer_advantage).expand_as(log_ratio)  # (B, T)
-
-
-def off_policy_mask(*, advantages, behaviour_logps, logps, mask, delta) -> torch.Tensor:
-    """(B, T) DeepSeek-V3.2's off-policy mask (OFF_POLICY_DELTA): 0 on a token with a negative
-    advantage in an answer whose mean log(pi_behaviour / pi) exceeds delta, else 1. One advantage
-    per answer keeps or drops the answer whole, as the paper; with a teacher's per-token
-    advantages each token's own sign decides (docs/distillation.md). All (B, T); it multiplies
-    the surrogate."""
-    drift = masked_mean(behaviour_logps - logps.detach(), mask)  # (B,) how far pi moved away
-    far = (drift > delta)[:, None]  # (B, 1)
-    return (~(far & (advantages < 0))).float()  # (B, T)
-
-
-def high_entropy_mask(*, entropy, mask, quantile) -> torch.Tensor:
-    """(B, T) 1 on the answer tokens whose entropy is in the top `quantile` share of this batch's,
-    0 elsewhere ("Beyond the 80/20 rule", arXiv 2506.01939: the few high-entropy "forking" tokens
-    carry the learning; TRL's top_entropy_quantile). entropy, mask (B, T); entropy detached."""
-    mask = mask.bool()  # (B, T)
-    if not mask.any():
-        return mask.float()  # (B, T)
-    threshold = torch.quantile(entropy[mask].float(), 1 - quantile)  # () the share's lowest
-    return (mask & (entropy >= threshold)).float()  # (B, T)
+    ratio = torch.exp(logps - old_logps)  # (B, T)
+    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high)  # (B, T)
+    answer = advantages[:, None]  # (B, 1) each answer's advantage, on its every token
+    surrogate = torch.min(ratio * answer, clipped * answer)  # (B, T)
+    kl = reference_kl(ref_logps, logps, mask)  # (B, T) or None
+    if kl is None:
+        return -surrogate  # (B, T)
+    return -(surrogate - beta * kl)  # (B, T)
 
 
 def reduce_loss(per_token, mask, *, loss_type="grpo", normalizer=None, max_tokens=1):
@@ -337,10 +166,11 @@ def reduce_loss(per_token, mask, *, loss_type="grpo", normalizer=None, max_token
     if loss_type not in LOSS_TYPES or not max_tokens:
         raise ValueError(f"loss_type {loss_type!r} in {LOSS_TYPES}; max_tokens {max_tokens} >= 1")
     mask = mask.bool()  # (B, T)
-    if loss_type == "grpo":  # a long answer's tokens weigh less each
-        total = masked_mean(per_token, mask).sum()
+    summed = torch.where(mask, per_token, 0.0)  # (B, T) padding selected out (inf x 0 is NaN)
+    if loss_type == "grpo":  # each answer's token mean: a long answer's tokens weigh less each
+        total = (summed.sum(-1) / mask.sum(-1).clamp(min=1)).sum()
     else:  # DAPO and Dr. GRPO: every token of the batch weighs the same
-        total = torch.where(mask, per_token, 0.0).sum()
+        total = summed.sum()
     if normalizer is None:
         normalizer = mask.sum().clamp(min=1) if loss_type == "dapo" else mask.shape[0]
     if loss_type == "dr_grpo":
@@ -363,12 +193,12 @@ def global_count(masks, *, token_mean: bool) -> float:
 # ----------------------------------------------------------------------------- one step
 @dataclass
 class Rollout:
-    """Steps 2-3 for B = Q x NUM_PRE_Q answers, a group's rows consecutive."""
+    """Step 2's answers, B = Q x NUM_PRE_Q of them, a group's rows consecutive."""
     prompt_ids: torch.Tensor  # (B, P) left-padded, so every answer starts at column P
     prompt_mask: torch.Tensor  # (B, P) attention mask of the prompts
     completion_ids: torch.Tensor  # (B, T) the answers, right-padded
     mask: torch.Tensor  # (B, T) the tokens the loss trains on: the policy's, up to its EOS
-    sampler_logps: torch.Tensor | None  # (B, T) vLLM's log-probs of its tokens; None otherwise
+    vllm_logps: torch.Tensor | None  # (B, T) vLLM's log-probs of its tokens; None otherwise
     texts: list  # each answer as the rewards read it (THINK_PREFILL put back in front)
     lengths: list  # tokens the model wrote
     truncated: list  # True where the answer was cut (MAX_NEW_TOKENS, MAX_TOOL_CALLS)
@@ -386,12 +216,12 @@ class Batch:
     input_ids: torch.Tensor  # (B, L) prompt + answer
     attention_mask: torch.Tensor  # (B, L)
     mask: torch.Tensor  # (B, T) the answer tokens that train
-    advantages: torch.Tensor  # (B,)
+    advantages: torch.Tensor  # (B,) each answer's advantage (step 4)
     ref_logps: torch.Tensor | None  # (B, T) from ref_server.py; None at BETA = 0
-    gen_logps: torch.Tensor | None  # (B, T) pi_old on gen_rows; None: all on-policy
-    gen_rows: torch.Tensor | None  # (B,) bool
-    sampler_logps: torch.Tensor | None  # (B, T) vLLM's on sampler_rows; None without vLLM
-    sampler_rows: torch.Tensor | None  # (B,) bool
+    pi_old_logps: torch.Tensor | None  # (B, T) the sampling policy's, on pi_old_rows; None: pi
+    pi_old_rows: torch.Tensor | None  # (B,) bool
+    vllm_logps: torch.Tensor | None  # (B, T) vLLM's on vllm_rows; None without vLLM
+    vllm_rows: torch.Tensor | None  # (B,) bool
     normalizer: float | None = None  # answers (dapo: tokens) of the step on all ranks, per rank
     share: float = 1.0  # of the step's answers in this micro-batch; 0 = a repeat (no gradient)
     token_share: float = 1.0  # of the step's answer tokens in this micro-batch
@@ -408,6 +238,14 @@ def load_policy(path, device):
     every log-prob assumes: no model default (top_k, top_p...) changes it (features/policy.py)."""
     return policy.load_for_sampling(path, device, base_path=resolve_model_path(MODEL_PATH),
                                     temperature=TEMPERATURE, max_new_tokens=MAX_NEW_TOKENS)
+
+
+def draw_questions(sampler, n: int) -> list:
+    """Step 1: n distinct training questions, uniformly at random; SAMPLER's other rules draw by
+    each question's record (features/question_sampler.py)."""
+    if sampler.mode != "uniform":  # a variant: the sampler's own rule
+        return sampler.draw(n)
+    return sampler.rng.sample(sampler.questions, n)
 
 
 def build_prompt(tokenizer, question: str) -> str:
@@ -453,17 +291,17 @@ def generate(model, tokenizer, questions, gen_config, eos_ids, llm=None) -> Roll
     if with_images(questions):
         pixels = vision.to_device(vision.pixel_rows(enc, NUM_PRE_Q), device)  # B rows
     model.eval()  # no dropout; the KV cache on, even with gradient checkpointing
-    sampler_logps = None  # vLLM's log-probs: transformers samples with the trainer's own weights
+    vllm_logps = None  # vLLM's log-probs: transformers samples with the trainer's own weights
     tool = {}  # TOOLS: the calls and errors of each answer
     if tools.TOOLS:  # multi-turn: each <tool> call answered by a <result> (docs/tools.md)
-        completion_ids, sampler_logps, tool = tools.generate_with_tools(
+        completion_ids, vllm_logps, tool = tools.generate_with_tools(
             model, tokenizer, enc, NUM_PRE_Q, llm=llm, gen_config=gen_config,
             temperature=TEMPERATURE, tools=tools.chosen(), max_calls=tools.MAX_TOOL_CALLS,
             eos_ids=eos_ids)
-    elif llm is not None:  # vLLM: the same distribution, faster (docs/vllm.md)
-        completion_ids, sampler_logps = vllm_engine.vllm_sample(
+    elif llm is not None:  # faster equal: vLLM samples the same distribution (docs/vllm.md)
+        completion_ids, vllm_logps = vllm_engine.vllm_sample(
             llm, enc, NUM_PRE_Q, TEMPERATURE, eos_ids, tokenizer.pad_token_id, MAX_NEW_TOKENS)
-    elif fast_paths.SHARED_PREFIX:  # each prompt's KV cache once for its answers: the same samples
+    elif fast_paths.SHARED_PREFIX:  # faster equal: each prompt's KV cache once for its answers
         completion_ids = fast_paths.shared_generate(model, prompt_ids, prompt_mask, gen_config,
                                                     NUM_PRE_Q)
     else:  # the plain definition
@@ -480,7 +318,7 @@ def generate(model, tokenizer, questions, gen_config, eos_ids, llm=None) -> Roll
     if isinstance(tokenizer, vision.ImageTextProcessor):  # an answer ends before an image token
         completion_ids, mask = vision.cut_at_image_tokens(completion_ids, mask, tokenizer)
     lengths = mask.sum(1).tolist()  # before MASK_TRUNCATED: what the model wrote
-    if MASK_TRUNCATED:  # a cut answer may have been heading somewhere right: no reward or blame
+    if MASK_TRUNCATED:  # a variant: a cut answer may have been heading somewhere right
         mask &= stopped[:, None]  # (B, T)
     def per_answer(key):  # a question's value, once for each of its NUM_PRE_Q answers
         return [q.get(key) for q in questions for _ in range(NUM_PRE_Q)]
@@ -488,10 +326,39 @@ def generate(model, tokenizer, questions, gen_config, eos_ids, llm=None) -> Roll
     if with_images(questions):
         images = per_answer("images")
     return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-                   mask=mask, sampler_logps=sampler_logps, texts=decode(tokenizer, completion_ids),
+                   mask=mask, vllm_logps=vllm_logps, texts=decode(tokenizer, completion_ids),
                    lengths=lengths, truncated=(~stopped).tolist(), golds=per_answer("gold"),
                    questions=per_answer("question"), images=images, vision_inputs=pixels,
                    **tool)
+
+
+def advantage_settings() -> objectives.AdvantageSettings:
+    """Step 4's menu, as the constants above are now, for objectives.py."""
+    return objectives.AdvantageSettings(
+        advantage=ADVANTAGE, reward_norm=REWARD_NORM, scale_rewards=SCALE_REWARDS,
+        group_size=NUM_PRE_Q, reward_names=tuple(fn.__name__ for fn, _ in REWARDS),
+        reward_weights=tuple(weight for _, weight in REWARDS), std_eps=STD_EPS)
+
+
+def advantage_variant_on() -> bool:
+    """Whether step 4 is a variant's (objectives.py): another baseline, GDPO's normalisation or
+    another scale than the group's std."""
+    return ADVANTAGE != "grpo" or REWARD_NORM != "sum_then_normalize" or SCALE_REWARDS != "group"
+
+
+def rescaled_at_step() -> bool:
+    """Whether a variant divides the step's advantages by a std over all its answers on all ranks:
+    the rewards' (SCALE_REWARDS "batch") or the advantages' (REINFORCE++-baseline, GDPO)."""
+    whitened = ADVANTAGE == "reinforce_pp" or REWARD_NORM == "normalize_then_sum"
+    return SCALE_REWARDS == "batch" or whitened
+
+
+def answer_advantages(scores, each: dict) -> torch.Tensor:
+    """Step 4: (N,) each answer's advantage from its group's rewards. scores (N,) the weighted
+    sums; each: {reward name: N values}, for a variant that reads the rewards one by one."""
+    if advantage_variant_on():  # a variant: objectives.py
+        return objectives.answer_advantages(scores, each, advantage_settings())  # (N,)
+    return advantages_in_groups(scores, NUM_PRE_Q)  # (N,)
 
 
 def logps_of(model, input_ids, attention_mask, n_completion, entropy=False, **pixels):
@@ -505,12 +372,47 @@ def logps_of(model, input_ids, attention_mask, n_completion, entropy=False, **pi
                                        with_entropy=entropy, vision_inputs=pixels)
 
 
+@dataclass
+class ScoredGroups:
+    """Steps 2-4 on some questions: what step 5 uploads, and what the log and the sampler keep."""
+    groups: list  # (tensors, meta) of the groups worth training, ready to upload
+    records: list  # one dict per answer: its text, rewards and advantage (features/run_log.py)
+    other_rewards: torch.Tensor  # (D,) the rewards of the groups not uploaded (SCALE_REWARDS)
+
+
+def scored_groups(model, tokenizer, questions, *, eos_ids, gen_config, llm, keep_all,
+                  with_pi_old, seconds: Counter, step=0, rank=0) -> ScoredGroups:
+    """Steps 2-4 on `questions`, for the trainer and a genonly worker; `seconds` gets their
+    times (generate_s, score_s, pi_old_s)."""
+    with timed(seconds, "generate_s"):
+        generated = generate(model, tokenizer, questions, gen_config, eos_ids, llm)  # 2. generate
+    with timed(seconds, "score_s"):  # 3. score
+        total, each = rewards.score(REWARDS, generated.texts, generated.golds, generated.questions)
+    scores = torch.tensor(total, dtype=torch.float32)  # (N,) the weighted sum of REWARDS
+    advantages = answer_advantages(scores, each)  # (N,) 4. advantages
+    with timed(seconds, "pi_old_s"):
+        groups, other = pack_groups(model, generated, scores, advantages, keep_all, with_pi_old,
+                                    each)
+    records = run_log.answer_records(step, rank, generated, each, scores, advantages)  # log
+    return ScoredGroups(groups=groups, records=records, other_rewards=other)
+
+
+def varied_groups(scores, each) -> torch.Tensor:
+    """(Q,) the groups whose rewards differ, the ones with a signal. scores (N,); each: {reward
+    name: N values}: with REWARD_NORM "normalize_then_sum" (GDPO) a group also counts when any one
+    reward differs in it."""
+    varied = scores.view(-1, NUM_PRE_Q).std(1, correction=int(NUM_PRE_Q > 1)) > 0  # (Q,); G=1: 0
+    if REWARD_NORM != "normalize_then_sum" or each is None:
+        return varied
+    table = torch.tensor([each[fn.__name__] for fn, _ in REWARDS]).T  # (N, K)
+    return table.view(-1, NUM_PRE_Q, table.shape[1]).std(1).gt(0).any(-1)  # (Q,)
+
+
 @torch.no_grad()
-def pack_groups(model, generated: Rollout, scores, advantages, keep_all, with_gen_logps,
-                each=None):
+def pack_groups(model, generated: Rollout, scores, advantages, keep_all, with_pi_old, each=None):
     """Step 5's upload: ((tensors, meta) of the groups worth training, (D,) the others' rewards:
-    equal unless keep_all, or none to train); pi_old if with_gen_logps, MU > 1, or without
-    fast_paths.SKIP_GEN_LOGPS. each: {reward name: N values}, for varied_groups."""
+    equal unless keep_all, or none to train); pi_old's log-probs if with_pi_old, MU > 1, or
+    without fast_paths.SKIP_PI_OLD. each: {reward name: N values}, for varied_groups."""
     G = NUM_PRE_Q
     varied = varied_groups(scores, each)  # (Q,) rewards that differ: a signal to learn
     kept = [q for q in range(len(varied))
@@ -519,23 +421,24 @@ def pack_groups(model, generated: Rollout, scores, advantages, keep_all, with_ge
     answer_attn = torch.ones_like(generated.completion_ids)  # (B, T)
     attn = torch.cat([generated.prompt_mask, answer_attn], 1)  # (B, P+T)
     rows = [q * G + i for q in kept for i in range(G)]
-    gen_logps = None  # (K, T) pi_old of the kept rows
-    if kept and (with_gen_logps or MU > 1 or not fast_paths.SKIP_GEN_LOGPS):
+    pi_old_logps = None  # (K, T) of the kept rows; at MU = 1 a rank's own groups need none
+    if kept and (with_pi_old or MU > 1 or not fast_paths.SKIP_PI_OLD):
         pixels = {}  # the kept rows' pixel inputs; text: none
         if generated.vision_inputs:
             pixels = vision.select_rows(generated.vision_inputs, rows)
-        gen_logps = logps_of(model, ids[rows], attn[rows], generated.mask.shape[1], **pixels).cpu()
-    meta = dict(temperature=TEMPERATURE, scale_rewards=SCALE_REWARDS)  # the server redoes with it
-    if DISTILL_TOP_K:  # the teacher server sends its k likeliest tokens of each answer token
+        pi_old_logps = logps_of(model, ids[rows], attn[rows], generated.mask.shape[1],
+                                **pixels).cpu()
+    meta = dict(temperature=TEMPERATURE)  # the reference's log-probs are taken at it too
+    if DISTILL_TOP_K:  # a variant: the teacher sends its k likeliest tokens
         meta["teacher_top_k"] = DISTILL_TOP_K
     dropped = scores.view(-1, G)[[q for q in range(len(varied)) if q not in kept]].view(-1)  # (D,)
-    return group_tensors(generated, ids, kept, scores, advantages, gen_logps, meta), dropped
+    return group_tensors(generated, ids, kept, scores, advantages, pi_old_logps, meta), dropped
 
 
-def group_tensors(generated: Rollout, ids, kept, scores, advantages, gen_logps, meta) -> list:
+def group_tensors(generated: Rollout, ids, kept, scores, advantages, pi_old_logps, meta) -> list:
     """The kept groups as (tensors, meta) in the wire's layout (features/wire.UPLOAD_SPEC): each
     prompt without its left padding, the columns every answer finished before dropped. ids
-    (B, P + T); kept: group indices; gen_logps (K, T) the kept rows' pi_old, or None."""
+    (B, P + T); kept: group indices; pi_old_logps (K, T) the kept rows', or None."""
     G = NUM_PRE_Q
     P = generated.prompt_ids.shape[1]
     groups = []
@@ -547,10 +450,10 @@ def group_tensors(generated: Rollout, ids, kept, scores, advantages, gen_logps, 
                        completion_mask=generated.mask[rows, :tlen].cpu(),  # (G, tlen)
                        advantages=advantages[rows],  # (G,)
                        rewards=scores[rows])  # (G,)
-        if gen_logps is not None:
-            tensors["gen_logps"] = gen_logps[j * G : (j + 1) * G, :tlen]  # (G, tlen)
-        if generated.sampler_logps is not None:  # vLLM's own: the loss's importance weights
-            tensors["sampler_logps"] = generated.sampler_logps[rows, :tlen]  # (G, tlen)
+        if pi_old_logps is not None:
+            tensors["pi_old_logps"] = pi_old_logps[j * G : (j + 1) * G, :tlen]  # (G, tlen)
+        if generated.vllm_logps is not None:  # vLLM's own: the loss's importance weights
+            tensors["vllm_logps"] = generated.vllm_logps[rows, :tlen]  # (G, tlen)
         if generated.images:  # the question's images, as their own bytes (features/vision.py)
             tensors.update(vision.pack_images(generated.images[q * G]))
         for_reward_model = {"question": generated.questions[q * G],
@@ -559,91 +462,15 @@ def group_tensors(generated: Rollout, ids, kept, scores, advantages, gen_logps, 
     return groups
 
 
-@dataclass
-class Scored:
-    """Steps 2-4 on some questions: what step 5 uploads, and what the log and SAMPLER keep."""
-    groups: list  # (tensors, meta) of the groups worth training, ready to upload
-    records: list  # one dict per answer: its text, rewards and advantage (features/run_log.py)
-    other_rewards: torch.Tensor  # (D,) the rewards of the groups not uploaded (SCALE_REWARDS)
-
-
-def rollout(model, tokenizer, questions, *, eos_ids, gen_config, llm, keep_all, with_gen_logps,
-            seconds: Counter, step=0, rank=0) -> Scored:
-    """Steps 2-4 on `questions`, for the trainer and a genonly worker; `seconds` gets their
-    times (generate_s, score_s, gen_logps_s)."""
-    with timed(seconds, "generate_s"):
-        generated = generate(model, tokenizer, questions, gen_config, eos_ids, llm)  # 2. generate
-    with timed(seconds, "score_s"):  # 3. score
-        total, each = rewards.score(REWARDS, generated.texts, generated.golds, generated.questions)
-    scores = torch.tensor(total, dtype=torch.float32)  # (N,) the weighted sum of REWARDS
-    advantages = answer_advantages(scores, each)  # (N,) 4. advantages
-    with timed(seconds, "gen_logps_s"):
-        groups, other = pack_groups(model, generated, scores, advantages, keep_all, with_gen_logps,
-                                    each)
-    records = answer_records(step, rank, generated, each, scores, advantages)
-    return Scored(groups=groups, records=records, other_rewards=other)
-
-
-def varied_groups(scores, each) -> torch.Tensor:
-    """(Q,) the groups whose rewards differ, the ones with a signal: the weighted sums differ, or
-    with REWARD_NORM "normalize_then_sum" any one reward (GDPO: a group is uninformative only if
-    every reward is equal in it). scores (N,); each: {reward name: N values}."""
-    if REWARD_NORM != "normalize_then_sum" or each is None:
-        return scores.view(-1, NUM_PRE_Q).std(1, correction=int(NUM_PRE_Q > 1)) > 0  # (Q,); G=1: 0
-    table = torch.tensor([each[fn.__name__] for fn, _ in REWARDS]).T  # (N, K)
-    return table.view(-1, NUM_PRE_Q, table.shape[1]).std(1).gt(0).any(-1)  # (Q,)
-
-
-def scaled_to_step(groups, dropped_rewards, device) -> list:
-    """The step's groups, their advantages divided by a std over all the step's answers on all
-    ranks (every rank calls it): the rewards' for SCALE_REWARDS "batch" (scale_to_step), the
-    advantages' for REINFORCE++ and GDPO (whiten_to_step). dropped_rewards (D,): the rewards of the
-    groups dropped for equal rewards, which count in the std."""
-    if SCALE_REWARDS == "batch":
-        return scale_to_step(groups, dropped_rewards, device)
-    return whiten_to_step(groups, len(dropped_rewards), device)
-
-
-def whitened_at_step() -> bool:
-    """Whether the step divides its advantages by their std over all its answers on all ranks."""
-    return ADVANTAGE == "reinforce_pp" or REWARD_NORM == "normalize_then_sum"
-
-
-def whitened_or_other_baseline() -> bool:
-    """Whether step 4 is not GRPO's (ADVANTAGE or REWARD_NORM set): a server that redoes
-    advantages (REGROUP, REWARD_MODEL) knows only GRPO's rule."""
-    return ADVANTAGE != "grpo" or REWARD_NORM != "sum_then_normalize"
-
-
-def answer_advantages(scores, each: dict) -> torch.Tensor:
-    """Step 4: (N,) each answer's advantage from its group's rewards: GRPO's, or the ADVANTAGE and
-    REWARD_NORM variants. scores (N,) the weighted sums; each: {reward name: N values}."""
-    if REWARD_NORM == "normalize_then_sum":  # GDPO: each reward in its group; / the step's std
-        names = [fn.__name__ for fn, _ in REWARDS]
-        table = torch.tensor([each[name] for name in names], dtype=torch.float32).T  # (N, K)
-        weights = torch.tensor([weight for _, weight in REWARDS])  # (K,)
-        return gdpo_advantages(table, weights, NUM_PRE_Q)  # (N,)
-    if ADVANTAGE == "rloo":
-        return rloo_advantages(scores, NUM_PRE_Q)  # (N,)
-    if ADVANTAGE == "passk":
-        return passk_advantages(scores, NUM_PRE_Q)  # (N,)
-    if ADVANTAGE == "reinforce_pp":  # REINFORCE++: centred here, / the step's std (whiten_to_step)
-        return group_advantages(scores, NUM_PRE_Q, "none")  # (N,)
-    if SCALE_REWARDS == "group":  # GRPO
-        return advantages_in_groups(scores, NUM_PRE_Q)  # (N,)
-    # "batch": centred here, / the step's std once known (scale_to_step); "none": centred
-    return group_advantages(scores, NUM_PRE_Q, upload_scale(SCALE_REWARDS))  # (N,)
-
-
 def upload_and_pull(groups: list, version: int, rank: int, *, run: str) -> list:
     """Step 5 with one reference server, as simple_GRPO does it: POST each group, then GET this
     rank's groups back with their ref_logps. Each GET acknowledges the one taken before (a lost
     answer comes again), and the last GET finds none ready, so nothing taken stays unacknowledged;
     what a restarted server lost is sent again. A group of this run that missed an earlier step's
     deadline comes back too (drop_untrainable decides if it trains); one that an earlier run left
-    on the server (its upload id lacks `run`) is dropped. RefClient (main()) does the same for
-    several servers and workers' groups."""
-    def ask(method, path, body=None):  # asked again while busy or unreachable; a 4xx stops
+    on the server (its upload id lacks `run`) is dropped. features/server_client.RefClient does the
+    same for several servers and workers' groups."""
+    def ask(method, path, body=None):  # guard: asked again while busy or unreachable; 4xx stops
         return retry.request_with_retry(method, REF_SERVER + path, REF_TOKEN, body,
                                         give_up_after=SERVER_TIMEOUT)
     owed = {f"{run}-{uuid.uuid4().hex}": group for group in groups}  # upload_id -> (tensors, meta)
@@ -673,16 +500,16 @@ def upload_and_pull(groups: list, version: int, rank: int, *, run: str) -> list:
 
 def drop_untrainable(groups, version, *, max_staleness) -> tuple:
     """(the pulled groups the policy at `version` may train on, the counts dropped). A group that
-    other weights sampled (a step late) needs their log-probs as pi_old (gen_logps), else its ratio
-    would be 1 as if these weights had sampled it: workers' and regrouped groups carry them. One
-    sampled more than max_staleness versions ago is dropped (docs/workers.md), and so is one sampled
-    by weights newer than these (a crashed run's leftovers after RESUME, a worker on a later
-    published version): its pi_old is not a policy this run has been."""
+    other weights sampled (a step late) needs their log-probs as pi_old (pi_old_logps), else its
+    ratio would be 1 as if these weights had sampled it: workers' and regrouped groups carry them.
+    One sampled more than max_staleness versions ago is dropped (docs/workers.md), and so is one
+    sampled by weights newer than these (a crashed run's leftovers after RESUME, a worker on a
+    later published version): its pi_old is not a policy this run has been."""
     def lag(meta):  # versions between the sampling weights and these; no version counts as 0
         return version - wire.sampled_version(meta)
     fresh = [(tensors, meta) for tensors, meta in groups if 0 <= lag(meta) <= max_staleness]
     usable = [(tensors, meta) for tensors, meta in fresh
-              if lag(meta) == 0 or "gen_logps" in tensors]
+              if lag(meta) == 0 or "pi_old_logps" in tensors]
     ahead = sum(1 for _, meta in groups if lag(meta) < 0)
     stale = len(groups) - len(fresh) - ahead
     late = len(fresh) - len(usable)
@@ -690,136 +517,50 @@ def drop_untrainable(groups, version, *, max_staleness) -> tuple:
                            ahead_groups_dropped=ahead)
 
 
-@torch.no_grad()
-def prepare_batch(engine, batch: Batch, normalizer=None) -> Batch:
-    """The batch on the device with its loss normalizer (default: its own count over ranks), pi_old
-    for every row at MU > 1 (reuse needs a fixed one), and LoRA's REF_FROM_BASE reference."""
-    b = Batch(**{name: value.to(engine.device) if torch.is_tensor(value) else value
-                 for name, value in vars(batch).items()})
-    if batch.vision_inputs:  # a vision-language model's pixel inputs
-        b.vision_inputs = vision.to_device(batch.vision_inputs, engine.device)
-    b.normalizer = normalizer or global_count([b.mask], token_mean=LOSS_TYPE == "dapo")
-    def current_logps():  # (B, T) under the weights as they are now
-        return logps_of(engine.module.eval(), b.input_ids, b.attention_mask, b.mask.shape[1],
-                        **b.vision_inputs)
-    if lora.LORA_RANK > 0 and lora.REF_FROM_BASE and BETA != 0:  # the base, adapters off
-        b.ref_logps = lora.base_logps(engine, current_logps)  # (B, T)
-    if MU > 1 and (b.gen_logps is None or not b.gen_rows.all()):  # (B, T) every row's pi_old
-        b.gen_logps = pi_old_logps(current_logps(), b.gen_logps, b.gen_rows, b.mask)
-        b.gen_rows = None
-    return b
+@dataclass
+class StepGroups:
+    """Steps 1-5 of one training step: what it trains on, and what it sampled."""
+    groups: list  # (tensors, meta) pulled back with ref_logps, the step's to train on
+    records: list  # every answer sampled, one dict each (features/run_log.answer_records)
+    other_rewards: torch.Tensor  # (D,) the rewards of the groups not uploaded (equal ones)
+    rollouts: int  # how many rollouts it took to find groups with a signal
 
 
-def policy_loss(engine, b: Batch):
-    """Step 6: (the GRPO loss of a (micro-)batch under the current weights, its metrics)."""
-    engine.train()
-    advantages = b.advantages[:, None].expand_as(b.mask)  # (B, T) each answer's, on every token
-    if fast_paths.USE_TRITON:  # the same loss fused in one pass over the logits (GPU)
-        import grpo_loss_triton
-        loss, logps, entropy, old_logps, weights = grpo_loss_triton.batch_loss(
-            engine, b, temperature=TEMPERATURE, beta=BETA, clip_eps=CLIP_EPS,
-            clip_eps_high=CLIP_EPS_HIGH, loss_type=LOSS_TYPE, max_tokens=MAX_NEW_TOKENS,
-            shared_prefix=fast_paths.SHARED_PREFIX, tis_cap=vllm_engine.TIS_CAP,
-            tis_mode=vllm_engine.TIS_MODE)
-    elif DISTILL_TOP_K:  # the student's whole distribution, for the teacher's top-k term
-        T = b.mask.shape[1]
-        logp_all = answer_log_probs(engine, b.input_ids, b.attention_mask, T,
-                                    **b.vision_inputs)  # (B, T, V)
-        logps = logp_all.gather(-1, b.input_ids[:, -T:, None]).squeeze(-1)  # (B, T)
-        entropy = -(logp_all.exp() * logp_all).sum(-1).detach()  # (B, T)
-    else:
-        logps, entropy = logps_of(engine, b.input_ids, b.attention_mask, b.mask.shape[1],
-                                  entropy=True, **b.vision_inputs)
-    if not fast_paths.USE_TRITON:
-        old_logps = pi_old_logps(logps, b.gen_logps, b.gen_rows, b.mask)  # (B, T) pi_old
-        if DISTILL_COEF and not DISTILL_TOP_K:  # + the teacher's term on each token
-            advantages = distill_advantages(b.advantages, teacher_logps=b.teacher_logps,
-                                            sampler_logps=old_logps, mask=b.mask,
-                                            coef=DISTILL_COEF, discount=DISTILL_DISCOUNT,
-                                            matched=DISTILL_SCALE == "matched",
-                                            answers=teacher_mix.answers(
-                                                b.rewards, teacher_on=b.teacher_on))  # (B, T)
-        weights = None  # vLLM's mismatch pi_old / pi_vllm, truncated or masked (TIS_MODE)
-        if b.sampler_logps is not None and vllm_engine.TIS_CAP:
-            weights = vllm_engine.mismatch_weights(old_logps, b.sampler_logps, b.sampler_rows,
-                                                   b.mask.bool(), mode=vllm_engine.TIS_MODE,
-                                                   cap=vllm_engine.TIS_CAP)
-        if OFF_POLICY_DELTA:  # DeepSeek-V3.2: far off-policy tokens with A < 0 leave the surrogate
-            # pi_behaviour: vLLM's log-probs on the rows it sampled, pi_old on the others
-            behaviour = pi_old_logps(old_logps, b.sampler_logps, b.sampler_rows, b.mask)  # (B, T)
-            keep = off_policy_mask(advantages=advantages, behaviour_logps=behaviour, logps=logps,
-                                   mask=b.mask, delta=OFF_POLICY_DELTA)  # (B, T)
-            weights = keep if weights is None else weights * keep  # (B, T)
-        trained = weights  # (B, T) or None: which tokens' surrogates train, and by how much
-        if TOP_ENTROPY_QUANTILE < 1:  # "Beyond the 80/20 rule": the forking tokens alone
-            keep = high_entropy_mask(entropy=entropy, mask=b.mask,
-                                     quantile=TOP_ENTROPY_QUANTILE)  # (B, T)
-            trained = keep if weights is None else weights * keep  # (B, T)
-        per_token = grpo_loss(logps=logps, old_logps=old_logps, ref_logps=b.ref_logps,
-                              advantages=advantages, mask=b.mask, beta=BETA, clip_eps=CLIP_EPS,
-                              clip_eps_high=CLIP_EPS_HIGH, weights=trained, gspo=GSPO,
-                              bias_corrected_kl=KL_BIAS_CORRECTION, objective=OBJECTIVE,
-                              sapo_taus=(SAPO_TAU_POS, SAPO_TAU_NEG))  # (B, T)
-        if DISTILL_TOP_K:  # + the reverse KL over the teacher's k likeliest tokens, per token
-            student = logp_all.gather(-1, b.teacher_topk_ids)  # (B, T, k)
-            rkl = topk_reverse_kl(student_logps=student, teacher_logps=b.teacher_topk_logps)
-            answers = teacher_mix.answers(b.rewards, teacher_on=b.teacher_on)  # (B,) or None
-            if answers is not None:
-                rkl = rkl * answers[:, None]  # (B, T)
-            per_token = per_token + DISTILL_COEF * rkl  # (B, T)
-        loss = reduce_loss(per_token, b.mask, loss_type=LOSS_TYPE, normalizer=b.normalizer,
-                           max_tokens=MAX_NEW_TOKENS)
-    with torch.no_grad():  # the metrics at the weights before this step (features/run_log.py)
-        log_ratio = policy_log_ratio(logps=logps, old_logps=old_logps, mask=b.mask,
-                                     gspo=GSPO)  # (B, T)
-        kl = None if b.ref_logps is None else k3(b.ref_logps, logps)  # (B, T)
-        metrics = loss_metrics(loss, b, ratio=torch.exp(log_ratio), kl=kl, entropy=entropy,
-                               advantages=advantages, clip_eps=CLIP_EPS,
-                               clip_eps_high=CLIP_EPS_HIGH)
-        if vllm_engine.USE_VLLM:  # how far vLLM's log-probs are from pi_old
-            metrics |= run_log.vllm_metrics(b, old_logps=old_logps, weights=weights)
-        if b.teacher_logps is not None:  # how far the student is from its teacher
-            sampled_term = None if DISTILL_TOP_K else advantages  # (B, T) A + the teacher's term
-            metrics |= run_log.teacher_metrics(b, old_logps=old_logps, advantages=sampled_term)
-    if not b.share:  # a repeat that keeps this rank in step with the others: no gradient
-        loss = loss * 0.0
-    return loss, metrics
-
-
-def train_step(engine, batches, phase=None) -> Counter:
-    """Steps 6-7, MU times on the same batches: the loss's gradient over every (micro-)batch, added
-    up (ZeRO-2 averages it over ranks), then one optimizer step. phase (features/teacher_mix.py;
-    None = both terms): phase.rewards False, the rewards' advantages are 0 and the teacher's term
-    trains alone; phase.teacher False, the teacher's term is 0 and the rewards train alone."""
-    metrics = Counter()  # summed over the MU passes, each a 1 / MU share
-    if phase is not None and phase.hand_off:  # TEACHER_STEPS: the rewards' stage, a fresh AdamW
-        teacher_mix.hand_off(engine, phase.step)
-    if teacher_mix.TEACHER_FIRST_KL or teacher_mix.TEACHER_STEPS:  # 1 once the rewards train
-        metrics["rewards_joined"] = float(phase is None or phase.rewards)
-    if phase is not None and not phase.rewards:
-        batches = [replace(b, advantages=torch.zeros_like(b.advantages)) for b in batches]
-    if phase is not None and not phase.teacher:
-        batches = [replace(b, teacher_on=False) for b in batches]
-    for _ in range(MU):
-        with timed(metrics, "fwd_bwd_s"):
-            this_pass = Counter()  # the (micro-)batches' metrics, each a share of the step's
-            for i, b in enumerate(batches):  # 6. the loss and its gradient
-                engine.set_gradient_accumulation_boundary(i == len(batches) - 1)
-                loss, batch_metrics = policy_loss(engine, b)
-                engine.backward(loss)
-                this_pass.update(batch_metrics)
-            metrics.update({name: value / MU for name, value in this_pass.items()})
-        metrics["lr"] += engine.get_lr()[0] / MU  # the rate this step uses (moved in engine.step)
-        with timed(metrics, "optim_s"):
-            engine.step()  # 7. the optimizer step
-    return metrics
+def steps_1_to_5(model, tokenizer, sampler, exchange, *, step, rank, wanted, keep_all,
+                 with_pi_old, metrics: Counter, **sampling) -> StepGroups:
+    """Steps 1-5, rolled out again (up to MAX_ROLLOUTS times) while fewer than `wanted` groups
+    came back with rewards that differ: groups whose answers all scored the same teach nothing.
+    wanted: 1, or Q_BATCH_SIZE under DYNAMIC_SAMPLING (only the missing questions are drawn
+    again). exchange(groups, version, rank): step 5; sampling: scored_groups' eos_ids,
+    gen_config and llm. `metrics` gets the times and the counts dropped."""
+    groups, records, others = [], [], []
+    for rollouts in range(1, MAX_ROLLOUTS + 1):
+        drawn = draw_questions(sampler, Q_BATCH_SIZE - len(groups))  # 1. draw questions
+        scored = scored_groups(model, tokenizer, drawn, keep_all=keep_all, seconds=metrics,
+                               with_pi_old=with_pi_old, step=step, rank=rank,
+                               **sampling)  # 2-4. generate, score, advantages
+        if sampler.mode != "uniform":  # a variant: the sampler keeps each question's outcome
+            sampler.record(scored.records, NUM_PRE_Q)
+        records += scored.records
+        others.append(scored.other_rewards)
+        with timed(metrics, "wait_s"):  # 5. upload; pull them back with ref_logps
+            pulled = exchange(scored.groups, step - 1, rank)
+        pulled, dropped = drop_untrainable(pulled, step - 1, max_staleness=MAX_STALENESS)
+        metrics.update(dropped)  # late, stale and ahead groups
+        groups += pulled
+        if len(groups) >= wanted:
+            break
+    else:  # guard: none stops the run; too few (DYNAMIC_SAMPLING) train with a warning
+        question_sampler.out_of_rollouts(len(groups), MAX_ROLLOUTS, wanted)
+    return StepGroups(groups=groups, records=records, other_rewards=torch.cat(others),
+                      rollouts=rollouts)
 
 
 def collate(groups, pad_id, *, teacher=False, image_processor=None, top_k=0,
             vocab_size=None) -> Batch:
     """Groups of different prompt and answer lengths as one Batch: prompts left-padded to end at
     column P, answers right-padded. Optional log-probs come with the rows that carry them
-    (gen_rows, sampler_rows), never with a value that means "missing". teacher: the server's
+    (pi_old_rows, vllm_rows), never with a value that means "missing". teacher: the server's
     log-probs are a teacher's (teacher_logps), never a reference's. image_processor: a vision
     model's, for each row's pixels (features/vision.py). top_k: DISTILL_TOP_K, the teacher's
     likeliest tokens each group must carry (ids below vocab_size)."""
@@ -829,7 +570,7 @@ def collate(groups, pad_id, *, teacher=False, image_processor=None, top_k=0,
     input_ids = torch.full((B, P + T), pad_id)  # (B, L)
     attention_mask = torch.zeros(B, P + T, dtype=torch.long)  # (B, L)
     mask = torch.zeros(B, T, dtype=torch.bool)  # (B, T)
-    logps = {name: torch.zeros(B, T) for name in ("ref_logps", "gen_logps", "sampler_logps")}
+    logps = {name: torch.zeros(B, T) for name in ("ref_logps", "pi_old_logps", "vllm_logps")}
     given = {name: torch.zeros(B, dtype=torch.bool) for name in logps}  # (B,) rows that carry it
     row = 0
     for g, meta in groups:
@@ -840,7 +581,7 @@ def collate(groups, pad_id, *, teacher=False, image_processor=None, top_k=0,
         attention_mask[row : row + n, P - plen : P + tlen] = 1
         mask[row : row + n, :tlen] = g["completion_mask"]
         for name in [name for name in logps if name in g]:
-            wire.check_logps(g[name], name, rows=n, tokens=tlen)  # a server's reply: before use
+            wire.check_logps(g[name], name, rows=n, tokens=tlen)  # guard: a server's reply
             logps[name][row : row + n, :tlen] = g[name]
             given[name][row : row + n] = True
         row += n
@@ -854,11 +595,11 @@ def collate(groups, pad_id, *, teacher=False, image_processor=None, top_k=0,
                   rewards=torch.cat([g["rewards"] for g, _ in groups]),
                   ref_logps=None if teacher else server_logps,
                   teacher_logps=server_logps if teacher else None,
-                  gen_logps=optional("gen_logps"), gen_rows=rows_of("gen_logps"),
-                  sampler_logps=optional("sampler_logps"), sampler_rows=rows_of("sampler_logps"))
+                  pi_old_logps=optional("pi_old_logps"), pi_old_rows=rows_of("pi_old_logps"),
+                  vllm_logps=optional("vllm_logps"), vllm_rows=rows_of("vllm_logps"))
     if image_processor is not None or any(wire.carries_images(g) for g, _ in groups):
         batch.vision_inputs = vision.group_vision_inputs(groups, image_processor)  # or refused
-    if top_k:  # DISTILL_TOP_K: the teacher's k likeliest tokens, checked, padded like the rest
+    if top_k:  # a variant (DISTILL_TOP_K): the teacher's k likeliest tokens, checked, padded
         batch.teacher_topk_ids, batch.teacher_topk_logps = teacher_topk_of(groups, T, top_k,
                                                                            vocab_size)
     return batch
@@ -880,11 +621,31 @@ def teacher_topk_of(groups, T: int, top_k: int, vocab_size) -> tuple:
     return ids, logps
 
 
+@torch.no_grad()
+def prepare_batch(engine, batch: Batch, normalizer=None) -> Batch:
+    """The batch on the device with its loss normalizer (default: its own count over ranks), pi_old
+    for every row at MU > 1 (reuse needs a fixed one), and LoRA's REF_FROM_BASE reference."""
+    b = Batch(**{name: value.to(engine.device) if torch.is_tensor(value) else value
+                 for name, value in vars(batch).items()})
+    if batch.vision_inputs:  # a vision-language model's pixel inputs
+        b.vision_inputs = vision.to_device(batch.vision_inputs, engine.device)
+    b.normalizer = normalizer or global_count([b.mask], token_mean=LOSS_TYPE == "dapo")
+    def current_logps():  # (B, T) under the weights as they are now
+        return logps_of(engine.module.eval(), b.input_ids, b.attention_mask, b.mask.shape[1],
+                        **b.vision_inputs)
+    if lora.LORA_RANK > 0 and lora.REF_FROM_BASE and BETA != 0:  # the base, adapters off
+        b.ref_logps = lora.base_logps(engine, current_logps)  # (B, T)
+    if MU > 1 and (b.pi_old_logps is None or not b.pi_old_rows.all()):  # (B, T) every row's
+        b.pi_old_logps = pi_old_everywhere(current_logps(), b.pi_old_logps, b.pi_old_rows, b.mask)
+        b.pi_old_rows = None
+    return b
+
+
 def batches_of(engine, groups, pad_id, image_processor=None) -> list:
     """Step 6's input: the groups as one batch, or TRAIN_MICRO_BATCH groups a batch, each with the
     step's normalizer, so their gradients add up to the one batch's (features/zero2.py)."""
     vocab_size = None  # DISTILL_TOP_K: a teacher's top-k ids must lie below it
-    if DISTILL_TOP_K:
+    if DISTILL_TOP_K:  # a variant
         vocab_size = engine.module.get_output_embeddings().weight.shape[0]
     def to_batch(part):  # the groups as one padded Batch
         return collate(part, pad_id, teacher=DISTILL_COEF > 0, image_processor=image_processor,
@@ -897,29 +658,127 @@ def batches_of(engine, groups, pad_id, image_processor=None) -> list:
                                engine.device)
 
 
+def pi_old_everywhere(logps, pi_old_logps, pi_old_rows, mask) -> torch.Tensor:
+    """(B, T) pi_old: the given pi_old_logps on the rows that carry them (pi_old_rows (B,), None =
+    all), else logps detached: these weights sampled the answer, so r = 1 and the surrogate's
+    gradient is the policy gradient's; padding too, so nothing overflows."""
+    if pi_old_logps is None:
+        return logps.detach()  # (B, T)
+    given = mask.bool() if pi_old_rows is None else mask.bool() & pi_old_rows[:, None]  # (B, T)
+    return torch.where(given, pi_old_logps, logps.detach())  # (B, T)
+
+
+def loss_settings() -> objectives.LossSettings:
+    """Step 6's menu, as the constants above are now, for objectives.py."""
+    return objectives.LossSettings(
+        objective=OBJECTIVE, gspo=GSPO, kl_bias_correction=KL_BIAS_CORRECTION,
+        off_policy_delta=OFF_POLICY_DELTA, top_entropy_quantile=TOP_ENTROPY_QUANTILE,
+        distill_coef=DISTILL_COEF, beta=BETA, clip_eps=CLIP_EPS, clip_eps_high=CLIP_EPS_HIGH,
+        distill_top_k=DISTILL_TOP_K, temperature=TEMPERATURE, use_vllm=vllm_engine.USE_VLLM)
+
+
+def loss_variant_on(b: Batch) -> bool:
+    """Whether step 6 on b is a variant's (objectives.py): another surrogate, a per-answer ratio,
+    token weights (vLLM's mismatch, DeepSeek-V3.2's mask, the entropy share) or a teacher."""
+    return bool(OBJECTIVE != "clip" or GSPO or KL_BIAS_CORRECTION or OFF_POLICY_DELTA
+                or TOP_ENTROPY_QUANTILE < 1 or DISTILL_COEF or vllm_engine.USE_VLLM
+                or b.vllm_logps is not None)
+
+
+def policy_loss(engine, b: Batch):
+    """Step 6: (the GRPO loss of a (micro-)batch under the current weights, its metrics)."""
+    engine.train()
+    if fast_paths.USE_TRITON:  # faster equal on a GPU: the log-probs and the loss in one pass
+        import grpo_loss_triton
+        loss, logps, entropy, pi_old, extra = grpo_loss_triton.policy_loss(
+            engine, b, temperature=TEMPERATURE, beta=BETA, clip_eps=CLIP_EPS,
+            clip_eps_high=CLIP_EPS_HIGH, loss_type=LOSS_TYPE, max_tokens=MAX_NEW_TOKENS)
+        token_advantages = b.advantages[:, None].expand_as(b.mask)  # (B, T)
+        ratio = torch.exp(logps - pi_old)  # (B, T) detached
+        metrics = loss_log(loss, b, logps=logps, ratio=ratio, entropy=entropy,
+                           token_advantages=token_advantages) | extra
+        return loss * (b.share > 0), metrics  # a repeat (share 0) adds no gradient
+    logps, entropy = logps_of(engine, b.input_ids, b.attention_mask, b.mask.shape[1],
+                              entropy=True, **b.vision_inputs)  # (B, T) each
+    pi_old = pi_old_everywhere(logps, b.pi_old_logps, b.pi_old_rows, b.mask)  # (B, T)
+    if loss_variant_on(b):  # a variant: objectives.py
+        kl = reference_kl(b.ref_logps, logps, b.mask)  # (B, T) or None
+        variant = objectives.policy_loss(engine, b, logps=logps, pi_old_logps=pi_old,
+                                         entropy=entropy, kl=kl, s=loss_settings())
+        per_token = variant.per_token  # (B, T)
+        token_advantages = variant.token_advantages  # (B, T)
+        ratio = variant.ratio  # (B, T)
+        extra = variant.metrics  # vLLM's gap, the teacher's distance
+    else:
+        per_token = grpo_loss(logps=logps, old_logps=pi_old, ref_logps=b.ref_logps,
+                              advantages=b.advantages, mask=b.mask, beta=BETA, clip_eps=CLIP_EPS,
+                              clip_eps_high=CLIP_EPS_HIGH)  # (B, T)
+        token_advantages = b.advantages[:, None].expand_as(b.mask)  # (B, T) for the metrics
+        ratio = torch.exp(logps.detach() - pi_old)  # (B, T) r, for the metrics
+        extra = {}
+    loss = reduce_loss(per_token, b.mask, loss_type=LOSS_TYPE, normalizer=b.normalizer,
+                       max_tokens=MAX_NEW_TOKENS)
+    metrics = loss_log(loss, b, logps=logps, ratio=ratio, entropy=entropy,
+                       token_advantages=token_advantages) | extra
+    if not b.share:  # a repeat that keeps this rank in step with the others: no gradient
+        loss = loss * 0.0
+    return loss, metrics
+
+
+@torch.no_grad()
+def loss_log(loss, b: Batch, *, logps, ratio, entropy, token_advantages) -> dict:
+    """Log: step 6's metrics at the weights before this step (features/run_log.loss_metrics): the
+    loss, the clipped shares, the ratio's drift, the entropy and the k3 KL to the reference."""
+    kl = None if b.ref_logps is None else k3(b.ref_logps, logps)  # (B, T)
+    return loss_metrics(loss, b, ratio=ratio, kl=kl, entropy=entropy, advantages=token_advantages,
+                        clip_eps=CLIP_EPS, clip_eps_high=CLIP_EPS_HIGH)
+
+
+def train_step(engine, batches) -> Counter:
+    """Steps 6-7, MU times on the same batches: the loss's gradient over every (micro-)batch, added
+    up (ZeRO-2 averages it over ranks), then one optimizer step."""
+    metrics = Counter()  # summed over the MU passes, each a 1 / MU share
+    for _ in range(MU):
+        with timed(metrics, "fwd_bwd_s"):
+            this_pass = Counter()  # the (micro-)batches' metrics, each a share of the step's
+            for i, b in enumerate(batches):  # 6. the loss and its gradient
+                engine.set_gradient_accumulation_boundary(i == len(batches) - 1)
+                loss, batch_metrics = policy_loss(engine, b)
+                engine.backward(loss)
+                this_pass.update(batch_metrics)
+            metrics.update({name: value / MU for name, value in this_pass.items()})
+        metrics["lr"] += engine.get_lr()[0] / MU  # the rate this step uses (moved in engine.step)
+        with timed(metrics, "optim_s"):
+            engine.step()  # 7. the optimizer step
+    return metrics
+
+
 # ----------------------------------------------------------------------------- set-up
 def check_settings():
     """Stop, before any model loads, on settings that cannot work (features/refusals.py, and each
     feature's own check)."""
     env_overrides.check_choice("LOSS_TYPE", LOSS_TYPE, LOSS_TYPES)
-    env_overrides.check_choice("SCALE_REWARDS", SCALE_REWARDS, SCALES)
-    env_overrides.check_choice("OBJECTIVE", OBJECTIVE, OBJECTIVES)
-    env_overrides.check_choice("ADVANTAGE", ADVANTAGE, ADVANTAGES)
-    env_overrides.check_choice("REWARD_NORM", REWARD_NORM, REWARD_NORMS)
-    env_overrides.check_choice("DISTILL_SCALE", DISTILL_SCALE, DISTILL_SCALES)
-    vllm_engine.check_settings()
+    env_overrides.check_choice("SCALE_REWARDS", SCALE_REWARDS, objectives.SCALES)
+    env_overrides.check_choice("OBJECTIVE", OBJECTIVE, objectives.OBJECTIVES)
+    env_overrides.check_choice("ADVANTAGE", ADVANTAGE, objectives.ADVANTAGES)
+    env_overrides.check_choice("REWARD_NORM", REWARD_NORM, objectives.REWARD_NORMS)
+    env_overrides.check_choice("DISTILL_SCALE", objectives.DISTILL_SCALE, objectives.DISTILL_SCALES)
+    env_overrides.check_choice("TIS_MODE", objectives.TIS_MODE, objectives.TIS_MODES)
+    refusals.refuse_tis(tis_cap=objectives.TIS_CAP)
     teacher_mix.check_settings(distill_coef=DISTILL_COEF, rewards=REWARDS, all_steps=ALL_STEPS)
     question_sampler.check_settings()
     tools.check_settings()
     refusals.refuse_impossible(gspo=GSPO, clip_eps=CLIP_EPS, clip_eps_high=CLIP_EPS_HIGH,
-                               loss_type=LOSS_TYPE, output_dir=OUTPUT_DIR)
+                               loss_type=LOSS_TYPE, output_dir=OUTPUT_DIR,
+                               tis_mode=objectives.TIS_MODE)
     refusals.refuse_objectives(objective=OBJECTIVE, advantage=ADVANTAGE, reward_norm=REWARD_NORM,
                                top_entropy_quantile=TOP_ENTROPY_QUANTILE,
-                               sapo_taus=(SAPO_TAU_POS, SAPO_TAU_NEG), gspo=GSPO,
-                               loss_type=LOSS_TYPE, scale_rewards=SCALE_REWARDS,
+                               sapo_taus=(objectives.SAPO_TAU_POS, objectives.SAPO_TAU_NEG),
+                               gspo=GSPO, loss_type=LOSS_TYPE, scale_rewards=SCALE_REWARDS,
                                distill_coef=DISTILL_COEF, num_pre_q=NUM_PRE_Q)
-    refusals.refuse_distillation(distill_coef=DISTILL_COEF, discount=DISTILL_DISCOUNT,
-                                 top_k=DISTILL_TOP_K, matched=DISTILL_SCALE == "matched",
+    refusals.refuse_distillation(distill_coef=DISTILL_COEF, discount=objectives.DISTILL_DISCOUNT,
+                                 top_k=DISTILL_TOP_K,
+                                 matched=objectives.DISTILL_SCALE == "matched",
                                  off_policy_delta=OFF_POLICY_DELTA,
                                  beta=BETA, kl_bias_correction=KL_BIAS_CORRECTION,
                                  rewards=REWARDS, num_pre_q=NUM_PRE_Q, scale_rewards=SCALE_REWARDS,
@@ -949,6 +808,26 @@ def setup_deepspeed():
                        ds_config_path=DS_CONFIG, lr=LR, optimizer_steps=ALL_STEPS * MU)
 
 
+def memory_setting() -> memory_plan.Setting:
+    """What the memory plan needs of this run (features/memory_plan.py)."""
+    return memory_plan.setting_for_run(q_batch_size=Q_BATCH_SIZE, num_pre_q=NUM_PRE_Q,
+                                       max_new_tokens=MAX_NEW_TOKENS, distill_coef=DISTILL_COEF,
+                                       ds_config_path=DS_CONFIG)
+
+
+def server_route(model, tokenizer, run: str) -> server_client.Route:
+    """Step 5's route: upload_and_pull with one plain server; RefClient with several, workers'
+    groups or a server that regroups; our own groups without one (BETA 0, LoRA's base as the
+    reference). The server is checked first: it holds this policy's model (or a teacher)."""
+    return server_client.route_for_run(
+        functools.partial(upload_and_pull, run=run), urls=REF_SERVER, token=REF_TOKEN,
+        timeout=SERVER_TIMEOUT, uses_server=server_client.uses_server(beta=BETA,
+                                                                      distill_coef=DISTILL_COEF),
+        model=model, tokenizer=tokenizer, teacher=DISTILL_COEF > 0,
+        variant_advantages=advantage_variant_on(),
+        advantages=answer_advantages)
+
+
 def run_genonly():
     """`python grpo_ref_split.py genonly`: steps 1-4 forever, its groups uploaded for trainers to
     take (features/worker.py); its questions are the training ones, never the held-out."""
@@ -958,7 +837,7 @@ def run_genonly():
     start_llm = None  # transformers generates
     if vllm_engine.USE_VLLM:
         start_llm = functools.partial(vllm_engine.start, model_path, verbose=quiet.VERBOSE)
-    worker.run_worker(load_policy, functools.partial(rollout, with_gen_logps=True), client,
+    worker.run_worker(load_policy, functools.partial(scored_groups, with_pi_old=True), client,
                       questions=questions, q_batch_size=Q_BATCH_SIZE, first=model_path, seed=SEED,
                       start_llm=start_llm, output_dir=OUTPUT_DIR,
                       max_queued=worker.WORKER_MAX_QUEUED,
@@ -970,117 +849,80 @@ def run_genonly():
 
 # ----------------------------------------------------------------------------- the loop
 def main():
-    check_settings()  # before any model loads
+    check_settings()  # guard: before any model loads
     quiet.quiet_libraries(quiet.VERBOSE)
     questions, held_out = load_dataset()
-    if memory_plan.MEMORY_PLAN:  # will this setting fit? printed; a stop before the weights load
-        setting = memory_plan.setting_for_run(q_batch_size=Q_BATCH_SIZE, num_pre_q=NUM_PRE_Q,
-                                              max_new_tokens=MAX_NEW_TOKENS,
-                                              distill_coef=DISTILL_COEF, ds_config_path=DS_CONFIG)
-        memory_plan.check(resolve_model_path(MODEL_PATH), setting, build_prompt=build_prompt,
-                          questions=questions)
+    if memory_plan.MEMORY_PLAN:  # guard: will this setting fit? printed; a stop before loading
+        memory_plan.check(resolve_model_path(MODEL_PATH), memory_setting(),
+                          build_prompt=build_prompt, questions=questions)
     engine, tokenizer, eos_ids, gen_config, rank, device = setup_deepspeed()
     model = engine.module  # the same weights without the engine: generation and evaluation
-    client = None  # no server: no reference at all (BETA 0), or LoRA's base is the reference
-    health = {}  # the server's model, checked: this policy's, or a teacher with its vocabulary
-    if server_client.uses_server(beta=BETA, distill_coef=DISTILL_COEF):
-        client = server_client.RefClient(REF_SERVER, REF_TOKEN, SERVER_TIMEOUT,
-                                         worker.EXTRA_GROUPS)
-        health = client.health(model, tokenizer, server_client.ALLOW_REF_MISMATCH,
-                               teacher=DISTILL_COEF > 0)
-    if (health.get("regroup") or health.get("reward_model")) and whitened_or_other_baseline():
-        sys.exit("the server redoes advantages (REGROUP or a REWARD_MODEL) by GRPO's rule: "
-                 f"ADVANTAGE {ADVANTAGE!r} and REWARD_NORM {REWARD_NORM!r} need a plain server")
-    regroup = bool(health.get("regroup"))  # it pools answers of older weights: send gen_logps
-    keeps_equal = bool(regroup or health.get("reward_model"))  # equal-reward groups teach too
-    several = "," in REF_SERVER or worker.EXTRA_GROUPS > 0 or regroup  # RefClient's cases
-    run = uuid.uuid4().hex  # marks this run's upload ids: an earlier run's leftovers are not ours
-    exchange = functools.partial(upload_and_pull, run=run)  # step 5 with one server, as above
-    if client is None:  # no server: our own groups come straight back, tagged with the version
-        exchange = server_client.own_groups
-    elif several:  # several servers, or workers' groups: RefClient's failover and extras
-        exchange = client.upload_and_pull
+    route = server_route(model, tokenizer, run=uuid.uuid4().hex)  # step 5, its server checked
     sampler = question_sampler.QuestionSampler(questions, SEED + rank, question_sampler.SAMPLER,
                                                question_sampler.REPLAY_SHARE)
     llm = vllm_engine.start(resolve_model_path(MODEL_PATH), SEED + rank, model.dtype,
-                            verbose=quiet.VERBOSE)  # USE_VLLM; else None
-    generate_answers = functools.partial(generate, model, tokenizer, gen_config=gen_config,
-                                         eos_ids=eos_ids, llm=llm)  # NUM_PRE_Q to each question
+                            verbose=quiet.VERBOSE)  # faster equal (USE_VLLM); else None
+    sampling = dict(eos_ids=eos_ids, gen_config=gen_config, llm=llm)  # how step 2 samples
     score = functools.partial(rewards.score, REWARDS)  # score(texts, golds, questions)
-    if pass_rates.PASS_RATE_QUESTIONS:  # "learnability": pass rates measured before step 1
-        pass_rates.pass_rate_pass(sampler, generate_answers, score,
-                                  count=pass_rates.PASS_RATE_QUESTIONS, group=NUM_PRE_Q,
+    if pass_rates.PASS_RATE_QUESTIONS:  # a variant (SAMPLER "learnability"): measured first
+        pass_rates.pass_rate_pass(sampler, functools.partial(generate, model, tokenizer,
+                                                             **sampling),
+                                  score, count=pass_rates.PASS_RATE_QUESTIONS, group=NUM_PRE_Q,
                                   output_dir=OUTPUT_DIR, batch=Q_BATCH_SIZE, rank=rank)
     start = 0  # the last step done: a resumed checkpoint's
-    adapters_only = lora.LORA_RANK > 0  # LoRA: checkpoints hold the adapters, not the model
-    if checkpoints.RESUME:
-        start = checkpoints.resume(engine, sampler, rank, output_dir=OUTPUT_DIR, lora=adapters_only,
-                                   llm=llm)  # vLLM loaded MODEL_PATH: the resumed weights go in
+    if checkpoints.RESUME:  # weights, optimizer, data position and RNG of the newest step_N
+        start = checkpoints.resume(engine, sampler, rank, output_dir=OUTPUT_DIR,
+                                   lora=lora.LORA_RANK > 0, llm=llm)
     publisher = weight_sync.publisher_from(model, start, rank, REF_TOKEN)  # WEIGHT_SYNC_STEPS
     reward_names = [fn.__name__ for fn, _ in REWARDS]
-    log = None  # rank 0 writes the logs
-    if rank == 0:
-        log = RunLog(OUTPUT_DIR, reward_names, resumed_step=start, tensorboard=run_log.TENSORBOARD,
-                     completions_every=run_log.LOG_COMPLETIONS_STEPS)
-    evaluate = functools.partial(  # evaluate(step): held-out greedy accuracy into the log
-        evaluation.log_eval, model=model, questions=held_out, log=log, rank=rank, score=score,
-        tokenizer=tokenizer, encode=encode_prompts, decode=decode, eos_ids=eos_ids, llm=llm,
-        max_new_tokens=MAX_NEW_TOKENS, tools=tools.chosen(), max_calls=tools.MAX_TOOL_CALLS,
-        samples=evaluation.EVAL_SAMPLES, sample_config=gen_config)
+    log = run_log.open_on_rank_0(rank, OUTPUT_DIR, reward_names, resumed_step=start)  # log
+    evaluate = functools.partial(evaluation.log_eval, model=model, questions=held_out, log=log,
+                                 rank=rank, score=score, tokenizer=tokenizer, encode=encode_prompts,
+                                 decode=decode, max_new_tokens=MAX_NEW_TOKENS,
+                                 **sampling)  # log: evaluate(step), held-out greedy accuracy
     if evaluation.EVAL_STEPS > 0 and start == 0:
         evaluate(0)
+    phases = None  # a teacher's stages (features/teacher_mix.py): which terms each step trains
+    if DISTILL_COEF:
+        phases = teacher_mix.Phases(start + 1)
     image_processor = vision.image_processor_of(tokenizer)  # a vision model's: pixels; else None
     wanted = Q_BATCH_SIZE if DYNAMIC_SAMPLING else 1  # groups with different rewards a step needs
-    steps = range(start + 1, ALL_STEPS + 1)
-    phase = teacher_mix.phase(start + 1, joined=not teacher_mix.TEACHER_FIRST_KL)  # which terms
-    for step in tqdm(steps, disable=rank != 0, desc="GRPO", dynamic_ncols=True):
+    for step in tqdm(range(start + 1, ALL_STEPS + 1), disable=rank != 0, desc="GRPO",
+                     dynamic_ncols=True):
         metrics = Counter()  # this step's numbers, added up as they come
-        step_start = clock()
-        answers = []  # every answer the step sampled, for the log
-        groups = []  # the (tensors, meta) pairs the step trains on
-        other_rewards = []  # the rewards of the groups not uploaded (equal ones), per rollout
-        for attempt in range(1, question_sampler.MAX_ROLLOUTS + 1):  # until groups that differ
-            n_questions = Q_BATCH_SIZE - len(groups) if DYNAMIC_SAMPLING else Q_BATCH_SIZE
-            drawn = sampler.draw(n_questions)  # 1. draw questions; 2-4. generate, score, advantages
-            scored = rollout(model, tokenizer, drawn, eos_ids=eos_ids, gen_config=gen_config,
-                             llm=llm, keep_all=keeps_equal or (DISTILL_COEF > 0 and phase.teacher),
-                             with_gen_logps=regroup, seconds=metrics, step=step, rank=rank)
-            if sampler.mode != "uniform":  # which groups varied ("difficulty"), pass rates
-                sampler.record(scored.records, NUM_PRE_Q)
-            answers += scored.records
-            other_rewards.append(scored.other_rewards)
-            with timed(metrics, "wait_s"):  # 5. upload; pull them back with ref_logps
-                pulled = exchange(scored.groups, step - 1, rank)
-            pulled, counts = drop_untrainable(pulled, step - 1, max_staleness=worker.MAX_STALENESS)
-            metrics.update(counts)  # late_groups_dropped, stale_groups_dropped
-            groups += pulled
-            if len(groups) >= wanted:
-                break
-        else:
-            question_sampler.out_of_rollouts(len(groups), question_sampler.MAX_ROLLOUTS, wanted)
-        if SCALE_REWARDS == "batch" or whitened_at_step():  # every rank: / a std over the step
-            groups = scaled_to_step(groups, torch.cat(other_rewards), device)
+        began = clock()
+        keep_all = route.keeps_equal or bool(phases and phases.now.teacher)  # equal ones teach
+        found = steps_1_to_5(model, tokenizer, sampler, route.exchange, step=step, rank=rank,
+                             wanted=wanted, keep_all=keep_all, with_pi_old=route.regroup,
+                             metrics=metrics, **sampling)  # 1-5. questions to pulled groups
+        groups = found.groups
+        if rescaled_at_step():  # a variant: the advantages / a std over the whole step
+            groups = objectives.at_step(groups, found.other_rewards, device, advantage_settings())
         batches = batches_of(engine, groups, tokenizer.pad_token_id, image_processor)
-        metrics.update(train_step(engine, batches, phase))  # 6-7. loss, optimizer step
-        metrics["max_weight_gap"] = weight_gap(model)  # 0: every rank holds the same weights
+        if phases is not None:  # a variant: the teacher's stage decides which terms train
+            batches = phases.apply(engine, batches, metrics)
+        metrics.update(train_step(engine, batches))  # 6-7. loss, optimizer step
+        metrics["max_weight_gap"] = run_log.weight_gap(model)  # log: 0 when every rank agrees
         if publisher is not None:  # rank 0 with WEIGHT_SYNC_STEPS: the weights to workers
             weight_sync.publish_every(publisher, model, step, weight_sync.WEIGHT_SYNC_STEPS)
-        if llm is not None:
+        if llm is not None:  # faster equal: vLLM samples the next step with the new weights
             with timed(metrics, "push_s"):
-                vllm_engine.push_weights(llm, model)  # the next rollouts' weights
-        logged = step_metrics(metrics, groups, answers, step=step, attempts=attempt,
-                              began=step_start, group_size=NUM_PRE_Q, reward_names=reward_names)
-        averaged = log_step(step, logged, answers, log, device)  # the same on every rank
-        phase = teacher_mix.next_phase(phase, teacher_kl=averaged.get("teacher_kl", 0.0))
+                vllm_engine.push_weights(llm, model)
+        logged = run_log.step_metrics(metrics, groups, found.records, step=step,
+                                      attempts=found.rollouts, began=began, group_size=NUM_PRE_Q,
+                                      reward_names=reward_names)
+        averaged = run_log.log_step(step, logged, found.records, log, device)  # log: every rank
+        if phases is not None:  # a variant: the next step's stage, from this one's teacher_kl
+            phases.advance(teacher_kl=averaged.get("teacher_kl", 0.0))
         if evaluation.due(step, last_step=ALL_STEPS):
             evaluate(step)
-        if checkpoints.due(step, last_step=ALL_STEPS):
-            checkpoints.save_checkpoint(engine, tokenizer, step, sampler, rank, lora=adapters_only,
-                                        output_dir=OUTPUT_DIR, keep=checkpoints.KEEP_CHECKPOINTS)
-            if rank == 0:
-                curves.plot_curves(log.metrics.name, reward_names)
+        if checkpoints.due(step, last_step=ALL_STEPS):  # log: OUTPUT_DIR/step_N, curves.png
+            checkpoints.save_checkpoint(engine, tokenizer, step, sampler, rank,
+                                        lora=lora.LORA_RANK > 0, output_dir=OUTPUT_DIR,
+                                        keep=checkpoints.KEEP_CHECKPOINTS)
+            curves.plot_on_rank_0(rank, log, reward_names)
     lora.save_merged(model, tokenizer, OUTPUT_DIR, rank)  # LoRA: OUTPUT_DIR/merged
-    if rank == 0:
+    if log is not None:
         log.close()  # "done: ... in OUTPUT_DIR/"
 
 

@@ -11,6 +11,7 @@ constant below can be set by an environment variable:
     CUDA_VISIBLE_DEVICES=7 python ref_server.py       # the usual GPU layout
 """
 import collections
+import dataclasses
 import json
 import queue
 import signal
@@ -68,38 +69,56 @@ REGROUP_QUESTIONS = 4096  # questions remembered, the least recently uploaded fo
 apply_env_overrides(globals(), "ref_server.py")  # `PORT=6000 python ref_server.py`
 
 
-def settings_now() -> dict:
-    """The constants a RefServer reads when it is built, by their names in lower case (a keyword of
-    the same name replaces one), as they are now: a test or main() may have changed one."""
-    return dict(ref_token=REF_TOKEN, max_body_bytes=MAX_BODY_BYTES, max_rows=MAX_ROWS,
-                max_group_tokens=MAX_GROUP_TOKENS, queue_size=QUEUE_SIZE,
-                max_queued_bytes=MAX_QUEUED_BYTES, upload_ids=UPLOAD_IDS,
-                decode_pixels_per_s=DECODE_PIXELS_PER_S,
-                ref_micro_batch=REF_MICRO_BATCH, shared_prefix=SHARED_PREFIX,
-                logp_chunk=LOGP_CHUNK, logp_from_hidden=LOGP_FROM_HIDDEN,
-                reward_model_weight=REWARD_MODEL_WEIGHT, regroup=REGROUP,
-                regroup_pool=REGROUP_POOL, regroup_questions=REGROUP_QUESTIONS, teacher=TEACHER)
+@dataclasses.dataclass(frozen=True)
+class ServerSettings:
+    """The constants above that a RefServer reads, by their names in lower case."""
+    ref_token: str  # REF_TOKEN
+    max_body_bytes: int  # MAX_BODY_BYTES
+    max_rows: int  # MAX_ROWS
+    max_group_tokens: int  # MAX_GROUP_TOKENS
+    queue_size: int  # QUEUE_SIZE
+    max_queued_bytes: int  # MAX_QUEUED_BYTES
+    upload_ids: int  # UPLOAD_IDS
+    decode_pixels_per_s: int  # DECODE_PIXELS_PER_S
+    ref_micro_batch: int  # REF_MICRO_BATCH
+    shared_prefix: bool  # SHARED_PREFIX
+    logp_chunk: int  # LOGP_CHUNK
+    logp_from_hidden: bool  # LOGP_FROM_HIDDEN
+    reward_model_weight: float  # REWARD_MODEL_WEIGHT
+    regroup: bool  # REGROUP
+    regroup_pool: int  # REGROUP_POOL
+    regroup_questions: int  # REGROUP_QUESTIONS
+    teacher: bool  # TEACHER
+
+
+def settings_now() -> ServerSettings:
+    """The constants as they are now (a test or main() may have changed one), not at import."""
+    return ServerSettings(ref_token=REF_TOKEN, max_body_bytes=MAX_BODY_BYTES, max_rows=MAX_ROWS,
+                          max_group_tokens=MAX_GROUP_TOKENS, queue_size=QUEUE_SIZE,
+                          max_queued_bytes=MAX_QUEUED_BYTES, upload_ids=UPLOAD_IDS,
+                          decode_pixels_per_s=DECODE_PIXELS_PER_S,
+                          ref_micro_batch=REF_MICRO_BATCH, shared_prefix=SHARED_PREFIX,
+                          logp_chunk=LOGP_CHUNK, logp_from_hidden=LOGP_FROM_HIDDEN,
+                          reward_model_weight=REWARD_MODEL_WEIGHT, regroup=REGROUP,
+                          regroup_pool=REGROUP_POOL, regroup_questions=REGROUP_QUESTIONS,
+                          teacher=TEACHER)
 
 
 # ----------------------------------------------------------------------------- the server
 class RefServer:
-    """The queues, the forward thread and the bottle app around one reference model. Each of
-    settings_now() is an attribute: its constant as it is when the server is built, or the keyword
-    that replaces it (RefServer(model, name, queue_size=2))."""
+    """The queues, the forward thread and the bottle app around one reference model. Its settings
+    are the constants as they are when the server is built (settings_now()), a keyword replacing
+    one: RefServer(model, name, queue_size=2)."""
 
     def __init__(self, model, model_name, *, reward_model=None, reward_model_name="", vocabulary="",
-                 processor=None, **settings):
-        defaults = settings_now()  # read now, not at import
-        unknown = sorted(set(settings) - set(defaults))
-        if unknown:
-            raise TypeError(f"RefServer: no setting {unknown}; settings are settings_now()'s names")
-        for name, value in {**defaults, **settings}.items():
-            setattr(self, name, value)
+                 processor=None, **changed):
+        settings = dataclasses.replace(settings_now(), **changed)  # TypeError: no such setting
+        if processor is not None:  # pixels go through the whole model: no text-only fast path
+            settings = dataclasses.replace(settings, shared_prefix=False, logp_from_hidden=False)
+        self.settings = settings
         self.model = model
         self.model_name = model_name
         self.processor = processor  # a vision-language model's (features/vision.py); else None
-        if processor is not None:  # pixels go through the whole model: no text-only fast path
-            self.shared_prefix = self.logp_from_hidden = False
         self.device = next(model.parameters()).device
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.max_len = getattr(model.config, "max_position_embeddings", None) or 2**31
@@ -110,15 +129,15 @@ class RefServer:
         self.pending = queue.Queue()  # (tensors, meta, images, key, nbytes) for the forward thread
         self.ready = {"workers": queue.Queue()}  # "workers" or a rank -> (body, type, nbytes, id)
         self.handouts = Handouts()  # the group each rank was handed and has not acknowledged
-        self.room = Room(self.queue_size, self.max_queued_bytes)
+        self.room = Room(settings.queue_size, settings.max_queued_bytes)
         # One upload may hold a question's whole budget: the burst is at least that.
-        burst = max(self.decode_pixels_per_s, vision.MAX_QUESTION_PIXELS)
-        self.decoding = DecodeBudget(self.decode_pixels_per_s, burst)
+        burst = max(settings.decode_pixels_per_s, vision.MAX_QUESTION_PIXELS)
+        self.decoding = DecodeBudget(settings.decode_pixels_per_s, burst)
         self.counters = dict(uploaded=0, served=0, rejected=0, busy=0, ref_errors=0)
         self.pool = None  # REGROUP's pool of answers per question
-        if self.regroup:
-            self.pool = RegroupPool(self.regroup_pool, self.regroup_questions)
-        self.answered = UploadIds(self.upload_ids)  # a retried upload gets its first answer
+        if settings.regroup:
+            self.pool = RegroupPool(settings.regroup_pool, settings.regroup_questions)
+        self.answered = UploadIds(settings.upload_ids)  # a retried upload gets its first answer
         self.lock = threading.Lock()
         self.started = time.time()
         self.instance = uuid.uuid4().hex  # new on restart: clients learn their groups are gone
@@ -127,16 +146,19 @@ class RefServer:
         self.app = self._build_app()
 
     def reference_logps(self, input_ids, plen, temperature, images=()):
-        """(G, L - plen) reference log-probs of the completion tokens, at the sampling temperature,
-        ref_micro_batch rows at a time; images: the group's, decoded at upload, for every row."""
+        """(G, L - plen) reference log-probs of the completion tokens, at the sampling temperature:
+        the lesson's per_token_logps (grpo_ref_split.py), computed by its faster equal
+        (features/fast_paths.completion_logps, tested equal), ref_micro_batch rows at a time;
+        images: the group's, decoded at upload, for every row."""
+        s = self.settings
         ids = input_ids.to(self.device)  # (G, L)
         pixels = {}  # text: no pixel inputs
         if images:
             pixels = vision.server_pixels(self.processor, images, len(ids), self.device)
-        with torch.no_grad():
+        with torch.no_grad():  # faster equal
             logps = completion_logps(self.model, ids, torch.ones_like(ids), ids.shape[1] - plen,
-                                     temperature, self.ref_micro_batch, self.shared_prefix,
-                                     chunk=self.logp_chunk, from_hidden=self.logp_from_hidden,
+                                     temperature, s.ref_micro_batch, s.shared_prefix,
+                                     chunk=s.logp_chunk, from_hidden=s.logp_from_hidden,
                                      vision_inputs=pixels)
         return logps.cpu()  # (G, T)
 
@@ -149,11 +171,11 @@ class RefServer:
         if images:
             pixels = vision.server_pixels(self.processor, images, len(ids), self.device)
         top_ids, top_logps = [], []
-        for start in range(0, len(ids), self.ref_micro_batch):
-            rows = slice(start, start + self.ref_micro_batch)
+        for start in range(0, len(ids), self.settings.ref_micro_batch):
+            rows = slice(start, start + self.settings.ref_micro_batch)
             with torch.no_grad():
                 logits = completion_logits(self.model, ids[rows], torch.ones_like(ids[rows]),
-                                           ids.shape[1] - plen, self.shared_prefix,
+                                           ids.shape[1] - plen, self.settings.shared_prefix,
                                            vision_inputs=vision.select_rows(pixels, rows))
                 top = torch.log_softmax(logits.float() / temperature, -1).topk(k, -1)  # (b, T, k)
             top_ids.append(top.indices.cpu())
@@ -181,7 +203,7 @@ class RefServer:
                         meta["teacher_top_k"], images)
                 if self.reward_model is not None:  # the last reward is known only here
                     tensors, meta = add_reward_model(tensors, meta, self.reward_model,
-                                                     self.reward_model_weight)
+                                                     self.settings.reward_model_weight)
                 item = (encode_batch(tensors, meta), "application/octet-stream", nbytes, uid)
             except Exception as e:  # out of memory, say: this group is lost, and its taker told
                 failed = True
@@ -233,7 +255,8 @@ class RefServer:
 
         @app.hook("before_request")
         def check_token():  # the raw header: bottle's own decoding fails on non-UTF-8
-            if not token_ok(bottle.request.environ.get("HTTP_AUTHORIZATION", ""), self.ref_token):
+            sent = bottle.request.environ.get("HTTP_AUTHORIZATION", "")
+            if not token_ok(sent, self.settings.ref_token):  # guard
                 self._refuse(401, "missing or wrong token "
                                   "(send 'Authorization: Bearer <REF_TOKEN>')")
 
@@ -245,8 +268,8 @@ class RefServer:
             body = bottle.request.environ["wsgi.input"].read(length)
             try:
                 tensors, meta = decode_batch(body)
-                meta = validate_group(tensors, meta, self.vocab_size, self.max_rows, self.max_len,
-                                      self.max_group_tokens)
+                meta = validate_group(tensors, meta, self.vocab_size, self.settings.max_rows,
+                                      self.max_len, self.settings.max_group_tokens)  # guard
                 images = []  # decoded here, once, within the pixel budgets
                 pixels = 0  # what decoding them costs; text: nothing
                 if carries_images(tensors):
@@ -255,7 +278,7 @@ class RefServer:
                     self._busy()  # this second's decoding is spent: a retry comes later
                 if self.processor is not None or carries_images(tensors):
                     images = vision.check_group(self.processor, tensors, meta["plen"])
-                if meta.get("teacher_top_k") and not self.teacher:
+                if meta.get("teacher_top_k") and not self.settings.teacher:
                     raise ValueError("teacher_top_k asks a teacher (TEACHER=1); this server holds "
                                      "a reference")
                 needs_text = meta.get("question") is None or meta.get("answers") is None
@@ -305,7 +328,8 @@ class RefServer:
             counters["regrouped"] = self.pool.regrouped if self.pool else 0
             return dict(model=self.model_name, vocab_size=self.vocab_size,
                         fingerprint=self.fingerprint, vocabulary=self.vocabulary,
-                        role="teacher" if self.teacher else "reference", device=str(self.device),
+                        role="teacher" if self.settings.teacher else "reference",
+                        device=str(self.device),
                         reward_model=self.reward_model_name, instance=self.instance,
                         pending=self.pending.qsize(), ready=ready,
                         ready_workers=self.ready["workers"].qsize(),
@@ -455,7 +479,7 @@ def serve(server: RefServer, host: str, port: int):
     """Start the forward thread and the HTTP server (features/http_server.py); returns stop()."""
     server.worker.start()
     stop_http = start_http(server.app, host, port, threads=HTTP_THREADS, backlog=BACKLOG,
-                           idle_timeout=IDLE_TIMEOUT, max_body=server.max_body_bytes)
+                           idle_timeout=IDLE_TIMEOUT, max_body=server.settings.max_body_bytes)
 
     def stop():
         server.stopping.set()

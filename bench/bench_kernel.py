@@ -73,7 +73,7 @@ def main():
             torch.ones(B, T, dtype=torch.bool, device="cuda"),
         )
         args = dict(
-            ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2
+            ref_logps=ref, pi_old_logps=gen, advantages=adv, mask=mask, beta=0.04, clip_eps=0.2
         )
         torch_ms, torch_mem = run(
             lambda x: torch_loss(logps=chunked_logps(x, ids, 0.7, chunk=128), **args), logits

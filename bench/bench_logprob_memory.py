@@ -78,7 +78,7 @@ def memory():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 def step(variant):
-    loss = torch_loss(logps=logps(variant), ref_logps=ref, gen_logps=gen, advantages=adv,
+    loss = torch_loss(logps=logps(variant), ref_logps=ref, pi_old_logps=gen, advantages=adv,
                       mask=mask, beta=0.04, clip_eps=0.2)
     loss.backward()
     hidden.grad = head.grad = None

@@ -1,7 +1,7 @@
-"""Where a training step's time goes: generation, gen_logps, scoring, waiting for the reference
+"""Where a training step's time goes: generation, pi_old_logps, scoring, waiting for the reference
 server, policy forward+backward, optimizer, and the overhead ratio step / (generation + fwd+bwd),
 for two settings side by side (COMPARE): by default today's step against the step it replaced (full
-rows, SHARED_PREFIX = False, and a gen_logps forward every step, SKIP_GEN_LOGPS = False); with
+rows, SHARED_PREFIX = False, and a pi_old_logps forward every step, SKIP_PI_OLD = False); with
 COMPARE=shared_prefix only the shared prefix on and off; with COMPARE=vllm, vLLM generation
 (USE_VLLM = True) against transformers' generate.
 
@@ -33,7 +33,7 @@ ROUNDS = 2  # runs per path, alternating: new, old, new, old
 # what the two sides differ in: old_path | shared_prefix | vllm
 COMPARE = os.environ.get("COMPARE", "old_path")
 PATHS = {
-    "old_path": {"new path": {}, "old path": {"SHARED_PREFIX": "0", "SKIP_GEN_LOGPS": "0"}},
+    "old_path": {"new path": {}, "old path": {"SHARED_PREFIX": "0", "SKIP_PI_OLD": "0"}},
     "shared_prefix": {"shared prefix": {"SHARED_PREFIX": "1"}, "full rows": {"SHARED_PREFIX": "0"}},
     # new side first
     "vllm": {"vLLM": {"USE_VLLM": "1"}, "transformers": {"USE_VLLM": "0"}},
@@ -42,7 +42,7 @@ PATHS = {
 TARGET = {"old_path": 0.5, "shared_prefix": None, "vllm": None}[COMPARE]
 PHASES = [  # (name, how it is computed from one metrics line)
     ("generation", lambda m: m["generate_s"]),
-    ("gen_logps (a forward of the sampling weights)", lambda m: m["gen_logps_s"]),
+    ("pi_old_logps (a forward of the sampling weights)", lambda m: m["pi_old_s"]),
     ("scoring", lambda m: m["score_s"]),
     ("server: upload, reference forward, download", lambda m: m["wait_s"]),
     ("policy forward + backward", lambda m: m["fwd_bwd_s"]),
@@ -53,7 +53,7 @@ PHASES = [  # (name, how it is computed from one metrics line)
         lambda m: (
             m["seconds"]
             - m["generate_s"]
-            - m["gen_logps_s"]
+            - m["pi_old_s"]
             - m["score_s"]
             - m["wait_s"]
             - m["train_s"]
@@ -118,7 +118,7 @@ def anatomy(metrics_paths, label=""):
         run = [m for m in lines if not any(k.startswith("eval_") for k in m)]
         if len(run) < 2 or any("score_s" not in m for m in run):
             sys.exit(
-                f"{path}: need 2+ training steps logged with generate_s/gen_logps_s/score_s "
+                f"{path}: need 2+ training steps logged with generate_s/pi_old_s/score_s "
                 "(written by this version of grpo_ref_split.py)"
             )
         steps += run[1:]  # step 1 pays one-time costs (allocator, first compile of kernels)

@@ -1,5 +1,6 @@
-"""Checkpoints and resume: OUTPUT_DIR/step_N holds the weights (transformers format), DeepSpeed's
-optimizer and scheduler state, and each rank's RNG state, so RESUME=1 continues a run bit for bit.
+"""Log: checkpoints (the run's output) and resume from them: OUTPUT_DIR/step_N holds the weights
+(transformers format), DeepSpeed's optimizer and scheduler state, and each rank's RNG state, so
+RESUME=1 continues a run bit for bit.
 
     RESUME=1 deepspeed --num_gpus 1 grpo_ref_split.py          # from the newest complete step_N
 """

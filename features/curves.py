@@ -1,4 +1,4 @@
-"""The run's curves: reward, each reward function's mean and the KL against step, from any
+"""Log: the run's curves, reward, each reward function's mean and the KL against step, from any
 metrics.jsonl (features/run_log.py writes it), as a PNG beside it; the trainer draws them at each
 checkpoint.
 
@@ -12,6 +12,12 @@ import sys
 def is_eval(line: dict) -> bool:
     """A held-out evaluation's line of metrics.jsonl (its metrics are eval_<reward name>)."""
     return any(k.startswith("eval_") for k in line)
+
+
+def plot_on_rank_0(rank, log, reward_names):
+    """Rank 0 redraws curves.png beside its log's metrics.jsonl (log: features/run_log.RunLog)."""
+    if rank == 0:
+        plot_curves(log.metrics.name, reward_names)
 
 
 def plot_curves(metrics_path, reward_names, png_path=None):

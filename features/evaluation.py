@@ -1,6 +1,6 @@
-"""Held-out evaluation: greedy answers to EVAL_SIZE questions the run never trains on, scored by the
-trainer's rewards, before step 1 and every EVAL_STEPS steps; with EVAL_SAMPLES = k, also k sampled
-answers per question at the training temperature, for mean@k and the unbiased pass@k.
+"""Log: held-out evaluation, greedy answers to EVAL_SIZE questions the run never trains on, scored
+by the trainer's rewards, before step 1 and every EVAL_STEPS steps; with EVAL_SAMPLES = k, also k
+sampled answers per question at the training temperature, for mean@k and the unbiased pass@k.
 
     CHECKPOINT=output/step_30 python bench/probe_heldout.py       # the same, on a saved checkpoint
 """
@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from features import env_overrides
+from features import env_overrides, tools
 from features.tools import generate_with_tools
 from features.vision import pixel_rows
 from features.vllm_engine import vllm_sample
@@ -127,9 +127,12 @@ def held_out_answers(model, questions, *, encode, decode, eos_ids, pad_id, max_n
     return texts, calls or [0] * len(texts)
 
 
-def log_eval(step, model, questions, log, rank, **evaluate_args):
-    """Rank 0 evaluates (evaluate's arguments) and writes the result to its run log; the other ranks
+def log_eval(step, model, questions, log, rank, *, gen_config, **evaluate_args):
+    """Rank 0 evaluates (evaluate's arguments; gen_config, the trainer's sampling, for EVAL_SAMPLES)
+    with the run's TOOLS and EVAL_SAMPLES, and writes the result to its run log; the other ranks
     wait."""
     if rank == 0:
-        log.eval(step, evaluate(model, questions, **evaluate_args), len(questions))
+        result = evaluate(model, questions, tools=tools.chosen(), max_calls=tools.MAX_TOOL_CALLS,
+                          samples=EVAL_SAMPLES, sample_config=gen_config, **evaluate_args)
+        log.eval(step, result, len(questions))
     torch.distributed.barrier()

@@ -1,5 +1,5 @@
-"""The default step's faster equals of the lesson's plain definitions (grpo_ref_split.py), each
-tested equal to it in values and gradients; a reader may skip this file.
+"""Faster equal: the default step's faster equals of the lesson's plain definitions
+(grpo_ref_split.py), each tested equal to it in values and gradients; a reader may skip this file.
 
 The shared prefix (SHARED_PREFIX): a group's prompt runs once, its KV cache is repeated for the
 group's answers, and the completions run on it ("Prefix Grouper", arXiv 2506.05433); the prompt's
@@ -26,7 +26,7 @@ SHARED_PREFIX = True  # each group's prompt runs once, its KV cache shared; Fals
 LOGP_FROM_HIDDEN = True  # log-probs from the LM head's input in chunks; False = the plain logits
 LOGP_CHUNK = 128  # tokens whose logits exist at once: (LOGP_CHUNK, V), not (B, T, V); 0 = all
 USE_TRITON = False  # True = the fused Triton loss (grpo_loss_triton.py, GPU)
-SKIP_GEN_LOGPS = True  # MU = 1: a rank's own groups need no pi_old forward (ratio 1); False = one
+SKIP_PI_OLD = True  # MU = 1: a rank's own groups need no pi_old forward (ratio 1); False = one
 env_overrides.apply_env_overrides(globals(), "features/fast_paths.py")
 
 

@@ -1,7 +1,7 @@
-"""The HTTP server both servers run (ref_server.py's and the weight publisher's), hardened against
-faulty and hostile peers: waitress with bounded threads and backlog, idle, stalled and trickling
-connections closed, a stop that frees the port, JSON error pages, the token check, and a warning
-when a server is reachable beyond loopback unguarded (docs/server.md lists the limits).
+"""Guard: the HTTP server both servers run (ref_server.py's and the weight publisher's), hardened
+against faulty and hostile peers: waitress with bounded threads and backlog, idle, stalled and
+trickling connections closed, a stop that frees the port, JSON error pages, the token check, and a
+warning when a server is reachable beyond loopback unguarded (docs/server.md lists the limits).
 
     python -m pytest tests/test_server.py -k "stalled or port"   # its limits, over HTTP
 """

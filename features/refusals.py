@@ -1,20 +1,28 @@
-"""Settings that cannot work, refused before any model loads, with what to set instead; settings
-that work but are likely a mistake, warned. The trainer's check_settings calls them first thing in
-main().
+"""Guard: settings that cannot work, refused before any model loads, with what to set instead;
+settings that work but are likely a mistake, warned. The trainer's check_settings calls them first
+thing in main().
 
     DISTILL_COEF=0.5 deepspeed --num_gpus 1 grpo_ref_split.py    # stops at once: BETA > 0 too
 """
 import sys
 
-from features import checkpoints, fast_paths, lora, run_log, vllm_engine, wire
+from features import checkpoints, fast_paths, lora, run_log, wire
 
 
-def refuse_impossible(*, gspo, clip_eps, clip_eps_high, loss_type, output_dir):
+def refuse_tis(*, tis_cap):
+    """Stop on an importance weights' cap that cannot work (objectives.TIS_CAP): at or below 1
+    the mask modes drop every token and truncation all."""
+    if tis_cap < 0 or 0 < tis_cap <= 1:
+        sys.exit(f"TIS_CAP = {tis_cap}: the importance weights' cap must be above 1 "
+                 "(2.0 is common), or 0 = off")
+
+
+def refuse_impossible(*, gspo, clip_eps, clip_eps_high, loss_type, output_dir, tis_mode):
     """Stop on settings that cannot work together or an OUTPUT_DIR that holds another run; warn on
-    GSPO settings it was not made for. The keywords are the trainer's constants of those names;
-    each feature's own constants are read from its module."""
+    GSPO settings it was not made for. The keywords are the trainer's constants of those names
+    (tis_mode: objectives.TIS_MODE); each feature's own constants are read from its module."""
     checkpoints.refuse_to_overwrite(output_dir, checkpoints.RESUME)  # would delete another run's
-    per_answer_tis = vllm_engine.TIS_MODE.startswith("sequence_")  # a whole answer's ratio
+    per_answer_tis = tis_mode.startswith("sequence_")  # a whole answer's ratio
     if fast_paths.USE_TRITON and (gspo or per_answer_tis):
         sys.exit("USE_TRITON has no per-answer ratio (GSPO, TIS_MODE sequence_*): set those off, "
                  "or USE_TRITON=0")

@@ -1,6 +1,8 @@
 """REGROUP (simple_GRPO's regroup_ver): the reference server pools each question's answers across
 uploads and sends out groups that have reward variance, so a question whose group all scored the
-same still teaches once a later upload brings a different reward.
+same still teaches once a later upload brings a different reward. A regrouped group carries its
+rewards, not advantages: the trainer computes them (step 4, its one home) when it pulls the group
+back (features/server_client.py's Route).
 
     REGROUP=1 python ref_server.py
 """
@@ -9,7 +11,6 @@ import threading
 
 import torch
 
-from features.advantages import group_advantages, upload_scale
 from features.wire import IMAGE_FIELDS, OPTIONAL, sampled_version
 
 
@@ -26,9 +27,10 @@ class RegroupPool:
 
     def add(self, tensors, meta):
         """Add this upload's answers to its question's pool, and take out a group of as many
-        answers, with different rewards and fresh advantages, when the pool has one; else None.
+        answers, with different rewards (advantages left to the trainer), when the pool has one;
+        else None.
 
-        Answers leave the pool when sent: none is trained twice. Each keeps its own gen_logps, so
+        Answers leave the pool when sent: none is trained twice. Each keeps its own pi_old_logps, so
         the clipped ratio stays right for older answers, and its own policy version (an upload
         without one counts as the oldest, 0): the group's version is its oldest answer's. """
         g = tensors["input_ids"].shape[0]
@@ -75,9 +77,7 @@ class RegroupPool:
         out = dict(input_ids=padded("input_ids", plen + tlen, 0),  # (G, plen + tlen), pads masked
                    completion_mask=padded("completion_mask", tlen, False),  # (G, tlen)
                    rewards=torch.stack([r["rewards"] for r in chosen]))  # (G,)
-        scale = upload_scale(meta.get("scale_rewards", "group"))  # "batch": the trainer divides
-        out["advantages"] = group_advantages(out["rewards"], g, scale)  # (G,) in this new group
-        for name in OPTIONAL:  # gen_logps, sampler_logps: kept when every chosen answer has them
+        for name in OPTIONAL:  # pi_old_logps, vllm_logps: kept when every chosen answer has them
             if all(name in r for r in chosen):
                 out[name] = padded(name, tlen, 0.0)  # (G, tlen)
         out.update(chosen[0]["images"])  # one question's pool: its answers share its images

@@ -1,6 +1,7 @@
-"""Waiting out a reference server that is unreachable, busy or silent: one backoff (pauses that
-double up to a cap, a note on stderr every so often, a deadline) and request_with_retry, the HTTP
-request every client makes with it. RefClient's search for a live server waits with the same one.
+"""Guard: waiting out a reference server that is unreachable, busy or silent: one backoff (pauses
+that double up to a cap, a note on stderr every so often, a deadline) and request_with_retry, the
+HTTP request every client makes with it. RefClient's search for a live server waits with the same
+one.
 
     python -c "from features.retry import request_with_retry as ask
 print(ask('GET', 'http://127.0.0.1:59875/health').json())"   # waits for a starting server

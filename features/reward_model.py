@@ -1,12 +1,11 @@
 """A learned reward model (the server's REWARD_MODEL) beside the trainer's rule rewards: the server
-scores each (question, answer) pair with it, adds REWARD_MODEL_WEIGHT x the score to the answer's
-reward, and redoes the group's advantages, since only the server knows the last reward.
+scores each (question, answer) pair with it and adds REWARD_MODEL_WEIGHT x the score to the
+answer's reward; the trainer computes the group's advantages again from those rewards when it
+pulls the group back (step 4, its one home: features/server_client.py's Route).
 
     REWARD_MODEL=path/to/sequence-classifier python ref_server.py
 """
 import torch
-
-from features.advantages import group_advantages, upload_scale
 
 
 def load_reward_model(name, dtype, device):
@@ -29,12 +28,10 @@ def reward_scores(reward_model, question, answers):
 
 
 def add_reward_model(tensors, meta, reward_model, weight):
-    """The group with weight x score added to each reward, advantages redone, and the mean score in
-    meta."""
+    """The group with weight x score added to each reward (its advantages, now stale, left out:
+    the trainer computes them again) and the mean score in meta."""
     scores = reward_scores(reward_model, meta["question"], meta["answers"])  # (G,)
     rewards = tensors["rewards"] + weight * scores  # (G,)
-    # "batch": the trainer divides by its step's std
-    scale = upload_scale(meta.get("scale_rewards", "group"))
-    advantages = group_advantages(rewards, len(scores), scale)  # (G,)
-    tensors = {**tensors, "rewards": rewards, "advantages": advantages}
+    tensors = {name: value for name, value in tensors.items() if name != "advantages"}
+    tensors["rewards"] = rewards  # (G,)
     return tensors, {**meta, "reward_model_mean": scores.mean().item()}

@@ -1,5 +1,5 @@
-"""The run log: what each step measures (the loss's metrics, the answers' rewards and lengths, the
-seconds of each phase), averaged over ranks, as a line under the progress bar and in
+"""Log: the run log: what each step measures (the loss's metrics, the answers' rewards and lengths,
+the seconds of each phase), averaged over ranks, as a line under the progress bar and in
 OUTPUT_DIR/metrics.jsonl, the sampled answers in completions.jsonl, optional TensorBoard scalars.
 docs/metrics.md says what each metric means; features/curves.py draws them.
 
@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from features import env_overrides
 from features.question_sampler import question_id
-from features.vllm_engine import sampler_gap
+from features.vllm_engine import vllm_gap
 from features.wire import sampled_version
 
 LOG_COMPLETIONS_STEPS = 1  # every this many steps, each answer as a line of completions.jsonl
@@ -57,6 +57,15 @@ def open_jsonl(output_dir, name, resumed_step=0):
         stem, ext = os.path.splitext(name)
         os.rename(path, os.path.join(output_dir, f"{stem}.{int(os.path.getmtime(path))}{ext}"))
     return open(path, "w")
+
+
+def open_on_rank_0(rank, output_dir, reward_names, *, resumed_step=0):
+    """Rank 0's RunLog with this module's LOG_COMPLETIONS_STEPS and TENSORBOARD; None on the
+    others (log_step gathers their answers to rank 0)."""
+    if rank != 0:
+        return None
+    return RunLog(output_dir, reward_names, resumed_step=resumed_step, tensorboard=TENSORBOARD,
+                  completions_every=LOG_COMPLETIONS_STEPS)
 
 
 class RunLog:
@@ -183,33 +192,34 @@ def loss_metrics(loss, b, *, ratio, entropy, kl, advantages, clip_eps, clip_eps_
 
 
 @torch.no_grad()
-def vllm_metrics(b, *, old_logps, weights) -> dict:
-    """With vLLM, each x the batch's token share: sampler_gap (the two engines' mismatch on the
+def vllm_metrics(b, *, pi_old_logps, weights) -> dict:
+    """With vLLM, each x the batch's token share: vllm_gap (the two engines' mismatch on the
     sampled tokens) and tis_masked (the share of tokens whose importance weight TIS_MODE made 0).
-    old_logps, weights (B, T); weights None: none."""
+    pi_old_logps, weights (B, T); weights None: none."""
     mask = b.mask
     n = mask.sum().clamp(min=1)  # ()
-    gap = sampler_gap(old_logps, b.sampler_logps, b.sampler_rows, mask)
+    gap = vllm_gap(pi_old_logps, b.vllm_logps, b.vllm_rows, mask)
     masked = 0.0 if weights is None else (((weights == 0) & mask).sum() / n).item()
-    return dict(sampler_gap=gap * b.token_share, tis_masked=masked * b.token_share)
+    return dict(vllm_gap=gap * b.token_share, tis_masked=masked * b.token_share)
 
 
 @torch.no_grad()
-def teacher_metrics(b, *, old_logps, advantages=None) -> dict:
+def teacher_metrics(b, *, pi_old_logps, token_advantages=None) -> dict:
     """With a teacher (DISTILL_COEF), each x the batch's token share: teacher_kl (the mean of
     log pi_old - log teacher over tokens, the reverse KL's estimate), teacher_better (the share
-    of tokens the teacher finds likelier) and, given the (B, T) advantages the surrogate used,
+    of tokens the teacher finds likelier) and, given the (B, T) token_advantages the surrogate used,
     teacher_share: rms(teacher term) / (rms(group term) + rms(teacher term)) over the answer
     tokens, how much of the advantages' size is the teacher's (DISTILL_SCALE "matched": 0.5; the
-    rewards waiting, TEACHER_FIRST_KL: 1). old_logps (B, T)."""
+    rewards waiting, TEACHER_FIRST_KL: 1). pi_old_logps (B, T)."""
     mask = b.mask
     n = mask.sum().clamp(min=1)  # ()
-    gap = torch.where(mask, old_logps - b.teacher_logps, 0.0)  # (B, T) log pi_old - log teacher
+    gap = torch.where(mask, pi_old_logps - b.teacher_logps, 0.0)  # (B, T) log pi_old - log teacher
     metrics = dict(teacher_kl=(gap.sum() / n).item() * b.token_share,
                    teacher_better=(((gap < 0) & mask).sum() / n).item() * b.token_share)
-    if advantages is not None:
+    if token_advantages is not None:
         group = torch.where(mask, b.advantages[:, None], 0.0)  # (B, T) the rewards' term
-        term = torch.where(mask, advantages - b.advantages[:, None], 0.0)  # (B, T) the teacher's
+        teacher = token_advantages - b.advantages[:, None]  # (B, T) the teacher's term
+        term = torch.where(mask, teacher, 0.0)  # (B, T)
         group_rms = (group.square().sum() / n).sqrt()  # ()
         term_rms = (term.square().sum() / n).sqrt()  # ()
         share = term_rms / (group_rms + term_rms).clamp(min=1e-12)  # ()

@@ -1,5 +1,6 @@
-"""The trainer's side of ref_server.py: the handshake (/health: the same model?), uploads that are
-safe to retry, and pulling ready groups back, through restarts, timeouts and a busy server.
+"""Guard: the trainer's side of ref_server.py beyond the lesson's upload_and_pull: the handshake
+(/health: the same model?), which route step 5 takes, and RefClient, which uploads safely to several
+servers and pulls ready groups back through restarts, timeouts and a busy server.
 
     # the trainer makes one RefClient
     python ref_server.py & deepspeed --num_gpus 1 grpo_ref_split.py
@@ -8,6 +9,7 @@ import sys
 import time
 import uuid
 from collections import OrderedDict
+from dataclasses import dataclass
 from urllib.parse import urlencode
 
 import requests
@@ -336,6 +338,52 @@ def check_reference(url, health, model, tokenizer, allow_mismatch, teacher=False
             f"from this policy's ({health['fingerprint']} against {ours}): start it with the same "
             "MODEL_PATH, or set ALLOW_REF_MISMATCH=1 to train against another reference on purpose"
         )
+
+
+@dataclass(frozen=True)
+class Route:
+    """How step 5 runs this run, as the handshake found the servers."""
+    exchange: object  # exchange(groups, version, rank) -> the groups pulled back
+    regroup: bool  # the server pools answers of older weights: uploads carry pi_old_logps
+    keeps_equal: bool  # groups of equal rewards are uploaded too (REGROUP, REWARD_MODEL)
+
+
+def route_for_run(one_server, *, urls, token, timeout, uses_server, model, tokenizer, teacher,
+                  variant_advantages, advantages) -> Route:
+    """The run's Route: one_server (the lesson's upload_and_pull) with one plain server; RefClient's
+    with several servers, workers' groups or REGROUP; our own groups back without a server. The
+    servers' /health is checked first (check_reference). A server that changes rewards (REGROUP,
+    a REWARD_MODEL) sends groups back without advantages: advantages(rewards, None) -> (G,) is
+    the trainer's step 4, run on them here; a variant's baseline is refused with such a server."""
+    from features import worker  # EXTRA_GROUPS: workers' groups come through RefClient
+
+    if not uses_server:  # BETA 0, or LoRA's base as the reference: our own groups come back
+        return Route(exchange=own_groups, regroup=False, keeps_equal=False)
+    client = RefClient(urls, token, timeout, worker.EXTRA_GROUPS)
+    health = client.health(model, tokenizer, ALLOW_REF_MISMATCH, teacher=teacher)
+    regroup = bool(health.get("regroup"))
+    rescores = regroup or bool(health.get("reward_model"))
+    if rescores and variant_advantages:
+        sys.exit("the server changes rewards (REGROUP or a REWARD_MODEL), and the advantages are "
+                 "redone from them by GRPO's rule: ADVANTAGE, REWARD_NORM and SCALE_REWARDS "
+                 "other than GRPO's need a plain server")
+    exchange = one_server
+    if "," in urls or worker.EXTRA_GROUPS > 0 or regroup:  # RefClient's failover and extras
+        exchange = client.upload_and_pull
+    if rescores:
+        exchange = with_advantages(exchange, advantages)
+    return Route(exchange=exchange, regroup=regroup, keeps_equal=rescores)
+
+
+def with_advantages(exchange, advantages):
+    """exchange, with each group that came back without advantages (its rewards changed on the
+    server) given them: advantages(rewards, None) -> (G,)."""
+    def exchanged(groups, version, rank):
+        pulled = exchange(groups, version, rank)
+        return [(tensors, meta) if "advantages" in tensors
+                else ({**tensors, "advantages": advantages(tensors["rewards"], None)}, meta)
+                for tensors, meta in pulled]
+    return exchanged
 
 
 def uses_server(*, beta, distill_coef) -> bool:

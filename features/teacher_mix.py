@@ -6,7 +6,7 @@ beside DISTILL_COEF, each off by default:
   from the next step on, for the rest of the run, the rewards join. Pure distillation reaches the
   teacher's level in fewer answers than GRPO does, and the rewards can then keep teaching past a
   teacher no better than the student's own GRPO would become. The trainer holds the state
-  (rewards_joined in main's loop) and applies it in train_step.
+  (Phases, which main's loop advances after each step and applies before step 6).
 - DISTILL_BELOW, the teacher on the wrong answers only: an answer whose summed reward is
   DISTILL_BELOW or more trains on the rewards' advantage alone; the others take the teacher's
   per-token term beside it (KDRL's reward-guided mask, arXiv 2506.02208). A correct answer already
@@ -22,7 +22,7 @@ beside DISTILL_COEF, each off by default:
   GRPO, groups whose rewards are all equal teach nothing and are dropped, so DYNAMIC_SAMPLING
   refills the step: a distilled student samples narrowly, and many of its groups are alike.
   The server still sends the teacher's log-probs after it, for the teacher_kl metric. The
-  trainer's loop holds each step's Phase; train_step applies it.
+  trainer's loop holds the Phases; they apply each step's Phase to its batches.
 
 This module holds the three settings, their check, the mask, each step's phase and the hand-off.
 
@@ -32,7 +32,7 @@ This module holds the three settings, their check, the mask, each step's phase a
 """
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -118,6 +118,32 @@ def next_phase(current: Phase, *, teacher_kl: float) -> Phase:
     good once it is TEACHER_FIRST_KL or less."""
     joined = current.joined or teacher_kl <= TEACHER_FIRST_KL
     return phase(current.step + 1, joined=joined)
+
+
+class Phases:
+    """The run's stages, one Phase a step: main's loop applies it to the step's batches before
+    step 6 and advances it after the step is logged."""
+
+    def __init__(self, first_step: int):
+        self.now = phase(first_step, joined=not TEACHER_FIRST_KL)  # this step's Phase
+
+    def apply(self, engine, batches, metrics) -> list:
+        """The step's batches as its Phase trains them: the rewards' advantages 0 while the teacher
+        trains alone, the teacher's term off after TEACHER_STEPS; at the hand-off AdamW's state is
+        cleared first. metrics gets rewards_joined (1 once the rewards train)."""
+        if self.now.hand_off:  # TEACHER_STEPS: the rewards' stage, a fresh AdamW
+            hand_off(engine, self.now.step)
+        if TEACHER_FIRST_KL or TEACHER_STEPS:
+            metrics["rewards_joined"] = float(self.now.rewards)
+        if not self.now.rewards:
+            batches = [replace(b, advantages=torch.zeros_like(b.advantages)) for b in batches]
+        if not self.now.teacher:
+            batches = [replace(b, teacher_on=False) for b in batches]
+        return batches
+
+    def advance(self, *, teacher_kl: float) -> None:
+        """On to the next step's Phase, given this step's teacher_kl (the ranks' mean)."""
+        self.now = next_phase(self.now, teacher_kl=teacher_kl)
 
 
 def hand_off(engine, step: int) -> None:

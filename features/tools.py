@@ -144,7 +144,7 @@ def tool_rollout(
     """Multi-turn answers to `prompts` (token id lists, one per answer). sample(prefixes, budgets)
     -> one (token ids, log-probs or None) continuation per prefix, stopping after an EOS or after
     TOOL_CLOSE. A call past max_calls ends the answer there, as the token budget does: it is cut,
-    not stopped. Returns completion_ids (B, T) padded with pad_id, sampler_logps (B, T) or None,
+    not stopped. Returns completion_ids (B, T) padded with pad_id, vllm_logps (B, T) or None,
     tool_mask (B, T) True on the toolkit's tokens, policy_mask (B, T) True on the policy's own
     tokens (up to and including a sampled EOS; never the tool's or the padding), stopped (B,) True
     where the policy sampled an EOS, calls and errors (B lists).
@@ -206,16 +206,16 @@ def tool_rollout(
     completion_ids = torch.full((B, T), pad_id)  # (B, T)
     tool_mask = torch.zeros(B, T, dtype=torch.bool)  # (B, T)
     policy_mask = torch.zeros(B, T, dtype=torch.bool)  # (B, T)
-    sampler_logps = torch.zeros(B, T)  # (B, T)
+    vllm_logps = torch.zeros(B, T)  # (B, T)
     for i in range(B):
         n = len(ids[i])
         completion_ids[i, :n] = torch.tensor(ids[i], dtype=torch.long)
         tool_mask[i, :n] = torch.tensor(tool[i], dtype=torch.bool)
         policy_mask[i, :n] = ~tool_mask[i, :n]
-        sampler_logps[i, :n] = torch.tensor(logps[i])
+        vllm_logps[i, :n] = torch.tensor(logps[i])
     return dict(
         completion_ids=completion_ids,
-        sampler_logps=sampler_logps if sampled else None,
+        vllm_logps=vllm_logps if sampled else None,
         tool_mask=tool_mask,
         policy_mask=policy_mask,
         stopped=torch.tensor(stopped),
@@ -224,7 +224,7 @@ def tool_rollout(
     )
 
 
-def transformers_sampler(model, tokenizer, gen_config):
+def transformers_turns(model, tokenizer, gen_config):
     """sample() for tool_rollout from transformers' generate: the prefixes left-padded into one
     batch, each row stopping at an EOS or at TOOL_CLOSE (generate's stop_strings)."""
 
@@ -249,7 +249,7 @@ def transformers_sampler(model, tokenizer, gen_config):
     return sample
 
 
-def vllm_sampler(llm, temperature, eos_ids):
+def vllm_turns(llm, temperature, eos_ids):
     """sample() for tool_rollout from a vLLM engine: one request per prefix, stopping at an EOS or
     TOOL_CLOSE, with the sampled tokens' log-probs; a continuation's prefix is in the engine's
     prefix cache already."""
@@ -286,7 +286,7 @@ def generate_with_tools(
 ):
     """tool_rollout for n answers to each prompt of `enc` (left-padded input_ids, attention_mask; a
     prompt's n rows consecutive), from vLLM (`llm`) or transformers' generate with gen_config
-    (do_sample=False: greedy): (completion_ids, sampler_logps, {policy_mask, stopped, tool_calls,
+    (do_sample=False: greedy): (completion_ids, vllm_logps, {policy_mask, stopped, tool_calls,
     tool_errors}): the loss needs only the policy's own tokens (policy_mask), not tool_rollout's
     tool_mask."""
     prompts = [
@@ -294,9 +294,9 @@ def generate_with_tools(
         for ids, keep in zip(enc.input_ids.cpu(), enc.attention_mask.cpu())
     ]
     sample = (
-        vllm_sampler(llm, temperature, eos_ids)
+        vllm_turns(llm, temperature, eos_ids)
         if llm is not None
-        else transformers_sampler(model, tokenizer, gen_config)
+        else transformers_turns(model, tokenizer, gen_config)
     )
     out = tool_rollout(
         sample,
@@ -309,7 +309,7 @@ def generate_with_tools(
         pad_id=gen_config.pad_token_id,
     )
     del out["tool_mask"]
-    return out.pop("completion_ids"), out.pop("sampler_logps"), out
+    return out.pop("completion_ids"), out.pop("vllm_logps"), out
 
 
 AVAILABLE = {"calculator": calculator}  # the tools TOOLS may name, by name; add yours here

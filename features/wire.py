@@ -1,8 +1,8 @@
-"""The wire format between generators, the reference server and trainers: one group of answers as
-safetensors bytes with JSON metadata in the header (no pickle, so a payload can never run code on
-the other side), and what a group must be before any of it reaches a model (validate_group: every
-field's type, shape and bound). The trainer packs its groups (group_tensors) and lays pulled ones
-out for the loss (collate); retrying a busy or restarting server is features/retry.py's.
+"""Guard: the wire format between generators, the reference server and trainers: one group of
+answers as safetensors bytes with JSON metadata in the header (no pickle, so a payload can never run
+code on the other side), and what a group must be before any of it reaches a model (validate_group:
+every field's type, shape and bound). The trainer packs its groups (group_tensors) and lays pulled
+ones out for the loss (collate); retrying a busy or restarting server is features/retry.py's.
 
     python -c "from features.wire import UPLOAD_SPEC; print(list(UPLOAD_SPEC))"
 """
@@ -21,12 +21,12 @@ UPLOAD_SPEC = {  # name: (dtype, shape as a function of G rows, L columns, plen)
     "completion_mask": (torch.bool, lambda g, l, p: (g, l - p)),
     "advantages": (torch.float32, lambda g, l, p: (g,)),
     "rewards": (torch.float32, lambda g, l, p: (g,)),
-    # optional: the sampling policy's log-probs
-    "gen_logps": (torch.float32, lambda g, l, p: (g, l - p)),
+    # optional: pi_old, the sampling policy's log-probs
+    "pi_old_logps": (torch.float32, lambda g, l, p: (g, l - p)),
     # optional: what vLLM said they were
-    "sampler_logps": (torch.float32, lambda g, l, p: (g, l - p)),
+    "vllm_logps": (torch.float32, lambda g, l, p: (g, l - p)),
 }
-OPTIONAL = {"gen_logps", "sampler_logps"}
+OPTIONAL = {"pi_old_logps", "vllm_logps"}
 # A question's images (optional): their PNG/JPEG bytes, checked by features/vision.unpack_images.
 IMAGE_FIELDS = vision.WIRE_FIELDS
 # Every metadata field a group may carry, the one list of them: name: (type, who sets it, meaning).
@@ -36,7 +36,6 @@ META_FIELDS = {
     "question": (str, "the trainer's group_tensors", "the question, for a REWARD_MODEL"),
     "answers": (list, "the trainer's group_tensors", "each row's answer text, for a REWARD_MODEL"),
     "temperature": (float, "the trainer's pack_groups", "the sampling temperature: ref_logps' too"),
-    "scale_rewards": (str, "the trainer's pack_groups", "SCALE_REWARDS, to redo advantages with"),
     "version": (int, "step 5 (upload_and_pull, RefClient)", "the policy version that sampled it"),
     "rank": (int, "step 5 (upload_and_pull, RefClient)", "the trainer rank that takes it back"),
     "upload_id": (str, "step 5 (upload_and_pull, RefClient)", "a retried upload is queued once"),
@@ -116,8 +115,8 @@ def carries_images(tensors: dict) -> bool:
 
 
 def check_logps(values, name: str, *, rows: int, tokens: int) -> None:
-    """ValueError unless a group's per-token log-probs (ref_logps from a server, gen_logps or
-    sampler_logps from a worker) are finite float32 of the group's (rows, tokens) shape."""
+    """ValueError unless a group's per-token log-probs (ref_logps from a server, pi_old_logps
+    or vllm_logps from a worker) are finite float32 of the group's (rows, tokens) shape."""
     if values.dtype != torch.float32 or tuple(values.shape) != (rows, tokens):
         raise ValueError(f"{name} must be float32 {(rows, tokens)}, got {values.dtype} "
                          f"{tuple(values.shape)}")

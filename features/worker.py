@@ -50,7 +50,7 @@ def run_worker(
     (trainers are behind: the pile would only grow stale), else draw q_batch_size of `questions`,
     make groups and upload them. The trainer's own functions come in: load(path, device) -> policy,
     rollout(model, tokenizer, drawn, eos_ids=, gen_config=, llm=, keep_all=, seconds=) -> the
-    trainer's Scored (groups, records), and start_llm(seed, dtype) -> a vLLM engine (None:
+    trainer's ScoredGroups (groups, records), and start_llm(seed, dtype) -> a vLLM engine (None:
     transformers generates). trainers_read_server False (BETA = 0, or LoRA's reference from the
     base) stops it at once: it would feed nobody. weights_from (WEIGHTS_FROM): the trainer's weight
     server (features/weight_sync.py, with `token`), instead of OUTPUT_DIR's checkpoints."""

@@ -1,6 +1,7 @@
-"""DeepSpeed ZeRO-2 plumbing: the process group, the config file with the trainer's own settings put
-in (one source of truth for each), the engine, counts over ranks (the loss normalizer, micro-batches
-every rank runs), and on CPU ranks the cleanup of DeepSpeed's shared-memory files.
+"""Faster equal: micro-batches whose gradients add up to the one batch's, with the DeepSpeed ZeRO-2
+plumbing: the process group, the config file with the trainer's own settings put in (one source of
+truth for each), the engine, counts over ranks (the loss normalizer, micro-batches every rank runs),
+and on CPU ranks the cleanup of DeepSpeed's shared-memory files.
 
     deepspeed --num_gpus 1 grpo_ref_split.py         # setup_deepspeed() there calls setup
 """

@@ -20,6 +20,7 @@ sys.path.insert(0, ROOT)
 SHARED_GSM8K = os.path.join(ROOT, "..", "shared", "gsm8k")
 
 import grpo_ref_split as grpo  # noqa: E402
+import objectives  # noqa: E402
 from features import weight_sync  # noqa: E402
 from features.embedded_model import resolve_model_path  # noqa: E402
 from features.fast_paths import completion_logps  # noqa: E402
@@ -187,7 +188,7 @@ def sft_tiny_model(tokenizer, folder, target, mixed):
         ids, attn, Tc = pack(tokenizer, prompts, targets)
         logps = completion_logps(model, ids, attn, Tc, 1.0, chunk=128, from_hidden=True)  # (B, Tc)
         mask = attn[:, -Tc:].bool()  # (B, Tc)
-        loss = -grpo.masked_mean(logps, mask).mean()
+        loss = -objectives.masked_mean(logps, mask).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -212,8 +213,9 @@ def pack(tokenizer, prompts, targets):
 
 
 def setting_home(name):
-    """The module that holds the setting `name`: the trainer (the lesson's constants) or the
-    feature module it reads it from (features/vllm_engine.py's USE_VLLM...)."""
+    """The module that holds the setting `name`: the trainer (the lesson's constants), objectives.py
+    (the variants' settings) or the feature module it reads it from (features/vllm_engine.py's
+    USE_VLLM...)."""
     import types
 
     import grpo_ref_split
@@ -221,7 +223,8 @@ def setting_home(name):
     homes = [grpo_ref_split] + [
         m
         for m in vars(grpo_ref_split).values()
-        if isinstance(m, types.ModuleType) and m.__name__.startswith("features.")
+        if isinstance(m, types.ModuleType)
+        and (m.__name__.startswith("features.") or m.__name__ == "objectives")
     ]
     return next(m for m in homes if name in vars(m) and name.isupper())
 
@@ -399,7 +402,7 @@ def group(G=3, plen=5, tc=4, seed=0, **meta):
         completion_mask=torch.ones(G, tc, dtype=torch.bool),
         advantages=torch.randn(G, generator=g),
         rewards=torch.rand(G, generator=g),
-        gen_logps=-torch.rand(G, tc, generator=g),
+        pi_old_logps=-torch.rand(G, tc, generator=g),
     )
     tensors["input_ids"][:, :plen] = tensors["input_ids"][0, :plen].clone()  # one prompt per group
     return tensors, {"plen": plen, "temperature": 1.0, **meta}

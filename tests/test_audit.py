@@ -17,9 +17,9 @@ import torch
 import grpo_ref_split as grpo
 from conftest import ROOT, group, start, stop, wait_for
 from features import reward_model, zero2
-from features.advantages import scale_to_step
+import objectives
 from features.regroup import RegroupPool
-from features.server_client import RefClient
+from features.server_client import RefClient, with_advantages
 from features.tools import calculator
 from test_grpo_math import run_ranks
 from test_tools import scripted_generate_with_tools
@@ -41,20 +41,35 @@ def answers_of_one_question(rewards):
                 rewards=torch.tensor(rewards), advantages=torch.zeros(4))
 
 
-def test_a_regrouped_group_is_divided_by_the_std_of_the_rewards_it_trains_with():
+def pulled_back(tensors, meta, monkeypatch):
+    """The group as the trainer takes it from a server that changed its rewards, SCALE_REWARDS
+    "batch": step 4 run on its rewards (server_client.with_advantages), then / the step's std."""
+    monkeypatch.setattr(grpo, "SCALE_REWARDS", "batch")
+    monkeypatch.setattr(grpo, "NUM_PRE_Q", 4)
+    exchange = with_advantages(lambda groups, version, rank: [(tensors, meta)],
+                               grpo.answer_advantages)
+    [(pulled, _)] = exchange([], 0, 0)
+    rewards = pulled["rewards"].tolist()
+    # centred, no division
+    assert pulled["advantages"].tolist() == pytest.approx([r - statistics.fmean(rewards)
+                                                           for r in rewards])
+    [(scaled, _)] = objectives.scale_to_step([(pulled, meta)], torch.zeros(0), "cpu",
+                                             std_eps=EPS)  # the trainer's, one rank
+    return scaled
+
+
+def test_a_regrouped_group_is_divided_by_the_std_of_the_rewards_it_trains_with(monkeypatch):
     """The issue's numbers: [3, 3, 3, 3] uploaded with the rollout's std 1.2, then [0, 0, 0, 0] with
     0.0. The old server divided the mixed group's centred rewards by that 0.0 (+ 1e-4): advantages
-    of +-15000."""
+    of +-15000. The server now sends the group's rewards alone; the trainer computes the rest."""
     pool = RegroupPool(pool_size=8, questions=4)
     meta = dict(plen=3, scale_rewards="batch")
     assert pool.add(answers_of_one_question([3.0] * 4), dict(meta, batch_std=1.2)) is None
     tensors, _ = pool.add(answers_of_one_question([0.0] * 4), dict(meta, batch_std=0.0))
     rewards = tensors["rewards"].tolist()
     assert len(set(rewards)) == 2  # a group with variance, mixed from both uploads
-    mean = statistics.fmean(rewards)
-    # centred, no division
-    assert tensors["advantages"].tolist() == pytest.approx([r - mean for r in rewards])
-    [(scaled, _)] = scale_to_step([(tensors, {})], torch.zeros(0), "cpu")  # the trainer's, one rank
+    assert "advantages" not in tensors  # step 4 has one home: the trainer
+    scaled = pulled_back(tensors, {}, monkeypatch)
     assert scaled["advantages"].tolist() == pytest.approx(by_hand(rewards, rewards), rel=1e-5)
     assert scaled["advantages"].abs().max() < 2
 
@@ -69,10 +84,8 @@ def test_reward_model_scores_are_divided_by_the_std_of_the_rewards_they_make(mon
     meta = dict(question="q", answers=["a"] * 4, scale_rewards="batch", batch_std=0.0)
     tensors, meta = reward_model.add_reward_model(tensors, meta, reward_model=None, weight=1.0)
     rewards = (1 + scores).tolist()
-    assert tensors["advantages"].tolist() == pytest.approx(
-        [r - statistics.fmean(rewards) for r in rewards]
-    )
-    [(scaled, _)] = scale_to_step([(tensors, meta)], torch.zeros(0), "cpu")
+    assert "advantages" not in tensors  # stale with the new rewards: the trainer redoes them
+    scaled = pulled_back(tensors, meta, monkeypatch)
     assert scaled["advantages"].tolist() == pytest.approx(by_hand(rewards, rewards), rel=1e-5)
 
 
@@ -88,7 +101,8 @@ def _rank_scaled(rank, world, port, results):
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     groups = [({"rewards": torch.tensor(RANK_REWARDS[rank])}, {})]
-    [(tensors, _)] = scale_to_step(groups, torch.zeros(4), "cpu")  # the dropped group's four zeros
+    [(tensors, _)] = objectives.scale_to_step(groups, torch.zeros(4), "cpu",
+                                              std_eps=EPS)  # the dropped group's four zeros
     results.put((rank, tensors["advantages"].tolist()))
     dist.destroy_process_group()
 
@@ -149,17 +163,17 @@ def test_an_answer_cut_by_the_call_budget_trains_only_its_sampled_tokens_and_cou
 # --------------------------------------------------------------------------- 4. a group a step late
 def test_a_group_pulled_a_step_late_without_its_sampling_log_probs_is_dropped_and_counted(model):
     """Step 1's group misses upload_and_pull's deadline; step 2 pulls it (the server hands groups
-    out in order). Without gen_logps its ratio would be 1 under weights that did not sample it:
+    out in order). Without pi_old_logps its ratio would be 1 under weights that did not sample it:
     dropped and counted. With them it trains."""
     server, stop_serving, url = start(model)
     try:
         late, _ = group(seed=1)
-        del late["gen_logps"]  # MU = 1, SKIP_GEN_LOGPS: a rank's own group carries none
+        del late["pi_old_logps"]  # MU = 1, SKIP_PI_OLD: a rank's own group carries none
         client = RefClient(url, timeout=0.0)  # one rank's client, at step 1 with no time to wait
         assert client.upload_and_pull([(late, {"plen": 5})], version=0, rank=0) == []
         wait_for(lambda: server.queue_of(0).qsize() == 1)
         on_time, _ = group(seed=2)
-        del on_time["gen_logps"]
+        del on_time["pi_old_logps"]
         client.timeout = 60.0  # step 2
         got = client.upload_and_pull([(on_time, {"plen": 5})], version=1, rank=0)
     finally:
@@ -169,11 +183,11 @@ def test_a_group_pulled_a_step_late_without_its_sampling_log_probs_is_dropped_an
     late_one = got[:1]
 
     def drop_untrainable(groups, version):
-        return grpo.drop_untrainable(groups, version, max_staleness=grpo.worker.MAX_STALENESS)
+        return grpo.drop_untrainable(groups, version, max_staleness=grpo.MAX_STALENESS)
 
     assert drop_untrainable(got, version=1) == (got[1:], Counter(late_groups_dropped=1))
     # what a worker's group carries
-    with_logps = [(dict(got[0][0], gen_logps=torch.zeros(3, 4)), got[0][1])]
+    with_logps = [(dict(got[0][0], pi_old_logps=torch.zeros(3, 4)), got[0][1])]
     assert drop_untrainable(with_logps, version=1) == (with_logps, Counter())
     # at the weights that sampled it
     assert drop_untrainable(late_one, version=0) == (late_one, Counter())
@@ -183,11 +197,11 @@ def test_a_group_pulled_a_step_late_without_its_sampling_log_probs_is_dropped_an
 @pytest.mark.parametrize("cap", [1.0, 0.5, -2.0])
 def test_a_tis_cap_that_cannot_work_is_refused_before_any_model_loads(monkeypatch, tmp_path, cap):
     monkeypatch.setattr(grpo, "OUTPUT_DIR", str(tmp_path))
-    monkeypatch.setattr(grpo.vllm_engine, "TIS_CAP", cap)
+    monkeypatch.setattr(objectives, "TIS_CAP", cap)
     with pytest.raises(SystemExit, match=f"TIS_CAP = {cap}: .* above 1"):
         grpo.check_settings()
     for fine in (0.0, 1.5):
-        monkeypatch.setattr(grpo.vllm_engine, "TIS_CAP", fine)
+        monkeypatch.setattr(objectives, "TIS_CAP", fine)
         grpo.check_settings()
 
 
@@ -269,7 +283,7 @@ def rollout_of(rewards_per_group, masked_groups=()):
         prompt_mask=torch.ones(n, 3, dtype=torch.long),
         completion_ids=torch.full((n, 2), 2),
         mask=mask,
-        sampler_logps=None,
+        vllm_logps=None,
         texts=["a"] * n,
         lengths=[2] * n,
         truncated=[False] * n,
@@ -285,14 +299,14 @@ def test_batch_scaling_counts_every_generated_reward_once(keep_all, monkeypatch)
     not, each reward enters the step's std once: 12 rewards, std 0.937 (the old count, with
     [1, 1, 1, 1] uploaded and listed as dropped too, gave 0.718 on the first two groups, against
     their 0.886)."""
-    monkeypatch.setattr(grpo.fast_paths, "SKIP_GEN_LOGPS", True)
+    monkeypatch.setattr(grpo.fast_paths, "SKIP_PI_OLD", True)
     monkeypatch.setattr(grpo, "NUM_PRE_Q", 4)
     rewards = [[1.0] * 4, [0.0, 1.0, 2.0, 3.0], [0.0, 2.0, 0.0, 2.0]]
     scores = torch.tensor(sum(rewards, []))
     sampled = rollout_of(rewards, masked_groups=(2,))
     groups, dropped = grpo.pack_groups(None, sampled, scores, torch.zeros(12), keep_all, False)
     assert len(groups) == (2 if keep_all else 1)
-    scaled = scale_to_step(groups, dropped, "cpu")
+    scaled = objectives.scale_to_step(groups, dropped, "cpu", std_eps=EPS)
     varied = [tensors for tensors, _ in scaled if tensors["rewards"].std() > 0][0]
     everything = sum(rewards, [])
     assert varied["advantages"].tolist() == pytest.approx(by_hand(rewards[1], everything), rel=1e-5)

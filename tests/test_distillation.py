@@ -10,7 +10,8 @@ import pytest
 import requests
 import torch
 
-import grpo_ref_split as grpo
+import grpo_ref_split as grpo  # noqa: E402
+import objectives  # noqa: E402
 from conftest import VOCAB, group, pull, set_setting, start, stop
 from features.wire import encode_batch
 from features.fingerprint import vocab_fingerprint
@@ -27,16 +28,17 @@ def categorical():
 
 
 def distill_loss(theta, teacher, answers, *, coef):
-    """The trainer's loss (grpo_loss, reduce_loss "grpo") on one-token answers (N,): reward
+    """The trainer's loss (variant_token_loss, reduce_loss "grpo") on one-token answers (N,): reward
     advantages 0, so the teacher's term is all; pi_old = the sampling weights (ratio 1)."""
     logps = torch.log_softmax(theta, 0)[answers][:, None]  # (N, 1)
     old = logps.detach()  # (N, 1)
     mask = torch.ones_like(logps, dtype=torch.bool)  # (N, 1)
-    advantages = grpo.distill_advantages(torch.zeros(len(answers), dtype=theta.dtype),
+    advantages = objectives.distill_advantages(torch.zeros(len(answers), dtype=theta.dtype),
                                          teacher_logps=teacher[answers][:, None],
-                                         sampler_logps=old, mask=mask, coef=coef)  # (N, 1)
-    per_token = grpo.grpo_loss(logps=logps, old_logps=old, ref_logps=None, advantages=advantages,
-                               mask=mask, beta=0.0, clip_eps=0.2, clip_eps_high=0.2)  # (N, 1)
+                                               pi_old_logps=old, mask=mask, coef=coef)  # (N, 1)
+    per_token = objectives.variant_token_loss(logps=logps, old_logps=old, kl=None,
+                                              advantages=advantages, mask=mask, beta=0.0,
+                                              clip_eps=0.2, clip_eps_high=0.2)  # (N, 1)
     return grpo.reduce_loss(per_token, mask, loss_type="grpo")
 
 
@@ -87,7 +89,7 @@ def test_distill_advantages_by_hand():
     teacher = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.25, 0.0]])
     sampler = torch.tensor([[-2.0, -2.0, -1.0], [-1.5, -0.25, -9.0]])
     mask = torch.tensor([[True, True, False], [True, True, True]])
-    got = grpo.distill_advantages(advantages, teacher_logps=teacher, sampler_logps=sampler,
+    got = objectives.distill_advantages(advantages, teacher_logps=teacher, pi_old_logps=sampler,
                                   mask=mask, coef=0.5)
     assert got.tolist() == [[1.5, 1.0, 1.0], [0.0, -0.5, 4.0]]
 
@@ -100,11 +102,11 @@ def test_a_discounted_teacher_term_adds_the_later_tokens_by_hand():
     teacher = torch.tensor([[1.0, -2.0, 4.0, 9.0]])
     sampler = torch.zeros(1, 4)
     mask = torch.tensor([[True, True, True, False]])
-    got = grpo.distill_advantages(torch.tensor([0.1]), teacher_logps=teacher,
-                                  sampler_logps=sampler, mask=mask, coef=2.0, discount=0.5)
+    got = objectives.distill_advantages(torch.tensor([0.1]), teacher_logps=teacher,
+                                  pi_old_logps=sampler, mask=mask, coef=2.0, discount=0.5)
     assert got.view(-1).tolist() == pytest.approx([2.1, 0.1, 8.1, 0.1])
-    own = grpo.distill_advantages(torch.tensor([0.1]), teacher_logps=teacher,
-                                  sampler_logps=sampler, mask=mask, coef=2.0)
+    own = objectives.distill_advantages(torch.tensor([0.1]), teacher_logps=teacher,
+                                  pi_old_logps=sampler, mask=mask, coef=2.0)
     assert own.view(-1).tolist() == pytest.approx([2.1, -3.9, 8.1, 0.1])
 
 
@@ -115,8 +117,8 @@ def test_a_matched_teacher_term_has_the_group_terms_size_by_hand():
     A_t = [1 + 0.80178, 1 + 0.26726, -1 - 0.53452, -1 + 0]; padding keeps A."""
     teacher = torch.tensor([[0.3, 0.1, 7.0], [-0.2, 0.0, 7.0]])
     mask = torch.tensor([[True, True, False], [True, True, False]])
-    got = grpo.distill_advantages(torch.tensor([1.0, -1.0]), teacher_logps=teacher,
-                                  sampler_logps=torch.zeros(2, 3), mask=mask, coef=0.5,
+    got = objectives.distill_advantages(torch.tensor([1.0, -1.0]), teacher_logps=teacher,
+                                  pi_old_logps=torch.zeros(2, 3), mask=mask, coef=0.5,
                                   matched=True)
     scale = 1 / math.sqrt(0.14 / 4)
     assert scale == pytest.approx(5.3452, abs=1e-4)
@@ -212,8 +214,8 @@ def test_teacher_steps_hand_the_steps_from_the_teacher_to_the_rewards(monkeypatc
     assert teacher_mix.answers(rewards).tolist() == [True, False]
     assert teacher_mix.answers(rewards, teacher_on=False).tolist() == [False, False]
     group = torch.tensor([0.5, -0.5])  # (B,)
-    got = grpo.distill_advantages(group, teacher_logps=torch.full((2, 3), -1.0),
-                                  sampler_logps=torch.full((2, 3), -2.0),
+    got = objectives.distill_advantages(group, teacher_logps=torch.full((2, 3), -1.0),
+                                  pi_old_logps=torch.full((2, 3), -2.0),
                                   mask=torch.ones(2, 3), coef=1.0, matched=True,
                                   answers=teacher_mix.answers(rewards, teacher_on=False))
     assert got.tolist() == [[0.5] * 3, [-0.5] * 3]
@@ -266,16 +268,16 @@ def test_teacher_share_is_the_teacher_terms_part_of_the_advantages_size_by_hand(
     term = torch.tensor([[0.3, 0.1, 9.0], [-0.2, 0.0, 9.0]])
     old = torch.zeros(2, 3)
     b = grpo.Batch(input_ids=None, attention_mask=None, mask=mask, advantages=group,
-                   ref_logps=None, gen_logps=None, gen_rows=None, sampler_logps=None,
-                   sampler_rows=None, teacher_logps=term, token_share=0.5)
-    got = teacher_metrics(b, old_logps=old, advantages=group[:, None] + term)
+                   ref_logps=None, pi_old_logps=None, pi_old_rows=None, vllm_logps=None,
+                   vllm_rows=None, teacher_logps=term, token_share=0.5)
+    got = teacher_metrics(b, pi_old_logps=old, token_advantages=group[:, None] + term)
     rms = math.sqrt(0.14 / 4)
     assert got["teacher_share"] == pytest.approx(0.5 * rms / (1 + rms), abs=1e-6)
     assert got["teacher_kl"] == pytest.approx(0.5 * -0.2 / 4, abs=1e-6)
     waiting = grpo.Batch(**{**b.__dict__, "advantages": torch.zeros(2)})
-    alone = teacher_metrics(waiting, old_logps=old, advantages=term)
+    alone = teacher_metrics(waiting, pi_old_logps=old, token_advantages=term)
     assert alone["teacher_share"] == pytest.approx(0.5, abs=1e-6)
-    assert "teacher_share" not in teacher_metrics(b, old_logps=old)  # DISTILL_TOP_K: not given
+    assert "teacher_share" not in teacher_metrics(b, pi_old_logps=old)  # DISTILL_TOP_K: not given
 
 
 def test_a_discount_outside_zero_to_one_or_without_a_teacher_is_refused(monkeypatch, tmp_path):
@@ -296,7 +298,9 @@ def test_per_token_advantages_of_equal_values_give_the_per_answer_loss():
     loss = dict(logps=logps, old_logps=old, ref_logps=None, mask=mask, beta=0.0, clip_eps=0.2,
                 clip_eps_high=0.28)
     per_answer = grpo.grpo_loss(advantages=advantages, **loss)
-    per_token = grpo.grpo_loss(advantages=advantages[:, None].expand(3, 4), **loss)
+    del loss["ref_logps"]
+    per_token = objectives.variant_token_loss(advantages=advantages[:, None].expand(3, 4), kl=None,
+                                              **loss)
     assert torch.equal(per_answer, per_token)
 
 
@@ -312,7 +316,10 @@ def test_bias_corrected_kl_by_hand():
     common = dict(old_logps=old, ref_logps=ref, advantages=torch.zeros(1, dtype=torch.float64),
                   mask=mask, beta=1.0, clip_eps=0.2, clip_eps_high=0.2)
     k3_value = 0.5 + math.log(2) - 1
-    corrected = grpo.grpo_loss(logps=logp, bias_corrected_kl=True, **common).sum()
+    kl = grpo.reference_kl(ref, logp, mask)  # (1, 1)
+    corrected = objectives.variant_token_loss(logps=logp, bias_corrected_kl=True, kl=kl,
+                                              **{k: v for k, v in common.items()
+                                                 if k != "ref_logps"}).sum()
     assert corrected.item() == pytest.approx(2 * k3_value, abs=1e-12)
     gradient = torch.autograd.grad(corrected, logp)[0].item()
     assert gradient == pytest.approx(2 * math.log(2), abs=1e-12)
@@ -332,10 +339,11 @@ def test_bias_corrected_kl_gives_the_reverse_kl_gradient_off_policy():
         total = torch.zeros(K, dtype=torch.float64)
         for y in range(K):
             logps = torch.log_softmax(theta, 0)[y].view(1, 1)
-            loss = grpo.grpo_loss(
+            mask = torch.ones(1, 1, dtype=torch.bool)
+            loss = objectives.variant_token_loss(
                 logps=logps,
                 old_logps=torch.log(pi_old[y]).view(1, 1),
-                ref_logps=ref[y].view(1, 1),
+                kl=grpo.reference_kl(ref[y].view(1, 1), logps, mask),
                 advantages=torch.zeros(1).double(),
                 mask=torch.ones(1, 1, dtype=torch.bool),
                 beta=1.0,
@@ -354,18 +362,18 @@ def test_bias_corrected_kl_gives_the_reverse_kl_gradient_off_policy():
 class Rows:
     """The three Batch fields off_policy_mask reads."""
 
-    def __init__(self, mask, sampler_logps=None, sampler_rows=None):
+    def __init__(self, mask, vllm_logps=None, vllm_rows=None):
         self.mask = mask
-        self.sampler_logps = sampler_logps
-        self.sampler_rows = sampler_rows
+        self.vllm_logps = vllm_logps
+        self.vllm_rows = vllm_rows
 
 
-def off_policy_keep(advantages, old, logps, mask, delta, sampler_logps=None, sampler_rows=None):
+def off_policy_keep(advantages, old, logps, mask, delta, vllm_logps=None, vllm_rows=None):
     """The trainer's mask as policy_loss builds it: pi_behaviour is vLLM's log-probs on the rows
     it sampled, pi_old on the others."""
-    behaviour = grpo.pi_old_logps(old, sampler_logps, sampler_rows, mask)  # (B, T)
-    return grpo.off_policy_mask(advantages=advantages, behaviour_logps=behaviour, logps=logps,
-                                mask=mask, delta=delta)  # (B, T)
+    behaviour = grpo.pi_old_everywhere(old, vllm_logps, vllm_rows, mask)  # (B, T)
+    return objectives.off_policy_mask(advantages=advantages, behaviour_logps=behaviour,
+                                      logps=logps, mask=mask, delta=delta)  # (B, T)
 
 
 def test_off_policy_sequence_mask_by_hand():
@@ -397,8 +405,8 @@ def test_off_policy_mask_reads_vllms_log_probs_where_it_sampled():
     kept)."""
     mask = torch.ones(2, 1, dtype=torch.bool)
     keep = off_policy_keep(torch.tensor([[-1.0], [-1.0]]), torch.zeros(2, 1), torch.zeros(2, 1),
-                           mask, 0.2, sampler_logps=torch.tensor([[0.5], [0.5]]),
-                           sampler_rows=torch.tensor([True, False]))
+                           mask, 0.2, vllm_logps=torch.tensor([[0.5], [0.5]]),
+                           vllm_rows=torch.tensor([True, False]))
     assert keep.view(-1).tolist() == [0.0, 1.0]
 
 
@@ -412,9 +420,10 @@ def test_gspo_with_a_teachers_per_token_advantages_moves_each_token_by_its_own()
     mask = torch.ones(1, 3, dtype=torch.bool)
     advantages = torch.tensor([[0.8, -4.0, 0.0]])
     for old, ratio in ((logps.detach(), 1.0), (logps.detach() - 0.03, math.exp(0.03))):
-        per_token = grpo.grpo_loss(logps=logps, old_logps=old, ref_logps=None,
-                                   advantages=advantages, mask=mask, beta=0.0, clip_eps=0.2,
-                                   clip_eps_high=0.2, gspo=True)  # (1, 3)
+        per_token = objectives.variant_token_loss(logps=logps, old_logps=old, kl=None,
+                                                  advantages=advantages, mask=mask, beta=0.0,
+                                                  clip_eps=0.2, clip_eps_high=0.2,
+                                                  gspo=True)  # (1, 3)
         loss = grpo.reduce_loss(per_token, mask, loss_type="grpo")
         (grad,) = torch.autograd.grad(loss, logps)
         want = [-ratio * a / 3 for a in (0.8, -4.0, 0.0)]
@@ -433,11 +442,12 @@ def test_gspo_with_one_advantage_per_answer_is_the_sequence_objective_in_value_a
     mask[:, 0] = True
     advantages = torch.tensor([1.0, -0.5, 2.0, -1.5])
     eps = 3e-3
-    s = torch.exp(grpo.masked_mean(logps - old, mask))  # (4,)
+    s = torch.exp(objectives.masked_mean(logps - old, mask))  # (4,)
     want = -torch.min(s * advantages, s.clamp(1 - eps, 1 + eps) * advantages).mean()
-    per_token = grpo.grpo_loss(logps=logps, old_logps=old, ref_logps=None,
-                               advantages=advantages[:, None].expand(4, 5), mask=mask, beta=0.0,
-                               clip_eps=eps, clip_eps_high=eps, gspo=True)  # (4, 5)
+    per_token = objectives.variant_token_loss(logps=logps, old_logps=old, kl=None,
+                                              advantages=advantages[:, None].expand(4, 5),
+                                              mask=mask, beta=0.0, clip_eps=eps,
+                                              clip_eps_high=eps, gspo=True)  # (4, 5)
     got = grpo.reduce_loss(per_token, mask, loss_type="grpo")
     (want_grad,) = torch.autograd.grad(want, logps)
     (got_grad,) = torch.autograd.grad(got, logps)
@@ -460,7 +470,8 @@ def test_a_masked_answer_keeps_its_kl_penalty():
         clip_eps=0.2,
         clip_eps_high=0.2,
     )
-    masked = grpo.grpo_loss(weights=torch.zeros(1, 1), **common)
+    kl = grpo.reference_kl(common.pop("ref_logps"), logps, common["mask"])  # (1, 2)
+    masked = objectives.variant_token_loss(weights=torch.zeros(1, 1), kl=kl, **common)
     assert torch.allclose(masked, 0.1 * grpo.k3(ref, logps))
 
 
@@ -767,14 +778,14 @@ def test_the_top_k_reverse_kl_is_the_full_reverse_kl_at_k_equal_v_in_value_and_g
     student = torch.log_softmax(logits, -1)  # (B, T, V)
     full = (student.exp() * (student - teacher)).sum(-1)  # (B, T)
     top = teacher.topk(11, -1)
-    got = grpo.topk_reverse_kl(student_logps=student.gather(-1, top.indices),
+    got = objectives.topk_reverse_kl(student_logps=student.gather(-1, top.indices),
                                teacher_logps=top.values)  # (B, T)
     torch.testing.assert_close(got, full, rtol=0, atol=1e-12)
     (want_grad,) = torch.autograd.grad(full.sum(), logits, retain_graph=True)
     (got_grad,) = torch.autograd.grad(got.sum(), logits, retain_graph=True)
     torch.testing.assert_close(got_grad, want_grad, rtol=0, atol=1e-12)
     three = teacher.topk(3, -1).indices  # (B, T, 3)
-    partial = grpo.topk_reverse_kl(student_logps=student.gather(-1, three),
+    partial = objectives.topk_reverse_kl(student_logps=student.gather(-1, three),
                                    teacher_logps=teacher.gather(-1, three))
     by_hand = sum(student[0, 0, v].exp() * (student[0, 0, v] - teacher[0, 0, v])
                   for v in three[0, 0].tolist())
@@ -891,11 +902,11 @@ def test_the_top_k_term_enters_the_loss_as_coef_times_its_token_means(monkeypatc
     (lambda t: t.update(ref_logps=t["ref_logps"][:, :3]), "ref_logps must be float32"),
     (lambda t: t.update(ref_logps=t["ref_logps"].double()), "ref_logps must be float32"),
     (lambda t: t["ref_logps"].__setitem__((0, 0), float("inf")), "ref_logps has NaN"),
-    (lambda t: t["gen_logps"].__setitem__((1, 2), float("nan")), "gen_logps has NaN"),
+    (lambda t: t["pi_old_logps"].__setitem__((1, 2), float("nan")), "pi_old_logps has NaN"),
 ])
 def test_a_servers_log_probs_are_checked_before_the_loss_reads_them(change, message):
     """What a trainer reads from a server (or a worker's upload through it) is checked and bounded
-    before use: a wrong shape or a NaN in ref_logps or gen_logps stops collate with its name."""
+    before use: a wrong shape or a NaN in ref_logps or pi_old_logps stops collate with its name."""
     tensors, meta = group(G=2, plen=3, tc=4, seed=6)
     tensors["ref_logps"] = -torch.rand(2, 4)
     grpo.collate([(dict(tensors), meta)], 0)  # as sent
@@ -912,17 +923,17 @@ def test_the_teacher_term_only_on_the_answers_chosen_by_hand():
     teacher = torch.tensor([[0.3, -0.4], [2.0, 5.0]])
     mask = torch.ones(2, 2, dtype=torch.bool)
     chosen = torch.tensor([True, False])
-    got = grpo.distill_advantages(torch.tensor([1.0, -1.0]), teacher_logps=teacher,
-                                  sampler_logps=torch.zeros(2, 2), mask=mask, coef=0.5,
+    got = objectives.distill_advantages(torch.tensor([1.0, -1.0]), teacher_logps=teacher,
+                                  pi_old_logps=torch.zeros(2, 2), mask=mask, coef=0.5,
                                   answers=chosen)
     assert got.tolist() == [pytest.approx([1.15, 0.8]), [-1.0, -1.0]]
-    matched = grpo.distill_advantages(torch.tensor([1.0, -1.0]), teacher_logps=teacher,
-                                      sampler_logps=torch.zeros(2, 2), mask=mask, coef=0.5,
+    matched = objectives.distill_advantages(torch.tensor([1.0, -1.0]), teacher_logps=teacher,
+                                      pi_old_logps=torch.zeros(2, 2), mask=mask, coef=0.5,
                                       matched=True, answers=chosen)
     scale = 1 / math.sqrt(0.125)
     assert matched.tolist() == [pytest.approx([1 + 0.15 * scale, 1 - 0.2 * scale]), [-1.0, -1.0]]
-    nobody = grpo.distill_advantages(torch.tensor([1.0, -1.0]), teacher_logps=teacher,
-                                     sampler_logps=torch.zeros(2, 2), mask=mask, coef=0.5,
+    nobody = objectives.distill_advantages(torch.tensor([1.0, -1.0]), teacher_logps=teacher,
+                                     pi_old_logps=torch.zeros(2, 2), mask=mask, coef=0.5,
                                      matched=True, answers=torch.tensor([False, False]))
     assert nobody.tolist() == [[1.0, 1.0], [-1.0, -1.0]]  # no term to size: A alone, no NaN
 
@@ -939,7 +950,7 @@ def test_distill_below_gives_the_teacher_term_to_the_answers_under_it_alone(monk
     """policy_loss on a tiny model, rewards [3, 0, 2, 1.5] and DISTILL_BELOW 2: the loss equals
     the same batch's with every answer taking the term but answers 0 and 2 given a teacher equal
     to pi_old (a term of 0; top-k: their teacher log-probs equal to the student's own), and
-    differs from the loss where all four take it. pi_old is the batch's gen_logps, and the top-k
+    differs from the loss where all four take it. pi_old is the batch's pi_old_logps, and the top-k
     copy comes from the same forward the loss runs, so each spared term is 0 exactly and the two
     losses are the same sums of the same floats on any processor: 1e-6 is for the report only."""
     from transformers import AutoTokenizer, LlamaForCausalLM
@@ -953,8 +964,8 @@ def test_distill_below_gives_the_teacher_term_to_the_answers_under_it_alone(monk
     b = batch_for(model)
     g = torch.Generator().manual_seed(3)
     pi_old = b.ref_logps + 0.1 * torch.randn(4, 6, generator=g)  # (B, T) what the loss reads
-    b.gen_logps = pi_old
-    b.gen_rows = torch.ones(4, dtype=torch.bool)
+    b.pi_old_logps = pi_old
+    b.pi_old_rows = torch.ones(4, dtype=torch.bool)
     b.teacher_logps = pi_old - torch.rand(4, 6, generator=g)  # (B, T)
     b.ref_logps = None
     b.rewards = torch.tensor([3.0, 0.0, 2.0, 1.5])

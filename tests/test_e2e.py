@@ -49,7 +49,7 @@ def test_training_steps_end_to_end(server, tiny_model_dir, tmp_path, ranks):
             "max_length",
             "staleness",
             "generate_s",
-            "gen_logps_s",
+            "pi_old_s",
             "score_s",
             "wait_s",
             "fwd_bwd_s",

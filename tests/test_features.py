@@ -293,14 +293,10 @@ def test_env_overrides_read_lists_and_tuples_as_json_and_refuse_a_bad_boolean(mo
 
 def test_only_a_files_own_constants_are_settings(monkeypatch):
     """STD_EPS=0.5 used to change the trainer's imported copy of features.advantages.STD_EPS but not
-    the module's, so advantages_in_groups and group_advantages (held equal by the tests) differed.
-    An imported constant named in the environment now stops at start, naming it, for the trainer
-    and for ref_server.py (MAX_RANKS); the file's own constants still take their variable."""
-    for name, module in (
-        ("STD_EPS", "grpo_ref_split"),
-        ("SCALES", "grpo_ref_split"),
-        ("MAX_RANKS", "ref_server"),
-    ):
+    the module's, so two functions held equal by the tests differed. An imported constant named in
+    the environment stops at start, naming it (ref_server.py's MAX_RANKS, features/wire.py's); the
+    file's own constants still take their variable (STD_EPS is now the lesson's own)."""
+    for name, module in (("MAX_RANKS", "ref_server"),):
         run = subprocess.run(
             [sys.executable, "-c", f"import {module}"],
             cwd=ROOT,
@@ -311,7 +307,7 @@ def test_only_a_files_own_constants_are_settings(monkeypatch):
         )
         assert run.returncode != 0 and f"{name} is not a setting of {module}.py" in run.stderr
     assert env_overrides.own_constants(vars(grpo)) >= {"ALL_STEPS", "BETA", "REWARDS"}
-    assert "STD_EPS" not in env_overrides.own_constants(vars(grpo))
+    assert "STD_EPS" in env_overrides.own_constants(vars(grpo))
 
 
 # ----------------------------------------------------------------------------- ds_config.json

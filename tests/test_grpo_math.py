@@ -5,17 +5,17 @@ import math
 import pytest
 import torch
 
-from features.advantages import group_advantages
 from features.fast_paths import chunked_logps
 from features.wire import decode_batch, encode_batch
-from grpo_ref_split import collate, completion_mask, global_count, k3, masked_mean
+from grpo_ref_split import advantages_in_groups, collate, completion_mask, global_count, k3
+from objectives import masked_mean
 from reference_loss import torch_loss
 from rewards import make_arithmetic, score, split_held_out
 
 
 # ----------------------------------------------------------------------------- advantages
 def test_group_advantages_by_hand():
-    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0]), 4)
+    adv = advantages_in_groups(torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0]), 4)
     std = math.sqrt(1 / 3)  # unbiased std of [1, 0, 0, 1]: sum of squares 1 over n - 1 = 3
     expected = [0.5 / (std + 1e-4), -0.5 / (std + 1e-4)] * 2
     assert adv[:4].tolist() == pytest.approx(
@@ -28,19 +28,25 @@ def test_group_advantages_are_per_group():
     """Two groups of two, 100 apart: each is relative to its own mean and std, by hand. [0, 10]:
     mean 5, unbiased std sqrt((25 + 25) / 1) = 7.0711; [100, 110] the same. A batch-wide mean would
     give -55 ... 55."""
-    adv = group_advantages(torch.tensor([0.0, 10.0, 100.0, 110.0]), 2)
+    adv = advantages_in_groups(torch.tensor([0.0, 10.0, 100.0, 110.0]), 2)
     a = 5 / (math.sqrt(50) + 1e-4)
     assert adv.tolist() == pytest.approx([-a, a, -a, a], rel=1e-6)
 
 
-@pytest.mark.parametrize("n, g", [(6, 4), (4, 1), (3, 2)])
-def test_group_advantages_rejects_bad_groups(n, g):
-    with pytest.raises(ValueError, match=f"{n} rewards do not split into groups of {g}"):
-        group_advantages(torch.ones(n), g)
+@pytest.mark.parametrize("n, g", [(6, 4), (3, 2)])
+def test_group_advantages_refuse_rewards_that_do_not_split_into_groups(n, g):
+    with pytest.raises(RuntimeError, match="invalid for input of size"):
+        advantages_in_groups(torch.ones(n), g)
+
+
+def test_a_group_of_one_has_advantage_zero():
+    """Pure distillation's groups of one (NUM_PRE_Q = 1): no other answer to compare with, so no
+    reward signal, A = 0 (not a NaN from a std over one value)."""
+    assert advantages_in_groups(torch.tensor([3.0, -1.0]), 1).tolist() == [0.0, 0.0]
 
 
 def test_group_advantages_of_no_rewards_are_none():
-    assert group_advantages(torch.ones(0), 2).shape == (0,)
+    assert advantages_in_groups(torch.ones(0), 2).shape == (0,)
 
 
 # ----------------------------------------------------------------------------- completion mask
@@ -265,7 +271,7 @@ def test_grpo_loss_by_hand_single_token():
     loss = torch_loss(
         logps=logps,
         ref_logps=ref,
-        gen_logps=gen,
+        pi_old_logps=gen,
         advantages=torch.tensor([1.0]),
         mask=torch.ones(1, 1, dtype=torch.bool),
         beta=0.1,
@@ -287,7 +293,7 @@ def test_grpo_loss_matches_naive_formula_in_all_clip_cases(seed):
     got = torch_loss(
         logps=logps,
         ref_logps=ref,
-        gen_logps=gen,
+        pi_old_logps=gen,
         advantages=adv,
         mask=mask,
         beta=0.04,
@@ -330,7 +336,7 @@ def test_grpo_loss_gradient_matches_finite_differences_of_the_plain_formula():
         torch_loss(
             logps=logps,
             ref_logps=ref,
-            gen_logps=gen,
+            pi_old_logps=gen,
             advantages=adv,
             mask=mask,
             beta=0.04,
@@ -347,7 +353,7 @@ def test_grpo_loss_gradient_matches_finite_differences_of_the_plain_formula():
     assert (g[~mask] == 0).all()  # masked tokens get no gradient
 
 
-def test_gen_logps_none_is_the_on_policy_gradient():
+def test_pi_old_logps_none_is_the_on_policy_gradient():
     torch.manual_seed(2)
     logps = (-torch.rand(3, 4)).requires_grad_()
     adv = torch.tensor([1.0, -2.0, 0.5])
@@ -355,7 +361,7 @@ def test_gen_logps_none_is_the_on_policy_gradient():
     loss = torch_loss(
         logps=logps,
         ref_logps=logps.detach(),
-        gen_logps=None,
+        pi_old_logps=None,
         advantages=adv,
         mask=mask,
         beta=0.0,
@@ -375,9 +381,9 @@ def test_score_refuses_answers_that_do_not_line_up_with_the_questions():
 
 
 def test_truncated_importance_sampling_weights_each_token_by_hand():
-    """Rows 0-1 sampled by vLLM (sampler_logps), row 2 by the trainer (not in sampler_rows; its
+    """Rows 0-1 sampled by vLLM (vllm_logps), row 2 by the trainer (not in vllm_rows; its
     values there are junk that must not count): on-policy, pi_old is logp itself, so the weight is
-    min(exp(logp - sampler), cap) and the loss -w A per token; with gen_logps, pi_old is gen."""
+    min(exp(logp - sampler), cap) and the loss -w A per token; with pi_old_logps, pi_old is gen."""
     logps = torch.tensor([[-1.0, -0.5], [-1.0, -0.2], [-0.3, -0.4]], requires_grad=True)  # (3, 2)
     sampler = torch.tensor([[-1.5, -0.5], [-2.0, -0.1], [-9.0, -9.0]])  # (3, 2)
     rows = torch.tensor([True, True, False])
@@ -387,13 +393,13 @@ def test_truncated_importance_sampling_weights_each_token_by_hand():
     loss = torch_loss(
         logps=logps,
         ref_logps=None,
-        gen_logps=None,
+        pi_old_logps=None,
         advantages=adv,
         mask=mask,
         beta=0.0,
         clip_eps=0.2,
-        sampler_logps=sampler,
-        sampler_rows=rows,
+        vllm_logps=sampler,
+        vllm_rows=rows,
         tis_cap=2.0,
     )
     assert loss.item() == pytest.approx(-(w * adv[:, None]).mean().item(), rel=1e-6)
@@ -403,13 +409,13 @@ def test_truncated_importance_sampling_weights_each_token_by_hand():
     off = torch_loss(
         logps=logps,
         ref_logps=None,
-        gen_logps=None,
+        pi_old_logps=None,
         advantages=adv,
         mask=mask,
         beta=0.0,
         clip_eps=0.2,
-        sampler_logps=sampler,
-        sampler_rows=rows,
+        vllm_logps=sampler,
+        vllm_rows=rows,
         tis_cap=0.0,
     )
     assert off.item() == pytest.approx(-adv.mean().item(), rel=1e-6)  # tis_cap = 0: no correction
@@ -417,13 +423,13 @@ def test_truncated_importance_sampling_weights_each_token_by_hand():
     with_gen = torch_loss(
         logps=logps,
         ref_logps=None,
-        gen_logps=gen,
+        pi_old_logps=gen,
         advantages=adv,
         mask=mask,
         beta=0.0,
         clip_eps=10.0,
-        sampler_logps=sampler,
-        sampler_rows=rows,
+        vllm_logps=sampler,
+        vllm_rows=rows,
         tis_cap=2.0,
     ).item()
     w_gen = torch.where(rows[:, None], torch.exp(gen - sampler), 1.0).clamp(max=2.0)
@@ -449,7 +455,7 @@ def test_padding_with_logp_minus_100_leaves_loss_and_gradient_finite(loss_type):
         loss = torch_loss(
             logps=logps,
             ref_logps=pad_ref,
-            gen_logps=pad_gen,
+            pi_old_logps=pad_gen,
             advantages=adv,
             mask=mask,
             beta=0.04,
@@ -487,7 +493,7 @@ def _rank_gradient(rank, world, port, data, loss_type, normalize, results):
     torch_loss(
         logps=x * w,
         ref_logps=ref,
-        gen_logps=gen,
+        pi_old_logps=gen,
         advantages=adv,
         mask=mask,
         beta=0.04,
@@ -562,7 +568,7 @@ def test_encode_decode_round_trip_is_exact():
         input_ids=torch.randint(0, 100, (3, 7)),
         completion_mask=torch.rand(3, 4) > 0.5,
         advantages=torch.randn(3),
-        gen_logps=torch.randn(3, 4),
+        pi_old_logps=torch.randn(3, 4),
     )
     meta = {"plen": 3, "temperature": 0.7, "note": "ünïcode"}
     back, back_meta = decode_batch(encode_batch(tensors, meta))
@@ -579,7 +585,7 @@ def test_collate_aligns_groups_of_different_lengths():
         advantages=torch.tensor([1.0, -1.0]),
         rewards=torch.tensor([3.0, 0.0]),
         ref_logps=torch.full((2, 2), -1.0),
-        gen_logps=torch.full((2, 2), -2.0),
+        pi_old_logps=torch.full((2, 2), -2.0),
     )
     g2 = dict(
         input_ids=torch.tensor([[4, 20, 21, 22]]),
@@ -597,13 +603,15 @@ def test_collate_aligns_groups_of_different_lengths():
     assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]]
     assert b.mask.int().tolist() == [[1, 1, 0], [1, 1, 0], [1, 1, 0]]
     assert b.ref_logps[2].tolist() == [-3.0] * 3 and b.ref_logps[0].tolist() == [-1.0, -1.0, 0.0]
-    # a group sent without gen_logps: on-policy (ratio 1)
-    assert b.gen_rows.tolist() == [True, True, False]
-    assert b.gen_logps[0].tolist()[:2] == [-2.0, -2.0] and b.gen_logps[2].tolist() == [0.0] * 3
-    assert b.sampler_logps is None and b.sampler_rows is None  # no row has them
+    # a group sent without pi_old_logps: on-policy (ratio 1)
+    assert b.pi_old_rows.tolist() == [True, True, False]
+    assert b.pi_old_logps[0].tolist()[:2] == [-2.0, -2.0]
+    assert b.pi_old_logps[2].tolist() == [0.0] * 3
+    assert b.vllm_logps is None and b.vllm_rows is None  # no row has them
     only_g2 = collate([(g2, {"plen": 1})], pad_id=0)
-    assert only_g2.gen_logps is None and only_g2.gen_rows is None
-    assert collate([(g1, {"plen": 3})], pad_id=0).gen_logps.tolist() == [[-2.0, -2.0], [-2.0, -2.0]]
+    assert only_g2.pi_old_logps is None and only_g2.pi_old_rows is None
+    alone = collate([(g1, {"plen": 3})], pad_id=0)
+    assert alone.pi_old_logps.tolist() == [[-2.0, -2.0], [-2.0, -2.0]]
     assert b.advantages.tolist() == [1.0, -1.0, 0.5]
 
 

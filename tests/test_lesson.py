@@ -17,7 +17,6 @@ import torch
 import grpo_ref_split as grpo
 from conftest import ROOT, tiny_config
 from features import quiet
-from features.advantages import group_advantages
 
 READ_BY_PEOPLE = ("grpo_ref_split.py", "ref_server.py", "rewards.py", "grpo_loss_triton.py")
 # The feature modules a default step enters (python bench/lesson_path.py lists them), and the
@@ -121,10 +120,10 @@ def test_with_every_fast_path_off_the_lessons_definition_is_what_trains(left_pad
         mask=torch.ones(6, 5, dtype=torch.bool),
         advantages=torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0]),
         ref_logps=torch.full((6, 5), -3.0),
-        gen_logps=None,
-        gen_rows=None,
-        sampler_logps=None,
-        sampler_rows=None,
+        pi_old_logps=None,
+        pi_old_rows=None,
+        vllm_logps=None,
+        vllm_rows=None,
         normalizer=6.0,
     )
     params = list(model.parameters())
@@ -145,13 +144,6 @@ def test_with_every_fast_path_off_the_lessons_definition_is_what_trains(left_pad
     _, entropy = grpo.per_token_logps(model, ids, attn, 5, with_entropy=True)
     assert m["entropy"] == pytest.approx(entropy.mean().item(), rel=1e-5)
     assert m["entropy"] == pytest.approx(fast_m["entropy"], rel=1e-4)
-
-
-def test_the_lessons_group_advantages_are_the_features_for_group_scaling():
-    scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 3.0, 3.0, 3.0, 0.5, 2.0, 0.0, 1.0])
-    assert torch.equal(grpo.advantages_in_groups(scores, 4), group_advantages(scores, 4, "group"))
-    # all equal: nothing to learn
-    assert grpo.advantages_in_groups(scores, 4)[4:8].tolist() == [0.0] * 4
 
 
 # ------------------------------------------------------------------------- rules a reader relies on
@@ -215,18 +207,25 @@ def test_the_lesson_holds_its_own_settings_and_no_namespace_is_handed_out():
 
 
 def test_the_training_loop_reads_as_the_seven_steps():
-    """main()'s loop over steps stays short enough to read at once, and names its steps."""
-    tree = ast.parse(open(os.path.join(ROOT, "grpo_ref_split.py")).read())
-    main = next(f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "main")
+    """main()'s loop over steps stays short enough to read at once and names its steps; the steps
+    it calls steps_1_to_5 name theirs."""
+    source = open(os.path.join(ROOT, "grpo_ref_split.py")).read()
+    tree = ast.parse(source)
+    functions = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
     loop = next(
         n
-        for n in ast.walk(main)
+        for n in ast.walk(functions["main"])
         if isinstance(n, ast.For) and getattr(n.target, "id", "") == "step"
     )
     assert loop.end_lineno - loop.lineno + 1 <= 46
-    text = ast.get_source_segment(open(os.path.join(ROOT, "grpo_ref_split.py")).read(), loop)
-    for step in ("1. draw", "2-4.", "5. upload", "6-7."):
+    text = ast.get_source_segment(source, loop)
+    for step in ("1-5.", "6-7."):
         assert step in text
+    text = ast.get_source_segment(source, functions["steps_1_to_5"])
+    for step in ("1. draw", "2-4.", "5. upload"):
+        assert step in text
+    main = functions["main"]
+    assert main.end_lineno - main.lineno + 1 <= 90
 
 
 @pytest.mark.parametrize(

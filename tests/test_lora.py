@@ -118,7 +118,7 @@ def test_reference_from_the_disabled_adapters_equals_the_servers_on_the_base(mod
     server, stop_serving, url = start(model)  # the server holds the base model
     try:
         tensors, meta = group(G=3, plen=5, tc=4, seed=3)
-        del tensors["gen_logps"]
+        del tensors["pi_old_logps"]
         import requests
 
         from features.wire import encode_batch

@@ -15,6 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import grpo_ref_split as grpo
+import objectives
 from conftest import (
     ROOT,
     ServerProcess,
@@ -26,11 +27,10 @@ from conftest import (
     wait_for,
 )
 from features import env_overrides, fast_paths, question_sampler
-from features.advantages import group_advantages, scale_to_step
 from features.evaluation import pass_at_k, sampled_scores
 from features.question_sampler import QuestionSampler, out_of_rollouts
 from features.regroup import RegroupPool
-from features.vllm_engine import mismatch_weights
+from objectives import mismatch_weights
 from reference_loss import torch_loss
 
 
@@ -45,7 +45,7 @@ def lengths_batch():
 
 def test_dr_grpo_sums_tokens_over_a_constant_and_differs_from_grpo_by_each_answers_length():
     logps, mask, adv = lengths_batch()
-    kw = dict(ref_logps=None, gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2)
+    kw = dict(ref_logps=None, pi_old_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2)
     dr = torch_loss(logps=logps, loss_type="dr_grpo", max_tokens=8, **kw)
     (g_dr,) = torch.autograd.grad(dr, logps)
     # token sum / (G x MAX_NEW_TOKENS)
@@ -69,7 +69,7 @@ def test_dr_grpo_normalizer_counts_answers_of_every_rank():
     logps, mask, adv = lengths_batch()
     kw = dict(
         ref_logps=None,
-        gen_logps=None,
+        pi_old_logps=None,
         advantages=adv,
         mask=mask,
         beta=0.0,
@@ -84,7 +84,7 @@ def test_dr_grpo_normalizer_counts_answers_of_every_rank():
 
 def test_the_loss_refuses_unknown_types_and_modes():
     logps, mask, adv = lengths_batch()
-    kw = dict(ref_logps=None, gen_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2)
+    kw = dict(ref_logps=None, pi_old_logps=None, advantages=adv, mask=mask, beta=0.0, clip_eps=0.2)
     for bad in (
         dict(loss_type="dr-grpo"),
         dict(tis_mode="sequence"),
@@ -101,36 +101,25 @@ def test_each_reward_scaling_by_hand():
     g1, g2 = math.sqrt(0.25), math.sqrt(1.0)  # unbiased stds of (1, 0, 0, 0) and (3, 1, 1, 1)
     batch = math.sqrt(sum((x - 0.875) ** 2 for x in r.tolist()) / 7)  # unbiased std of all 8
     eps = 1e-4
-    assert torch.allclose(group_advantages(r, 4, "none"), torch.tensor(centred))
+    assert torch.allclose(objectives.centred_in_groups(r, 4), torch.tensor(centred))
     assert torch.allclose(
-        group_advantages(r, 4, "group"),
+        grpo.advantages_in_groups(r, 4),
         torch.tensor([c / ((g1 if i < 4 else g2) + eps) for i, c in enumerate(centred)]),
     )
-    assert torch.allclose(
-        group_advantages(r, 4, "batch", batch_std=batch),
-        torch.tensor([c / (batch + eps) for c in centred]),
-    )
-    # one group, the step's std
-    assert torch.allclose(
-        group_advantages(r[:4], 4, "batch", batch_std=batch),
-        torch.tensor([c / (batch + eps) for c in centred[:4]]),
-    )
     halves = [({"rewards": r[:4]}, {}), ({"rewards": r[4:]}, {})]
-    second = scale_to_step(halves, torch.zeros(0), "cpu")[1][0]["advantages"]
-    assert torch.allclose(second, torch.tensor([c / (batch + eps) for c in centred[4:]]))
-    with pytest.raises(ValueError, match="SCALE_REWARDS"):
-        group_advantages(r, 4, "batch_std")
-    # only the trainer knows the step's std
-    with pytest.raises(ValueError, match="needs batch_std"):
-        group_advantages(r, 4, "batch")
+    scaled = objectives.scale_to_step(halves, torch.zeros(0), "cpu", std_eps=eps)
+    for (tensors, _), want in zip(scaled, (centred[:4], centred[4:])):  # each, the step's std
+        assert torch.allclose(tensors["advantages"], torch.tensor([c / (batch + eps)
+                                                                   for c in want]))
 
 
-def test_a_regrouped_group_keeps_the_rollouts_reward_scaling():
-    """The server recomputes a regrouped group's advantages with the scaling its uploads name
-    (meta): no std division for Dr. GRPO's "none"; for "batch" only centred, since the trainer
-    divides by its step's std."""
+def test_a_regrouped_group_gets_the_trainers_own_reward_scaling(monkeypatch):
+    """A regrouped group comes back with its rewards alone; the trainer gives it step 4 as it gives
+    its own groups (server_client.with_advantages): no std division for Dr. GRPO's "none"; for
+    "batch" only centred, since the trainer divides by its step's std later; GRPO's group std."""
+    from features.server_client import with_advantages
 
-    def regrouped(meta):
+    def regrouped():
         pool = RegroupPool(pool_size=8, questions=4)
         ids = torch.randint(0, 50, (4, 7), generator=torch.Generator().manual_seed(1))
         ids[:, :3] = ids[0, :3]
@@ -140,18 +129,17 @@ def test_a_regrouped_group_keeps_the_rollouts_reward_scaling():
             rewards=torch.zeros(4),
             advantages=torch.zeros(4),
         )
-        assert pool.add(first, {"plen": 3, **meta}) is None  # equal rewards: held back
+        assert pool.add(first, {"plen": 3}) is None  # equal rewards: held back
         second = dict(first, rewards=torch.tensor([2.0, 2.0, 2.0, 2.0]))
-        return pool.add(second, {"plen": 3, **meta})[0]
+        return pool.add(second, {"plen": 3})
 
-    for meta, scale in (
-        (dict(scale_rewards="none"), 1.0),
-        (dict(scale_rewards="batch"), 1.0),
-        ({}, None),
-    ):
-        out = regrouped(meta)
+    monkeypatch.setattr(grpo, "NUM_PRE_Q", 4)
+    for setting, scale in (("none", 1.0), ("batch", 1.0), ("group", None)):
+        monkeypatch.setattr(grpo, "SCALE_REWARDS", setting)
+        group = regrouped()
+        assert "advantages" not in group[0]
+        [(out, _)] = with_advantages(lambda *_: [group], grpo.answer_advantages)([], 0, 0)
         want = out["rewards"] - out["rewards"].mean()  # (4,)
-        # no field: GRPO's group std
         scale = out["rewards"].std().item() + 1e-4 if scale is None else scale
         assert torch.allclose(out["advantages"], want / scale)
 
@@ -198,12 +186,12 @@ def test_a_masked_answer_leaves_the_loss_and_its_gradient():
     logps = torch.full((2, 2), -1.0, requires_grad=True)
     kw = dict(
         ref_logps=None,
-        gen_logps=None,
+        pi_old_logps=None,
         advantages=torch.tensor([1.0, -1.0]),
         mask=torch.ones(2, 2).bool(),
         beta=0.0,
         clip_eps=0.2,
-        sampler_logps=logps.detach() - log_rho,
+        vllm_logps=logps.detach() - log_rho,
         tis_cap=2.0,
     )
     loss = torch_loss(logps=logps, tis_mode="sequence_mask", **kw)
@@ -423,7 +411,7 @@ def test_a_constant_outside_its_choices_stops_the_run_before_any_model_loads(mon
     for module, name, bad in (
         (grpo, "LOSS_TYPE", "drgrpo"),
         (grpo, "SCALE_REWARDS", "std"),
-        (grpo.vllm_engine, "TIS_MODE", "mask"),
+        (objectives, "TIS_MODE", "mask"),
         (grpo.question_sampler, "SAMPLER", "easy"),
     ):
         with monkeypatch.context() as m:
@@ -431,7 +419,7 @@ def test_a_constant_outside_its_choices_stops_the_run_before_any_model_loads(mon
             with pytest.raises(SystemExit, match=f"{name} = '{bad}': one of"):
                 grpo.check_settings()
     monkeypatch.setattr(grpo.fast_paths, "USE_TRITON", True)
-    monkeypatch.setattr(grpo.vllm_engine, "TIS_MODE", "sequence_mask")
+    monkeypatch.setattr(objectives, "TIS_MODE", "sequence_mask")
     with pytest.raises(SystemExit, match="USE_TRITON has no per-answer ratio"):
         grpo.check_settings()
     with pytest.raises(SystemExit, match="X = 3: one of 1, 2"):

@@ -280,11 +280,11 @@ def test_a_workers_group_on_two_servers_is_taken_once(model):
 def test_groups_sampled_by_newer_weights_are_dropped_and_counted():
     """After RESUME from step 5, a group of version 9 (a crashed run's leftover, a worker ahead) is
     dropped and counted as ahead; a group with no version counts as the oldest (0) here and in
-    REGROUP alike, so at version 5 it is late (kept only with gen_logps)."""
+    REGROUP alike, so at version 5 it is late (kept only with pi_old_logps)."""
     import grpo_ref_split as grpo
     from features.wire import sampled_version
 
-    logps = {"gen_logps": torch.zeros(1)}
+    logps = {"pi_old_logps": torch.zeros(1)}
     groups = [(logps, {"version": 9}), (logps, {"version": 5}), ({}, {}), (logps, {})]
     kept, counts = grpo.drop_untrainable(groups, 5, max_staleness=10)
     assert [meta.get("version") for _, meta in kept] == [5, None]
@@ -316,7 +316,7 @@ def test_both_step_5_clients_bring_back_a_late_group_of_theirs_and_drop_an_earli
 ):
     """An earlier run left a group queued for rank 0: either client drops it. Step 1's group whose
     reference forward outlasts the deadline comes back at step 2, first, beside step 2's own, with
-    its version; drop_untrainable then drops it (no gen_logps: its ratio would be 1) and counts
+    its version; drop_untrainable then drops it (no pi_old_logps: its ratio would be 1) and counts
     it."""
     import grpo_ref_split as grpo
 
@@ -338,7 +338,7 @@ def test_both_step_5_clients_bring_back_a_late_group_of_theirs_and_drop_an_earli
         exchange = dict(exchanges(monkeypatch, url, timeout=1.0))[which]
         late, on_time = group(seed=31), group(seed=32)
         for tensors, _ in (late, on_time):
-            del tensors["gen_logps"]  # MU = 1: a rank's own groups carry none
+            del tensors["pi_old_logps"]  # MU = 1: a rank's own groups carry none
         assert exchange([late], 0, 0) == []  # step 1: the leftover dropped, its own not ready
         gate.set()
         monkeypatch.setattr(grpo, "SERVER_TIMEOUT", 60.0)
@@ -351,7 +351,7 @@ def test_both_step_5_clients_bring_back_a_late_group_of_theirs_and_drop_an_earli
     assert [meta["version"] for _, meta in got] == [0, 1]
     assert torch.equal(got[0][0]["rewards"], late[0]["rewards"])
     assert torch.equal(got[1][0]["rewards"], on_time[0]["rewards"])
-    kept, counts = grpo.drop_untrainable(got, 1, max_staleness=grpo.worker.MAX_STALENESS)
+    kept, counts = grpo.drop_untrainable(got, 1, max_staleness=grpo.MAX_STALENESS)
     assert kept == got[1:] and counts["late_groups_dropped"] == 1
 
 

@@ -217,7 +217,8 @@ BAD = {
         400,
         "completion_mask must be",
     ),
-    "gen_logps rows mismatch": (mutate(gen_logps=lambda t: t[:-1]), 400, "gen_logps must be"),
+    "pi_old_logps rows mismatch": (mutate(pi_old_logps=lambda t: t[:-1]), 400,
+                                   "pi_old_logps must be"),
     "advantages rows mismatch": (mutate(advantages=lambda t: t[:-1]), 400, "advantages must be"),
     "plen 0": (mutate(meta_plen=0), 400, "plen must be an int in 1..8"),
     "plen = sequence length": (mutate(meta_plen=9), 400, "plen must be"),
@@ -249,10 +250,10 @@ BAD = {
         400,
         "advantages has NaN or inf",
     ),
-    "inf gen_logps": (
-        mutate(gen_logps=lambda t: t.index_fill(1, torch.tensor([0]), float("-inf"))),
+    "inf pi_old_logps": (
+        mutate(pi_old_logps=lambda t: t.index_fill(1, torch.tensor([0]), float("-inf"))),
         400,
-        "gen_logps has NaN or inf",
+        "pi_old_logps has NaN or inf",
     ),
     "too many rows": (encode_batch(*group(G=17)), 400, "17 rows; 1 to 16 allowed"),
     "metadata 70000 deep": (
@@ -683,8 +684,8 @@ def reward_model(tokenizer):
     return LlamaForSequenceClassification(tiny_config(tokenizer, num_labels=1)).eval()
 
 
-def test_a_reward_model_adds_its_weighted_score_and_the_server_redoes_the_advantages(
-    model, tokenizer, reward_model
+def test_a_reward_model_adds_its_weighted_score_and_the_trainer_redoes_the_advantages(
+    model, tokenizer, reward_model, monkeypatch
 ):
     server, stop_serving, url = start(
         model,
@@ -713,9 +714,13 @@ def test_a_reward_model_adds_its_weighted_score_and_the_server_redoes_the_advant
         assert scores.std() > 0  # the classifier does tell the answers apart
         rewards = tensors["rewards"] + 0.5 * scores
         assert torch.allclose(back["rewards"], rewards, atol=1e-6)
-        # unbiased std, as group_advantages
+        assert "advantages" not in back  # stale with the new rewards: step 4 is the trainer's
+        monkeypatch.setattr(grpo, "NUM_PRE_Q", 4)
+        [(redone, _)] = with_advantages(lambda *_: [(back, back_meta)],
+                                        grpo.answer_advantages)([], 0, 0)
+        # unbiased std, as GRPO's advantages_in_groups
         by_hand = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
-        assert torch.allclose(back["advantages"], by_hand, atol=1e-5)
+        assert torch.allclose(redone["advantages"], by_hand, atol=1e-5)
         assert back_meta["reward_model_mean"] == pytest.approx(scores.mean().item(), abs=1e-6)
         r = requests.post(url + "/upload", data=encode_batch(*group(seed=4)), timeout=10)
         assert r.status_code == 400 and "needs question and answers" in r.json()["error"]
@@ -909,5 +914,6 @@ def test_each_server_setting_is_its_constant_or_a_keyword_and_a_misspelled_one_i
     with pytest.raises(TypeError, match="queue_sise"):
         RefServer(model, "t", queue_sise=2)
     server = RefServer(model, "t", queue_size=3)
-    assert server.queue_size == 3 and server.room.queue_size == 3
-    assert server.max_rows == ref_server.MAX_ROWS and server.regroup == ref_server.REGROUP
+    assert server.settings.queue_size == 3 and server.room.queue_size == 3
+    assert server.settings.max_rows == ref_server.MAX_ROWS
+    assert server.settings.regroup == ref_server.REGROUP

@@ -153,7 +153,8 @@ def test_a_model_that_ignores_the_kv_cache_is_refused(smollm):
 @pytest.fixture(scope="module")
 def zero2_steps(tiny_model_dir, tmp_path_factory):
     """zero2_steps(ranks, checkpointing): tests/zero2_gradient.py's results, {(SHARED_PREFIX,
-    TRAIN_MICRO_BATCH): {"grads", "weights", "gen_logps", "mask", "parts", "loss"}}, one launch (~1
+    TRAIN_MICRO_BATCH): {"grads", "weights", "pi_old_logps", "mask", "parts", "loss"}}, one launch
+    (~1
     min) per argument pair."""
     done = {}
 
@@ -195,13 +196,14 @@ def assert_same(want, got, what, tolerance=1e-5):
 
 @pytest.mark.slow
 def test_shared_prefix_under_zero2_on_two_ranks_with_mu_two(zero2_steps):
-    """MU = 2 makes prepare_batch take gen_logps with the same forward; the loss then uses them."""
+    """MU = 2 makes prepare_batch take pi_old_logps with the same forward; the loss then uses
+    them."""
     full = zero2_steps()[0, 0]
     for checkpointing in ("0", "1"):
         shared = zero2_steps(2, checkpointing)[1, 0]
         known = full["mask"].bool()  # (B, T) the answers' tokens, both ranks' rows
         assert torch.equal(known, shared["mask"].bool()) and known.sum() > 0.5 * known.numel()
-        assert (full["gen_logps"][known] - shared["gen_logps"][known]).abs().max() <= 1e-4
+        assert (full["pi_old_logps"][known] - shared["pi_old_logps"][known]).abs().max() <= 1e-4
         assert_same(full["grads"], shared["grads"], f"gradient checkpointing {checkpointing}")
 
 

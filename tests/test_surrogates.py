@@ -10,9 +10,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-import grpo_ref_split as grpo
+import grpo_ref_split as grpo  # noqa: E402
+import objectives  # noqa: E402
 from conftest import set_setting
-from features.advantages import whiten_to_step
 from test_variants import (PlainEngine, batch_for, fresh_model,  # noqa: F401 (fixtures)
                            short_rollout, tiny_policy)
 
@@ -25,7 +25,8 @@ def loss_and_grad(objective, log_ratio, advantages, **extra):
     logps = torch.tensor([log_ratio], dtype=torch.float64, requires_grad=True)  # (1, T)
     mask = torch.ones_like(logps, dtype=torch.bool)  # (1, T)
     adv = torch.tensor([advantages], dtype=torch.float64)  # (1, T)
-    per_token = grpo.grpo_loss(logps=logps, old_logps=torch.zeros_like(logps), ref_logps=None,
+    per_token = objectives.variant_token_loss(logps=logps, old_logps=torch.zeros_like(logps),
+                                              kl=None,
                                advantages=adv, mask=mask, beta=0.0, clip_eps=EPS,
                                clip_eps_high=EPS, objective=objective, **extra)  # (1, T)
     loss = grpo.reduce_loss(per_token, mask, loss_type="grpo")
@@ -93,7 +94,8 @@ def test_each_surrogate_against_its_definition_in_value_and_gradient():
         "gmpo": (-geo * A[:, 0]).mean(),
     }
     for objective, want in definitions.items():
-        per_token = grpo.grpo_loss(logps=logps, old_logps=torch.zeros_like(logps), ref_logps=None,
+        per_token = objectives.variant_token_loss(logps=logps, old_logps=torch.zeros_like(logps),
+                                              kl=None,
                                    advantages=A[:, 0], mask=mask, beta=0.0, clip_eps=EPS,
                                    clip_eps_high=EPS, objective=objective)  # (6, 7)
         got = grpo.reduce_loss(per_token, mask, loss_type="grpo")
@@ -104,23 +106,23 @@ def test_each_surrogate_against_its_definition_in_value_and_gradient():
         torch.testing.assert_close(got_grad, want_grad, rtol=0, atol=1e-12, msg=objective)
 
 
-@pytest.mark.parametrize("objective", grpo.OBJECTIVES)
+@pytest.mark.parametrize("objective", objectives.OBJECTIVES)
 def test_at_ratio_one_every_surrogate_has_the_policy_gradient(objective):
     """On the samples' own weights (r = 1) each surrogate's gradient is the policy gradient's,
     -A_t / |y| on each token: they differ only in how they treat a ratio that has moved."""
     _, grad = loss_and_grad(objective, [0.0, 0.0, 0.0, 0.0], [0.7] * 4,
-                            sapo_taus=(grpo.SAPO_TAU_POS, grpo.SAPO_TAU_NEG))
+                            sapo_taus=(objectives.SAPO_TAU_POS, objectives.SAPO_TAU_NEG))
     assert grad == pytest.approx([-0.7 / 4] * 4)
 
 
-@pytest.mark.parametrize("objective", grpo.OBJECTIVES)
+@pytest.mark.parametrize("objective", objectives.OBJECTIVES)
 def test_at_ratio_one_with_vllm_weights_only_gmpo_moves_off_the_clip(objective):
     """The demo's case (docs/loss.md): r = 1 with vLLM's mismatch weights w_t. The clip, CISPO
     and SAPO give each token -w_t A / |y|; GMPO's one value per answer gives every token
     -mean(w) A / |y|. A = 0.7, w = [0.5, 1, 1.5, 2], |y| = 4, by hand."""
     weights = torch.tensor([[0.5, 1.0, 1.5, 2.0]], dtype=torch.float64)  # (1, T)
     _, grad = loss_and_grad(objective, [0.0] * 4, [0.7] * 4, weights=weights,
-                            sapo_taus=(grpo.SAPO_TAU_POS, grpo.SAPO_TAU_NEG))
+                            sapo_taus=(objectives.SAPO_TAU_POS, objectives.SAPO_TAU_NEG))
     if objective == "gmpo":
         assert grad == pytest.approx([-1.25 * 0.7 / 4] * 4)  # mean(w) = 1.25
     else:
@@ -130,14 +132,15 @@ def test_at_ratio_one_with_vllm_weights_only_gmpo_moves_off_the_clip(objective):
 # ----------------------------------------------------------------------------- the baselines
 def test_rloo_by_hand():
     """[1, 0, 0, 1]: each answer against the mean of the other three, 2/3 and -2/3; no std."""
-    got = grpo.rloo_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 3.0, 0.0, 6.0]), 4)
+    got = objectives.rloo_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 3.0, 0.0, 6.0]), 4)
     assert got.tolist() == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3, 0.0, 0.0, -4.0, 4.0])
 
 
 def test_passk_gives_the_best_answer_alone_its_lead_by_hand():
     """[0.2, 1, 0.5, 0]: the best leads the second by 0.5, over the group's std 0.43493: 1.14961
     on it, 0 elsewhere. Two equal bests: no lead, all 0."""
-    got = grpo.passk_advantages(torch.tensor([0.2, 1.0, 0.5, 0.0, 1.0, 0.0, 1.0, 0.0]), 4)
+    got = objectives.passk_advantages(torch.tensor([0.2, 1.0, 0.5, 0.0, 1.0, 0.0, 1.0, 0.0]), 4,
+                                      std_eps=grpo.STD_EPS)
     std = torch.tensor([0.2, 1.0, 0.5, 0.0]).std().item()
     assert std == pytest.approx(0.43493, abs=1e-5)
     assert got.tolist() == pytest.approx([0.0, 0.5 / (std + grpo.STD_EPS), 0.0, 0.0] + [0.0] * 4)
@@ -148,7 +151,7 @@ def test_gdpo_normalises_each_reward_before_the_sum_by_hand():
     +-0.86603 (std 0.57735), so 2 c + f = [2.598, 0.866, -0.866, -2.598]. Summed first, [3, 2, 1, 0]
     gives GRPO's [1.162, 0.387, -0.387, -1.162]: format's steps weigh as much as correct's."""
     each = torch.tensor([[1.0, 1.0], [1.0, 0.0], [0.0, 1.0], [0.0, 0.0]])  # (N, K)
-    got = grpo.gdpo_advantages(each, torch.tensor([2.0, 1.0]), 4)
+    got = objectives.gdpo_advantages(each, torch.tensor([2.0, 1.0]), 4, std_eps=grpo.STD_EPS)
     z = 0.5 / (math.sqrt(1 / 3) + grpo.STD_EPS)
     assert got.tolist() == pytest.approx([3 * z, z, -z, -3 * z])
     assert got[0].item() == pytest.approx(2.598, abs=1e-3)
@@ -182,16 +185,16 @@ def test_step_4_takes_the_chosen_baseline(setting, want, monkeypatch):
     each = {"reward_correct": [1.0, 1.0, 0.0, 0.0], "reward_format": [1.0, 0.0, 1.0, 0.0]}
     scores = torch.tensor([3.0, 2.0, 1.0, 0.0])
     expected = {
-        "rloo": grpo.rloo_advantages(scores, 4),
-        "passk": grpo.passk_advantages(scores, 4),
+        "rloo": objectives.rloo_advantages(scores, 4),
+        "passk": objectives.passk_advantages(scores, 4, std_eps=grpo.STD_EPS),
         "centred": scores - scores.mean(),
-        "gdpo": grpo.gdpo_advantages(torch.tensor([each["reward_correct"],
-                                                   each["reward_format"]]).T,
-                                     torch.tensor([2.0, 1.0]), 4),
+        "gdpo": objectives.gdpo_advantages(torch.tensor([each["reward_correct"],
+                                                         each["reward_format"]]).T,
+                                           torch.tensor([2.0, 1.0]), 4, std_eps=grpo.STD_EPS),
         "grpo": grpo.advantages_in_groups(scores, 4),
     }[want]
     assert grpo.answer_advantages(scores, each).tolist() == pytest.approx(expected.tolist())
-    assert grpo.whitened_at_step() == (want in ("centred", "gdpo"))
+    assert grpo.rescaled_at_step() == (want in ("centred", "gdpo"))
 
 
 def test_reinforce_pp_divides_by_the_std_over_every_answer_of_the_step_by_hand():
@@ -199,7 +202,7 @@ def test_reinforce_pp_divides_by_the_std_over_every_answer_of_the_step_by_hand()
     advantages have mean 0 and unbiased std sqrt(20 / 5) = 2, so [0.5, -0.5] and [1.5, -1.5]."""
     groups = [({"advantages": torch.tensor([1.0, -1.0])}, {}),
               ({"advantages": torch.tensor([3.0, -3.0])}, {})]
-    got = whiten_to_step(groups, 2, "cpu")
+    got = objectives.whiten_to_step(groups, 2, "cpu", std_eps=grpo.STD_EPS)
     assert [t["advantages"].tolist() for t, _ in got] == [
         pytest.approx([0.5 / (1 + 0.5e-4), -0.5 / (1 + 0.5e-4)], rel=1e-6),
         pytest.approx([1.5 / (1 + 0.5e-4), -1.5 / (1 + 0.5e-4)], rel=1e-6)]
@@ -212,14 +215,15 @@ def test_the_top_entropy_share_by_hand_and_only_those_tokens_train():
     train; the padding's 9.0 never counts. In the loss the others get no surrogate gradient."""
     entropy = torch.tensor([[0.1, 2.0, 0.5, 3.0], [1.0, 9.0, 9.0, 9.0]])
     mask = torch.tensor([[True] * 4, [True, False, False, False]])
-    keep = grpo.high_entropy_mask(entropy=entropy, mask=mask, quantile=0.4)
+    keep = objectives.high_entropy_mask(entropy=entropy, mask=mask, quantile=0.4)
     assert keep.tolist() == [[0.0, 1.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0]]
-    assert grpo.high_entropy_mask(entropy=entropy, mask=mask, quantile=1.0).tolist() == \
+    assert objectives.high_entropy_mask(entropy=entropy, mask=mask, quantile=1.0).tolist() == \
         mask.float().tolist()
     logps = torch.zeros(2, 4, requires_grad=True)
-    per_token = grpo.grpo_loss(logps=logps, old_logps=logps.detach(), ref_logps=None,
-                               advantages=torch.tensor([1.0, 1.0]), mask=mask, beta=0.0,
-                               clip_eps=EPS, clip_eps_high=EPS, weights=keep)
+    per_token = objectives.variant_token_loss(logps=logps, old_logps=logps.detach(), kl=None,
+                                              advantages=torch.tensor([1.0, 1.0]), mask=mask,
+                                              beta=0.0, clip_eps=EPS, clip_eps_high=EPS,
+                                              weights=keep)
     (grad,) = torch.autograd.grad(grpo.reduce_loss(per_token, mask, loss_type="grpo"), logps)
     assert (grad != 0).tolist() == [[False, True, False, True], [False] * 4]
 
@@ -271,8 +275,8 @@ def test_policy_loss_runs_each_variant_and_it_changes_the_gradient(setting, fres
     surrogate's own treatment of the ratio shows): a finite loss, and a gradient that is not the
     default's."""
     b = batch_for(fresh_model)
-    b.gen_logps = b.ref_logps - 0.3 * torch.arange(6.0)  # (4, 6) ratios well away from 1
-    b.gen_rows = torch.ones(4, dtype=torch.bool)
+    b.pi_old_logps = b.ref_logps - 0.3 * torch.arange(6.0)  # (4, 6) ratios well away from 1
+    b.pi_old_rows = torch.ones(4, dtype=torch.bool)
     params = list(fresh_model.parameters())
 
     def gradient():

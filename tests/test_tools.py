@@ -164,7 +164,7 @@ def test_a_tool_call_gets_its_result_and_only_the_models_tokens_count(tokenizer)
     assert (
         out["completion_ids"][1, : len(want1)].tolist() == want1 and not out["tool_mask"][1].any()
     )
-    assert out["sampler_logps"] is None  # transformers gives none; vLLM's come with its tokens
+    assert out["vllm_logps"] is None  # transformers gives none; vLLM's come with its tokens
     mask = out["policy_mask"]  # what generate() trains on: each answer's own tokens, up to its EOS
     assert out["stopped"].tolist() == [True, True, True]
     assert mask[0].tolist() == [not t for t in tool0] + [True] * (len(want0) - len(tool0)) + [
@@ -284,9 +284,9 @@ def test_the_loss_with_tool_tokens_masked_equals_the_loss_without_them(loss_type
     loss = torch_loss(
         logps=logps,
         ref_logps=ref,
-        gen_logps=gen,
+        pi_old_logps=gen,
         mask=keep,
-        sampler_logps=sampler if tis else None,
+        vllm_logps=sampler if tis else None,
         **kw,
     )
     (grad,) = torch.autograd.grad(loss, logps)
@@ -296,8 +296,8 @@ def test_the_loss_with_tool_tokens_masked_equals_the_loss_without_them(loss_type
         logps=short,
         ref_logps=removed_by_hand(ref, keep)[0],
         mask=mask,
-        gen_logps=removed_by_hand(gen, keep)[0],
-        sampler_logps=removed_by_hand(sampler, keep)[0] if tis else None,
+        pi_old_logps=removed_by_hand(gen, keep)[0],
+        vllm_logps=removed_by_hand(sampler, keep)[0] if tis else None,
         **kw,
     )
     (grad_short,) = torch.autograd.grad(loss_short, short)
@@ -500,7 +500,7 @@ def scripted_generate_with_tools(script, eos):
             pad_id=eos,
         )
         del out["tool_mask"]
-        return out.pop("completion_ids"), out.pop("sampler_logps"), out
+        return out.pop("completion_ids"), out.pop("vllm_logps"), out
 
     return generate_with_tools
 

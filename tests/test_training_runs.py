@@ -319,7 +319,7 @@ def test_a_genonly_worker_feeds_the_server_and_follows_new_checkpoints(tiny_mode
         h = srv.health()
         assert h["pending"] + h["ready_workers"] <= 2 + 2, h
         # A checkpoint with other weights appears (atomically, as save_checkpoint renames it): the
-        # worker switches to it, and its groups' gen_logps are the new weights' log-probs of its
+        # worker switches to it, and its groups' pi_old_logps are the new weights' log-probs of its
         # answers.
         moved = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
         with torch.no_grad():
@@ -343,8 +343,8 @@ def test_a_genonly_worker_feeds_the_server_and_follows_new_checkpoints(tiny_mode
                 (moved, AutoModelForCausalLM.from_pretrained(tiny_model_dir))
             )
         # sampled and scored by the new weights
-        assert (tensors["gen_logps"] - new)[mask].abs().max() < 1e-4
-        assert (tensors["gen_logps"] - old)[mask].abs().max() > 1e-2  # not the old ones
+        assert (tensors["pi_old_logps"] - new)[mask].abs().max() < 1e-4
+        assert (tensors["pi_old_logps"] - old)[mask].abs().max() > 1e-2  # not the old ones
         # version-3 groups waiting (the older ones were pulled)
         wait_for(lambda: srv.health()["ready_workers"] > 0, timeout=300)
     finally:

@@ -42,7 +42,7 @@ def case(B, T, V, dtype=torch.float32, seed=0, scale=3.0):
 
 def both(full, logits, ids, ref, gen, adv, mask, temperature, beta=0.04, eps=0.2, **kw):
     args = dict(
-        ref_logps=ref, gen_logps=gen, advantages=adv, mask=mask, beta=beta, clip_eps=eps, **kw
+        ref_logps=ref, pi_old_logps=gen, advantages=adv, mask=mask, beta=beta, clip_eps=eps, **kw
     )
     loss_t, logps_t = grpo_loss_triton(
         logits=logits, completion_ids=ids, temperature=temperature, return_logps=True, **args
@@ -69,14 +69,15 @@ def padded_case():
     return full, logits, ids, ref, gen, adv, mask
 
 
-def test_rows_without_gen_logps_train_on_policy_like_the_pytorch_path():
-    """A batch that mixes this rank's own groups (no gen_logps: row 0 outside gen_rows, its values
+def test_rows_without_pi_old_logps_train_on_policy_like_the_pytorch_path():
+    """A batch that mixes this rank's own groups (no pi_old_logps: row 0 outside pi_old_rows, its
+    values
     junk that must not count) with older ones."""
     full, logits, ids, ref, gen, adv, mask = case(3, 5, 300, seed=21)
     gen = gen.clone()
     gen[0] = 1e3
     rows = torch.tensor([False, True, True], device=DEVICE)
-    (lt, _, gt), (lp, _, gp) = both(full, logits, ids, ref, gen, adv, mask, 0.7, gen_rows=rows)
+    (lt, _, gt), (lp, _, gp) = both(full, logits, ids, ref, gen, adv, mask, 0.7, pi_old_rows=rows)
     assert torch.isfinite(lt) and torch.isfinite(gt).all()
     assert abs(lt.item() - lp.item()) <= 1e-5 * max(1.0, abs(lp.item())) and torch.allclose(
         gt, gp, atol=1e-5
@@ -149,7 +150,7 @@ def test_masked_rows_get_exact_zero_gradient_even_with_huge_logits():
         logits=logits,
         completion_ids=ids,
         ref_logps=ref,
-        gen_logps=gen,
+        pi_old_logps=gen,
         advantages=adv,
         mask=mask,
         beta=0.04,
@@ -171,7 +172,7 @@ def test_inplace_backward_writes_the_gradient_over_the_logits():
         logits=leaf,
         completion_ids=ids,
         ref_logps=ref,
-        gen_logps=gen,
+        pi_old_logps=gen,
         advantages=adv,
         mask=mask,
         beta=0.04,
@@ -205,7 +206,7 @@ def test_variants_equal_the_pytorch_path(clip_eps_high, loss_type, with_ref, nor
         logits=logits,
         completion_ids=ids,
         ref_logps=ref,
-        gen_logps=gen,
+        pi_old_logps=gen,
         advantages=adv,
         mask=mask,
         beta=beta,
@@ -217,7 +218,7 @@ def test_variants_equal_the_pytorch_path(clip_eps_high, loss_type, with_ref, nor
     lp = torch_loss(
         logps=chunked_logps(logits, ids, 1.0, chunk=128),
         ref_logps=ref,
-        gen_logps=gen,
+        pi_old_logps=gen,
         advantages=adv,
         mask=mask,
         beta=beta,
@@ -229,7 +230,7 @@ def test_variants_equal_the_pytorch_path(clip_eps_high, loss_type, with_ref, nor
     plain = torch_loss(
         logps=chunked_logps(logits, ids, 1.0, chunk=128),
         ref_logps=ref,
-        gen_logps=gen,
+        pi_old_logps=gen,
         advantages=adv,
         mask=mask,
         beta=beta,
@@ -248,9 +249,9 @@ def test_variants_equal_the_pytorch_path(clip_eps_high, loss_type, with_ref, nor
     ],
 )
 def test_truncated_importance_sampling_equals_the_pytorch_path(with_gen, tis_mode):
-    """vLLM's own log-probs (sampler_logps) weight each token's surrogate by min(pi_old /
+    """vLLM's own log-probs (vllm_logps) weight each token's surrogate by min(pi_old /
     pi_sampler, cap), or (token_mask) by the ratio inside [1 / cap, cap] and 0 outside; a row
-    outside sampler_rows (sampled by the trainer; its values junk) weighs 1. Some weights are cut at
+    outside vllm_rows (sampled by the trainer; its values junk) weighs 1. Some weights are cut at
     the cap or masked."""
     full, logits, ids, ref, gen, adv, mask = case(3, 6, 900, seed=5)
     gen = gen if with_gen else None
@@ -259,8 +260,8 @@ def test_truncated_importance_sampling_equals_the_pytorch_path(with_gen, tis_mod
         sampler = chunked_logps(logits, ids, 0.7, chunk=128) + noise
     sampler[2] = -50.0
     kw = dict(
-        sampler_logps=sampler,
-        sampler_rows=torch.tensor([True, True, False], device=DEVICE),
+        vllm_logps=sampler,
+        vllm_rows=torch.tensor([True, True, False], device=DEVICE),
         tis_cap=1.5,
         tis_mode=tis_mode,
     )
@@ -268,7 +269,7 @@ def test_truncated_importance_sampling_equals_the_pytorch_path(with_gen, tis_mod
         logits=logits,
         completion_ids=ids,
         ref_logps=ref,
-        gen_logps=gen,
+        pi_old_logps=gen,
         advantages=adv,
         mask=mask,
         beta=0.04,
@@ -280,7 +281,7 @@ def test_truncated_importance_sampling_equals_the_pytorch_path(with_gen, tis_mod
     lp = torch_loss(
         logps=chunked_logps(logits, ids, 0.7, chunk=128),
         ref_logps=ref,
-        gen_logps=gen,
+        pi_old_logps=gen,
         advantages=adv,
         mask=mask,
         beta=0.04,
@@ -292,7 +293,7 @@ def test_truncated_importance_sampling_equals_the_pytorch_path(with_gen, tis_mod
     plain = torch_loss(
         logps=chunked_logps(logits, ids, 0.7, chunk=128),
         ref_logps=ref,
-        gen_logps=gen,
+        pi_old_logps=gen,
         advantages=adv,
         mask=mask,
         beta=0.04,
@@ -307,7 +308,7 @@ def test_sequence_mismatch_modes_are_refused_and_entropy_equals_the_pytorch_path
         logits=logits,
         completion_ids=ids,
         ref_logps=ref,
-        gen_logps=gen,
+        pi_old_logps=gen,
         advantages=adv,
         mask=mask,
         beta=0.04,
@@ -316,7 +317,7 @@ def test_sequence_mismatch_modes_are_refused_and_entropy_equals_the_pytorch_path
     )
     for mode in ("sequence_truncate", "sequence_mask"):
         with pytest.raises(ValueError, match="sequence modes need an answer's tokens"):
-            grpo_loss_triton(sampler_logps=ref, tis_cap=2.0, tis_mode=mode, **kw)
+            grpo_loss_triton(vllm_logps=ref, tis_cap=2.0, tis_mode=mode, **kw)
     loss, logps, entropy = grpo_loss_triton(return_logps=True, return_entropy=True, **kw)
     want_logps, want = chunked_logps(logits.detach(), ids, 0.7, chunk=0, with_entropy=True)
     assert torch.allclose(entropy[mask], want[mask], atol=1e-4) and (entropy[~mask] == 0).all()
@@ -330,7 +331,7 @@ def test_rejects_mismatched_shapes():
             logits=torch.zeros(2, 3, 5),
             completion_ids=torch.zeros(2, 4, dtype=torch.long),
             ref_logps=None,
-            gen_logps=None,
+            pi_old_logps=None,
             advantages=None,
             mask=None,
             beta=0.0,
@@ -352,17 +353,17 @@ AOT = textwrap.dedent("""
     for dt in ("fp32", "bf16"):
         common = dict(logits_ptr="*" + dt, stride_lb="i64", stride_lt="i64", stride_lv="i64",
                       ids_ptr="*i64")
-        fwd = dict(common, ref_ptr="*fp32", gen_ptr="*fp32", samp_ptr="*fp32", adv_ptr="*fp32",
-                   weight_ptr="*fp32", gen_rows_ptr="*fp32", samp_rows_ptr="*fp32",
+        fwd = dict(common, ref_ptr="*fp32", pi_old_ptr="*fp32", vllm_ptr="*fp32", adv_ptr="*fp32",
+                   weight_ptr="*fp32", pi_old_rows_ptr="*fp32", vllm_rows_ptr="*fp32",
                    loss_ptr="*fp32", logp_ptr="*fp32", lse_ptr="*fp32", dcoef_ptr="*fp32",
                    ent_ptr="*fp32", T="i32", V="i32", beta="fp32", clip_low="fp32",
                    clip_high="fp32", inv_temperature="fp32",
-                   tis_cap="fp32", HAS_GEN="constexpr", HAS_REF="constexpr", HAS_TIS="constexpr",
+                   tis_cap="fp32", HAS_PI_OLD="constexpr", HAS_REF="constexpr", HAS_TIS="constexpr",
                    TIS_MASK="constexpr", BLOCK="constexpr")
-        for has_gen, has_ref, has_tis, tis_mask in ((True, True, False, False),
+        for has_pi_old, has_ref, has_tis, tis_mask in ((True, True, False, False),
                                                     (False, True, True, False),
                                                     (True, False, True, True)):
-            consts = {{"HAS_GEN": has_gen, "HAS_REF": has_ref, "HAS_TIS": has_tis,
+            consts = {{"HAS_PI_OLD": has_pi_old, "HAS_REF": has_ref, "HAS_TIS": has_tis,
                        "TIS_MASK": tis_mask, "BLOCK": K.BLOCK_V}}
             k = triton.compile(ASTSource(K._grpo_fwd_kernel, fwd, consts), target=target)
             assert "cubin" in k.asm and k.asm["cubin"], "no cubin"
@@ -404,7 +405,7 @@ def test_tool_tokens_masked_out_equal_the_same_batch_with_them_removed(loss_type
         completion_ids=ids,
         temperature=0.7,
         ref_logps=ref,
-        gen_logps=gen,
+        pi_old_logps=gen,
         mask=keep,
         **args,
     )
@@ -431,7 +432,7 @@ def test_tool_tokens_masked_out_equal_the_same_batch_with_them_removed(loss_type
         completion_ids=short_ids,
         temperature=0.7,
         ref_logps=pick(ref),
-        gen_logps=pick(gen),
+        pi_old_logps=pick(gen),
         mask=short_mask,
         **args,
     )

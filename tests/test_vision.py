@@ -143,7 +143,7 @@ def test_the_servers_log_probs_equal_the_trainers_for_the_same_weights_and_image
     tensors, meta = prompt_group(processor, images)
     decoded_group = decode_batch(encode_batch(tensors, meta))  # as it crosses the wire
     server = ref_server.RefServer(model, "tiny-vlm", processor=processor)
-    assert not server.shared_prefix and not server.logp_from_hidden
+    assert not server.settings.shared_prefix and not server.settings.logp_from_hidden
     shown = vision.check_group(processor, decoded_group[0], meta["plen"])  # decoded at upload
     got = server.reference_logps(decoded_group[0]["input_ids"], meta["plen"], 0.7, shown)
     batch = grpo.collate([decoded_group], processor.pad_token_id,
@@ -244,8 +244,9 @@ def test_a_step_draws_questions_with_and_without_images_and_trains_each_row_as_g
                                   max_new_tokens=4, pad_token_id=processor.pad_token_id,
                                   eos_token_id=[eos])
     torch.manual_seed(0)
-    scored = grpo.rollout(model, processor, [shapes, text], eos_ids=[eos], gen_config=gen_config,
-                          llm=None, keep_all=True, with_gen_logps=True, seconds=Counter())
+    scored = grpo.scored_groups(model, processor, [shapes, text], eos_ids=[eos],
+                                gen_config=gen_config, llm=None, keep_all=True,
+                                with_pi_old=True, seconds=Counter())
     [(shown, shown_meta), (plain, plain_meta)] = scored.groups
     assert "image_bytes" in shown and "image_bytes" not in plain
     batch = grpo.collate(scored.groups, processor.pad_token_id,
@@ -255,7 +256,7 @@ def test_a_step_draws_questions_with_and_without_images_and_trains_each_row_as_g
         trained = grpo.per_token_logps(model, batch.input_ids, batch.attention_mask, T,
                                        **batch.vision_inputs)  # (4, T)
     # pi_old, computed at generation from the rollout's own prompt ids and pixels
-    generated = batch.gen_logps  # (4, T)
+    generated = batch.pi_old_logps  # (4, T)
     mask = batch.mask  # (4, T)
     # The same fp32 forward of each row, with other padding and batch neighbours: a few ulps of
     # log-probs whose size is about 10.
@@ -1032,7 +1033,7 @@ def test_the_trainer_runs_grpo_on_questions_with_images_against_the_server(case,
     language = {names[id(p)] for p in before.get_decoder().parameters()}
     assert moved & tower and moved & language
     if use_vllm:  # vLLM's log-probs are the trainer's pi_old: it sampled with the pushed weights
-        assert all(m["sampler_gap"] < 1e-3 and m["push_s"] > 0 for m in train)
+        assert all(m["vllm_gap"] < 1e-3 and m["push_s"] > 0 for m in train)
 
 
 def test_an_answer_that_samples_the_image_token_ends_just_before_it(vlm):

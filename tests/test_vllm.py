@@ -71,7 +71,7 @@ def test_training_with_vllm_keeps_the_engine_on_the_trained_weights(
     server, tiny_model_dir, tmp_path, ranks
 ):
     """LR 1e-3 moves the tiny model's log-probs by far more than 1e-3 per step: a step whose
-    rollouts came from stale weights would show it in sampler_gap (|vLLM's log-prob - the
+    rollouts came from stale weights would show it in vllm_gap (|vLLM's log-prob - the
     trainer's|)."""
     run = train(tiny_model_dir, server.url, tmp_path, ranks, USE_VLLM=1, EVAL_STEPS=2)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -79,7 +79,7 @@ def test_training_with_vllm_keeps_the_engine_on_the_trained_weights(
     assert [m["step"] for m in lines] == [1, 2] and [m["step"] for m in evals] == [0, 2]
     assert lines[1]["kl"] > 1e-3  # the weights moved ...
     # ... and vLLM moved with them
-    assert all(m["sampler_gap"] < 1e-3 and m["push_s"] > 0 for m in lines)
+    assert all(m["vllm_gap"] < 1e-3 and m["push_s"] > 0 for m in lines)
 
 
 def test_resume_with_vllm_pushes_the_checkpoints_weights(server, tiny_model_dir, tmp_path):
@@ -92,13 +92,13 @@ def test_resume_with_vllm_pushes_the_checkpoints_weights(server, tiny_model_dir,
     lines, _ = metrics(tmp_path)
     assert [m["step"] for m in lines] == [1, 2]
     # the engine starts from MODEL_PATH: without the push, step 1's weights
-    assert lines[1]["sampler_gap"] < 1e-3
+    assert lines[1]["vllm_gap"] < 1e-3
 
 
 def test_a_genonly_worker_with_vllm_samples_from_each_new_checkpoint(
     server, tiny_model_dir, tmp_path
 ):
-    """The worker sends gen_logps (its transformers model) and sampler_logps (its engine): they
+    """The worker sends pi_old_logps (its transformers model) and vllm_logps (its engine): they
     agree for groups of the starting weights and, after a checkpoint with other weights appears, for
     its groups too."""
     out = tmp_path / "out"
@@ -117,7 +117,7 @@ def test_a_genonly_worker_with_vllm_samples_from_each_new_checkpoint(
             tensors, meta = pull(server.url, timeout=300, path="/get?from=workers")
             assert meta["version"] == 0
             mask = tensors["completion_mask"]
-            assert (tensors["gen_logps"] - tensors["sampler_logps"])[mask].abs().max() < 1e-3
+            assert (tensors["pi_old_logps"] - tensors["vllm_logps"])[mask].abs().max() < 1e-3
             from transformers import AutoModelForCausalLM
 
             moved = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
@@ -133,6 +133,6 @@ def test_a_genonly_worker_with_vllm_samples_from_each_new_checkpoint(
                 assert time.time() < deadline, (tmp_path / "worker.log").read_text()[-2000:]
                 tensors, meta = pull(server.url, timeout=300, path="/get?from=workers")
             mask = tensors["completion_mask"]
-            assert (tensors["gen_logps"] - tensors["sampler_logps"])[mask].abs().max() < 1e-3
+            assert (tensors["pi_old_logps"] - tensors["vllm_logps"])[mask].abs().max() < 1e-3
         finally:
             kill_group(worker)

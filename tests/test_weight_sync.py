@@ -134,9 +134,9 @@ def test_the_weight_channel_is_read_only_and_guarded():
 
 
 def test_groups_older_than_max_staleness_are_dropped_and_counted():
-    """At version 12 with MAX_STALENESS 3: a worker's group of version 9 (with gen_logps) trains,
+    """At version 12 with MAX_STALENESS 3: a worker's group of version 9 (with pi_old_logps) trains,
     one of version 8 is dropped as stale; a group of the current version always trains."""
-    logps = {"gen_logps": torch.zeros(1)}
+    logps = {"pi_old_logps": torch.zeros(1)}
     groups = [
         (logps, {"version": 12}),
         (logps, {"version": 9}),
@@ -152,7 +152,7 @@ def test_groups_older_than_max_staleness_are_dropped_and_counted():
 def test_a_worker_without_a_shared_disk_swaps_in_weights_served_over_http(tiny_model_dir, tmp_path):
     """A genonly worker with WEIGHTS_FROM and an OUTPUT_DIR it shares with nobody: the weights the
     trainer's publisher serves as version 3 reach it over HTTP, and its groups then carry version 3
-    and the new weights' log-probs (gen_logps), not the old ones."""
+    and the new weights' log-probs (pi_old_logps), not the old ones."""
     import subprocess
     import sys
     import time
@@ -200,8 +200,8 @@ def test_a_worker_without_a_shared_disk_swaps_in_weights_served_over_http(tiny_m
                 grpo.logps_of(m.eval(), ids, torch.ones_like(ids), mask.shape[1])
                 for m in (moved, AutoModelForCausalLM.from_pretrained(tiny_model_dir))
             )  # (G, T)
-        assert (tensors["gen_logps"] - new)[mask].abs().max() < 1e-4
-        assert (tensors["gen_logps"] - old)[mask].abs().max() > 1e-2
+        assert (tensors["pi_old_logps"] - new)[mask].abs().max() < 1e-4
+        assert (tensors["pi_old_logps"] - old)[mask].abs().max() > 1e-2
         # no checkpoint anywhere: nothing shared on disk
         assert not list(tmp_path.glob("**/step_*"))
     finally:

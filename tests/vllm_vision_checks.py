@@ -60,7 +60,7 @@ def main(path):
     mask = r.mask.bool()  # (B, T)
     report.update(rows=r.completion_ids.shape[0], sampled_tokens=int(mask.sum()),
                   pixel_rows=int(r.vision_inputs["pixel_values"].shape[0]),
-                  sampled_gap=(trainer - r.sampler_logps)[mask].abs().max().item(),
+                  sampled_gap=(trainer - r.vllm_logps)[mask].abs().max().item(),
                   distinct_in_group=[len({tuple(x) for x in r.completion_ids[g * 4: g * 4 + 4]
                                           .tolist()}) for g in range(2)])
 

@@ -2,7 +2,7 @@
 for SHARED_PREFIX in (0, 1) x TRAIN_MICRO_BATCH in (0, 1, 2), a fresh engine from the same weights
 takes one step on the same groups (rank 0 has 3, rank 1 has 2: unequal micro-batch counts). Rank 0
 saves, per setting, the full averaged gradient, the weights after the step, and every rank's
-gen_logps and mask.
+pi_old_logps and mask.
 
     MODEL_PATH=tiny/ MU=2 deepspeed --num_gpus 2 tests/zero2_gradient.py out.pt
 """
@@ -63,7 +63,7 @@ def rank_groups(engine, tokenizer, rank, G=3):
 
 
 def one_step():
-    """A fresh engine, one optimizer step over micro_batches; (grads, weights after, gen_logps,
+    """A fresh engine, one optimizer step over micro_batches; (grads, weights after, pi_old_logps,
     mask)."""
     engine, tokenizer, *_ = grpo.setup_deepspeed()
     rank = torch.distributed.get_rank()
@@ -86,7 +86,7 @@ def one_step():
     real = [p for p in parts if p.share > 0]
     # (B, T)
     mine = {
-        k: torch.cat([getattr(p, k).float().cpu() for p in real]) for k in ("gen_logps", "mask")
+        k: torch.cat([getattr(p, k).float().cpu() for p in real]) for k in ("pi_old_logps", "mask")
     }
     everyone = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, mine)

@@ -1,0 +1,432 @@
+"""GRPO's variants, in a room of their own: every other baseline (step 4), surrogate, token
+selection and teacher term (step 6) that the menu at the top of grpo_ref_split.py can switch on.
+
+A default step never enters this file. The lesson reaches it through one call in step 4
+(answer_advantages) and one in step 6 (policy_loss), each taken only when a variant is set; the
+lesson's own math (advantages_in_groups, the clip-only grpo_loss, k3, reduce_loss) is the
+reference every function here is compared with. Each function is pure, names its paper, and
+carries a shape comment on each tensor line. docs/loss.md says when to pick which.
+
+    OBJECTIVE=cispo MU=2 deepspeed --num_gpus 1 grpo_ref_split.py
+    python -m pytest tests/test_surrogates.py tests/test_objectives.py   # each against its paper
+"""
+from dataclasses import dataclass
+
+import torch
+
+from features import env_overrides
+
+# ----------------------------------------------------------------------------- constants
+# The menu's selectors (OBJECTIVE, ADVANTAGE, ...) are grpo_ref_split.py's; their settings are here.
+SAPO_TAU_POS = 1.0  # OBJECTIVE "sapo": the soft gate's temperature where A > 0 (the paper's)
+SAPO_TAU_NEG = 1.05  # ... and where A < 0: a little steeper, negative updates kept closer
+TIS_CAP = 2.0  # vLLM: each token's surrogate x min(pi_old / pi_vllm, TIS_CAP); 0 = off; else > 1
+TIS_MODE = "token_truncate"  # | "token_mask" | "sequence_truncate" | "sequence_mask"
+DISTILL_DISCOUNT = 0.0  # teacher terms of later tokens added at this^distance (tinker's); 0 = own
+DISTILL_SCALE = "fixed"  # | "matched": the teacher term x rms(group term) / rms(its own), a batch
+env_overrides.apply_env_overrides(globals(), "objectives.py")
+
+OBJECTIVES = ("clip", "cispo", "sapo", "gmpo")  # OBJECTIVE's choices
+ADVANTAGES = ("grpo", "rloo", "reinforce_pp", "passk")  # ADVANTAGE's choices
+REWARD_NORMS = ("sum_then_normalize", "normalize_then_sum")  # REWARD_NORM's choices
+SCALES = ("group", "batch", "none")  # SCALE_REWARDS' choices: what r - group mean is divided by
+TIS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TIS_MODE's
+DISTILL_SCALES = ("fixed", "matched")  # DISTILL_SCALE's choices
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B,) mean of x over each row's True positions (0 if none); selects, as inf x 0 is NaN. The
+    lesson's reduce_loss writes the same mean inline: the variants below take it per answer."""
+    return torch.where(mask.bool(), x, 0.0).sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
+
+
+# ----------------------------------------------------------------------------- step 4: baselines
+@dataclass(frozen=True)
+class AdvantageSettings:
+    """Step 4's menu as the lesson set it (grpo_ref_split.advantage_settings)."""
+    advantage: str  # ADVANTAGE
+    reward_norm: str  # REWARD_NORM
+    scale_rewards: str  # SCALE_REWARDS
+    group_size: int  # NUM_PRE_Q
+    reward_names: tuple  # REWARDS' function names, in order
+    reward_weights: tuple  # and their weights
+    std_eps: float  # STD_EPS
+
+
+def answer_advantages(scores: torch.Tensor, each: dict, s: AdvantageSettings) -> torch.Tensor:
+    """Step 4 of a variant: (N,) each answer's advantage. scores (N,) the weighted sums; each:
+    {reward name: N values}. "batch" scale, REINFORCE++ and GDPO are divided by a std over the
+    whole step later (at_step), once every rank's groups are known."""
+    G = s.group_size
+    if s.reward_norm == "normalize_then_sum":  # GDPO: each reward in its group; / the step's std
+        values = [each[name] for name in s.reward_names]  # K lists of N
+        table = torch.tensor(values, dtype=torch.float32).T  # (N, K)
+        weights = torch.tensor(s.reward_weights)  # (K,)
+        return gdpo_advantages(table, weights, G, std_eps=s.std_eps)  # (N,)
+    if s.advantage == "rloo":
+        return rloo_advantages(scores, G)  # (N,)
+    if s.advantage == "passk":
+        return passk_advantages(scores, G, std_eps=s.std_eps)  # (N,)
+    # REINFORCE++-baseline, "batch" and "none": centred here; the first two / a step's std later
+    return centred_in_groups(scores, G)  # (N,)
+
+
+def centred_in_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(N,) r - its group's mean, no scale (Dr. GRPO's SCALE_REWARDS "none"; "batch" and
+    REINFORCE++-baseline divide it by a std over the step later)."""
+    grouped = scores.float().view(-1, group_size)  # (Q, G)
+    return (grouped - grouped.mean(1, keepdim=True)).view(-1)  # (N,)
+
+
+def rloo_advantages(scores: torch.Tensor, num_pre_q: int) -> torch.Tensor:
+    """(N,) RLOO (Ahmadian et al. 2024, arXiv 2402.14740): r minus the mean of the group's other
+    answers, G / (G - 1) (r - the group's mean); no std, so a reward's scale stays in the step."""
+    grouped = scores.float().view(-1, num_pre_q)  # (Q, G)
+    others = (grouped.sum(1, keepdim=True) - grouped) / (num_pre_q - 1)  # (Q, G)
+    return (grouped - others).view(-1)  # (N,)
+
+
+def passk_advantages(scores: torch.Tensor, num_pre_q: int, *, std_eps: float) -> torch.Tensor:
+    """(N,) the pass@k advantage (arXiv 2503.19595, verl's grpo_passk): only each group's best
+    answer gets one, (r_best - r_second) / (the group's std + std_eps); the others 0. It trains
+    for the best of k samples, not for each one."""
+    grouped = scores.float().view(-1, num_pre_q)  # (Q, G)
+    top2 = grouped.topk(2, dim=1).values  # (Q, 2)
+    gap = (top2[:, 0] - top2[:, 1]) / (grouped.std(1) + std_eps)  # (Q,)
+    best = grouped.argmax(1)  # (Q,) the first of equal bests
+    advantages = torch.zeros_like(grouped)  # (Q, G)
+    advantages[torch.arange(len(best)), best] = gap
+    return advantages.view(-1)  # (N,)
+
+
+def gdpo_advantages(each: torch.Tensor, weights: torch.Tensor, num_pre_q: int, *,
+                    std_eps: float) -> torch.Tensor:
+    """(N,) GDPO's (arXiv 2601.05242) normalize-then-sum: each reward of `each` (N, K) normalised
+    in its group, (r_k - mean) / (std + std_eps), then their sum with `weights` (K,). Summing first
+    lets the reward of largest variance drown the others; here each counts by its weight. The step
+    then divides by the std over all its answers (whiten_to_step)."""
+    grouped = each.float().view(-1, num_pre_q, each.shape[1])  # (Q, G, K)
+    centred = grouped - grouped.mean(1, keepdim=True)  # (Q, G, K)
+    normalised = centred / (grouped.std(1, keepdim=True) + std_eps)  # (Q, G, K)
+    return (normalised * weights.float()).sum(-1).view(-1)  # (N,)
+
+
+def at_step(groups, dropped_rewards: torch.Tensor, device, s: AdvantageSettings) -> list:
+    """The step's groups, their advantages divided by a std over all the step's answers on all
+    ranks (every rank calls it): the rewards' for SCALE_REWARDS "batch" (scale_to_step), the
+    advantages' for REINFORCE++ and GDPO (whiten_to_step). dropped_rewards (D,): the rewards of
+    the groups dropped for equal rewards, which count in the std."""
+    if s.scale_rewards == "batch":
+        return scale_to_step(groups, dropped_rewards, device, std_eps=s.std_eps)
+    return whiten_to_step(groups, len(dropped_rewards), device, std_eps=s.std_eps)
+
+
+def step_std(rewards: torch.Tensor, device) -> float:
+    """The unbiased std of the rewards every rank holds for this step: an all-reduce of their count,
+    sum and sum of squares. Every rank must call it once per step. rewards (N,) this rank's."""
+    r = rewards.double().to(device)  # (N,)
+    count = torch.tensor(float(r.numel()), dtype=torch.float64, device=device)  # ()
+    stats = torch.stack([count, r.sum(), (r * r).sum()])  # (3,) count, sum, sum of squares
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(stats)
+    count, total, squares = stats.tolist()
+    if count < 2:
+        return 0.0
+    variance = (squares - total * total / count) / (count - 1)
+    return max(variance, 0.0) ** 0.5  # rounding can take a zero variance a hair below 0
+
+
+def scale_to_step(groups, dropped_rewards: torch.Tensor, device, *, std_eps: float) -> list:
+    """SCALE_REWARDS = "batch": every group the step trains on, its advantages redone from its
+    rewards (as they came back: a reward model's scores included), r - the group's mean over the
+    std of all the step's rewards on all ranks, the trained groups' and the groups this rank
+    dropped for equal rewards (as TRL's std over every generated reward). groups: (tensors, meta)
+    pairs; dropped_rewards (D,)."""
+    trained = [tensors["rewards"].float() for tensors, _ in groups]  # (G,) each
+    std = step_std(torch.cat([*trained, dropped_rewards.float()]), device)
+    def scaled(tensors):  # the group's rewards centred, over the step's std
+        centred = centred_in_groups(tensors["rewards"], len(tensors["rewards"]))  # (G,)
+        return {**tensors, "advantages": centred / (torch.tensor(float(std)) + std_eps)}
+    return [(scaled(tensors), meta) for tensors, meta in groups]
+
+
+def whiten_to_step(groups, n_dropped: int, device, *, std_eps: float) -> list:
+    """ADVANTAGE "reinforce_pp" and REWARD_NORM "normalize_then_sum": every group the step trains
+    on, its advantages divided by their std over all the step's answers on all ranks: the trained
+    groups' and the n_dropped answers of groups dropped for equal rewards (their advantages are 0).
+    Each group's advantages sum to 0, so their mean over the step is 0 and this is the whitening
+    REINFORCE++-baseline and GDPO apply, per answer (theirs weighs each answer by its tokens).
+    groups: (tensors, meta) pairs."""
+    trained = [tensors["advantages"].float() for tensors, _ in groups]  # (G,) each
+    std = step_std(torch.cat([*trained, torch.zeros(n_dropped)]), device)
+    return [({**tensors, "advantages": tensors["advantages"] / (std + std_eps)}, meta)
+            for tensors, meta in groups]
+
+
+# ----------------------------------------------------------------------------- step 6: the loss
+@dataclass(frozen=True)
+class LossSettings:
+    """Step 6's menu as the lesson set it (grpo_ref_split.loss_settings)."""
+    objective: str  # OBJECTIVE
+    gspo: bool  # GSPO
+    kl_bias_correction: bool  # KL_BIAS_CORRECTION
+    off_policy_delta: float  # OFF_POLICY_DELTA
+    top_entropy_quantile: float  # TOP_ENTROPY_QUANTILE
+    distill_coef: float  # DISTILL_COEF
+    distill_top_k: int  # DISTILL_TOP_K
+    beta: float  # BETA
+    clip_eps: float  # CLIP_EPS
+    clip_eps_high: float  # CLIP_EPS_HIGH
+    temperature: float  # TEMPERATURE: the teacher's top-k log-probs are taken at it
+    use_vllm: bool  # features/vllm_engine.USE_VLLM: its mismatch is corrected and logged
+
+
+@dataclass
+class VariantLoss:
+    """What step 6 of a variant gives the lesson back: the loss per token and what its metrics
+    read."""
+    per_token: torch.Tensor  # (B, T) the loss before reduce_loss
+    token_advantages: torch.Tensor  # (B, T) each token's advantage (a teacher's term included)
+    ratio: torch.Tensor  # (B, T) pi / pi_old as the surrogate saw it (GSPO: the answer's), detached
+    metrics: dict  # the variant's own: vLLM's gap, the teacher's distance
+
+
+def policy_loss(engine, b, *, logps, pi_old_logps, entropy, kl, s: LossSettings) -> VariantLoss:
+    """Step 6 of a variant on batch b (grpo_ref_split.Batch): logps, pi_old_logps, entropy (B, T)
+    from the lesson's forward; kl (B, T) its k3 towards the reference (None: no reference)."""
+    mask = b.mask.bool()  # (B, T)
+    token_advantages = b.advantages[:, None].expand_as(mask)  # (B, T) each answer's on its tokens
+    teacher_rows = None  # (B,) the answers that take the teacher's term; None = all
+    if s.distill_coef:
+        teacher_rows = teacher_mix_rows(b)
+    if s.distill_coef and not s.distill_top_k:  # + the teacher's term on each token
+        token_advantages = distill_advantages(
+            b.advantages, teacher_logps=b.teacher_logps, pi_old_logps=pi_old_logps, mask=mask,
+            coef=s.distill_coef, discount=DISTILL_DISCOUNT, matched=DISTILL_SCALE == "matched",
+            answers=teacher_rows)  # (B, T)
+    weights = None  # (B, T) vLLM's mismatch pi_old / pi_vllm, truncated or masked (TIS_MODE)
+    if b.vllm_logps is not None and TIS_CAP:
+        weights = mismatch_weights(pi_old_logps, b.vllm_logps, b.vllm_rows, mask, mode=TIS_MODE,
+                                   cap=TIS_CAP)  # (B, T)
+    if s.off_policy_delta:  # DeepSeek-V3.2: far off-policy tokens with A < 0 leave the surrogate
+        behaviour = pi_old_logps  # (B, T) vLLM's log-probs on the rows it sampled, else pi_old
+        if b.vllm_logps is not None:
+            rows = mask & b.vllm_rows[:, None]  # (B, T)
+            behaviour = torch.where(rows, b.vllm_logps, pi_old_logps)  # (B, T)
+        keep = off_policy_mask(advantages=token_advantages, behaviour_logps=behaviour, logps=logps,
+                               mask=mask, delta=s.off_policy_delta)  # (B, T)
+        weights = keep if weights is None else weights * keep  # (B, T)
+    trained = weights  # (B, T) or None: which tokens' surrogates train, and by how much
+    if s.top_entropy_quantile < 1:  # "Beyond the 80/20 rule": the forking tokens alone
+        keep = high_entropy_mask(entropy=entropy, mask=mask, quantile=s.top_entropy_quantile)
+        trained = keep if weights is None else weights * keep  # (B, T)
+    per_token = variant_token_loss(
+        logps=logps, old_logps=pi_old_logps, kl=kl, advantages=token_advantages, mask=mask,
+        beta=s.beta, clip_eps=s.clip_eps, clip_eps_high=s.clip_eps_high, weights=trained,
+        gspo=s.gspo, bias_corrected_kl=s.kl_bias_correction, objective=s.objective,
+        sapo_taus=(SAPO_TAU_POS, SAPO_TAU_NEG))  # (B, T)
+    if s.distill_coef and s.distill_top_k:  # + the reverse KL over the teacher's likeliest tokens
+        student = student_topk_logps(engine, b, temperature=s.temperature)  # (B, T, k)
+        rkl = topk_reverse_kl(student_logps=student, teacher_logps=b.teacher_topk_logps)  # (B, T)
+        if teacher_rows is not None:
+            rkl = rkl * teacher_rows[:, None]  # (B, T)
+        per_token = per_token + s.distill_coef * rkl  # (B, T)
+    with torch.no_grad():
+        log_ratio = policy_log_ratio(logps=logps, old_logps=pi_old_logps, mask=mask, gspo=s.gspo)
+        metrics = variant_metrics(b, s, pi_old_logps=pi_old_logps, weights=weights,
+                                  token_advantages=token_advantages)
+    return VariantLoss(per_token=per_token, token_advantages=token_advantages,
+                       ratio=torch.exp(log_ratio), metrics=metrics)
+
+
+def teacher_mix_rows(b):
+    """(B,) bool or None: the answers that take the teacher's term (features/teacher_mix.py's
+    DISTILL_BELOW and TEACHER_STEPS; None = every answer)."""
+    from features import teacher_mix  # here: the mix is the teacher's, and only its runs need it
+
+    return teacher_mix.answers(b.rewards, teacher_on=b.teacher_on)
+
+
+def variant_metrics(b, s: LossSettings, *, pi_old_logps, weights, token_advantages) -> dict:
+    """The metrics only a variant has (features/run_log.py): vLLM's gap and masked share, the
+    teacher's distance and share."""
+    from features import run_log
+
+    metrics = {}
+    if s.use_vllm:  # how far vLLM's log-probs are from pi_old
+        metrics |= run_log.vllm_metrics(b, pi_old_logps=pi_old_logps, weights=weights)
+    if b.teacher_logps is not None:  # how far the student is from its teacher
+        sampled_term = None if s.distill_top_k else token_advantages  # (B, T) A + the teacher's
+        metrics |= run_log.teacher_metrics(b, pi_old_logps=pi_old_logps,
+                                           token_advantages=sampled_term)
+    return metrics
+
+
+def variant_token_loss(*, logps, old_logps, kl, advantages, mask, beta, clip_eps, clip_eps_high,
+                       weights=None, gspo=False, bias_corrected_kl=False, objective="clip",
+                       sapo_taus=(1.0, 1.05)) -> torch.Tensor:
+    """(B, T) the lesson's grpo_loss with the variants: -(surrogate x weights - beta x k3), the
+    surrogate PPO's clip or one of OBJECTIVES (objective; sapo_taus SAPO's), GSPO's ratio per
+    answer, weights (B, T) on each token's surrogate (None: 1), and with bias_corrected_kl
+    DeepSeek-V3.2's k3 x r (the reverse KL's gradient). logps, old_logps, mask (B, T); kl (B, T)
+    the lesson's k3 towards the reference (None: none); advantages (B,) or (B, T)."""
+    if kl is None and beta:
+        raise ValueError(f"variant_token_loss: kl=None needs beta=0 (beta {beta})")
+    mask = mask.bool()  # (B, T)
+    log_ratio = policy_log_ratio(logps=logps, old_logps=old_logps, mask=mask, gspo=gspo)  # (B, T)
+    ratio = torch.exp(log_ratio)  # (B, T)
+    adv = advantages[:, None] if advantages.dim() == 1 else advantages  # (B, 1) or (B, T)
+    if objective == "clip":
+        clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high)  # (B, T)
+        surrogate = torch.min(ratio * adv, clipped * adv)  # (B, T)
+    elif objective == "cispo":
+        surrogate = cispo_surrogate(ratio=ratio, logps=logps, advantages=adv,
+                                    clip_eps_high=clip_eps_high)  # (B, T)
+    elif objective == "sapo":
+        surrogate = sapo_surrogate(ratio=ratio, advantages=adv, taus=sapo_taus)  # (B, T)
+    elif objective == "gmpo":
+        surrogate = gmpo_surrogate(log_ratio=log_ratio, advantages=adv, mask=mask,
+                                   clip_eps=clip_eps, clip_eps_high=clip_eps_high)  # (B, T)
+    else:
+        raise ValueError(f"objective {objective!r}: one of {OBJECTIVES}")
+    if weights is not None:
+        surrogate = surrogate * weights  # (B, T) importance weights, detached
+    if kl is not None:
+        kl_weight = ratio if bias_corrected_kl else 1.0  # DeepSeek-V3.2: reverse KL's gradient
+        surrogate = surrogate - beta * kl_weight * kl  # (B, T)
+    return -surrogate  # (B, T)
+
+
+def policy_log_ratio(*, logps, old_logps, mask, gspo=False) -> torch.Tensor:
+    """(B, T) log(pi / pi_old) of each answer token, the ratio the loss clips and the metrics show;
+    GSPO (arXiv 2507.18071): each answer's mean log-ratio on its every token (one ratio, clipped
+    whole)."""
+    log_ratio = logps - old_logps  # (B, T)
+    if not gspo:
+        return log_ratio
+    answer_mean = masked_mean(log_ratio, mask)[:, None]  # (B, 1)
+    # GSPO-token (the GSPO paper's per-token form): the answer's ratio as the value, each token's
+    # own log-prob as the gradient. With one advantage per answer its gradient is GSPO's; with a
+    # teacher's per-token advantages each token moves by its own, not by the answer's mean.
+    return answer_mean.detach() + log_ratio - log_ratio.detach()  # (B, T)
+
+
+# The surrogates of OBJECTIVE, PPO's clip's rivals; each (B, T), its gradient that of sum A_t log pi
+# at r = 1, as the clip's is.
+def cispo_surrogate(*, ratio, logps, advantages, clip_eps_high) -> torch.Tensor:
+    """CISPO (MiniMax-M1, arXiv 2506.13585): sg(min(r, 1 + eps_high)) A log pi. The clip caps
+    the importance weight and is detached, so every token keeps its gradient: PPO's clip zeroes
+    it for a token past the range, often a rare "fork" token that matters. No lower bound, as in
+    the paper (its eps_low is set high)."""
+    weight = ratio.clamp(max=1 + clip_eps_high).detach()  # (B, T)
+    return weight * advantages * logps  # (B, T)
+
+
+def sapo_surrogate(*, ratio, advantages, taus) -> torch.Tensor:
+    """SAPO (Qwen, arXiv 2511.20347): a soft gate (4 / tau) sigmoid(tau (r - 1)) A instead of the
+    hard clip, tau = taus[0] where A > 0, taus[1] where A < 0. Its gradient on log pi is
+    4 s(1 - s) r A with s the sigmoid: A at r = 1, fading smoothly as r leaves 1."""
+    tau = torch.where(advantages > 0, taus[0], taus[1])  # (B, T) or (B, 1)
+    return 4 / tau * torch.sigmoid(tau * (ratio - 1)) * advantages  # (B, T)
+
+
+def gmpo_surrogate(*, log_ratio, advantages, mask, clip_eps, clip_eps_high) -> torch.Tensor:
+    """GMPO (arXiv 2507.20673, verl's "geo_mean"): the geometric mean of the answer's token ratios,
+    each clipped in log space to [-clip_eps, clip_eps_high] on the side its advantage's sign
+    limits, times A; one value per answer, on each of its tokens (reduce_loss's "grpo" means it
+    back). An outlier token moves a geometric mean far less than an arithmetic one. A is per
+    answer (refused with a teacher's per-token term)."""
+    sign = torch.sign(advantages)  # (B, 1) or (B, T)
+    clamped = log_ratio.clamp(-clip_eps, clip_eps_high)  # (B, T)
+    kept = sign * torch.min(sign * log_ratio, sign * clamped)  # (B, T) the pessimistic one
+    answer_ratio = torch.exp(masked_mean(kept, mask))[:, None]  # (B, 1)
+    answer_advantage = masked_mean(advantages.expand_as(log_ratio), mask)[:, None]  # (B, 1)
+    return (answer_ratio * answer_advantage).expand_as(log_ratio)  # (B, T)
+
+
+# Token selection: which tokens' surrogates train, and by how much; each (B, T), detached.
+def mismatch_weights(pi_old_logps, vllm_logps, vllm_rows, mask, *, mode, cap) -> torch.Tensor:
+    """(B, T) truncated importance sampling (TIS, Yao et al. 2025, "Your efficient RL framework
+    secretly brings you off-policy RL training"): rho = pi_old / pi_vllm on vLLM's tokens (mask;
+    vllm_rows (B,) or all), else 1; per token or per answer (its product), truncated at cap or 0
+    outside [1 / cap, cap]. vLLM samples with other kernels than the trainer's."""
+    sampled = mask if vllm_rows is None else mask & vllm_rows[:, None]  # (B, T)
+    log_rho = torch.where(sampled, pi_old_logps - vllm_logps, 0.0)  # (B, T)
+    if mode.startswith("sequence_"):
+        log_rho = log_rho.sum(-1, keepdim=True).expand_as(log_rho)  # (B, T) the answer's ratio
+    rho = torch.exp(log_rho)  # (B, T)
+    if mode.endswith("_truncate"):
+        return rho.clamp(max=cap)  # (B, T)
+    return torch.where((rho >= 1 / cap) & (rho <= cap), rho, 0.0)  # (B, T)
+
+
+def off_policy_mask(*, advantages, behaviour_logps, logps, mask, delta) -> torch.Tensor:
+    """(B, T) DeepSeek-V3.2's off-policy mask (OFF_POLICY_DELTA): 0 on a token with a negative
+    advantage in an answer whose mean log(pi_behaviour / pi) exceeds delta, else 1. One advantage
+    per answer keeps or drops the answer whole, as the paper; with a teacher's per-token
+    advantages each token's own sign decides (docs/distillation.md). All (B, T); it multiplies
+    the surrogate."""
+    drift = masked_mean(behaviour_logps - logps.detach(), mask)  # (B,) how far pi moved away
+    far = (drift > delta)[:, None]  # (B, 1)
+    return (~(far & (advantages < 0))).float()  # (B, T)
+
+
+def high_entropy_mask(*, entropy, mask, quantile) -> torch.Tensor:
+    """(B, T) 1 on the answer tokens whose entropy is in the top `quantile` share of this batch's,
+    0 elsewhere ("Beyond the 80/20 rule", arXiv 2506.01939: the few high-entropy "forking" tokens
+    carry the learning; TRL's top_entropy_quantile). entropy, mask (B, T); entropy detached."""
+    mask = mask.bool()  # (B, T)
+    if not mask.any():
+        return mask.float()  # (B, T)
+    threshold = torch.quantile(entropy[mask].float(), 1 - quantile)  # () the share's lowest
+    return (mask & (entropy >= threshold)).float()  # (B, T)
+
+
+# ----------------------------------------------------------------------------- the teacher's terms
+def distill_advantages(advantages, *, teacher_logps, pi_old_logps, mask, coef,
+                       discount=0.0, matched=False, answers=None) -> torch.Tensor:
+    """(B, T) on-policy distillation (Agarwal et al. 2024, arXiv 2306.13649; Thinking Machines'
+    "On-Policy Distillation"): A_t = A + coef (log teacher(y_t) - log pi_old(y_t)), each token's
+    own term; its expected gradient is -coef grad KL(pi || teacher). discount g > 0 adds the later
+    tokens' terms too, g^(t' - t) each (tinker's KL discount: a token is also credited with where
+    it led), the reverse KL's return rather than its one step. matched: the term scaled by
+    rms(A) / rms(term) over the answer tokens, so it keeps the group term's size as the KL falls
+    (DISTILL_SCALE "matched"; GRPO's A stays near 1 per token whatever the rewards). answers (B,)
+    bool: the answers that take the term, the others keep A alone (features/teacher_mix: KDRL's
+    reward-guided mask spares the correct ones); None = every answer. advantages (B,)."""
+    mask = mask.bool()  # (B, T)
+    taking = mask if answers is None else mask & answers[:, None]  # (B, T) tokens with the term
+    term = torch.where(taking, teacher_logps - pi_old_logps.detach(), 0.0)  # (B, T)
+    if discount:
+        T = term.shape[1]
+        distance = torch.arange(T)[None, :] - torch.arange(T)[:, None]  # (T, T) t' - t
+        weight = torch.where(distance >= 0, discount ** distance.clamp(min=0).double(), 0.0)
+        term = term @ weight.T.to(term)  # (B, T) sum over t' >= t of g^(t' - t) term_t'
+    if matched and taking.any():  # the two terms' root mean squares over their tokens, equal
+        group = advantages[:, None].expand_as(term)  # (B, T)
+        group_rms = masked_mean(group.square(), mask)[mask.any(1)].mean().sqrt()  # ()
+        term_rms = masked_mean(term.square(), taking)[taking.any(1)].mean().sqrt()  # ()
+        term = term * (group_rms / term_rms.clamp(min=1e-8))  # (B, T)
+    return advantages[:, None] + coef * term  # (B, T)
+
+
+def student_topk_logps(engine, b, *, temperature) -> torch.Tensor:
+    """(B, T, k) the student's log-probs at TEMPERATURE of the teacher's k likeliest tokens
+    (b.teacher_topk_ids) at each answer position, with their gradient. Its own forward of the
+    whole (B, T, V) logits: the lesson's forward keeps only the sampled tokens' log-probs, so
+    DISTILL_TOP_K costs one more forward and backward a step."""
+    from features.fast_paths import completion_logits
+
+    T = b.mask.shape[1]
+    logits = completion_logits(engine, b.input_ids, b.attention_mask, T,
+                               vision_inputs=b.vision_inputs)  # (B, T, V)
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, T, V)
+    return logp_all.gather(-1, b.teacher_topk_ids)  # (B, T, k)
+
+
+def topk_reverse_kl(*, student_logps, teacher_logps) -> torch.Tensor:
+    """(B, T) sum over the teacher's k likeliest tokens v of pi(v) (log pi(v) - log teacher(v)):
+    the reverse KL KL(pi || teacher) restricted to them, exact and differentiable (no sampled
+    estimate), its whole value at k = V (DISTILL_TOP_K). student_logps, teacher_logps (B, T, k)
+    at the same token ids."""
+    return (student_logps.exp() * (student_logps - teacher_logps)).sum(-1)  # (B, T)
