@@ -143,13 +143,13 @@ def reference_kl(ref_logps, logps, mask) -> torch.Tensor | None:
     return k3(ref, logps)  # (B, T)
 
 
-def grpo_loss(*, logps, old_logps, ref_logps, advantages, mask, beta, clip_eps, clip_eps_high):
+def grpo_loss(*, logps, pi_old_logps, ref_logps, advantages, mask, beta, clip_eps, clip_eps_high):
     """(B, T) DeepSeekMath's clipped loss per token, r = pi / pi_old:
     -(min(r A, clip(r, 1 - clip_eps, 1 + clip_eps_high) A) - beta k3); reduce_loss averages it.
-    logps, old_logps, ref_logps (None: beta 0), mask (B, T); advantages (B,), one per answer."""
+    logps, pi_old_logps, ref_logps (None: beta 0), mask (B, T); advantages (B,), one per answer."""
     if ref_logps is None and beta:
         raise ValueError(f"grpo_loss: ref_logps=None needs beta=0 (beta {beta})")
-    ratio = torch.exp(logps - old_logps)  # (B, T)
+    ratio = torch.exp(logps - pi_old_logps)  # (B, T)
     clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high)  # (B, T)
     answer = advantages[:, None]  # (B, 1) each answer's advantage, on its every token
     surrogate = torch.min(ratio * answer, clipped * answer)  # (B, T)
@@ -363,9 +363,10 @@ def answer_advantages(scores, each: dict) -> torch.Tensor:
 
 def logps_of(model, input_ids, attention_mask, n_completion, entropy=False, **pixels):
     """(B, T) log-probs at TEMPERATURE (and entropies): per_token_logps, or its fast equal."""
-    if not fast_paths.any_on():  # every fast path off: the lesson's definition
+    if not fast_paths.any_on():  # faster equal's switch: all off, the lesson's definition
         return per_token_logps(model, input_ids, attention_mask, n_completion, entropy, **pixels)
-    return fast_paths.completion_logps(model, input_ids, attention_mask, n_completion, TEMPERATURE,
+    return fast_paths.completion_logps(model, input_ids, attention_mask,  # faster equal
+                                       n_completion, TEMPERATURE,
                                        chunk=fast_paths.LOGP_CHUNK,
                                        shared_prefix=fast_paths.SHARED_PREFIX,
                                        from_hidden=fast_paths.LOGP_FROM_HIDDEN,
@@ -384,13 +385,13 @@ def scored_groups(model, tokenizer, questions, *, eos_ids, gen_config, llm, keep
                   with_pi_old, seconds: Counter, step=0, rank=0) -> ScoredGroups:
     """Steps 2-4 on `questions`, for the trainer and a genonly worker; `seconds` gets their
     times (generate_s, score_s, pi_old_s)."""
-    with timed(seconds, "generate_s"):
+    with timed(seconds, "generate_s"):  # log: the seconds each step takes
         generated = generate(model, tokenizer, questions, gen_config, eos_ids, llm)  # 2. generate
-    with timed(seconds, "score_s"):  # 3. score
+    with timed(seconds, "score_s"):  # 3. score (log: its seconds)
         total, each = rewards.score(REWARDS, generated.texts, generated.golds, generated.questions)
     scores = torch.tensor(total, dtype=torch.float32)  # (N,) the weighted sum of REWARDS
     advantages = answer_advantages(scores, each)  # (N,) 4. advantages
-    with timed(seconds, "pi_old_s"):
+    with timed(seconds, "pi_old_s"):  # log
         groups, other = pack_groups(model, generated, scores, advantages, keep_all, with_pi_old,
                                     each)
     records = run_log.answer_records(step, rank, generated, each, scores, advantages)  # log
@@ -470,9 +471,9 @@ def upload_and_pull(groups: list, version: int, rank: int, *, run: str) -> list:
     deadline comes back too (drop_untrainable decides if it trains); one that an earlier run left
     on the server (its upload id lacks `run`) is dropped. features/server_client.RefClient does the
     same for several servers and workers' groups."""
-    def ask(method, path, body=None):  # guard: asked again while busy or unreachable; 4xx stops
+    def ask(method, path, body=None):  # asked again while busy or unreachable; a 4xx stops
         return retry.request_with_retry(method, REF_SERVER + path, REF_TOKEN, body,
-                                        give_up_after=SERVER_TIMEOUT)
+                                        give_up_after=SERVER_TIMEOUT)  # guard: the retries
     owed = {f"{run}-{uuid.uuid4().hex}": group for group in groups}  # upload_id -> (tensors, meta)
     where = {}  # upload_id -> the server instance that holds it
     back = []  # (tensors, meta) with ref_logps, in the order they came
@@ -481,7 +482,8 @@ def upload_and_pull(groups: list, version: int, rank: int, *, run: str) -> list:
     while True:
         for uid in [uid for uid in owed if uid not in where]:  # new, or lost in a restart
             tagged = {**owed[uid][1], "version": version, "rank": rank, "upload_id": uid}
-            answer = ask("POST", "/upload", wire.encode_batch(owed[uid][0], tagged)).json()
+            body = wire.encode_batch(owed[uid][0], tagged)  # guard: safetensors, never pickle
+            answer = ask("POST", "/upload", body).json()
             where[uid] = answer["instance"]
         answer = ask("GET", f"/get?rank={rank}&ack={ack}")
         live = answer.headers.get("X-Ref-Instance")
@@ -494,7 +496,8 @@ def upload_and_pull(groups: list, version: int, rank: int, *, run: str) -> list:
         ack = answer.headers.get("X-Upload-Id", "")
         ours = ack.startswith(f"{run}-")  # this run's, sent now or a step ago
         if ours and answer.headers.get("Content-Type") == "application/octet-stream":
-            back.append(wire.decode_batch(answer.content))  # else its forward failed: one fewer
+            back.append(wire.decode_batch(answer.content))  # guard: checked, then decoded
+        # (a JSON answer instead: its reference forward failed, one group fewer)
         owed.pop(ack, None)
 
 
@@ -506,7 +509,7 @@ def drop_untrainable(groups, version, *, max_staleness) -> tuple:
     sampled by weights newer than these (a crashed run's leftovers after RESUME, a worker on a
     later published version): its pi_old is not a policy this run has been."""
     def lag(meta):  # versions between the sampling weights and these; no version counts as 0
-        return version - wire.sampled_version(meta)
+        return version - wire.sampled_version(meta)  # guard: no version counts as the oldest
     fresh = [(tensors, meta) for tensors, meta in groups if 0 <= lag(meta) <= max_staleness]
     usable = [(tensors, meta) for tensors, meta in fresh
               if lag(meta) == 0 or "pi_old_logps" in tensors]
@@ -543,7 +546,7 @@ def steps_1_to_5(model, tokenizer, sampler, exchange, *, step, rank, wanted, kee
             sampler.record(scored.records, NUM_PRE_Q)
         records += scored.records
         others.append(scored.other_rewards)
-        with timed(metrics, "wait_s"):  # 5. upload; pull them back with ref_logps
+        with timed(metrics, "wait_s"):  # 5. upload; pull them back with ref_logps (log: seconds)
             pulled = exchange(scored.groups, step - 1, rank)
         pulled, dropped = drop_untrainable(pulled, step - 1, max_staleness=MAX_STALENESS)
         metrics.update(dropped)  # late, stale and ahead groups
@@ -597,28 +600,13 @@ def collate(groups, pad_id, *, teacher=False, image_processor=None, top_k=0,
                   teacher_logps=server_logps if teacher else None,
                   pi_old_logps=optional("pi_old_logps"), pi_old_rows=rows_of("pi_old_logps"),
                   vllm_logps=optional("vllm_logps"), vllm_rows=rows_of("vllm_logps"))
-    if image_processor is not None or any(wire.carries_images(g) for g, _ in groups):
+    images = any(wire.carries_images(g) for g, _ in groups)  # guard: pixels only with images
+    if image_processor is not None or images:
         batch.vision_inputs = vision.group_vision_inputs(groups, image_processor)  # or refused
     if top_k:  # a variant (DISTILL_TOP_K): the teacher's k likeliest tokens, checked, padded
-        batch.teacher_topk_ids, batch.teacher_topk_logps = teacher_topk_of(groups, T, top_k,
-                                                                           vocab_size)
+        batch.teacher_topk_ids, batch.teacher_topk_logps = objectives.teacher_topk_of(
+            groups, T, top_k, vocab_size)
     return batch
-
-
-def teacher_topk_of(groups, T: int, top_k: int, vocab_size) -> tuple:
-    """((B, T, k) ids, (B, T, k) log-probs): each group's teacher top-k (DISTILL_TOP_K), checked
-    (wire.check_teacher_topk) and laid on its answer columns as collate lays the rest."""
-    B = sum(g["completion_mask"].shape[0] for g, _ in groups)
-    ids = torch.zeros(B, T, top_k, dtype=torch.long)  # (B, T, k)
-    logps = torch.zeros(B, T, top_k)  # (B, T, k)
-    row = 0
-    for g, _ in groups:
-        n, tlen = g["completion_mask"].shape
-        wire.check_teacher_topk(g, top_k=top_k, answer_tokens=tlen, vocab_size=vocab_size)
-        ids[row : row + n, :tlen] = g["teacher_topk_ids"]
-        logps[row : row + n, :tlen] = g["teacher_topk_logps"]
-        row += n
-    return ids, logps
 
 
 @torch.no_grad()
@@ -690,31 +678,31 @@ def policy_loss(engine, b: Batch):
     engine.train()
     if fast_paths.USE_TRITON:  # faster equal on a GPU: the log-probs and the loss in one pass
         import grpo_loss_triton
-        loss, logps, entropy, pi_old, extra = grpo_loss_triton.policy_loss(
+        loss, logps, entropy, pi_old_logps, extra = grpo_loss_triton.policy_loss(
             engine, b, temperature=TEMPERATURE, beta=BETA, clip_eps=CLIP_EPS,
             clip_eps_high=CLIP_EPS_HIGH, loss_type=LOSS_TYPE, max_tokens=MAX_NEW_TOKENS)
         token_advantages = b.advantages[:, None].expand_as(b.mask)  # (B, T)
-        ratio = torch.exp(logps - pi_old)  # (B, T) detached
+        ratio = torch.exp(logps - pi_old_logps)  # (B, T) detached
         metrics = loss_log(loss, b, logps=logps, ratio=ratio, entropy=entropy,
                            token_advantages=token_advantages) | extra
         return loss * (b.share > 0), metrics  # a repeat (share 0) adds no gradient
     logps, entropy = logps_of(engine, b.input_ids, b.attention_mask, b.mask.shape[1],
                               entropy=True, **b.vision_inputs)  # (B, T) each
-    pi_old = pi_old_everywhere(logps, b.pi_old_logps, b.pi_old_rows, b.mask)  # (B, T)
+    pi_old_logps = pi_old_everywhere(logps, b.pi_old_logps, b.pi_old_rows, b.mask)  # (B, T)
     if loss_variant_on(b):  # a variant: objectives.py
         kl = reference_kl(b.ref_logps, logps, b.mask)  # (B, T) or None
-        variant = objectives.policy_loss(engine, b, logps=logps, pi_old_logps=pi_old,
+        variant = objectives.policy_loss(engine, b, logps=logps, pi_old_logps=pi_old_logps,
                                          entropy=entropy, kl=kl, s=loss_settings())
         per_token = variant.per_token  # (B, T)
         token_advantages = variant.token_advantages  # (B, T)
         ratio = variant.ratio  # (B, T)
         extra = variant.metrics  # vLLM's gap, the teacher's distance
     else:
-        per_token = grpo_loss(logps=logps, old_logps=pi_old, ref_logps=b.ref_logps,
+        per_token = grpo_loss(logps=logps, pi_old_logps=pi_old_logps, ref_logps=b.ref_logps,
                               advantages=b.advantages, mask=b.mask, beta=BETA, clip_eps=CLIP_EPS,
                               clip_eps_high=CLIP_EPS_HIGH)  # (B, T)
         token_advantages = b.advantages[:, None].expand_as(b.mask)  # (B, T) for the metrics
-        ratio = torch.exp(logps.detach() - pi_old)  # (B, T) r, for the metrics
+        ratio = torch.exp(logps.detach() - pi_old_logps)  # (B, T) r, for the metrics
         extra = {}
     loss = reduce_loss(per_token, b.mask, loss_type=LOSS_TYPE, normalizer=b.normalizer,
                        max_tokens=MAX_NEW_TOKENS)
@@ -730,8 +718,8 @@ def loss_log(loss, b: Batch, *, logps, ratio, entropy, token_advantages) -> dict
     """Log: step 6's metrics at the weights before this step (features/run_log.loss_metrics): the
     loss, the clipped shares, the ratio's drift, the entropy and the k3 KL to the reference."""
     kl = None if b.ref_logps is None else k3(b.ref_logps, logps)  # (B, T)
-    return loss_metrics(loss, b, ratio=ratio, kl=kl, entropy=entropy, advantages=token_advantages,
-                        clip_eps=CLIP_EPS, clip_eps_high=CLIP_EPS_HIGH)
+    return loss_metrics(loss, b, ratio=ratio, kl=kl, entropy=entropy,  # log
+                        advantages=token_advantages, clip_eps=CLIP_EPS, clip_eps_high=CLIP_EPS_HIGH)
 
 
 def train_step(engine, batches) -> Counter:
@@ -739,7 +727,7 @@ def train_step(engine, batches) -> Counter:
     up (ZeRO-2 averages it over ranks), then one optimizer step."""
     metrics = Counter()  # summed over the MU passes, each a 1 / MU share
     for _ in range(MU):
-        with timed(metrics, "fwd_bwd_s"):
+        with timed(metrics, "fwd_bwd_s"):  # log: the seconds of the passes
             this_pass = Counter()  # the (micro-)batches' metrics, each a share of the step's
             for i, b in enumerate(batches):  # 6. the loss and its gradient
                 engine.set_gradient_accumulation_boundary(i == len(batches) - 1)
@@ -748,7 +736,7 @@ def train_step(engine, batches) -> Counter:
                 this_pass.update(batch_metrics)
             metrics.update({name: value / MU for name, value in this_pass.items()})
         metrics["lr"] += engine.get_lr()[0] / MU  # the rate this step uses (moved in engine.step)
-        with timed(metrics, "optim_s"):
+        with timed(metrics, "optim_s"):  # log
             engine.step()  # 7. the optimizer step
     return metrics
 
@@ -865,10 +853,10 @@ def main():
     sampling = dict(eos_ids=eos_ids, gen_config=gen_config, llm=llm)  # how step 2 samples
     score = functools.partial(rewards.score, REWARDS)  # score(texts, golds, questions)
     if pass_rates.PASS_RATE_QUESTIONS:  # a variant (SAMPLER "learnability"): measured first
-        pass_rates.pass_rate_pass(sampler, functools.partial(generate, model, tokenizer,
-                                                             **sampling),
-                                  score, count=pass_rates.PASS_RATE_QUESTIONS, group=NUM_PRE_Q,
-                                  output_dir=OUTPUT_DIR, batch=Q_BATCH_SIZE, rank=rank)
+        answers_to = functools.partial(generate, model, tokenizer, **sampling)  # a Rollout
+        pass_rates.pass_rate_pass(sampler, answers_to, score, count=pass_rates.PASS_RATE_QUESTIONS,
+                                  group=NUM_PRE_Q, output_dir=OUTPUT_DIR, batch=Q_BATCH_SIZE,
+                                  rank=rank)
     start = 0  # the last step done: a resumed checkpoint's
     if checkpoints.RESUME:  # weights, optimizer, data position and RNG of the newest step_N
         start = checkpoints.resume(engine, sampler, rank, output_dir=OUTPUT_DIR,
@@ -882,15 +870,13 @@ def main():
                                  **sampling)  # log: evaluate(step), held-out greedy accuracy
     if evaluation.EVAL_STEPS > 0 and start == 0:
         evaluate(0)
-    phases = None  # a teacher's stages (features/teacher_mix.py): which terms each step trains
-    if DISTILL_COEF:
-        phases = teacher_mix.Phases(start + 1)
+    phases = teacher_mix.Phases(start + 1) if DISTILL_COEF else None  # a teacher's stages
     image_processor = vision.image_processor_of(tokenizer)  # a vision model's: pixels; else None
     wanted = Q_BATCH_SIZE if DYNAMIC_SAMPLING else 1  # groups with different rewards a step needs
     for step in tqdm(range(start + 1, ALL_STEPS + 1), disable=rank != 0, desc="GRPO",
                      dynamic_ncols=True):
         metrics = Counter()  # this step's numbers, added up as they come
-        began = clock()
+        began = clock()  # log: the step's seconds
         keep_all = route.keeps_equal or bool(phases and phases.now.teacher)  # equal ones teach
         found = steps_1_to_5(model, tokenizer, sampler, route.exchange, step=step, rank=rank,
                              wanted=wanted, keep_all=keep_all, with_pi_old=route.regroup,
@@ -908,13 +894,13 @@ def main():
         if llm is not None:  # faster equal: vLLM samples the next step with the new weights
             with timed(metrics, "push_s"):
                 vllm_engine.push_weights(llm, model)
-        logged = run_log.step_metrics(metrics, groups, found.records, step=step,
+        logged = run_log.step_metrics(metrics, groups, found.records, step=step,  # log
                                       attempts=found.rollouts, began=began, group_size=NUM_PRE_Q,
                                       reward_names=reward_names)
         averaged = run_log.log_step(step, logged, found.records, log, device)  # log: every rank
         if phases is not None:  # a variant: the next step's stage, from this one's teacher_kl
             phases.advance(teacher_kl=averaged.get("teacher_kl", 0.0))
-        if evaluation.due(step, last_step=ALL_STEPS):
+        if evaluation.due(step, last_step=ALL_STEPS):  # log: held-out accuracy every EVAL_STEPS
             evaluate(step)
         if checkpoints.due(step, last_step=ALL_STEPS):  # log: OUTPUT_DIR/step_N, curves.png
             checkpoints.save_checkpoint(engine, tokenizer, step, sampler, rank,

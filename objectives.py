@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from features import env_overrides
+from features.wire import check_teacher_topk
 
 # ----------------------------------------------------------------------------- constants
 # The menu's selectors (OBJECTIVE, ADVANTAGE, ...) are grpo_ref_split.py's; their settings are here.
@@ -203,17 +204,17 @@ def policy_loss(engine, b, *, logps, pi_old_logps, entropy, kl, s: LossSettings)
         token_advantages = distill_advantages(
             b.advantages, teacher_logps=b.teacher_logps, pi_old_logps=pi_old_logps, mask=mask,
             coef=s.distill_coef, discount=DISTILL_DISCOUNT, matched=DISTILL_SCALE == "matched",
-            answers=teacher_rows)  # (B, T)
+            teacher_rows=teacher_rows)  # (B, T)
     weights = None  # (B, T) vLLM's mismatch pi_old / pi_vllm, truncated or masked (TIS_MODE)
     if b.vllm_logps is not None and TIS_CAP:
         weights = mismatch_weights(pi_old_logps, b.vllm_logps, b.vllm_rows, mask, mode=TIS_MODE,
                                    cap=TIS_CAP)  # (B, T)
     if s.off_policy_delta:  # DeepSeek-V3.2: far off-policy tokens with A < 0 leave the surrogate
-        behaviour = pi_old_logps  # (B, T) vLLM's log-probs on the rows it sampled, else pi_old
+        sampled_by = pi_old_logps  # (B, T) pi_old as vLLM measured it on the rows it sampled
         if b.vllm_logps is not None:
             rows = mask & b.vllm_rows[:, None]  # (B, T)
-            behaviour = torch.where(rows, b.vllm_logps, pi_old_logps)  # (B, T)
-        keep = off_policy_mask(advantages=token_advantages, behaviour_logps=behaviour, logps=logps,
+            sampled_by = torch.where(rows, b.vllm_logps, pi_old_logps)  # (B, T)
+        keep = off_policy_mask(advantages=token_advantages, pi_old_logps=sampled_by, logps=logps,
                                mask=mask, delta=s.off_policy_delta)  # (B, T)
         weights = keep if weights is None else weights * keep  # (B, T)
     trained = weights  # (B, T) or None: which tokens' surrogates train, and by how much
@@ -221,7 +222,7 @@ def policy_loss(engine, b, *, logps, pi_old_logps, entropy, kl, s: LossSettings)
         keep = high_entropy_mask(entropy=entropy, mask=mask, quantile=s.top_entropy_quantile)
         trained = keep if weights is None else weights * keep  # (B, T)
     per_token = variant_token_loss(
-        logps=logps, old_logps=pi_old_logps, kl=kl, advantages=token_advantages, mask=mask,
+        logps=logps, pi_old_logps=pi_old_logps, kl=kl, advantages=token_advantages, mask=mask,
         beta=s.beta, clip_eps=s.clip_eps, clip_eps_high=s.clip_eps_high, weights=trained,
         gspo=s.gspo, bias_corrected_kl=s.kl_bias_correction, objective=s.objective,
         sapo_taus=(SAPO_TAU_POS, SAPO_TAU_NEG))  # (B, T)
@@ -232,7 +233,7 @@ def policy_loss(engine, b, *, logps, pi_old_logps, entropy, kl, s: LossSettings)
             rkl = rkl * teacher_rows[:, None]  # (B, T)
         per_token = per_token + s.distill_coef * rkl  # (B, T)
     with torch.no_grad():
-        log_ratio = policy_log_ratio(logps=logps, old_logps=pi_old_logps, mask=mask, gspo=s.gspo)
+        log_ratio = policy_log_ratio(logps=logps, pi_old_logps=pi_old_logps, mask=mask, gspo=s.gspo)
         metrics = variant_metrics(b, s, pi_old_logps=pi_old_logps, weights=weights,
                                   token_advantages=token_advantages)
     return VariantLoss(per_token=per_token, token_advantages=token_advantages,
@@ -244,7 +245,7 @@ def teacher_mix_rows(b):
     DISTILL_BELOW and TEACHER_STEPS; None = every answer)."""
     from features import teacher_mix  # here: the mix is the teacher's, and only its runs need it
 
-    return teacher_mix.answers(b.rewards, teacher_on=b.teacher_on)
+    return teacher_mix.teacher_rows(b.rewards, teacher_on=b.teacher_on)
 
 
 def variant_metrics(b, s: LossSettings, *, pi_old_logps, weights, token_advantages) -> dict:
@@ -262,18 +263,19 @@ def variant_metrics(b, s: LossSettings, *, pi_old_logps, weights, token_advantag
     return metrics
 
 
-def variant_token_loss(*, logps, old_logps, kl, advantages, mask, beta, clip_eps, clip_eps_high,
-                       weights=None, gspo=False, bias_corrected_kl=False, objective="clip",
-                       sapo_taus=(1.0, 1.05)) -> torch.Tensor:
+def variant_token_loss(*, logps, pi_old_logps, kl, advantages, mask, beta, clip_eps,
+                       clip_eps_high, weights=None, gspo=False, bias_corrected_kl=False,
+                       objective="clip", sapo_taus=(1.0, 1.05)) -> torch.Tensor:
     """(B, T) the lesson's grpo_loss with the variants: -(surrogate x weights - beta x k3), the
     surrogate PPO's clip or one of OBJECTIVES (objective; sapo_taus SAPO's), GSPO's ratio per
     answer, weights (B, T) on each token's surrogate (None: 1), and with bias_corrected_kl
-    DeepSeek-V3.2's k3 x r (the reverse KL's gradient). logps, old_logps, mask (B, T); kl (B, T)
+    DeepSeek-V3.2's k3 x r (the reverse KL's gradient). logps, pi_old_logps, mask (B, T); kl (B, T)
     the lesson's k3 towards the reference (None: none); advantages (B,) or (B, T)."""
     if kl is None and beta:
         raise ValueError(f"variant_token_loss: kl=None needs beta=0 (beta {beta})")
     mask = mask.bool()  # (B, T)
-    log_ratio = policy_log_ratio(logps=logps, old_logps=old_logps, mask=mask, gspo=gspo)  # (B, T)
+    log_ratio = policy_log_ratio(logps=logps, pi_old_logps=pi_old_logps, mask=mask,
+                                 gspo=gspo)  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T)
     adv = advantages[:, None] if advantages.dim() == 1 else advantages  # (B, 1) or (B, T)
     if objective == "clip":
@@ -297,11 +299,11 @@ def variant_token_loss(*, logps, old_logps, kl, advantages, mask, beta, clip_eps
     return -surrogate  # (B, T)
 
 
-def policy_log_ratio(*, logps, old_logps, mask, gspo=False) -> torch.Tensor:
+def policy_log_ratio(*, logps, pi_old_logps, mask, gspo=False) -> torch.Tensor:
     """(B, T) log(pi / pi_old) of each answer token, the ratio the loss clips and the metrics show;
     GSPO (arXiv 2507.18071): each answer's mean log-ratio on its every token (one ratio, clipped
     whole)."""
-    log_ratio = logps - old_logps  # (B, T)
+    log_ratio = logps - pi_old_logps  # (B, T)
     if not gspo:
         return log_ratio
     answer_mean = masked_mean(log_ratio, mask)[:, None]  # (B, 1)
@@ -360,13 +362,14 @@ def mismatch_weights(pi_old_logps, vllm_logps, vllm_rows, mask, *, mode, cap) ->
     return torch.where((rho >= 1 / cap) & (rho <= cap), rho, 0.0)  # (B, T)
 
 
-def off_policy_mask(*, advantages, behaviour_logps, logps, mask, delta) -> torch.Tensor:
+def off_policy_mask(*, advantages, pi_old_logps, logps, mask, delta) -> torch.Tensor:
     """(B, T) DeepSeek-V3.2's off-policy mask (OFF_POLICY_DELTA): 0 on a token with a negative
-    advantage in an answer whose mean log(pi_behaviour / pi) exceeds delta, else 1. One advantage
-    per answer keeps or drops the answer whole, as the paper; with a teacher's per-token
-    advantages each token's own sign decides (docs/distillation.md). All (B, T); it multiplies
-    the surrogate."""
-    drift = masked_mean(behaviour_logps - logps.detach(), mask)  # (B,) how far pi moved away
+    advantage in an answer whose mean log(pi_old / pi) exceeds delta, else 1 (the paper's
+    pi_behaviour is pi_old, the sampling policy: vLLM's own log-probs where it sampled). One
+    advantage per answer keeps or drops the answer whole, as the paper; with a teacher's
+    per-token advantages each token's own sign decides (docs/distillation.md). All (B, T); it
+    multiplies the surrogate."""
+    drift = masked_mean(pi_old_logps - logps.detach(), mask)  # (B,) how far pi moved away
     far = (drift > delta)[:, None]  # (B, 1)
     return (~(far & (advantages < 0))).float()  # (B, T)
 
@@ -384,18 +387,18 @@ def high_entropy_mask(*, entropy, mask, quantile) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- the teacher's terms
 def distill_advantages(advantages, *, teacher_logps, pi_old_logps, mask, coef,
-                       discount=0.0, matched=False, answers=None) -> torch.Tensor:
+                       discount=0.0, matched=False, teacher_rows=None) -> torch.Tensor:
     """(B, T) on-policy distillation (Agarwal et al. 2024, arXiv 2306.13649; Thinking Machines'
     "On-Policy Distillation"): A_t = A + coef (log teacher(y_t) - log pi_old(y_t)), each token's
     own term; its expected gradient is -coef grad KL(pi || teacher). discount g > 0 adds the later
     tokens' terms too, g^(t' - t) each (tinker's KL discount: a token is also credited with where
     it led), the reverse KL's return rather than its one step. matched: the term scaled by
     rms(A) / rms(term) over the answer tokens, so it keeps the group term's size as the KL falls
-    (DISTILL_SCALE "matched"; GRPO's A stays near 1 per token whatever the rewards). answers (B,)
-    bool: the answers that take the term, the others keep A alone (features/teacher_mix: KDRL's
+    (DISTILL_SCALE "matched"; GRPO's A stays near 1 per token whatever the rewards). teacher_rows
+    (B,) bool: the answers that take the term, the others keep A alone (features/teacher_mix: KDRL's
     reward-guided mask spares the correct ones); None = every answer. advantages (B,)."""
     mask = mask.bool()  # (B, T)
-    taking = mask if answers is None else mask & answers[:, None]  # (B, T) tokens with the term
+    taking = mask if teacher_rows is None else mask & teacher_rows[:, None]  # (B, T) with the term
     term = torch.where(taking, teacher_logps - pi_old_logps.detach(), 0.0)  # (B, T)
     if discount:
         T = term.shape[1]
@@ -408,6 +411,23 @@ def distill_advantages(advantages, *, teacher_logps, pi_old_logps, mask, coef,
         term_rms = masked_mean(term.square(), taking)[taking.any(1)].mean().sqrt()  # ()
         term = term * (group_rms / term_rms.clamp(min=1e-8))  # (B, T)
     return advantages[:, None] + coef * term  # (B, T)
+
+
+def teacher_topk_of(groups, T: int, top_k: int, vocab_size) -> tuple:
+    """((B, T, k) ids, (B, T, k) log-probs): each group's teacher top-k (DISTILL_TOP_K), checked
+    (features/wire.check_teacher_topk) and laid on its answer columns as the lesson's collate lays
+    the rest; T the batch's answer columns."""
+    B = sum(g["completion_mask"].shape[0] for g, _ in groups)
+    ids = torch.zeros(B, T, top_k, dtype=torch.long)  # (B, T, k)
+    logps = torch.zeros(B, T, top_k)  # (B, T, k)
+    row = 0
+    for g, _ in groups:
+        n, tlen = g["completion_mask"].shape
+        check_teacher_topk(g, top_k=top_k, answer_tokens=tlen, vocab_size=vocab_size)
+        ids[row : row + n, :tlen] = g["teacher_topk_ids"]
+        logps[row : row + n, :tlen] = g["teacher_topk_logps"]
+        row += n
+    return ids, logps
 
 
 def student_topk_logps(engine, b, *, temperature) -> torch.Tensor:

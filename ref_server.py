@@ -155,9 +155,10 @@ class RefServer:
         pixels = {}  # text: no pixel inputs
         if images:
             pixels = vision.server_pixels(self.processor, images, len(ids), self.device)
-        with torch.no_grad():  # faster equal
-            logps = completion_logps(self.model, ids, torch.ones_like(ids), ids.shape[1] - plen,
-                                     temperature, s.ref_micro_batch, s.shared_prefix,
+        with torch.no_grad():
+            logps = completion_logps(self.model, ids, torch.ones_like(ids),  # faster equal
+                                     ids.shape[1] - plen, temperature, s.ref_micro_batch,
+                                     s.shared_prefix,
                                      chunk=s.logp_chunk, from_hidden=s.logp_from_hidden,
                                      vision_inputs=pixels)
         return logps.cpu()  # (G, T)
@@ -204,7 +205,8 @@ class RefServer:
                 if self.reward_model is not None:  # the last reward is known only here
                     tensors, meta = add_reward_model(tensors, meta, self.reward_model,
                                                      self.settings.reward_model_weight)
-                item = (encode_batch(tensors, meta), "application/octet-stream", nbytes, uid)
+                body = encode_batch(tensors, meta)  # guard: the wire's format, safetensors
+                item = (body, "application/octet-stream", nbytes, uid)
             except Exception as e:  # out of memory, say: this group is lost, and its taker told
                 failed = True
                 traceback.print_exc()
@@ -267,16 +269,17 @@ class RefServer:
                 self._refuse(411, "Content-Length is required")
             body = bottle.request.environ["wsgi.input"].read(length)
             try:
-                tensors, meta = decode_batch(body)
+                tensors, meta = decode_batch(body)  # guard: safetensors, bounded JSON
                 meta = validate_group(tensors, meta, self.vocab_size, self.settings.max_rows,
                                       self.max_len, self.settings.max_group_tokens)  # guard
                 images = []  # decoded here, once, within the pixel budgets
                 pixels = 0  # what decoding them costs; text: nothing
-                if carries_images(tensors):
+                images_sent = carries_images(tensors)  # guard: a text group carries none
+                if images_sent:
                     pixels = vision.pixels_of(tensors)
                 if pixels and not self.decoding.take(pixels):
                     self._busy()  # this second's decoding is spent: a retry comes later
-                if self.processor is not None or carries_images(tensors):
+                if self.processor is not None or images_sent:
                     images = vision.check_group(self.processor, tensors, meta["plen"])
                 if meta.get("teacher_top_k") and not self.settings.teacher:
                     raise ValueError("teacher_top_k asks a teacher (TEACHER=1); this server holds "

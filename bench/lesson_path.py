@@ -1,103 +1,337 @@
-"""Which files and lines a reader follows in one default training step (issue 47's count).
+"""What a reader must read to follow one default training step: the lines it runs, per file.
 
-    python bench/lesson_path.py          # the embedded model, every constant at its default
-    FUNCTIONS=1 python bench/lesson_path.py   # also each function entered, with its lines
+    python bench/lesson_path.py                  # the embedded model, every constant at its default
+    LINES=1 python bench/lesson_path.py          # also every line counted, file by file
+    MODEL_PATH=some/folder python bench/lesson_path.py   # another model (the tests' tiny one)
 
-It starts ref_server.py's server in this process, runs the trainer for two steps and records
-every function of this project (not tests/ or bench/) that is entered during step 2, on the
-trainer's thread or the server's. A function counts with all its lines (docstring included,
-from its `def` to its last line); main() counts whole, since the loop lives in it; nested
-functions count once inside their parent. It prints the lines per file and the totals.
+It starts ref_server.py's server in this process, runs the trainer for two steps and records, by
+line coverage (sys.settrace on the trainer's thread and the server's threads), every line of this
+project (not tests/ or bench/) that runs during step 2, and every line of main() that runs at all
+(the set-up a reader reads before the loop). A line counts with the whole statement it belongs to
+(a call spread over four lines is four lines); a compound statement (if, for, with, def) counts its
+header, and an entered function its signature, never its docstring. Beside them it counts the
+definitions the step uses: each module constant (UPPER_CASE) and each class named on a line that
+ran. Comments and docstrings are what a reader may read, not what a reader must.
+
+Each module of features/ whose code runs must say in its docstring's first line which kind it is,
+"Faster equal:" (computes what a lesson function defines, tested equal), "Guard:" (checks and
+bounds) or "Log:" (metrics and output); one that says none stops the count. A features/ module that
+is only read (a switch constant such as TOOLS) is listed apart. Each call from the lesson's files
+into features/ on the path must carry a comment naming its kind; a call without one is listed.
+The last line reads `must read: N lines in the lesson's files; M lines in features/ (faster equal
+a, guard b, log c)`.
 """
+import ast
+import io
 import os
 import sys
 import tempfile
 import threading
+import tokenize
 from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SKIPPED = ("tests", "bench", ".venv")  # folders whose code is not the product
-FUNCTIONS = os.environ.get("FUNCTIONS", "0") == "1"  # 1: list each function entered too
+LESSON = ("grpo_ref_split.py", "rewards.py", "ref_server.py")  # the lesson's files
+KINDS = {"Faster equal:": "faster equal", "Guard:": "guard", "Log:": "log"}  # docstring tags
+LINES = os.environ.get("LINES", "0") == "1"  # 1: list every line counted
 
 
-def is_project_file(filename: str) -> bool:
+def project_file(filename: str) -> str | None:
+    """The path relative to ROOT of a project file, or None (a library, a test, a bench)."""
     path = Path(filename)
     if not path.is_absolute() or ROOT not in path.parents:
-        return False
-    return path.relative_to(ROOT).parts[0] not in SKIPPED
+        return None
+    relative = path.relative_to(ROOT)
+    return None if relative.parts[0] in SKIPPED else str(relative)
 
 
-def function_lines(code) -> range:
-    last = max((line for _, _, line in code.co_lines() if line is not None),
-               default=code.co_firstlineno)
-    return range(code.co_firstlineno, last + 1)
-
-
-class PathRecorder:
-    """A profile hook that keeps the code objects entered while `recording` is set."""
+class LineRecorder:
+    """A trace function: the project lines that run while `recording` is set (the step), and
+    main()'s always (its set-up too)."""
 
     def __init__(self):
         self.recording = False
-        self.entered = set()
+        self.ran = defaultdict(set)  # file -> line numbers that ran
+        self.in_step = defaultdict(set)  # file -> those of them that ran in the recorded step
+        self.entered = defaultdict(set)  # file -> first lines of the functions entered
 
     def __call__(self, frame, event, arg):
-        if self.recording and event == "call" and is_project_file(frame.f_code.co_filename):
-            self.entered.add(frame.f_code)
-        return None
+        name = project_file(frame.f_code.co_filename)
+        if name is None:
+            return None
+        return self.local
 
-    def lines_per_file(self) -> dict:
-        lines = defaultdict(set)
-        for code in self.entered:
-            lines[code.co_filename].update(function_lines(code))
-        return {str(Path(name).relative_to(ROOT)): len(seen) for name, seen in lines.items()}
+    def local(self, frame, event, arg):
+        name = project_file(frame.f_code.co_filename)
+        if event == "line" and (self.recording or frame.f_code.co_name == "main"):
+            self.ran[name].add(frame.f_lineno)
+            self.entered[name].add(frame.f_code.co_firstlineno)
+        if event == "line" and self.recording:
+            self.in_step[name].add(frame.f_lineno)
+        return self.local
 
 
-def main():
+class SourceFile:
+    """One file's statements, module definitions and comments, from its source."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.text = (ROOT / name).read_text()
+        self.lines = self.text.splitlines()
+        self.tree = ast.parse(self.text)
+        self.spans = {}  # line -> (first, last) of the statement (or header) it belongs to
+        self.functions = {}  # first line -> (first, last) of the signature
+        self.docstrings = set()  # lines of docstrings
+        for node in ast.walk(self.tree):
+            self._add(node)
+        self.constants = {}  # module constant -> its line
+        self.classes = {}  # class -> (first, last) without its docstring
+        self.imported = {}  # name -> (module file, name there)
+        for node in self.tree.body:
+            self._define(node)
+        self.comments = {row: text for row, text in comments(self.text)}
+        self.kind = kind_of(self.tree)
+
+    def _add(self, node):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Module)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                self.docstrings.update(range(body[0].lineno, body[0].end_lineno + 1))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            self.functions[node.lineno] = (first, node.body[0].lineno - 1)
+        if not isinstance(node, ast.stmt):
+            return
+        body = getattr(node, "body", None)
+        last = node.end_lineno
+        if isinstance(body, list) and body:  # a compound statement: its header
+            last = max(node.lineno, body[0].lineno - 1)
+        for row in range(node.lineno, last + 1):
+            span = self.spans.get(row)
+            if span is None or span[1] - span[0] > last - node.lineno:  # the innermost
+                self.spans[row] = (node.lineno, last)
+
+    def _define(self, node):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Name) and target.id.isupper():
+                    self.constants[target.id] = node.lineno
+        if isinstance(node, ast.ClassDef):
+            body = node.body[1:] if ast.get_docstring(node) else node.body
+            rows = {node.lineno}
+            for item in body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue  # a method counts when it runs
+                rows.update(range(item.lineno, item.end_lineno + 1))
+            self.classes[node.name] = sorted(rows)
+        if isinstance(node, ast.ImportFrom) and node.module:
+            for alias in node.names:
+                self.imported[alias.asname or alias.name] = (module_file(node.module, alias.name),
+                                                             alias.name)
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                self.imported[alias.asname or alias.name] = (module_file(alias.name), None)
+
+
+def module_file(module: str, name: str | None = None) -> str | None:
+    """The project file of `module` (or of the module `module.name` when that is one)."""
+    if name is not None and (ROOT / module.replace(".", "/") / f"{name}.py").exists():
+        return f"{module.replace('.', '/')}/{name}.py"
+    path = ROOT / (module.replace(".", "/") + ".py")
+    return str(path.relative_to(ROOT)) if path.exists() else None
+
+
+def comments(text: str) -> list:
+    """(row, text) of each comment in a source."""
+    tokens = tokenize.generate_tokens(io.StringIO(text).readline)
+    return [(token.start[0], token.string) for token in tokens if token.type == tokenize.COMMENT]
+
+
+def kind_of(tree) -> str | None:
+    """The kind a module's docstring's first line declares (KINDS), or None."""
+    first = (ast.get_docstring(tree) or "").splitlines()[:1]
+    return next((kind for tag, kind in KINDS.items() if first and first[0].startswith(tag)), None)
+
+
+def imported_module(source: SourceFile, alias: str) -> str | None:
+    """The project file of the module `alias` names in `source` (import x / from y import x)."""
+    target = source.imported.get(alias)
+    if target and target[0] and (target[1] is None or target[0].endswith(f"/{target[1]}.py")):
+        return target[0]
+    return None
+
+
+def names_read(source: SourceFile, rows: set) -> list:
+    """(file, name) of each module-level name read on `rows`: a bare name (this file's, or one
+    imported from a project file), or module.NAME of an imported project module."""
+    found = []
+    for node in ast.walk(source.tree):
+        if getattr(node, "lineno", None) not in rows:
+            continue
+        if isinstance(node, ast.Name) and node.id in source.imported:
+            found.append(source.imported[node.id])
+        elif isinstance(node, ast.Name):
+            found.append((source.name, node.id))
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            module = imported_module(source, node.value.id)
+            if module:
+                found.append((module, node.attr))
+    return found
+
+
+class Count:
+    """The lines a reader must read, per file, and the calls into features/ without a kind."""
+
+    def __init__(self, recorder: LineRecorder):
+        self.sources = {}
+        self.read = defaultdict(set)  # file -> line numbers a reader must read
+        self.in_step = recorder.in_step  # file -> the lines that ran in the step itself
+        self.switches = defaultdict(set)  # features/ files only read: their constants' lines
+        for name, rows in recorder.ran.items():
+            source = self.source(name)
+            for row in rows:
+                first, last = source.spans.get(row, (row, row))
+                self.read[name].update(r for r in range(first, last + 1)
+                                       if r not in source.docstrings)
+            for start in recorder.entered[name]:
+                if start in source.functions:
+                    first, last = source.functions[start]
+                    self.read[name].update(range(first, last + 1))
+        for name in list(self.read):
+            self.add_definitions(name)
+
+    def source(self, name: str) -> SourceFile:
+        if name not in self.sources:
+            self.sources[name] = SourceFile(name)
+        return self.sources[name]
+
+    def add_definitions(self, name: str):
+        """The constants and classes named on the lines `name` ran, wherever they are defined."""
+        source = self.source(name)
+        for where, defined in names_read(source, self.read[name] - source.docstrings):
+            if where is None or project_file(str(ROOT / where)) is None:
+                continue
+            home = self.source(where)
+            if defined in home.constants and (where in LESSON or home.kind):
+                self.read[where].add(home.constants[defined])
+            elif defined in home.constants:  # a switch of a module the step does not enter
+                self.switches[where].add(home.constants[defined])
+            elif defined in home.classes:
+                self.read[where].update(home.classes[defined])
+
+    def unkinded(self) -> list:
+        """features/ modules whose code runs on the path without a declared kind."""
+        return [name for name in self.read
+                if name.startswith("features/") and self.source(name).kind is None]
+
+    def calls_without_a_kind(self) -> list:
+        """'file:line name' of each call from the lesson's files into features/ in the step whose
+        statement carries no comment naming its kind."""
+        missing = []
+        for name in LESSON:
+            source = self.source(name)
+            rows = self.in_step.get(name, set())
+            for node in ast.walk(source.tree):
+                if not isinstance(node, ast.Call) or node.lineno not in rows:
+                    continue
+                target = called_module(source, node.func)
+                if target is None or not target.startswith("features/"):
+                    continue
+                first, last = source.spans.get(node.lineno, (node.lineno, node.end_lineno))
+                said = " ".join(source.comments.get(r, "") for r in range(first, last + 1))
+                if not any(kind in said.lower() for kind in KINDS.values()):
+                    missing.append(f"{name}:{node.lineno} {ast.unparse(node.func)}")
+        return missing
+
+
+def called_module(source: SourceFile, func) -> str | None:
+    """The project file a call's function lives in: module.f or a name imported from there."""
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+        return imported_module(source, func.value.id)
+    if isinstance(func, ast.Name) and func.id in source.imported:
+        return source.imported[func.id][0]
+    return None
+
+
+def run_two_steps(recorder: LineRecorder):
+    """Step 1 and 2 of the trainer with a server in this process; step 2's lines recorded."""
     out = tempfile.mkdtemp(prefix="lesson_path_")
     os.environ.update(ALL_STEPS="2", EVAL_STEPS="0", SAVE_STEPS="0", OUTPUT_DIR=out,
                       REF_SERVER="http://127.0.0.1:59885", PORT="59885")
     sys.path.insert(0, str(ROOT))
-    recorder = PathRecorder()
-    threading.setprofile(recorder)  # before the server's threads start
-    sys.setprofile(recorder)
+    threading.settrace(recorder)  # before the server's threads start
+    sys.settrace(recorder)
     import ref_server
-    from transformers import AutoModelForCausalLM
-    from features.embedded_model import resolve_model_path
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path("")).eval()
-    server = ref_server.RefServer(model.requires_grad_(False), "embedded")
-    stop = ref_server.serve(server, "127.0.0.1", 59885)
     import grpo_ref_split as trainer
-    rollout = trainer.rollout
-    log_step = trainer.log_step
+    from features import run_log
+    from features.embedded_model import resolve_model_path
+    from transformers import AutoModelForCausalLM
 
-    def rollout_recorded(*args, **kwargs):
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(trainer.MODEL_PATH)).eval()
+    server = ref_server.RefServer(model.requires_grad_(False), "lesson_path")
+    stop = ref_server.serve(server, "127.0.0.1", 59885)
+    steps = trainer.steps_1_to_5
+    log_step = run_log.log_step
+
+    def steps_recorded(*args, **kwargs):
         recorder.recording = kwargs.get("step") == 2
-        return rollout(*args, **kwargs)
+        return steps(*args, **kwargs)
 
     def log_step_recorded(*args, **kwargs):
         result = log_step(*args, **kwargs)
         recorder.recording = False
         return result
 
-    trainer.rollout = rollout_recorded
-    trainer.log_step = log_step_recorded
+    trainer.steps_1_to_5 = steps_recorded
+    run_log.log_step = log_step_recorded
     try:
         trainer.main()
     finally:
-        sys.setprofile(None)
-        threading.setprofile(None)
+        sys.settrace(None)
+        threading.settrace(None)
         stop()
-    recorder.entered.add(trainer.main.__code__)  # the loop itself
-    per_file = recorder.lines_per_file()
-    print(f"{'file':<32} lines on a default step's path")
-    for name, count in sorted(per_file.items(), key=lambda item: -item[1]):
-        print(f"{name:<32} {count}")
-    print(f"{'total':<32} {sum(per_file.values())} lines in {len(per_file)} files")
-    if FUNCTIONS:
-        for code in sorted(recorder.entered, key=lambda c: (c.co_filename, c.co_firstlineno)):
-            name = Path(code.co_filename).relative_to(ROOT)
-            print(f"{name}:{code.co_firstlineno} {code.co_qualname} {len(function_lines(code))}")
+
+
+def main():
+    recorder = LineRecorder()
+    run_two_steps(recorder)
+    count = Count(recorder)
+    unkinded = count.unkinded()
+    if unkinded:
+        sys.exit(f"a default step enters {', '.join(unkinded)}, whose docstring's first line "
+                 f"declares none of {', '.join(KINDS)}")
+    print(f"{'file':<34} {'kind':<13} lines a reader must read on a default step")
+    order = sorted(count.read, key=lambda name: (name not in LESSON, -len(count.read[name])))
+    for name in order:
+        kind = "lesson" if name in LESSON else count.source(name).kind or "other"
+        print(f"{name:<34} {kind:<13} {len(count.read[name])}")
+        if LINES:
+            lines = count.source(name).lines
+            for row in sorted(count.read[name]):
+                print(f"    {row:5d}  {lines[row - 1]}")
+    for name, rows in sorted(count.switches.items()):
+        switches = ", ".join(count.source(name).lines[row - 1].split("=")[0].strip()
+                             for row in sorted(rows))
+        print(f"{name:<34} {'switch read':<13} {len(rows)} ({switches})")
+    other = [name for name in count.read if name not in LESSON and not name.startswith("features/")]
+    if other:
+        print(f"outside the lesson and features/: {', '.join(other)}")
+    missing = count.calls_without_a_kind()
+    for call in missing:
+        print(f"call into features/ without its kind in a comment: {call}")
+    lesson = sum(len(count.read[name]) for name in LESSON if name in count.read)
+    by_kind = defaultdict(int)
+    for name in count.read:
+        if name.startswith("features/"):
+            by_kind[count.source(name).kind] += len(count.read[name])
+    features = sum(by_kind.values())
+    print(f"must read: {lesson} lines in the lesson's files; {features} lines in features/ "
+          f"(faster equal {by_kind['faster equal']}, guard {by_kind['guard']}, "
+          f"log {by_kind['log']})")
+    if missing:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ beside DISTILL_COEF, each off by default:
   per-token term beside it (KDRL's reward-guided mask, arXiv 2506.02208). A correct answer already
   has the rewards' push; the reverse KL towards a confident teacher would only narrow it further,
   and a group whose answers are all alike has no reward signal left. The trainer reads the mask
-  in policy_loss (distill_advantages' answers, the top-k term's rows).
+  in step 6 (objectives.py: distill_advantages' teacher_rows, the top-k term's rows).
 - TEACHER_STEPS, distillation then RL: the first TEACHER_STEPS steps train on the teacher's term
   alone (the rewards' advantages 0), every later step on the rewards alone (the teacher's term
   0), the order of a distill-then-RL pipeline. Pure distillation comes most of the way to the
@@ -74,7 +74,7 @@ def check_settings(*, distill_coef, rewards, all_steps):
                      "DISTILL_COEF > 0 (a TEACHER=1 server) and a REWARDS weight above 0")
 
 
-def answers(rewards: torch.Tensor, *, teacher_on=True) -> torch.Tensor | None:
+def teacher_rows(rewards: torch.Tensor, *, teacher_on=True) -> torch.Tensor | None:
     """(B,) bool, the answers that take the teacher's term: those whose summed reward (B,) is
     under DISTILL_BELOW, none once the teacher has left (teacher_on False); None = every
     answer."""

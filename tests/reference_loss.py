@@ -21,7 +21,7 @@ def torch_loss(*, logps, ref_logps, pi_old_logps, advantages, mask, beta, clip_e
     mask = mask.bool()  # (B, T)
     old = pi_old_everywhere(logps, pi_old_logps, pi_old_rows, mask)  # (B, T)
     clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
-    loss = dict(logps=logps, old_logps=old, advantages=advantages, mask=mask, beta=beta,
+    loss = dict(logps=logps, pi_old_logps=old, advantages=advantages, mask=mask, beta=beta,
                 clip_eps=clip_eps, clip_eps_high=clip_eps_high)
     weights = None
     if vllm_logps is not None and tis_cap > 0:

@@ -36,7 +36,7 @@ def distill_loss(theta, teacher, answers, *, coef):
     advantages = objectives.distill_advantages(torch.zeros(len(answers), dtype=theta.dtype),
                                          teacher_logps=teacher[answers][:, None],
                                                pi_old_logps=old, mask=mask, coef=coef)  # (N, 1)
-    per_token = objectives.variant_token_loss(logps=logps, old_logps=old, kl=None,
+    per_token = objectives.variant_token_loss(logps=logps, pi_old_logps=old, kl=None,
                                               advantages=advantages, mask=mask, beta=0.0,
                                               clip_eps=0.2, clip_eps_high=0.2)  # (N, 1)
     return grpo.reduce_loss(per_token, mask, loss_type="grpo")
@@ -209,15 +209,15 @@ def test_teacher_steps_hand_the_steps_from_the_teacher_to_the_rewards(monkeypatc
     assert teacher_mix.next_phase(waiting, teacher_kl=0.05).rewards
     monkeypatch.setattr(teacher_mix, "TEACHER_FIRST_KL", 0.0)
     rewards = torch.tensor([0.0, 2.0])  # (B,)
-    assert teacher_mix.answers(rewards, teacher_on=False).tolist() == [False, False]
+    assert teacher_mix.teacher_rows(rewards, teacher_on=False).tolist() == [False, False]
     monkeypatch.setattr(teacher_mix, "DISTILL_BELOW", 2.0)
-    assert teacher_mix.answers(rewards).tolist() == [True, False]
-    assert teacher_mix.answers(rewards, teacher_on=False).tolist() == [False, False]
+    assert teacher_mix.teacher_rows(rewards).tolist() == [True, False]
+    assert teacher_mix.teacher_rows(rewards, teacher_on=False).tolist() == [False, False]
     group = torch.tensor([0.5, -0.5])  # (B,)
     got = objectives.distill_advantages(group, teacher_logps=torch.full((2, 3), -1.0),
                                   pi_old_logps=torch.full((2, 3), -2.0),
                                   mask=torch.ones(2, 3), coef=1.0, matched=True,
-                                  answers=teacher_mix.answers(rewards, teacher_on=False))
+                                  teacher_rows=teacher_mix.teacher_rows(rewards, teacher_on=False))
     assert got.tolist() == [[0.5] * 3, [-0.5] * 3]
 
 
@@ -295,7 +295,7 @@ def test_per_token_advantages_of_equal_values_give_the_per_answer_loss():
     old = (logps + 0.1 * torch.randn(3, 4)).detach()
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
     advantages = torch.tensor([0.5, -1.0, 2.0])
-    loss = dict(logps=logps, old_logps=old, ref_logps=None, mask=mask, beta=0.0, clip_eps=0.2,
+    loss = dict(logps=logps, pi_old_logps=old, ref_logps=None, mask=mask, beta=0.0, clip_eps=0.2,
                 clip_eps_high=0.28)
     per_answer = grpo.grpo_loss(advantages=advantages, **loss)
     del loss["ref_logps"]
@@ -313,7 +313,7 @@ def test_bias_corrected_kl_by_hand():
     old = torch.tensor([[math.log(0.25)]], dtype=torch.float64)
     ref = torch.tensor([[math.log(0.25)]], dtype=torch.float64)
     mask = torch.ones(1, 1, dtype=torch.bool)
-    common = dict(old_logps=old, ref_logps=ref, advantages=torch.zeros(1, dtype=torch.float64),
+    common = dict(pi_old_logps=old, ref_logps=ref, advantages=torch.zeros(1, dtype=torch.float64),
                   mask=mask, beta=1.0, clip_eps=0.2, clip_eps_high=0.2)
     k3_value = 0.5 + math.log(2) - 1
     kl = grpo.reference_kl(ref, logp, mask)  # (1, 1)
@@ -342,7 +342,7 @@ def test_bias_corrected_kl_gives_the_reverse_kl_gradient_off_policy():
             mask = torch.ones(1, 1, dtype=torch.bool)
             loss = objectives.variant_token_loss(
                 logps=logps,
-                old_logps=torch.log(pi_old[y]).view(1, 1),
+                pi_old_logps=torch.log(pi_old[y]).view(1, 1),
                 kl=grpo.reference_kl(ref[y].view(1, 1), logps, mask),
                 advantages=torch.zeros(1).double(),
                 mask=torch.ones(1, 1, dtype=torch.bool),
@@ -369,10 +369,10 @@ class Rows:
 
 
 def off_policy_keep(advantages, old, logps, mask, delta, vllm_logps=None, vllm_rows=None):
-    """The trainer's mask as policy_loss builds it: pi_behaviour is vLLM's log-probs on the rows
+    """The trainer's mask as policy_loss builds it: pi_old is vLLM's log-probs on the rows
     it sampled, pi_old on the others."""
-    behaviour = grpo.pi_old_everywhere(old, vllm_logps, vllm_rows, mask)  # (B, T)
-    return objectives.off_policy_mask(advantages=advantages, behaviour_logps=behaviour,
+    sampled_by = grpo.pi_old_everywhere(old, vllm_logps, vllm_rows, mask)  # (B, T)
+    return objectives.off_policy_mask(advantages=advantages, pi_old_logps=sampled_by,
                                       logps=logps, mask=mask, delta=delta)  # (B, T)
 
 
@@ -420,7 +420,7 @@ def test_gspo_with_a_teachers_per_token_advantages_moves_each_token_by_its_own()
     mask = torch.ones(1, 3, dtype=torch.bool)
     advantages = torch.tensor([[0.8, -4.0, 0.0]])
     for old, ratio in ((logps.detach(), 1.0), (logps.detach() - 0.03, math.exp(0.03))):
-        per_token = objectives.variant_token_loss(logps=logps, old_logps=old, kl=None,
+        per_token = objectives.variant_token_loss(logps=logps, pi_old_logps=old, kl=None,
                                                   advantages=advantages, mask=mask, beta=0.0,
                                                   clip_eps=0.2, clip_eps_high=0.2,
                                                   gspo=True)  # (1, 3)
@@ -444,7 +444,7 @@ def test_gspo_with_one_advantage_per_answer_is_the_sequence_objective_in_value_a
     eps = 3e-3
     s = torch.exp(objectives.masked_mean(logps - old, mask))  # (4,)
     want = -torch.min(s * advantages, s.clamp(1 - eps, 1 + eps) * advantages).mean()
-    per_token = objectives.variant_token_loss(logps=logps, old_logps=old, kl=None,
+    per_token = objectives.variant_token_loss(logps=logps, pi_old_logps=old, kl=None,
                                               advantages=advantages[:, None].expand(4, 5),
                                               mask=mask, beta=0.0, clip_eps=eps,
                                               clip_eps_high=eps, gspo=True)  # (4, 5)
@@ -462,7 +462,7 @@ def test_a_masked_answer_keeps_its_kl_penalty():
     ref = torch.tensor([[-1.5, -1.0]])
     common = dict(
         logps=logps,
-        old_logps=logps,
+        pi_old_logps=logps,
         ref_logps=ref,
         advantages=torch.tensor([-2.0]),
         mask=torch.ones(1, 2, dtype=torch.bool),
@@ -925,16 +925,16 @@ def test_the_teacher_term_only_on_the_answers_chosen_by_hand():
     chosen = torch.tensor([True, False])
     got = objectives.distill_advantages(torch.tensor([1.0, -1.0]), teacher_logps=teacher,
                                   pi_old_logps=torch.zeros(2, 2), mask=mask, coef=0.5,
-                                  answers=chosen)
+                                  teacher_rows=chosen)
     assert got.tolist() == [pytest.approx([1.15, 0.8]), [-1.0, -1.0]]
     matched = objectives.distill_advantages(torch.tensor([1.0, -1.0]), teacher_logps=teacher,
                                       pi_old_logps=torch.zeros(2, 2), mask=mask, coef=0.5,
-                                      matched=True, answers=chosen)
+                                      matched=True, teacher_rows=chosen)
     scale = 1 / math.sqrt(0.125)
     assert matched.tolist() == [pytest.approx([1 + 0.15 * scale, 1 - 0.2 * scale]), [-1.0, -1.0]]
     nobody = objectives.distill_advantages(torch.tensor([1.0, -1.0]), teacher_logps=teacher,
                                      pi_old_logps=torch.zeros(2, 2), mask=mask, coef=0.5,
-                                     matched=True, answers=torch.tensor([False, False]))
+                                     matched=True, teacher_rows=torch.tensor([False, False]))
     assert nobody.tolist() == [[1.0, 1.0], [-1.0, -1.0]]  # no term to size: A alone, no NaN
 
 

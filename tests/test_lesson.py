@@ -228,6 +228,85 @@ def test_the_training_loop_reads_as_the_seven_steps():
     assert main.end_lineno - main.lineno + 1 <= 90
 
 
+# The functions of the seven steps (README's "One GRPO step"), the loop's own helpers among them.
+STEP_FUNCTIONS = ("draw_questions", "generate", "scored_groups", "answer_advantages",
+                  "varied_groups", "pack_groups", "group_tensors", "upload_and_pull",
+                  "drop_untrainable", "steps_1_to_5", "collate", "prepare_batch", "batches_of",
+                  "policy_loss", "train_step")
+# The lesson's helpers that read the variants' selectors, so a test on them is a variant's branch.
+VARIANT_SWITCHES = ("advantage_variant_on", "loss_variant_on", "rescaled_at_step")
+
+
+def lesson_tree():
+    return ast.parse(open(os.path.join(ROOT, "grpo_ref_split.py")).read())
+
+
+def variant_constants() -> set:
+    """The menu's selectors (grpo_ref_split.py's constants under "The menu of variants") and every
+    setting of objectives.py."""
+    import objectives
+
+    source = open(os.path.join(ROOT, "grpo_ref_split.py")).read().splitlines()
+    start = next(i for i, line in enumerate(source) if line.startswith("# The menu of variants"))
+    end = next(i for i in range(start + 1, len(source)) if source[i].startswith("#"))
+    menu = {line.split("=")[0].strip() for line in source[start + 1 : end]}
+    own = {name for name in vars(objectives) if name.isupper()}
+    return menu | own
+
+
+def test_no_step_function_branches_on_a_variant_more_than_once():
+    """Issue 78: the seven steps' functions are plain GRPO; a variant is reached through one branch
+    at most (step 4 and step 6: one call into objectives.py)."""
+    constants = variant_constants()
+    assert {"OBJECTIVE", "ADVANTAGE", "DISTILL_COEF", "SAPO_TAU_POS", "TIS_CAP"} <= constants
+    functions = {f.name: f for f in lesson_tree().body if isinstance(f, ast.FunctionDef)}
+    branchy = {}
+    for name in STEP_FUNCTIONS:
+        tests = [n.test for n in ast.walk(functions[name])
+                 if isinstance(n, (ast.If, ast.IfExp, ast.While))]
+        read = [{m.id for m in ast.walk(t) if isinstance(m, ast.Name)}
+                | {m.attr for m in ast.walk(t) if isinstance(m, ast.Attribute)} for t in tests]
+        on_variants = [names for names in read if names & (constants | set(VARIANT_SWITCHES))]
+        if len(on_variants) > 1:
+            branchy[name] = on_variants
+    assert branchy == {}
+
+
+def test_the_variants_math_lives_in_objectives_not_in_the_lesson():
+    """No CISPO, SAPO, GMPO, GSPO, RLOO, pass@k, GDPO, teacher or token-selection function in the
+    lesson; each is objectives.py's."""
+    import objectives
+
+    defined = [f.name for f in lesson_tree().body if isinstance(f, ast.FunctionDef)]
+    variants = ("cispo", "sapo", "gmpo", "gspo", "rloo", "passk", "gdpo", "distill", "topk",
+                "entropy", "off_policy", "mismatch", "whiten", "scale_to_step")
+    assert [name for name in defined if any(v in name for v in variants)] == []
+    for name in ("cispo_surrogate", "sapo_surrogate", "gmpo_surrogate", "policy_log_ratio",
+                 "rloo_advantages", "passk_advantages", "gdpo_advantages", "distill_advantages",
+                 "topk_reverse_kl", "high_entropy_mask", "off_policy_mask", "mismatch_weights"):
+        assert callable(getattr(objectives, name))
+
+
+def test_pi_old_has_one_name_and_sampler_one_meaning():
+    """Issue 78: pi_old is pi_old_logps in code, on the wire and in the metrics (not gen_logps,
+    old_logps or behaviour_logps); "sampler" is the question sampler alone (vLLM's log-probs are
+    vllm_logps)."""
+    retired = {"gen_logps", "old_logps", "behaviour_logps", "sampler_logps", "gen_rows",
+               "sampler_rows", "sampler_gap", "gen_logps_s"}
+    found = []
+    for name in project_code_files():
+        if not name.endswith(".py") or name.startswith(("tests/", "bench/")):
+            continue
+        tree = ast.parse(open(os.path.join(ROOT, name)).read())
+        words = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        words |= {n.arg for n in ast.walk(tree) if isinstance(n, ast.arg)}
+        words |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        words |= {n.value for n in ast.walk(tree)
+                  if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+        found += [f"{name}: {word}" for word in sorted(words & retired)]
+    assert found == []
+
+
 @pytest.mark.parametrize(
     "module, forbidden",
     [

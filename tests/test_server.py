@@ -24,7 +24,7 @@ from conftest import (
 from features.env_overrides import apply_env_overrides
 from features.fingerprint import model_fingerprint
 from features.fast_paths import completion_logps
-from features.server_client import ServerError, request_with_retry
+from features.server_client import ServerError, request_with_retry, with_advantages
 from features.wire import MAX_META_CHARS, decode_batch, encode_batch
 import ref_server
 from ref_server import RefServer

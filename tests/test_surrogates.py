@@ -25,7 +25,7 @@ def loss_and_grad(objective, log_ratio, advantages, **extra):
     logps = torch.tensor([log_ratio], dtype=torch.float64, requires_grad=True)  # (1, T)
     mask = torch.ones_like(logps, dtype=torch.bool)  # (1, T)
     adv = torch.tensor([advantages], dtype=torch.float64)  # (1, T)
-    per_token = objectives.variant_token_loss(logps=logps, old_logps=torch.zeros_like(logps),
+    per_token = objectives.variant_token_loss(logps=logps, pi_old_logps=torch.zeros_like(logps),
                                               kl=None,
                                advantages=adv, mask=mask, beta=0.0, clip_eps=EPS,
                                clip_eps_high=EPS, objective=objective, **extra)  # (1, T)
@@ -94,7 +94,7 @@ def test_each_surrogate_against_its_definition_in_value_and_gradient():
         "gmpo": (-geo * A[:, 0]).mean(),
     }
     for objective, want in definitions.items():
-        per_token = objectives.variant_token_loss(logps=logps, old_logps=torch.zeros_like(logps),
+        per_token = objectives.variant_token_loss(logps=logps, pi_old_logps=torch.zeros_like(logps),
                                               kl=None,
                                    advantages=A[:, 0], mask=mask, beta=0.0, clip_eps=EPS,
                                    clip_eps_high=EPS, objective=objective)  # (6, 7)
@@ -220,7 +220,7 @@ def test_the_top_entropy_share_by_hand_and_only_those_tokens_train():
     assert objectives.high_entropy_mask(entropy=entropy, mask=mask, quantile=1.0).tolist() == \
         mask.float().tolist()
     logps = torch.zeros(2, 4, requires_grad=True)
-    per_token = objectives.variant_token_loss(logps=logps, old_logps=logps.detach(), kl=None,
+    per_token = objectives.variant_token_loss(logps=logps, pi_old_logps=logps.detach(), kl=None,
                                               advantages=torch.tensor([1.0, 1.0]), mask=mask,
                                               beta=0.0, clip_eps=EPS, clip_eps_high=EPS,
                                               weights=keep)
