@@ -301,9 +301,9 @@ def generate(model, tokenizer, questions, gen_config, eos_ids, llm=None) -> Roll
     elif llm is not None:  # faster equal: vLLM samples the same distribution (docs/vllm.md)
         completion_ids, vllm_logps = vllm_engine.vllm_sample(
             llm, enc, NUM_PRE_Q, TEMPERATURE, eos_ids, tokenizer.pad_token_id, MAX_NEW_TOKENS)
-    elif fast_paths.SHARED_PREFIX:  # faster equal: each prompt's KV cache once for its answers
+    elif fast_paths.SHARED_PREFIX:  # each prompt's KV cache once for its answers
         completion_ids = fast_paths.shared_generate(model, prompt_ids, prompt_mask, gen_config,
-                                                    NUM_PRE_Q)
+                                                    NUM_PRE_Q)  # faster equal: the same samples
     else:  # the plain definition
         out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, **pixels,
                              generation_config=gen_config)  # (B, P+T)

@@ -10,7 +10,6 @@ constant below can be set by an environment variable:
     python ref_server.py                              # CPU here, the embedded SmolLM2-135M
     CUDA_VISIBLE_DEVICES=7 python ref_server.py       # the usual GPU layout
 """
-import collections
 import dataclasses
 import json
 import queue
@@ -30,6 +29,7 @@ from features.fingerprint import model_fingerprint, vocab_fingerprint
 from features.fast_paths import completion_logits, completion_logps
 from features.http_server import json_errors, start_http, token_ok, warn_if_exposed
 from features.regroup import RegroupPool
+from features.server_guards import DecodeBudget, Handouts, Room, UploadIds, parse_get
 from features.reward_model import add_reward_model, load_reward_model
 from features.wire import (MAX_RANKS, TooLarge, carries_images, decode_batch, encode_batch,
                            validate_group)
@@ -238,7 +238,7 @@ class RefServer:
         """Queue a valid upload for the forward (REGROUP: pool it; queue a group if one formed:
         its question's, whose images are these)."""
         kind = "workers" if meta.get("worker") else "trainers"
-        if not self.room.take(kind, nbytes):  # first: a refusal takes nothing out of a pool
+        if not self.room.take(kind, nbytes):  # guard: first, a refusal takes nothing from a pool
             self._busy()
         group = (tensors, meta)
         if self.pool is not None:
@@ -277,7 +277,7 @@ class RefServer:
                 images_sent = carries_images(tensors)  # guard: a text group carries none
                 if images_sent:
                     pixels = vision.pixels_of(tensors)
-                if pixels and not self.decoding.take(pixels):
+                if pixels and not self.decoding.take(pixels):  # guard: the decoding budget
                     self._busy()  # this second's decoding is spent: a retry comes later
                 if self.processor is not None or images_sent:
                     images = vision.check_group(self.processor, tensors, meta["plen"])
@@ -291,7 +291,7 @@ class RefServer:
             except ValueError as e:
                 self._refuse(413 if isinstance(e, TooLarge) else 400, str(e))
             uid = meta.get("upload_id")  # a retry of an upload whose answer the client never read
-            first = self.answered.claim(uid)
+            first = self.answered.claim(uid)  # guard: a retried upload is queued once
             if first == UploadIds.IN_FLIGHT:  # the first try still runs: a later retry gets it
                 self._busy()
             if first != UploadIds.NEW:
@@ -302,19 +302,21 @@ class RefServer:
                 answer = self._accept(tensors, meta, held, images)
                 return answer
             finally:  # refused (503): answer None, the id is forgotten, a retry is handled anew
-                self.answered.settle(uid, answer)
+                self.answered.settle(uid, answer)  # guard
 
         @app.get("/get")
         def get():
             headers = {"X-Ref-Instance": self.instance}
-            try:  # who asks, and what it acknowledges (parse_get)
-                kind, rank, ack = parse_get(bottle.request.query, MAX_RANKS)
+            try:  # who asks, and what it acknowledges
+                kind, rank, ack = parse_get(bottle.request.query, MAX_RANKS,
+                                            MAX_ACK_CHARS)  # guard: a checked query
             except ValueError as e:
                 self._refuse(400, str(e))
             ready = self.queue_of(kind if kind == "workers" else rank)
             if bottle.request.method == "HEAD":  # bottle routes HEAD here too: answer, take nothing
                 return bottle.HTTPResponse(status=200 if ready.qsize() else 204, headers=headers)
-            item, fresh = self.handouts.take((kind, rank), ready, ack, self.room.give_back)
+            item, fresh = self.handouts.take((kind, rank), ready, ack,
+                                             self.room.give_back)  # guard: handed until acked
             if item is None:
                 return bottle.HTTPResponse(status=204, headers=headers)
             body, content_type, _, uid = item
@@ -339,142 +341,6 @@ class RefServer:
                         held_bytes=self.room.held_bytes, regroup=self.pool is not None,
                         uptime_s=round(time.time() - self.started, 1), **counters)
         return json_errors(app)
-
-
-# ------------------------------------------------------------------------ queues safe to ask twice
-class UploadIds:
-    """The answers given to the newest `size` upload ids. A client that timed out before reading its
-    answer retries with the same id and gets the first answer: the group is never queued twice."""
-
-    NEW, IN_FLIGHT = "new", "in flight"
-
-    def __init__(self, size):
-        self.size = size
-        self.answers = collections.OrderedDict()  # upload_id -> its answer, or IN_FLIGHT
-        self.lock = threading.Lock()
-
-    def claim(self, uid):
-        """NEW (handle it: the id is now IN_FLIGHT), IN_FLIGHT (its first try is still being
-        handled), or the first try's answer. An upload without an id (None) is always NEW."""
-        with self.lock:
-            first = self.answers.get(uid, self.NEW) if uid else self.NEW
-            if uid and first == self.NEW:
-                self.answers[uid] = self.IN_FLIGHT
-                # the oldest id is forgotten: a retry that late is new
-                while len(self.answers) > self.size:
-                    self.answers.popitem(last=False)
-            return first
-
-    def settle(self, uid, answer):
-        """The id's answer, or with None (the upload was refused: 503) the id forgotten, so a retry
-        is new."""
-        with self.lock:
-            if uid and answer is None:
-                self.answers.pop(uid, None)
-            elif uid:
-                self.answers[uid] = answer
-
-
-class Room:
-    """The server's memory limit: at most queue_size groups per kind (trainers', workers') and
-    max_bytes in all, taken when an upload is accepted and given back when its batch is taken.
-    Nothing waits for room: an upload that finds none is answered 503 at once, and one kind's full
-    queue never holds up the other's."""
-
-    def __init__(self, queue_size, max_bytes):
-        self.queue_size = queue_size
-        self.max_bytes = max_bytes
-        self.held = {"trainers": 0, "workers": 0}  # groups accepted, not yet taken, per kind
-        self.held_bytes = 0  # their bytes
-        self.lock = threading.Lock()
-
-    def take(self, kind, nbytes) -> bool:
-        with self.lock:
-            room = self.held[kind] < self.queue_size and self.held_bytes + nbytes <= self.max_bytes
-            if room:
-                self.held[kind] += 1
-                self.held_bytes += nbytes
-            return room
-
-    def give_back(self, kind, nbytes):
-        with self.lock:
-            self.held[kind] -= 1
-            self.held_bytes -= nbytes
-
-
-class DecodeBudget:
-    """How many image pixels the upload threads may decode: `per_second` flow in, at most `burst`
-    saved up. An upload that finds too few is answered 503 at once and retried later, so a peer
-    with the token cannot keep the threads decoding (one upload is bounded by MAX_QUESTION_PIXELS,
-    their flow by this)."""
-
-    def __init__(self, per_second, burst):
-        self.per_second = per_second
-        self.burst = burst
-        self.left = burst  # pixels that may be decoded now
-        self.last = time.monotonic()
-        self.lock = threading.Lock()
-
-    def take(self, pixels) -> bool:
-        with self.lock:
-            now = time.monotonic()
-            self.left = min(self.burst, self.left + (now - self.last) * self.per_second)
-            self.last = now
-            if pixels > self.left:
-                return False
-            self.left -= pixels
-            return True
-
-
-# GET /get?rank=N&ack=ID hands a rank the group at the head of its queue and keeps it until the
-# rank's next call acknowledges it by id. An answer lost on the way (a cut link, a server killed
-# mid-response) is asked for again and the same group comes back: none is lost or handed twice.
-# A plain GET /get (no ack) takes the group for good, as simple clients expect.
-
-class Handouts:
-    """The one group each taker (a trainer rank, for its own or for workers' groups) was handed last
-    and has not acknowledged: kept until acknowledged, handed again if asked again without the ack.
-    Items are (body, content type, bytes of room, upload id)."""
-
-    def __init__(self):
-        self.held = {}  # taker -> item
-        self.lock = threading.Lock()
-
-    def take(self, taker, ready: queue.Queue, ack, give_back):
-        """(the item to answer with or None, whether it is handed out for the first time). taker
-        is (kind, rank); give_back(kind, nbytes) frees the room of an item gone for good. ack None:
-        a plain take, the held item (if any) or the next one leaves at once. ack a string: the held
-        item is dropped if it is that id, then the held item (or the next one, now held)."""
-        with self.lock:
-            held = self.held.pop(taker, None)
-            if held is not None and ack is not None and ack == held[3]:
-                give_back(taker[0], held[2])
-                held = None
-            fresh = held is None
-            if fresh:
-                try:
-                    held = ready.get_nowait()
-                except queue.Empty:
-                    return None, False
-            if ack is None:
-                give_back(taker[0], held[2])
-            else:
-                self.held[taker] = held
-            return held, fresh
-
-
-def parse_get(query, max_ranks):
-    """(kind, rank, ack) of a /get query: kind "workers" (from=workers) or "trainers", the asking
-    rank (a rank takes back the groups it sent), the upload id it acknowledges (None: a plain take).
-    ValueError naming the problem."""
-    kind = "workers" if query.get("from") == "workers" else "trainers"
-    rank = query.get("rank", "0")
-    if not (rank.isascii() and rank.isdigit() and len(rank) < 6 and int(rank) < max_ranks):
-        raise ValueError(f"rank must be an int in 0..{max_ranks - 1}, got {rank[:20]!r}")
-    ack = query.get("ack")
-    if ack is not None and (len(ack) > MAX_ACK_CHARS or not (ack.isascii() and ack.isprintable())):
-        raise ValueError(f"ack must be an upload id of at most {MAX_ACK_CHARS} ASCII characters")
-    return kind, int(rank), ack
 
 
 # ----------------------------------------------------------------------------- running it

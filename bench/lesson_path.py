@@ -4,10 +4,10 @@
     LINES=1 python bench/lesson_path.py          # also every line counted, file by file
     MODEL_PATH=some/folder python bench/lesson_path.py   # another model (the tests' tiny one)
 
-It starts ref_server.py's server in this process, runs the trainer for two steps and records, by
+It starts ref_server.py's server in this process, runs the trainer for three steps and records, by
 line coverage (sys.settrace on the trainer's thread and the server's threads), every line of this
-project (not tests/ or bench/) that runs during step 2, and every line of main() that runs at all
-(the set-up a reader reads before the loop). A line counts with the whole statement it belongs to
+project (not tests/ or bench/) that runs during step 2 (main()'s loop among them); the set-up of
+main() before the loop, read once, is counted apart. A line counts with the whole statement it belongs to
 (a call spread over four lines is four lines); a compound statement (if, for, with, def) counts its
 header, and an entered function its signature, never its docstring. Beside them it counts the
 definitions the step uses: each module constant (UPPER_CASE) and each class named on a line that
@@ -16,7 +16,7 @@ ran. Comments and docstrings are what a reader may read, not what a reader must.
 Each module of features/ whose code runs must say in its docstring's first line which kind it is,
 "Faster equal:" (computes what a lesson function defines, tested equal), "Guard:" (checks and
 bounds) or "Log:" (metrics and output); one that says none stops the count. A features/ module that
-is only read (a switch constant such as TOOLS) is listed apart. Each call from the lesson's files
+is only read (a switch constant such as TOOLS, a class named in a test) is listed apart. Each call from the lesson's files
 into features/ on the path must carry a comment naming its kind; a call without one is listed.
 The last line reads `must read: N lines in the lesson's files; M lines in features/ (faster equal
 a, guard b, log c)`.
@@ -48,14 +48,14 @@ def project_file(filename: str) -> str | None:
 
 
 class LineRecorder:
-    """A trace function: the project lines that run while `recording` is set (the step), and
-    main()'s always (its set-up too)."""
+    """A trace function: the project lines that run while `recording` is set (the step), and apart
+    the lines of the trainer's main() that run outside it (its set-up, read once)."""
 
     def __init__(self):
         self.recording = False
-        self.ran = defaultdict(set)  # file -> line numbers that ran
-        self.in_step = defaultdict(set)  # file -> those of them that ran in the recorded step
-        self.entered = defaultdict(set)  # file -> first lines of the functions entered
+        self.ran = defaultdict(set)  # file -> line numbers that ran in the recorded step
+        self.entered = defaultdict(set)  # file -> first lines of the functions entered in it
+        self.set_up = set()  # the lines of the trainer's main() that ran outside it
 
     def __call__(self, frame, event, arg):
         name = project_file(frame.f_code.co_filename)
@@ -65,11 +65,13 @@ class LineRecorder:
 
     def local(self, frame, event, arg):
         name = project_file(frame.f_code.co_filename)
-        if event == "line" and (self.recording or frame.f_code.co_name == "main"):
+        if event != "line":
+            return self.local
+        if self.recording:
             self.ran[name].add(frame.f_lineno)
             self.entered[name].add(frame.f_code.co_firstlineno)
-        if event == "line" and self.recording:
-            self.in_step[name].add(frame.f_lineno)
+        elif frame.f_code.co_name == "main" and name == "grpo_ref_split.py":
+            self.set_up.add(frame.f_lineno)
         return self.local
 
 
@@ -83,6 +85,7 @@ class SourceFile:
         self.tree = ast.parse(self.text)
         self.spans = {}  # line -> (first, last) of the statement (or header) it belongs to
         self.functions = {}  # first line -> (first, last) of the signature
+        self.names = {}  # first line -> the function's name
         self.docstrings = set()  # lines of docstrings
         for node in ast.walk(self.tree):
             self._add(node)
@@ -102,6 +105,7 @@ class SourceFile:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             first = min([node.lineno] + [d.lineno for d in node.decorator_list])
             self.functions[node.lineno] = (first, node.body[0].lineno - 1)
+            self.names[node.lineno] = node.name
         if not isinstance(node, ast.stmt):
             return
         body = getattr(node, "body", None)
@@ -181,19 +185,27 @@ def names_read(source: SourceFile, rows: set) -> list:
     return found
 
 
+def span_rows(source: SourceFile, row: int) -> tuple:
+    """range() bounds of the statement (or compound header) that line `row` belongs to."""
+    first, last = source.spans.get(row, (row, row))
+    return first, last + 1
+
+
 class Count:
     """The lines a reader must read, per file, and the calls into features/ without a kind."""
 
     def __init__(self, recorder: LineRecorder):
         self.sources = {}
         self.read = defaultdict(set)  # file -> line numbers a reader must read
-        self.in_step = recorder.in_step  # file -> the lines that ran in the step itself
+        self.entered = recorder.entered  # file -> first lines of the functions entered
+        trainer = self.source("grpo_ref_split.py")
+        self.set_up = {r for row in recorder.set_up - recorder.ran["grpo_ref_split.py"]
+                       for r in range(*span_rows(trainer, row))}  # main's set-up, read once
         self.switches = defaultdict(set)  # features/ files only read: their constants' lines
         for name, rows in recorder.ran.items():
             source = self.source(name)
             for row in rows:
-                first, last = source.spans.get(row, (row, row))
-                self.read[name].update(r for r in range(first, last + 1)
+                self.read[name].update(r for r in range(*span_rows(source, row))
                                        if r not in source.docstrings)
             for start in recorder.entered[name]:
                 if start in source.functions:
@@ -214,17 +226,26 @@ class Count:
             if where is None or project_file(str(ROOT / where)) is None:
                 continue
             home = self.source(where)
-            if defined in home.constants and (where in LESSON or home.kind):
-                self.read[where].add(home.constants[defined])
-            elif defined in home.constants:  # a switch of a module the step does not enter
-                self.switches[where].add(home.constants[defined])
+            read_here = where in LESSON or home.kind is not None  # else a module not entered
+            if defined in home.constants:
+                rows = {home.constants[defined]}
             elif defined in home.classes:
-                self.read[where].update(home.classes[defined])
+                rows = set(home.classes[defined])
+            else:
+                continue
+            (self.read if read_here else self.switches)[where].update(rows)
 
     def unkinded(self) -> list:
-        """features/ modules whose code runs on the path without a declared kind."""
-        return [name for name in self.read
-                if name.startswith("features/") and self.source(name).kind is None]
+        """'file (functions)' of each features/ module whose code runs on the path without a
+        declared kind."""
+        found = []
+        for name in self.read:
+            source = self.source(name)
+            if name.startswith("features/") and source.kind is None:
+                functions = sorted(source.names[row] for row in self.entered[name]
+                                   if row in source.names)
+                found.append(f"{name} ({', '.join(functions) or 'its classes or constants'})")
+        return found
 
     def calls_without_a_kind(self) -> list:
         """'file:line name' of each call from the lesson's files into features/ in the step whose
@@ -232,7 +253,7 @@ class Count:
         missing = []
         for name in LESSON:
             source = self.source(name)
-            rows = self.in_step.get(name, set())
+            rows = self.read.get(name, set())
             for node in ast.walk(source.tree):
                 if not isinstance(node, ast.Call) or node.lineno not in rows:
                     continue
@@ -256,16 +277,16 @@ def called_module(source: SourceFile, func) -> str | None:
 
 
 def run_two_steps(recorder: LineRecorder):
-    """Step 1 and 2 of the trainer with a server in this process; step 2's lines recorded."""
+    """Steps 1 to 3 of the trainer with a server in this process; step 2's lines recorded (step 3,
+    the last, saves a checkpoint: step 2 is a step as most of a run's are)."""
     out = tempfile.mkdtemp(prefix="lesson_path_")
-    os.environ.update(ALL_STEPS="2", EVAL_STEPS="0", SAVE_STEPS="0", OUTPUT_DIR=out,
+    os.environ.update(ALL_STEPS="3", EVAL_STEPS="0", SAVE_STEPS="0", OUTPUT_DIR=out,
                       REF_SERVER="http://127.0.0.1:59885", PORT="59885")
     sys.path.insert(0, str(ROOT))
     threading.settrace(recorder)  # before the server's threads start
     sys.settrace(recorder)
     import ref_server
     import grpo_ref_split as trainer
-    from features import run_log
     from features.embedded_model import resolve_model_path
     from transformers import AutoModelForCausalLM
 
@@ -273,19 +294,12 @@ def run_two_steps(recorder: LineRecorder):
     server = ref_server.RefServer(model.requires_grad_(False), "lesson_path")
     stop = ref_server.serve(server, "127.0.0.1", 59885)
     steps = trainer.steps_1_to_5
-    log_step = run_log.log_step
 
-    def steps_recorded(*args, **kwargs):
+    def steps_recorded(*args, **kwargs):  # step 2 from its first draw to step 3's
         recorder.recording = kwargs.get("step") == 2
         return steps(*args, **kwargs)
 
-    def log_step_recorded(*args, **kwargs):
-        result = log_step(*args, **kwargs)
-        recorder.recording = False
-        return result
-
     trainer.steps_1_to_5 = steps_recorded
-    run_log.log_step = log_step_recorded
     try:
         trainer.main()
     finally:
@@ -313,8 +327,10 @@ def main():
                 print(f"    {row:5d}  {lines[row - 1]}")
     for name, rows in sorted(count.switches.items()):
         switches = ", ".join(count.source(name).lines[row - 1].split("=")[0].strip()
-                             for row in sorted(rows))
+                             for row in sorted(rows) if "=" in count.source(name).lines[row - 1]
+                             or count.source(name).lines[row - 1].startswith("class "))
         print(f"{name:<34} {'switch read':<13} {len(rows)} ({switches})")
+    print(f"{'main() set-up, read once':<34} {'lesson':<13} {len(count.set_up)} (not in N)")
     other = [name for name in count.read if name not in LESSON and not name.startswith("features/")]
     if other:
         print(f"outside the lesson and features/: {', '.join(other)}")
