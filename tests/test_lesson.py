@@ -307,6 +307,61 @@ def test_pi_old_has_one_name_and_sampler_one_meaning():
     assert found == []
 
 
+def test_the_counter_refuses_a_module_without_a_kind_and_finds_a_call_without_a_comment():
+    """bench/lesson_path.py's rules on a recorded path written by hand: a line of features/tools.py
+    (whose docstring declares no kind) is refused; a line of features/wire.py (a guard) counts as
+    a guard's; a call into features/ on a lesson line without its kind in a comment is listed."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import lesson_path
+
+    def recorded(ran):
+        recorder = lesson_path.LineRecorder()
+        for name, rows in ran.items():
+            recorder.ran[name].update(rows)
+        return lesson_path.Count(recorder)
+
+    tools_source = lesson_path.SourceFile("features/tools.py")
+    calculator = next(row for row, name in tools_source.names.items() if name == "calculator")
+    body = min(row for row in tools_source.spans  # the function's first line of code
+               if row > calculator and row not in tools_source.docstrings)
+    count = recorded({"features/tools.py": {body}})
+    assert count.read["features/tools.py"]
+    assert [line.split()[0] for line in count.unkinded()] == ["features/tools.py"]
+    assert lesson_path.SourceFile("features/wire.py").kind == "guard"
+    trainer = lesson_path.SourceFile("grpo_ref_split.py")
+    call = next(i + 1 for i, line in enumerate(trainer.lines)
+                if "wire.encode_batch(" in line)  # commented "guard" in the lesson
+    assert recorded({"grpo_ref_split.py": {call}}).calls_without_a_kind() == []
+    plain = next(i + 1 for i, line in enumerate(trainer.lines) if "run_log.weight_gap(" in line)
+    count = recorded({"grpo_ref_split.py": {plain}})
+    assert count.calls_without_a_kind() == []  # "log" said on its line
+    trainer.comments.clear()  # the same lines with their comments gone
+    count.sources["grpo_ref_split.py"] = trainer
+    assert count.calls_without_a_kind() == [f"grpo_ref_split.py:{plain} run_log.weight_gap"]
+
+
+@pytest.mark.slow
+def test_the_lesson_path_counts_a_default_step_and_every_call_says_its_kind(tiny_model_dir):
+    """bench/lesson_path.py on the tiny model (the default step's code path, small sizes): it runs
+    to its last line, enters no features/ module that declares no kind and no variant's file, and
+    finds every call from the lesson into features/ commented with its kind."""
+    env = {**os.environ, "MODEL_PATH": tiny_model_dir, "Q_BATCH_SIZE": "2", "NUM_PRE_Q": "4",
+           "MAX_NEW_TOKENS": "16", "PORT": "59885"}
+    run = subprocess.run([sys.executable, "bench/lesson_path.py"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    lines = run.stdout.strip().splitlines()
+    last = lines[-1]
+    assert last.startswith("must read: ") and "lines in the lesson's files;" in last
+    assert "(faster equal " in last and ", guard " in last and ", log " in last
+    table = "\n".join(lines)
+    for name in ("grpo_ref_split.py", "ref_server.py", "rewards.py", "features/fast_paths.py",
+                 "features/wire.py", "features/run_log.py"):
+        assert f"\n{name} " in "\n" + table
+    assert "objectives.py" not in table and "teacher_mix" not in table
+    assert "without its kind" not in table
+
+
 @pytest.mark.parametrize(
     "module, forbidden",
     [
