@@ -146,13 +146,16 @@ def reference_kl(ref_logps, logps, mask) -> torch.Tensor | None:
 def grpo_loss(*, logps, pi_old_logps, ref_logps, advantages, mask, beta, clip_eps, clip_eps_high):
     """(B, T) DeepSeekMath's clipped loss per token, r = pi / pi_old:
     -(min(r A, clip(r, 1 - clip_eps, 1 + clip_eps_high) A) - beta k3); reduce_loss averages it.
-    logps, pi_old_logps, ref_logps (None: beta 0), mask (B, T); advantages (B,), one per answer."""
+    logps, pi_old_logps, ref_logps (None: beta 0), mask (B, T); advantages (B,), one per answer.
+    On a default step (MU = 1) pi_old is logps detached: r = 1, the clip never acts, and the
+    gradient is the policy gradient's; the clip matters when a batch is reused (MU > 1) or was
+    sampled by other weights (vLLM, a worker, a late group)."""
     if ref_logps is None and beta:
         raise ValueError(f"grpo_loss: ref_logps=None needs beta=0 (beta {beta})")
     ratio = torch.exp(logps - pi_old_logps)  # (B, T)
     clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high)  # (B, T)
-    answer = advantages[:, None]  # (B, 1) each answer's advantage, on its every token
-    surrogate = torch.min(ratio * answer, clipped * answer)  # (B, T)
+    answer_advantage = advantages[:, None]  # (B, 1) each answer's, on its every token
+    surrogate = torch.min(ratio * answer_advantage, clipped * answer_advantage)  # (B, T)
     kl = reference_kl(ref_logps, logps, mask)  # (B, T) or None
     if kl is None:
         return -surrogate  # (B, T)
@@ -363,8 +366,9 @@ def answer_advantages(scores, each: dict) -> torch.Tensor:
 
 def logps_of(model, input_ids, attention_mask, n_completion, entropy=False, **pixels):
     """(B, T) log-probs at TEMPERATURE (and entropies): per_token_logps, or its fast equal."""
-    if not fast_paths.any_on():  # faster equal's switch: all off, the lesson's definition
+    if not fast_paths.any_on():  # every fast path off (faster equal's switch): the definition
         return per_token_logps(model, input_ids, attention_mask, n_completion, entropy, **pixels)
+    # the default: per_token_logps' faster equal, chunked, tested equal in value and gradient
     return fast_paths.completion_logps(model, input_ids, attention_mask,  # faster equal
                                        n_completion, TEMPERATURE,
                                        chunk=fast_paths.LOGP_CHUNK,
@@ -388,10 +392,10 @@ def scored_groups(model, tokenizer, questions, *, eos_ids, gen_config, llm, keep
     with timed(seconds, "generate_s"):  # log: the seconds each step takes
         generated = generate(model, tokenizer, questions, gen_config, eos_ids, llm)  # 2. generate
     with timed(seconds, "score_s"):  # 3. score (log: its seconds)
-        total, each = rewards.score(REWARDS, generated.texts, generated.golds, generated.questions)
-    scores = torch.tensor(total, dtype=torch.float32)  # (N,) the weighted sum of REWARDS
+        sums, each = rewards.score(REWARDS, generated.texts, generated.golds, generated.questions)
+    scores = torch.tensor(sums, dtype=torch.float32)  # (N,) each answer's reward: REWARDS' sum
     advantages = answer_advantages(scores, each)  # (N,) 4. advantages
-    with timed(seconds, "pi_old_s"):  # log
+    with timed(seconds, "pi_old_s"):  # 5. keep the groups whose rewards differ (log: seconds)
         groups, other = pack_groups(model, generated, scores, advantages, keep_all, with_pi_old,
                                     each)
     records = run_log.answer_records(step, rank, generated, each, scores, advantages)  # log
@@ -432,8 +436,10 @@ def pack_groups(model, generated: Rollout, scores, advantages, keep_all, with_pi
     meta = dict(temperature=TEMPERATURE)  # the reference's log-probs are taken at it too
     if DISTILL_TOP_K:  # a variant: the teacher sends its k likeliest tokens
         meta["teacher_top_k"] = DISTILL_TOP_K
-    dropped = scores.view(-1, G)[[q for q in range(len(varied)) if q not in kept]].view(-1)  # (D,)
-    return group_tensors(generated, ids, kept, scores, advantages, pi_old_logps, meta), dropped
+    not_kept = [q for q in range(len(varied)) if q not in kept]  # groups not uploaded
+    dropped_rewards = scores.view(-1, G)[not_kept].view(-1)  # (D,)
+    groups = group_tensors(generated, ids, kept, scores, advantages, pi_old_logps, meta)
+    return groups, dropped_rewards
 
 
 def group_tensors(generated: Rollout, ids, kept, scores, advantages, pi_old_logps, meta) -> list:
@@ -483,20 +489,19 @@ def upload_and_pull(groups: list, version: int, rank: int, *, run: str) -> list:
         for uid in [uid for uid in owed if uid not in where]:  # new, or lost in a restart
             tagged = {**owed[uid][1], "version": version, "rank": rank, "upload_id": uid}
             body = wire.encode_batch(owed[uid][0], tagged)  # guard: safetensors, never pickle
-            answer = ask("POST", "/upload", body).json()
-            where[uid] = answer["instance"]
-        answer = ask("GET", f"/get?rank={rank}&ack={ack}")
-        live = answer.headers.get("X-Ref-Instance")
+            where[uid] = ask("POST", "/upload", body).json()["instance"]
+        reply = ask("GET", f"/get?rank={rank}&ack={ack}")
+        live = reply.headers.get("X-Ref-Instance")
         where = {uid: held for uid, held in where.items() if held == live}
-        if answer.status_code == 204:  # none ready, and the one taken last is acknowledged
-            if not owed or time.time() > deadline:  # a group still owed comes back a step late
-                return back
+        if reply.status_code == 204:  # none ready, and the one taken last is acknowledged
+            if not owed or time.time() > deadline:  # a group still owed may come back next step
+                return back  # (there drop_untrainable drops it: these weights will have moved)
             time.sleep(0.05)  # its reference forward is still running
             continue
-        ack = answer.headers.get("X-Upload-Id", "")
+        ack = reply.headers.get("X-Upload-Id", "")
         ours = ack.startswith(f"{run}-")  # this run's, sent now or a step ago
-        if ours and answer.headers.get("Content-Type") == "application/octet-stream":
-            back.append(wire.decode_batch(answer.content))  # guard: checked, then decoded
+        if ours and reply.headers.get("Content-Type") == "application/octet-stream":
+            back.append(wire.decode_batch(reply.content))  # guard: checked, then decoded
         # (a JSON answer instead: its reference forward failed, one group fewer)
         owed.pop(ack, None)
 
@@ -546,10 +551,11 @@ def steps_1_to_5(model, tokenizer, sampler, exchange, *, step, rank, wanted, kee
             sampler.record(scored.records, NUM_PRE_Q)
         records += scored.records
         others.append(scored.other_rewards)
+        version = step - 1  # the weights' version: the optimizer steps taken
         with timed(metrics, "wait_s"):  # 5. upload; pull them back with ref_logps (log: seconds)
-            pulled = exchange(scored.groups, step - 1, rank)
-        pulled, dropped = drop_untrainable(pulled, step - 1, max_staleness=MAX_STALENESS)
-        metrics.update(dropped)  # late, stale and ahead groups
+            pulled = exchange(scored.groups, version, rank)
+        pulled, dropped_counts = drop_untrainable(pulled, version, max_staleness=MAX_STALENESS)
+        metrics.update(dropped_counts)  # late, stale and ahead groups
         groups += pulled
         if len(groups) >= wanted:
             break
@@ -573,8 +579,8 @@ def collate(groups, pad_id, *, teacher=False, image_processor=None, top_k=0,
     input_ids = torch.full((B, P + T), pad_id)  # (B, L)
     attention_mask = torch.zeros(B, P + T, dtype=torch.long)  # (B, L)
     mask = torch.zeros(B, T, dtype=torch.bool)  # (B, T)
-    logps = {name: torch.zeros(B, T) for name in ("ref_logps", "pi_old_logps", "vllm_logps")}
-    given = {name: torch.zeros(B, dtype=torch.bool) for name in logps}  # (B,) rows that carry it
+    given_logps = {name: torch.zeros(B, T) for name in ("ref_logps", "pi_old_logps", "vllm_logps")}
+    given = {name: torch.zeros(B, dtype=torch.bool) for name in given_logps}  # (B,) rows with it
     row = 0
     for g, meta in groups:
         n = g["input_ids"].shape[0]
@@ -583,16 +589,16 @@ def collate(groups, pad_id, *, teacher=False, image_processor=None, top_k=0,
         input_ids[row : row + n, P - plen : P + tlen] = g["input_ids"]  # prompts end at column P
         attention_mask[row : row + n, P - plen : P + tlen] = 1
         mask[row : row + n, :tlen] = g["completion_mask"]
-        for name in [name for name in logps if name in g]:
+        for name in [name for name in given_logps if name in g]:
             wire.check_logps(g[name], name, rows=n, tokens=tlen)  # guard: a server's reply
-            logps[name][row : row + n, :tlen] = g[name]
+            given_logps[name][row : row + n, :tlen] = g[name]
             given[name][row : row + n] = True
         row += n
     def optional(name):  # (B, T) or None: no row carries it
-        return logps[name] if given[name].any() else None
+        return given_logps[name] if given[name].any() else None
     def rows_of(name):  # (B,) bool or None
         return given[name] if given[name].any() else None
-    server_logps = logps["ref_logps"] if given["ref_logps"].all() else None  # None: not asked
+    server_logps = given_logps["ref_logps"] if given["ref_logps"].all() else None  # not asked
     batch = Batch(input_ids=input_ids, attention_mask=attention_mask, mask=mask,
                   advantages=torch.cat([g["advantages"] for g, _ in groups]),
                   rewards=torch.cat([g["rewards"] for g, _ in groups]),

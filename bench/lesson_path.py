@@ -7,21 +7,24 @@
 It starts ref_server.py's server in this process, runs the trainer for three steps and records, by
 line coverage (sys.settrace on the trainer's thread and the server's threads), every line of this
 project (not tests/ or bench/) that runs during step 2 (main()'s loop among them); the set-up of
-main() before the loop, read once, is counted apart. A line counts with the whole statement it belongs to
-(a call spread over four lines is four lines); a compound statement (if, for, with, def) counts its
-header, and an entered function its signature, never its docstring. Beside them it counts the
-definitions the step uses: each module constant (UPPER_CASE) and each class named on a line that
-ran. Comments and docstrings are what a reader may read, not what a reader must.
+main() before the loop, read once, is counted apart. A line counts with the whole statement it
+belongs to (a call spread over four lines is four lines); a compound statement (if, for, with, def)
+counts its header, and an entered function its signature, never its docstring. Beside them it counts
+the definitions the step uses: each module constant (UPPER_CASE) and each class named on a line that
+ran, and the plain definition that a faster equal stands in for (per_token_logps). Comments and
+docstrings are what a reader may read, not what a reader must.
 
 Each module of features/ whose code runs must say in its docstring's first line which kind it is,
 "Faster equal:" (computes what a lesson function defines, tested equal), "Guard:" (checks and
 bounds) or "Log:" (metrics and output); one that says none stops the count. A features/ module that
-is only read (a switch constant such as TOOLS, a class named in a test) is listed apart. Each call from the lesson's files
-into features/ on the path must carry a comment naming its kind; a call without one is listed.
+is only read (a switch constant such as TOOLS, a class named in a test) is listed apart. Each call
+from the lesson's files into features/ on the path must carry a comment naming its kind; a call
+without one is listed.
 The last line reads `must read: N lines in the lesson's files; M lines in features/ (faster equal
 a, guard b, log c)`.
 """
 import ast
+import functools
 import io
 import os
 import sys
@@ -35,9 +38,13 @@ ROOT = Path(__file__).resolve().parent.parent
 SKIPPED = ("tests", "bench", ".venv")  # folders whose code is not the product
 LESSON = ("grpo_ref_split.py", "rewards.py", "ref_server.py")  # the lesson's files
 KINDS = {"Faster equal:": "faster equal", "Guard:": "guard", "Log:": "log"}  # docstring tags
+# The plain definitions a default step's faster equals are tested equal to: a reader reads them in
+# place of the fast path (file: its functions), counted whole but for their docstrings.
+DEFINITIONS = {"grpo_ref_split.py": ("per_token_logps",)}
 LINES = os.environ.get("LINES", "0") == "1"  # 1: list every line counted
 
 
+@functools.lru_cache(maxsize=None)  # asked at every call and line the trace sees
 def project_file(filename: str) -> str | None:
     """The path relative to ROOT of a project file, or None (a library, a test, a bench)."""
     path = Path(filename)
@@ -211,6 +218,12 @@ class Count:
                 if start in source.functions:
                     first, last = source.functions[start]
                     self.read[name].update(range(first, last + 1))
+        for name, functions in DEFINITIONS.items():
+            source = self.source(name)
+            for node in source.tree.body:
+                if isinstance(node, ast.FunctionDef) and node.name in functions:
+                    rows = range(node.lineno, node.end_lineno + 1)
+                    self.read[name].update(r for r in rows if r not in source.docstrings)
         for name in list(self.read):
             self.add_definitions(name)
 
