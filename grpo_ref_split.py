@@ -72,7 +72,7 @@ THINK_PREFILL = "<think>"  # after the assistant header; "" = none (small models
 ARITH_MAX = 20  # the built-in task's operands lie in 1..ARITH_MAX (a range the 135M model learns)
 # The menu of variants: each off at its default; objectives.py holds their math and settings
 SCALE_REWARDS = "group"  # advantages / the std of: "group" (GRPO) | "batch" (the step's) | "none"
-ADVANTAGE = "grpo"  # the baseline: "grpo" | "rloo" | "reinforce_pp" (its -baseline) | "passk"
+ADVANTAGE = "grpo"  # the baseline: "grpo" | "rloo" | "reinforce_pp_baseline" | "passk" (pass@G)
 REWARD_NORM = "sum_then_normalize"  # several REWARDS: | "normalize_then_sum" (GDPO, each first)
 OBJECTIVE = "clip"  # the surrogate: "clip" (PPO's) | "cispo" | "sapo" | "gmpo" (docs/loss.md)
 GSPO = False  # True = one ratio per answer (tokens' geometric mean); CLIP_EPS 3e-4, HIGH 4e-4
@@ -352,7 +352,7 @@ def advantage_variant_on() -> bool:
 def rescaled_at_step() -> bool:
     """Whether a variant divides the step's advantages by a std over all its answers on all ranks:
     the rewards' (SCALE_REWARDS "batch") or the advantages' (REINFORCE++-baseline, GDPO)."""
-    whitened = ADVANTAGE == "reinforce_pp" or REWARD_NORM == "normalize_then_sum"
+    whitened = ADVANTAGE == "reinforce_pp_baseline" or REWARD_NORM == "normalize_then_sum"
     return SCALE_REWARDS == "batch" or whitened
 
 
@@ -760,7 +760,12 @@ def check_settings():
     env_overrides.check_choice("TIS_MODE", objectives.TIS_MODE, objectives.TIS_MODES)
     refusals.refuse_tis(tis_cap=objectives.TIS_CAP)
     teacher_mix.check_settings(distill_coef=DISTILL_COEF, rewards=REWARDS, all_steps=ALL_STEPS)
-    question_sampler.check_settings()
+    if checkpoints.RESUME:  # a resume keeps the settings that shaped the run (TEACHER_STEPS)
+        teacher_mix.check_resumed(*checkpoints.newest_settings(OUTPUT_DIR))
+    correct = rewards.correctness_reward([fn.__name__ for fn, _ in REWARDS])  # None: no such
+    question_sampler.check_settings(correct=correct)
+    pass_rates.check_settings(correct=correct)
+    evaluation.check_settings(correct=correct)
     tools.check_settings()
     refusals.refuse_impossible(gspo=GSPO, clip_eps=CLIP_EPS, clip_eps_high=CLIP_EPS_HIGH,
                                loss_type=LOSS_TYPE, output_dir=OUTPUT_DIR,
@@ -769,7 +774,9 @@ def check_settings():
                                top_entropy_quantile=TOP_ENTROPY_QUANTILE,
                                sapo_taus=(objectives.SAPO_TAU_POS, objectives.SAPO_TAU_NEG),
                                gspo=GSPO, loss_type=LOSS_TYPE, scale_rewards=SCALE_REWARDS,
-                               distill_coef=DISTILL_COEF, num_pre_q=NUM_PRE_Q)
+                               distill_coef=DISTILL_COEF, num_pre_q=NUM_PRE_Q,
+                               cispo_max_ratio=objectives.CISPO_MAX_RATIO,
+                               tis_mode=objectives.TIS_MODE, tis_cap=objectives.TIS_CAP)
     refusals.refuse_distillation(distill_coef=DISTILL_COEF, discount=objectives.DISTILL_DISCOUNT,
                                  top_k=DISTILL_TOP_K,
                                  matched=objectives.DISTILL_SCALE == "matched",
@@ -852,8 +859,10 @@ def main():
     engine, tokenizer, eos_ids, gen_config, rank, device = setup_deepspeed()
     model = engine.module  # the same weights without the engine: generation and evaluation
     route = server_route(model, tokenizer, run=uuid.uuid4().hex)  # step 5, its server checked
+    reward_names = [fn.__name__ for fn, _ in REWARDS]
+    correct = rewards.correctness_reward(reward_names)  # the reward that says an answer is right
     sampler = question_sampler.QuestionSampler(questions, SEED + rank, question_sampler.SAMPLER,
-                                               question_sampler.REPLAY_SHARE)
+                                               question_sampler.REPLAY_SHARE, pass_key=correct)
     llm = vllm_engine.start(resolve_model_path(MODEL_PATH), SEED + rank, model.dtype,
                             verbose=quiet.VERBOSE)  # faster equal (USE_VLLM); else None
     sampling = dict(eos_ids=eos_ids, gen_config=gen_config, llm=llm)  # how step 2 samples
@@ -868,11 +877,10 @@ def main():
         start = checkpoints.resume(engine, sampler, rank, output_dir=OUTPUT_DIR,
                                    lora=lora.LORA_RANK > 0, llm=llm)
     publisher = weight_sync.publisher_from(model, start, rank, REF_TOKEN)  # WEIGHT_SYNC_STEPS
-    reward_names = [fn.__name__ for fn, _ in REWARDS]
     log = run_log.open_on_rank_0(rank, OUTPUT_DIR, reward_names, resumed_step=start)  # log
     evaluate = functools.partial(evaluation.log_eval, model=model, questions=held_out, log=log,
                                  rank=rank, score=score, tokenizer=tokenizer, encode=encode_prompts,
-                                 decode=decode, max_new_tokens=MAX_NEW_TOKENS,
+                                 decode=decode, max_new_tokens=MAX_NEW_TOKENS, correct=correct,
                                  **sampling)  # log: evaluate(step), held-out greedy accuracy
     if evaluation.EVAL_STEPS > 0 and start == 0:
         evaluate(0)
@@ -911,7 +919,8 @@ def main():
         if checkpoints.due(step, last_step=ALL_STEPS):  # log: OUTPUT_DIR/step_N, curves.png
             checkpoints.save_checkpoint(engine, tokenizer, step, sampler, rank,
                                         lora=lora.LORA_RANK > 0, output_dir=OUTPUT_DIR,
-                                        keep=checkpoints.KEEP_CHECKPOINTS)
+                                        keep=checkpoints.KEEP_CHECKPOINTS,
+                                        settings={"TEACHER_STEPS": teacher_mix.TEACHER_STEPS})
             curves.plot_on_rank_0(rank, log, reward_names)
     lora.save_merged(model, tokenizer, OUTPUT_DIR, rank)  # LoRA: OUTPUT_DIR/merged
     if log is not None:

@@ -21,6 +21,7 @@ from features.wire import check_teacher_topk
 # The menu's selectors (OBJECTIVE, ADVANTAGE, ...) are grpo_ref_split.py's; their settings are here.
 SAPO_TAU_POS = 1.0  # OBJECTIVE "sapo": the soft gate's temperature where A > 0 (the paper's)
 SAPO_TAU_NEG = 1.05  # ... and where A < 0: a little steeper, negative updates kept closer
+CISPO_MAX_RATIO = 5.0  # OBJECTIVE "cispo": its importance weight sg(min(r, this)); ScaleRL's, TRL's
 TIS_CAP = 2.0  # vLLM: each token's surrogate x min(pi_old / pi_vllm, TIS_CAP); 0 = off; else > 1
 TIS_MODE = "token_truncate"  # | "token_mask" | "sequence_truncate" | "sequence_mask"
 DISTILL_DISCOUNT = 0.0  # teacher terms of later tokens added at this^distance (tinker's); 0 = own
@@ -28,7 +29,7 @@ DISTILL_SCALE = "fixed"  # | "matched": the teacher term x rms(group term) / rms
 env_overrides.apply_env_overrides(globals(), "objectives.py")
 
 OBJECTIVES = ("clip", "cispo", "sapo", "gmpo")  # OBJECTIVE's choices
-ADVANTAGES = ("grpo", "rloo", "reinforce_pp", "passk")  # ADVANTAGE's choices
+ADVANTAGES = ("grpo", "rloo", "reinforce_pp_baseline", "passk")  # ADVANTAGE's choices
 REWARD_NORMS = ("sum_then_normalize", "normalize_then_sum")  # REWARD_NORM's choices
 SCALES = ("group", "batch", "none")  # SCALE_REWARDS' choices: what r - group mean is divided by
 TIS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TIS_MODE's
@@ -113,13 +114,14 @@ def gdpo_advantages(each: torch.Tensor, weights: torch.Tensor, num_pre_q: int, *
 
 
 def at_step(groups, dropped_rewards: torch.Tensor, device, s: AdvantageSettings) -> list:
-    """The step's groups, their advantages divided by a std over all the step's answers on all
-    ranks (every rank calls it): the rewards' for SCALE_REWARDS "batch" (scale_to_step), the
-    advantages' for REINFORCE++ and GDPO (whiten_to_step). dropped_rewards (D,): the rewards of
-    the groups dropped for equal rewards, which count in the std."""
+    """The step's groups, their advantages divided by a std over the step on all ranks (every
+    rank calls it): the std of every reward the step sampled for SCALE_REWARDS "batch"
+    (scale_to_step; dropped_rewards (D,), the rewards of the groups dropped for equal rewards,
+    count in it, as in TRL), that of the trained answers' advantages for REINFORCE++-baseline and
+    GDPO (whiten_to_step)."""
     if s.scale_rewards == "batch":
         return scale_to_step(groups, dropped_rewards, device, std_eps=s.std_eps)
-    return whiten_to_step(groups, len(dropped_rewards), device, std_eps=s.std_eps)
+    return whiten_to_step(groups, device, std_eps=s.std_eps)
 
 
 def step_std(rewards: torch.Tensor, device) -> float:
@@ -151,15 +153,17 @@ def scale_to_step(groups, dropped_rewards: torch.Tensor, device, *, std_eps: flo
     return [(scaled(tensors), meta) for tensors, meta in groups]
 
 
-def whiten_to_step(groups, n_dropped: int, device, *, std_eps: float) -> list:
-    """ADVANTAGE "reinforce_pp" and REWARD_NORM "normalize_then_sum": every group the step trains
-    on, its advantages divided by their std over all the step's answers on all ranks: the trained
-    groups' and the n_dropped answers of groups dropped for equal rewards (their advantages are 0).
-    Each group's advantages sum to 0, so their mean over the step is 0 and this is the whitening
-    REINFORCE++-baseline and GDPO apply, per answer (theirs weighs each answer by its tokens).
-    groups: (tensors, meta) pairs."""
-    trained = [tensors["advantages"].float() for tensors, _ in groups]  # (G,) each
-    std = step_std(torch.cat([*trained, torch.zeros(n_dropped)]), device)
+def whiten_to_step(groups, device, *, std_eps: float) -> list:
+    """ADVANTAGE "reinforce_pp_baseline" (REINFORCE++-baseline: verl's
+    reinforce_plus_plus_baseline, OpenRLHF's reinforce_baseline; arXiv 2501.03262) and REWARD_NORM
+    "normalize_then_sum" (GDPO): every group the step trains on, its advantages divided by their
+    std over the answers the step trains, on all ranks. Each group's advantages sum to 0, so their
+    mean over the step is 0 and this is the whitening REINFORCE++-baseline and GDPO apply, per
+    answer (theirs weighs each answer by its tokens). The groups dropped for equal rewards do not
+    count: their zeros would shrink the std by how many were dropped (re-rollouts included), and
+    scale the same trained answers differently from step to step. groups: (tensors, meta) pairs."""
+    trained = [tensors["advantages"].float() for tensors, _ in groups] or [torch.zeros(0)]
+    std = step_std(torch.cat(trained), device)  # every rank, groups or none
     return [({**tensors, "advantages": tensors["advantages"] / (std + std_eps)}, meta)
             for tensors, meta in groups]
 
@@ -225,7 +229,7 @@ def policy_loss(engine, b, *, logps, pi_old_logps, entropy, kl, s: LossSettings)
         logps=logps, pi_old_logps=pi_old_logps, kl=kl, advantages=token_advantages, mask=mask,
         beta=s.beta, clip_eps=s.clip_eps, clip_eps_high=s.clip_eps_high, weights=trained,
         gspo=s.gspo, bias_corrected_kl=s.kl_bias_correction, objective=s.objective,
-        sapo_taus=(SAPO_TAU_POS, SAPO_TAU_NEG))  # (B, T)
+        sapo_taus=(SAPO_TAU_POS, SAPO_TAU_NEG), cispo_max_ratio=CISPO_MAX_RATIO)  # (B, T)
     if s.distill_coef and s.distill_top_k:  # + the reverse KL over the teacher's likeliest tokens
         student = student_topk_logps(engine, b, temperature=s.temperature)  # (B, T, k)
         rkl = topk_reverse_kl(student_logps=student, teacher_logps=b.teacher_topk_logps)  # (B, T)
@@ -265,9 +269,11 @@ def variant_metrics(b, s: LossSettings, *, pi_old_logps, weights, token_advantag
 
 def variant_token_loss(*, logps, pi_old_logps, kl, advantages, mask, beta, clip_eps,
                        clip_eps_high, weights=None, gspo=False, bias_corrected_kl=False,
-                       objective="clip", sapo_taus=(1.0, 1.05)) -> torch.Tensor:
+                       objective="clip", sapo_taus=(1.0, 1.05),
+                       cispo_max_ratio=5.0) -> torch.Tensor:
     """(B, T) the lesson's grpo_loss with the variants: -(surrogate x weights - beta x k3), the
-    surrogate PPO's clip or one of OBJECTIVES (objective; sapo_taus SAPO's), GSPO's ratio per
+    surrogate PPO's clip or one of OBJECTIVES (objective; sapo_taus SAPO's temperatures,
+    cispo_max_ratio CISPO's cap), GSPO's ratio per
     answer, weights (B, T) on each token's surrogate (None: 1), and with bias_corrected_kl
     DeepSeek-V3.2's k3 x r (the reverse KL's gradient). logps, pi_old_logps, mask (B, T); kl (B, T)
     the lesson's k3 towards the reference (None: none); advantages (B,) or (B, T)."""
@@ -283,7 +289,7 @@ def variant_token_loss(*, logps, pi_old_logps, kl, advantages, mask, beta, clip_
         surrogate = torch.min(ratio * adv, clipped * adv)  # (B, T)
     elif objective == "cispo":
         surrogate = cispo_surrogate(ratio=ratio, logps=logps, advantages=adv,
-                                    clip_eps_high=clip_eps_high)  # (B, T)
+                                    max_ratio=cispo_max_ratio)  # (B, T)
     elif objective == "sapo":
         surrogate = sapo_surrogate(ratio=ratio, advantages=adv, taus=sapo_taus)  # (B, T)
     elif objective == "gmpo":
@@ -315,12 +321,13 @@ def policy_log_ratio(*, logps, pi_old_logps, mask, gspo=False) -> torch.Tensor:
 
 # The surrogates of OBJECTIVE, PPO's clip's rivals; each (B, T), its gradient that of sum A_t log pi
 # at r = 1, as the clip's is.
-def cispo_surrogate(*, ratio, logps, advantages, clip_eps_high) -> torch.Tensor:
-    """CISPO (MiniMax-M1, arXiv 2506.13585): sg(min(r, 1 + eps_high)) A log pi. The clip caps
-    the importance weight and is detached, so every token keeps its gradient: PPO's clip zeroes
-    it for a token past the range, often a rare "fork" token that matters. No lower bound, as in
-    the paper (its eps_low is set high)."""
-    weight = ratio.clamp(max=1 + clip_eps_high).detach()  # (B, T)
+def cispo_surrogate(*, ratio, logps, advantages, max_ratio) -> torch.Tensor:
+    """CISPO (MiniMax-M1, arXiv 2506.13585): sg(min(r, max_ratio)) A log pi. The cap bounds the
+    importance weight and is detached, so every token keeps its gradient: PPO's clip zeroes it for
+    a token past the range, often a rare "fork" token that matters. No lower bound, as in the
+    paper (its eps_low is set high); the cap is ScaleRL's eps_max (arXiv 2510.13786), 5 by TRL's
+    advice (CISPO_MAX_RATIO). Its loss is a token mean over the batch (LOSS_TYPE "dapo")."""
+    weight = ratio.clamp(max=max_ratio).detach()  # (B, T)
     return weight * advantages * logps  # (B, T)
 
 
@@ -375,14 +382,46 @@ def off_policy_mask(*, advantages, pi_old_logps, logps, mask, delta) -> torch.Te
 
 
 def high_entropy_mask(*, entropy, mask, quantile) -> torch.Tensor:
-    """(B, T) 1 on the answer tokens whose entropy is in the top `quantile` share of this batch's,
-    0 elsewhere ("Beyond the 80/20 rule", arXiv 2506.01939: the few high-entropy "forking" tokens
-    carry the learning; TRL's top_entropy_quantile). entropy, mask (B, T); entropy detached."""
+    """(B, T) 1 on the answer tokens whose entropy is in the top `quantile` share of this
+    micro-batch's answer tokens on all ranks (TRL's threshold is global too), 0 elsewhere ("Beyond
+    the 80/20 rule", arXiv 2506.01939: the few high-entropy "forking" tokens carry the learning;
+    TRL's top_entropy_quantile). entropy, mask (B, T); entropy detached. Every rank calls it once
+    per micro-batch (they run as many)."""
     mask = mask.bool()  # (B, T)
-    if not mask.any():
+    every = gathered_over_ranks(entropy[mask].float())  # (n,) the answer tokens of all ranks
+    if not every.numel():
         return mask.float()  # (B, T)
-    threshold = torch.quantile(entropy[mask].float(), 1 - quantile)  # () the share's lowest
+    threshold = quantile_of(every, 1 - quantile)  # () the share's lowest
     return (mask & (entropy >= threshold)).float()  # (B, T)
+
+
+def quantile_of(values: torch.Tensor, q: float) -> torch.Tensor:
+    """() the q-quantile of values (n,), linear between its two nearest ranks, as torch.quantile
+    computes it; torch.quantile refuses more than 2^24 values (long chains of thought give more),
+    kthvalue selects the two without that bound or a sort."""
+    rank = torch.tensor(q, dtype=values.dtype) * (values.numel() - 1)  # () between 0 and n - 1
+    below = int(rank.floor())
+    above = int(rank.ceil())
+    low = values.kthvalue(below + 1).values  # () kthvalue counts from 1
+    high = values.kthvalue(above + 1).values  # ()
+    return torch.lerp(low, high, (rank - below).to(values.device))  # ()
+
+
+def gathered_over_ranks(values: torch.Tensor) -> torch.Tensor:
+    """(sum of n,) every rank's values (n,) one after another (this rank's alone without a process
+    group); ranks may hold different counts."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return values
+    world = torch.distributed.get_world_size()
+    count = torch.tensor([values.numel()], device=values.device)  # (1,)
+    counts = [torch.zeros_like(count) for _ in range(world)]
+    torch.distributed.all_gather(counts, count)
+    most = max(int(c) for c in counts)
+    padded = torch.zeros(most, dtype=values.dtype, device=values.device)  # (most,)
+    padded[: values.numel()] = values
+    parts = [torch.zeros_like(padded) for _ in range(world)]
+    torch.distributed.all_gather(parts, padded)
+    return torch.cat([part[: int(c)] for part, c in zip(parts, counts)])  # (sum of n,)
 
 
 # ----------------------------------------------------------------------------- the teacher's terms
@@ -445,8 +484,27 @@ def student_topk_logps(engine, b, *, temperature) -> torch.Tensor:
 
 
 def topk_reverse_kl(*, student_logps, teacher_logps) -> torch.Tensor:
-    """(B, T) sum over the teacher's k likeliest tokens v of pi(v) (log pi(v) - log teacher(v)):
-    the reverse KL KL(pi || teacher) restricted to them, exact and differentiable (no sampled
-    estimate), its whole value at k = V (DISTILL_TOP_K). student_logps, teacher_logps (B, T, k)
-    at the same token ids."""
-    return (student_logps.exp() * (student_logps - teacher_logps)).sum(-1)  # (B, T)
+    """(B, T) KL(pi || teacher) over k + 1 bins: each of the teacher's k likeliest tokens v a bin
+    of its own, pi(v) (log pi(v) - log teacher(v)), and one bin for the rest of the vocabulary,
+    whose mass is 1 minus the k's on each side. Its minimum is pi = teacher on the k tokens (the
+    tail's mass then equal too). The sum over the k alone is no divergence: its minimum is pi =
+    teacher / e on them, the rest of pi's mass pushed outside, away from the teacher. Exact and
+    differentiable, the full reverse KL at k = V (the tail empty). (verl's top-k distillation is
+    a forward KL, tinker's the sampled token's reverse KL: DISTILL_TOP_K = 0 here.)
+    student_logps, teacher_logps (B, T, k) at the same token ids."""
+    head = (student_logps.exp() * (student_logps - teacher_logps)).sum(-1)  # (B, T)
+    student_tail = tail_mass(student_logps)  # (B, T) float64
+    teacher_tail = tail_mass(teacher_logps).clamp(min=TAIL_EPS)  # (B, T) never log(0)
+    present = student_tail > TAIL_EPS  # (B, T) an empty tail adds 0 (and no 0 x log 0)
+    p = torch.where(present, student_tail, 1.0)  # (B, T) 1 where empty: a finite log
+    tail = torch.where(present, p * (p.log() - teacher_tail.log()), 0.0)  # (B, T)
+    return head + tail.to(head.dtype)  # (B, T)
+
+
+TAIL_EPS = 1e-12  # a tail mass below this is empty: float64 rounding of 1 - the k's sum
+
+
+def tail_mass(logps: torch.Tensor) -> torch.Tensor:
+    """(B, T) 1 - the mass of the k tokens (B, T, k), in float64: the difference of two numbers
+    near 1 keeps about 1e-16 of them, where float32 would keep 1e-7."""
+    return (1 - logps.double().exp().sum(-1)).clamp(min=0)  # (B, T)

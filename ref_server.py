@@ -252,6 +252,15 @@ class RefServer:
         return {"ok": True, "groups": int(group is not None), "pending": self.pending.qsize(),
                 "instance": self.instance}
 
+    def decoded_group(self, tensors, plen, pixels, peer):
+        """The group's images decoded and checked against its prompts (features/vision.py); a
+        failure gives the decoding budget back and charges it to the peer (DecodeBudget)."""
+        try:
+            return vision.check_group(self.processor, tensors, plen)
+        except ValueError:
+            self.decoding.failed(pixels, peer)  # guard
+            raise
+
     def _build_app(self):
         app = bottle.Bottle()
 
@@ -277,10 +286,11 @@ class RefServer:
                 images_sent = carries_images(tensors)  # guard: a text group carries none
                 if images_sent:
                     pixels = vision.pixels_of(tensors)
-                if pixels and not self.decoding.take(pixels):  # guard: the decoding budget
+                peer = bottle.request.remote_addr or ""  # a peer's failures are its own
+                if pixels and not self.decoding.take(pixels, peer):  # guard: the decoding budget
                     self._busy()  # this second's decoding is spent: a retry comes later
                 if self.processor is not None or images_sent:
-                    images = vision.check_group(self.processor, tensors, meta["plen"])
+                    images = self.decoded_group(tensors, meta["plen"], pixels, peer)
                 if meta.get("teacher_top_k") and not self.settings.teacher:
                     raise ValueError("teacher_top_k asks a teacher (TEACHER=1); this server holds "
                                      "a reference")

@@ -62,13 +62,17 @@ def reward_correct(completion: str, gold: str, question: str | None = None) -> f
 LATEX = (LatexExtractionConfig(), ExprExtractionConfig())
 
 
+def math_timeout() -> int | None:
+    """Seconds math-verify may spend on one parse: it bounds its sympy work with signal.alarm,
+    which only the main thread may set; elsewhere (a server worker, say) it runs without one
+    rather than crash."""
+    return 5 if threading.current_thread() is threading.main_thread() else None
+
+
 def same_value(answer: str, gold: str, *, latex: bool = False) -> bool:
     """Whether `answer` and `gold` are the same value to math-verify; latex: both are LaTeX
     (geometry3k's 3\\sqrt{2}, \\frac{40}{3}), each read whole in $...$."""
-    # math-verify bounds its sympy work with signal.alarm, which only the main thread may set;
-    # elsewhere (a server worker, say) we run without its timeout rather than crash.
-    on_main = threading.current_thread() is threading.main_thread()
-    timeout = 5 if on_main else None
+    timeout = math_timeout()
     config = {}  # plain: math-verify's default extraction
     if latex:
         answer = f"${answer}$"
@@ -99,12 +103,65 @@ def boxed_answer(completion: str) -> str | None:
 
 
 def reward_boxed(completion: str, gold: str, question: str | None = None) -> float:
-    """EasyR1's accuracy on geometry3k: 1.0 when the last \\boxed{...} equals `gold`
-    mathematically, both read whole as LaTeX (3\\sqrt{2} is not 3), else 0.0."""
+    """EasyR1's accuracy on geometry3k: 1.0 when the last \\boxed{...} states `gold`, both read
+    whole as LaTeX (3\\sqrt{2} is not 3), else 0.0. A box that holds an equation states its first
+    value (\\boxed{x = 7} states 7) and only if every other side agrees with it: exactly, or as its
+    decimal to the digits written (\\boxed{3\\sqrt{2} = 4.24} states 3\\sqrt{2}); a false one
+    (\\boxed{5 = 7}) states nothing. A box that ends in an operator (\\boxed{5+}) states nothing:
+    math-verify would read it as 5."""
     answer = boxed_answer(completion)
-    if not answer:
+    if not answer or answer.endswith(DANGLING):
         return 0.0
-    return 1.0 if same_value(answer, gold, latex=True) else 0.0
+    values = [side for side in equation_sides(answer) if not is_label(side)]
+    if not values or not same_value(values[0], gold, latex=True):
+        return 0.0
+    agree = all(agrees(side, values[0]) for side in values[1:])
+    return 1.0 if agree else 0.0
+
+
+DANGLING = ("+", "-", "*", "/", "^", "=", ",", "\\times", "\\cdot", "\\div")  # nothing after
+EQUATION_SIGNS = re.compile(r"=|\\approx")  # between the sides of a boxed equation
+
+
+def equation_sides(answer: str) -> list:
+    """The sides of a boxed equation, split at = or \\approx outside braces; one side for a value."""
+    sides, depth, start = [], 0, 0
+    for match in re.finditer(r"[{}]|=|\\approx", answer):
+        if match.group() == "{":
+            depth += 1
+        elif match.group() == "}":
+            depth -= 1
+        elif depth == 0:
+            sides.append(answer[start : match.start()].strip())
+            start = match.end()
+    return sides + [answer[start:].strip()]
+
+
+def is_label(side: str) -> bool:
+    """Whether a side names what the value is (x, AB, m \\angle ABC) rather than stating one: no
+    digit and no constant in it."""
+    return not re.search(r"\d|\\pi|\\infty|\\circ", side)
+
+
+def agrees(side: str, value: str) -> bool:
+    """Whether `side` is `value` (both LaTeX), exactly or as its decimal to the digits written:
+    |side - value| at most half a unit of its last digit."""
+    if same_value(side, value, latex=True):
+        return True
+    decimal = re.fullmatch(r"-?\d+\.(\d+)", side)
+    exact = numeric_value(value)
+    if decimal is None or exact is None:
+        return False
+    return abs(float(side) - exact) <= 0.5 * 10 ** -len(decimal.group(1)) + 1e-12
+
+
+def numeric_value(latex: str) -> float | None:
+    """The value of a LaTeX expression as a float (math-verify, then sympy), or None."""
+    try:
+        parsed = parse(f"${latex}$", extraction_config=LATEX, parsing_timeout=math_timeout())
+        return float(parsed[0].evalf()) if parsed else None
+    except Exception:  # not a number (a set, an interval, a symbol): no decimal to agree with
+        return None
 
 
 BOXED_FORMAT_RE = re.compile(r"<think>.*</think>.*\\boxed\{.*\}.*", re.DOTALL)
@@ -129,6 +186,17 @@ def reward_tool_cost(completion: str, gold=None, question=None) -> float:
     little, so that the model learns to call only where the tool makes it right (TOOLS,
     features/tools.py)."""
     return -float(completion.count(TOOL_CLOSE))
+
+
+# The rewards that are above 0 exactly when an answer is right: what pass rates, the learnability
+# sampler and pass@k count as solved (a task's own correctness reward, the first of REWARDS).
+CORRECTNESS = ("reward_correct", "reward_boxed", "reward_word")
+
+
+def correctness_reward(names) -> str | None:
+    """The first of the reward names `names` that says whether an answer is right (CORRECTNESS),
+    or None: a task scored by format or cost alone has no notion of solved."""
+    return next((name for name in names if name in CORRECTNESS), None)
 
 
 def checked_reward(fn, completion: str, gold: str, question: str) -> float:

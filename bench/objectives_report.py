@@ -27,7 +27,7 @@ SETTINGS = {
     "sapo": "OBJECTIVE=sapo MU=2",
     "gmpo": "OBJECTIVE=gmpo MU=2",
     "rloo": "ADVANTAGE=rloo",
-    "reinforce_pp": "ADVANTAGE=reinforce_pp",
+    "reinforce_pp": "ADVANTAGE=reinforce_pp_baseline",
     "passk": "ADVANTAGE=passk",
     "gdpo": "REWARD_NORM=normalize_then_sum",
     "top_entropy": "TOP_ENTROPY_QUANTILE=0.2",

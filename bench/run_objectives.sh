@@ -36,11 +36,11 @@ for seed in $SEEDS; do
       # The objectives of 2025-26 (issue 59, docs/loss.md). At MU = 1 every token's ratio is 1 and
       # the four surrogates take the same gradient, so they compare at MU = 2, beside PPO's clip.
       mu2) settings=(MU=2) ;;
-      cispo) settings=(OBJECTIVE=cispo MU=2) ;;
+      cispo) settings=(OBJECTIVE=cispo LOSS_TYPE=dapo MU=2) ;;
       sapo) settings=(OBJECTIVE=sapo MU=2) ;;
       gmpo) settings=(OBJECTIVE=gmpo MU=2) ;;
       rloo) settings=(ADVANTAGE=rloo) ;;
-      reinforce_pp) settings=(ADVANTAGE=reinforce_pp) ;;
+      reinforce_pp) settings=(ADVANTAGE=reinforce_pp_baseline) ;;
       passk) settings=(ADVANTAGE=passk) ;;
       gdpo) settings=(REWARD_NORM=normalize_then_sum) ;;
       top_entropy) settings=(TOP_ENTROPY_QUANTILE=0.2) ;;

@@ -4,6 +4,7 @@ RESUME=1 continues a run bit for bit.
 
     RESUME=1 deepspeed --num_gpus 1 grpo_ref_split.py          # from the newest complete step_N
 """
+import json
 import os
 import re
 import shutil
@@ -45,10 +46,11 @@ def refuse_to_overwrite(output_dir, resume: bool):
         )
 
 
-def save_checkpoint(engine, tokenizer, step, rng, rank, *, output_dir, keep, lora):
+def save_checkpoint(engine, tokenizer, step, rng, rank, *, output_dir, keep, lora, settings=None):
     """output_dir/step_N: transformers weights (load on their own; with LoRA the adapters only,
     which peft loads onto MODEL_PATH), DeepSpeed state (with LoRA the adapters' weights and
-    optimizer state), each rank's RNG.
+    optimizer state), each rank's RNG, and `settings` ({name: value} that a resume must keep) as
+    settings.json, readable before any model loads (newest_settings).
 
     Every rank writes into step_N.tmp; rank 0 renames it once all are done, so a step_N folder
     is always complete, and then deletes all but the newest `keep`.
@@ -59,6 +61,8 @@ def save_checkpoint(engine, tokenizer, step, rng, rank, *, output_dir, keep, lor
         shutil.rmtree(tmp, ignore_errors=True)
         engine.module.save_pretrained(tmp)  # ZeRO-2 keeps full weights on every rank
         tokenizer.save_pretrained(tmp)
+        with open(os.path.join(tmp, SETTINGS_FILE), "w") as f:
+            json.dump(settings or {}, f)
     torch.distributed.barrier()
     # weights + this rank's optimizer
     engine.save_checkpoint(
@@ -82,6 +86,25 @@ def save_checkpoint(engine, tokenizer, step, rng, rank, *, output_dir, keep, lor
         for old in checkpoints(output_dir)[:-keep]:
             shutil.rmtree(old)
     torch.distributed.barrier()
+
+
+SETTINGS_FILE = "settings.json"  # in step_N: the settings a resume must keep
+
+
+def newest_settings(output_dir) -> tuple:
+    """(the settings the newest complete checkpoint of output_dir saved, its folder): (None, "")
+    without a checkpoint, ({}, folder) for one saved before settings were."""
+    found = checkpoints(output_dir)
+    if not found:
+        return None, ""
+    path = os.path.join(found[-1], SETTINGS_FILE)
+    if not os.path.exists(path):
+        return {}, found[-1]
+    with open(path) as f:
+        saved = json.load(f)
+    if not isinstance(saved, dict):
+        sys.exit(f"{path} holds no settings object: the checkpoint is damaged")
+    return saved, found[-1]
 
 
 def resume(engine, rng, rank, *, output_dir, lora, llm=None):

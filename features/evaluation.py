@@ -5,6 +5,7 @@ sampled answers per question at the training temperature, for mean@k and the unb
     CHECKPOINT=output/step_30 python bench/probe_heldout.py       # the same, on a saved checkpoint
 """
 import math
+import sys
 
 import torch
 
@@ -25,7 +26,6 @@ def due(step: int, *, last_step: int) -> bool:
 
 
 EVAL_BATCH = 16  # questions per generate call (transformers): bounds memory, not the result
-CORRECT = "reward_correct"  # the reward whose value > 0 counts as solved, for pass@k
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -39,11 +39,12 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def evaluate(model, questions, *, encode, decode, score, eos_ids, max_new_tokens, pad_id=None,
              llm=None, tools=(), max_calls=0, tokenizer=None, samples=0,
-             sample_config=None) -> dict:
+             sample_config=None, correct=None) -> dict:
     """{"eval_<reward name>": mean} over the greedy answers to `questions` (from the vLLM engine
     `llm` if given); with tools, eval_tool_share too (answers that called a tool). samples = k > 0:
     also eval_<name>_mean@k over k answers per question sampled with sample_config (its
-    temperature), and eval_pass@j for j = 2, 4, ... and k (needs reward_correct). Questions with a
+    temperature), and eval_pass@j for j = 2, 4, ... and k (by the reward named `correct`, the
+    task's correctness reward; None: no pass@k, refused at start with EVAL_SAMPLES). Questions with a
     "tag" also get each mean per tag: eval_<name>_<tag>. encode(tokenizer, questions) -> the
     tokenized prompts; decode(tokenizer, completion_ids) -> texts; score(texts, golds, questions) ->
     (total, {reward name: values}): the trainer's own three; tokenizer: for them, for tools and for
@@ -56,7 +57,7 @@ def evaluate(model, questions, *, encode, decode, score, eos_ids, max_new_tokens
     _, each = score(texts, [q["gold"] for q in questions], [q["question"] for q in questions])
     each = each | ({"tool_share": [float(c > 0) for c in calls]} if tools else {})
     if samples > 0:
-        each |= sampled_scores(model, questions, samples, sample_config, score, args)
+        each |= sampled_scores(model, questions, samples, sample_config, score, args, correct)
     out = {}
     for tag in [None] + sorted({q["tag"] for q in questions if "tag" in q}):
         rows = [i for i, q in enumerate(questions) if tag is None or q.get("tag") == tag]
@@ -66,10 +67,10 @@ def evaluate(model, questions, *, encode, decode, score, eos_ids, max_new_tokens
     return out
 
 
-def sampled_scores(model, questions, k, sample_config, score, args) -> dict:
-    """Per question: each reward's mean over k sampled answers ("<name>_mean@k") and, with CORRECT
-    among the rewards, the unbiased pass@j for j = 2, 4, ... < k and k ("pass@j"; pass@1 would equal
-    CORRECT's mean@k)."""
+def sampled_scores(model, questions, k, sample_config, score, args, correct=None) -> dict:
+    """Per question: each reward's mean over k sampled answers ("<name>_mean@k") and, with a
+    correctness reward `correct` (its name; rewards.correctness_reward), the unbiased pass@j for
+    j = 2, 4, ... < k and k ("pass@j"; pass@1 would equal its mean@k)."""
     if sample_config is None or not sample_config.do_sample:
         raise ValueError("EVAL_SAMPLES needs the sampling generation config (temperature > 0)")
     texts, _ = held_out_answers(model, questions, per_question=k, gen_config=sample_config, **args)
@@ -77,8 +78,8 @@ def sampled_scores(model, questions, k, sample_config, score, args) -> dict:
                     [q["question"] for q in questions for _ in range(k)])
     out = {f"{name}_mean@{k}": [sum(v[i * k : (i + 1) * k]) / k for i in range(len(questions))]
            for name, v in each.items()}
-    if CORRECT in each:
-        right = [sum(v > 0 for v in each[CORRECT][i * k : (i + 1) * k])
+    if correct is not None:
+        right = [sum(v > 0 for v in each[correct][i * k : (i + 1) * k])
                  for i in range(len(questions))]
         for j in sorted({2**e for e in range(1, k.bit_length()) if 2**e < k} | {k} - {1}):  # not 1
             out[f"pass@{j}"] = [pass_at_k(k, c, j) for c in right]
@@ -125,6 +126,15 @@ def held_out_answers(model, questions, *, encode, decode, eos_ids, pad_id, max_n
                 answers = generated[:, ids.shape[1] :]  # (b x per_question, T)
             texts += decode(tokenizer, answers)
     return texts, calls or [0] * len(texts)
+
+
+def check_settings(*, correct):
+    """Stop, before any model loads, on EVAL_SAMPLES without a reward that says whether an answer
+    is right (correct: its name, or None): its pass@k would silently be missing."""
+    if EVAL_SAMPLES > 0 and correct is None:
+        sys.exit(f"EVAL_SAMPLES = {EVAL_SAMPLES} reports pass@k, which needs a reward that says "
+                 "whether an answer is right (reward_correct, reward_boxed or reward_word) among "
+                 "REWARDS; set EVAL_SAMPLES=0")
 
 
 def log_eval(step, model, questions, log, rank, *, gen_config, **evaluate_args):

@@ -7,6 +7,7 @@ already holds the file, reads it instead of measuring again. Held-out questions 
 """
 import json
 import os
+import sys
 import time
 
 import torch
@@ -21,16 +22,24 @@ env_overrides.apply_env_overrides(globals(), "features/pass_rates.py")
 FILE = "pass_rates.json"
 
 
-def pass_rate_pass(sampler, generate_answers, score, *, count, group, output_dir, batch, rank,
-                   pass_key=question_sampler.PASS_KEY):
+def check_settings(*, correct):
+    """Stop, before any model loads, on PASS_RATE_QUESTIONS without a reward that says whether an
+    answer is right (correct: its name, or None): there would be no pass rate to measure."""
+    if PASS_RATE_QUESTIONS > 0 and correct is None:
+        sys.exit(f"PASS_RATE_QUESTIONS = {PASS_RATE_QUESTIONS} measures pass rates, which need a "
+                 "reward that says whether an answer is right (reward_correct, reward_boxed or "
+                 "reward_word) among REWARDS")
+
+
+def pass_rate_pass(sampler, generate_answers, score, *, count, group, output_dir, batch, rank):
     """Measure (or read back) the pass rates of the sampler's first `count` questions and keep the
     sampler to those, weighted by them. generate_answers(questions) -> the trainer's Rollout of
     `group` answers to each; score(texts, golds, questions) -> (totals, {reward name: values}); an
-    answer passes when its pass_key reward is above 0."""
+    answer passes when the sampler's pass_key reward is above 0."""
     def answer_passes(part):  # for each question, its answers' right (True) or wrong
         out = generate_answers(part)
         _, each = score(out.texts, out.golds, out.questions)
-        right = [value > 0 for value in each[pass_key]]
+        right = [value > 0 for value in each[sampler.pass_key]]
         return [right[i : i + group] for i in range(0, len(right), group)]
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     rates = measure(sampler.questions[:count], answer_passes, output_dir=output_dir, batch=batch,

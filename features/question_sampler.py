@@ -14,7 +14,7 @@ needs no pass over the dataset:
   varied.
 "learnability" draws each question with weight p (1 - p), p its pass rate: measured before step 1 by
 features/pass_rates.py (k answers each from the starting policy), then the share of right answers
-(PASS_KEY) in its latest group. A mastered (p = 1) or out-of-reach (p = 0) question weighs 0 and is
+(the task's correctness reward, rewards.correctness_reward) in its latest group. A mastered (p = 1) or out-of-reach (p = 0) question weighs 0 and is
 drawn only when too few others are left; p (1 - p) is the variance of a right/wrong reward, so it is
 the expected spread of a group's rewards, which is what the advantage needs.
 A step that rolls out MAX_ROLLOUTS times without the groups it wants calls out_of_rollouts.
@@ -38,7 +38,6 @@ MAX_ROLLOUTS = 20  # rollouts a step may take before it gives up on a group with
 env_overrides.apply_env_overrides(globals(), "features/question_sampler.py")
 
 SAMPLERS = ("uniform", "difficulty", "learnability")  # SAMPLER's choices
-PASS_KEY = "reward_correct"  # the answer record's reward that is positive when the answer is right
 UNKNOWN_PASS_RATE = 0.5  # "learnability": a question without a measured pass rate counts as this
 MAX_REPLAYS = 2  # a question trained this many times in a row goes back among the fresh ones
 # a question whose latest group was uniform weighs this in fresh draws (the others 1)
@@ -69,19 +68,30 @@ def answer_id(record: dict) -> str:
     return record.get("question_id", record["question"])
 
 
-def check_settings():
-    """Stop, before any model loads, on a SAMPLER that is none of SAMPLERS."""
+def check_settings(*, correct):
+    """Stop, before any model loads, on a SAMPLER that is none of SAMPLERS, or "learnability"
+    without a reward that says whether an answer is right (correct: its name, or None)."""
     env_overrides.check_choice("SAMPLER", SAMPLER, SAMPLERS)
+    if SAMPLER == "learnability" and correct is None:
+        sys.exit('SAMPLER "learnability" weighs questions by their pass rates, which need a '
+                 "reward that says whether an answer is right (reward_correct, reward_boxed or "
+                 "reward_word) among REWARDS")
 
 
 class QuestionSampler:
     """draw(n) -> n distinct questions; record(answer records, group size) after each rollout."""
 
-    def __init__(self, questions, seed, mode="uniform", replay_share=0.75):
+    def __init__(self, questions, seed, mode="uniform", replay_share=0.75,
+                 pass_key=None):
         """replay_share: of each draw at most this share (rounded up) comes from the replay pool
-        (REPLAY_SHARE); the rest are new questions."""
+        (REPLAY_SHARE); the rest are new questions. pass_key: the name of the answer records'
+        reward that is above 0 when an answer is right (rewards.correctness_reward; "learnability"
+        needs it)."""
         if mode not in SAMPLERS:
             raise ValueError(f"SAMPLER = {mode!r}: one of {', '.join(SAMPLERS)}")
+        if mode == "learnability" and pass_key is None:
+            raise ValueError('SAMPLER "learnability" needs pass_key, the reward that says whether '
+                             "an answer is right")
         self.questions = questions
         self.mode = mode
         self.rng = random.Random(seed)
@@ -89,6 +99,7 @@ class QuestionSampler:
         self.pool = {}  # question_id -> replays so far; insertion order = oldest first
         self.uniform = set()  # question_ids whose latest group had equal rewards
         self.pass_rates = {}  # "learnability": question_id -> its latest pass rate
+        self.pass_key = pass_key
 
     def draw(self, n: int) -> list:
         # exactly random.Random(seed).sample: the draws of runs before this module
@@ -141,7 +152,7 @@ class QuestionSampler:
         if self.mode == "learnability":
             for i in range(0, len(answers), group_size):
                 group = answers[i : i + group_size]
-                right = sum(a[PASS_KEY] > 0 for a in group)
+                right = sum(a[self.pass_key] > 0 for a in group)
                 self.pass_rates[answer_id(group[0])] = right / len(group)
             return
         for i in range(0, len(answers), group_size):

@@ -4,6 +4,7 @@ thing in main().
 
     DISTILL_COEF=0.5 deepspeed --num_gpus 1 grpo_ref_split.py    # stops at once: BETA > 0 too
 """
+import math
 import sys
 
 from features import checkpoints, fast_paths, lora, run_log, wire
@@ -22,6 +23,10 @@ def refuse_impossible(*, gspo, clip_eps, clip_eps_high, loss_type, output_dir, t
     GSPO settings it was not made for. The keywords are the trainer's constants of those names
     (tis_mode: objectives.TIS_MODE); each feature's own constants are read from its module."""
     checkpoints.refuse_to_overwrite(output_dir, checkpoints.RESUME)  # would delete another run's
+    for name, eps in (("CLIP_EPS", clip_eps), ("CLIP_EPS_HIGH", clip_eps_high)):
+        if not math.isfinite(eps) or eps < 0:  # the ratio's range would be empty or inverted
+            sys.exit(f"{name} = {eps}: the clip's half-width, a finite number >= 0 (0.2 is "
+                     "GRPO's; DAPO's CLIP_EPS_HIGH 0.28)")
     per_answer_tis = tis_mode.startswith("sequence_")  # a whole answer's ratio
     if fast_paths.USE_TRITON and (gspo or per_answer_tis):
         sys.exit("USE_TRITON has no per-answer ratio (GSPO, TIS_MODE sequence_*): set those off, "
@@ -42,15 +47,32 @@ def refuse_impossible(*, gspo, clip_eps, clip_eps_high, loss_type, output_dir, t
 
 
 def refuse_objectives(*, objective, advantage, reward_norm, top_entropy_quantile, sapo_taus,
-                      gspo, loss_type, scale_rewards, distill_coef, num_pre_q):
+                      gspo, loss_type, scale_rewards, distill_coef, num_pre_q, cispo_max_ratio=5.0,
+                      tis_mode="token_truncate", tis_cap=0.0):
     """Stop on a variant of the surrogate, the baseline or the rewards' normalisation that cannot
     work with the rest (docs/loss.md says why each). The keywords are the trainer's constants of
-    those names (sapo_taus: SAPO_TAU_POS, SAPO_TAU_NEG)."""
+    those names (sapo_taus: SAPO_TAU_POS, SAPO_TAU_NEG; cispo_max_ratio, tis_mode, tis_cap:
+    objectives.py's CISPO_MAX_RATIO, TIS_MODE, TIS_CAP)."""
     if not 0 < top_entropy_quantile <= 1:
         sys.exit(f"TOP_ENTROPY_QUANTILE = {top_entropy_quantile}: the share of answer tokens that "
                  "train, in (0, 1]; 1 = all")
-    if min(sapo_taus) <= 0:
-        sys.exit(f"SAPO_TAU_POS, SAPO_TAU_NEG = {sapo_taus}: temperatures above 0")
+    if not all(math.isfinite(tau) and tau > 0 for tau in sapo_taus):
+        sys.exit(f"SAPO_TAU_POS, SAPO_TAU_NEG = {sapo_taus}: temperatures above 0 and finite "
+                 "(nan or inf makes SAPO's gate, and so the loss, NaN)")
+    if objective == "cispo" and loss_type != "dapo":
+        sys.exit(f'OBJECTIVE cispo with LOSS_TYPE {loss_type!r}: CISPO is defined with one token '
+                 'mean over the whole batch (the paper, TRL, verl); set LOSS_TYPE="dapo"')
+    if objective == "cispo" and not (math.isfinite(cispo_max_ratio) and cispo_max_ratio >= 1):
+        sys.exit(f"CISPO_MAX_RATIO = {cispo_max_ratio}: the cap on CISPO's importance weight, at "
+                 "least 1 (below it every on-policy token is weighed down; 5.0 is TRL's advice)")
+    if objective == "gmpo" and top_entropy_quantile < 1:
+        sys.exit(f"OBJECTIVE gmpo with TOP_ENTROPY_QUANTILE {top_entropy_quantile}: GMPO's one "
+                 "value per answer is a geometric mean over all its tokens, so the tokens the "
+                 "entropy share leaves out would train through it; use clip, cispo or sapo")
+    if objective == "gmpo" and tis_mode == "token_mask" and tis_cap:
+        sys.exit('OBJECTIVE gmpo with TIS_MODE "token_mask": GMPO\'s one value per answer would '
+                 'train the tokens the mask drops; use TIS_MODE "token_truncate" or a '
+                 'sequence mode')
     if fast_paths.USE_TRITON and (objective != "clip" or top_entropy_quantile < 1):
         sys.exit(f"USE_TRITON fuses PPO's clip over every token: OBJECTIVE {objective!r} and "
                  "TOP_ENTROPY_QUANTILE < 1 run on the PyTorch path (USE_TRITON=0)")
@@ -117,6 +139,9 @@ def refuse_distillation(
             f"NUM_PRE_Q = {num_pre_q}: a group needs 2 answers or more to compare "
             "rewards; 1 only for pure distillation (DISTILL_COEF > 0, every REWARDS weight 0)"
         )
+    if kl_bias_correction and not beta:
+        sys.exit("KL_BIAS_CORRECTION corrects the k3 penalty's gradient off-policy; with BETA = 0 "
+                 "there is no penalty to correct: set BETA > 0 or KL_BIAS_CORRECTION = False")
     if coef and dynamic_sampling:
         until = f" until the hand-off after step {teacher_steps}" if teacher_steps else ""
         print("DYNAMIC_SAMPLING with DISTILL_COEF: every group trains (the teacher's term differs "

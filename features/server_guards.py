@@ -75,26 +75,69 @@ class Room:
 
 class DecodeBudget:
     """How many image pixels the upload threads may decode: `per_second` flow in, at most `burst`
-    saved up. An upload that finds too few is answered 503 at once and retried later, so a peer
-    with the token cannot keep the threads decoding (one upload is bounded by MAX_QUESTION_PIXELS,
-    their flow by this)."""
+    saved up, shared by every peer. An upload that finds too few is answered 503 at once and
+    retried later, so a peer with the token cannot keep the threads decoding (one upload is
+    bounded by MAX_QUESTION_PIXELS, their flow by this). An upload charged by its headers whose
+    images then fail to decode gives the pixels back to the shared budget and is charged to its
+    peer's own: a peer sending headers that promise what the files do not hold spends what it may
+    fail with, never what honest peers decode (issue 79's hostile peer starved them)."""
 
     def __init__(self, per_second, burst):
         self.per_second = per_second
         self.burst = burst
-        self.left = burst  # pixels that may be decoded now
-        self.last = time.monotonic()
+        self.shared = Bucket(per_second, burst)
+        self.failures = collections.OrderedDict()  # peer -> Bucket of the pixels it may fail with
         self.lock = threading.Lock()
 
-    def take(self, pixels) -> bool:
+    def take(self, pixels, peer="") -> bool:
+        """Charge `pixels` to the shared budget before decoding them; False (nothing charged)
+        when it or the peer's failure budget holds too few."""
         with self.lock:
-            now = time.monotonic()
-            self.left = min(self.burst, self.left + (now - self.last) * self.per_second)
-            self.last = now
-            if pixels > self.left:
+            failures = self._failures_of(peer)
+            if pixels > failures.now() or not self.shared.take(pixels):
                 return False
-            self.left -= pixels
             return True
+
+    def failed(self, pixels, peer="") -> None:
+        """The decoding that take charged failed: give the pixels back to the shared budget and
+        charge them to the peer's own (down to 0)."""
+        with self.lock:
+            self.shared.left = min(self.burst, self.shared.left + pixels)
+            failures = self._failures_of(peer)
+            failures.left = max(0.0, failures.now() - pixels)
+
+    def _failures_of(self, peer) -> "Bucket":
+        bucket = self.failures.pop(peer, None) or Bucket(self.per_second, self.burst)
+        self.failures[peer] = bucket  # most recent last: the oldest peers are forgotten first
+        while len(self.failures) > MAX_PEERS:
+            self.failures.popitem(last=False)
+        return bucket
+
+
+MAX_PEERS = 4096  # peers whose failure budgets are remembered (a forgotten one starts full)
+
+
+class Bucket:
+    """A token bucket: `per_second` flow in, at most `burst` saved up (callers hold a lock)."""
+
+    def __init__(self, per_second, burst):
+        self.per_second = per_second
+        self.burst = burst
+        self.left = burst  # what may be spent now
+        self.last = time.monotonic()
+
+    def now(self) -> float:
+        """What may be spent now, the flow since the last look added."""
+        clock = time.monotonic()
+        self.left = min(self.burst, self.left + (clock - self.last) * self.per_second)
+        self.last = clock
+        return self.left
+
+    def take(self, amount) -> bool:
+        if amount > self.now():
+            return False
+        self.left -= amount
+        return True
 
 
 # GET /get?rank=N&ack=ID hands a rank the group at the head of its queue and keeps it until the

@@ -44,6 +44,24 @@ TEACHER_STEPS = 0  # > 0 = the teacher alone for this many steps, then the rewar
 env_overrides.apply_env_overrides(globals(), "features/teacher_mix.py")
 
 
+def check_resumed(saved, folder: str) -> None:
+    """Stop a resume whose TEACHER_STEPS is not the one the checkpoint in `folder` saved (saved:
+    its settings, the trainer saves TEACHER_STEPS with every checkpoint; None: no checkpoint): the
+    phase of every later step would change without a word. A checkpoint from before it was saved
+    is accepted only with TEACHER_STEPS 0."""
+    if saved is None:
+        return
+    then = saved.get("TEACHER_STEPS")
+    if then is None and TEACHER_STEPS:
+        sys.exit(f"RESUME from {folder} with TEACHER_STEPS = {TEACHER_STEPS}: the checkpoint does "
+                 "not say its TEACHER_STEPS (saved before it was recorded); start a new run, or "
+                 "resume with 0")
+    if then is not None and then != TEACHER_STEPS:
+        sys.exit(f"RESUME from {folder} with TEACHER_STEPS = {TEACHER_STEPS}, but the run was "
+                 f"started with {then}: the phase of every later step would change; resume with "
+                 f"{then}")
+
+
 def check_settings(*, distill_coef, rewards, all_steps):
     """Stop, before any model loads, on a mix with nothing to mix: a value out of range, no
     teacher, or no reward weighed above 0 (every answer's reward would be 0). rewards: the
@@ -149,9 +167,11 @@ class Phases:
 def hand_off(engine, step: int) -> None:
     """Clear the optimizer's state (AdamW's two moments and its step count, which restarts the
     bias correction), so that the next optimizer step is a fresh AdamW's first; the learning
-    rate schedule goes on. engine: DeepSpeed's, whose optimizer (ZeRO-2's, or ZeRO-Offload's)
-    holds the torch optimizer it steps as .optimizer, and whose global_rank 0 says so."""
-    engine.optimizer.optimizer.state.clear()  # refilled with zeros by the next step
+    rate schedule goes on. engine: DeepSpeed's, whose optimizer is ZeRO's wrapper holding the
+    torch optimizer it steps as .optimizer (ZeRO-2, ZeRO-Offload's CPU Adam), or that optimizer
+    itself (a ZeRO stage 0 config hands back the bare AdamW); its global_rank 0 says so."""
+    stepped = getattr(engine.optimizer, "optimizer", engine.optimizer)  # the torch optimizer
+    stepped.state.clear()  # refilled with zeros by the next step
     if engine.global_rank == 0:
         print(f"step {step}: the teacher's {TEACHER_STEPS} steps are over; the rewards train "
               "alone from here, AdamW's moments cleared", flush=True)

@@ -14,18 +14,15 @@ import io
 import json
 import math
 import os
+import struct
 import sys
+import zlib
 
 import torch
 
 from features import env_overrides
 
 FREEZE_VISION = False  # True = the vision tower stays as it is (EasyR1's freeze_vision_tower)
-env_overrides.apply_env_overrides(globals(), "features/vision.py")
-
-
-IMAGE_MARK = "<image>"  # where a question's image stands in its text (geometry3k's problems)
-IMAGE_FORMATS = ("PNG", "JPEG")  # what an image may be; anything else is refused undecoded
 # One pixel budget (EasyR1's min_pixels / max_pixels), applied once as the data loads (fit_pixels):
 # the trainer, the server and vLLM then see the same image and the same number of image tokens.
 MIN_PIXELS = 0  # width x height at least; smaller images are scaled up (EasyR1: 262,144); 0 = none
@@ -33,6 +30,12 @@ MAX_PIXELS = 2**22  # width x height at most; larger scaled down; the server ref
 MAX_QUESTION_PIXELS = 2**23  # all of one question's images together: what one upload may decode
 MAX_IMAGES = 8  # images per question (geometry3k has one)
 MAX_IMAGE_BYTES = 16 * 2**20  # encoded bytes of one question's images together
+MAX_ASPECT_RATIO = 200  # an image's long side over its short one at most (Qwen's processors: 200)
+env_overrides.apply_env_overrides(globals(), "features/vision.py")
+
+
+IMAGE_MARK = "<image>"  # where a question's image stands in its text (geometry3k's problems)
+IMAGE_FORMATS = ("PNG", "JPEG")  # what an image may be; anything else is refused undecoded
 TESTED_TYPES = ("idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl")  # run and tested (docs/vision.md)
 QWEN_TYPES = ("qwen2_vl", "qwen2_5_vl")  # all images' patches in one flat tensor, 3-D positions
 QWEN_MARK = "<|vision_start|><|image_pad|><|vision_end|>"  # one image in Qwen's text
@@ -355,8 +358,9 @@ def freeze_tower(model) -> int:
 # ----------------------------------------------------------------------------- images, checked
 def unopened(data: bytes, what: str = "image"):
     """A PIL image of PNG or JPEG bytes with only its header read (no pixel decoded yet).
-    ValueError for anything else, and for more than MAX_PIXELS pixels: a decompression bomb
-    is refused from its header."""
+    ValueError for anything else, for more than MAX_PIXELS pixels (a decompression bomb is refused
+    from its header), for sides further apart than MAX_ASPECT_RATIO (Qwen's processors raise on
+    them mid-run) and for an animation (only its first frame would train)."""
     from PIL import Image
 
     if not isinstance(data, (bytes, bytearray)) or not data:
@@ -368,6 +372,11 @@ def unopened(data: bytes, what: str = "image"):
         width, height = image.size
         if width * height > MAX_PIXELS or min(width, height) < 1:
             raise ValueError(f"{width} x {height} pixels; at most {MAX_PIXELS} in all")
+        if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+            raise ValueError(f"{width} x {height} pixels: sides more than {MAX_ASPECT_RATIO} "
+                             "times apart")
+        if getattr(image, "n_frames", 1) > 1:
+            raise ValueError(f"an animation of {image.n_frames} frames; an image is one picture")
         return image
     except Exception as e:  # PIL raises many kinds on a broken file: one clear error
         raise ValueError(f"{what} is not a usable PNG or JPEG: {str(e)[:200]}") from None
@@ -404,20 +413,61 @@ def fit_pixels(data: bytes) -> bytes:
 
 
 def fit_questions(questions: list) -> list:
-    """The questions with each image fitted to the pixel budget (fit_pixels): the trainer's data
-    layer runs it once, before any prompt is built or group uploaded."""
+    """The questions with each image checked where it enters (open_image: its header, its sides,
+    its frames, its rows; a refusal names the row) and fitted to the pixel budget (fit_pixels):
+    the trainer's data layer runs it once, before any prompt is built or group uploaded."""
+    for row, question in enumerate(questions):
+        for i, data in enumerate(question.get("images") or []):
+            open_image(data, f"row {row} ({question['question'][:60]!r}), image {i}")
     return [{**q, "images": [fit_pixels(data) for data in q["images"]]} if q.get("images") else q
             for q in questions]
 
 
 def open_image(data: bytes, what: str = "image"):
-    """An RGB PIL image of PNG or JPEG bytes, checked from its header first (unopened)."""
+    """An RGB PIL image of PNG or JPEG bytes, checked from its header first (unopened); a PNG
+    whose data holds fewer rows than its header promises is refused (PIL fills them black)."""
     image = unopened(data, what)
     try:
         image.load()
+        if image.format == "PNG":
+            check_png_rows(bytes(data))
         return image.convert("RGB")
     except Exception as e:  # a header that promised more than the file holds
         raise ValueError(f"{what} is not a usable PNG or JPEG: {str(e)[:200]}") from None
+
+
+PNG_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}  # colour type -> samples per pixel
+ADAM7 = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2),
+         (0, 1, 1, 2))  # interlaced passes: (first column, first row, column step, row step)
+
+
+def check_png_rows(data: bytes) -> None:
+    """ValueError unless a PNG's image data, inflated, holds every row its header promises (a
+    header claiming 2048 x 2048 over 64 rows of data decodes as a mostly black picture, with no
+    error from PIL). Inflates at most the promised size plus one byte."""
+    chunks = []  # (type, data) in order
+    at = 8  # past the signature
+    while at + 8 <= len(data):
+        (length,) = struct.unpack(">I", data[at : at + 4])
+        chunks.append((data[at + 4 : at + 8], data[at + 8 : at + 8 + length]))
+        at += 12 + length
+    header = next(body for kind, body in chunks if kind == b"IHDR")
+    width, height, depth, colour = struct.unpack(">IIBB", header[:10])
+    interlaced = header[12] == 1
+    bits = depth * PNG_CHANNELS[colour]  # per pixel
+    def row_bytes(columns):  # a row's bytes with its filter byte; an empty pass has none
+        return 1 + math.ceil(columns * bits / 8) if columns else 0
+    passes = ADAM7 if interlaced else ((0, 0, 1, 1),)
+    expected = 0
+    for first_column, first_row, column_step, row_step in passes:
+        columns = max(0, math.ceil((width - first_column) / column_step))
+        rows = max(0, math.ceil((height - first_row) / row_step))
+        expected += rows * row_bytes(columns) if columns else 0
+    stream = b"".join(body for kind, body in chunks if kind == b"IDAT")
+    inflated = zlib.decompressobj().decompress(stream, expected + 1)
+    if len(inflated) < expected:
+        raise ValueError(f"its data holds {len(inflated)} of the {expected} bytes its {width} x "
+                         f"{height} header promises: rows are missing")
 
 
 def check_pixel_budget(images: list) -> None:

@@ -5,6 +5,7 @@ file, environment values."""
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import types
@@ -308,6 +309,74 @@ def test_only_a_files_own_constants_are_settings(monkeypatch):
         assert run.returncode != 0 and f"{name} is not a setting of {module}.py" in run.stderr
     assert env_overrides.own_constants(vars(grpo)) >= {"ALL_STEPS", "BETA", "REWARDS"}
     assert "STD_EPS" in env_overrides.own_constants(vars(grpo))
+
+
+def documented_constants() -> dict:
+    """{module file: [constant names]} as docs/constants.md lists them, under each "## `file`"."""
+    listed = {}
+    current = None
+    for line in open(os.path.join(ROOT, "docs", "constants.md")).read().splitlines():
+        heading = re.match(r"## `([\w/]+\.py)`", line)
+        if heading:
+            current = listed.setdefault(heading.group(1), [])
+        elif current is not None and line.startswith("| `"):
+            first = line.split("|")[1]
+            current += re.findall(r"`([A-Z][A-Z0-9_]*)`", first)
+    return listed
+
+
+def changed_value(value):
+    """A value of the same type as `value` that differs from it, as the environment spells it; None
+    for a constant that holds functions or names (REWARDS, TOOLS: their own test)."""
+    if isinstance(value, bool):
+        return str(int(not value))
+    if isinstance(value, (int, float)):
+        return str(value + 1)
+    if isinstance(value, str):
+        return value + "_changed"
+    if isinstance(value, tuple):
+        return json.dumps(["a changed question?", "its answer"])
+    return None
+
+
+def test_every_documented_constant_is_set_by_its_environment_variable():
+    """Issue 79: features/vision.py defined MIN_PIXELS and four more under its override call, so
+    their variables were ignored without a word while docs/constants.md called them settable. Each
+    constant the page lists, in each module, set from the environment in a child process, reads back
+    as set."""
+    import importlib
+
+    listed = documented_constants()
+    assert {"grpo_ref_split.py", "objectives.py", "ref_server.py"} <= set(listed)
+    assert "features/vision.py" in listed
+    assert "MIN_PIXELS" in listed["features/vision.py"]
+    batches = [{}]  # {module: {name: raw}}, a name with one raw value per batch (one child each)
+    for file, names in listed.items():
+        module = file[:-3].replace("/", ".")
+        defaults = vars(importlib.import_module(module))
+        missing = [name for name in names if name not in defaults]
+        assert not missing, f"docs/constants.md lists {missing} under {file}, which has none"
+        wanted = {name: changed_value(defaults[name]) for name in names}
+        wanted = {name: raw for name, raw in wanted.items() if raw is not None}
+        batch = next(b for b in batches + [{}] if all(
+            raw == env.get(name, raw) for env in b.values() for name, raw in wanted.items()))
+        if batch not in batches:
+            batches.append(batch)
+        batch[module] = wanted
+    for batch in batches:
+        environment = {name: raw for wanted in batch.values() for name, raw in wanted.items()}
+        plan = {module: sorted(wanted) for module, wanted in batch.items()}  # what to read back
+        code = ("import importlib, json; print(json.dumps({m: {n: repr(getattr("
+                "importlib.import_module(m), n)) for n in names} for m, names in "
+                + repr(plan) + ".items()}))")
+        run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                             text=True, timeout=300, env={**os.environ, **environment})
+        assert run.returncode == 0, run.stderr[-2000:]
+        got = json.loads(run.stdout.strip().splitlines()[-1])
+        for module, wanted in batch.items():
+            defaults = vars(importlib.import_module(module))
+            unchanged = [name for name in wanted if got[module][name] == repr(defaults[name])]
+            assert not unchanged, f"{module}: {unchanged} ignore their environment variables"
 
 
 # ----------------------------------------------------------------------------- ds_config.json

@@ -17,7 +17,8 @@ def questions(n):
 
 
 def test_weights_are_p_times_one_minus_p_and_follow_the_latest_group():
-    sampler = QuestionSampler(questions(3), seed=0, mode="learnability")
+    sampler = QuestionSampler(questions(3), seed=0, mode="learnability",
+                              pass_key="reward_correct")
     sampler.set_pass_rates({"q0": 0.25, "q1": 1.0})
     # q2 unknown: p = 0.5
     assert [sampler.weight(q) for q in questions(3)] == [0.25 * 0.75, 0.0, 0.25]
@@ -31,7 +32,8 @@ def test_draw_frequencies_follow_the_weights_and_weight_zero_only_fills_up():
     """20,000 single draws: each question's share within 0.015 of w / sum(w); mastered (p = 1) and
     out-of-reach (p = 0) questions are never drawn while others are left, and fill a larger draw."""
     rates = {"q0": 0.5, "q1": 0.25, "q2": 0.9, "q3": 1.0, "q4": 0.0}
-    sampler = QuestionSampler(questions(5), seed=1, mode="learnability")
+    sampler = QuestionSampler(questions(5), seed=1, mode="learnability",
+                              pass_key="reward_correct")
     sampler.set_pass_rates(rates)
     weights = {q: p * (1 - p) for q, p in rates.items()}
     total = sum(weights.values())
@@ -42,6 +44,61 @@ def test_draw_frequencies_follow_the_weights_and_weight_zero_only_fills_up():
     for _ in range(200):
         drawn = [q["question"] for q in sampler.draw(4)]
         assert len(set(drawn)) == 4 and {"q0", "q1", "q2"} <= set(drawn)
+
+
+@pytest.mark.parametrize("setting, name", [
+    (("features.question_sampler", "SAMPLER", "learnability"), "SAMPLER"),
+    (("features.pass_rates", "PASS_RATE_QUESTIONS", 16), "PASS_RATE_QUESTIONS"),
+    (("features.evaluation", "EVAL_SAMPLES", 4), "EVAL_SAMPLES"),
+])
+def test_a_count_of_right_answers_is_keyed_by_the_tasks_correctness_reward(setting, name,
+                                                                          monkeypatch, tmp_path):
+    """Issue 79: SAMPLER learnability and PASS_RATE_QUESTIONS read reward_correct and crashed at
+    step 1 (KeyError) on a reward_boxed task, after the model loaded; EVAL_SAMPLES' pass@k
+    silently vanished. Each now reads the task's correctness reward, and a task without one is
+    refused at start, naming the setting."""
+    import importlib
+
+    import rewards
+
+    module, constant, value = setting
+    monkeypatch.setattr(importlib.import_module(module), constant, value)
+    monkeypatch.setattr(grpo, "OUTPUT_DIR", str(tmp_path))
+    monkeypatch.setattr(grpo, "REWARDS", [(rewards.reward_format, 1.0)])
+    with pytest.raises(SystemExit, match=name):
+        grpo.check_settings()
+    monkeypatch.setattr(grpo, "REWARDS", [(rewards.reward_boxed, 1.0),
+                                          (rewards.reward_think_boxed, 0.5)])
+    grpo.check_settings()
+    assert rewards.correctness_reward(["reward_think_boxed", "reward_boxed"]) == "reward_boxed"
+    sampler = QuestionSampler(questions(2), seed=0, mode="learnability", pass_key="reward_boxed")
+    group = [{"question": "q0", "reward": 1.0, "reward_boxed": float(i < 1)} for i in range(4)]
+    sampler.record(group, 4)  # a record without reward_correct: keyed by reward_boxed
+    assert sampler.pass_rates["q0"] == 0.25
+
+
+def test_pass_at_k_counts_the_correctness_reward_it_is_given():
+    """evaluation.sampled_scores with correct="reward_boxed": pass@2 of 4 samples of which 1 is
+    right, 1 - C(3, 2) / C(4, 2) = 0.5, from reward_boxed (no reward_correct in the scores)."""
+    from features import evaluation
+
+    class Config:
+        do_sample = True
+
+    def score(texts, golds, questions):
+        return [0.0] * 4, {"reward_boxed": [1.0, 0.0, 0.0, 0.0]}
+
+    def answers(model, questions, per_question, gen_config, **args):
+        return ["x"] * (len(questions) * per_question), []
+
+    original = evaluation.held_out_answers
+    evaluation.held_out_answers = answers
+    try:
+        got = evaluation.sampled_scores(None, [{"question": "q", "gold": "1"}], 4, Config(), score,
+                                        {}, correct="reward_boxed")
+    finally:
+        evaluation.held_out_answers = original
+    assert got["pass@2"] == [pytest.approx(0.5)] and got["pass@4"] == [1.0]
 
 
 def test_the_pass_is_stored_and_read_back_instead_of_measured_again(tmp_path):

@@ -356,7 +356,7 @@ def test_the_samplers_know_questions_of_one_text_apart_by_their_images():
     sampler.record(answers, 4)
     assert list(sampler.pool) == [varied] and len(sampler.uniform) == 3
     assert sampler.draw(1) == [drawn[2]]  # the replay is that picture, not another
-    learnable = QuestionSampler(same_text, 0, "learnability")
+    learnable = QuestionSampler(same_text, 0, "learnability", pass_key="reward_correct")
     learnable.record(answers, 4)
     assert learnable.pass_rates == {question_sampler.id_of(q): 0.25 if q is drawn[2] else 0.0
                                     for q in drawn}

@@ -1,5 +1,5 @@
 """The objectives of 2025-26 beside GRPO's (issue 59, docs/loss.md): the surrogates OBJECTIVE cispo,
-sapo and gmpo, the baselines ADVANTAGE rloo, reinforce_pp and passk, REWARD_NORM's GDPO and
+sapo and gmpo, the baselines ADVANTAGE rloo, reinforce_pp_baseline and passk, REWARD_NORM's GDPO and
 TOP_ENTROPY_QUANTILE. Each by hand values, and its gradient against a definition written here.
 
     python -m pytest -q tests/test_surrogates.py
@@ -173,7 +173,7 @@ def test_a_group_with_equal_sums_but_different_rewards_trains_under_gdpo(monkeyp
 @pytest.mark.parametrize("setting, want", [
     (dict(ADVANTAGE="rloo"), "rloo"),
     (dict(ADVANTAGE="passk"), "passk"),
-    (dict(ADVANTAGE="reinforce_pp"), "centred"),
+    (dict(ADVANTAGE="reinforce_pp_baseline"), "centred"),
     (dict(REWARD_NORM="normalize_then_sum"), "gdpo"),
     (dict(), "grpo"),
 ])
@@ -197,15 +197,21 @@ def test_step_4_takes_the_chosen_baseline(setting, want, monkeypatch):
     assert grpo.rescaled_at_step() == (want in ("centred", "gdpo"))
 
 
-def test_reinforce_pp_divides_by_the_std_over_every_answer_of_the_step_by_hand():
-    """Centred advantages [1, -1] and [3, -3], and one dropped group of 2 (zeros): the step's 6
-    advantages have mean 0 and unbiased std sqrt(20 / 5) = 2, so [0.5, -0.5] and [1.5, -1.5]."""
+def test_reinforce_pp_baseline_divides_by_the_std_over_the_answers_that_train_by_hand():
+    """Centred advantages [1, -1] and [3, -3]: the step's 4 trained advantages have mean 0 and
+    unbiased std sqrt(20 / 3) = 2.5820, so [0.3873, -0.3873] and [1.1619, -1.1619], whatever
+    was dropped (issue 79: the dropped groups' zeros used to shrink the std, scaling the same
+    answers by how many groups were dropped)."""
     groups = [({"advantages": torch.tensor([1.0, -1.0])}, {}),
               ({"advantages": torch.tensor([3.0, -3.0])}, {})]
-    got = objectives.whiten_to_step(groups, 2, "cpu", std_eps=grpo.STD_EPS)
-    assert [t["advantages"].tolist() for t, _ in got] == [
-        pytest.approx([0.5 / (1 + 0.5e-4), -0.5 / (1 + 0.5e-4)], rel=1e-6),
-        pytest.approx([1.5 / (1 + 0.5e-4), -1.5 / (1 + 0.5e-4)], rel=1e-6)]
+    std = math.sqrt(20 / 3)
+    for dropped in (torch.zeros(0), torch.zeros(2), torch.zeros(16)):
+        settings = grpo.advantage_settings()
+        got = objectives.at_step(groups, dropped, "cpu", replace(settings,
+                                                                 advantage="reinforce_pp_baseline"))
+        assert [t["advantages"].tolist() for t, _ in got] == [
+            pytest.approx([1 / (std + 1e-4), -1 / (std + 1e-4)], rel=1e-6),
+            pytest.approx([3 / (std + 1e-4), -3 / (std + 1e-4)], rel=1e-6)]
 
 
 # ----------------------------------------------------------------------------- high-entropy tokens
@@ -254,7 +260,7 @@ def test_a_variant_that_cannot_work_is_refused_at_start(setting, message, monkey
 
 @pytest.mark.parametrize("setting", [
     dict(OBJECTIVE="cispo", MU=2), dict(OBJECTIVE="sapo", DISTILL_COEF=1.0, BETA=0.0),
-    dict(OBJECTIVE="gmpo"), dict(ADVANTAGE="reinforce_pp"),
+    dict(OBJECTIVE="gmpo"), dict(ADVANTAGE="reinforce_pp_baseline"),
     dict(REWARD_NORM="normalize_then_sum"), dict(TOP_ENTROPY_QUANTILE=0.2),
 ])
 def test_the_variants_that_work_together_start(setting, monkeypatch, tmp_path):
@@ -293,7 +299,7 @@ def test_policy_loss_runs_each_variant_and_it_changes_the_gradient(setting, fres
 
 
 @pytest.mark.parametrize("setting", [
-    dict(ADVANTAGE="rloo"), dict(ADVANTAGE="passk"), dict(ADVANTAGE="reinforce_pp"),
+    dict(ADVANTAGE="rloo"), dict(ADVANTAGE="passk"), dict(ADVANTAGE="reinforce_pp_baseline"),
     dict(REWARD_NORM="normalize_then_sum"),
 ])
 def test_steps_2_to_4_pack_each_baselines_advantages(setting, tiny_policy, monkeypatch):

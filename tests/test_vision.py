@@ -471,11 +471,98 @@ def bomb() -> bytes:
 def png_header(width: int, height: int) -> bytes:
     """A PNG that says it is width x height and holds no pixels: its signature, IHDR and IEND.
     What a hostile peer sends to make a server decode large images from a few bytes."""
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        crc = zlib.crc32(kind + body)
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", crc)
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IEND", b"")
+
+
+def chunk(kind: bytes, body: bytes) -> bytes:
+    """A PNG chunk: its length, kind, body and CRC."""
+    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+
+def interlaced_grey_png(width: int, height: int) -> bytes:
+    """An 8-bit grey Adam7-interlaced PNG written by hand (PIL writes none): each pass's rows, a
+    filter byte each, pixel value x + 10 y."""
+    passes = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2),
+              (0, 1, 1, 2))
+    raw = b""
+    for x0, y0, dx, dy in passes:
+        columns = range(x0, width, dx)
+        for y in range(y0, height, dy):
+            if len(columns):
+                raw += b"\x00" + bytes((x + 10 * y) % 256 for x in columns)
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 1)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw))
+            + chunk(b"IEND", b""))
+
+
+def short_png() -> bytes:
+    """A PNG whose header says 2048 x 2048 over the data of 64 rows (issue 79: PIL decoded it as a
+    mostly black picture without an error)."""
+    data = bytearray(png((200, 10, 10), (2048, 64)))
+    struct.pack_into(">II", data, 16, 2048, 2048)
+    struct.pack_into(">I", data, 29, zlib.crc32(bytes(data[12:29])))
+    return bytes(data)
+
+
+def animated_png() -> bytes:
+    from PIL import Image
+
+    frames = [Image.new("RGB", (32, 32), colour) for colour in ((255, 0, 0), (0, 255, 0))]
+    out = io.BytesIO()
+    frames[0].save(out, format="PNG", save_all=True, append_images=frames[1:])
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("bad, reason", [
+    (lambda: png((9, 9, 9), (2010, 10)), "more than 200 times apart"),  # Qwen's processor raises
+    (short_png, "rows are missing"),
+    (animated_png, "animation of 2 frames"),
+])
+def test_an_image_that_loads_but_fails_later_is_refused_where_it_enters(bad, reason):
+    """Issue 79: an aspect ratio over 200 passed loading and crashed Qwen's processor mid-run; a
+    PNG holding 64 of the 2048 rows its header promises was trained on as a mostly black image;
+    an animated PNG trained on its first frame. Each is refused as the data loads, naming the row,
+    and at the server's upload (the same check, the request answered 400)."""
+    questions = [{"question": "fine", "gold": "red", "images": [png()]},
+                 {"question": "the bad one", "gold": "red", "images": [bad()]}]
+    with pytest.raises(ValueError, match=f"row 1 .*image 0.*{reason}"):
+        vision.fit_questions(questions)
+    with pytest.raises(ValueError, match=reason):
+        vision.decoded([png(), bad()])
+    assert vision.fit_questions(questions[:1]) == questions[:1]
+
+
+def test_a_valid_interlaced_png_keeps_every_row():
+    """The rows check counts an interlaced PNG's seven passes: a whole one is decoded and kept."""
+    from PIL import Image
+
+    data = interlaced_grey_png(13, 11)
+    image = vision.open_image(data)
+    assert image.size == (13, 11)
+    raw = Image.open(io.BytesIO(data))
+    assert raw.getpixel((12, 10)) == 12 + 100 and raw.getpixel((3, 4)) == 43
+    with pytest.raises(ValueError, match="rows are missing"):
+        vision.check_png_rows(data[:-40] + chunk(b"IEND", b""))  # the data cut short
+
+
+def test_a_peers_failed_decodes_spend_its_own_budget_not_the_honest_peers():
+    """Issue 79: a peer sending 60-byte PNG headers that claim 2048 x 2048 every 50 ms spent the
+    shared decode budget (charged from the header, never given back), and an honest peer got 503s.
+    Failures now give the pixels back and are charged to the failing peer alone."""
+    from features.server_guards import DecodeBudget
+
+    budget = DecodeBudget(per_second=2**22, burst=2**22)
+    hostile, honest = "10.0.0.66", "10.0.0.7"
+    refused_hostile = 0
+    for _ in range(20):  # a burst of failures, far faster than the budget flows back
+        if budget.take(2**22, hostile):
+            budget.failed(2**22, hostile)
+        else:
+            refused_hostile += 1
+    assert refused_hostile >= 18  # its own budget spent after one failure
+    assert all(budget.take(64 * 64, honest) for _ in range(20))  # the shared one untouched
+    assert not budget.take(2**22, hostile)
 
 
 @pytest.mark.parametrize("sizes, refused", [
@@ -755,6 +842,26 @@ def test_the_boxed_reward_reads_both_sides_as_latex(boxed, gold, equal):
     (3\\sqrt{2} as 3): wrong answers scored 1 and right ones 0. Each side is now read whole."""
     completion = f"<think>the figure</think> so the answer is \\boxed{{{boxed}}}."
     assert rewards.reward_boxed(completion, gold) == float(equal)
+
+
+@pytest.mark.parametrize("boxed, gold, right", [
+    ("5 = 7", "7", 0.0),  # a false equation states nothing (it used to score by its right side)
+    ("7 = 5", "7", 0.0),
+    ("x = 7", "7", 1.0),  # a label, then the value
+    ("AB = 12", "12", 1.0),
+    ("m \\angle ABC = 60", "60", 1.0),
+    ("5+", "5", 0.0),  # ends in an operator: no value (math-verify alone read 5)
+    ("3\\sqrt{2} = 4.24", "3\\sqrt{2}", 1.0),  # the exact value and its decimal (was 0)
+    ("3\\sqrt{2} \\approx 4.24", "3\\sqrt{2}", 1.0),
+    ("3\\sqrt{2} = 4.3", "3\\sqrt{2}", 0.0),  # 4.3 is not 4.2426 to one decimal
+    ("4.24 = 3\\sqrt{2}", "3\\sqrt{2}", 0.0),  # the first value states the answer
+])
+def test_a_boxed_equation_states_its_first_value_if_every_side_agrees(boxed, gold, right):
+    """Issue 79's three cases, decided: an equation in the box is right when its first value is
+    the gold and every other side is that value, exactly or as its decimal to the digits written;
+    a box that ends in an operator is no answer."""
+    completion = f"<think>the figure</think> so \\boxed{{{boxed}}}."
+    assert rewards.reward_boxed(completion, gold) == right
 
 
 def test_easyr1s_boxed_rewards():
