@@ -124,7 +124,7 @@ EQUATION_SIGNS = re.compile(r"=|\\approx")  # between the sides of a boxed equat
 
 
 def equation_sides(answer: str) -> list:
-    """The sides of a boxed equation, split at = or \\approx outside braces; one side for a value."""
+    """The sides of a boxed equation, split at = or \\approx outside braces; one for a value."""
     sides, depth, start = [], 0, 0
     for match in re.finditer(r"[{}]|=|\\approx", answer):
         if match.group() == "{":

@@ -41,14 +41,14 @@ def evaluate(model, questions, *, encode, decode, score, eos_ids, max_new_tokens
              llm=None, tools=(), max_calls=0, tokenizer=None, samples=0,
              sample_config=None, correct=None) -> dict:
     """{"eval_<reward name>": mean} over the greedy answers to `questions` (from the vLLM engine
-    `llm` if given); with tools, eval_tool_share too (answers that called a tool). samples = k > 0:
-    also eval_<name>_mean@k over k answers per question sampled with sample_config (its
+    `llm` if given); with tools, eval_tool_share too (answers that called a tool). samples = k >
+    0: also eval_<name>_mean@k over k answers per question sampled with sample_config (its
     temperature), and eval_pass@j for j = 2, 4, ... and k (by the reward named `correct`, the
-    task's correctness reward; None: no pass@k, refused at start with EVAL_SAMPLES). Questions with a
-    "tag" also get each mean per tag: eval_<name>_<tag>. encode(tokenizer, questions) -> the
-    tokenized prompts; decode(tokenizer, completion_ids) -> texts; score(texts, golds, questions) ->
-    (total, {reward name: values}): the trainer's own three; tokenizer: for them, for tools and for
-    the pad id (or pad_id)."""
+    task's correctness reward; None: no pass@k, refused at start with EVAL_SAMPLES). Questions
+    with a "tag" also get each mean per tag: eval_<name>_<tag>. encode(tokenizer, questions) ->
+    the tokenized prompts; decode(tokenizer, completion_ids) -> texts; score(texts, golds,
+    questions) -> (total, {reward name: values}): the trainer's own three; tokenizer: for them,
+    for tools and for the pad id (or pad_id)."""
     pad_id = tokenizer.pad_token_id if pad_id is None else pad_id
     args = dict(encode=encode, decode=decode, eos_ids=eos_ids, pad_id=pad_id,
                 max_new_tokens=max_new_tokens, llm=llm, tools=tools, max_calls=max_calls,

@@ -14,9 +14,10 @@ needs no pass over the dataset:
   varied.
 "learnability" draws each question with weight p (1 - p), p its pass rate: measured before step 1 by
 features/pass_rates.py (k answers each from the starting policy), then the share of right answers
-(the task's correctness reward, rewards.correctness_reward) in its latest group. A mastered (p = 1) or out-of-reach (p = 0) question weighs 0 and is
-drawn only when too few others are left; p (1 - p) is the variance of a right/wrong reward, so it is
-the expected spread of a group's rewards, which is what the advantage needs.
+(the task's correctness reward, rewards.correctness_reward) in its latest group. A mastered (p = 1)
+or out-of-reach (p = 0) question weighs 0 and is drawn only when too few others are left; p (1 - p)
+is the variance of a right/wrong reward, so it is the expected spread of a group's rewards, which is
+what the advantage needs.
 A step that rolls out MAX_ROLLOUTS times without the groups it wants calls out_of_rollouts.
 Held-out questions are never in `questions`, so evaluation is untouched. The sampler is the run's
 random.Random too (getstate/setstate), so a checkpoint keeps the records with the data position.

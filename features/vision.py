@@ -356,11 +356,14 @@ def freeze_tower(model) -> int:
 
 
 # ----------------------------------------------------------------------------- images, checked
-def unopened(data: bytes, what: str = "image"):
+def unopened(data: bytes, what: str = "image", max_pixels=None):
     """A PIL image of PNG or JPEG bytes with only its header read (no pixel decoded yet).
     ValueError for anything else, for more than MAX_PIXELS pixels (a decompression bomb is refused
     from its header), for sides further apart than MAX_ASPECT_RATIO (Qwen's processors raise on
-    them mid-run) and for an animation (only its first frame would train)."""
+    them mid-run) and for an animation (only its first frame would train). max_pixels: the bound
+    (None: MAX_PIXELS; 0: none, for the run's own data, which fit_pixels scales down next)."""
+    if max_pixels is None:
+        max_pixels = MAX_PIXELS
     from PIL import Image
 
     if not isinstance(data, (bytes, bytearray)) or not data:
@@ -370,8 +373,8 @@ def unopened(data: bytes, what: str = "image"):
         if image.format not in IMAGE_FORMATS:
             raise ValueError(f"format {image.format}, not one of {IMAGE_FORMATS}")
         width, height = image.size
-        if width * height > MAX_PIXELS or min(width, height) < 1:
-            raise ValueError(f"{width} x {height} pixels; at most {MAX_PIXELS} in all")
+        if max_pixels and width * height > max_pixels or min(width, height) < 1:
+            raise ValueError(f"{width} x {height} pixels; at most {max_pixels} in all")
         if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
             raise ValueError(f"{width} x {height} pixels: sides more than {MAX_ASPECT_RATIO} "
                              "times apart")
@@ -418,15 +421,16 @@ def fit_questions(questions: list) -> list:
     the trainer's data layer runs it once, before any prompt is built or group uploaded."""
     for row, question in enumerate(questions):
         for i, data in enumerate(question.get("images") or []):
-            open_image(data, f"row {row} ({question['question'][:60]!r}), image {i}")
+            open_image(data, f"row {row} ({question['question'][:60]!r}), image {i}", 0)
     return [{**q, "images": [fit_pixels(data) for data in q["images"]]} if q.get("images") else q
             for q in questions]
 
 
-def open_image(data: bytes, what: str = "image"):
-    """An RGB PIL image of PNG or JPEG bytes, checked from its header first (unopened); a PNG
-    whose data holds fewer rows than its header promises is refused (PIL fills them black)."""
-    image = unopened(data, what)
+def open_image(data: bytes, what: str = "image", max_pixels=None):
+    """An RGB PIL image of PNG or JPEG bytes, checked from its header first (unopened, with
+    max_pixels); a PNG whose data holds fewer rows than its header promises is refused (PIL fills
+    them black)."""
+    image = unopened(data, what, max_pixels)
     try:
         image.load()
         if image.format == "PNG":

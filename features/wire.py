@@ -144,6 +144,10 @@ def check_teacher_topk(tensors: dict, *, top_k: int, answer_tokens: int, vocab_s
         raise ValueError(f"teacher_topk_ids outside the vocabulary [0, {vocab_size})")
     if not torch.isfinite(logps).all() or (logps > 0).any():
         raise ValueError("teacher_topk_logps must be finite log-probs (<= 0)")
+    mass = logps.double().exp().sum(-1)  # (G, T) what the k hold of the teacher's distribution
+    if (mass > 1 + 1e-4).any():  # its tail bin (objectives.topk_reverse_kl) would be negative
+        raise ValueError(f"teacher_topk_logps hold {mass.max().item():.4f} of a distribution: "
+                         "k log-probs of one softmax sum to at most 1")
 
 
 # ------------------------------------------------------------------------ what a group must be

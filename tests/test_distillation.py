@@ -221,6 +221,38 @@ def test_teacher_steps_hand_the_steps_from_the_teacher_to_the_rewards(monkeypatc
     assert got.tolist() == [[0.5] * 3, [-0.5] * 3]
 
 
+def test_the_hand_off_clears_a_bare_optimizer_and_a_resume_keeps_teacher_steps(monkeypatch,
+                                                                              tmp_path):
+    """Issue 79: the hand-off assumed ZeRO's wrapper (engine.optimizer.optimizer); a ZeRO stage 0
+    fp32 config hands back the bare AdamW, and step TEACHER_STEPS + 1 raised AttributeError. And a
+    resume with another TEACHER_STEPS changed the phase of the steps left without a word: it is
+    refused at start, from the checkpoint's settings.json."""
+    import json
+    import types
+
+    from features import checkpoints, teacher_mix
+
+    weight = torch.nn.Parameter(torch.ones(2))
+    adamw = torch.optim.AdamW([weight], lr=0.1)
+    weight.grad = torch.ones(2)
+    adamw.step()
+    assert adamw.state
+    engine = types.SimpleNamespace(optimizer=adamw, global_rank=1)  # stage 0: the bare AdamW
+    teacher_mix.hand_off(engine, 4)
+    assert not adamw.state
+    folder = tmp_path / "step_10"
+    folder.mkdir()
+    (folder / "settings.json").write_text(json.dumps({"TEACHER_STEPS": 5}))
+    teacher_settings(monkeypatch, tmp_path, RESUME=True, TEACHER_STEPS=8)
+    with pytest.raises(SystemExit, match="started with 5"):
+        grpo.check_settings()  # before any model loads
+    monkeypatch.setattr(teacher_mix, "TEACHER_STEPS", 5)
+    teacher_mix.check_resumed(*checkpoints.newest_settings(str(tmp_path)))  # the same: resumes
+    (folder / "settings.json").unlink()  # a checkpoint from before settings were saved
+    with pytest.raises(SystemExit, match="does not say its TEACHER_STEPS"):
+        teacher_mix.check_resumed(*checkpoints.newest_settings(str(tmp_path)))
+
+
 def test_the_hand_off_makes_the_next_optimizer_step_a_fresh_adamws_first(monkeypatch, capsys):
     """TEACHER_STEPS 3: step 4's phase, and no other, hands off; hand_off clears the optimizer's
     state, so the step after it moves the weights exactly as a new AdamW would from the same
@@ -786,10 +818,40 @@ def test_the_top_k_reverse_kl_is_the_full_reverse_kl_at_k_equal_v_in_value_and_g
     torch.testing.assert_close(got_grad, want_grad, rtol=0, atol=1e-12)
     three = teacher.topk(3, -1).indices  # (B, T, 3)
     partial = objectives.topk_reverse_kl(student_logps=student.gather(-1, three),
-                                   teacher_logps=teacher.gather(-1, three))
-    by_hand = sum(student[0, 0, v].exp() * (student[0, 0, v] - teacher[0, 0, v])
-                  for v in three[0, 0].tolist())
+                                         teacher_logps=teacher.gather(-1, three))
+    kept = three[0, 0].tolist()
+    by_hand = sum(student[0, 0, v].exp() * (student[0, 0, v] - teacher[0, 0, v]) for v in kept)
+    p_tail = 1 - sum(student[0, 0, v].exp() for v in kept)  # the rest of the vocabulary, a bin
+    t_tail = 1 - sum(teacher[0, 0, v].exp() for v in kept)
+    by_hand = by_hand + p_tail * (p_tail.log() - t_tail.log())
     assert partial[0, 0].item() == pytest.approx(by_hand.item(), abs=1e-12)
+
+
+def test_the_top_k_term_brings_the_student_to_the_teacher_on_its_k_tokens():
+    """Issue 79's audit, k = 4 of V = 11: gradient descent on the sum over the teacher's top 4 alone
+    stopped at pi = teacher / e on them (their mass 0.914 / e), the rest of pi's mass outside,
+    further from the teacher than the uniform start. With the tail bin it reaches pi = teacher on
+    the 4 (and so on the tail's mass), and the full reverse KL falls."""
+    torch.manual_seed(0)
+    teacher = torch.log_softmax(torch.randn(11, dtype=torch.float64) * 1.5, 0)  # (V,)
+    top = teacher.topk(4)
+    theta = torch.zeros(11, dtype=torch.float64, requires_grad=True)  # uniform start
+    def full_kl():
+        student = torch.log_softmax(theta, 0)
+        return (student.exp() * (student - teacher)).sum().item()
+    start = full_kl()
+    optimizer = torch.optim.SGD([theta], lr=0.5)
+    for _ in range(3000):
+        student = torch.log_softmax(theta, 0)
+        loss = objectives.topk_reverse_kl(student_logps=student[top.indices][None, None],
+                                          teacher_logps=top.values[None, None]).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    student = torch.log_softmax(theta, 0).detach()
+    ratios = (student[top.indices] - top.values).exp()  # (4,) pi / teacher on the k
+    assert ratios.tolist() == pytest.approx([1.0] * 4, abs=1e-6)
+    assert full_kl() < start
 
 
 def test_a_teacher_server_sends_its_k_likeliest_tokens_and_the_trainer_lays_them_out(model):
@@ -838,12 +900,13 @@ def test_a_reference_server_refuses_top_k_and_so_does_any_server_past_its_bound(
     (lambda t: t["teacher_topk_logps"].__setitem__((0, 0, 0), 0.5), "finite log-probs"),
     (lambda t: t["teacher_topk_logps"].__setitem__((0, 0, 0), float("nan")), "finite log-probs"),
     (lambda t: t.update(teacher_topk_logps=t["teacher_topk_logps"].double()), "must be float32"),
+    (lambda t: t["teacher_topk_logps"].__setitem__((0, 0), -0.1), "of a distribution"),  # > 1
 ])
 def test_a_hostile_teacher_reply_is_refused_before_any_of_it_is_used(change, message):
     tensors, meta = group(G=2, plen=3, tc=4, seed=4)
     tensors["ref_logps"] = -torch.rand(2, 4)
     tensors["teacher_topk_ids"] = torch.randint(0, VOCAB, (2, 4, 3))
-    tensors["teacher_topk_logps"] = -torch.rand(2, 4, 3)
+    tensors["teacher_topk_logps"] = torch.log_softmax(torch.randn(2, 4, 10), -1).topk(3).values
     grpo.collate([(dict(tensors), meta)], 0, teacher=True, top_k=3, vocab_size=VOCAB)  # as sent
     change(tensors)
     with pytest.raises(ValueError, match=message):
@@ -864,8 +927,8 @@ def test_top_k_settings_that_cannot_work_are_refused(setting, message, monkeypat
 
 def test_the_top_k_term_enters_the_loss_as_coef_times_its_token_means(monkeypatch):
     """policy_loss with DISTILL_TOP_K on a tiny model: its loss minus the same batch's without the
-    term is coef x the mean over answers of each answer's token mean of the top-k reverse KL,
-    computed here from the model's own logits."""
+    term is coef x the mean over answers of each answer's token mean of the reverse KL over the
+    teacher's top k and the tail's bin, computed here from the model's own logits."""
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     from conftest import tiny_config
@@ -877,7 +940,8 @@ def test_the_top_k_term_enters_the_loss_as_coef_times_its_token_means(monkeypatc
     b = batch_for(model)
     g = torch.Generator().manual_seed(5)
     b.teacher_topk_ids = torch.randint(0, 49152, (4, 6, 3), generator=g)
-    b.teacher_topk_logps = -torch.rand(4, 6, 3, generator=g) * 3
+    teacher = torch.log_softmax(torch.randn(4, 6, 8, generator=g) * 2, -1)  # (B, T, 8)
+    b.teacher_topk_logps = teacher.topk(3).values  # (B, T, 3): of one distribution each
     b.teacher_logps = b.ref_logps
     b.normalizer = 4.0  # the answers of the step
     b.ref_logps = None
@@ -892,7 +956,10 @@ def test_the_top_k_term_enters_the_loss_as_coef_times_its_token_means(monkeypatc
         logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, -7:-1]
         student = torch.log_softmax(logits.float() / grpo.TEMPERATURE, -1).gather(
             -1, b.teacher_topk_ids)  # (B, T, k)
-        kl = (student.exp() * (student - b.teacher_topk_logps)).sum(-1)  # (B, T)
+        kl = (student.exp() * (student - b.teacher_topk_logps)).sum(-1)  # (B, T) the k's bins
+        p_tail = 1 - student.double().exp().sum(-1)  # (B, T) the rest of the vocabulary's bin
+        t_tail = 1 - b.teacher_topk_logps.double().exp().sum(-1)  # (B, T)
+        kl = kl + (p_tail * (p_tail.log() - t_tail.log())).float()  # (B, T)
         mask = b.mask.bool()
         want = 2.0 * (torch.where(mask, kl, 0.0).sum(1) / mask.sum(1)).sum() / b.normalizer
     assert (with_term - without).item() == pytest.approx(want.item(), rel=1e-4)
@@ -975,7 +1042,8 @@ def test_distill_below_gives_the_teacher_term_to_the_answers_under_it_alone(monk
     spared.teacher_logps = torch.where(correct[:, None], pi_old, b.teacher_logps)  # (B, T)
     if top_k:
         b.teacher_topk_ids = torch.randint(0, 49152, (4, 6, top_k), generator=g)
-        b.teacher_topk_logps = -torch.rand(4, 6, top_k, generator=g) * 3
+        teacher = torch.log_softmax(torch.randn(4, 6, 8, generator=g) * 2, -1)  # (B, T, 8)
+        b.teacher_topk_logps = teacher.topk(top_k).values  # (B, T, k): of one distribution
         with torch.no_grad():
             logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
             own = torch.log_softmax(logits[:, -7:-1].float() / grpo.TEMPERATURE, -1)

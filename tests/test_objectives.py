@@ -285,7 +285,8 @@ def test_sampled_scores_give_mean_at_k_and_pass_at_k_per_question(monkeypatch):
     def score(texts, golds, qs):
         return None, {"reward_correct": [float(t) for t in texts]}
     out = sampled_scores(
-        None, questions, 4, GenerationConfig(do_sample=True, temperature=0.7), score, {}
+        None, questions, 4, GenerationConfig(do_sample=True, temperature=0.7), score, {},
+        correct="reward_correct"
     )
     assert out["reward_correct_mean@4"] == [0.25, 0.75]
     assert out["pass@2"] == [pytest.approx(0.5), pytest.approx(1.0)] and out["pass@4"] == [1.0, 1.0]

@@ -40,7 +40,7 @@ def test_cispo_keeps_the_gradient_of_a_token_past_the_clip_by_hand():
     detached, so d loss / d log pi_t = -w_t A_t / 3 = [-1/6, +1/3, -0.4]. PPO's clip gives the third
     token (r 1.5 > 1.2 with A > 0) no gradient at all."""
     log_ratio = [math.log(0.5), 0.0, math.log(1.5)]
-    _, grad = loss_and_grad("cispo", log_ratio, [1.0, -1.0, 1.0])
+    _, grad = loss_and_grad("cispo", log_ratio, [1.0, -1.0, 1.0], cispo_max_ratio=1 + EPS)
     assert grad == pytest.approx([-1 / 6, 1 / 3, -0.4])
     _, clipped = loss_and_grad("clip", log_ratio, [1.0, -1.0, 1.0])
     assert clipped[2] == 0.0
@@ -94,10 +94,10 @@ def test_each_surrogate_against_its_definition_in_value_and_gradient():
         "gmpo": (-geo * A[:, 0]).mean(),
     }
     for objective, want in definitions.items():
-        per_token = objectives.variant_token_loss(logps=logps, pi_old_logps=torch.zeros_like(logps),
-                                              kl=None,
-                                   advantages=A[:, 0], mask=mask, beta=0.0, clip_eps=EPS,
-                                   clip_eps_high=EPS, objective=objective)  # (6, 7)
+        per_token = objectives.variant_token_loss(
+            logps=logps, pi_old_logps=torch.zeros_like(logps), kl=None, advantages=A[:, 0],
+            mask=mask, beta=0.0, clip_eps=EPS, clip_eps_high=EPS, objective=objective,
+            cispo_max_ratio=1 + EPS)  # (6, 7)
         got = grpo.reduce_loss(per_token, mask, loss_type="grpo")
         (got_grad,) = torch.autograd.grad(got, logps)
         (want_grad,) = torch.autograd.grad(want, logps)
@@ -234,6 +234,43 @@ def test_the_top_entropy_share_by_hand_and_only_those_tokens_train():
     assert (grad != 0).tolist() == [[False, True, False, True], [False] * 4]
 
 
+def test_the_entropy_threshold_is_the_quantile_past_two_to_the_24_tokens():
+    """Issue 79: torch.quantile refuses more than 2^24 values, a long chain-of-thought batch's
+    token count. quantile_of equals it below that (linear between the two nearest ranks, value for
+    value) and goes on past it."""
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 2, 7, 1000):
+        values = torch.randn(n, generator=g)
+        for q in (0.0, 0.2, 0.37, 0.8, 1.0):
+            assert torch.equal(objectives.quantile_of(values, q), torch.quantile(values, q))
+    many = torch.arange(2**24 + 1, dtype=torch.float32)  # 0, 1, ..., 2^24
+    with pytest.raises(RuntimeError):
+        torch.quantile(many, 0.8)
+    assert objectives.quantile_of(many, 0.5).item() == 2**23
+
+
+def _rank_threshold(rank, world, port, results):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    entropy = torch.tensor([[1.0, 2.0, 3.0]]) if rank == 0 else torch.tensor([[10.0, 20.0, 0.0]])
+    mask = torch.tensor([[True, True, True]]) if rank == 0 else torch.tensor([[True, True, False]])
+    keep = objectives.high_entropy_mask(entropy=entropy, mask=mask, quantile=0.4)
+    results.put((rank, keep.tolist()))
+    dist.destroy_process_group()
+
+
+def test_the_entropy_threshold_is_global_over_the_ranks():
+    """Two gloo ranks with answer-token entropies [1, 2, 3] and [10, 20] (one padding): the top 0.4
+    of all five is 10 and 20 (the 0.6 quantile, 3 + 0.4 x 7 = 5.8), so rank 0 trains none of its
+    tokens; each rank's own threshold would have kept its 3 and its 20."""
+    from test_grpo_math import run_ranks
+
+    got = dict(run_ranks(_rank_threshold, 2))
+    assert got[0] == [[0.0, 0.0, 0.0]] and got[1] == [[1.0, 1.0, 0.0]]
+
+
 # ----------------------------------------------------------------------------- refused at start
 @pytest.mark.parametrize("setting, message", [
     (dict(OBJECTIVE="ppo"), "OBJECTIVE = 'ppo'"),
@@ -242,13 +279,23 @@ def test_the_top_entropy_share_by_hand_and_only_those_tokens_train():
     (dict(TOP_ENTROPY_QUANTILE=0.0), "TOP_ENTROPY_QUANTILE = 0.0"),
     (dict(TOP_ENTROPY_QUANTILE=1.5), "TOP_ENTROPY_QUANTILE = 1.5"),
     (dict(OBJECTIVE="sapo", SAPO_TAU_NEG=0.0), "temperatures above 0"),
-    (dict(OBJECTIVE="cispo", USE_TRITON=True), "USE_TRITON fuses PPO's clip"),
+    (dict(OBJECTIVE="cispo", LOSS_TYPE="dapo", USE_TRITON=True), "USE_TRITON fuses PPO's clip"),
     (dict(TOP_ENTROPY_QUANTILE=0.2, USE_TRITON=True), "USE_TRITON fuses PPO's clip"),
-    (dict(OBJECTIVE="cispo", GSPO=True), "GSPO with OBJECTIVE 'cispo'"),
+    (dict(OBJECTIVE="cispo", LOSS_TYPE="dapo", GSPO=True), "GSPO with OBJECTIVE 'cispo'"),
     (dict(OBJECTIVE="gmpo", DISTILL_COEF=1.0, BETA=0.0), "GMPO takes one advantage per answer"),
     (dict(OBJECTIVE="gmpo", LOSS_TYPE="dapo"), "OBJECTIVE gmpo with LOSS_TYPE 'dapo'"),
     (dict(ADVANTAGE="rloo", SCALE_REWARDS="batch"), "bring their own scale"),
     (dict(REWARD_NORM="normalize_then_sum", ADVANTAGE="passk"), "choose one of the two"),
+    # issue 79: accepted, then silently wrong
+    (dict(OBJECTIVE="sapo", SAPO_TAU_POS=float("nan")), "finite"),
+    (dict(OBJECTIVE="sapo", SAPO_TAU_NEG=float("inf")), "finite"),
+    (dict(CLIP_EPS_HIGH=-0.1), "CLIP_EPS_HIGH = -0.1"),
+    (dict(CLIP_EPS=float("nan")), "CLIP_EPS = nan"),
+    (dict(OBJECTIVE="cispo"), "CISPO is defined with one token mean"),
+    (dict(OBJECTIVE="cispo", LOSS_TYPE="dapo", CISPO_MAX_RATIO=0.5), "CISPO_MAX_RATIO = 0.5"),
+    (dict(OBJECTIVE="gmpo", TOP_ENTROPY_QUANTILE=0.2), "OBJECTIVE gmpo with TOP_ENTROPY"),
+    (dict(OBJECTIVE="gmpo", TIS_MODE="token_mask"), 'TIS_MODE "token_mask"'),
+    (dict(KL_BIAS_CORRECTION=True, BETA=0.0), "no penalty to correct"),
 ])
 def test_a_variant_that_cannot_work_is_refused_at_start(setting, message, monkeypatch, tmp_path):
     monkeypatch.setattr(grpo, "OUTPUT_DIR", str(tmp_path))
@@ -259,7 +306,8 @@ def test_a_variant_that_cannot_work_is_refused_at_start(setting, message, monkey
 
 
 @pytest.mark.parametrize("setting", [
-    dict(OBJECTIVE="cispo", MU=2), dict(OBJECTIVE="sapo", DISTILL_COEF=1.0, BETA=0.0),
+    dict(OBJECTIVE="cispo", LOSS_TYPE="dapo", MU=2),
+    dict(OBJECTIVE="sapo", DISTILL_COEF=1.0, BETA=0.0),
     dict(OBJECTIVE="gmpo"), dict(ADVANTAGE="reinforce_pp_baseline"),
     dict(REWARD_NORM="normalize_then_sum"), dict(TOP_ENTROPY_QUANTILE=0.2),
 ])
@@ -272,7 +320,7 @@ def test_the_variants_that_work_together_start(setting, monkeypatch, tmp_path):
 
 # ----------------------------------------------------------------------------- through the step
 @pytest.mark.parametrize("setting", [
-    dict(OBJECTIVE="cispo"), dict(OBJECTIVE="sapo"), dict(OBJECTIVE="gmpo"),
+    dict(OBJECTIVE="cispo", LOSS_TYPE="dapo"), dict(OBJECTIVE="sapo"), dict(OBJECTIVE="gmpo"),
     dict(TOP_ENTROPY_QUANTILE=0.3),
 ])
 def test_policy_loss_runs_each_variant_and_it_changes_the_gradient(setting, fresh_model,
