@@ -69,6 +69,7 @@ SYSTEM_PROMPT = ("You are a helpful assistant. Think about the problem step by s
                  "</think> tags, then write only the final number inside <answer> </answer> tags.")
 EXAMPLE = ("What is 3 + 4?", "<think> 3 + 4 = 7 </think><answer>7</answer>")  # None = zero-shot
 THINK_PREFILL = "<think>"  # after the assistant header; "" = none (small models then skip tags)
+PROMPT_IN_USER_TURN = False  # True = SYSTEM_PROMPT after the question, no system turn (EasyR1's)
 ARITH_MAX = 20  # the built-in task's operands lie in 1..ARITH_MAX (a range the 135M model learns)
 # The menu of variants: each off at its default; objectives.py holds their math and settings
 SCALE_REWARDS = "group"  # advantages / the std of: "group" (GRPO) | "batch" (the step's) | "none"
@@ -252,8 +253,13 @@ def draw_questions(sampler, n: int) -> list:
 
 
 def build_prompt(tokenizer, question: str) -> str:
-    """The chat prompt (system, optional worked EXAMPLE turn, question), ending in THINK_PREFILL."""
-    messages = [{"role": "system", "content": SYSTEM_PROMPT}]
+    """The chat prompt (system, optional worked EXAMPLE turn, question), ending in THINK_PREFILL.
+    SYSTEM_PROMPT "" leaves the system turn out (an empty one breaks SmolVLM's template)."""
+    messages = []  # the turns, in order
+    if PROMPT_IN_USER_TURN:  # EasyR1's format prompt: after the question, in the user's turn
+        question = f"{question} {SYSTEM_PROMPT}".strip()
+    elif SYSTEM_PROMPT:
+        messages.append({"role": "system", "content": SYSTEM_PROMPT})
     if EXAMPLE:
         messages.append({"role": "user", "content": EXAMPLE[0]})
         messages.append({"role": "assistant", "content": EXAMPLE[1]})

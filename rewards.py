@@ -269,7 +269,7 @@ def load_questions(dataset: str, seed: int, arith_max: int = 20) -> list[dict]:
     """A list of {"question", "gold"} (and "tag" where the task has kinds of questions, "images"
     where it has images): "arithmetic" (operands 1..arith_max), "arithmetic_mixed" (half of them
     100..999), "shapes", a GSM8K-style .jsonl, a .jsonl of questions with images, or a hub id."""
-    if dataset == "shapes" or dataset == IMAGE_HUB_DATASET:
+    if dataset == "shapes" or is_geometry_shaped(dataset):
         return image_questions(dataset, seed)
     if dataset.endswith(".jsonl") and jsonl_has_images(dataset):
         return image_questions(dataset, seed)
@@ -290,7 +290,8 @@ def load_questions(dataset: str, seed: int, arith_max: int = 20) -> list[dict]:
     else:
         import datasets
 
-        rows = list(datasets.load_dataset(dataset, "main", split="train"))
+        config = () if os.path.isdir(dataset) else ("main",)  # a local mirror: its own files
+        rows = list(datasets.load_dataset(dataset, *config, split="train"))
     if not rows:
         raise ValueError(f"dataset {dataset!r} has no questions")
     tags = [{"tag": r["tag"]} if "tag" in r else {} for r in rows]
@@ -351,15 +352,69 @@ def make_shapes(n: int, seed: int, captions: bool = False) -> list[dict]:
 
 
 def jsonl_has_images(path: str) -> bool:
-    """Whether a .jsonl's first row carries "images" (a file of questions with images)."""
+    """Whether any row of a .jsonl carries "images", or names its question "problem" (a file of
+    questions with images, some of its rows text ones: its first row may be one)."""
     with open(path) as f:
         for line in f:
-            if line.strip():
-                try:
-                    return "images" in json.loads(line)
-                except json.JSONDecodeError:
-                    return False
+            try:
+                row = json.loads(line) if line.strip() else {}
+            except json.JSONDecodeError:
+                return False  # read as GSM8K-style, whose loader names the line
+            if isinstance(row, dict) and ("images" in row or "problem" in row):
+                return True
     return False
+
+
+def is_geometry_shaped(dataset: str) -> bool:
+    """Whether DATASET names questions with images in geometry3k's shape (problem, answer,
+    images): the hub's, a local .parquet of it, or a local mirror of the hub's folder (its .parquet
+    files)."""
+    if dataset == IMAGE_HUB_DATASET:
+        return True
+    files = [dataset] if dataset.endswith(".parquet") else []
+    if os.path.isdir(dataset):
+        files = sorted(os.path.join(root, name) for root, _, names in os.walk(dataset)
+                       for name in names if name.endswith(".parquet"))
+    if not files:
+        return False
+    import pyarrow.parquet
+
+    return "images" in pyarrow.parquet.read_schema(files[0]).names
+
+
+def geometry_questions(dataset: str) -> list[dict]:
+    """geometry3k-shaped questions from the hub, a .parquet or a mirror folder: its train split,
+    and its test split marked {"split": "test"} (the held-out questions, split_held_out)."""
+    import datasets
+
+    if dataset.endswith(".parquet"):
+        splits = {"train": datasets.load_dataset("parquet", data_files=dataset, split="train")}
+    else:  # the hub id or a folder: every split it has (a folder's from its files' names)
+        loaded = datasets.load_dataset(dataset)
+        splits = {name: loaded[name] for name in ("train", "test") if name in loaded}
+    rows = []
+    for split, data in splits.items():
+        for i, row in enumerate(data, 1):
+            images = [image_bytes(image) for image in row["images"]]
+            where = f"{dataset} {split} row {i}"
+            question = marked(str(row["problem"]), len(images), where=where)
+            held_out = {"split": "test"} if split == "test" else {}
+            rows.append({"question": question, "gold": str(row["answer"]), "images": images,
+                         **held_out})
+    if not rows:
+        raise ValueError(f"dataset {dataset!r} has no questions")
+    return rows
+
+
+def image_bytes(image) -> bytes:
+    """An image of a dataset row as PNG or JPEG bytes: a decoded PIL image (the hub's Image
+    feature) re-encoded as PNG, or the bytes a parquet file holds ({"bytes": ...}) as they are
+    (features/vision.py checks them as the data loads)."""
+    if isinstance(image, dict) and isinstance(image.get("bytes"), bytes):
+        return image["bytes"]
+    if isinstance(image, (bytes, bytearray)):
+        return bytes(image)
+    return png_bytes(image)
 
 
 def image_questions(dataset: str, seed: int) -> list[dict]:
@@ -369,15 +424,9 @@ def image_questions(dataset: str, seed: int) -> list[dict]:
     image is checked (format, pixels) as it loads."""
     if dataset == "shapes":
         return make_shapes(5000, seed)
+    if is_geometry_shaped(dataset):
+        return geometry_questions(dataset)
     rows = []
-    if dataset == IMAGE_HUB_DATASET:
-        import datasets
-
-        for i, row in enumerate(datasets.load_dataset(dataset, split="train"), 1):
-            question = marked(row["problem"], len(row["images"]), where=f"{dataset} row {i}")
-            rows.append({"question": question, "gold": str(row["answer"]),
-                         "images": [png_bytes(image) for image in row["images"]]})
-        return rows
     folder = os.path.dirname(os.path.abspath(dataset))
     with open(dataset) as f:
         for i, line in enumerate(f, 1):
@@ -437,7 +486,17 @@ def png_bytes(image) -> bytes:
 
 
 def split_held_out(questions: list[dict], n: int) -> tuple[list[dict], list[dict]]:
-    """(train, held_out): the last n questions, and the rest minus any the same (question_key)."""
+    """(train, held_out): the last n questions (of the dataset's test split where it has one,
+    {"split": "test"}), and the rest minus any the same (question_key)."""
+    tested = [q for q in questions if q.get("split") == "test"]
+    if tested:  # the dataset's own test split: held out, never trained on
+        questions = [q for q in questions if q.get("split") != "test"]
+        if n < 1 or not questions:
+            raise ValueError(f"EVAL_SIZE={n}, {len(questions)} training questions beside a test "
+                             "split: need EVAL_SIZE >= 1 and a training split")
+        held_out = [{k: v for k, v in q.items() if k != "split"} for q in tested[-n:]]
+        seen = {question_key(q) for q in held_out}
+        return [q for q in questions if question_key(q) not in seen], held_out
     if not 0 < n < len(questions):
         raise ValueError(f"EVAL_SIZE={n}: need 1..{len(questions) - 1} held-out questions "
                          f"out of {len(questions)}")

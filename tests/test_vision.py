@@ -429,6 +429,70 @@ def test_the_trainer_loads_its_data_with_every_image_within_the_pixel_budget(tmp
     assert held_out == [{"question": "What is 2 + 3?", "gold": "5"}]
 
 
+def geometry_parquet(path, n, start=0):
+    """A geometry3k-shaped parquet file (problem, answer, images as the hub's Image feature)."""
+    import datasets
+    from PIL import Image
+
+    rows = {"problem": [f"<image>Find x{start + i}." for i in range(n)],
+            "answer": [str(start + i) for i in range(n)],
+            "images": [[Image.new("RGB", (40, 30), (9 * i % 255, 20, 30))] for i in range(n)]}
+    features = datasets.Features({"problem": datasets.Value("string"),
+                                  "answer": datasets.Value("string"),
+                                  "images": datasets.Sequence(datasets.Image())})
+    datasets.Dataset.from_dict(rows, features=features).to_parquet(str(path))
+
+
+def test_geometry3k_loads_from_a_parquet_file_and_a_mirror_folder_with_its_test_split(tmp_path,
+                                                                                     monkeypatch):
+    """Issue 79: a local geometry3k .parquet failed (FileNotFoundError), a local mirror folder
+    failed (BuilderConfig 'main' not found), and only the train split was ever loaded. Both load
+    now; a mirror's test split is the held-out set and never trains."""
+    geometry_parquet(tmp_path / "geo.parquet", 6)
+    monkeypatch.setattr(grpo, "DATASET", str(tmp_path / "geo.parquet"))
+    monkeypatch.setattr(grpo.evaluation, "EVAL_SIZE", 2)
+    train, held_out = grpo.load_dataset()
+    assert len(train) == 4 and len(held_out) == 2
+    assert all(image_size(q["images"][0]) == (40, 30) for q in train + held_out)
+    mirror = tmp_path / "geometry3k" / "data"
+    mirror.mkdir(parents=True)
+    geometry_parquet(mirror / "train-00000-of-00001.parquet", 5)
+    geometry_parquet(mirror / "test-00000-of-00001.parquet", 3, start=100)
+    monkeypatch.setattr(grpo, "DATASET", str(tmp_path / "geometry3k"))
+    monkeypatch.setattr(grpo.evaluation, "EVAL_SIZE", 3)
+    train, held_out = grpo.load_dataset()
+    assert sorted(q["gold"] for q in held_out) == ["100", "101", "102"]  # the test split
+    assert sorted(q["gold"] for q in train) == ["0", "1", "2", "3", "4"]
+    assert all("split" not in q for q in train + held_out)
+
+
+def test_a_jsonl_whose_first_row_is_text_is_read_as_questions_with_images(tmp_path, monkeypatch):
+    """Issue 79: a mixed .jsonl was read as GSM8K when its first row was a text question, and
+    failed with a misleading error; any row with images (or a "problem") makes it one of images."""
+    (tmp_path / "a.png").write_bytes(png())
+    rows = [{"problem": "What is 2 + 3?", "answer": "5"},
+            {"problem": "<image>Which colour?", "answer": "red", "images": ["a.png"]}]
+    (tmp_path / "mixed.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    questions = rewards.load_questions(str(tmp_path / "mixed.jsonl"), seed=0)
+    assert [bool(q.get("images")) for q in questions] == [False, True]
+
+
+def test_an_empty_system_prompt_leaves_the_system_turn_out_and_easyr1s_goes_in_the_user_turn(
+        any_vlm, monkeypatch):
+    """Issue 79: SYSTEM_PROMPT "" broke SmolVLM's template (UndefinedError) and rendered an empty
+    system turn for Qwen; PROMPT_IN_USER_TURN puts the prompt after the question, as EasyR1's
+    format prompt, and no system turn of ours."""
+    _, processor = any_vlm
+    monkeypatch.setattr(grpo, "EXAMPLE", None)
+    monkeypatch.setattr(grpo, "SYSTEM_PROMPT", "")
+    text = grpo.build_prompt(processor, "<image>Which colour?")
+    assert "Which colour?" in text
+    monkeypatch.setattr(grpo, "SYSTEM_PROMPT", "Answer inside \\boxed{}.")
+    monkeypatch.setattr(grpo, "PROMPT_IN_USER_TURN", True)
+    text = grpo.build_prompt(processor, "<image>Which colour?")
+    assert "Which colour? Answer inside \\boxed{}." in text
+
+
 @pytest.mark.parametrize("kind", vision.QWEN_TYPES)
 def test_qwens_marked_ids_expand_to_the_processors_ids_by_vllms_rule(kind, qwen_dirs):
     """vLLM expands each <|image_pad|> of the ids it is given into grid_thw.prod() / merge^2
