@@ -23,7 +23,8 @@ SETTINGS = {
     "learnability": "SAMPLER=learnability, pass of 256",
     "learn_dynamic": "learnability + DYNAMIC",
     "mu2": "MU=2 (PPO's clip)",
-    "cispo": "OBJECTIVE=cispo MU=2",
+    "cispo": "OBJECTIVE=cispo MU=2 (before issue 79: answer means, cap 1.2)",
+    "cispo_paper": "OBJECTIVE=cispo LOSS_TYPE=dapo MU=2 (cap 5)",
     "sapo": "OBJECTIVE=sapo MU=2",
     "gmpo": "OBJECTIVE=gmpo MU=2",
     "rloo": "ADVANTAGE=rloo",
@@ -36,7 +37,7 @@ STEPS = (0, 10, 20, 30)
 # The curves' two panels: the surrogates, which compare at MU = 2 beside PPO's clip there, and the
 # advantages and token choices, which compare beside the default as it is.
 PANELS = {
-    "surrogates (MU=2)": ("default", "mu2", "cispo", "sapo", "gmpo"),
+    "surrogates (MU=2)": ("default", "mu2", "cispo", "cispo_paper", "sapo", "gmpo"),
     "advantages and tokens (MU=1)": ("default", "rloo", "reinforce_pp", "passk", "gdpo",
                                      "top_entropy"),
 }

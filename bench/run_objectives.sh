@@ -36,7 +36,9 @@ for seed in $SEEDS; do
       # The objectives of 2025-26 (issue 59, docs/loss.md). At MU = 1 every token's ratio is 1 and
       # the four surrogates take the same gradient, so they compare at MU = 2, beside PPO's clip.
       mu2) settings=(MU=2) ;;
-      cispo) settings=(OBJECTIVE=cispo LOSS_TYPE=dapo MU=2) ;;
+      # CISPO as its paper, TRL and verl run it (issue 79): one token mean, the weight capped at 5
+      # (CISPO_MAX_RATIO). The "cispo" results of 2026-11-27/28 ran before: answer means, cap 1.2.
+      cispo|cispo_paper) settings=(OBJECTIVE=cispo LOSS_TYPE=dapo MU=2) ;;
       sapo) settings=(OBJECTIVE=sapo MU=2) ;;
       gmpo) settings=(OBJECTIVE=gmpo MU=2) ;;
       rloo) settings=(ADVANTAGE=rloo) ;;
@@ -45,8 +47,8 @@ for seed in $SEEDS; do
       gdpo) settings=(REWARD_NORM=normalize_then_sum) ;;
       top_entropy) settings=(TOP_ENTROPY_QUANTILE=0.2) ;;
       *) echo "unknown run $run: default, flat, dynamic, difficulty, dr_grpo, learnability," \
-              "learn_dynamic, mu2, cispo, sapo, gmpo, rloo, reinforce_pp, passk, gdpo or" \
-              "top_entropy" >&2; exit 1 ;;
+              "learn_dynamic, mu2, cispo, cispo_paper, sapo, gmpo, rloo, reinforce_pp, passk," \
+              "gdpo or top_entropy" >&2; exit 1 ;;
     esac
     echo "=== $run, seed $seed: ${settings[*]:-the defaults} -> $dir"
     start=$(date +%s)
