@@ -245,6 +245,41 @@ TEMPLATES = [
 ]
 
 
+# A dozen wordings the built-in task never uses: the same sums asked otherwise, to tell a policy
+# that learned addition from one that learned the task's phrasing (reworded, bench/probe_wordings).
+UNSEEN_TEMPLATES = [
+    "Add {a} and {b}.",
+    "Compute the sum of {a} and {b}.",
+    "{a} plus {b} equals what?",
+    "If you put {a} {x} together with {b} {x}, how many {x} is that?",
+    "A shelf holds {a} {x}. Someone places {b} more on it. Count the {x} on the shelf.",
+    "{n} owns {a} {x} and is handed another {b}. What is the total number of {x} {n} owns?",
+    "Find the total: {a} {x} plus {b} {x}.",
+    "How much is {b} added to {a}?",
+    "The first jar has {a} {x}; the second has {b}. How many {x} are in both jars together?",
+    "{n} walked {a} blocks, then {b} blocks more. How many blocks did {n} walk altogether?",
+    "Sum {a} with {b}. What number do you get?",
+    "What do you get when {a} is increased by {b}?",
+]
+
+
+def reworded(questions: list[dict], seed: int) -> list[dict]:
+    """The built-in task's questions asked in UNSEEN_TEMPLATES, each its own sum (its last two
+    numbers, checked against its gold) and gold, seeded: the held-out set in wordings training
+    never saw; "wording" names each one's template (its index)."""
+    rng = random.Random(seed)
+    out = []
+    for question in questions:
+        a, b = (int(v) for v in re.findall(r"\d+", question["question"])[-2:])
+        if a + b != int(question["gold"]):
+            raise ValueError(f"not a sum of two numbers: {question['question']!r}")
+        template = rng.randrange(len(UNSEEN_TEMPLATES))  # its index: "wording"
+        text = UNSEEN_TEMPLATES[template].format(n=rng.choice(NAMES), x=rng.choice(ITEMS), a=a,
+                                                 b=b)
+        out.append({**question, "question": text, "wording": template})
+    return out
+
+
 LARGE = (100, 999)  # "arithmetic_mixed": operands this 135M model rarely adds right in its head
 
 

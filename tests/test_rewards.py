@@ -1,6 +1,7 @@
 """Rewards on hand-written strings and on real GSM8K data from ../shared/gsm8k when present."""
 import json
 import os
+import re
 
 import pytest
 
@@ -94,3 +95,23 @@ def test_reward_correct_agrees_with_labelled_model_solutions():
                 checked += 1
     assert checked == 1000
     assert agree == checked, f"{checked - agree} of {checked} disagree with the labels"
+
+
+def test_reworded_questions_keep_each_sum_in_wordings_the_task_never_uses():
+    """rewards.reworded (issue 79's unseen wordings): every held-out sum asked in one of a dozen
+    templates that are not the task's, its gold and numbers kept; a question that is not a sum of
+    its last two numbers is refused."""
+    import rewards
+
+    asked = [{"question": q["question"], "gold": rewards.extract_gsm8k_answer(q["answer"])}
+             for q in rewards.make_arithmetic(200, 20, seed=5)]
+    again = rewards.reworded(asked, seed=1)
+    assert len(rewards.UNSEEN_TEMPLATES) == 12
+    assert not set(rewards.UNSEEN_TEMPLATES) & set(rewards.TEMPLATES)
+    assert {q["wording"] for q in again} == set(range(12))  # 200 draws reach every template
+    for before, after in zip(asked, again):
+        numbers = [int(n) for n in re.findall(r"\d+", after["question"])]
+        assert after["gold"] == before["gold"] and sum(numbers[-2:]) == int(before["gold"])
+        assert after["question"] != before["question"]
+    with pytest.raises(ValueError, match="not a sum"):
+        rewards.reworded([{"question": "What is 2 + 3?", "gold": "6"}], seed=0)
