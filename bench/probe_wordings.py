@@ -3,12 +3,12 @@ built-in task's own wordings beside the same sums in a dozen wordings training n
 (rewards.UNSEEN_TEMPLATES): a policy that learned addition scores the same on both.
 
     CHECKPOINT=output/step_30 python bench/probe_wordings.py      # the demo's last step
-    CHECKPOINT=model_folder SEEDS="0 1" python bench/probe_wordings.py
+    CHECKPOINT=model_folder WORDING_SEEDS="0 1" python bench/probe_wordings.py
 
 It answers the trainer's EVAL_SIZE held-out questions (DATASET "arithmetic", the trainer's SEED)
 greedily with the trainer's own prompt and evaluation (features/evaluation.py, transformers), then
-the same questions reworded with each seed of SEEDS, and prints each accuracy, the gap, and the
-unseen wordings' accuracy per template.
+the same questions reworded with each seed of WORDING_SEEDS, and prints each accuracy, the gap, and
+the unseen wordings' accuracy per template.
 """
 import os
 import sys
@@ -22,7 +22,7 @@ import rewards  # noqa: E402
 from features.evaluation import held_out_answers  # noqa: E402
 
 CHECKPOINT = os.environ.get("CHECKPOINT", "output/step_30")  # a run's step_N folder, or a model
-SEEDS = [int(s) for s in os.environ.get("SEEDS", "0").split()]  # one rewording of the set each
+WORDING_SEEDS = [int(s) for s in os.environ.get("WORDING_SEEDS", "0").split()]  # one each
 BATCH = 32  # questions per generate call
 
 
@@ -49,7 +49,7 @@ def main():
     print(f"{CHECKPOINT}: {len(held_out)} held-out questions, greedy; the task's wordings "
           f"{sum(own) / len(own):.1%}")
     per_template = defaultdict(list)
-    for seed in SEEDS:
+    for seed in WORDING_SEEDS:
         asked = rewards.reworded(held_out, seed)
         right = accuracy(model, tokenizer, eos_ids, asked)
         for question, score in zip(asked, right):
