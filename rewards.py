@@ -11,6 +11,7 @@ float, so a reader can check any completion by hand:
 Every reward is called as f(completion, gold, question) -> float; the trainer's REWARDS lists
 (function, weight) pairs and sums the weighted values.
 """
+import dataclasses
 import json
 import math
 import numbers
@@ -342,47 +343,85 @@ MAX_IMAGE_FILE_BYTES = 16 * 2**20  # one image file's size
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 40), "blue": (30, 60, 220),
            "yellow": (235, 200, 20)}  # the shapes task's colours: chance is 1 / 4
 SHAPES_SIZE = 64  # pixels on each side of a shapes image
+SHAPES_QUESTIONS = 5000  # the shapes task's questions (pictures), held-out ones included
+SHAPES_BIG_SIDES = (26, 34)  # the larger square's side in pixels, lowest and highest
+SHAPES_SMALL_SIDES = (10, 16)  # the smaller square's side in pixels, lowest and highest
 SHAPES_QUESTION = f"{IMAGE_MARK}What colour is the larger shape?"
 CAPTION_QUESTION = f"{IMAGE_MARK}Which colours are in the image?"
 
 
-def shapes_image(rng: random.Random) -> tuple:
-    """(PNG bytes, larger shape's colour, smaller shape's colour): two squares of different colours
-    and sizes at random places on white."""
+@dataclasses.dataclass(frozen=True)
+class ShapesLayout:
+    """One shapes picture: two squares of different colours and sizes, each at a centre (x, y)."""
+    big: str  # the larger square's colour: the gold
+    small: str  # the smaller square's colour
+    big_side: int  # pixels
+    small_side: int  # pixels
+    big_centre: tuple  # (x, y) in pixels
+    small_centre: tuple  # (x, y) in pixels
+
+    def positions_swapped(self) -> "ShapesLayout":
+        """The same squares, each at the other's centre (the vision demo's position control)."""
+        return dataclasses.replace(self, big_centre=self.small_centre,
+                                   small_centre=self.big_centre)
+
+
+def shapes_layout(rng: random.Random) -> ShapesLayout:
+    """Two squares at random on a white square. Both centres are drawn alike, from where the
+    largest square fits, and a coin then says which one holds the larger square: where a square
+    sits says nothing about its size, so no position rule ("the one nearest the centre", "the one
+    on the left") beats a coin, and either square fits at the other's centre."""
+    big, small = rng.sample(sorted(COLOURS), 2)
+    big_side = rng.randint(*SHAPES_BIG_SIDES)
+    small_side = rng.randint(*SHAPES_SMALL_SIDES)
+    low = SHAPES_BIG_SIDES[1] // 2  # a centre from which the largest square fits the picture
+    high = SHAPES_SIZE - low
+    apart = (big_side + small_side) // 2 + 2  # a white gap between the squares, either way round
+    while True:
+        first = (rng.randint(low, high), rng.randint(low, high))
+        second = (rng.randint(low, high), rng.randint(low, high))
+        if max(abs(first[0] - second[0]), abs(first[1] - second[1])) >= apart:
+            break
+    if rng.random() < 0.5:
+        first, second = second, first
+    return ShapesLayout(big, small, big_side, small_side, big_centre=first, small_centre=second)
+
+
+def draw_shapes(layout: ShapesLayout) -> bytes:
+    """PNG bytes of a layout: its two squares on white."""
     from PIL import Image, ImageDraw
 
-    big, small = rng.sample(sorted(COLOURS), 2)
     image = Image.new("RGB", (SHAPES_SIZE, SHAPES_SIZE), (255, 255, 255))
     draw = ImageDraw.Draw(image)
-    big_side = rng.randint(26, 34)
-    small_side = rng.randint(10, 16)
-    big_x = rng.randint(0, 4)  # the big one at the left, the small one at the right ...
-    small_x = rng.randint(SHAPES_SIZE - small_side - 6, SHAPES_SIZE - small_side)
-    if rng.random() < 0.5:  # ... or the other way round
-        big_x = SHAPES_SIZE - big_side - big_x
-        small_x = SHAPES_SIZE - small_side - small_x
-    big_y = rng.randint(0, SHAPES_SIZE - big_side)
-    small_y = rng.randint(0, SHAPES_SIZE - small_side)
-    draw.rectangle([big_x, big_y, big_x + big_side - 1, big_y + big_side - 1], fill=COLOURS[big])
-    draw.rectangle([small_x, small_y, small_x + small_side - 1, small_y + small_side - 1],
-                   fill=COLOURS[small])
-    return png_bytes(image), big, small
+    squares = [(layout.big, layout.big_side, layout.big_centre),
+               (layout.small, layout.small_side, layout.small_centre)]
+    for colour, side, (x, y) in squares:
+        left = x - side // 2
+        top = y - side // 2
+        draw.rectangle([left, top, left + side - 1, top + side - 1], fill=COLOURS[colour])
+    return png_bytes(image)
+
+
+def shapes_layouts(n: int, seed: int) -> list[ShapesLayout]:
+    """The `n` seeded layouts of make_shapes(n, seed), in its order."""
+    rng = random.Random(seed)
+    return [shapes_layout(rng) for _ in range(n)]
 
 
 def make_shapes(n: int, seed: int, captions: bool = False) -> list[dict]:
     """`n` seeded shapes questions: "What colour is the larger shape?" (gold: its colour), or with
     captions=True the caption pass's "Which colours are in the image?" (gold: both colours in a
     random order, so a caption never tells which shape is the larger)."""
-    rng = random.Random(seed)
     rows = []
-    for _ in range(n):
-        data, big, small = shapes_image(rng)
+    caption_order = random.Random(f"caption order {seed}")
+    for layout in shapes_layouts(n, seed):
+        data = draw_shapes(layout)
         if captions:
-            pair = rng.sample([big, small], 2)
+            pair = caption_order.sample([layout.big, layout.small], 2)
             rows.append({"question": CAPTION_QUESTION, "gold": f"{pair[0]} and {pair[1]}",
                          "images": [data]})
         else:
-            rows.append({"question": SHAPES_QUESTION, "gold": big, "images": [data]})
+            rows.append({"question": SHAPES_QUESTION, "gold": layout.big, "images": [data]})
     return rows
 
 
@@ -458,7 +497,7 @@ def image_questions(dataset: str, seed: int) -> list[dict]:
     beside the .jsonl]} (a row without images is a text question: a step may mix both). Every
     image is checked (format, pixels) as it loads."""
     if dataset == "shapes":
-        return make_shapes(5000, seed)
+        return make_shapes(SHAPES_QUESTIONS, seed)
     if is_geometry_shaped(dataset):
         return geometry_questions(dataset)
     rows = []

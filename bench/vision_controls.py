@@ -2,9 +2,11 @@
 demo's own 128 held-out shapes questions and a trained checkpoint: greedy accuracy on the images
 as they are, on their colour-swapped twins (the same picture with its two colours exchanged, the
 gold the other colour: a size-blind policy that knows which two colours are shown is right on at
-most one of the pair), on shuffled images (each question shown another question's image, its own
-gold kept) and on a blank image. The claim rests on "both twins right": chance for a size-blind
-rule is 0, for a blind guess among the 4 colours 1/16.
+most one of the pair), on position-swapped twins (each square drawn at the other's centre, the
+gold kept: a rule that reads where a colour sits, not its size, flips its answer), on shuffled
+images (each question shown another question's image, its own gold kept) and on a blank image.
+The claim rests on "both twins right": chance for a size-blind rule is 0, for a blind guess among
+the 4 colours 1/16.
 
     python bench/vision_controls.py CHECKPOINT [SEED]    # e.g. /tmp/vision_demo/aligned_s42/step_30
 """
@@ -57,15 +59,34 @@ def other_colour(question: dict) -> str:
     return other
 
 
-def control_sets(held_out: list) -> dict:
-    """{name: questions}: the held-out set as it is, the colour-swapped twins, shuffled images
-    (each shows the next question's image) and a blank image, every question's text the same."""
+def held_out_layouts(held_out: list, seed: int) -> list:
+    """The held-out questions' layouts (rewards.ShapesLayout), replayed from the task's seed:
+    each must draw its question's image to the byte, or the controls would ask of other pictures."""
+    import rewards
+
+    layouts = rewards.shapes_layouts(rewards.SHAPES_QUESTIONS, seed)[-len(held_out):]
+    for number, (question, layout) in enumerate(zip(held_out, layouts), 1):
+        if rewards.draw_shapes(layout) != question["images"][0]:
+            raise ValueError(f"held-out question {number}: its image is not the layout that "
+                             f"seed {seed} replays (another SHAPES_QUESTIONS or EVAL_SIZE?)")
+    return layouts
+
+
+def control_sets(held_out: list, layouts: list) -> dict:
+    """{name: questions}: the held-out set as it is, the colour-swapped twins, the position-swapped
+    twins (from each question's layout), shuffled images (each shows the next question's image)
+    and a blank image, every question's text the same."""
+    from rewards import draw_shapes
+
     twins = [{**q, "images": [swap_colours(q["images"][0])], "gold": other_colour(q)}
              for q in held_out]
+    moved = [{**q, "images": [draw_shapes(layout.positions_swapped())]}
+             for q, layout in zip(held_out, layouts)]
     shifted = held_out[1:] + held_out[:1]
     shuffled = [{**q, "images": other["images"]} for q, other in zip(held_out, shifted)]
     blank = [{**q, "images": [blank_image()]} for q in held_out]
-    return {"original": held_out, "twins": twins, "shuffled": shuffled, "blank": blank}
+    return {"original": held_out, "twins": twins, "positions": moved, "shuffled": shuffled,
+            "blank": blank}
 
 
 def right_answers(model, tokenizer, questions, eos_ids) -> list:
@@ -83,19 +104,21 @@ def right_answers(model, tokenizer, questions, eos_ids) -> list:
 
 
 def controls(checkpoint: str, seed: int) -> dict:
-    """Each control's accuracy, and the share of questions right on both twins."""
+    """Each control's accuracy, and the share of questions right on both twins of each kind."""
     import torch
 
     import grpo_ref_split as grpo
     import rewards
 
     _, held_out = rewards.split_held_out(rewards.load_questions("shapes", seed), EVAL_SIZE)
+    layouts = held_out_layouts(held_out, seed)
     model, tokenizer, eos_ids, _ = grpo.load_policy(checkpoint, torch.device("cpu"))
     right = {name: right_answers(model, tokenizer, questions, eos_ids)
-             for name, questions in control_sets(held_out).items()}
+             for name, questions in control_sets(held_out, layouts).items()}
     out = {name: sum(values) / len(values) for name, values in right.items()}
-    both = [a * b for a, b in zip(right["original"], right["twins"])]
-    out["both_twins"] = sum(both) / len(both)
+    for twins, both in (("twins", "both_twins"), ("positions", "both_positions")):
+        right_on_both = [a * b for a, b in zip(right["original"], right[twins])]
+        out[both] = sum(right_on_both) / len(right_on_both)
     return out
 
 

@@ -1,7 +1,9 @@
 """The vision demo's table and curves (bench/run_vision_demo.sh): for each run and seed, the
 held-out greedy accuracy on "What colour is the larger shape?" at steps 0 / 10 / 20 / 30 against
 chance, answers generated per answer trained, and wall minutes (the model's making and caption pass
-apart); then bench/results/vision_curves.png, every run's held-out curve with the two chance levels.
+apart); the controls of each run's step 30 (bench/vision_controls.py: colour-swapped and
+position-swapped twins, shuffled and blank images); then bench/results/vision_curves.png, every run's
+held-out curve with the two chance levels.
 
     python bench/vision_report.py bench/results    # reads vision_<run>_s<seed>_metrics.jsonl
 """
@@ -13,6 +15,10 @@ import sys
 
 STEPS = (0, 10, 20, 30)
 CHANCE = ("25.0% for one of the 4 colours at random", "50.0% for one of the 2 colours shown")
+CONTROLS = {"original": "as they are", "twins": "colour-swapped twins",
+            "both_twins": "right on both colour twins", "positions": "position-swapped twins",
+            "both_positions": "right on both position twins", "shuffled": "shuffled",
+            "blank": "blank"}  # vision_controls.py's keys, in the table's order
 RUNS = {"aligned": "caption pass, then GRPO", "aligned_vllm": "the same, vLLM sampling",
         "unaligned": "GRPO from the random vision side"}
 
@@ -31,6 +37,25 @@ def summary(path) -> dict:
     reason = open(stopped).read().strip() if os.path.exists(stopped) else ""
     return dict(evals=evals, ratio=generated / max(1, trained), minutes=minutes, steps=len(train),
                 stopped=reason)
+
+
+def controls_table(folder: str, runs: dict):
+    """Each run's controls (its _controls.json) as a row per seed, in %."""
+    rows = []
+    for run in runs:
+        for seed in sorted(runs[run]):
+            path = os.path.join(folder, f"vision_{run}_s{seed}_controls.json")
+            if os.path.exists(path):
+                rows.append((f"{RUNS.get(run, run)}, seed {seed}", json.load(open(path))))
+    if not rows:
+        return
+    print("\ncontrols of step 30, held-out greedy accuracy (%):")
+    print("| held-out images | " + " | ".join(name for name, _ in rows) + " |")
+    print("|---|" + "---|" * len(rows))
+    for key, text in CONTROLS.items():
+        cells = " | ".join("-" if key not in values else f"{100 * values[key]:.1f}"
+                           for _, values in rows)
+        print(f"| {text} | {cells} |")
 
 
 def curves(runs: dict, image: str):
@@ -77,6 +102,7 @@ def main(folder):
             print(f"| {RUNS.get(run, run)} | {seed} | {accuracy} | {ratio} | {s['minutes']:.1f} |")
             if s["stopped"]:
                 print(f"  {run} seed {seed} stopped after {s['steps']} steps: {s['stopped']}")
+    controls_table(folder, runs)
     curves(runs, os.path.join(folder, "vision_curves.png"))
     losses = os.path.join(folder, "vision_caption_losses.json")
     if os.path.exists(losses):

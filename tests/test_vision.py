@@ -3,6 +3,7 @@ trainer's forwards, the upload and the reference server's guard, on a tiny SmolV
 built from the embedded tokenizer (features/vision_demo.py)."""
 import io
 import json
+import math
 import os
 import struct
 import subprocess
@@ -870,6 +871,38 @@ def test_the_shapes_task_names_the_larger_squares_colour_and_captions_never_tell
     assert 70 <= larger_first <= 130
 
 
+def colour_centres(data: bytes) -> dict:
+    """{colour name: (x, y) mean of its pixels} of a shapes image."""
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(data)).convert("RGB")
+    names = {rgb: name for name, rgb in rewards.COLOURS.items()}
+    where = {}
+    for index, pixel in enumerate(image.get_flattened_data()):
+        if pixel in names:
+            where.setdefault(names[pixel], []).append(divmod(index, image.width)[::-1])
+    return {name: (sum(x for x, _ in points) / len(points), sum(y for _, y in points) / len(points))
+            for name, points in where.items()}
+
+
+def test_where_a_square_sits_says_nothing_about_its_size():
+    """Issue 79: the larger square sat near the centre, so "the colour nearest the centre" scored
+    96.1% without reading size. From the pixels of 1,000 pictures, neither that rule nor "the colour
+    on the left" nor "the colour higher up" beats a coin. Binomial(1000, 1/2): sd 15.8, so 430..570
+    is over 4 sd either way."""
+    middle = (rewards.SHAPES_SIZE - 1) / 2
+    nearest = left = higher = 0
+    for row in rewards.make_shapes(1000, seed=5):
+        centres = colour_centres(row["images"][0])
+        (other,) = set(centres) - {row["gold"]}
+        big = centres[row["gold"]]
+        small = centres[other]
+        nearest += math.dist(big, (middle, middle)) < math.dist(small, (middle, middle))
+        left += big[0] < small[0]
+        higher += big[1] < small[1]
+    assert 430 <= nearest <= 570 and 430 <= left <= 570 and 430 <= higher <= 570
+
+
 # geometry3k's answer forms: (the boxed answer, the gold, whether they are one value). Every case of
 # issue 58's table, then equal forms written differently and different values that share a number.
 BOXED_TABLE = [
@@ -1244,7 +1277,7 @@ def test_the_controls_swap_colours_shuffle_and_blank_the_held_out_images():
     import vision_controls
 
     held_out = rewards.make_shapes(3, seed=11)
-    sets = vision_controls.control_sets(held_out)
+    sets = vision_controls.control_sets(held_out, rewards.shapes_layouts(3, seed=11))
     for q, twin in zip(held_out, sets["twins"]):
         before = Image.open(io.BytesIO(q["images"][0])).convert("RGB")
         after = Image.open(io.BytesIO(twin["images"][0])).convert("RGB")
@@ -1257,6 +1290,28 @@ def test_the_controls_swap_colours_shuffle_and_blank_the_held_out_images():
     assert [s["gold"] for s in sets["shuffled"]] == [q["gold"] for q in held_out]
     blank = Image.open(io.BytesIO(sets["blank"][0]["images"][0])).convert("RGB")
     assert set(blank.getdata()) == {(255, 255, 255)}
+    for q, moved in zip(held_out, sets["positions"]):  # each square at the other's centre
+        before = colour_centres(q["images"][0])
+        after = colour_centres(moved["images"][0])
+        (small,) = set(before) - {q["gold"]}
+        assert moved["gold"] == q["gold"] and colour_areas(moved["images"][0]) == colour_areas(
+            q["images"][0])
+        assert math.dist(after[q["gold"]], before[small]) <= 1  # a side's parity: half a pixel
+        assert math.dist(after[small], before[q["gold"]]) <= 1
+
+
+def test_the_controls_replay_the_held_out_layouts_or_refuse(monkeypatch):
+    """The position control redraws each held-out picture from its layout, replayed from the seed:
+    a layout that does not draw its question's image to the byte is refused, naming the question."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import vision_controls
+
+    monkeypatch.setattr(rewards, "SHAPES_QUESTIONS", 40)  # the task's 5,000 take seconds to draw
+    _, held_out = rewards.split_held_out(rewards.load_questions("shapes", 11), 4)
+    layouts = vision_controls.held_out_layouts(held_out, seed=11)
+    assert [layout.big for layout in layouts] == [q["gold"] for q in held_out]
+    with pytest.raises(ValueError, match="held-out question 1: its image is not the layout"):
+        vision_controls.held_out_layouts(held_out, seed=12)
 
 
 def test_the_controls_run_on_a_checkpoint(answering_vlm_dir, monkeypatch):
@@ -1269,6 +1324,8 @@ def test_the_controls_run_on_a_checkpoint(answering_vlm_dir, monkeypatch):
     monkeypatch.setattr(vision_controls, "EVAL_SIZE", 8)
     monkeypatch.setattr(grpo, "MAX_NEW_TOKENS", 4)
     out = vision_controls.controls(answering_vlm_dir, seed=42)
-    assert set(out) == {"original", "twins", "shuffled", "blank", "both_twins"}
+    assert set(out) == {"original", "twins", "positions", "shuffled", "blank", "both_twins",
+                        "both_positions"}
     assert all(0 <= value <= 1 for value in out.values())
     assert out["both_twins"] <= min(out["original"], out["twins"])
+    assert out["both_positions"] <= min(out["original"], out["positions"])
