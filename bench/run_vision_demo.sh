@@ -3,15 +3,16 @@
 # from the embedded SmolLM2-135M (scripts/make_vision_model.py: a random vision encoder and
 # connector, then LLaVA's first stage, a caption pass with the language model frozen: "Which colours
 # are in the image?" -> both colours in a random order), then GRPO on a question the captions never
-# answer: "What colour is the larger shape?" (two squares of 4 colours: chance 25% for a colour at
-# random, 50% for one of the two in the image). Per seed, 30 steps of 4 questions x 8 answers
+# answer: "What colour is the larger shape?" (two squares of 4 colours, placed so that where a
+# square sits says nothing about its size: chance 25% for a colour at random, 50% for one of the two
+# in the image). Per seed, 30 steps of 4 questions x 8 answers
 # against `python ref_server.py` holding the same model (BETA 0.04), held-out greedy accuracy every
 # 10 steps on 128 images never trained on. RUNS: "aligned" (the above) and "unaligned" (the same
 # GRPO from the random vision side, ALIGN_STEPS=0: the control); "aligned_vllm" is "aligned" with
 # USE_VLLM=1 (vLLM samples with the images; run it beside "aligned" to compare times). Each run's
 # metrics.jsonl and wall seconds go to $RESULTS as it ends, with the controls of its step 30
-# (bench/vision_controls.py: colour-swapped twins, shuffled and blank images); a run already there
-# is skipped. Then bench/vision_report.py prints the table.
+# (bench/vision_controls.py: colour- and position-swapped twins, shuffled and blank images); a run
+# already there is skipped. Then bench/vision_report.py prints the tables.
 #   bash bench/run_vision_demo.sh                        # aligned s42 s43, unaligned s42
 #   RUNS="aligned aligned_vllm" SEEDS=42 RESULTS=/tmp/side bash bench/run_vision_demo.sh
 set -euo pipefail
