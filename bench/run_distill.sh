@@ -14,6 +14,9 @@
 #                     the wrong ones; KDRL's reward-guided mask)
 #   grpo_opd_handoff  the teacher alone for the first TEACHER_STEPS=10 steps, then the rewards
 #                     alone with a fresh AdamW and DYNAMIC_SAMPLING: distillation, then RL
+#   grpo_ds   the default with DYNAMIC_SAMPLING from step 1 and no teacher: the hand-off's baseline
+# WORDINGS=1 also asks each run's last checkpoint the held-out sums in wordings training never uses
+# (bench/probe_wordings.py, WORDING_SEEDS "0 1"), into $RESULTS/<run>_wordings.txt.
 # Each run's metrics.jsonl and wall seconds go to $RESULTS as it ends; a run already there is
 # skipped, so the script can be stopped and started again. Then bench/distill_report.py prints the
 # table and draws bench/results/distill_curves.png.
@@ -39,20 +42,25 @@ SEEDS=${SEEDS:-42 43}
 TEACHER_DIR=${TEACHER_DIR:-output/distill_teacher}  # the demo's OUTPUT_DIR, trained if empty
 TEACHER_STEP=${TEACHER_STEP:-30}  # the teacher is its step_$TEACHER_STEP, of a run that long
 teacher="$TEACHER_DIR/step_$TEACHER_STEP"
+WORDINGS=${WORDINGS:-0}
 STOP_AT=${STOP_AT:-0}  # > 0: stop each run once its held-out evaluation at this step is written
 export EVAL_SIZE=${EVAL_SIZE:-128}  # held-out questions: 512 tells 3 points apart, 128 cannot
 mkdir -p "$OUT" "$RESULTS"
 # EVAL_SIZE also sets what trains: the dataset's last EVAL_SIZE questions are held out and the rest
 # train. A teacher trained with another EVAL_SIZE has trained on some of the student's held-out
 # questions, so the teacher's folder records its EVAL_SIZE and a different one is refused.
-if [ ! -e "$teacher/config.json" ]; then
+needs_teacher=0
+for run in $RUNS; do
+  case $run in grpo|grpo_ds) ;; *) needs_teacher=1 ;; esac
+done
+if [ "$needs_teacher" = 1 ] && [ ! -e "$teacher/config.json" ]; then
   echo "=== the teacher: the demo's GRPO, $TEACHER_STEP steps -> $TEACHER_DIR"
   ALL_STEPS=$TEACHER_STEP OUTPUT_DIR="$TEACHER_DIR" bash scripts/run_demo.sh \
     > "$OUT/teacher.log" 2>&1
   echo "$EVAL_SIZE" > "$TEACHER_DIR/eval_size"
 fi
 teacher_eval_size=$(cat "$TEACHER_DIR/eval_size" 2>/dev/null || echo "not recorded")
-if [ "$teacher_eval_size" != "$EVAL_SIZE" ]; then
+if [ "$needs_teacher" = 1 ] && [ "$teacher_eval_size" != "$EVAL_SIZE" ]; then
   echo "the teacher in $TEACHER_DIR was trained with EVAL_SIZE $teacher_eval_size, these runs" \
        "hold out $EVAL_SIZE: it may have trained on the student's held-out questions. Train it" \
        "with this EVAL_SIZE (an empty TEACHER_DIR), or, if it was, echo $EVAL_SIZE >" \
@@ -68,6 +76,7 @@ for seed in $SEEDS; do
     no_rewards='[["reward_correct", 0.0], ["reward_format", 0.0]]'
     case $run in
       grpo) served=(TEACHER=0 MODEL_PATH=) trained=() ;;
+      grpo_ds) served=(TEACHER=0 MODEL_PATH=) trained=(DYNAMIC_SAMPLING=1) ;;
       opd) served=(TEACHER=1 MODEL_PATH="$teacher")
            trained=(DISTILL_COEF=1 BETA=0 REWARDS="$no_rewards") ;;
       opd_wide) served=(TEACHER=1 MODEL_PATH="$teacher")
@@ -87,7 +96,7 @@ for seed in $SEEDS; do
                       trained=(DISTILL_COEF=1 BETA=0 DISTILL_BELOW=2) ;;
       grpo_opd_handoff) served=(TEACHER=1 MODEL_PATH="$teacher")
                         trained=(DISTILL_COEF=1 BETA=0 TEACHER_STEPS=10 DYNAMIC_SAMPLING=1) ;;
-      *) echo "unknown run $run: grpo, opd, opd_wide, opd_wide_sum, grpo_opd," \
+      *) echo "unknown run $run: grpo, grpo_ds, opd, opd_wide, opd_wide_sum, grpo_opd," \
               "grpo_opd_matched, grpo_opd_none, grpo_opd_first, grpo_opd_wrong or" \
               "grpo_opd_handoff" >&2; exit 1 ;;
     esac
@@ -124,6 +133,11 @@ for seed in $SEEDS; do
     server=""
     cp "$dir/metrics.jsonl" "$RESULTS/${name}_metrics.jsonl"
     echo $(( $(date +%s) - start )) > "$RESULTS/${name}_wall_s"
+    last=$(ls -d "$dir"/step_* 2>/dev/null | sort -V | tail -1)
+    if [ "$WORDINGS" = 1 ] && [ -n "$last" ]; then
+      CHECKPOINT="$last" SEED="$seed" WORDING_SEEDS="0 1" .venv/bin/python bench/probe_wordings.py \
+        > "$RESULTS/${name}_wordings.txt" 2> "$OUT/${run}_s${seed}_wordings.log"
+    fi
     rm -rf "$dir"/step_*  # the checkpoint (about 2 GB): six runs' would fill the disk
   done
 done
