@@ -2,8 +2,8 @@
 held-out greedy accuracy on "What colour is the larger shape?" at steps 0 / 10 / 20 / 30 against
 chance, answers generated per answer trained, and wall minutes (the model's making and caption pass
 apart); the controls of each run's step 30 (bench/vision_controls.py: colour-swapped and
-position-swapped twins, shuffled and blank images); then bench/results/vision_curves.png, every run's
-held-out curve with the two chance levels.
+position-swapped twins, shuffled and blank images); then bench/results/vision_curves.png, every
+run's held-out curve with the two chance levels.
 
     python bench/vision_report.py bench/results    # reads vision_<run>_s<seed>_metrics.jsonl
 """
