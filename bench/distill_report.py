@@ -11,7 +11,8 @@ import os
 import re
 import sys
 
-RUNS = {"grpo": "GRPO (rewards, k3 to the reference)", "opd": "pure OPD (teacher term only)",
+RUNS = {"grpo": "GRPO (rewards, k3 to the reference)",
+        "grpo_ds": "GRPO with DYNAMIC_SAMPLING, no teacher", "opd": "pure OPD (teacher term only)",
         "opd_wide": "pure OPD, 32 questions x 1 answer",
         "opd_wide_sum": "pure OPD, 32 x 1, LOSS_TYPE dr_grpo", "grpo_opd": "GRPO + OPD",
         "grpo_opd_matched": "GRPO + OPD, DISTILL_SCALE matched",
