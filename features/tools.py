@@ -312,19 +312,19 @@ def generate_with_tools(
     return out.pop("completion_ids"), out.pop("vllm_logps"), out
 
 
-AVAILABLE = {"calculator": calculator}  # the tools TOOLS may name, by name; add yours here
+tool_functions = {"calculator": calculator}  # the tools TOOLS may name: a registry, not a setting
 
 
 def chosen() -> list:
     """The tool functions TOOLS names, in its order (check_settings refused any other name)."""
-    return [AVAILABLE[name] for name in TOOLS]
+    return [tool_functions[name] for name in TOOLS]
 
 
 def check_settings():
-    """Stop, before any model loads, on a TOOLS name that is not in AVAILABLE."""
+    """Stop, before any model loads, on a TOOLS name that is not in tool_functions."""
     for name in TOOLS:
-        if name not in AVAILABLE:
+        if name not in tool_functions:
             sys.exit(
                 f"TOOLS names {name!r}, which is not a tool of features/tools.py "
-                f"(AVAILABLE: {', '.join(sorted(AVAILABLE))})"
+                f"(tool_functions: {', '.join(sorted(tool_functions))})"
             )

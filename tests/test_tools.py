@@ -418,11 +418,11 @@ def test_rewards_and_tools_are_named_in_the_environment(monkeypatch, capfd):
 
 # ----------------------------------------------------------------------------- training runs (slow)
 def test_tools_are_named_and_a_name_that_is_no_tool_is_refused_at_start(monkeypatch, tmp_path):
-    """TOOLS holds names from features/tools.py's AVAILABLE, the same in the file and the
+    """TOOLS holds names from features/tools.py's tool_functions, the same in the file and the
     environment; a name that is none stops the run before any model loads."""
     monkeypatch.setattr(grpo, "OUTPUT_DIR", str(tmp_path))
     monkeypatch.setattr(grpo.tools, "TOOLS", ["calculater"])
-    with pytest.raises(SystemExit, match="TOOLS names 'calculater'.*AVAILABLE: calculator"):
+    with pytest.raises(SystemExit, match="TOOLS names 'calculater'.*tool_functions: calculator"):
         grpo.check_settings()
     monkeypatch.setattr(grpo.tools, "TOOLS", ["calculator"])
     grpo.check_settings()
