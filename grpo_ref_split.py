@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
+import environments
 import objectives
 import rewards
 from features import (checkpoints, curves, env_overrides, evaluation, fast_paths, lora,
@@ -370,6 +371,14 @@ def answer_advantages(scores, each: dict) -> torch.Tensor:
     return advantages_in_groups(scores, NUM_PRE_Q)  # (N,)
 
 
+def score_answers(texts, asked) -> tuple:
+    """Step 3: (each answer's weighted sum of REWARDS, {reward name: each answer's value});
+    asked: each answer's question (a dict: its question, its gold)."""
+    if environments.ENVIRONMENTS:  # a variant: each question's environment scores its answers
+        return environments.score(texts, asked, REWARDS)
+    return rewards.score(REWARDS, texts, [q["gold"] for q in asked], [q["question"] for q in asked])
+
+
 def logps_of(model, input_ids, attention_mask, n_completion, entropy=False, **pixels):
     """(B, T) log-probs at TEMPERATURE (and entropies): per_token_logps, or its fast equal."""
     if not fast_paths.any_on():  # every fast path off (faster equal's switch): the definition
@@ -397,8 +406,9 @@ def scored_groups(model, tokenizer, questions, *, eos_ids, gen_config, llm, keep
     times (generate_s, score_s, pi_old_s)."""
     with timed(seconds, "generate_s"):  # log: the seconds each step takes
         generated = generate(model, tokenizer, questions, gen_config, eos_ids, llm)  # 2. generate
+    asked = [q for q in questions for _ in range(NUM_PRE_Q)]  # each answer's question
     with timed(seconds, "score_s"):  # 3. score (log: its seconds)
-        sums, each = rewards.score(REWARDS, generated.texts, generated.golds, generated.questions)
+        sums, each = score_answers(generated.texts, asked)
     scores = torch.tensor(sums, dtype=torch.float32)  # (N,) each answer's reward: REWARDS' sum
     advantages = answer_advantages(scores, each)  # (N,) 4. advantages
     with timed(seconds, "pi_old_s"):  # 5. keep the groups whose rewards differ (log: seconds)
@@ -773,6 +783,7 @@ def check_settings():
     pass_rates.check_settings(correct=correct)
     evaluation.check_settings(correct=correct)
     tools.check_settings()
+    environments.check_settings(sampler=question_sampler.SAMPLER, tools_on=bool(tools.TOOLS))
     refusals.refuse_impossible(gspo=GSPO, clip_eps=CLIP_EPS, clip_eps_high=CLIP_EPS_HIGH,
                                loss_type=LOSS_TYPE, output_dir=OUTPUT_DIR,
                                tis_mode=objectives.TIS_MODE)
@@ -802,6 +813,9 @@ def load_dataset() -> tuple:
     """(training questions, held-out questions): DATASET's last EVAL_SIZE never train. Images are
     fitted to one pixel budget here, once (features/vision.py's MIN_PIXELS, MAX_PIXELS), so the
     trainer, the server and vLLM see the same image and the same number of image tokens."""
+    if environments.ENVIRONMENTS:  # a variant: each environment's questions (environments.py)
+        return environments.load(seed=SEED, eval_size=evaluation.EVAL_SIZE, arith_max=ARITH_MAX,
+                                 fit_images=vision.fit_questions)
     dataset = rewards.load_questions(DATASET, SEED, ARITH_MAX)
     if with_images(dataset):
         dataset = vision.fit_questions(dataset)
@@ -869,13 +883,15 @@ def main():
     correct = rewards.correctness_reward(reward_names)  # the reward that says an answer is right
     sampler = question_sampler.QuestionSampler(questions, SEED + rank, question_sampler.SAMPLER,
                                                question_sampler.REPLAY_SHARE, pass_key=correct)
+    if environments.ENVIRONMENTS:  # a variant: each draw picks an environment by its weight
+        sampler = environments.MixSampler(questions, SEED + rank)
     llm = vllm_engine.start(resolve_model_path(MODEL_PATH), SEED + rank, model.dtype,
                             verbose=quiet.VERBOSE)  # faster equal (USE_VLLM); else None
     sampling = dict(eos_ids=eos_ids, gen_config=gen_config, llm=llm)  # how step 2 samples
-    score = functools.partial(rewards.score, REWARDS)  # score(texts, golds, questions)
     if pass_rates.PASS_RATE_QUESTIONS:  # a variant (SAMPLER "learnability"): measured first
         answers_to = functools.partial(generate, model, tokenizer, **sampling)  # a Rollout
-        pass_rates.pass_rate_pass(sampler, answers_to, score, count=pass_rates.PASS_RATE_QUESTIONS,
+        pass_rates.pass_rate_pass(sampler, answers_to, score_answers,
+                                  count=pass_rates.PASS_RATE_QUESTIONS,
                                   group=NUM_PRE_Q, output_dir=OUTPUT_DIR, batch=Q_BATCH_SIZE,
                                   rank=rank)
     start = 0  # the last step done: a resumed checkpoint's
@@ -885,8 +901,9 @@ def main():
     publisher = weight_sync.publisher_from(model, start, rank, REF_TOKEN)  # WEIGHT_SYNC_STEPS
     log = run_log.open_on_rank_0(rank, OUTPUT_DIR, reward_names, resumed_step=start)  # log
     evaluate = functools.partial(evaluation.log_eval, model=model, questions=held_out, log=log,
-                                 rank=rank, score=score, tokenizer=tokenizer, encode=encode_prompts,
-                                 decode=decode, max_new_tokens=MAX_NEW_TOKENS, correct=correct,
+                                 rank=rank, score=score_answers, tokenizer=tokenizer,
+                                 encode=encode_prompts, decode=decode,
+                                 max_new_tokens=MAX_NEW_TOKENS, correct=correct,
                                  **sampling)  # log: evaluate(step), held-out greedy accuracy
     if evaluation.EVAL_STEPS > 0 and start == 0:
         evaluate(0)

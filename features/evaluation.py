@@ -46,15 +46,15 @@ def evaluate(model, questions, *, encode, decode, score, eos_ids, max_new_tokens
     temperature), and eval_pass@j for j = 2, 4, ... and k (by the reward named `correct`, the
     task's correctness reward; None: no pass@k, refused at start with EVAL_SAMPLES). Questions
     with a "tag" also get each mean per tag: eval_<name>_<tag>. encode(tokenizer, questions) ->
-    the tokenized prompts; decode(tokenizer, completion_ids) -> texts; score(texts, golds,
-    questions) -> (total, {reward name: values}): the trainer's own three; tokenizer: for them,
-    for tools and for the pad id (or pad_id)."""
+    the tokenized prompts; decode(tokenizer, completion_ids) -> texts; score(texts, asked) ->
+    (total, {reward name: values}), asked: each answer's question (a dict): the trainer's own
+    three; tokenizer: for them, for tools and for the pad id (or pad_id)."""
     pad_id = tokenizer.pad_token_id if pad_id is None else pad_id
     args = dict(encode=encode, decode=decode, eos_ids=eos_ids, pad_id=pad_id,
                 max_new_tokens=max_new_tokens, llm=llm, tools=tools, max_calls=max_calls,
                 tokenizer=tokenizer)
     texts, calls = held_out_answers(model, questions, **args)
-    _, each = score(texts, [q["gold"] for q in questions], [q["question"] for q in questions])
+    _, each = score(texts, questions)
     each = each | ({"tool_share": [float(c > 0) for c in calls]} if tools else {})
     if samples > 0:
         each |= sampled_scores(model, questions, samples, sample_config, score, args, correct)
@@ -74,8 +74,7 @@ def sampled_scores(model, questions, k, sample_config, score, args, correct=None
     if sample_config is None or not sample_config.do_sample:
         raise ValueError("EVAL_SAMPLES needs the sampling generation config (temperature > 0)")
     texts, _ = held_out_answers(model, questions, per_question=k, gen_config=sample_config, **args)
-    _, each = score(texts, [q["gold"] for q in questions for _ in range(k)],
-                    [q["question"] for q in questions for _ in range(k)])
+    _, each = score(texts, [q for q in questions for _ in range(k)])
     out = {f"{name}_mean@{k}": [sum(v[i * k : (i + 1) * k]) / k for i in range(len(questions))]
            for name, v in each.items()}
     if correct is not None:

@@ -34,11 +34,11 @@ def check_settings(*, correct):
 def pass_rate_pass(sampler, generate_answers, score, *, count, group, output_dir, batch, rank):
     """Measure (or read back) the pass rates of the sampler's first `count` questions and keep the
     sampler to those, weighted by them. generate_answers(questions) -> the trainer's Rollout of
-    `group` answers to each; score(texts, golds, questions) -> (totals, {reward name: values}); an
-    answer passes when the sampler's pass_key reward is above 0."""
+    `group` answers to each; score(texts, asked) -> (totals, {reward name: values}), asked: each
+    answer's question (a dict); an answer passes when the sampler's pass_key reward is above 0."""
     def answer_passes(part):  # for each question, its answers' right (True) or wrong
         out = generate_answers(part)
-        _, each = score(out.texts, out.golds, out.questions)
+        _, each = score(out.texts, [q for q in part for _ in range(group)])
         right = [value > 0 for value in each[sampler.pass_key]]
         return [right[i : i + group] for i in range(0, len(right), group)]
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1

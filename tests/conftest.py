@@ -224,7 +224,7 @@ def setting_home(name):
         m
         for m in vars(grpo_ref_split).values()
         if isinstance(m, types.ModuleType)
-        and (m.__name__.startswith("features.") or m.__name__ == "objectives")
+        and (m.__name__.startswith("features.") or m.__name__ in ("objectives", "environments"))
     ]
     return next(m for m in homes if name in vars(m) and name.isupper())
 

@@ -346,9 +346,9 @@ def test_evaluation_reports_each_tag_and_the_tool_share(monkeypatch):
         "features.evaluation.held_out_answers", lambda *a, **k: (texts, [0, 1, 2, 1])
     )
 
-    def score(texts, golds, qs):
+    def score(texts, asked):
         return None, {
-            "reward_correct": [rewards.reward_correct(t, g) for t, g in zip(texts, golds)]
+            "reward_correct": [rewards.reward_correct(t, q["gold"]) for t, q in zip(texts, asked)]
         }
 
     m = evaluate(

@@ -4,7 +4,6 @@ one JSON line of measurements that tests/test_vllm.py asserts on.
 
     python tests/vllm_checks.py MODEL_FOLDER
 """
-import functools
 import json
 import os
 import random
@@ -16,7 +15,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo_ref_split as grpo
 from features import vllm_engine  # noqa: E402
 from features.embedded_model import resolve_model_path  # noqa: E402
-import rewards  # noqa: E402
 from features.evaluation import evaluate  # noqa: E402
 from features.fast_paths import completion_logps  # noqa: E402
 from features.lora import add_lora  # noqa: E402
@@ -129,7 +127,7 @@ def main(path):
         tokenizer=tokenizer,
         encode=grpo.encode_prompts,
         decode=grpo.decode,
-        score=functools.partial(rewards.score, grpo.REWARDS),
+        score=grpo.score_answers,
         eos_ids=eos_ids,
         pad_id=tokenizer.pad_token_id,
         max_new_tokens=grpo.MAX_NEW_TOKENS,
