@@ -37,9 +37,15 @@ from features.question_sampler import QuestionSampler
 ENVIRONMENTS = []  # [[name, weight]] or [[name, weight, {options}]]; [] = DATASET and REWARDS
 RG_SIZE = 2000  # questions a reasoning-gym task makes for training (its held-out set apart)
 RG_HELD_OUT_SEED = 1_000_003  # added to SEED for a reasoning-gym task's held-out questions
+OPENENV_QUESTIONS = 2000  # episodes (seeds) an OpenEnv environment trains on (held-out apart)
+MAX_TURNS = 8  # steps an episode may take; every turn's tokens count in MAX_NEW_TOKENS
+ENV_TIMEOUT = 30.0  # s a reset or step may take; then the environment is named and the run stops
+MAX_OBSERVATION_BYTES = 8192  # an environment's message (its JSON) longer than this is refused
+SERVER_WAIT = 600.0  # s to wait at start for an environment's server to answer, then stop
 env_overrides.apply_env_overrides(globals(), "environments.py")
 
 RG_PREFIX = "rg:"  # "rg:leg_counting": reasoning-gym's task of that name
+OPENENV_PREFIX = "openenv:"  # "openenv:http://host:port": an environment OpenEnv serves there
 BUILT_IN = ("arithmetic", "arithmetic_mixed", "shapes")  # besides a .jsonl and geometry3k
 
 
@@ -69,6 +75,7 @@ class Scorer:
     """How an environment scores: a fresh episode per answer, and its rewards' weights."""
     make: Callable  # make() -> a fresh Environment, one per answer
     reward_weights: dict  # {reward name: weight} in an answer's summed reward
+    multi_turn: bool = False  # True: its episodes may take several steps (environments.play)
 
 
 def tag_of(name: str) -> str:
@@ -144,6 +151,107 @@ def rg_question(entry: dict, split: str) -> dict:
             "split": split}
 
 
+class OpenEnvEnvironment(Environment):
+    """An environment OpenEnv serves at `url` (its own server: FastAPI under uvicorn), reached with
+    OpenEnv's client, one WebSocket session per answer. What the server sends is checked before it
+    is used: a message over MAX_OBSERVATION_BYTES, an answer later than ENV_TIMEOUT, an observation
+    without its text, a reward that is not a finite number, rewards that are not the ones
+    reward_weights names: each raises EnvironmentFault naming the environment."""
+
+    def __init__(self, url: str, name: str, reward_weights: dict):
+        from openenv.core.generic_client import GenericEnvClient
+
+        self.name = name
+        self.reward_weights = reward_weights
+        self.client = GenericEnvClient(base_url=url, connect_timeout_s=ENV_TIMEOUT,
+                                       message_timeout_s=ENV_TIMEOUT,
+                                       max_message_size_mb=MAX_OBSERVATION_BYTES / 2**20).sync()
+
+    def call(self, what: str, *args, **kwargs):
+        """client.reset or client.step, its failures as EnvironmentFault naming the environment."""
+        try:
+            return getattr(self.client, what)(*args, **kwargs)
+        except Exception as e:  # refused, cut, timed out, too large, or the server's own error
+            raise EnvironmentFault(f"environment {self.name}: {what} failed: "
+                                   f"{type(e).__name__}: {str(e)[:300]}") from e
+
+    def reset(self, question: dict, seed: int) -> list:
+        text, _ = self.read(self.call("reset", seed=question["seed"]), first=True)
+        if text != question["question"]:  # the episode would not be the one its group was asked
+            raise EnvironmentFault(f"environment {self.name}: reset(seed={question['seed']}) "
+                                   "opened otherwise than when the run started: its episodes "
+                                   "must depend on the seed alone")
+        return [{"role": "user", "content": text}]
+
+    def step(self, message: str) -> Turn:
+        result = self.call("step", {"message": message})
+        text, values = self.read(result)
+        return Turn(observation=text, rewards=values, done=result.done)
+
+    def read(self, result, first=False) -> tuple:
+        """(the observation's text, its rewards by name) of a StepResult, checked."""
+        observation = result.observation
+        if not isinstance(observation, dict) or not isinstance(observation.get("text"), str):
+            raise EnvironmentFault(f"environment {self.name}: an observation needs a text field "
+                                   f"(got {str(observation)[:200]})")
+        if not isinstance(result.done, bool):
+            raise EnvironmentFault(f"environment {self.name}: done is {result.done!r}, not a bool")
+        if first:
+            return observation["text"], {}
+        values = observation.get("rewards") or {}
+        if set(self.reward_weights) == {"reward"}:  # one number: OpenEnv's own reward field
+            values = {"reward": result.reward}
+        if not isinstance(values, dict) or set(values) != set(self.reward_weights):
+            raise EnvironmentFault(f"environment {self.name}: rewards {str(values)[:200]} are not "
+                                   f"{sorted(self.reward_weights)}")
+        for name, value in values.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise EnvironmentFault(f"environment {self.name}: reward {name} = {value!r} is "
+                                       "not a number")
+            if not math.isfinite(value):
+                raise EnvironmentFault(f"environment {self.name}: reward {name} = {value} is not "
+                                       "finite")
+        return observation["text"], {name: float(value) for name, value in values.items()}
+
+    def close(self):
+        """The session's end; a failure to say goodbye loses nothing."""
+        try:
+            self.client.close()
+        except Exception:  # the server may be gone already: the episode is over either way
+            pass
+
+
+class EnvironmentFault(RuntimeError):
+    """An environment that failed or misbehaved: the step stops, nothing of it trains."""
+
+
+def openenv_questions(name, options, *, seed, eval_size) -> tuple:
+    """An OpenEnv environment's questions: an episode per seed, its question the opening the
+    server gives for it (asked once here, so a group's prompt is known before its episodes open,
+    and checked again at each reset). OPENENV_QUESTIONS training seeds from `seed` on, eval_size
+    held-out ones from seed + RG_HELD_OUT_SEED. The server must answer within SERVER_WAIT: else
+    the run stops here, before any model loads, naming it."""
+    from features.retry import request_with_retry
+
+    url = name[len(OPENENV_PREFIX):]
+    health = url.replace("ws://", "http://").replace("wss://", "https://").rstrip("/")
+    try:
+        request_with_retry("GET", f"{health}/health", give_up_after=SERVER_WAIT,
+                           what=f"environment {name}", read_timeout=ENV_TIMEOUT)
+    except Exception as e:
+        raise EnvironmentFault(f"ENVIRONMENTS: {name} is not reachable: {e}") from e
+    episode = OpenEnvEnvironment(url, name, options.get("reward_weights", {"reward": 1.0}))
+    try:
+        def opening_of(k: int) -> dict:
+            text, _ = episode.read(episode.call("reset", seed=k), first=True)
+            return {"question": text, "gold": "", "seed": k}
+        train = [opening_of(seed + k) for k in range(OPENENV_QUESTIONS)]
+        held_out = [opening_of(seed + RG_HELD_OUT_SEED + k) for k in range(eval_size)]
+    finally:
+        episode.close()
+    return train, held_out
+
+
 def own_class(name: str):
     """"module:Class": the class of one's own that the name points at, checked for the four
     things an environment class needs."""
@@ -160,9 +268,12 @@ def own_class(name: str):
 
 
 def kind_of(name: str) -> str:
-    """"rg" (reasoning-gym), "own" (module:Class) or "built_in" (a DATASET name)."""
+    """"rg" (reasoning-gym), "openenv" (served by OpenEnv), "own" (module:Class) or "built_in" (a
+    DATASET name)."""
     if name.startswith(RG_PREFIX):
         return "rg"
+    if name.startswith(OPENENV_PREFIX):
+        return "openenv"
     if ":" in name and not name.endswith(".jsonl"):
         return "own"
     return "built_in"
@@ -180,8 +291,14 @@ def scorer(name, options, reward_fns) -> Scorer:
         rg_weights = dict(reward_correct=weights.get(correct, 1.0),
                           reward_format=weights.get("reward_format", 0.0))
         return Scorer(make=ReasoningGymEnvironment, reward_weights=rg_weights)
+    if kind_of(name) == "openenv":
+        served = options.get("reward_weights", {"reward": 1.0})
+        url = name[len(OPENENV_PREFIX):]
+        return Scorer(make=lambda: OpenEnvEnvironment(url, name, served),
+                      reward_weights=dict(served), multi_turn=True)
     env_class = own_class(name)
-    return Scorer(make=lambda: env_class(**options), reward_weights=dict(env_class.reward_weights))
+    return Scorer(make=lambda: env_class(**options), reward_weights=dict(env_class.reward_weights),
+                  multi_turn=bool(getattr(env_class, "multi_turn", False)))
 
 
 # ----------------------------------------------------------------------------- the run's mix
@@ -206,6 +323,12 @@ def entries(setting=None) -> list:
             raise ValueError(f"ENVIRONMENTS: {name}: weight {weight} must be finite and > 0")
         if not isinstance(options, dict):
             raise ValueError(f"ENVIRONMENTS: {name}: options {options!r} are not a dict")
+        served = options.get("reward_weights", {"reward": 1.0})
+        if not isinstance(served, dict) or not served or not all(
+                isinstance(k, str) and isinstance(w, (int, float)) and not isinstance(w, bool)
+                and math.isfinite(w) for k, w in served.items()):
+            raise ValueError(f"ENVIRONMENTS: {name}: reward_weights {served!r} must map names to "
+                             "finite numbers")
         if kind_of(name) == "built_in" and options:
             raise ValueError(f"ENVIRONMENTS: {name}: a built-in task takes no options (its "
                              "settings are the trainer's: ARITH_MAX...)")
@@ -219,16 +342,19 @@ def known_kind(name: str) -> bool:
     """Whether `name` is of a kind ENVIRONMENTS can load (whether it exists is checked on load)."""
     if kind_of(name) == "rg":
         return len(name) > len(RG_PREFIX)
+    if kind_of(name) == "openenv":
+        return name[len(OPENENV_PREFIX):].startswith(("http://", "https://", "ws://", "wss://"))
     if kind_of(name) == "own":
         module_name, _, attribute = name.partition(":")
         return bool(module_name and attribute)
     return name in BUILT_IN or name.endswith(".jsonl") or "/" in name
 
 
-def check_settings(*, sampler: str, tools_on: bool) -> None:
+def check_settings(*, sampler: str, tools_on: bool, eval_samples: int) -> None:
     """Stop, before any model loads, on ENVIRONMENTS that cannot serve this run: a bad entry (an
     unknown environment, a weight <= 0, a class of one's own that is not there), or a setting the
-    mix does not serve (SAMPLER other than "uniform", TOOLS)."""
+    mix does not serve (SAMPLER other than "uniform", TOOLS; EVAL_SAMPLES with an environment of
+    several turns). An OpenEnv server is asked at load (load_dataset), still before any model."""
     if not ENVIRONMENTS:
         return
     try:
@@ -243,6 +369,10 @@ def check_settings(*, sampler: str, tools_on: bool) -> None:
     if tools_on:
         sys.exit("ENVIRONMENTS with TOOLS: the calculator is a task of its own; leave TOOLS [] "
                  "with ENVIRONMENTS")
+    several = [name for name, _, options in entries() if scorer(name, options, ()).multi_turn]
+    if several and eval_samples > 0:
+        sys.exit(f"ENVIRONMENTS: {several[0]} plays episodes of several turns, which the held-out "
+                 "evaluation plays greedily only: set EVAL_SAMPLES=0")
 
 
 def load(*, seed: int, eval_size: int, arith_max: int, fit_images) -> tuple:
@@ -258,6 +388,8 @@ def load(*, seed: int, eval_size: int, arith_max: int, fit_images) -> tuple:
             part = reasoning_gym_questions(name, options, seed=seed, eval_size=eval_size)
         elif kind_of(name) == "own":
             part = rewards.split_held_out(list(own_class(name).questions(seed)), eval_size)
+        elif kind_of(name) == "openenv":
+            part = openenv_questions(name, options, seed=seed, eval_size=eval_size)
         else:
             dataset = rewards.load_questions(name, seed, arith_max)
             if any(q.get("images") for q in dataset):
@@ -299,22 +431,31 @@ class MixSampler(QuestionSampler):
         """The mix keeps no outcomes (SAMPLER other than "uniform" is refused with it)."""
 
 
-def score(texts, asked, reward_fns) -> tuple:
+def scorers_of_run(reward_fns) -> dict:
+    """{environment name: Scorer} for every environment of ENVIRONMENTS."""
+    return {name: scorer(name, options, reward_fns) for name, _, options in entries()}
+
+
+def score(texts, asked, reward_fns, played=None) -> tuple:
     """Step 3 by environment: (each answer's weighted sum of its rewards, {reward name: each
     answer's value}); asked: each answer's question (a dict with its "env"). The table holds every
-    name of every environment; an answer gets 0 for a reward its environment does not give. Each
-    answer is an episode of its own: reset, then its one step (a single-turn environment)."""
+    name of every environment; an answer gets 0 for a reward its environment does not give.
+    played: each answer's rewards, summed over its episode's turns, where play() ran the episodes;
+    None (or a None in it): a single-turn episode, reset and stepped here."""
     if len(texts) != len(asked):
         raise ValueError(f"{len(texts)} answers for {len(asked)} questions")
-    scorers = {name: scorer(name, options, reward_fns) for name, _, options in entries()}
+    scorers = scorers_of_run(reward_fns)
     names = list(dict.fromkeys(n for s in scorers.values() for n in s.reward_weights))
     each = {name: [0.0] * len(texts) for name in names}
     sums = []
     for i, (text, question) in enumerate(zip(texts, asked)):
         env = question["env"]
-        episode = scorers[env].make()
-        episode.reset(question, seed=i)
-        values = checked_rewards(episode.step(text), env, scorers[env].reward_weights)
+        if played is not None and played[i] is not None:
+            values = played[i]
+        else:
+            episode = scorers[env].make()
+            episode.reset(question, seed=i)
+            values = checked_rewards(episode.step(text), env, scorers[env].reward_weights)
         for name, value in values.items():
             each[name][i] = value
         weights = scorers[env].reward_weights
@@ -341,3 +482,144 @@ def checked_rewards(turn, env: str, reward_weights: dict) -> dict:
             raise ValueError(f"environment {env}: reward {name} = {value} is not finite")
         out[name] = float(value)
     return out
+
+
+# ----------------------------------------------------------------------------- multi-turn episodes
+def multi_turn(questions) -> bool:
+    """Whether any of `questions` belongs to an environment whose episodes take several turns:
+    then the step's answers are played turn by turn (play), every one of them."""
+    several = {name: scorer(name, options, ()).multi_turn for name, _, options in entries()}
+    return any(several[q["env"]] for q in questions)
+
+
+def play_rollout(model, tokenizer, enc, n, asked, *, gen_config, llm, temperature, eos_ids,
+                 think_prefill, reward_fns) -> tuple:
+    """play() for n answers to each prompt of `enc` (left-padded input_ids, attention_mask; a
+    prompt's n rows consecutive; asked: each answer's question), sampled by vLLM (`llm`) or by
+    transformers' generate with gen_config (do_sample False: greedy), each turn ending at an EOS:
+    (completion_ids, vllm_logps, {policy_mask, stopped, played, turns})."""
+    from features.tools import transformers_turns, vllm_turns
+
+    prompts = [ids[keep.bool()].tolist()
+               for ids, keep in zip(enc.input_ids.cpu(), enc.attention_mask.cpu())]
+    if llm is not None:
+        sample = vllm_turns(llm, temperature, eos_ids, stop=())
+    else:
+        sample = transformers_turns(model, tokenizer, gen_config, stop=())
+    out = play(sample, [p for p in prompts for _ in range(n)], asked, reward_fns=reward_fns,
+               tokenizer=tokenizer, think_prefill=think_prefill,
+               max_new_tokens=gen_config.max_new_tokens, eos_ids=list(eos_ids),
+               pad_id=gen_config.pad_token_id)
+    return out.pop("completion_ids"), out.pop("vllm_logps"), out
+
+
+def observation_ids(tokenizer, observation: str, think_prefill: str) -> list:
+    """The tokens between the model's end of turn (its EOS, already sampled) and its next turn: the
+    chat template's close of the assistant's turn, the observation as the user's turn, the
+    assistant's header and THINK_PREFILL. Taken from the template itself, so any chat model's
+    turns read as its own."""
+    mark = "\x00TURN\x00"  # stands for the assistant's turn; nothing a template writes
+    messages = [{"role": "user", "content": "."}, {"role": "assistant", "content": mark},
+                {"role": "user", "content": observation}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    after = text[text.index(mark) + len(mark):]
+    eos = tokenizer.eos_token or ""
+    if eos and after.startswith(eos):  # the model sampled its EOS: it is in the answer already
+        after = after[len(eos):]
+    return tokenizer(after + think_prefill, add_special_tokens=False).input_ids
+
+
+def play(sample, prompts, asked, *, reward_fns, tokenizer, think_prefill, max_new_tokens,
+         eos_ids, pad_id) -> dict:
+    """Every answer an episode of its question's environment, turn by turn: the model writes until
+    its EOS (sample(prefixes, budgets) -> one (token ids, log-probs or None) per prefix, from
+    features/tools.py), the environment steps on that turn's text, and while it is not done its
+    observation joins the answer as tokens that are not the policy's (they never train). An
+    episode ends when done, after MAX_TURNS steps, or when max_new_tokens run out (cut: not
+    stopped). A fault ends the step with EnvironmentFault: nothing of it trains, and the next
+    rollout opens fresh episodes. Returns completion_ids (B, T) padded with pad_id, vllm_logps
+    (B, T) or None, policy_mask (B, T), stopped (B,), played (B dicts: each answer's rewards summed
+    over its turns), turns (B ints)."""
+    import torch
+
+    scorers = scorers_of_run(reward_fns)
+    B = len(prompts)
+    episodes = [scorers[q["env"]].make() for q in asked]
+    try:
+        for i, (episode, question) in enumerate(zip(episodes, asked)):
+            episode.reset(question, seed=i)
+        ids = [[] for _ in range(B)]
+        own = [[] for _ in range(B)]  # True on the policy's tokens
+        logps = [[] for _ in range(B)]
+        played = [dict.fromkeys(scorers[q["env"]].reward_weights, 0.0) for q in asked]
+        turns = [0] * B
+        stopped = [False] * B
+        sampled = False
+        active = list(range(B))
+        while active:
+            outs = sample([prompts[i] + ids[i] for i in active],
+                          [max_new_tokens - len(ids[i]) for i in active])
+            still = []
+            for i, (segment, segment_logps) in zip(active, outs):
+                segment = list(segment)[: max_new_tokens - len(ids[i])]
+                eos = next((k for k, t in enumerate(segment) if t in eos_ids), None)
+                if eos is not None:
+                    segment = segment[: eos + 1]  # up to and including the EOS
+                sampled |= segment_logps is not None
+                ids[i] += segment
+                own[i] += [True] * len(segment)
+                logps[i] += list(segment_logps or [0.0] * len(segment))[: len(segment)]
+                if eos is None:
+                    continue  # cut by the budget: the episode ends unfinished
+                text = think_prefill + tokenizer.decode(segment, skip_special_tokens=True)
+                env = asked[i]["env"]
+                turn = checked_turn(episodes[i].step(text), env, scorers[env].reward_weights)
+                turns[i] += 1
+                for name, value in turn.rewards.items():
+                    played[i][name] += value
+                if turn.done:
+                    stopped[i] = True
+                    continue
+                if turns[i] >= MAX_TURNS:
+                    continue  # out of turns: cut, as the budget cuts
+                observed = observation_ids(tokenizer, turn.observation, think_prefill)
+                observed = observed[: max_new_tokens - len(ids[i])]
+                ids[i] += observed
+                own[i] += [False] * len(observed)
+                logps[i] += [0.0] * len(observed)
+                if len(ids[i]) < max_new_tokens:
+                    still.append(i)
+            active = still
+    finally:
+        for episode in episodes:
+            getattr(episode, "close", lambda: None)()
+    T = max(1, max(map(len, ids)))
+    completion_ids = torch.full((B, T), pad_id)  # (B, T)
+    policy_mask = torch.zeros(B, T, dtype=torch.bool)  # (B, T)
+    vllm_logps = torch.zeros(B, T)  # (B, T)
+    for i in range(B):
+        n = len(ids[i])
+        completion_ids[i, :n] = torch.tensor(ids[i], dtype=torch.long)
+        policy_mask[i, :n] = torch.tensor(own[i], dtype=torch.bool)
+        vllm_logps[i, :n] = torch.tensor(logps[i])
+    return dict(completion_ids=completion_ids, vllm_logps=vllm_logps if sampled else None,
+                policy_mask=policy_mask, stopped=torch.tensor(stopped), played=played,
+                turns=turns)
+
+
+def checked_turn(turn, env: str, reward_weights: dict) -> Turn:
+    """A step's Turn, checked: its rewards (checked_rewards), done a bool, the observation text."""
+    if not isinstance(turn, Turn):
+        raise EnvironmentFault(f"environment {env}: step gave {type(turn).__name__}, not a Turn")
+    if not isinstance(turn.done, bool) or not isinstance(turn.observation, str):
+        raise EnvironmentFault(f"environment {env}: a Turn needs done (bool) and observation (str)")
+    if len(turn.observation.encode()) > MAX_OBSERVATION_BYTES:
+        raise EnvironmentFault(f"environment {env}: an observation of "
+                               f"{len(turn.observation.encode())} bytes, over "
+                               f"MAX_OBSERVATION_BYTES {MAX_OBSERVATION_BYTES}")
+    done = Turn(observation="", rewards=turn.rewards, done=True)  # checked_rewards wants done
+    try:
+        values = checked_rewards(done, env, reward_weights)
+    except ValueError as e:
+        raise EnvironmentFault(str(e)) from e
+    return Turn(observation=turn.observation, rewards=values, done=turn.done)

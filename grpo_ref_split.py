@@ -211,6 +211,8 @@ class Rollout:
     questions: list  # each answer's question
     tool_calls: list | None = None  # TOOLS: calls each answer made
     tool_errors: list | None = None  # TOOLS: error results each answer got
+    played: list | None = None  # multi-turn ENVIRONMENTS: each answer's rewards over its turns
+    turns: list | None = None  # multi-turn ENVIRONMENTS: the steps each answer's episode took
     vision_inputs: dict = field(default_factory=dict)  # each row's pixels (features/vision.py)
     images: list | None = None  # each answer's question's images (PNG/JPEG bytes), to upload
 
@@ -302,12 +304,17 @@ def generate(model, tokenizer, questions, gen_config, eos_ids, llm=None) -> Roll
         pixels = vision.to_device(vision.pixel_rows(enc, NUM_PRE_Q), device)  # B rows
     model.eval()  # no dropout; the KV cache on, even with gradient checkpointing
     vllm_logps = None  # vLLM's log-probs: transformers samples with the trainer's own weights
-    tool = {}  # TOOLS: the calls and errors of each answer
+    tool = {}  # TOOLS: the calls and errors of each answer; multi-turn episodes: their rewards
     if tools.TOOLS:  # multi-turn: each <tool> call answered by a <result> (docs/tools.md)
         completion_ids, vllm_logps, tool = tools.generate_with_tools(
             model, tokenizer, enc, NUM_PRE_Q, llm=llm, gen_config=gen_config,
             temperature=TEMPERATURE, tools=tools.chosen(), max_calls=tools.MAX_TOOL_CALLS,
             eos_ids=eos_ids)
+    elif environments.ENVIRONMENTS and environments.multi_turn(questions):  # a variant: episodes
+        completion_ids, vllm_logps, tool = environments.play_rollout(
+            model, tokenizer, enc, NUM_PRE_Q, [q for q in questions for _ in range(NUM_PRE_Q)],
+            gen_config=gen_config, llm=llm, temperature=TEMPERATURE, eos_ids=eos_ids,
+            think_prefill=THINK_PREFILL, reward_fns=REWARDS)  # turn by turn (environments.py)
     elif llm is not None:  # faster equal: vLLM samples the same distribution (docs/vllm.md)
         completion_ids, vllm_logps = vllm_engine.vllm_sample(
             llm, enc, NUM_PRE_Q, TEMPERATURE, eos_ids, tokenizer.pad_token_id, MAX_NEW_TOKENS)
@@ -319,7 +326,7 @@ def generate(model, tokenizer, questions, gen_config, eos_ids, llm=None) -> Roll
                              generation_config=gen_config)  # (B, P+T)
         completion_ids = out[:, prompt_ids.shape[1]:]  # (B, T)
     completion_ids = completion_ids.to(device)  # (B, T)
-    if tools.TOOLS:  # by each answer's real length: one cut after a call has no EOS, pads with it
+    if "policy_mask" in tool:  # by each answer's real length: one cut after a turn has no EOS
         mask = tool.pop("policy_mask").to(device)  # (B, T) the policy's own tokens
         stopped = tool.pop("stopped").to(device)  # (B,) False = cut off (budget or calls)
     else:
@@ -371,11 +378,11 @@ def answer_advantages(scores, each: dict) -> torch.Tensor:
     return advantages_in_groups(scores, NUM_PRE_Q)  # (N,)
 
 
-def score_answers(texts, asked) -> tuple:
+def score_answers(texts, asked, played=None) -> tuple:
     """Step 3: (each answer's weighted sum of REWARDS, {reward name: each answer's value});
     asked: each answer's question (a dict: its question, its gold)."""
     if environments.ENVIRONMENTS:  # a variant: each question's environment scores its answers
-        return environments.score(texts, asked, REWARDS)
+        return environments.score(texts, asked, REWARDS, played)
     return rewards.score(REWARDS, texts, [q["gold"] for q in asked], [q["question"] for q in asked])
 
 
@@ -408,7 +415,7 @@ def scored_groups(model, tokenizer, questions, *, eos_ids, gen_config, llm, keep
         generated = generate(model, tokenizer, questions, gen_config, eos_ids, llm)  # 2. generate
     asked = [q for q in questions for _ in range(NUM_PRE_Q)]  # each answer's question
     with timed(seconds, "score_s"):  # 3. score (log: its seconds)
-        sums, each = score_answers(generated.texts, asked)
+        sums, each = score_answers(generated.texts, asked, generated.played)
     scores = torch.tensor(sums, dtype=torch.float32)  # (N,) each answer's reward: REWARDS' sum
     advantages = answer_advantages(scores, each)  # (N,) 4. advantages
     with timed(seconds, "pi_old_s"):  # 5. keep the groups whose rewards differ (log: seconds)
@@ -783,7 +790,8 @@ def check_settings():
     pass_rates.check_settings(correct=correct)
     evaluation.check_settings(correct=correct)
     tools.check_settings()
-    environments.check_settings(sampler=question_sampler.SAMPLER, tools_on=bool(tools.TOOLS))
+    environments.check_settings(sampler=question_sampler.SAMPLER, tools_on=bool(tools.TOOLS),
+                                eval_samples=evaluation.EVAL_SAMPLES)
     refusals.refuse_impossible(gspo=GSPO, clip_eps=CLIP_EPS, clip_eps_high=CLIP_EPS_HIGH,
                                loss_type=LOSS_TYPE, output_dir=OUTPUT_DIR,
                                tis_mode=objectives.TIS_MODE)

@@ -27,9 +27,11 @@ class Backoff:
     every NOTE_EVERY_S, or raises TimeoutError once give_up_after seconds have passed since the
     first try."""
 
-    def __init__(self, give_up_after: float, what: str):
+    def __init__(self, give_up_after: float, what: str,
+                 hint: str = "is `python ref_server.py` running?"):
         self.give_up_after = give_up_after
         self.what = what  # who is waited for, as the messages name it
+        self.hint = hint  # what the message at the deadline asks
         self.start = time.time()
         self.delay = RETRY_FIRST_S
         self.last_note = 0.0
@@ -38,8 +40,7 @@ class Backoff:
         """After a failed try (`problem` says how it failed): pause, or give up."""
         waited = time.time() - self.start
         if waited > self.give_up_after:
-            raise TimeoutError(f"{self.what} still {problem} after {waited:.0f} s; "
-                               "is `python ref_server.py` running?")
+            raise TimeoutError(f"{self.what} still {problem} after {waited:.0f} s; {self.hint}")
         if time.time() - self.last_note > NOTE_EVERY_S:
             print(f"[retry] {self.what} {problem}; retrying for up to {self.give_up_after:.0f} s",
                   file=sys.stderr, flush=True)

@@ -224,9 +224,10 @@ def tool_rollout(
     )
 
 
-def transformers_turns(model, tokenizer, gen_config):
+def transformers_turns(model, tokenizer, gen_config, stop=(TOOL_CLOSE,)):
     """sample() for tool_rollout from transformers' generate: the prefixes left-padded into one
-    batch, each row stopping at an EOS or at TOOL_CLOSE (generate's stop_strings)."""
+    batch, each row stopping at an EOS or at a text of `stop` (generate's stop_strings; () = at an
+    EOS only, an environment's turn)."""
 
     def sample(prefixes, budgets):
         width = max(map(len, prefixes))
@@ -240,7 +241,7 @@ def transformers_turns(model, tokenizer, gen_config):
         )
         config = copy.deepcopy(gen_config)  # the trainer's sampling, stopping at a call too
         config.max_new_tokens = max(budgets)
-        config.stop_strings = [TOOL_CLOSE]
+        config.stop_strings = list(stop) or None
         out = model.generate(
             input_ids=ids, attention_mask=attn, generation_config=config, tokenizer=tokenizer
         )
@@ -249,7 +250,7 @@ def transformers_turns(model, tokenizer, gen_config):
     return sample
 
 
-def vllm_turns(llm, temperature, eos_ids):
+def vllm_turns(llm, temperature, eos_ids, stop=(TOOL_CLOSE,)):
     """sample() for tool_rollout from a vLLM engine: one request per prefix, stopping at an EOS or
     TOOL_CLOSE, with the sampled tokens' log-probs; a continuation's prefix is in the engine's
     prefix cache already."""
@@ -267,7 +268,7 @@ def vllm_turns(llm, temperature, eos_ids):
                 budget,
                 eos_ids,
                 seed,
-                stop=[TOOL_CLOSE],
+                stop=list(stop),
                 include_stop_str_in_output=True,
             )
             for budget, seed in zip(budgets, seeds)

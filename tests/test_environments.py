@@ -169,15 +169,15 @@ def test_a_hostile_step_is_refused_with_the_environment_named(mix, monkeypatch, 
 def test_a_bad_entry_stops_the_run_before_any_model_loads(mix, setting, says):
     mix(setting)
     with pytest.raises(SystemExit, match=f"ENVIRONMENTS: .*{says}"):
-        environments.check_settings(sampler="uniform", tools_on=False)
+        environments.check_settings(sampler="uniform", tools_on=False, eval_samples=0)
 
 
 def test_settings_the_mix_cannot_serve_are_refused(mix):
     mix([["arithmetic", 1.0]])
     with pytest.raises(SystemExit, match='SAMPLER "uniform"'):
-        environments.check_settings(sampler="difficulty", tools_on=False)
+        environments.check_settings(sampler="difficulty", tools_on=False, eval_samples=0)
     with pytest.raises(SystemExit, match="leave TOOLS"):
-        environments.check_settings(sampler="uniform", tools_on=True)
+        environments.check_settings(sampler="uniform", tools_on=True, eval_samples=0)
     with pytest.raises(ValueError, match="rg:no_such_task: reasoning-gym refused it"):
         mix([["rg:no_such_task", 1.0]])
         environments.load(seed=1, eval_size=4, arith_max=20, fit_images=None)
@@ -234,3 +234,213 @@ def test_a_mixed_run_evaluates_each_environment_on_its_own(server, tiny_model_di
         arithmetic = line["eval_reward_correct_arithmetic"]
         legs = line["eval_reward_correct_rg_leg_counting"]
         assert line["eval_reward_correct"] == pytest.approx((arithmetic + legs) / 2)
+
+
+# ----------------------------------------------------------------------------- episodes of turns
+class Countdown(environments.Environment):
+    """A multi-turn task of one's own: it answers "again" until the model's turn holds "stop",
+    rewarding 1 for each turn and 5 for stopping."""
+    multi_turn = True
+    reward_weights = {"turn": 1.0, "stopped": 1.0}
+
+    @classmethod
+    def questions(cls, seed):
+        return [{"question": f"Count {k}.", "gold": ""} for k in range(20)]
+
+    def reset(self, question, seed):
+        return [{"role": "user", "content": question["question"]}]
+
+    def step(self, message):
+        stop = "stop" in message
+        return environments.Turn(observation="again", done=stop,
+                                 rewards={"turn": 1.0, "stopped": 5.0 * stop})
+
+
+def test_the_observation_joins_the_answer_as_the_chat_template_writes_a_turn(tokenizer):
+    """Prompt + the model's turn (ending in its EOS) + observation_ids reads exactly as the chat
+    template writes the three turns, with THINK_PREFILL after the next assistant header."""
+    first = [{"role": "user", "content": "Guess."}]
+    prompt = tokenizer.apply_chat_template(first, tokenize=False, add_generation_prompt=True)
+    turn = "<think> 8 </think><answer>8</answer>"
+    glue = tokenizer.decode(environments.observation_ids(tokenizer, "Higher.", "<think>"))
+    whole = tokenizer.apply_chat_template(
+        first + [{"role": "assistant", "content": turn}, {"role": "user", "content": "Higher."}],
+        tokenize=False, add_generation_prompt=True)
+    assert prompt + turn + tokenizer.eos_token + glue == whole + "<think>"
+
+
+def scripted(turns_by_row):
+    """sample() for play that writes each row's next scripted turn (token ids) whatever it is
+    asked; it checks each prefix grows by what play appended."""
+    calls = []
+
+    def sample(prefixes, budgets):
+        calls.append(len(prefixes))
+        return [(turns_by_row[len(calls) - 1][k], None) for k in range(len(prefixes))]
+    return sample
+
+
+def test_play_masks_the_environments_tokens_and_sums_the_rewards_of_every_turn(mix, tokenizer):
+    """Two episodes of Countdown: the first stops on its second turn, the second writes no EOS
+    and is cut by the budget. The mask is True on exactly the model's tokens (EOS included), the
+    rewards add up over the turns, only the first is stopped."""
+    mix([["test_environments:Countdown", 1.0]])
+    eos = tokenizer.eos_token_id
+    go = tokenizer("go on", add_special_tokens=False).input_ids + [eos]
+    stop = tokenizer("stop", add_special_tokens=False).input_ids + [eos]
+    long_turn = tokenizer(" word" * 40, add_special_tokens=False).input_ids  # no EOS: cut
+    question = {"question": "Count 1.", "gold": "", "env": "test_environments:Countdown"}
+    out = environments.play(scripted([[go, long_turn], [stop]]), [[1, 2], [1, 2]],
+                            [question, question], reward_fns=grpo.REWARDS, tokenizer=tokenizer,
+                            think_prefill="<think>", max_new_tokens=30, eos_ids=[eos],
+                            pad_id=eos)
+    glue = environments.observation_ids(tokenizer, "again", "<think>")
+    first = go + glue + stop
+    assert out["completion_ids"][0, : len(first)].tolist() == first
+    assert out["policy_mask"][0].tolist()[: len(first)] == \
+        [True] * len(go) + [False] * len(glue) + [True] * len(stop)
+    assert not out["policy_mask"][0, len(first):].any()
+    assert out["policy_mask"][1].tolist() == [True] * 30  # the budget, all the model's own
+    assert out["played"] == [{"turn": 2.0, "stopped": 5.0}, {"turn": 0.0, "stopped": 0.0}]
+    assert out["stopped"].tolist() == [True, False] and out["turns"] == [2, 0]
+    sums, each = environments.score(["a", "b"], [question, question], grpo.REWARDS,
+                                    out["played"])
+    assert sums == [7.0, 0.0] and each == {"turn": [2.0, 0.0], "stopped": [5.0, 0.0]}
+
+
+def test_an_episode_ends_after_max_turns(mix, tokenizer, monkeypatch):
+    mix([["test_environments:Countdown", 1.0]])
+    monkeypatch.setattr(environments, "MAX_TURNS", 3)
+    eos = tokenizer.eos_token_id
+    go = tokenizer("go", add_special_tokens=False).input_ids + [eos]
+    question = {"question": "Count 1.", "gold": "", "env": "test_environments:Countdown"}
+    out = environments.play(scripted([[go]] * 5), [[1]], [question], reward_fns=grpo.REWARDS,
+                            tokenizer=tokenizer, think_prefill="", max_new_tokens=500,
+                            eos_ids=[eos], pad_id=eos)
+    assert out["turns"] == [3] and out["stopped"].tolist() == [False]
+    assert out["played"] == [{"turn": 3.0, "stopped": 0.0}]
+
+
+# ----------------------------------------------------------------------------- OpenEnv, for real
+def serve(script, port, **env):
+    """A server script on `port` in its own process; waits for its /health."""
+    import subprocess
+    import time
+
+    import requests
+
+    proc = subprocess.Popen([__import__("sys").executable, script], cwd=ROOT,
+                            env={**os.environ, **env}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            if requests.get(f"http://127.0.0.1:{port}/health", timeout=1).ok:
+                return proc
+        except requests.ConnectionError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"{script} did not start")
+
+
+@pytest.fixture
+def hostile():
+    """start(how) -> the URL of tests/openenv_hostile.py misbehaving that way."""
+    from conftest import free_port, kill_group
+
+    procs = []
+
+    def start(how):
+        port = free_port()
+        procs.append(serve("tests/openenv_hostile.py", port, HOSTILE=how,
+                           HOSTILE_PORT=str(port)))
+        return f"http://127.0.0.1:{port}"
+    yield start
+    for proc in procs:
+        kill_group(proc)
+
+
+@pytest.mark.parametrize("how, says", [
+    ("nan", "reward score = None is not a number"),  # OpenEnv's server writes NaN as null
+    ("huge", "step failed"),
+    ("text", "an observation needs a text field"),
+    ("silent", "step failed: TimeoutError"),
+])
+def test_a_hostile_openenv_server_is_refused_with_the_environment_named(hostile, monkeypatch,
+                                                                         how, says):
+    monkeypatch.setattr(environments, "ENV_TIMEOUT", 2.0)
+    url = hostile(how)
+    episode = environments.OpenEnvEnvironment(url, f"openenv:{url}", {"score": 1.0})
+    try:
+        episode.reset({"question": "Say anything (3).", "seed": 3}, seed=0)
+        with pytest.raises(environments.EnvironmentFault, match=f"openenv:{url}: {says}"):
+            episode.step("hello")
+    finally:
+        episode.close()
+
+
+def test_an_unreachable_openenv_server_stops_the_run_at_load(mix, monkeypatch):
+    from conftest import free_port
+
+    monkeypatch.setattr(environments, "SERVER_WAIT", 1.0)
+    url = f"http://127.0.0.1:{free_port()}"
+    mix([[f"openenv:{url}", 1.0]])
+    with pytest.raises(environments.EnvironmentFault, match=f"openenv:{url} is not reachable"):
+        environments.load(seed=1, eval_size=4, arith_max=20, fit_images=None)
+
+
+@pytest.fixture
+def guess_server():
+    from conftest import free_port, kill_group
+
+    port = free_port()
+    proc = serve("scripts/guess_number_env.py", port, GUESS_PORT=str(port))
+    yield proc, f"http://127.0.0.1:{port}"
+    if proc.poll() is None:  # a test may have killed it already
+        kill_group(proc)
+
+
+def test_two_steps_train_against_a_real_openenv_server(server, tiny_model_dir, tmp_path,
+                                                        guess_server):
+    """The number-guessing game served by OpenEnv's own server in its own process, mixed with the
+    arithmetic task: two steps train, and the held-out evaluation plays the game's episodes."""
+    _, url = guess_server
+    setting = [["arithmetic", 1.0], [f"openenv:{url}", 1.0, {"reward_weights": {"solved": 1.0}}]]
+    run = train(tiny_model_dir, server.url, tmp_path / "guess", 1, EVAL_STEPS=2, SAVE_STEPS=0,
+                ENVIRONMENTS=json.dumps(setting), OPENENV_QUESTIONS=40, MAX_NEW_TOKENS=48)
+    assert run.returncode == 0, run.stderr[-3000:]
+    steps, evals = metrics(tmp_path / "guess")
+    assert [line["step"] for line in steps] == [1, 2]
+    tag = environments.tag_of(f"openenv:{url}")
+    assert all(f"eval_solved_{tag}" in line for line in evals)
+    answers = [json.loads(line) for line in open(tmp_path / "guess" / "completions.jsonl")]
+    games = [a for a in answers if a["question"].startswith("I am thinking")]
+    assert games and all("solved" in a for a in games)
+
+
+def test_a_server_killed_mid_run_stops_it_with_the_environment_named(server, tiny_model_dir,
+                                                                      tmp_path, guess_server):
+    """The game's server killed once the run has asked its openings: the first step's episodes
+    fail, the run stops naming the environment, and no step is logged as trained."""
+    import subprocess
+    import time
+
+    from conftest import kill_group, trainer_cmd, trainer_env
+
+    proc, url = guess_server
+    setting = [[f"openenv:{url}", 1.0, {"reward_weights": {"solved": 1.0}}]]
+    out = tmp_path / "killed"
+    env = trainer_env(tiny_model_dir, server.url, out, EVAL_STEPS=0, SAVE_STEPS=0,
+                      ENVIRONMENTS=json.dumps(setting), OPENENV_QUESTIONS=40)
+    trainer = subprocess.Popen(trainer_cmd(1), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (out / "metrics.jsonl").exists():
+        time.sleep(0.2)  # metrics.jsonl opens after the openings are read, before step 1
+    kill_group(proc)
+    log, _ = trainer.communicate(timeout=600)
+    assert trainer.returncode != 0
+    assert f"environment openenv:{url}: reset failed" in log or \
+        f"environment openenv:{url}: step failed" in log, log[-2000:]
+    steps, _ = metrics(out)
+    assert steps == []
