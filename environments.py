@@ -84,17 +84,21 @@ def tag_of(name: str) -> str:
 
 
 # ----------------------------------------------------------------------------- the built-in ones
-class RewardsEnvironment(Environment):
+class QuestionEnvironment(Environment):
+    """A single-turn task whose opening is its question's text; step scores the one answer."""
+    question = None  # the question reset opened (a dict: its text, its gold...)
+
+    def reset(self, question: dict, seed: int) -> list:
+        self.question = question
+        return [{"role": "user", "content": question["question"]}]
+
+
+class RewardsEnvironment(QuestionEnvironment):
     """A single-turn task scored by reward functions f(completion, gold, question) -> float: the
     trainer's REWARDS on a built-in dataset."""
 
     def __init__(self, reward_fns):
         self.reward_fns = reward_fns
-        self.question = None
-
-    def reset(self, question: dict, seed: int) -> list:
-        self.question = question
-        return [{"role": "user", "content": question["question"]}]
 
     def step(self, message: str) -> Turn:
         gold = self.question["gold"]
@@ -104,17 +108,10 @@ class RewardsEnvironment(Environment):
         return Turn(observation="", rewards=values, done=True)
 
 
-class ReasoningGymEnvironment(Environment):
+class ReasoningGymEnvironment(QuestionEnvironment):
     """A single-turn reasoning-gym task: the answer in <answer> tags (rewards.extract_answer),
     scored by the task's own score_answer (0 to 1, partial credit where the task gives it), beside
     the trainer's reward_format."""
-
-    def __init__(self):
-        self.question = None
-
-    def reset(self, question: dict, seed: int) -> list:
-        self.question = question
-        return [{"role": "user", "content": question["question"]}]
 
     def step(self, message: str) -> Turn:
         import reasoning_gym
@@ -542,6 +539,8 @@ def play(sample, prompts, asked, *, reward_fns, tokenizer, think_prefill, max_ne
     over its turns), turns (B ints)."""
     import torch
 
+    from features.tools import padded_rows
+
     scorers = scorers_of_run(reward_fns)
     B = len(prompts)
     episodes = [scorers[q["env"]].make() for q in asked]
@@ -593,15 +592,9 @@ def play(sample, prompts, asked, *, reward_fns, tokenizer, think_prefill, max_ne
     finally:
         for episode in episodes:
             getattr(episode, "close", lambda: None)()
-    T = max(1, max(map(len, ids)))
-    completion_ids = torch.full((B, T), pad_id)  # (B, T)
-    policy_mask = torch.zeros(B, T, dtype=torch.bool)  # (B, T)
-    vllm_logps = torch.zeros(B, T)  # (B, T)
-    for i in range(B):
-        n = len(ids[i])
-        completion_ids[i, :n] = torch.tensor(ids[i], dtype=torch.long)
-        policy_mask[i, :n] = torch.tensor(own[i], dtype=torch.bool)
-        vllm_logps[i, :n] = torch.tensor(logps[i])
+    completion_ids = padded_rows(ids, pad_id, torch.long)  # (B, T)
+    policy_mask = padded_rows(own, False, torch.bool)  # (B, T)
+    vllm_logps = padded_rows(logps, 0.0, torch.float32)  # (B, T)
     return dict(completion_ids=completion_ids, vllm_logps=vllm_logps if sampled else None,
                 policy_mask=policy_mask, stopped=torch.tensor(stopped), played=played,
                 turns=turns)

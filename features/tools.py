@@ -202,17 +202,10 @@ def tool_rollout(
             if len(ids[i]) < max_new_tokens:
                 still.append(i)
         active = still
-    T = max(1, max(map(len, ids)))
-    completion_ids = torch.full((B, T), pad_id)  # (B, T)
-    tool_mask = torch.zeros(B, T, dtype=torch.bool)  # (B, T)
-    policy_mask = torch.zeros(B, T, dtype=torch.bool)  # (B, T)
-    vllm_logps = torch.zeros(B, T)  # (B, T)
-    for i in range(B):
-        n = len(ids[i])
-        completion_ids[i, :n] = torch.tensor(ids[i], dtype=torch.long)
-        tool_mask[i, :n] = torch.tensor(tool[i], dtype=torch.bool)
-        policy_mask[i, :n] = ~tool_mask[i, :n]
-        vllm_logps[i, :n] = torch.tensor(logps[i])
+    completion_ids = padded_rows(ids, pad_id, torch.long)  # (B, T)
+    tool_mask = padded_rows(tool, False, torch.bool)  # (B, T)
+    policy_mask = padded_rows([[not t for t in row] for row in tool], False, torch.bool)  # (B, T)
+    vllm_logps = padded_rows(logps, 0.0, torch.float32)  # (B, T)
     return dict(
         completion_ids=completion_ids,
         vllm_logps=vllm_logps if sampled else None,
@@ -222,6 +215,16 @@ def tool_rollout(
         tool_calls=calls,
         tool_errors=errors,
     )
+
+
+def padded_rows(rows, pad, dtype) -> torch.Tensor:
+    """(B, T) of B lists of different lengths, each padded on the right with `pad` to the longest
+    (T at least 1)."""
+    width = max(1, max(map(len, rows)))
+    out = torch.full((len(rows), width), pad, dtype=dtype)  # (B, T)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=dtype)
+    return out
 
 
 def transformers_turns(model, tokenizer, gen_config, stop=(TOOL_CLOSE,)):

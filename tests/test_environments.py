@@ -444,3 +444,23 @@ def test_a_server_killed_mid_run_stops_it_with_the_environment_named(server, tin
         f"environment openenv:{url}: step failed" in log, log[-2000:]
     steps, _ = metrics(out)
     assert steps == []
+
+
+def test_the_example_in_docs_environments_md_runs_as_written(mix, tmp_path, monkeypatch):
+    """docs/environments.md's class of one's own, as written there, named in ENVIRONMENTS beside
+    the arithmetic task: its questions load, and it scores its answers by its own weights."""
+    import re
+    import sys
+
+    page = open(os.path.join(ROOT, "docs", "environments.md")).read()
+    code = re.search(r"```python\n(.*?)```", page, re.DOTALL).group(1)
+    (tmp_path / "my_env.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_env", raising=False)
+    mix([["arithmetic", 1.0], ["my_env:Reverse", 1.0]])
+    environments.check_settings(sampler="uniform", tools_on=False, eval_samples=0)
+    train_q, held_out = environments.load(seed=3, eval_size=8, arith_max=20, fit_images=None)
+    word = next(q for q in held_out if q["env"] == "my_env:Reverse")
+    sums, each = environments.score([word["gold"], "no"], [word, word], grpo.REWARDS)
+    assert sums == [1.5, 0.5] and each["reversed"] == [1.0, 0.0]
+    assert word["tag"] == "my_env_Reverse"
