@@ -213,6 +213,7 @@ class Rollout:
     tool_errors: list | None = None  # TOOLS: error results each answer got
     played: list | None = None  # multi-turn ENVIRONMENTS: each answer's rewards over its turns
     turns: list | None = None  # multi-turn ENVIRONMENTS: the steps each answer's episode took
+    envs: list | None = None  # ENVIRONMENTS: each answer's environment (None without them)
     vision_inputs: dict = field(default_factory=dict)  # each row's pixels (features/vision.py)
     images: list | None = None  # each answer's question's images (PNG/JPEG bytes), to upload
 
@@ -346,7 +347,7 @@ def generate(model, tokenizer, questions, gen_config, eos_ids, llm=None) -> Roll
                    mask=mask, vllm_logps=vllm_logps, texts=decode(tokenizer, completion_ids),
                    lengths=lengths, truncated=(~stopped).tolist(), golds=per_answer("gold"),
                    questions=per_answer("question"), images=images, vision_inputs=pixels,
-                   **tool)
+                   envs=per_answer("env"), **tool)
 
 
 def advantage_settings() -> objectives.AdvantageSettings:

@@ -14,6 +14,11 @@ def is_eval(line: dict) -> bool:
     return any(k.startswith("eval_") for k in line)
 
 
+def environment_tags(rows) -> list:
+    """The environments a run's training lines report on (their share_<tag> metrics), sorted."""
+    return sorted({k[len("share_"):] for r in rows for k in r if k.startswith("share_")})
+
+
 def plot_on_rank_0(rank, log, reward_names):
     """Rank 0 redraws curves.png beside its log's metrics.jsonl (log: features/run_log.RunLog)."""
     if rank == 0:
@@ -48,6 +53,14 @@ def plot_curves(metrics_path, reward_names, png_path=None):
             ax.plot([r["step"] for r in evals], [r[f"eval_{key}"] for r in evals], "--o",
                     label="held-out, greedy")
             ax.legend(fontsize=7)
+        for tag in environment_tags(rows):  # ENVIRONMENTS: each one's own, thinner
+            own = [r for r in rows if f"{key}_{tag}" in r]
+            ax.plot([r["step"] for r in own], [r[f"{key}_{tag}"] for r in own], lw=0.8,
+                    label=tag)
+            held = [r for r in evals if f"eval_{key}_{tag}" in r]
+            ax.plot([r["step"] for r in held], [r[f"eval_{key}_{tag}"] for r in held], ":",
+                    lw=0.8, label=f"{tag}, held-out")
+            ax.legend(fontsize=6)
         ax.set(title=key, xlabel="step")
         ax.grid(alpha=0.3)
     panels = {ax.get_title(): tuple(map(list, ax.get_lines()[0].get_data())) for ax in axes}

@@ -111,6 +111,8 @@ class RunLog:
         if "tool_calls" in answers[0]:  # TOOLS: how the answers used them, on a line of its own
             m = m | tool_stats(answers)
             tool_line(m)
+        if "env" in answers[0]:  # ENVIRONMENTS: each one's share and rewards, every rank's
+            m = m | environment_stats(answers)
         a = answers[-1]  # the newest rollout's last: a person watching sees the format appear
         tqdm.write(f"  sample | reward {a['reward']:.2f} | {a['question'][:60]!r} -> "
                    f"{a['answer'][:SAMPLE_CHARS]!r}")
@@ -231,8 +233,10 @@ def answer_records(step, rank, generated, each, rewards, advantages) -> list:
     """One dict per sampled answer, a line of completions.jsonl: what the model wrote and how it
     scored. generated: the trainer's Rollout; each: {reward name: its N values}; rewards, advantages
     (N,)."""
-    tool = {k: getattr(generated, k) for k in ("tool_calls", "tool_errors")
+    tool = {k: getattr(generated, k) for k in ("tool_calls", "tool_errors", "turns")
             if getattr(generated, k) is not None}
+    if generated.envs and generated.envs[0] is not None:  # ENVIRONMENTS: each answer's own
+        tool["env"] = generated.envs
     ids = {}  # a question with images: what the sampler knows it by (question_sampler)
     if generated.images:
         ids["question_id"] = [question_id(text, images)
@@ -260,6 +264,30 @@ def sample_stats(answers, group_size, reward_names) -> dict:
                  length=lengths.mean().item(), max_length=lengths.max().item(),
                  truncated=sum(a["truncated"] for a in answers) / len(answers))
     return stats | {name: sum(a[name] for a in answers) / len(answers) for name in reward_names}
+
+
+# an answer record's numbers that are not rewards (answer_records); every other number is one
+NOT_REWARDS = ("step", "rank", "reward", "advantage", "length", "truncated", "turns",
+               "tool_calls", "tool_errors")
+
+
+def environment_stats(answers) -> dict:
+    """ENVIRONMENTS: for each environment (by its tag) among the answers of every rank, its share
+    of them (share_<tag>), their mean reward (reward_<tag>) and each named reward's mean
+    (<name>_<tag>; 0 for a reward another environment gives)."""
+    from environments import tag_of
+
+    out = {}
+    for env in sorted({a["env"] for a in answers}):
+        mine = [a for a in answers if a["env"] == env]
+        tag = tag_of(env)
+        out[f"share_{tag}"] = len(mine) / len(answers)
+        out[f"reward_{tag}"] = sum(a["reward"] for a in mine) / len(mine)
+        names = [k for k, v in mine[0].items() if k not in NOT_REWARDS
+                 and isinstance(v, (int, float)) and not isinstance(v, bool)]
+        for name in names:
+            out[f"{name}_{tag}"] = sum(a[name] for a in mine) / len(mine)
+    return out
 
 
 def tool_line(m):

@@ -224,16 +224,39 @@ def test_a_run_on_the_arithmetic_environment_alone_trains_as_the_default(server,
         assert {k: v for k, v in b.items() if not k.endswith("_arithmetic")} == a
 
 
-def test_a_mixed_run_evaluates_each_environment_on_its_own(server, tiny_model_dir, tmp_path):
+def test_a_mixed_run_logs_and_evaluates_each_environment_on_its_own(server, tiny_model_dir,
+                                                                     tmp_path):
+    """Two environments, two steps: each training line carries each environment's share and mean
+    reward, as its answers in completions.jsonl give them; each held-out line each one's mean
+    (the overall mean is theirs, as both hold out EVAL_SIZE); TensorBoard has them as scalars and
+    curves.png is drawn."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     setting = [["arithmetic", 1.0], ["rg:leg_counting", 1.0, {"min_animals": 1,
                                                              "max_animals": 2}]]
-    run = train(tiny_model_dir, server.url, tmp_path / "mix", 1, EVAL_STEPS=2, SAVE_STEPS=0,
-                ENVIRONMENTS=json.dumps(setting))
+    out = tmp_path / "mix"
+    run = train(tiny_model_dir, server.url, out, 1, EVAL_STEPS=2, SAVE_STEPS=1, TENSORBOARD=1,
+                ENVIRONMENTS=json.dumps(setting), Q_BATCH_SIZE=4)
     assert run.returncode == 0, run.stderr[-3000:]
-    for line in metrics(tmp_path / "mix")[1]:
+    steps, evals = metrics(out)
+    answers = [json.loads(line) for line in open(out / "completions.jsonl")]
+    for line in steps:
+        mine = [a for a in answers if a["step"] == line["step"]]
+        for env, tag in (("arithmetic", "arithmetic"), ("rg:leg_counting", "rg_leg_counting")):
+            own = [a["reward"] for a in mine if a["env"] == env]
+            share = line.get(f"share_{tag}", 0.0)  # a step that drew none of it has none
+            assert share == pytest.approx(len(own) / len(mine), abs=1e-6)
+            if own:
+                assert line[f"reward_{tag}"] == pytest.approx(sum(own) / len(own), abs=1e-6)
+    for line in evals:
         arithmetic = line["eval_reward_correct_arithmetic"]
         legs = line["eval_reward_correct_rg_leg_counting"]
         assert line["eval_reward_correct"] == pytest.approx((arithmetic + legs) / 2)
+    board = EventAccumulator(str(out / "tb"))
+    board.Reload()
+    assert {"share_arithmetic", "eval_reward_correct_rg_leg_counting"} <= set(
+        board.Tags()["scalars"])
+    assert (out / "curves.png").exists()
 
 
 # ----------------------------------------------------------------------------- episodes of turns
@@ -464,3 +487,15 @@ def test_the_example_in_docs_environments_md_runs_as_written(mix, tmp_path, monk
     sums, each = environments.score([word["gold"], "no"], [word, word], grpo.REWARDS)
     assert sums == [1.5, 0.5] and each["reversed"] == [1.0, 0.0]
     assert word["tag"] == "my_env_Reverse"
+
+
+def test_each_environment_gets_its_share_and_means_in_the_step_metrics():
+    from features.run_log import environment_stats
+
+    answers = [dict(env="arithmetic", reward=3.0, reward_correct=1.0, length=9, step=1),
+               dict(env="arithmetic", reward=1.0, reward_correct=0.0, length=5, step=1),
+               dict(env="rg:leg_counting", reward=2.0, reward_correct=1.0, length=7, step=1)]
+    assert environment_stats(answers) == {
+        "share_arithmetic": 2 / 3, "reward_arithmetic": 2.0, "reward_correct_arithmetic": 0.5,
+        "share_rg_leg_counting": 1 / 3, "reward_rg_leg_counting": 2.0,
+        "reward_correct_rg_leg_counting": 1.0}
