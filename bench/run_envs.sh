@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Environments on this CPU (docs/environments.md): the demo's 30 steps (vLLM, 4 questions x 8
+# answers, held-out greedy accuracy every 5 steps) on three environments at once and on each alone:
+#   mix         the arithmetic task, $RG_TASK (reasoning-gym) and the number-guessing game that
+#               scripts/guess_number_env.py serves with OpenEnv, weights 1 : 1 : 1
+#   arithmetic  the arithmetic task alone (ENVIRONMENTS [["arithmetic", 1]])
+#   rg          $RG_TASK alone
+#   guess       the game alone
+# Each run's last checkpoint is also asked $UNSEEN_TASK, a reasoning-gym task no run trains on, as
+# the base model is (bench/probe_environment.py): does anything transfer?
+# Each run's metrics.jsonl and wall seconds go to $RESULTS as it ends; a run already there is
+# skipped, so the script can be stopped and started again.
+#   bash bench/run_envs.sh                          # 12 runs, seeds 42 43 44
+#   RUNS=mix SEEDS=42 ALL_STEPS=2 EVAL_STEPS=1 bash bench/run_envs.sh   # a smoke run
+# Beside another run: PORT (the server's), REF_SERVER, MASTER_PORT and GUESS_PORT apart.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+. scripts/setup.sh
+command -v nvidia-smi > /dev/null || export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
+OUT=${OUT:-/tmp/envs}
+RESULTS=${RESULTS:-bench/results/envs}
+RUNS=${RUNS:-mix arithmetic rg guess}
+SEEDS=${SEEDS:-42 43 44}
+RG_TASK=${RG_TASK:-'["rg:leg_counting", 1.0, {"min_animals": 1, "max_animals": 2}]'}
+UNSEEN_TASK=${UNSEEN_TASK:-'["rg:basic_arithmetic", 1.0]'}
+GUESS_PORT=${GUESS_PORT:-8011}
+export ALL_STEPS=${ALL_STEPS:-30} EVAL_STEPS=${EVAL_STEPS:-5}
+guess="[\"openenv:http://127.0.0.1:$GUESS_PORT\", 1.0, {\"reward_weights\": {\"solved\": 2.0}}]"
+mkdir -p "$OUT" "$RESULTS"
+server=""
+game=""
+trap '[ -n "$server" ] && kill $server 2>/dev/null; [ -n "$game" ] && kill $game 2>/dev/null;
+      wait 2>/dev/null || true' EXIT
+GUESS_PORT=$GUESS_PORT python scripts/guess_number_env.py > "$OUT/guess_server.log" 2>&1 &
+game=$!
+for seed in $SEEDS; do
+  for run in $RUNS; do
+    name="envs_${run}_s$seed"
+    if [ -e "$RESULTS/${name}_wall_s" ]; then echo "$name done: skipped"; continue; fi
+    case $run in
+      mix) setting="[[\"arithmetic\", 1.0], $RG_TASK, $guess]" ;;
+      arithmetic) setting='[["arithmetic", 1.0]]' ;;
+      rg) setting="[$RG_TASK]" ;;
+      guess) setting="[$guess]" ;;
+      *) echo "unknown run $run: mix, arithmetic, rg or guess" >&2; exit 1 ;;
+    esac
+    dir="$OUT/${run}_s$seed"
+    rm -rf "$dir"
+    log="$OUT/${run}_s${seed}_server.log"
+    echo "=== $run, seed $seed: ENVIRONMENTS=$setting -> $dir"
+    start=$(date +%s)
+    python ref_server.py > "$log" 2>&1 &
+    server=$!
+    until grep -q "server ready" "$log"; do
+      kill -0 $server 2>/dev/null || { tail -20 "$log" >&2; exit 1; }
+      sleep 1
+    done
+    ENVIRONMENTS="$setting" SEED="$seed" OUTPUT_DIR="$dir" USE_VLLM=1 SAVE_STEPS=0 \
+      deepspeed --log_level error --num_gpus 1 --master_port "${MASTER_PORT:-29500}" \
+      grpo_ref_split.py > "$OUT/${run}_s${seed}.log" 2>&1 ||
+      { tail -20 "$OUT/${run}_s${seed}.log" >&2; exit 1; }
+    kill $server
+    wait $server 2>/dev/null || true
+    server=""
+    cp "$dir/metrics.jsonl" "$RESULTS/${name}_metrics.jsonl"
+    echo $(( $(date +%s) - start )) > "$RESULTS/${name}_wall_s"
+    last=$(ls -d "$dir"/step_* 2>/dev/null | sort -V | tail -1)
+    if [ ! -e "$RESULTS/unseen_base_s$seed.json" ]; then  # the base model, once per seed
+      ENVIRONMENTS="[$UNSEEN_TASK]" SEED="$seed" python bench/probe_environment.py \
+        > "$RESULTS/unseen_base_s$seed.json" 2> "$OUT/unseen_base_s$seed.log"
+    fi
+    if [ -n "$last" ]; then
+      CHECKPOINT="$last" ENVIRONMENTS="[$UNSEEN_TASK]" SEED="$seed" \
+        python bench/probe_environment.py > "$RESULTS/${name}_unseen.json" \
+        2> "$OUT/${run}_s${seed}_unseen.log"
+    fi
+    rm -rf "$dir"/step_*  # the checkpoint (about 2 GB)
+  done
+done
+echo "results in $RESULTS"
