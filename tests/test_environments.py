@@ -207,7 +207,8 @@ def test_a_default_step_never_enters_environments_py():
 def test_a_run_on_the_arithmetic_environment_alone_trains_as_the_default(server, tiny_model_dir,
                                                                         tmp_path):
     """Two steps of the tiny model, with and without ENVIRONMENTS [["arithmetic", 1]]: every
-    metric but the timings the same; the held-out evaluation adds its per-environment mean."""
+    metric but the timings the same; the environment's own metrics (share_arithmetic,
+    reward_arithmetic, ...) and its held-out mean come on top."""
     plain = train(tiny_model_dir, server.url, tmp_path / "plain", 1, EVAL_STEPS=2, SAVE_STEPS=0)
     assert plain.returncode == 0, plain.stderr[-3000:]
     envs = train(tiny_model_dir, server.url, tmp_path / "envs", 1, EVAL_STEPS=2, SAVE_STEPS=0,
@@ -215,8 +216,9 @@ def test_a_run_on_the_arithmetic_environment_alone_trains_as_the_default(server,
     assert envs.returncode == 0, envs.stderr[-3000:]
     timing = ("seconds", "_s")
     for a, b in zip(*(metrics(tmp_path / name)[0] for name in ("plain", "envs"))):
+        assert b["share_arithmetic"] == 1.0 and b["reward_arithmetic"] == b["reward"]
         assert {k: v for k, v in a.items() if not k.endswith(timing)} == \
-            {k: v for k, v in b.items() if not k.endswith(timing)}
+            {k: v for k, v in b.items() if not k.endswith((*timing, "_arithmetic"))}
     plain_eval = metrics(tmp_path / "plain")[1]
     envs_eval = metrics(tmp_path / "envs")[1]
     for a, b in zip(plain_eval, envs_eval):
@@ -224,25 +226,35 @@ def test_a_run_on_the_arithmetic_environment_alone_trains_as_the_default(server,
         assert {k: v for k, v in b.items() if not k.endswith("_arithmetic")} == a
 
 
-def test_a_mixed_run_logs_and_evaluates_each_environment_on_its_own(server, tiny_model_dir,
-                                                                     tmp_path):
-    """Two environments, two steps: each training line carries each environment's share and mean
-    reward, as its answers in completions.jsonl give them; each held-out line each one's mean
-    (the overall mean is theirs, as both hold out EVAL_SIZE); TensorBoard has them as scalars and
-    curves.png is drawn."""
+def test_three_environments_train_together_against_a_real_openenv_server(
+        server, tiny_model_dir, tmp_path, guess_server):
+    """The arithmetic task, a reasoning-gym task and the number-guessing game served by OpenEnv's
+    own server in its own process, two steps: each training line carries each environment's share
+    and mean reward, as its answers in completions.jsonl give them; each held-out line each one's
+    mean (the overall mean is theirs, as each holds out EVAL_SIZE; the game's episodes played);
+    TensorBoard has them as scalars and curves.png is drawn."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    _, url = guess_server
+    game = f"openenv:{url}"
     setting = [["arithmetic", 1.0], ["rg:leg_counting", 1.0, {"min_animals": 1,
-                                                             "max_animals": 2}]]
+                                                             "max_animals": 2}],
+               [game, 1.0, {"reward_weights": {"solved": 1.0}}]]
     out = tmp_path / "mix"
     run = train(tiny_model_dir, server.url, out, 1, EVAL_STEPS=2, SAVE_STEPS=1, TENSORBOARD=1,
-                ENVIRONMENTS=json.dumps(setting), Q_BATCH_SIZE=4)
+                ENVIRONMENTS=json.dumps(setting), Q_BATCH_SIZE=4, OPENENV_QUESTIONS=40,
+                MAX_NEW_TOKENS=48)
     assert run.returncode == 0, run.stderr[-3000:]
     steps, evals = metrics(out)
+    assert [line["step"] for line in steps] == [1, 2]
     answers = [json.loads(line) for line in open(out / "completions.jsonl")]
+    games = [a for a in answers if a["env"] == game]
+    assert games and all(a["question"].startswith("I am thinking") for a in games)
+    tags = (("arithmetic", "arithmetic"), ("rg:leg_counting", "rg_leg_counting"),
+            (game, environments.tag_of(game)))
     for line in steps:
         mine = [a for a in answers if a["step"] == line["step"]]
-        for env, tag in (("arithmetic", "arithmetic"), ("rg:leg_counting", "rg_leg_counting")):
+        for env, tag in tags:
             own = [a["reward"] for a in mine if a["env"] == env]
             share = line.get(f"share_{tag}", 0.0)  # a step that drew none of it has none
             assert share == pytest.approx(len(own) / len(mine), abs=1e-6)
@@ -251,7 +263,9 @@ def test_a_mixed_run_logs_and_evaluates_each_environment_on_its_own(server, tiny
     for line in evals:
         arithmetic = line["eval_reward_correct_arithmetic"]
         legs = line["eval_reward_correct_rg_leg_counting"]
-        assert line["eval_reward_correct"] == pytest.approx((arithmetic + legs) / 2)
+        assert line["eval_reward_correct"] == pytest.approx((arithmetic + legs) / 3)
+        assert line[f"eval_solved_{environments.tag_of(game)}"] == pytest.approx(
+            3 * line["eval_solved"])
     board = EventAccumulator(str(out / "tb"))
     board.Reload()
     assert {"share_arithmetic", "eval_reward_correct_rg_leg_counting"} <= set(
@@ -421,24 +435,6 @@ def guess_server():
     yield proc, f"http://127.0.0.1:{port}"
     if proc.poll() is None:  # a test may have killed it already
         kill_group(proc)
-
-
-def test_two_steps_train_against_a_real_openenv_server(server, tiny_model_dir, tmp_path,
-                                                        guess_server):
-    """The number-guessing game served by OpenEnv's own server in its own process, mixed with the
-    arithmetic task: two steps train, and the held-out evaluation plays the game's episodes."""
-    _, url = guess_server
-    setting = [["arithmetic", 1.0], [f"openenv:{url}", 1.0, {"reward_weights": {"solved": 1.0}}]]
-    run = train(tiny_model_dir, server.url, tmp_path / "guess", 1, EVAL_STEPS=2, SAVE_STEPS=0,
-                ENVIRONMENTS=json.dumps(setting), OPENENV_QUESTIONS=40, MAX_NEW_TOKENS=48)
-    assert run.returncode == 0, run.stderr[-3000:]
-    steps, evals = metrics(tmp_path / "guess")
-    assert [line["step"] for line in steps] == [1, 2]
-    tag = environments.tag_of(f"openenv:{url}")
-    assert all(f"eval_solved_{tag}" in line for line in evals)
-    answers = [json.loads(line) for line in open(tmp_path / "guess" / "completions.jsonl")]
-    games = [a for a in answers if a["question"].startswith("I am thinking")]
-    assert games and all("solved" in a for a in games)
 
 
 def test_a_server_killed_mid_run_stops_it_with_the_environment_named(server, tiny_model_dir,
