@@ -34,6 +34,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 . scripts/setup.sh
+. bench/run_record.sh
 command -v nvidia-smi > /dev/null || export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
 OUT=${OUT:-/tmp/distill}
 RESULTS=${RESULTS:-bench/results}
@@ -128,11 +129,8 @@ for seed in $SEEDS; do
       tail -20 "$OUT/${run}_s${seed}.log" >&2
       exit 1
     fi
-    kill $server
-    wait $server 2>/dev/null || true
+    record_run $server "$dir" "$name" "$start"
     server=""
-    cp "$dir/metrics.jsonl" "$RESULTS/${name}_metrics.jsonl"
-    echo $(( $(date +%s) - start )) > "$RESULTS/${name}_wall_s"
     last=$(ls -d "$dir"/step_* 2>/dev/null | sort -V | tail -1)
     if [ "$WORDINGS" = 1 ] && [ -n "$last" ]; then
       CHECKPOINT="$last" SEED="$seed" WORDING_SEEDS="0 1" .venv/bin/python bench/probe_wordings.py \

@@ -16,6 +16,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 . scripts/setup.sh
+. bench/run_record.sh
 command -v nvidia-smi > /dev/null || export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
 OUT=${OUT:-/tmp/envs}
 RESULTS=${RESULTS:-bench/results/envs}
@@ -59,11 +60,8 @@ for seed in $SEEDS; do
       deepspeed --log_level error --num_gpus 1 --master_port "${MASTER_PORT:-29500}" \
       grpo_ref_split.py > "$OUT/${run}_s${seed}.log" 2>&1 ||
       { tail -20 "$OUT/${run}_s${seed}.log" >&2; exit 1; }
-    kill $server
-    wait $server 2>/dev/null || true
+    record_run $server "$dir" "$name" "$start"
     server=""
-    cp "$dir/metrics.jsonl" "$RESULTS/${name}_metrics.jsonl"
-    echo $(( $(date +%s) - start )) > "$RESULTS/${name}_wall_s"
     last=$(ls -d "$dir"/step_* 2>/dev/null | sort -V | tail -1)
     if [ ! -e "$RESULTS/unseen_base_s$seed.json" ]; then  # the base model, once per seed
       ENVIRONMENTS="[$UNSEEN_TASK]" SEED="$seed" python bench/probe_environment.py \
