@@ -22,10 +22,10 @@ OUT=${OUT:-/tmp/envs}
 RESULTS=${RESULTS:-bench/results/envs}
 RUNS=${RUNS:-mix arithmetic rg guess}
 SEEDS=${SEEDS:-42 43 44}
-# The base model answers 25% of these sums right (greedy, 32 held-out; bench/probe_environment.py),
-# room to learn; leg_counting (1-2 animals) and letter_counting got none, so GRPO had no signal.
+# A task the base model sometimes gets right, so its groups differ and GRPO has a signal (probed
+# with bench/probe_environment.py; the figures, and the tasks it never got right, in RESULTS.md).
 RG_TASK=${RG_TASK:-'["rg:chain_sum", 1.0, {"min_terms": 2, "max_terms": 3, "max_digits": 2}]'}
-# Products of 1-2 digit numbers, which no run trains on: the base model gets 56% (32 held-out).
+# Products of 1-2 digit numbers, which no run trains on: neither solved nor hopeless at the start.
 UNSEEN_TASK=${UNSEEN_TASK:-'["rg:products", 1.0, {"min_digits": 1, "max_digits": 2}]'}
 GUESS_PORT=${GUESS_PORT:-8011}
 export ALL_STEPS=${ALL_STEPS:-30} EVAL_STEPS=${EVAL_STEPS:-5}
