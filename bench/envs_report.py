@@ -1,0 +1,127 @@
+"""The environments demo's tables and curves (bench/run_envs.sh): for each environment, its
+held-out greedy score every 5 steps in the run that mixes three environments and in the run on it
+alone, seed by seed; then the task no run trains on, asked of the base model and of each run's
+last checkpoint; then one figure with a panel per environment.
+
+    python bench/envs_report.py bench/results/envs   # reads envs_<run>_s<seed>_metrics.jsonl
+
+An environment's score is its held-out success reward: reward_correct for a task the trainer's
+REWARDS score and for reasoning-gym's, the reward named in SUCCESS for another (the game's
+"solved"). Its metric is eval_<reward>_<tag> (features/evaluation.py). A reward an environment
+does not give reads 0 in its means (environments.score fills every name), so a success metric that
+is 0 at every evaluation of every run is left out where its tag has another.
+"""
+import glob
+import json
+import os
+import re
+import sys
+
+SUCCESS = ("reward_correct", "solved")  # the rewards that say an episode succeeded
+STEPS = (0, 5, 10, 15, 20, 25, 30)
+NAME = re.compile(r"envs_(.+)_s(\d+)_metrics\.jsonl")
+
+
+def held_out(path) -> dict:
+    """{metric: {step: value}} of a run's per-environment success metrics (eval_<reward>_<tag>)."""
+    scores = {}
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            for key, value in record.items():
+                if any(key.startswith(f"eval_{reward}_") for reward in SUCCESS):
+                    scores.setdefault(key, {})[record["step"]] = value
+    return scores
+
+
+def runs_in(folder) -> dict:
+    """{(run, seed): held_out(...)} of every envs_<run>_s<seed>_metrics.jsonl in `folder`."""
+    runs = {}
+    for path in sorted(glob.glob(os.path.join(folder, "envs_*_s*_metrics.jsonl"))):
+        run, seed = NAME.match(os.path.basename(path)).groups()
+        runs[(run, int(seed))] = held_out(path)
+    return runs
+
+
+def success_metrics(runs: dict) -> list:
+    """The metrics to report: every success metric, but one that is 0 throughout where its
+    environment's tag has another (the game's eval_reward_correct_<tag>, which it never gives)."""
+    metrics = sorted({metric for scores in runs.values() for metric in scores})
+    never = {m for m in metrics
+             if all(v == 0 for scores in runs.values() for v in scores.get(m, {}).values())}
+
+    def tag(metric):
+        return next(metric[len(f"eval_{r}_"):] for r in SUCCESS if metric.startswith(f"eval_{r}_"))
+
+    return [m for m in metrics
+            if m not in never or not any(tag(o) == tag(m) for o in metrics if o != m)]
+
+
+def percent(value) -> str:
+    return "-" if value is None else f"{100 * value:.1f}"
+
+
+def tables(runs: dict):
+    """One table per environment metric: each run that logged it, seed by seed."""
+    for metric in success_metrics(runs):
+        print(f"\n{metric} (held-out, greedy, %)\n")
+        print("| run | seed | " + " | ".join(f"step {s}" for s in STEPS) + " |")
+        print("|---|---|" + "---|" * len(STEPS))
+        for (run, seed), scores in sorted(runs.items()):
+            if metric in scores:
+                row = " | ".join(percent(scores[metric].get(step)) for step in STEPS)
+                print(f"| {run} | {seed} | {row} |")
+
+
+def unseen(folder):
+    """The task no run trained on: the base model's score and each run's last checkpoint's."""
+    print("\nThe task no run trains on (held-out, greedy, %)\n")
+    print("| model | seed | score |")
+    print("|---|---|---|")
+    for path in sorted(glob.glob(os.path.join(folder, "*_unseen.json")) +
+                       glob.glob(os.path.join(folder, "unseen_base_s*.json"))):
+        with open(path) as f:
+            probed = json.load(f)
+        name = os.path.basename(path)
+        seed = re.search(r"_s(\d+)", name).group(1)
+        model = "base" if name.startswith("unseen_base") else name.split("_s")[0][len("envs_"):]
+        print(f"| {model} | {seed} | {percent(probed['eval_reward_correct'])} |")
+
+
+def curves(runs: dict, image: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = success_metrics(runs)
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.5 * len(metrics), 4), squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        for (run, seed), scores in sorted(runs.items()):
+            if metric in scores:
+                steps = sorted(scores[metric])
+                ax.plot(steps, [100 * scores[metric][s] for s in steps], marker="o",
+                        color="tab:green" if run == "mix" else "tab:blue",
+                        label=f"{run}, seed {seed}")
+        ax.set_title(metric, fontsize=8)
+        ax.set_xlabel("training step")
+        ax.set_ylabel("held-out greedy score (%)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(image, dpi=110)
+    print(f"\ncurves: {image}")
+
+
+def main(folder):
+    runs = runs_in(folder)
+    if not runs:
+        sys.exit(f"no envs_*_s*_metrics.jsonl in {folder}: run bench/run_envs.sh first")
+    tables(runs)
+    unseen(folder)
+    curves(runs, os.path.join(folder, "envs_curves.png"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "bench/results/envs")
