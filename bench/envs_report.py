@@ -18,8 +18,7 @@ import re
 import sys
 
 SUCCESS = ("reward_correct", "solved")  # the rewards that say an episode succeeded
-STEPS = (0, 5, 10, 15, 20, 25, 30)
-NAME = re.compile(r"envs_(.+)_s(\d+)_metrics\.jsonl")
+STEPS = (0, 5, 10, 15, 20, 25, 30)  # the evaluated steps the tables show (EVAL_STEPS 5)
 
 
 def held_out(path) -> dict:
@@ -40,7 +39,8 @@ def runs_in(folder) -> dict:
     """{(run, seed): held_out(...)} of every envs_<run>_s<seed>_metrics.jsonl in `folder`."""
     runs = {}
     for path in sorted(glob.glob(os.path.join(folder, "envs_*_s*_metrics.jsonl"))):
-        run, seed = NAME.match(os.path.basename(path)).groups()
+        named = re.match(r"envs_(.+)_s(\d+)_metrics\.jsonl", os.path.basename(path))
+        run, seed = named.groups()
         runs[(run, int(seed))] = held_out(path)
     return runs
 
