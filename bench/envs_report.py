@@ -63,9 +63,9 @@ def percent(value) -> str:
     return "-" if value is None else f"{100 * value:.1f}"
 
 
-def tables(runs: dict):
+def tables(runs: dict, metrics: list):
     """One table per environment metric: each run that logged it, seed by seed."""
-    for metric in success_metrics(runs):
+    for metric in metrics:
         print(f"\n{metric} (held-out, greedy, %)\n")
         print("| run | seed | " + " | ".join(f"step {s}" for s in STEPS) + " |")
         print("|---|---|" + "---|" * len(STEPS))
@@ -90,13 +90,12 @@ def unseen(folder):
         print(f"| {model} | {seed} | {percent(probed['eval_reward_correct'])} |")
 
 
-def curves(runs: dict, image: str):
+def curves(runs: dict, metrics: list, image: str):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metrics = success_metrics(runs)
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.5 * len(metrics), 4), squeeze=False)
     for ax, metric in zip(axes[0], metrics):
         for (run, seed), scores in sorted(runs.items()):
@@ -118,9 +117,10 @@ def main(folder):
     runs = runs_in(folder)
     if not runs:
         sys.exit(f"no envs_*_s*_metrics.jsonl in {folder}: run bench/run_envs.sh first")
-    tables(runs)
+    metrics = success_metrics(runs)
+    tables(runs, metrics)
     unseen(folder)
-    curves(runs, os.path.join(folder, "envs_curves.png"))
+    curves(runs, metrics, os.path.join(folder, "envs_curves.png"))
 
 
 if __name__ == "__main__":
