@@ -84,6 +84,39 @@ def test_the_built_in_task_as_an_environment_scores_as_the_trainer_does(mix):
     assert grpo.score_answers(texts, asked) == plain
 
 
+def test_the_shapes_task_with_images_as_an_environment_loads_and_scores_as_without(
+        mix, monkeypatch):
+    """The vision task as an environment: the lesson's load_dataset gives the same questions,
+    golds and fitted image bytes with ENVIRONMENTS [["shapes", 1]] as with DATASET "shapes", and
+    answers naming every colour score as rewards.score scores them (the vision demo's REWARDS)."""
+    from features import evaluation, vision
+
+    monkeypatch.setattr(evaluation, "EVAL_SIZE", 16)
+    monkeypatch.setattr(vision, "MAX_PIXELS", 32 * 32)  # the 64 x 64 pictures fitted: scaled down
+    monkeypatch.setattr(grpo, "DATASET", "shapes")
+    monkeypatch.setattr(grpo, "REWARDS", [(rewards.reward_word, 2.0), (rewards.reward_format, 1.0)])
+    mix([])
+    plain = grpo.load_dataset()
+    mix([["shapes", 1.0]])
+    ours = grpo.load_dataset()
+    for plain_part, our_part in zip(plain, ours):
+        assert len(our_part) == len(plain_part)
+        for a, b in zip(plain_part, our_part):
+            assert (b["question"], b["gold"], b["images"]) == (a["question"], a["gold"],
+                                                              a["images"])
+            assert b["env"] == "shapes"
+    assert ours[1][0]["images"] != rewards.load_questions("shapes", grpo.SEED, 20)[-16]["images"]
+    held_out = ours[1]
+    texts = [f"<think> it is {colour} </think><answer>{colour}</answer>"
+             for _ in held_out for colour in rewards.COLOURS]
+    texts += ["blue, I think"] * len(held_out)
+    asked = [q for q in held_out for _ in rewards.COLOURS] + held_out
+    want = rewards.score(grpo.REWARDS, texts, [q["gold"] for q in asked],
+                         [q["question"] for q in asked])
+    assert grpo.score_answers(texts, asked) == want
+    assert set(want[0]) == {0.0, 1.0, 3.0}  # unformatted, formatted but wrong, right
+
+
 def test_one_environment_draws_the_questions_the_uniform_sampler_draws(mix):
     mix([["arithmetic", 1.0]])
     train_q, held_out = environments.load(seed=42, eval_size=128, arith_max=20, fit_images=None)
