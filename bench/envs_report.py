@@ -63,8 +63,16 @@ def percent(value) -> str:
     return "-" if value is None else f"{100 * value:.1f}"
 
 
+def mean_of(values: list):
+    """The mean of the values that are there, or None when any is missing (a run not finished)."""
+    if not values or any(v is None for v in values):
+        return None
+    return sum(values) / len(values)
+
+
 def tables(runs: dict, metrics: list):
-    """One table per environment metric: each run that logged it, seed by seed."""
+    """One table per environment metric: each run that logged it, seed by seed, then the mean over
+    its seeds where it ran on more than one."""
     for metric in metrics:
         print(f"\n{metric} (held-out, greedy, %)\n")
         print("| run | seed | " + " | ".join(f"step {s}" for s in STEPS) + " |")
@@ -73,6 +81,12 @@ def tables(runs: dict, metrics: list):
             if metric in scores:
                 row = " | ".join(percent(scores[metric].get(step)) for step in STEPS)
                 print(f"| {run} | {seed} | {row} |")
+        for run in sorted({run for run, _ in runs}):
+            seeded = [scores[metric] for (name, _), scores in runs.items()
+                      if name == run and metric in scores]
+            if len(seeded) > 1:
+                row = " | ".join(percent(mean_of([s.get(step) for s in seeded])) for step in STEPS)
+                print(f"| {run} | mean of {len(seeded)} | {row} |")
 
 
 def unseen(folder):
