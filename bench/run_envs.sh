@@ -29,11 +29,7 @@ sums='{"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}'
 RG_TASK=${RG_TASK:-"[\"rg:chain_sum\", 1.0, $sums]"}
 # Products of 1-2 digit numbers, which no run trains on: neither solved nor hopeless at the start.
 UNSEEN_TASK=${UNSEEN_TASK:-'["rg:products", 1.0, {"min_digits": 1, "max_digits": 2}]'}
-GUESS_PORT=${GUESS_PORT:-8011}
-# The game as MAX_NEW_TOKENS (64) can play it: a turn of the model's takes about 25 tokens and the
-# game's reply about 10, so two guesses fit; 1..8 in two guesses is won 3 times in 8 at best.
-GUESS_MAX=${GUESS_MAX:-8}
-GUESS_TURNS=${GUESS_TURNS:-2}
+GUESS_PORT=${GUESS_PORT:-8011}  # the game: 1..8 in two guesses (its defaults, GUESS_MAX and _TURNS)
 export ALL_STEPS=${ALL_STEPS:-30} EVAL_STEPS=${EVAL_STEPS:-5}
 guess="[\"openenv:http://127.0.0.1:$GUESS_PORT\", 1.0, {\"reward_weights\": {\"solved\": 2.0}}]"
 mkdir -p "$OUT" "$RESULTS"
@@ -41,8 +37,7 @@ server=""
 game=""
 trap '[ -n "$server" ] && kill $server 2>/dev/null; [ -n "$game" ] && kill $game 2>/dev/null;
       wait 2>/dev/null || true' EXIT
-GUESS_PORT=$GUESS_PORT GUESS_MAX=$GUESS_MAX GUESS_TURNS=$GUESS_TURNS \
-  python scripts/guess_number_env.py > "$OUT/guess_server.log" 2>&1 &
+GUESS_PORT=$GUESS_PORT python scripts/guess_number_env.py > "$OUT/guess_server.log" 2>&1 &
 game=$!
 for seed in $SEEDS; do
   for run in $RUNS; do

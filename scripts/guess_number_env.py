@@ -15,8 +15,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from features import env_overrides  # noqa: E402
 
-GUESS_MAX = 16  # the number lies in 1..GUESS_MAX
-GUESS_TURNS = 4  # guesses an episode allows: 4 find any of 16 by halving
+GUESS_MAX = 8  # the number lies in 1..GUESS_MAX; two guesses win 3 of 8 at best
+GUESS_TURNS = 2  # guesses an episode allows: two fit the trainer's MAX_NEW_TOKENS 64
 GUESS_HOST = "127.0.0.1"  # where the server listens; "0.0.0.0" for other hosts
 GUESS_PORT = 8011  # its port
 GUESS_SESSIONS = 256  # WebSocket sessions at once: one per answer in flight (ranks x Q x G)
