@@ -347,11 +347,13 @@ def known_kind(name: str) -> bool:
     return name in BUILT_IN or name.endswith(".jsonl") or "/" in name
 
 
-def check_settings(*, sampler: str, tools_on: bool, eval_samples: int) -> None:
+def check_settings(*, sampler: str, tools_on: bool, eval_samples: int, gdpo: bool = False,
+                   reward_fns=()) -> None:
     """Stop, before any model loads, on ENVIRONMENTS that cannot serve this run: a bad entry (an
     unknown environment, a weight <= 0, a class of one's own that is not there), or a setting the
     mix does not serve (SAMPLER other than "uniform", TOOLS; EVAL_SAMPLES with an environment of
-    several turns). An OpenEnv server is asked at load (load_dataset), still before any model."""
+    several turns; GDPO with one reward weighed two ways). An OpenEnv server is asked at load
+    (load_dataset), still before any model."""
     if not ENVIRONMENTS:
         return
     try:
@@ -366,6 +368,8 @@ def check_settings(*, sampler: str, tools_on: bool, eval_samples: int) -> None:
     if tools_on:
         sys.exit("ENVIRONMENTS with TOOLS: the calculator is a task of its own; leave TOOLS [] "
                  "with ENVIRONMENTS")
+    if gdpo and weight_conflict(reward_fns):
+        sys.exit(weight_conflict(reward_fns))
     several = [name for name, _, options in entries() if scorer(name, options, ()).multi_turn]
     if several and eval_samples > 0:
         sys.exit(f"ENVIRONMENTS: {several[0]} plays episodes of several turns, which the held-out "
@@ -433,6 +437,31 @@ def scorers_of_run(reward_fns) -> dict:
     return {name: scorer(name, options, reward_fns) for name, _, options in entries()}
 
 
+def run_rewards(reward_fns) -> list:
+    """(name, weight) of every reward the run's environments give, each name once, in the order
+    ENVIRONMENTS names them: score's table, the step's log and GDPO's columns. A name two
+    environments give keeps the first one's weight (weight_conflict refuses that under GDPO)."""
+    weights = {}
+    for one in scorers_of_run(reward_fns).values():
+        for name, weight in one.reward_weights.items():
+            weights.setdefault(name, weight)
+    return list(weights.items())
+
+
+def weight_conflict(reward_fns) -> str:
+    """Why GDPO cannot serve this mix, or "": it sums each reward name with one weight, so two
+    environments that weigh one name differently would have one of them summed wrongly."""
+    first = {}  # name: (environment, weight)
+    for env, one in scorers_of_run(reward_fns).items():
+        for name, weight in one.reward_weights.items():
+            seen = first.setdefault(name, (env, weight))
+            if seen[1] != weight:
+                return (f"ENVIRONMENTS: {seen[0]} weighs reward {name} {seen[1]} and {env} "
+                        f"{weight}; REWARD_NORM \"normalize_then_sum\" sums a reward with one "
+                        "weight: give them one weight or use \"sum_then_normalize\"")
+    return ""
+
+
 def score(texts, asked, reward_fns, played=None) -> tuple:
     """Step 3 by environment: (each answer's weighted sum of its rewards, {reward name: each
     answer's value}); asked: each answer's question (a dict with its "env"). The table holds every
@@ -442,8 +471,7 @@ def score(texts, asked, reward_fns, played=None) -> tuple:
     if len(texts) != len(asked):
         raise ValueError(f"{len(texts)} answers for {len(asked)} questions")
     scorers = scorers_of_run(reward_fns)
-    names = list(dict.fromkeys(n for s in scorers.values() for n in s.reward_weights))
-    each = {name: [0.0] * len(texts) for name in names}
+    each = {name: [0.0] * len(texts) for name, _ in run_rewards(reward_fns)}
     sums = []
     for i, (text, question) in enumerate(zip(texts, asked)):
         env = question["env"]

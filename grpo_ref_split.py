@@ -350,12 +350,19 @@ def generate(model, tokenizer, questions, gen_config, eos_ids, llm=None) -> Roll
                    envs=per_answer("env"), **tool)
 
 
+def run_rewards() -> list:
+    """(name, weight) of each reward step 3 gives: REWARDS', or every environment's."""
+    if environments.ENVIRONMENTS:  # a variant: each environment names its own rewards
+        return environments.run_rewards(REWARDS)
+    return [(fn.__name__, weight) for fn, weight in REWARDS]
+
+
 def advantage_settings() -> objectives.AdvantageSettings:
     """Step 4's menu, as the constants above are now, for objectives.py."""
     return objectives.AdvantageSettings(
         advantage=ADVANTAGE, reward_norm=REWARD_NORM, scale_rewards=SCALE_REWARDS,
-        group_size=NUM_PRE_Q, reward_names=tuple(fn.__name__ for fn, _ in REWARDS),
-        reward_weights=tuple(weight for _, weight in REWARDS), std_eps=STD_EPS)
+        group_size=NUM_PRE_Q, reward_names=tuple(name for name, _ in run_rewards()),
+        reward_weights=tuple(weight for _, weight in run_rewards()), std_eps=STD_EPS)
 
 
 def advantage_variant_on() -> bool:
@@ -433,7 +440,7 @@ def varied_groups(scores, each) -> torch.Tensor:
     varied = scores.view(-1, NUM_PRE_Q).std(1, correction=int(NUM_PRE_Q > 1)) > 0  # (Q,); G=1: 0
     if REWARD_NORM != "normalize_then_sum" or each is None:
         return varied
-    table = torch.tensor([each[fn.__name__] for fn, _ in REWARDS]).T  # (N, K)
+    table = torch.tensor([each[name] for name, _ in run_rewards()]).T  # (N, K)
     return table.view(-1, NUM_PRE_Q, table.shape[1]).std(1).gt(0).any(-1)  # (Q,)
 
 
@@ -792,7 +799,8 @@ def check_settings():
     evaluation.check_settings(correct=correct)
     tools.check_settings()
     environments.check_settings(sampler=question_sampler.SAMPLER, tools_on=bool(tools.TOOLS),
-                                eval_samples=evaluation.EVAL_SAMPLES)
+                                eval_samples=evaluation.EVAL_SAMPLES, reward_fns=REWARDS,
+                                gdpo=REWARD_NORM == "normalize_then_sum")
     refusals.refuse_impossible(gspo=GSPO, clip_eps=CLIP_EPS, clip_eps_high=CLIP_EPS_HIGH,
                                loss_type=LOSS_TYPE, output_dir=OUTPUT_DIR,
                                tis_mode=objectives.TIS_MODE)
@@ -888,7 +896,7 @@ def main():
     engine, tokenizer, eos_ids, gen_config, rank, device = setup_deepspeed()
     model = engine.module  # the same weights without the engine: generation and evaluation
     route = server_route(model, tokenizer, run=uuid.uuid4().hex)  # step 5, its server checked
-    reward_names = [fn.__name__ for fn, _ in REWARDS]
+    reward_names = [name for name, _ in run_rewards()]  # what step 3 gives: the log's columns
     correct = rewards.correctness_reward(reward_names)  # the reward that says an answer is right
     sampler = question_sampler.QuestionSampler(questions, SEED + rank, question_sampler.SAMPLER,
                                                question_sampler.REPLAY_SHARE, pass_key=correct)

@@ -498,6 +498,95 @@ def test_a_server_killed_mid_run_stops_it_with_the_environment_named(server, tin
     assert steps == []
 
 
+class Reweighed(Reverse):
+    """A class that weighs reward_format otherwise than the trainer's REWARDS do (1.0)."""
+    reward_weights = {"reversed": 1.0, "reward_format": 0.5}
+
+    def step(self, message):
+        values = {"reversed": float(self.gold in message), "reward_format": 1.0}
+        return environments.Turn(observation="", rewards=values, done=True)
+
+
+def test_gdpo_normalises_each_environments_own_rewards(mix, monkeypatch):
+    """REWARD_NORM "normalize_then_sum" on a mix: an environment whose rewards are not REWARDS'
+    gets GDPO's advantages from its own rewards and weights (checked against the definition
+    written out here), and the arithmetic group from REWARDS'."""
+    import torch
+
+    mix([["arithmetic", 1.0], ["test_environments:Reverse", 1.0]])
+    monkeypatch.setattr(grpo, "REWARD_NORM", "normalize_then_sum")
+    monkeypatch.setattr(grpo, "NUM_PRE_Q", 4)
+    assert grpo.run_rewards() == [("reward_correct", 2.0), ("reward_format", 1.0),
+                                  ("reversed", 1.0), ("short", 0.5)]
+    word = {"question": "Write abc backwards.", "gold": "cba", "env": "test_environments:Reverse"}
+    sum_q = {"question": "What is 2 + 3?", "gold": "5", "env": "arithmetic"}
+    texts = ["cba", "abc", "cba" + "!" * 50, "no"]
+    texts += ["<think> 5 </think><answer>5</answer>", "<think> 5 </think><answer>4</answer>",
+              "5", "<think> 5 </think><answer>5</answer>"]
+    sums, each = grpo.score_answers(texts, [word] * 4 + [sum_q] * 4)
+    advantages = grpo.answer_advantages(torch.tensor(sums), each)
+
+    def normalised(values):  # (r - group mean) / (unbiased std + STD_EPS)
+        mean = sum(values) / len(values)
+        std = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
+        return [(v - mean) / (std + grpo.STD_EPS) for v in values]
+
+    reversed_ = normalised([1.0, 0.0, 1.0, 0.0])
+    short = normalised([1.0, 1.0, 0.0, 1.0])
+    want = [1.0 * r + 0.5 * s for r, s in zip(reversed_, short)]
+    correct = normalised([1.0, 0.0, 1.0, 1.0])
+    formatted = normalised([1.0, 1.0, 0.0, 1.0])
+    want += [2.0 * c + 1.0 * f for c, f in zip(correct, formatted)]
+    assert advantages.tolist() == pytest.approx(want, rel=1e-6)
+
+
+def test_gdpo_refuses_a_reward_two_environments_weigh_differently(mix):
+    mix([["arithmetic", 1.0], ["test_environments:Reweighed", 1.0]])
+    with pytest.raises(SystemExit, match="weighs reward reward_format 1.0 and .*Reweighed 0.5"):
+        environments.check_settings(sampler="uniform", tools_on=False, eval_samples=0,
+                                    gdpo=True, reward_fns=grpo.REWARDS)
+    environments.check_settings(sampler="uniform", tools_on=False, eval_samples=0,
+                                gdpo=False, reward_fns=grpo.REWARDS)  # a plain sum weighs each
+
+
+PARITY = '''
+import environments
+
+
+class Parity(environments.Environment):
+    """Rewards a random tiny model's answers still differ on: their length's parity."""
+    reward_weights = {"odd": 1.0, "long": 0.5}
+
+    @classmethod
+    def questions(cls, seed):
+        return [{"question": f"Say something {i}.", "gold": ""} for i in range(40)]
+
+    def reset(self, question, seed):
+        return [{"role": "user", "content": question["question"]}]
+
+    def step(self, message):
+        values = {"odd": float(len(message) % 2), "long": float(len(message) > 30)}
+        return environments.Turn(observation="", rewards=values, done=True)
+'''
+
+
+def test_a_run_on_an_environment_without_the_trainers_rewards_logs_its_own(server, tiny_model_dir,
+                                                                           tmp_path):
+    """Two tiny steps on a class of one's own alone, under GDPO: the step's log holds the
+    environment's rewards (odd, long), not REWARDS' (reward_correct was looked for in its answers,
+    and in GDPO's table, and the run stopped with a KeyError)."""
+    (tmp_path / "parity_env.py").write_text(PARITY)
+    out = tmp_path / "out"
+    run = train(tiny_model_dir, server.url, out, 1, SAVE_STEPS=0, EVAL_STEPS=2,
+                ENVIRONMENTS='[["parity_env:Parity", 1.0]]', REWARD_NORM="normalize_then_sum",
+                PYTHONPATH=str(tmp_path))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    steps, evals = metrics(out)
+    assert len(steps) == 2 and all("odd" in m and "long" in m for m in steps)
+    assert not any("reward_correct" in m for m in steps)
+    assert "eval_odd_parity_env_Parity" in evals[-1]
+
+
 def test_the_example_in_docs_environments_md_runs_as_written(mix, tmp_path, monkeypatch):
     """docs/environments.md's class of one's own, as written there, named in ENVIRONMENTS beside
     the arithmetic task: its questions load, and it scores its answers by its own weights."""
