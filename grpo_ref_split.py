@@ -359,10 +359,11 @@ def run_rewards() -> list:
 
 def advantage_settings() -> objectives.AdvantageSettings:
     """Step 4's menu, as the constants above are now, for objectives.py."""
+    named = run_rewards()  # [(name, weight)]
     return objectives.AdvantageSettings(
         advantage=ADVANTAGE, reward_norm=REWARD_NORM, scale_rewards=SCALE_REWARDS,
-        group_size=NUM_PRE_Q, reward_names=tuple(name for name, _ in run_rewards()),
-        reward_weights=tuple(weight for _, weight in run_rewards()), std_eps=STD_EPS)
+        group_size=NUM_PRE_Q, reward_names=tuple(name for name, _ in named),
+        reward_weights=tuple(weight for _, weight in named), std_eps=STD_EPS)
 
 
 def advantage_variant_on() -> bool:
