@@ -410,7 +410,6 @@ class MixSampler(QuestionSampler):
 
     def __init__(self, questions, seed):
         super().__init__(questions, seed)
-        self.mode = "environments"  # the lesson's draw_questions then calls draw()
         mix = entries()
         self.weights = [weight for _, weight, _ in mix]
         self.pools = [[q for q in questions if q["env"] == name] for name, _, _ in mix]
@@ -460,6 +459,14 @@ def weight_conflict(reward_fns) -> str:
                         f"{weight}; REWARD_NORM \"normalize_then_sum\" sums a reward with one "
                         "weight: give them one weight or use \"sum_then_normalize\"")
     return ""
+
+
+def scorer_for_run(reward_fns):
+    """Step 3 as the lesson's steps call it, (texts, asked, played=None) -> score's (sums, each),
+    with the run's REWARDS for the built-in tasks."""
+    def score_by_environment(texts, asked, played=None) -> tuple:
+        return score(texts, asked, reward_fns, played)
+    return score_by_environment
 
 
 def score(texts, asked, reward_fns, played=None) -> tuple:
@@ -515,6 +522,19 @@ def multi_turn(questions) -> bool:
     then the step's answers are played turn by turn (play), every one of them."""
     several = {name: scorer(name, options, ()).multi_turn for name, _, options in entries()}
     return any(several[q["env"]] for q in questions)
+
+
+def rollout(model, tokenizer, prompts, *, gen_config, llm, eos_ids, single_turn, num_pre_q,
+            temperature, think_prefill, reward_fns) -> tuple:
+    """Step 2 under ENVIRONMENTS (the lesson's Rollout seam): episodes played turn by turn when any
+    of the step's questions comes from an environment of several turns (play_rollout), else the
+    run's single-turn rollout (single_turn: the lesson's sample_answers or its faster equal)."""
+    if not multi_turn(prompts.asked):
+        return single_turn(model, tokenizer, prompts, gen_config=gen_config, llm=llm,
+                           eos_ids=eos_ids)
+    return play_rollout(model, tokenizer, prompts.encoded, num_pre_q, prompts.asked,
+                        gen_config=gen_config, llm=llm, temperature=temperature, eos_ids=eos_ids,
+                        think_prefill=think_prefill, reward_fns=reward_fns)
 
 
 def play_rollout(model, tokenizer, enc, n, asked, *, gen_config, llm, temperature, eos_ids,

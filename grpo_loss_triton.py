@@ -331,7 +331,7 @@ def grpo_loss_triton(
     return (loss, *extra) if extra else loss
 
 
-def policy_loss(engine, batch, *, temperature, beta, clip_eps, clip_eps_high, loss_type,
+def batch_loss(engine, batch, *, temperature, beta, clip_eps, clip_eps_high, loss_type,
                 max_tokens):
     """The trainer's USE_TRITON step 6 of a Batch (grpo_ref_split.py), from its completion logits in
     one fused pass: (loss, logps, entropy, pi_old, metrics only this path adds), the (B, T) tensors

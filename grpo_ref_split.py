@@ -24,6 +24,7 @@ import sys
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -241,6 +242,16 @@ class Batch:
     vision_inputs: dict = field(default_factory=dict)  # each row's pixels; {} = text
 
 
+@dataclass
+class Prompts:
+    """Step 2's prompts, one row per answer (B = Q x NUM_PRE_Q), as every rollout takes them."""
+    encoded: dict  # the tokenizer's output for the Q questions (vLLM and the calculator read it)
+    ids: torch.Tensor  # (B, P) left-padded, so every answer starts at column P
+    mask: torch.Tensor  # (B, P) attention mask of the prompts
+    pixels: dict  # a vision-language model's pixel inputs, one row per answer; text: {}
+    asked: list  # each answer's question (a dict)
+
+
 def load_policy(path, device):
     """(model, tokenizer, eos_ids, gen_config) sampling plain softmax(logits / TEMPERATURE), as
     every log-prob assumes: no model default (top_k, top_p...) changes it (features/policy.py)."""
@@ -249,11 +260,13 @@ def load_policy(path, device):
 
 
 def draw_questions(sampler, n: int) -> list:
-    """Step 1: n distinct training questions, uniformly at random; SAMPLER's other rules draw by
-    each question's record (features/question_sampler.py)."""
-    if sampler.mode != "uniform":  # a variant: the sampler's own rule
-        return sampler.draw(n)
+    """Step 1: n distinct training questions, uniformly at random from the sampler's questions with
+    its seeded rng (kept in checkpoints). choose_parts may hand step 1 another rule instead."""
     return sampler.rng.sample(sampler.questions, n)
+
+
+def keep_no_outcomes(sampler, records, group_size: int) -> None:
+    """Step 1's memory of a step's outcomes: uniform drawing keeps none (a SAMPLER rule does)."""
 
 
 def build_prompt(tokenizer, question: str) -> str:
@@ -293,119 +306,67 @@ def decode(tokenizer, completion_ids) -> list:
     return [THINK_PREFILL + text for text in texts]
 
 
+def sample_answers(model, tokenizer, prompts: Prompts, *, gen_config, llm=None, eos_ids=None):
+    """Step 2's plain rollout: transformers' generate from softmax(logits / TEMPERATURE) (gen_config
+    holds no other rule): (completion_ids (B, T), None, {}). Every rollout choose_parts may pick
+    instead (vLLM, the shared prompt, the calculator, episodes) returns the same three: the answer
+    tokens, the sampler's own log-probs (vLLM's) and what only it knows (tool calls, turns)."""
+    out = model.generate(input_ids=prompts.ids, attention_mask=prompts.mask, **prompts.pixels,
+                         generation_config=gen_config)  # (B, P+T)
+    return out[:, prompts.ids.shape[1]:], None, {}  # (B, T)
+
+
 @torch.no_grad()
-def generate(model, tokenizer, questions, gen_config, eos_ids, llm=None) -> Rollout:
-    """Step 2: NUM_PRE_Q answers to each question, sampled at TEMPERATURE."""
+def generate(model, tokenizer, questions, *, rollout, gen_config, eos_ids, llm=None) -> Rollout:
+    """Step 2: NUM_PRE_Q answers to each question, sampled at TEMPERATURE by `rollout`
+    (sample_answers unless main's set-up chose another)."""
     enc = encode_prompts(tokenizer, questions)
     device = next(model.parameters()).device
-    prompt_ids = enc.input_ids.repeat_interleave(NUM_PRE_Q, 0).to(device)  # (B, P) B = Q x G
-    prompt_mask = enc.attention_mask.repeat_interleave(NUM_PRE_Q, 0).to(device)  # (B, P)
     pixels = {}  # a vision-language model's pixel inputs, one row per answer; text: none
     if with_images(questions):
         pixels = vision.to_device(vision.pixel_rows(enc, NUM_PRE_Q), device)  # B rows
+    def per_answer(key):  # a question's value, once for each of its NUM_PRE_Q answers
+        return [q.get(key) for q in questions for _ in range(NUM_PRE_Q)]
+    prompts = Prompts(encoded=enc,
+                      ids=enc.input_ids.repeat_interleave(NUM_PRE_Q, 0).to(device),  # (B, P)
+                      mask=enc.attention_mask.repeat_interleave(NUM_PRE_Q, 0).to(device),  # (B, P)
+                      pixels=pixels, asked=[q for q in questions for _ in range(NUM_PRE_Q)])
     model.eval()  # no dropout; the KV cache on, even with gradient checkpointing
-    vllm_logps = None  # vLLM's log-probs: transformers samples with the trainer's own weights
-    tool = {}  # TOOLS: the calls and errors of each answer; multi-turn episodes: their rewards
-    if tools.TOOLS:  # multi-turn: each <tool> call answered by a <result> (docs/tools.md)
-        completion_ids, vllm_logps, tool = tools.generate_with_tools(
-            model, tokenizer, enc, NUM_PRE_Q, llm=llm, gen_config=gen_config,
-            temperature=TEMPERATURE, tools=tools.chosen(), max_calls=tools.MAX_TOOL_CALLS,
-            eos_ids=eos_ids)
-    elif environments.ENVIRONMENTS and environments.multi_turn(questions):  # a variant: episodes
-        completion_ids, vllm_logps, tool = environments.play_rollout(
-            model, tokenizer, enc, NUM_PRE_Q, [q for q in questions for _ in range(NUM_PRE_Q)],
-            gen_config=gen_config, llm=llm, temperature=TEMPERATURE, eos_ids=eos_ids,
-            think_prefill=THINK_PREFILL, reward_fns=REWARDS)  # turn by turn (environments.py)
-    elif llm is not None:  # faster equal: vLLM samples the same distribution (docs/vllm.md)
-        completion_ids, vllm_logps = vllm_engine.vllm_sample(
-            llm, enc, NUM_PRE_Q, TEMPERATURE, eos_ids, tokenizer.pad_token_id, MAX_NEW_TOKENS)
-    elif fast_paths.SHARED_PREFIX:  # each prompt's KV cache once for its answers
-        completion_ids = fast_paths.shared_generate(model, prompt_ids, prompt_mask, gen_config,
-                                                    NUM_PRE_Q)  # faster equal: the same samples
-    else:  # the plain definition
-        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, **pixels,
-                             generation_config=gen_config)  # (B, P+T)
-        completion_ids = out[:, prompt_ids.shape[1]:]  # (B, T)
+    completion_ids, vllm_logps, own = rollout(model, tokenizer, prompts, gen_config=gen_config,
+                                                llm=llm, eos_ids=eos_ids)  # own: its fields
     completion_ids = completion_ids.to(device)  # (B, T)
-    if "policy_mask" in tool:  # by each answer's real length: one cut after a turn has no EOS
-        mask = tool.pop("policy_mask").to(device)  # (B, T) the policy's own tokens
-        stopped = tool.pop("stopped").to(device)  # (B,) False = cut off (budget or calls)
-    else:
-        mask = completion_mask(completion_ids, eos_ids)  # (B, T)
-        stopped = torch.isin(completion_ids, torch.tensor(eos_ids, device=device)).any(1)  # (B,)
+    eos = torch.tensor(eos_ids, device=device)  # (E,)
+    # A rollout of several turns knows which tokens are the policy's, and which answers were cut
+    mask = own.pop("policy_mask", completion_mask(completion_ids, eos_ids)).to(device)  # (B, T)
+    stopped = own.pop("stopped", torch.isin(completion_ids, eos).any(1)).to(device)  # (B,)
     if isinstance(tokenizer, vision.ImageTextProcessor):  # an answer ends before an image token
         completion_ids, mask = vision.cut_at_image_tokens(completion_ids, mask, tokenizer)
     lengths = mask.sum(1).tolist()  # before MASK_TRUNCATED: what the model wrote
-    if MASK_TRUNCATED:  # a variant: a cut answer may have been heading somewhere right
-        mask &= stopped[:, None]  # (B, T)
-    def per_answer(key):  # a question's value, once for each of its NUM_PRE_Q answers
-        return [q.get(key) for q in questions for _ in range(NUM_PRE_Q)]
+    cut_answers_train = not MASK_TRUNCATED  # DAPO's overlong filter (a variant) keeps them out
+    mask &= stopped[:, None] | cut_answers_train  # (B, T)
     images = None  # each answer's question's images, to upload; text: none
     if with_images(questions):
         images = per_answer("images")
-    return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-                   mask=mask, vllm_logps=vllm_logps, texts=decode(tokenizer, completion_ids),
-                   lengths=lengths, truncated=(~stopped).tolist(), golds=per_answer("gold"),
+    return Rollout(prompt_ids=prompts.ids, prompt_mask=prompts.mask,
+                   completion_ids=completion_ids, mask=mask, vllm_logps=vllm_logps,
+                   texts=decode(tokenizer, completion_ids), lengths=lengths,
+                   truncated=(~stopped).tolist(), golds=per_answer("gold"),
                    questions=per_answer("question"), images=images, vision_inputs=pixels,
-                   envs=per_answer("env"), **tool)
+                   envs=per_answer("env"), **own)
 
 
-def run_rewards() -> list:
-    """(name, weight) of each reward step 3 gives: REWARDS', or every environment's."""
-    if environments.ENVIRONMENTS:  # a variant: each environment names its own rewards
-        return environments.run_rewards(REWARDS)
-    return [(fn.__name__, weight) for fn, weight in REWARDS]
-
-
-def advantage_settings() -> objectives.AdvantageSettings:
-    """Step 4's menu, as the constants above are now, for objectives.py."""
-    named = run_rewards()  # [(name, weight)]
-    return objectives.AdvantageSettings(
-        advantage=ADVANTAGE, reward_norm=REWARD_NORM, scale_rewards=SCALE_REWARDS,
-        group_size=NUM_PRE_Q, reward_names=tuple(name for name, _ in named),
-        reward_weights=tuple(weight for _, weight in named), std_eps=STD_EPS)
-
-
-def advantage_variant_on() -> bool:
-    """Whether step 4 is a variant's (objectives.py): another baseline, GDPO's normalisation or
-    another scale than the group's std."""
-    return ADVANTAGE != "grpo" or REWARD_NORM != "sum_then_normalize" or SCALE_REWARDS != "group"
-
-
-def rescaled_at_step() -> bool:
-    """Whether a variant divides the step's advantages by a std over all its answers on all ranks:
-    the rewards' (SCALE_REWARDS "batch") or the advantages' (REINFORCE++-baseline, GDPO)."""
-    whitened = ADVANTAGE == "reinforce_pp_baseline" or REWARD_NORM == "normalize_then_sum"
-    return SCALE_REWARDS == "batch" or whitened
-
-
-def answer_advantages(scores, each: dict) -> torch.Tensor:
-    """Step 4: (N,) each answer's advantage from its group's rewards. scores (N,) the weighted
-    sums; each: {reward name: N values}, for a variant that reads the rewards one by one."""
-    if advantage_variant_on():  # a variant: objectives.py
-        return objectives.answer_advantages(scores, each, advantage_settings())  # (N,)
+def group_advantages(scores, each=None) -> torch.Tensor:
+    """Step 4 as the steps call it: advantages_in_groups over groups of NUM_PRE_Q. each ({reward
+    name: N values}, the rewards one by one) is there for a variant's baseline; GRPO's reads the
+    sums alone."""
     return advantages_in_groups(scores, NUM_PRE_Q)  # (N,)
 
 
 def score_answers(texts, asked, played=None) -> tuple:
     """Step 3: (each answer's weighted sum of REWARDS, {reward name: each answer's value});
-    asked: each answer's question (a dict: its question, its gold)."""
-    if environments.ENVIRONMENTS:  # a variant: each question's environment scores its answers
-        return environments.score(texts, asked, REWARDS, played)
+    asked: each answer's question (a dict: its question, its gold). played: a multi-turn
+    environment's rewards, which this task never has."""
     return rewards.score(REWARDS, texts, [q["gold"] for q in asked], [q["question"] for q in asked])
-
-
-def logps_of(model, input_ids, attention_mask, n_completion, entropy=False, **pixels):
-    """(B, T) log-probs at TEMPERATURE (and entropies): per_token_logps, or its fast equal."""
-    if not fast_paths.any_on():  # every fast path off (faster equal's switch): the definition
-        return per_token_logps(model, input_ids, attention_mask, n_completion, entropy, **pixels)
-    # the default: per_token_logps' faster equal, chunked, tested equal in value and gradient
-    return fast_paths.completion_logps(model, input_ids, attention_mask,  # faster equal
-                                       n_completion, TEMPERATURE,
-                                       chunk=fast_paths.LOGP_CHUNK,
-                                       shared_prefix=fast_paths.SHARED_PREFIX,
-                                       from_hidden=fast_paths.LOGP_FROM_HIDDEN,
-                                       with_entropy=entropy, vision_inputs=pixels)
 
 
 @dataclass
@@ -416,42 +377,41 @@ class ScoredGroups:
     other_rewards: torch.Tensor  # (D,) the rewards of the groups not uploaded (SCALE_REWARDS)
 
 
-def scored_groups(model, tokenizer, questions, *, eos_ids, gen_config, llm, keep_all,
+def scored_groups(model, tokenizer, questions, *, parts, eos_ids, gen_config, llm, keep_all,
                   with_pi_old, seconds: Counter, step=0, rank=0) -> ScoredGroups:
-    """Steps 2-4 on `questions`, for the trainer and a genonly worker; `seconds` gets their
-    times (generate_s, score_s, pi_old_s)."""
+    """Steps 2-4 on `questions` with the parts main's set-up chose (choose_parts), for the trainer
+    and a genonly worker; `seconds` gets their times (generate_s, score_s, pi_old_s)."""
     with timed(seconds, "generate_s"):  # log: the seconds each step takes
-        generated = generate(model, tokenizer, questions, gen_config, eos_ids, llm)  # 2. generate
+        generated = generate(model, tokenizer, questions, rollout=parts.rollout,
+                             gen_config=gen_config, eos_ids=eos_ids, llm=llm)  # 2. generate
     asked = [q for q in questions for _ in range(NUM_PRE_Q)]  # each answer's question
     with timed(seconds, "score_s"):  # 3. score (log: its seconds)
-        sums, each = score_answers(generated.texts, asked, generated.played)
+        sums, each = parts.score(generated.texts, asked, played=generated.played)
     scores = torch.tensor(sums, dtype=torch.float32)  # (N,) each answer's reward: REWARDS' sum
-    advantages = answer_advantages(scores, each)  # (N,) 4. advantages
+    advantages = parts.advantages(scores, each)  # (N,) 4. advantages
+    varied = parts.has_signal(scores, each)  # (Q,) the groups whose rewards differ
     with timed(seconds, "pi_old_s"):  # 5. keep the groups whose rewards differ (log: seconds)
-        groups, other = pack_groups(model, generated, scores, advantages, keep_all, with_pi_old,
-                                    each)
+        groups, other = pack_groups(model, generated, scores, advantages, varied=varied,
+                                    keep_all=keep_all, with_pi_old=with_pi_old,
+                                    logps_of=parts.logps_of, meta=parts.upload_meta)
     records = run_log.answer_records(step, rank, generated, each, scores, advantages)  # log
     return ScoredGroups(groups=groups, records=records, other_rewards=other)
 
 
-def varied_groups(scores, each) -> torch.Tensor:
-    """(Q,) the groups whose rewards differ, the ones with a signal. scores (N,); each: {reward
-    name: N values}: with REWARD_NORM "normalize_then_sum" (GDPO) a group also counts when any one
-    reward differs in it."""
-    varied = scores.view(-1, NUM_PRE_Q).std(1, correction=int(NUM_PRE_Q > 1)) > 0  # (Q,); G=1: 0
-    if REWARD_NORM != "normalize_then_sum" or each is None:
-        return varied
-    table = torch.tensor([each[name] for name, _ in run_rewards()]).T  # (N, K)
-    return table.view(-1, NUM_PRE_Q, table.shape[1]).std(1).gt(0).any(-1)  # (Q,)
+def varied_groups(scores, each=None) -> torch.Tensor:
+    """(Q,) the groups whose rewards differ, the ones with a signal. scores (N,); each ({reward
+    name: N values}) is there for a variant that looks at the rewards one by one (GDPO's)."""
+    return scores.view(-1, NUM_PRE_Q).std(1, correction=int(NUM_PRE_Q > 1)) > 0  # (Q,); G=1: 0
 
 
 @torch.no_grad()
-def pack_groups(model, generated: Rollout, scores, advantages, keep_all, with_pi_old, each=None):
-    """Step 5's upload: ((tensors, meta) of the groups worth training, (D,) the others' rewards:
-    equal unless keep_all, or none to train); pi_old's log-probs if with_pi_old, MU > 1, or
-    without fast_paths.SKIP_PI_OLD. each: {reward name: N values}, for varied_groups."""
+def pack_groups(model, generated: Rollout, scores, advantages, *, varied, keep_all, with_pi_old,
+                logps_of, meta) -> tuple:
+    """Step 5's upload: ((tensors, meta) of the groups worth training, (D,) the others' rewards).
+    A group trains where varied (Q,) says its rewards differ, or every group with keep_all, if it
+    has a token to train; pi_old's log-probs (logps_of) only with_pi_old. meta: what each group
+    tells the server (its TEMPERATURE, the reference's log-probs are taken at it too)."""
     G = NUM_PRE_Q
-    varied = varied_groups(scores, each)  # (Q,) rewards that differ: a signal to learn
     kept = [q for q in range(len(varied))
             if (varied[q] or keep_all) and generated.mask[q * G:(q + 1) * G].any()]
     ids = torch.cat([generated.prompt_ids, generated.completion_ids], 1)  # (B, P+T)
@@ -459,18 +419,16 @@ def pack_groups(model, generated: Rollout, scores, advantages, keep_all, with_pi
     attn = torch.cat([generated.prompt_mask, answer_attn], 1)  # (B, P+T)
     rows = [q * G + i for q in kept for i in range(G)]
     pi_old_logps = None  # (K, T) of the kept rows; at MU = 1 a rank's own groups need none
-    if kept and (with_pi_old or MU > 1 or not fast_paths.SKIP_PI_OLD):
+    if kept and with_pi_old:
         pixels = {}  # the kept rows' pixel inputs; text: none
         if generated.vision_inputs:
             pixels = vision.select_rows(generated.vision_inputs, rows)
         pi_old_logps = logps_of(model, ids[rows], attn[rows], generated.mask.shape[1],
                                 **pixels).cpu()
-    meta = dict(temperature=TEMPERATURE)  # the reference's log-probs are taken at it too
-    if DISTILL_TOP_K:  # a variant: the teacher sends its k likeliest tokens
-        meta["teacher_top_k"] = DISTILL_TOP_K
     not_kept = [q for q in range(len(varied)) if q not in kept]  # groups not uploaded
     dropped_rewards = scores.view(-1, G)[not_kept].view(-1)  # (D,)
-    groups = group_tensors(generated, ids, kept, scores, advantages, pi_old_logps, meta)
+    groups = group_tensors(generated, ids, kept, scores, advantages, pi_old_logps,
+                           {"temperature": TEMPERATURE, **meta})
     return groups, dropped_rewards
 
 
@@ -566,7 +524,7 @@ class StepGroups:
     rollouts: int  # how many rollouts it took to find groups with a signal
 
 
-def steps_1_to_5(model, tokenizer, sampler, exchange, *, step, rank, wanted, keep_all,
+def steps_1_to_5(model, tokenizer, sampler, exchange, *, parts, step, rank, wanted, keep_all,
                  with_pi_old, metrics: Counter, **sampling) -> StepGroups:
     """Steps 1-5, rolled out again (up to MAX_ROLLOUTS times) while fewer than `wanted` groups
     came back with rewards that differ: groups whose answers all scored the same teach nothing.
@@ -575,12 +533,11 @@ def steps_1_to_5(model, tokenizer, sampler, exchange, *, step, rank, wanted, kee
     gen_config and llm. `metrics` gets the times and the counts dropped."""
     groups, records, others = [], [], []
     for rollouts in range(1, MAX_ROLLOUTS + 1):
-        drawn = draw_questions(sampler, Q_BATCH_SIZE - len(groups))  # 1. draw questions
-        scored = scored_groups(model, tokenizer, drawn, keep_all=keep_all, seconds=metrics,
-                               with_pi_old=with_pi_old, step=step, rank=rank,
+        drawn = parts.draw(sampler, Q_BATCH_SIZE - len(groups))  # 1. draw questions
+        scored = scored_groups(model, tokenizer, drawn, parts=parts, keep_all=keep_all,
+                               seconds=metrics, with_pi_old=with_pi_old, step=step, rank=rank,
                                **sampling)  # 2-4. generate, score, advantages
-        if sampler.mode != "uniform":  # a variant: the sampler keeps each question's outcome
-            sampler.record(scored.records, NUM_PRE_Q)
+        parts.record(sampler, scored.records, NUM_PRE_Q)  # what the draw keeps of outcomes
         records += scored.records
         others.append(scored.other_rewards)
         version = step - 1  # the weights' version: the optimizer steps taken
@@ -648,9 +605,11 @@ def collate(groups, pad_id, *, teacher=False, image_processor=None, top_k=0,
 
 
 @torch.no_grad()
-def prepare_batch(engine, batch: Batch, normalizer=None) -> Batch:
+def prepare_batch(engine, batch: Batch, normalizer=None, *, logps_of=None) -> Batch:
     """The batch on the device with its loss normalizer (default: its own count over ranks), pi_old
-    for every row at MU > 1 (reuse needs a fixed one), and LoRA's REF_FROM_BASE reference."""
+    for every row at MU > 1 (reuse needs a fixed one), and LoRA's REF_FROM_BASE reference, both
+    by logps_of (main's choice; per_token_logps, the definition, when None)."""
+    logps_of = logps_of or per_token_logps
     b = Batch(**{name: value.to(engine.device) if torch.is_tensor(value) else value
                  for name, value in vars(batch).items()})
     if batch.vision_inputs:  # a vision-language model's pixel inputs
@@ -667,9 +626,10 @@ def prepare_batch(engine, batch: Batch, normalizer=None) -> Batch:
     return b
 
 
-def batches_of(engine, groups, pad_id, image_processor=None) -> list:
+def batches_of(engine, groups, pad_id, image_processor=None, *, logps_of=None) -> list:
     """Step 6's input: the groups as one batch, or TRAIN_MICRO_BATCH groups a batch, each with the
-    step's normalizer, so their gradients add up to the one batch's (features/zero2.py)."""
+    step's normalizer, so their gradients add up to the one batch's (features/zero2.py).
+    logps_of: prepare_batch's."""
     vocab_size = None  # DISTILL_TOP_K: a teacher's top-k ids must lie below it
     if DISTILL_TOP_K:  # a variant
         vocab_size = engine.module.get_output_embeddings().weight.shape[0]
@@ -677,9 +637,9 @@ def batches_of(engine, groups, pad_id, image_processor=None) -> list:
         return collate(part, pad_id, teacher=DISTILL_COEF > 0, image_processor=image_processor,
                        top_k=DISTILL_TOP_K, vocab_size=vocab_size)
     if not zero2.TRAIN_MICRO_BATCH:
-        return [prepare_batch(engine, to_batch(groups))]
+        return [prepare_batch(engine, to_batch(groups), logps_of=logps_of)]
     return zero2.micro_batches(groups, zero2.TRAIN_MICRO_BATCH, to_batch,
-                               functools.partial(prepare_batch, engine),
+                               functools.partial(prepare_batch, engine, logps_of=logps_of),
                                functools.partial(global_count, token_mean=LOSS_TYPE == "dapo"),
                                engine.device)
 
@@ -694,61 +654,40 @@ def pi_old_everywhere(logps, pi_old_logps, pi_old_rows, mask) -> torch.Tensor:
     return torch.where(given, pi_old_logps, logps.detach())  # (B, T)
 
 
-def loss_settings() -> objectives.LossSettings:
-    """Step 6's menu, as the constants above are now, for objectives.py."""
-    return objectives.LossSettings(
-        objective=OBJECTIVE, gspo=GSPO, kl_bias_correction=KL_BIAS_CORRECTION,
-        off_policy_delta=OFF_POLICY_DELTA, top_entropy_quantile=TOP_ENTROPY_QUANTILE,
-        distill_coef=DISTILL_COEF, beta=BETA, clip_eps=CLIP_EPS, clip_eps_high=CLIP_EPS_HIGH,
-        distill_top_k=DISTILL_TOP_K, temperature=TEMPERATURE, use_vllm=vllm_engine.USE_VLLM)
+@dataclass
+class LossTerms:
+    """Step 6's per-token loss of a batch, and what its log reads."""
+    per_token: torch.Tensor  # (B, T) the loss of each token, before reduce_loss
+    token_advantages: torch.Tensor  # (B, T) the advantage each token trained with
+    ratio: torch.Tensor  # (B, T) pi / pi_old, detached
+    metrics: dict  # what only a variant measures (vLLM's gap, the teacher's distance)
 
 
-def loss_variant_on(b: Batch) -> bool:
-    """Whether step 6 on b is a variant's (objectives.py): another surrogate, a per-answer ratio,
-    token weights (vLLM's mismatch, DeepSeek-V3.2's mask, the entropy share) or a teacher."""
-    return bool(OBJECTIVE != "clip" or GSPO or KL_BIAS_CORRECTION or OFF_POLICY_DELTA
-                or TOP_ENTROPY_QUANTILE < 1 or DISTILL_COEF or vllm_engine.USE_VLLM
-                or b.vllm_logps is not None)
+def grpo_terms(engine, b: Batch, *, logps, pi_old_logps, entropy) -> LossTerms:
+    """Step 6's per-token loss as GRPO defines it: grpo_loss, each answer's advantage on its every
+    token. engine and entropy are there for a variant's surrogate (objectives.py)."""
+    per_token = grpo_loss(logps=logps, pi_old_logps=pi_old_logps, ref_logps=b.ref_logps,
+                          advantages=b.advantages, mask=b.mask, beta=BETA, clip_eps=CLIP_EPS,
+                          clip_eps_high=CLIP_EPS_HIGH)  # (B, T)
+    return LossTerms(per_token=per_token,
+                     token_advantages=b.advantages[:, None].expand_as(b.mask),  # (B, T)
+                     ratio=torch.exp(logps.detach() - pi_old_logps),  # (B, T)
+                     metrics={})
 
 
-def policy_loss(engine, b: Batch):
-    """Step 6: (the GRPO loss of a (micro-)batch under the current weights, its metrics)."""
+def policy_loss(engine, b: Batch, *, logps_of=per_token_logps, terms=grpo_terms):
+    """Step 6: (the GRPO loss of a (micro-)batch under the current weights, its metrics). logps_of
+    and terms are main's choice: the definitions (per_token_logps, grpo_terms) by default."""
     engine.train()
-    if fast_paths.USE_TRITON:  # faster equal on a GPU: the log-probs and the loss in one pass
-        import grpo_loss_triton
-        loss, logps, entropy, pi_old_logps, extra = grpo_loss_triton.policy_loss(
-            engine, b, temperature=TEMPERATURE, beta=BETA, clip_eps=CLIP_EPS,
-            clip_eps_high=CLIP_EPS_HIGH, loss_type=LOSS_TYPE, max_tokens=MAX_NEW_TOKENS)
-        token_advantages = b.advantages[:, None].expand_as(b.mask)  # (B, T)
-        ratio = torch.exp(logps - pi_old_logps)  # (B, T) detached
-        metrics = loss_log(loss, b, logps=logps, ratio=ratio, entropy=entropy,
-                           token_advantages=token_advantages) | extra
-        return loss * (b.share > 0), metrics  # a repeat (share 0) adds no gradient
     logps, entropy = logps_of(engine, b.input_ids, b.attention_mask, b.mask.shape[1],
-                              entropy=True, **b.vision_inputs)  # (B, T) each
+                              True, **b.vision_inputs)  # (B, T) each
     pi_old_logps = pi_old_everywhere(logps, b.pi_old_logps, b.pi_old_rows, b.mask)  # (B, T)
-    if loss_variant_on(b):  # a variant: objectives.py
-        kl = reference_kl(b.ref_logps, logps, b.mask)  # (B, T) or None
-        variant = objectives.policy_loss(engine, b, logps=logps, pi_old_logps=pi_old_logps,
-                                         entropy=entropy, kl=kl, s=loss_settings())
-        per_token = variant.per_token  # (B, T)
-        token_advantages = variant.token_advantages  # (B, T)
-        ratio = variant.ratio  # (B, T)
-        extra = variant.metrics  # vLLM's gap, the teacher's distance
-    else:
-        per_token = grpo_loss(logps=logps, pi_old_logps=pi_old_logps, ref_logps=b.ref_logps,
-                              advantages=b.advantages, mask=b.mask, beta=BETA, clip_eps=CLIP_EPS,
-                              clip_eps_high=CLIP_EPS_HIGH)  # (B, T)
-        token_advantages = b.advantages[:, None].expand_as(b.mask)  # (B, T) for the metrics
-        ratio = torch.exp(logps.detach() - pi_old_logps)  # (B, T) r, for the metrics
-        extra = {}
-    loss = reduce_loss(per_token, b.mask, loss_type=LOSS_TYPE, normalizer=b.normalizer,
-                       max_tokens=MAX_NEW_TOKENS)
-    metrics = loss_log(loss, b, logps=logps, ratio=ratio, entropy=entropy,
-                       token_advantages=token_advantages) | extra
-    if not b.share:  # a repeat that keeps this rank in step with the others: no gradient
-        loss = loss * 0.0
-    return loss, metrics
+    loss_terms = terms(engine, b, logps=logps, pi_old_logps=pi_old_logps, entropy=entropy)
+    loss = reduce_loss(loss_terms.per_token, b.mask, loss_type=LOSS_TYPE,
+                       normalizer=b.normalizer, max_tokens=MAX_NEW_TOKENS)
+    metrics = loss_log(loss, b, logps=logps, ratio=loss_terms.ratio, entropy=entropy,
+                       token_advantages=loss_terms.token_advantages) | loss_terms.metrics
+    return loss * (b.share > 0), metrics  # a repeat (share 0) keeps the ranks in step, no gradient
 
 
 @torch.no_grad()
@@ -760,16 +699,17 @@ def loss_log(loss, b: Batch, *, logps, ratio, entropy, token_advantages) -> dict
                         advantages=token_advantages, clip_eps=CLIP_EPS, clip_eps_high=CLIP_EPS_HIGH)
 
 
-def train_step(engine, batches) -> Counter:
+def train_step(engine, batches, *, loss_of=policy_loss) -> Counter:
     """Steps 6-7, MU times on the same batches: the loss's gradient over every (micro-)batch, added
-    up (ZeRO-2 averages it over ranks), then one optimizer step."""
+    up (ZeRO-2 averages it over ranks), then one optimizer step. loss_of: main's choice of step 6
+    (policy_loss, the definition, by default)."""
     metrics = Counter()  # summed over the MU passes, each a 1 / MU share
     for _ in range(MU):
         with timed(metrics, "fwd_bwd_s"):  # log: the seconds of the passes
             this_pass = Counter()  # the (micro-)batches' metrics, each a share of the step's
             for i, b in enumerate(batches):  # 6. the loss and its gradient
                 engine.set_gradient_accumulation_boundary(i == len(batches) - 1)
-                loss, batch_metrics = policy_loss(engine, b)
+                loss, batch_metrics = loss_of(engine, b)
                 engine.backward(loss)
                 this_pass.update(batch_metrics)
             metrics.update({name: value / MU for name, value in this_pass.items()})
@@ -780,6 +720,191 @@ def train_step(engine, batches) -> Counter:
 
 
 # ----------------------------------------------------------------------------- set-up
+@dataclass(frozen=True)
+class Parts:
+    """What main's set-up chose once for the seven steps (choose_parts): the steps call these and
+    never ask which. By default each is this file's own plain function, named beside it."""
+    draw: Callable  # 1. (sampler, n) -> questions: draw_questions
+    record: Callable  # 1. (sampler, records, group size): keep_no_outcomes
+    rollout: Callable  # 2. (model, tokenizer, Prompts, gen_config=, llm=, eos_ids=): sample_answers
+    score: Callable  # 3. (texts, asked, played=) -> (sums, {name: values}): score_answers
+    rewards: tuple  # 3. (name, weight) of each reward step 3 gives: REWARDS'
+    advantages: Callable  # 4. (scores, each) -> (N,): group_advantages
+    has_signal: Callable  # 4. (scores, each) -> (Q,) the groups that train: varied_groups
+    rescale: Callable  # 4. (groups, other rewards, device) -> groups: as_sampled
+    upload_meta: dict  # 5. what each group tells the server besides its temperature: nothing
+    logps_of: Callable  # (model, ids, mask, T, with_entropy) -> (B, T): per_token_logps
+    loss: Callable  # 6. (engine, Batch) -> (loss, metrics): policy_loss with grpo_terms
+
+
+def choose_parts() -> Parts:
+    """Each part of a step, chosen once from the constants: this file's plain functions, unless a
+    setting asks for a faster equal (features/fast_paths.py, vLLM) or a variant (objectives.py,
+    SAMPLER's rules, environments.py, the calculator)."""
+    logps_of = logps_for_run()  # the definition, or its faster equal (the default)
+    return Parts(draw=draw_for_run(), record=record_for_run(), rollout=rollout_for_run(),
+                 score=score_for_run(), rewards=tuple(reward_settings()),
+                 advantages=advantages_for_run(), has_signal=signal_for_run(),
+                 rescale=rescale_for_run(), upload_meta=upload_meta_for_run(),
+                 logps_of=logps_of, loss=loss_for_run(logps_of))
+
+
+def draw_for_run() -> Callable:
+    """Step 1: draw_questions (uniform), or SAMPLER's rule or the environments' mix."""
+    if question_sampler.SAMPLER != "uniform" or environments.ENVIRONMENTS:  # a variant
+        return question_sampler.draw_by_rule
+    return draw_questions
+
+
+def record_for_run() -> Callable:
+    """Step 1's memory: none for the uniform draw; SAMPLER's rules keep each question's outcome."""
+    if question_sampler.SAMPLER != "uniform":  # a variant
+        return question_sampler.record_outcomes
+    return keep_no_outcomes
+
+
+def rollout_for_run() -> Callable:
+    """Step 2: sample_answers, or what samples the same distribution faster (vLLM, the shared
+    prompt), or a rollout of several turns (the calculator, an environment's episodes)."""
+    single_turn = sample_answers  # the plain definition
+    if vllm_engine.USE_VLLM:  # faster equal (docs/vllm.md)
+        single_turn = functools.partial(vllm_engine.rollout, num_pre_q=NUM_PRE_Q,
+                                        temperature=TEMPERATURE, max_new_tokens=MAX_NEW_TOKENS)
+    elif fast_paths.SHARED_PREFIX:  # faster equal: each prompt's KV cache once for its answers
+        single_turn = functools.partial(fast_paths.shared_rollout, num_pre_q=NUM_PRE_Q)
+    if tools.TOOLS:  # a variant: each <tool> call answered by a <result> (docs/tools.md)
+        return functools.partial(tools.rollout, num_pre_q=NUM_PRE_Q, temperature=TEMPERATURE)
+    if environments.ENVIRONMENTS:  # a variant: episodes of several turns where an environment asks
+        return functools.partial(environments.rollout, single_turn=single_turn,
+                                 num_pre_q=NUM_PRE_Q, temperature=TEMPERATURE,
+                                 think_prefill=THINK_PREFILL, reward_fns=REWARDS)
+    return single_turn
+
+
+def score_for_run() -> Callable:
+    """Step 3: score_answers (REWARDS), or each question's environment's own scores."""
+    if environments.ENVIRONMENTS:  # a variant (environments.py)
+        return environments.scorer_for_run(REWARDS)
+    return score_answers
+
+
+def reward_settings() -> list:
+    """(name, weight) of each reward step 3 gives: REWARDS', or every environment's."""
+    if environments.ENVIRONMENTS:  # a variant: each environment names its own rewards
+        return environments.run_rewards(REWARDS)
+    return [(fn.__name__, weight) for fn, weight in REWARDS]
+
+
+def advantage_settings() -> objectives.AdvantageSettings:
+    """Step 4's menu, as the constants above are now, for objectives.py."""
+    named = reward_settings()  # [(name, weight)]
+    return objectives.AdvantageSettings(
+        advantage=ADVANTAGE, reward_norm=REWARD_NORM, scale_rewards=SCALE_REWARDS,
+        group_size=NUM_PRE_Q, reward_names=tuple(name for name, _ in named),
+        reward_weights=tuple(weight for _, weight in named), std_eps=STD_EPS)
+
+
+def advantage_variant_on() -> bool:
+    """Whether step 4 is a variant's (objectives.py): another baseline, GDPO's normalisation or
+    another scale than the group's std."""
+    return ADVANTAGE != "grpo" or REWARD_NORM != "sum_then_normalize" or SCALE_REWARDS != "group"
+
+
+def advantages_for_run() -> Callable:
+    """Step 4: group_advantages, or a variant's baseline (objectives.py)."""
+    if advantage_variant_on():  # a variant
+        return functools.partial(objectives.answer_advantages, s=advantage_settings())
+    return group_advantages
+
+
+def signal_for_run() -> Callable:
+    """Which groups train: varied_groups (their sums differ); under GDPO also a group where any
+    one reward differs (objectives.py)."""
+    if REWARD_NORM == "normalize_then_sum":  # a variant
+        return functools.partial(objectives.varied_by_any_reward, s=advantage_settings())
+    return varied_groups
+
+
+def rescaled_at_step() -> bool:
+    """Whether a variant divides the step's advantages by a std over all its answers on all ranks:
+    the rewards' (SCALE_REWARDS "batch") or the advantages' (REINFORCE++-baseline, GDPO)."""
+    whitened = ADVANTAGE == "reinforce_pp_baseline" or REWARD_NORM == "normalize_then_sum"
+    return SCALE_REWARDS == "batch" or whitened
+
+
+def as_sampled(groups, other_rewards, device) -> list:
+    """Step 4's advantages stay as each group gave them: GRPO's are final within the group."""
+    return groups
+
+
+def rescale_for_run() -> Callable:
+    """as_sampled, or a variant's std over the whole step (objectives.at_step)."""
+    if rescaled_at_step():  # a variant
+        return functools.partial(objectives.at_step, s=advantage_settings())
+    return as_sampled
+
+
+def upload_meta_for_run() -> dict:
+    """Step 5: what each group asks of the server besides its temperature."""
+    if DISTILL_TOP_K:  # a variant: the teacher sends its k likeliest tokens
+        return {"teacher_top_k": DISTILL_TOP_K}
+    return {}
+
+
+def logps_for_run() -> Callable:
+    """per_token_logps, the definition, or its faster equal (the default: chunked, from the hidden
+    states, the shared prompt once; features/fast_paths.py, tested equal in value and gradient)."""
+    if not fast_paths.any_on():  # every fast path off: the definition
+        return per_token_logps
+    return fast_paths.logps_function(TEMPERATURE)  # faster equal
+
+
+def loss_settings() -> objectives.LossSettings:
+    """Step 6's menu, as the constants above are now, for objectives.py."""
+    return objectives.LossSettings(
+        objective=OBJECTIVE, gspo=GSPO, kl_bias_correction=KL_BIAS_CORRECTION,
+        off_policy_delta=OFF_POLICY_DELTA, top_entropy_quantile=TOP_ENTROPY_QUANTILE,
+        distill_coef=DISTILL_COEF, beta=BETA, clip_eps=CLIP_EPS, clip_eps_high=CLIP_EPS_HIGH,
+        distill_top_k=DISTILL_TOP_K, temperature=TEMPERATURE, use_vllm=vllm_engine.USE_VLLM)
+
+
+def loss_variant_on() -> bool:
+    """Whether step 6 is a variant's (objectives.py): another surrogate, a per-answer ratio, token
+    weights (vLLM's mismatch, DeepSeek-V3.2's mask, the entropy share) or a teacher. Answers vLLM
+    sampled (here or in a worker's groups) carry vLLM's log-probs, which the variant weighs."""
+    sampled_by_vllm = vllm_engine.USE_VLLM or worker.EXTRA_GROUPS > 0
+    return bool(OBJECTIVE != "clip" or GSPO or KL_BIAS_CORRECTION or OFF_POLICY_DELTA
+                or TOP_ENTROPY_QUANTILE < 1 or DISTILL_COEF or sampled_by_vllm)
+
+
+def loss_for_run(logps_of) -> Callable:
+    """Step 6: policy_loss with grpo_terms, or a variant's terms (objectives.py), or the fused
+    Triton kernel (a faster equal on a GPU: the log-probs and the loss in one pass)."""
+    if fast_paths.USE_TRITON:  # faster equal
+        return triton_loss
+    terms = grpo_terms
+    if loss_variant_on():  # a variant
+        terms = functools.partial(objectives.variant_terms, s=loss_settings(),
+                                  reference_kl=reference_kl)
+    return functools.partial(policy_loss, logps_of=logps_of, terms=terms)
+
+
+def triton_loss(engine, b: Batch):
+    """Step 6 by the fused Triton kernel (USE_TRITON, grpo_loss_triton.py): policy_loss's loss and
+    metrics from one pass over the logits."""
+    import grpo_loss_triton
+
+    engine.train()
+    loss, logps, entropy, pi_old_logps, extra = grpo_loss_triton.batch_loss(
+        engine, b, temperature=TEMPERATURE, beta=BETA, clip_eps=CLIP_EPS,
+        clip_eps_high=CLIP_EPS_HIGH, loss_type=LOSS_TYPE, max_tokens=MAX_NEW_TOKENS)
+    token_advantages = b.advantages[:, None].expand_as(b.mask)  # (B, T)
+    ratio = torch.exp(logps - pi_old_logps)  # (B, T) detached
+    metrics = loss_log(loss, b, logps=logps, ratio=ratio, entropy=entropy,
+                       token_advantages=token_advantages) | extra
+    return loss * (b.share > 0), metrics  # a repeat (share 0) adds no gradient
+
+
 def check_settings():
     """Stop, before any model loads, on settings that cannot work (features/refusals.py, and each
     feature's own check)."""
@@ -854,7 +979,7 @@ def memory_setting() -> memory_plan.Setting:
                                        ds_config_path=DS_CONFIG)
 
 
-def server_route(model, tokenizer, run: str) -> server_client.Route:
+def server_route(model, tokenizer, run: str, advantages) -> server_client.Route:
     """Step 5's route: upload_and_pull with one plain server; RefClient with several, workers'
     groups or a server that regroups; our own groups without one (BETA 0, LoRA's base as the
     reference). The server is checked first: it holds this policy's model (or a teacher)."""
@@ -864,7 +989,7 @@ def server_route(model, tokenizer, run: str) -> server_client.Route:
                                                                       distill_coef=DISTILL_COEF),
         model=model, tokenizer=tokenizer, teacher=DISTILL_COEF > 0,
         variant_advantages=advantage_variant_on(),
-        advantages=answer_advantages)
+        advantages=advantages)
 
 
 def run_genonly():
@@ -876,7 +1001,8 @@ def run_genonly():
     start_llm = None  # transformers generates
     if vllm_engine.USE_VLLM:
         start_llm = functools.partial(vllm_engine.start, model_path, verbose=quiet.VERBOSE)
-    worker.run_worker(load_policy, functools.partial(scored_groups, with_pi_old=True), client,
+    scored = functools.partial(scored_groups, parts=choose_parts(), with_pi_old=True)  # 2-4
+    worker.run_worker(load_policy, scored, client,
                       questions=questions, q_batch_size=Q_BATCH_SIZE, first=model_path, seed=SEED,
                       start_llm=start_llm, output_dir=OUTPUT_DIR,
                       max_queued=worker.WORKER_MAX_QUEUED,
@@ -889,15 +1015,17 @@ def run_genonly():
 # ----------------------------------------------------------------------------- the loop
 def main():
     check_settings()  # guard: before any model loads
-    quiet.quiet_libraries(quiet.VERBOSE)
+    parts = choose_parts()  # each part of a step, once: this file's plain functions by default
+    quiet.quiet_libraries(quiet.VERBOSE)  # log
     questions, held_out = load_dataset()
     if memory_plan.MEMORY_PLAN:  # guard: will this setting fit? printed; a stop before loading
         memory_plan.check(resolve_model_path(MODEL_PATH), memory_setting(),
                           build_prompt=build_prompt, questions=questions)
     engine, tokenizer, eos_ids, gen_config, rank, device = setup_deepspeed()
     model = engine.module  # the same weights without the engine: generation and evaluation
-    route = server_route(model, tokenizer, run=uuid.uuid4().hex)  # step 5, its server checked
-    reward_names = [name for name, _ in run_rewards()]  # what step 3 gives: the log's columns
+    route = server_route(model, tokenizer, run=uuid.uuid4().hex,
+                         advantages=parts.advantages)  # step 5, its server checked
+    reward_names = [name for name, _ in parts.rewards]  # what step 3 gives: the log's columns
     correct = rewards.correctness_reward(reward_names)  # the reward that says an answer is right
     sampler = question_sampler.QuestionSampler(questions, SEED + rank, question_sampler.SAMPLER,
                                                question_sampler.REPLAY_SHARE, pass_key=correct)
@@ -907,8 +1035,9 @@ def main():
                             verbose=quiet.VERBOSE)  # faster equal (USE_VLLM); else None
     sampling = dict(eos_ids=eos_ids, gen_config=gen_config, llm=llm)  # how step 2 samples
     if pass_rates.PASS_RATE_QUESTIONS:  # a variant (SAMPLER "learnability"): measured first
-        answers_to = functools.partial(generate, model, tokenizer, **sampling)  # a Rollout
-        pass_rates.pass_rate_pass(sampler, answers_to, score_answers,
+        answers_to = functools.partial(generate, model, tokenizer, rollout=parts.rollout,
+                                       **sampling)  # a Rollout
+        pass_rates.pass_rate_pass(sampler, answers_to, parts.score,
                                   count=pass_rates.PASS_RATE_QUESTIONS,
                                   group=NUM_PRE_Q, output_dir=OUTPUT_DIR, batch=Q_BATCH_SIZE,
                                   rank=rank)
@@ -919,7 +1048,7 @@ def main():
     publisher = weight_sync.publisher_from(model, start, rank, REF_TOKEN)  # WEIGHT_SYNC_STEPS
     log = run_log.open_on_rank_0(rank, OUTPUT_DIR, reward_names, resumed_step=start)  # log
     evaluate = functools.partial(evaluation.log_eval, model=model, questions=held_out, log=log,
-                                 rank=rank, score=score_answers, tokenizer=tokenizer,
+                                 rank=rank, score=parts.score, tokenizer=tokenizer,
                                  encode=encode_prompts, decode=decode,
                                  max_new_tokens=MAX_NEW_TOKENS, correct=correct,
                                  **sampling)  # log: evaluate(step), held-out greedy accuracy
@@ -928,21 +1057,21 @@ def main():
     phases = teacher_mix.Phases(start + 1) if DISTILL_COEF else None  # a teacher's stages
     image_processor = vision.image_processor_of(tokenizer)  # a vision model's: pixels; else None
     wanted = Q_BATCH_SIZE if DYNAMIC_SAMPLING else 1  # groups with different rewards a step needs
+    with_pi_old = route.regroup or MU > 1 or not fast_paths.SKIP_PI_OLD  # pi_old's forward: 5
     for step in tqdm(range(start + 1, ALL_STEPS + 1), disable=rank != 0, desc="GRPO",
                      dynamic_ncols=True):
         metrics = Counter()  # this step's numbers, added up as they come
         began = clock()  # log: the step's seconds
         keep_all = route.keeps_equal or bool(phases and phases.now.teacher)  # equal ones teach
-        found = steps_1_to_5(model, tokenizer, sampler, route.exchange, step=step, rank=rank,
-                             wanted=wanted, keep_all=keep_all, with_pi_old=route.regroup,
+        found = steps_1_to_5(model, tokenizer, sampler, route.exchange, parts=parts, step=step,
+                             rank=rank, wanted=wanted, keep_all=keep_all, with_pi_old=with_pi_old,
                              metrics=metrics, **sampling)  # 1-5. questions to pulled groups
-        groups = found.groups
-        if rescaled_at_step():  # a variant: the advantages / a std over the whole step
-            groups = objectives.at_step(groups, found.other_rewards, device, advantage_settings())
-        batches = batches_of(engine, groups, tokenizer.pad_token_id, image_processor)
+        groups = parts.rescale(found.groups, found.other_rewards, device)  # 4. (a variant's)
+        batches = batches_of(engine, groups, tokenizer.pad_token_id, image_processor,
+                             logps_of=parts.logps_of)
         if phases is not None:  # a variant: the teacher's stage decides which terms train
             batches = phases.apply(engine, batches, metrics)
-        metrics.update(train_step(engine, batches))  # 6-7. loss, optimizer step
+        metrics.update(train_step(engine, batches, loss_of=parts.loss))  # 6-7. loss, optimizer
         metrics["max_weight_gap"] = run_log.weight_gap(model)  # log: 0 when every rank agrees
         if publisher is not None:  # rank 0 with WEIGHT_SYNC_STEPS: the weights to workers
             weight_sync.publish_every(publisher, model, step, weight_sync.WEIGHT_SYNC_STEPS)

@@ -1,8 +1,9 @@
 """GRPO's variants, in a room of their own: every other baseline (step 4), surrogate, token
 selection and teacher term (step 6) that the menu at the top of grpo_ref_split.py can switch on.
 
-A default step never enters this file. The lesson reaches it through one call in step 4
-(answer_advantages) and one in step 6 (policy_loss), each taken only when a variant is set; the
+A default step never enters this file. main's set-up (choose_parts) hands a step these functions
+in place of the lesson's when a variant is set: answer_advantages, varied_by_any_reward and at_step
+for step 4, variant_terms for step 6; the
 lesson's own math (advantages_in_groups, the clip-only grpo_loss, k3, reduce_loss) is the
 reference every function here is compared with. Each function is pure, names its paper, and
 carries a shape comment on each tensor line. docs/loss.md says when to pick which.
@@ -53,6 +54,15 @@ class AdvantageSettings:
     reward_names: tuple  # REWARDS' function names, in order
     reward_weights: tuple  # and their weights
     std_eps: float  # STD_EPS
+
+
+def varied_by_any_reward(scores: torch.Tensor, each: dict, s: AdvantageSettings) -> torch.Tensor:
+    """(Q,) GDPO's groups with a signal: the weighted sums differ, or any one reward does (each
+    reward is normalised in its group on its own). scores (N,); each: {reward name: N values}."""
+    G = s.group_size
+    varied = scores.view(-1, G).std(1, correction=int(G > 1)) > 0  # (Q,); G = 1: none
+    table = torch.tensor([each[name] for name in s.reward_names]).T  # (N, K)
+    return varied | table.view(-1, G, table.shape[1]).std(1).gt(0).any(-1)  # (Q,)
 
 
 def answer_advantages(scores: torch.Tensor, each: dict, s: AdvantageSettings) -> torch.Tensor:
@@ -196,9 +206,12 @@ class VariantLoss:
     metrics: dict  # the variant's own: vLLM's gap, the teacher's distance
 
 
-def policy_loss(engine, b, *, logps, pi_old_logps, entropy, kl, s: LossSettings) -> VariantLoss:
-    """Step 6 of a variant on batch b (grpo_ref_split.Batch): logps, pi_old_logps, entropy (B, T)
-    from the lesson's forward; kl (B, T) its k3 towards the reference (None: no reference)."""
+def variant_terms(engine, b, *, logps, pi_old_logps, entropy, s: LossSettings,
+                  reference_kl) -> VariantLoss:
+    """Step 6 of a variant on batch b (grpo_ref_split.Batch), in place of the lesson's grpo_terms:
+    logps, pi_old_logps, entropy (B, T) from the lesson's forward; reference_kl(ref_logps, logps,
+    mask) -> (B, T) its k3 towards the reference (None: no reference), the lesson's."""
+    kl = reference_kl(b.ref_logps, logps, b.mask)  # (B, T) or None
     mask = b.mask.bool()  # (B, T)
     token_advantages = b.advantages[:, None].expand_as(mask)  # (B, T) each answer's on its tokens
     teacher_rows = None  # (B,) the answers that take the teacher's term; None = all

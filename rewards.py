@@ -121,7 +121,6 @@ def reward_boxed(completion: str, gold: str, question: str | None = None) -> flo
 
 
 DANGLING = ("+", "-", "*", "/", "^", "=", ",", "\\times", "\\cdot", "\\div")  # nothing after
-EQUATION_SIGNS = re.compile(r"=|\\approx")  # between the sides of a boxed equation
 
 
 def equation_sides(answer: str) -> list:

@@ -10,6 +10,7 @@ step runs.
     VLLM_EAGER=0 python bench/bench_generation.py       # compiled engine (its start is printed too)
 Writes bench/results/generation_eager.json (or generation_compiled.json).
 """
+import functools
 import json
 import os
 import platform
@@ -44,12 +45,16 @@ def main():
     seconds, tokens = defaultdict(list), defaultdict(list)
     for r in range(ROUNDS):
         batch = questions[r * grpo.Q_BATCH_SIZE : (r + 1) * grpo.Q_BATCH_SIZE]
-        order = (("transformers", None), ("vLLM", llm))  # alternating which goes first
-        for name, engine in order if r % 2 == 0 else order[::-1]:
+        vllm_rollout = functools.partial(vllm_engine.rollout, num_pre_q=grpo.NUM_PRE_Q,
+                                         temperature=grpo.TEMPERATURE,
+                                         max_new_tokens=grpo.MAX_NEW_TOKENS)
+        order = (("transformers", grpo.sample_answers), ("vLLM", vllm_rollout))  # alternating
+        for name, sampler in order if r % 2 == 0 else order[::-1]:
             m = defaultdict(float)
             with grpo.timed(m, "generate_s"):
-                rollout = grpo.generate(model, tokenizer, batch, gen_config, eos_ids, engine)
-            n = int(rollout["mask"].sum())  # generated tokens, EOS included
+                rollout = grpo.generate(model, tokenizer, batch, rollout=sampler,
+                                        gen_config=gen_config, eos_ids=eos_ids, llm=llm)
+            n = int(rollout.mask.sum())  # generated tokens, EOS included
             seconds[name].append(m["generate_s"])
             tokens[name].append(n / m["generate_s"])
             print(

@@ -41,13 +41,15 @@ def child():
     from features.checkpoints import save_checkpoint
 
     engine, tokenizer, *_ = grpo.setup_deepspeed()
+    parts = grpo.choose_parts()  # as main hands them to the steps
     groups = demo_groups(engine, tokenizer, 2)
     # freed memory back to the system: else the start varies by ~0.5 GiB
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the RSS now
     start = time.perf_counter()
-    grpo.train_step(engine, grpo.batches_of(engine, groups, tokenizer.pad_token_id))  # steps 6-7
+    batches = grpo.batches_of(engine, groups, tokenizer.pad_token_id, logps_of=parts.logps_of)
+    grpo.train_step(engine, batches, loss_of=parts.loss)  # steps 6-7
     seconds = time.perf_counter() - start
     peak = hwm_bytes()
     with tempfile.TemporaryDirectory() as out:  # what save_checkpoint writes per step

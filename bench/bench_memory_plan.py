@@ -48,14 +48,15 @@ def child():
 
     before_model = rss_bytes()
     engine, tokenizer, *_ = grpo.setup_deepspeed()
+    parts = grpo.choose_parts()  # as main hands them to the steps
     groups = demo_groups(engine, tokenizer, grpo.Q_BATCH_SIZE)
-    batches = grpo.batches_of(engine, groups, tokenizer.pad_token_id)
-    grpo.train_step(engine, batches)  # the first step creates AdamW's state
+    batches = grpo.batches_of(engine, groups, tokenizer.pad_token_id, logps_of=parts.logps_of)
+    grpo.train_step(engine, batches, loss_of=parts.loss)  # the first creates AdamW's state
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := the RSS now
     before_step = rss_bytes()
-    grpo.train_step(engine, batches)  # a step as every later one: the one measured
+    grpo.train_step(engine, batches, loss_of=parts.loss)  # as every later step: measured
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     print(json.dumps({"before_model": before_model, "before_step": before_step, "peak": hwm_bytes(),
                       "after_step": rss_bytes(),

@@ -40,6 +40,7 @@ def main():
     from rewards import load_questions
 
     engine, tokenizer, eos_ids, gen_config, *_ = grpo.setup_deepspeed()
+    parts = grpo.choose_parts()  # as main hands them to the steps
     groups = demo_groups(engine, tokenizer, grpo.Q_BATCH_SIZE)
     questions = load_questions("arithmetic", 0, grpo.ARITH_MAX)[: grpo.Q_BATCH_SIZE]
     tokens = sum(t["input_ids"].numel() for t, _ in groups)
@@ -55,10 +56,12 @@ def main():
                                  from_hidden=grpo.fast_paths.LOGP_FROM_HIDDEN)
         times["ref"].append(time.perf_counter() - start)
         start = time.perf_counter()
-        grpo.train_step(engine, grpo.batches_of(engine, groups, tokenizer.pad_token_id))
+        batches = grpo.batches_of(engine, groups, tokenizer.pad_token_id, logps_of=parts.logps_of)
+        grpo.train_step(engine, batches, loss_of=parts.loss)
         times["train"].append(time.perf_counter() - start)
         start = time.perf_counter()
-        grpo.generate(engine.module.eval(), tokenizer, questions, gen_config, eos_ids)
+        grpo.generate(engine.module.eval(), tokenizer, questions,
+                      rollout=parts.rollout, gen_config=gen_config, eos_ids=eos_ids)
         times["generate"].append(time.perf_counter() - start)
         print({k: round(v[-1], 2) for k, v in times.items()}, flush=True)
     median = {k: statistics.median(v) for k, v in times.items()}

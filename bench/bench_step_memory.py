@@ -81,6 +81,7 @@ def child(n_groups):
     import grpo_ref_split as grpo
 
     engine, tokenizer, *_ = grpo.setup_deepspeed()
+    parts = grpo.choose_parts()  # as main hands them to the steps
     groups = demo_groups(engine, tokenizer, n_groups)
     import ctypes
 
@@ -89,7 +90,8 @@ def child(n_groups):
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the RSS now
     start = time.perf_counter()
-    grpo.train_step(engine, grpo.batches_of(engine, groups, tokenizer.pad_token_id))  # steps 6-7
+    batches = grpo.batches_of(engine, groups, tokenizer.pad_token_id, logps_of=parts.logps_of)
+    grpo.train_step(engine, batches, loss_of=parts.loss)  # steps 6-7
     print(json.dumps({"peak_bytes": hwm_bytes(), "seconds": time.perf_counter() - start}))
 
 

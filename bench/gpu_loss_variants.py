@@ -119,7 +119,7 @@ def run(model, batch, settings, device, dtype):
             b = replace(b, ref_logps=None)
         if settings.get("LOSS_TYPE") == "dapo":  # dapo divides by the step's answer tokens
             b = replace(b, normalizer=float(batch.mask.sum()))
-        loss, _ = grpo.policy_loss(Engine(copy, torch.device(device)), b)
+        loss, _ = grpo.choose_parts().loss(Engine(copy, torch.device(device)), b)
         loss.backward()
         grads = {n: p.grad.float().cpu() for n, p in copy.named_parameters()}
         return loss.item(), grads

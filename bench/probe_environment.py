@@ -35,7 +35,7 @@ def main():
     _, held_out = grpo.load_dataset()
     model, tokenizer, eos_ids, _ = grpo.load_policy(path, torch.device("cpu"))
     scores = evaluation.evaluate(model, held_out, encode=grpo.encode_prompts, decode=grpo.decode,
-                                 score=grpo.score_answers, eos_ids=eos_ids,
+                                 score=grpo.choose_parts().score, eos_ids=eos_ids,
                                  max_new_tokens=grpo.MAX_NEW_TOKENS, tokenizer=tokenizer)
     print(json.dumps({"checkpoint": path, "questions": len(held_out), **scores}))
 

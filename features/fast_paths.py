@@ -192,6 +192,14 @@ def layer_flags(model, **flags):
                 layer.__dict__.update(old)
 
 
+def shared_rollout(model, tokenizer, prompts, *, gen_config, llm, eos_ids, num_pre_q) -> tuple:
+    """Step 2 with each group's prompt computed once (SHARED_PREFIX): (completion_ids, None, {}),
+    the same samples as the lesson's sample_answers (shared_generate); tokenizer, llm and eos_ids
+    are other rollouts', unread here."""
+    completion_ids = shared_generate(model, prompts.ids, prompts.mask, gen_config, num_pre_q)
+    return completion_ids, None, {}
+
+
 def shared_generate(model, prompt_ids, prompt_mask, gen_config, repeats: int, shared: bool = True):
     """(B, T) transformers' generate on prompts already repeated `repeats` times each (rows prompt 0
     x repeats, ...): with `shared`, each prompt's KV cache is computed once and repeated, the same
@@ -407,6 +415,17 @@ def completion_logits(model, input_ids, attention_mask, n_completion: int,
     pixels = vision_inputs or {}  # a vision-language model's, one row per row
     return model_outputs(model, hidden, keep, input_ids=input_ids, attention_mask=attention_mask,
                          position_ids=position_ids, **pixels)  # (B, T, V) or (B, T, H)
+
+
+def logps_function(temperature: float):
+    """The lesson's per_token_logps(model, ids, mask, n_completion, with_entropy, **pixels) as
+    completion_logps computes it with this module's switches as they are now."""
+    def logps_of(model, input_ids, attention_mask, n_completion, with_entropy=False, **pixels):
+        return completion_logps(model, input_ids, attention_mask, n_completion, temperature,
+                                chunk=LOGP_CHUNK, shared_prefix=SHARED_PREFIX,
+                                from_hidden=LOGP_FROM_HIDDEN, with_entropy=with_entropy,
+                                vision_inputs=pixels)
+    return logps_of
 
 
 def completion_logps(model, input_ids, attention_mask, n_completion: int, temperature: float,

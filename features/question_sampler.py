@@ -18,7 +18,8 @@ features/pass_rates.py (k answers each from the starting policy), then the share
 or out-of-reach (p = 0) question weighs 0 and is drawn only when too few others are left; p (1 - p)
 is the variance of a right/wrong reward, so it is the expected spread of a group's rewards, which is
 what the advantage needs.
-A step that rolls out MAX_ROLLOUTS times without the groups it wants calls out_of_rollouts.
+A step that rolls out the lesson's MAX_ROLLOUTS times without the groups it wants calls
+out_of_rollouts.
 Held-out questions are never in `questions`, so evaluation is untouched. The sampler is the run's
 random.Random too (getstate/setstate), so a checkpoint keeps the records with the data position.
 
@@ -35,7 +36,6 @@ from features import env_overrides
 
 SAMPLER = "uniform"  # | "difficulty": redraw varied ones | "learnability": weight p (1 - p)
 REPLAY_SHARE = 0.75  # SAMPLER "difficulty": at most this share of a draw replays varied questions
-MAX_ROLLOUTS = 20  # rollouts a step may take before it gives up on a group with different rewards
 env_overrides.apply_env_overrides(globals(), "features/question_sampler.py")
 
 SAMPLERS = ("uniform", "difficulty", "learnability")  # SAMPLER's choices
@@ -179,6 +179,16 @@ class QuestionSampler:
         self.pool = dict(state["pool"])
         self.uniform = set(state["uniform"])
         self.pass_rates = dict(state.get("pass_rates", {}))
+
+
+def draw_by_rule(sampler, n: int) -> list:
+    """Step 1 by the sampler's own rule (SAMPLER's, or the environments' mix): n questions."""
+    return sampler.draw(n)
+
+
+def record_outcomes(sampler, answers, group_size: int) -> None:
+    """Step 1's memory under SAMPLER's rules: each group's outcome, for the next draws."""
+    sampler.record(answers, group_size)
 
 
 def out_of_rollouts(found: int, rollouts: int, wanted: int) -> None:

@@ -285,6 +285,14 @@ def vllm_turns(llm, temperature, eos_ids, stop=(TOOL_CLOSE,)):
     return sample
 
 
+def rollout(model, tokenizer, prompts, *, gen_config, llm, eos_ids, num_pre_q, temperature):
+    """Step 2 with the calculator (TOOLS; the lesson's Rollout seam): generate_with_tools on
+    prompts.encoded with the chosen tools and MAX_TOOL_CALLS."""
+    return generate_with_tools(model, tokenizer, prompts.encoded, num_pre_q, gen_config=gen_config,
+                               llm=llm, temperature=temperature, tools=chosen(),
+                               max_calls=MAX_TOOL_CALLS, eos_ids=eos_ids)
+
+
 def generate_with_tools(
     model, tokenizer, enc, n, *, gen_config, llm, temperature, tools, max_calls, eos_ids
 ):

@@ -72,6 +72,16 @@ def start_engine(model_path, seed, dtype, *, eager, gpu_memory, cpu_kv_gb, verbo
     return llm
 
 
+def rollout(model, tokenizer, prompts, *, gen_config, llm, eos_ids, num_pre_q, temperature,
+            max_new_tokens) -> tuple:
+    """Step 2 by vLLM (the lesson's Rollout seam): (completion_ids, vllm_logps, {}), num_pre_q
+    answers to each prompt of prompts.encoded, the same distribution as the lesson's
+    sample_answers; model and gen_config are the plain path's, unread here."""
+    completion_ids, vllm_logps = vllm_sample(llm, prompts.encoded, num_pre_q, temperature, eos_ids,
+                                             tokenizer.pad_token_id, max_new_tokens)
+    return completion_ids, vllm_logps, {}
+
+
 def vllm_sample(llm, enc, n, temperature, eos_ids, pad_id, max_tokens, seeded=True):
     """(completion_ids, vllm_logps), each (B, T) for B = n x the prompts of `enc` (the
     tokenizer's left-padded input_ids and attention_mask; a prompt's n rows consecutive), padded

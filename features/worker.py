@@ -22,7 +22,6 @@ from features.weight_sync import WeightFetcher, check_weights, swap_in, weights_
 GENONLY = False  # True = this process only generates, scores and uploads (as `genonly`)
 WORKER_MAX_QUEUED = 8  # a worker waits while the server holds this many groups: bounds staleness
 EXTRA_GROUPS = 0  # > 0 with genonly workers: each rank also takes this many of their groups
-MAX_STALENESS = 10  # steps a group's weights may lag the trained ones; older groups are dropped
 env_overrides.apply_env_overrides(globals(), "features/worker.py")
 
 

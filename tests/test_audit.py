@@ -47,7 +47,7 @@ def pulled_back(tensors, meta, monkeypatch):
     monkeypatch.setattr(grpo, "SCALE_REWARDS", "batch")
     monkeypatch.setattr(grpo, "NUM_PRE_Q", 4)
     exchange = with_advantages(lambda groups, version, rank: [(tensors, meta)],
-                               grpo.answer_advantages)
+                               grpo.choose_parts().advantages)
     [(pulled, _)] = exchange([], 0, 0)
     rewards = pulled["rewards"].tolist()
     # centred, no division
@@ -139,7 +139,8 @@ def test_an_answer_cut_by_the_call_budget_trains_only_its_sampled_tokens_and_cou
         grpo.tools, "generate_with_tools", scripted_generate_with_tools(script, eos)
     )
     question = [dict(question="What is 1 + 1?", gold="2")]
-    out = grpo.generate(model, tokenizer, question, None, [eos])
+    out = grpo.generate(model, tokenizer, question, rollout=grpo.choose_parts().rollout,
+                        gen_config=None, eos_ids=[eos])
     enc = lambda t: tokenizer.encode(t, add_special_tokens=False)  # noqa: E731
     first, result, second = (
         enc(" <tool>1 + 1</tool>"),
@@ -156,7 +157,8 @@ def test_an_answer_cut_by_the_call_budget_trains_only_its_sampled_tokens_and_cou
     monkeypatch.setattr(grpo, "MASK_TRUNCATED", True)  # DAPO's overlong filter now sees it
     # the stand-in pops its texts
     script.update({1: [" <tool>1 + 1</tool>", " <tool>2 + 2</tool>"], 2: [LONG]})
-    masked = grpo.generate(model, tokenizer, question, None, [eos])
+    masked = grpo.generate(model, tokenizer, question, rollout=grpo.choose_parts().rollout,
+                           gen_config=None, eos_ids=[eos])
     assert not masked.mask[0].any() and masked.mask[1].sum() == len(answer)
 
 
@@ -304,7 +306,9 @@ def test_batch_scaling_counts_every_generated_reward_once(keep_all, monkeypatch)
     rewards = [[1.0] * 4, [0.0, 1.0, 2.0, 3.0], [0.0, 2.0, 0.0, 2.0]]
     scores = torch.tensor(sum(rewards, []))
     sampled = rollout_of(rewards, masked_groups=(2,))
-    groups, dropped = grpo.pack_groups(None, sampled, scores, torch.zeros(12), keep_all, False)
+    groups, dropped = grpo.pack_groups(None, sampled, scores, torch.zeros(12),
+                                       varied=grpo.varied_groups(scores), keep_all=keep_all,
+                                       with_pi_old=False, logps_of=None, meta={})
     assert len(groups) == (2 if keep_all else 1)
     scaled = objectives.scale_to_step(groups, dropped, "cpu", std_eps=EPS)
     varied = [tensors for tensors, _ in scaled if tensors["rewards"].std() > 0][0]

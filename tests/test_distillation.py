@@ -949,9 +949,9 @@ def test_the_top_k_term_enters_the_loss_as_coef_times_its_token_means(monkeypatc
     set_setting(monkeypatch, "DISTILL_COEF", 2.0)
     set_setting(monkeypatch, "DISTILL_TOP_K", 3)
     engine = PlainEngine(model, lr=0.0)
-    with_term, _ = grpo.policy_loss(engine, b)
+    with_term, _ = grpo.choose_parts().loss(engine, b)
     set_setting(monkeypatch, "DISTILL_COEF", 1e-30)  # the same path, the term vanishing
-    without, _ = grpo.policy_loss(engine, b)
+    without, _ = grpo.choose_parts().loss(engine, b)
     with torch.no_grad():
         logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, -7:-1]
         student = torch.log_softmax(logits.float() / grpo.TEMPERATURE, -1).gather(
@@ -1056,10 +1056,10 @@ def test_distill_below_gives_the_teacher_term_to_the_answers_under_it_alone(monk
     set_setting(monkeypatch, "DISTILL_TOP_K", top_k)
     engine = PlainEngine(model, lr=0.0)
     set_setting(monkeypatch, "DISTILL_BELOW", 2.0)
-    below, _ = grpo.policy_loss(engine, b)
+    below, _ = grpo.choose_parts().loss(engine, b)
     set_setting(monkeypatch, "DISTILL_BELOW", 0.0)
-    every, _ = grpo.policy_loss(engine, b)
-    want, _ = grpo.policy_loss(engine, spared)
+    every, _ = grpo.choose_parts().loss(engine, b)
+    want, _ = grpo.choose_parts().loss(engine, spared)
     assert below.item() == pytest.approx(want.item(), rel=1e-5, abs=1e-6)
     assert abs(every.item() - below.item()) > 1e-4  # 100x the tolerance above
 

@@ -81,7 +81,7 @@ def test_the_built_in_task_as_an_environment_scores_as_the_trainer_does(mix):
                           [r["question"] for r in records])
     assert environments.score(texts, asked, grpo.REWARDS) == plain
     assert len(set(plain[0])) == 4  # right and wrong, with and without the format: all there
-    assert grpo.score_answers(texts, asked) == plain
+    assert grpo.choose_parts().score(texts, asked) == plain
 
 
 def test_the_shapes_task_with_images_as_an_environment_loads_and_scores_as_without(
@@ -113,7 +113,7 @@ def test_the_shapes_task_with_images_as_an_environment_loads_and_scores_as_witho
     asked = [q for q in held_out for _ in rewards.COLOURS] + held_out
     want = rewards.score(grpo.REWARDS, texts, [q["gold"] for q in asked],
                          [q["question"] for q in asked])
-    assert grpo.score_answers(texts, asked) == want
+    assert grpo.choose_parts().score(texts, asked) == want
     assert set(want[0]) == {0.0, 1.0, 3.0}  # unformatted, formatted but wrong, right
 
 
@@ -516,15 +516,15 @@ def test_gdpo_normalises_each_environments_own_rewards(mix, monkeypatch):
     mix([["arithmetic", 1.0], ["test_environments:Reverse", 1.0]])
     monkeypatch.setattr(grpo, "REWARD_NORM", "normalize_then_sum")
     monkeypatch.setattr(grpo, "NUM_PRE_Q", 4)
-    assert grpo.run_rewards() == [("reward_correct", 2.0), ("reward_format", 1.0),
+    assert grpo.reward_settings() == [("reward_correct", 2.0), ("reward_format", 1.0),
                                   ("reversed", 1.0), ("short", 0.5)]
     word = {"question": "Write abc backwards.", "gold": "cba", "env": "test_environments:Reverse"}
     sum_q = {"question": "What is 2 + 3?", "gold": "5", "env": "arithmetic"}
     texts = ["cba", "abc", "cba" + "!" * 50, "no"]
     texts += ["<think> 5 </think><answer>5</answer>", "<think> 5 </think><answer>4</answer>",
               "5", "<think> 5 </think><answer>5</answer>"]
-    sums, each = grpo.score_answers(texts, [word] * 4 + [sum_q] * 4)
-    advantages = grpo.answer_advantages(torch.tensor(sums), each)
+    sums, each = grpo.choose_parts().score(texts, [word] * 4 + [sum_q] * 4)
+    advantages = grpo.choose_parts().advantages(torch.tensor(sums), each)
 
     def normalised(values):  # (r - group mean) / (unbiased std + STD_EPS)
         mean = sum(values) / len(values)

@@ -2,6 +2,8 @@
 resume, the run log's files kept aside, TensorBoard's purge, a worker whose checkpoint vanished, the
 settings check, REGROUP's limits, prompts without the example or the prefill, questions from a JSONL
 file, environment values."""
+import ast
+import glob
 import json
 import os
 import random
@@ -323,6 +325,66 @@ def documented_constants() -> dict:
             first = line.split("|")[1]
             current += re.findall(r"`([A-Z][A-Z0-9_]*)`", first)
     return listed
+
+
+def code_files() -> list:
+    """The project's own code: the top-level modules, features/ and scripts/ (no tests, bench/)."""
+    files = glob.glob(os.path.join(ROOT, "*.py"))
+    files += glob.glob(os.path.join(ROOT, "features", "*.py"))
+    return files + glob.glob(os.path.join(ROOT, "scripts", "*.py"))
+
+
+def reads_of(path) -> tuple:
+    """(bare names read in the file, `module.NAME` pairs read in it), from its NAME tokens (no
+    comments, no strings), each module-level `NAME = ...` that defines a constant left out."""
+    import io
+    import tokenize
+
+    bare = set()
+    dotted = set()
+    previous = []  # the last two significant tokens
+    for token in tokenize.generate_tokens(io.StringIO(open(path).read()).readline):
+        if token.type == tokenize.NAME:
+            defines = token.start[1] == 0 and token.line.startswith(f"{token.string} =")
+            if not defines:
+                bare.add(token.string)
+            after_dot = len(previous) == 2 and previous[1].string == "."
+            if after_dot and previous[0].type == tokenize.NAME:
+                dotted.add((previous[0].string, token.string))
+        prefix = re.match(r"[A-Za-z]*", token.string).group(0).lower()
+        if token.type == tokenize.STRING and "f" in prefix:  # an f-string's fields read names too
+            for field in re.findall(r"\{([^{}]*)\}", token.string):
+                bare.update(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", field))
+        if token.type in (tokenize.NAME, tokenize.OP):
+            previous = (previous + [token])[-2:]
+    return bare, dotted
+
+
+def test_every_documented_constant_is_read_by_some_code():
+    """Issue 87: question_sampler.py's MAX_ROLLOUTS and worker.py's MAX_STALENESS were settings of
+    their modules that nothing read (the lesson's own did the work), and rewards.EQUATION_SIGNS was
+    unused: editing them changed nothing. Each constant docs/constants.md lists, and each constant
+    of a module that reads its constants from the environment, is read by some code: its own
+    module's, or another's as module.NAME."""
+    reads = {os.path.relpath(path, ROOT): reads_of(path) for path in code_files()}
+    settable = {}  # {file: its UPPER_CASE module-level names}, for files with an override call
+    for file in reads:
+        source = open(os.path.join(ROOT, file)).read()
+        if "apply_env_overrides(globals()" in source:
+            settable[file] = [target.id for node in ast.parse(source).body
+                              if isinstance(node, ast.Assign) for target in node.targets
+                              if isinstance(target, ast.Name) and target.id.isupper()]
+    listed = documented_constants()
+    assert "features/question_sampler.py" in settable and "grpo_ref_split.py" in settable
+    unread = []
+    for file in sorted(set(listed) | set(settable)):
+        module = os.path.basename(file)[:-3]
+        for name in set(listed.get(file, [])) | set(settable.get(file, [])):
+            own = name in reads[file][0]
+            elsewhere = any((module, name) in dotted for _, dotted in reads.values())
+            if not (own or elsewhere):
+                unread.append(f"{file}: {name}")
+    assert unread == [], f"settings nothing reads: {unread}"
 
 
 def changed_value(value):

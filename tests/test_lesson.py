@@ -95,11 +95,11 @@ def test_the_plain_log_probs_equal_the_default_fast_path_in_value_and_gradient(
     weights = torch.randn(6, 5, generator=torch.Generator().manual_seed(2))
     for name in ("SHARED_PREFIX", "LOGP_FROM_HIDDEN"):
         assert getattr(grpo.fast_paths, name)  # the default runs the fast path
-    fast = grpo.logps_of(model, ids, attn, 5)  # (6, 5)
+    fast = grpo.logps_for_run()(model, ids, attn, 5)  # (6, 5)
     fast_grads = torch.autograd.grad((fast * weights).sum(), params)
     for name, off in (("SHARED_PREFIX", False), ("LOGP_FROM_HIDDEN", False), ("LOGP_CHUNK", 0)):
         monkeypatch.setattr(grpo.fast_paths, name, off)
-    plain = grpo.logps_of(model, ids, attn, 5)  # every fast path off: the lesson's definition
+    plain = grpo.logps_for_run()(model, ids, attn, 5)  # every fast path off: the definition
     assert torch.equal(plain, grpo.per_token_logps(model, ids, attn, 5))
     plain_grads = torch.autograd.grad((plain * weights).sum(), params)
     torch.testing.assert_close(fast, plain, rtol=0, atol=2e-5)
@@ -127,7 +127,7 @@ def test_with_every_fast_path_off_the_lessons_definition_is_what_trains(left_pad
         normalizer=6.0,
     )
     params = list(model.parameters())
-    fast_loss, fast_m = grpo.policy_loss(model, batch)
+    fast_loss, fast_m = grpo.choose_parts().loss(model, batch)
     fast_grads = torch.autograd.grad(fast_loss, params)
     for name, off in (("SHARED_PREFIX", False), ("LOGP_FROM_HIDDEN", False), ("LOGP_CHUNK", 0)):
         monkeypatch.setattr(grpo.fast_paths, name, off)
@@ -136,7 +136,7 @@ def test_with_every_fast_path_off_the_lessons_definition_is_what_trains(left_pad
         raise AssertionError("features/fast_paths.py ran with every fast path off")
 
     monkeypatch.setattr(grpo.fast_paths, "completion_logps", broken)
-    loss, m = grpo.policy_loss(model, batch)
+    loss, m = grpo.choose_parts().loss(model, batch)
     grads = torch.autograd.grad(loss, params)
     assert any(g.abs().sum() > 0 for g in grads)
     torch.testing.assert_close(loss, fast_loss, rtol=0, atol=2e-5)
@@ -228,13 +228,23 @@ def test_the_training_loop_reads_as_the_seven_steps():
     assert main.end_lineno - main.lineno + 1 <= 90
 
 
-# The functions of the seven steps (README's "One GRPO step"), the loop's own helpers among them.
-STEP_FUNCTIONS = ("draw_questions", "generate", "scored_groups", "answer_advantages",
-                  "varied_groups", "pack_groups", "group_tensors", "upload_and_pull",
-                  "drop_untrainable", "steps_1_to_5", "collate", "prepare_batch", "batches_of",
-                  "policy_loss", "train_step")
+# The functions of the seven steps (README's "One GRPO step"), the loop's own helpers among them:
+# the functions main's set-up hands the steps by default (choose_parts), and those they call.
+STEP_FUNCTIONS = ("draw_questions", "keep_no_outcomes", "encode_prompts", "decode",
+                  "sample_answers", "generate", "score_answers", "group_advantages",
+                  "varied_groups", "scored_groups", "pack_groups", "group_tensors",
+                  "upload_and_pull", "drop_untrainable", "steps_1_to_5", "collate", "prepare_batch",
+                  "batches_of", "grpo_terms", "policy_loss", "train_step")
 # The lesson's helpers that read the variants' selectors, so a test on them is a variant's branch.
 VARIANT_SWITCHES = ("advantage_variant_on", "loss_variant_on", "rescaled_at_step")
+# The branches on a setting still inside the step functions, each with why it stays: the prompt's
+# own constants are the lesson's (build_prompt is not among the steps' functions above, and reads
+# them); these are variants main's set-up does not hand in yet.
+BRANCHES_LEFT = {
+    "prepare_batch": ["LORA_RANK > 0 and REF_FROM_BASE and BETA != 0",  # LoRA's own reference
+                      "MU > 1 and ..."],  # a batch reused needs one fixed pi_old
+    "batches_of": ["DISTILL_TOP_K", "not TRAIN_MICRO_BATCH"],  # a teacher's bound; micro-batches
+}
 
 
 def lesson_tree():
@@ -254,22 +264,49 @@ def variant_constants() -> set:
     return menu | own
 
 
-def test_no_step_function_branches_on_a_variant_more_than_once():
-    """Issue 78: the seven steps' functions are plain GRPO; a variant is reached through one branch
-    at most (step 4 and step 6: one call into objectives.py)."""
-    constants = variant_constants()
-    assert {"OBJECTIVE", "ADVANTAGE", "DISTILL_COEF", "SAPO_TAU_POS", "TIS_CAP"} <= constants
+def settings_branches() -> dict:
+    """{step function: the tests of its branches that read a setting (an UPPER_CASE name, here or
+    in a module, or a VARIANT_SWITCHES call)}, from the lesson's source."""
     functions = {f.name: f for f in lesson_tree().body if isinstance(f, ast.FunctionDef)}
-    branchy = {}
+    found = {}
     for name in STEP_FUNCTIONS:
-        tests = [n.test for n in ast.walk(functions[name])
-                 if isinstance(n, (ast.If, ast.IfExp, ast.While))]
-        read = [{m.id for m in ast.walk(t) if isinstance(m, ast.Name)}
-                | {m.attr for m in ast.walk(t) if isinstance(m, ast.Attribute)} for t in tests]
-        on_variants = [names for names in read if names & (constants | set(VARIANT_SWITCHES))]
-        if len(on_variants) > 1:
-            branchy[name] = on_variants
-    assert branchy == {}
+        for node in ast.walk(functions[name]):
+            if not isinstance(node, (ast.If, ast.IfExp, ast.While)):
+                continue
+            read = {m.id for m in ast.walk(node.test) if isinstance(m, ast.Name)}
+            read |= {m.attr for m in ast.walk(node.test) if isinstance(m, ast.Attribute)}
+            if any(r.isupper() and len(r) > 1 for r in read) or read & set(VARIANT_SWITCHES):
+                found.setdefault(name, []).append(f"{node.lineno}: {ast.unparse(node.test)}")
+    return found
+
+
+def test_the_steps_choose_nothing_main_chose_once():
+    """Issue 87: main's set-up (choose_parts) picks each part of a step once; the steps' functions
+    call what they were handed and branch on no setting, but for the ones BRANCHES_LEFT names
+    (printed with -s). A new branch on a setting inside a step fails here."""
+    found = settings_branches()
+    for name, tests in found.items():
+        print(f"{name}: " + "; ".join(tests))
+    assert {name: len(tests) for name, tests in found.items()} == {
+        name: len(tests) for name, tests in BRANCHES_LEFT.items()}
+
+
+def test_each_part_main_hands_the_steps_is_the_lessons_own_by_default(monkeypatch):
+    """choose_parts with every constant at its default: the lesson's plain functions, or the fast
+    paths that are on by default (the log-probs, the shared prompt), each tested equal elsewhere."""
+    parts = grpo.choose_parts()
+    assert parts.draw is grpo.draw_questions and parts.record is grpo.keep_no_outcomes
+    assert parts.score is grpo.score_answers and parts.advantages is grpo.group_advantages
+    assert parts.has_signal is grpo.varied_groups and parts.rescale is grpo.as_sampled
+    assert parts.rewards == (("reward_correct", 2.0), ("reward_format", 1.0))
+    assert parts.upload_meta == {}
+    assert parts.loss.func is grpo.policy_loss and parts.loss.keywords["terms"] is grpo.grpo_terms
+    assert parts.rollout.func is grpo.fast_paths.shared_rollout  # SHARED_PREFIX, the default
+    for name, off in (("SHARED_PREFIX", False), ("LOGP_FROM_HIDDEN", False), ("LOGP_CHUNK", 0)):
+        monkeypatch.setattr(grpo.fast_paths, name, off)
+    plain = grpo.choose_parts()
+    assert plain.rollout is grpo.sample_answers and plain.logps_of is grpo.per_token_logps
+    assert plain.loss.keywords["logps_of"] is grpo.per_token_logps
 
 
 def test_the_variants_math_lives_in_objectives_not_in_the_lesson():

@@ -35,7 +35,7 @@ def logps_of(model, seed=0):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 49152, (4, 14), generator=g)
     with torch.no_grad():
-        return grpo.logps_of(model.eval(), ids, torch.ones_like(ids), 6)  # (4, 6)
+        return grpo.logps_for_run()(model.eval(), ids, torch.ones_like(ids), 6)  # (4, 6)
 
 
 @pytest.fixture(scope="module")

@@ -138,7 +138,7 @@ def test_a_regrouped_group_gets_the_trainers_own_reward_scaling(monkeypatch):
         monkeypatch.setattr(grpo, "SCALE_REWARDS", setting)
         group = regrouped()
         assert "advantages" not in group[0]
-        [(out, _)] = with_advantages(lambda *_: [group], grpo.answer_advantages)([], 0, 0)
+        [(out, _)] = with_advantages(lambda *_: [group], grpo.choose_parts().advantages)([], 0, 0)
         want = out["rewards"] - out["rewards"].mean()  # (4,)
         scale = out["rewards"].std().item() + 1e-4 if scale is None else scale
         assert torch.allclose(out["advantages"], want / scale)

@@ -717,7 +717,7 @@ def test_a_reward_model_adds_its_weighted_score_and_the_trainer_redoes_the_advan
         assert "advantages" not in back  # stale with the new rewards: step 4 is the trainer's
         monkeypatch.setattr(grpo, "NUM_PRE_Q", 4)
         [(redone, _)] = with_advantages(lambda *_: [(back, back_meta)],
-                                        grpo.answer_advantages)([], 0, 0)
+                                        grpo.choose_parts().advantages)([], 0, 0)
         # unbiased std, as GRPO's advantages_in_groups
         by_hand = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
         assert torch.allclose(redone["advantages"], by_hand, atol=1e-5)

@@ -111,7 +111,8 @@ def test_generation_from_the_shared_prompt_cache_samples_the_same_answers(
     for shared in (False, True):
         monkeypatch.setattr(grpo.fast_paths, "SHARED_PREFIX", shared)
         torch.manual_seed(5)
-        samples[shared] = grpo.generate(model, tok, questions, cfg, [tok.eos_token_id])
+        samples[shared] = grpo.generate(model, tok, questions, rollout=grpo.choose_parts().rollout,
+                                        gen_config=cfg, eos_ids=[tok.eos_token_id])
     assert torch.equal(samples[False].completion_ids, samples[True].completion_ids)
     assert len(set(samples[True].texts)) > 2  # sampled, not one greedy answer repeated
 

@@ -165,9 +165,9 @@ def test_a_group_with_equal_sums_but_different_rewards_trains_under_gdpo(monkeyp
     monkeypatch.setattr(grpo, "REWARDS", [(grpo.reward_correct, 1.0), (grpo.reward_format, 1.0)])
     each = {"reward_correct": [1.0, 0.0, 1.0, 0.0], "reward_format": [0.0, 1.0, 0.0, 1.0]}
     scores = torch.ones(4)
-    assert grpo.varied_groups(scores, each).tolist() == [False]
+    assert grpo.choose_parts().has_signal(scores, each).tolist() == [False]
     monkeypatch.setattr(grpo, "REWARD_NORM", "normalize_then_sum")
-    assert grpo.varied_groups(scores, each).tolist() == [True]
+    assert grpo.choose_parts().has_signal(scores, each).tolist() == [True]
 
 
 @pytest.mark.parametrize("setting, want", [
@@ -193,7 +193,7 @@ def test_step_4_takes_the_chosen_baseline(setting, want, monkeypatch):
                                            torch.tensor([2.0, 1.0]), 4, std_eps=grpo.STD_EPS),
         "grpo": grpo.advantages_in_groups(scores, 4),
     }[want]
-    assert grpo.answer_advantages(scores, each).tolist() == pytest.approx(expected.tolist())
+    assert grpo.choose_parts().advantages(scores, each).tolist() == pytest.approx(expected.tolist())
     assert grpo.rescaled_at_step() == (want in ("centred", "gdpo"))
 
 
@@ -335,7 +335,7 @@ def test_policy_loss_runs_each_variant_and_it_changes_the_gradient(setting, fres
 
     def gradient():
         engine = PlainEngine(fresh_model, lr=0.0)
-        loss, metrics = grpo.policy_loss(engine, replace(b, normalizer=4.0))
+        loss, metrics = grpo.choose_parts().loss(engine, replace(b, normalizer=4.0))
         assert torch.isfinite(loss) and metrics["kl"] >= 0
         return torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])
 
@@ -361,7 +361,7 @@ def test_steps_2_to_4_pack_each_baselines_advantages(setting, tiny_policy, monke
     for tensors, _ in groups:
         rewards = tensors["rewards"]
         if "ADVANTAGE" in setting:
-            want = grpo.answer_advantages(rewards, each=None)
+            want = grpo.choose_parts().advantages(rewards, each=None)
             assert tensors["advantages"].tolist() == pytest.approx(want.tolist(), abs=1e-6)
         else:  # GDPO's sum of normalised rewards: centred like any group's
             assert tensors["advantages"].sum().item() == pytest.approx(0.0, abs=1e-5)

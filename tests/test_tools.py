@@ -519,7 +519,8 @@ def test_generate_trains_on_the_models_tokens_and_records_the_calls(monkeypatch,
         grpo.tools, "generate_with_tools", scripted_generate_with_tools(script, eos)
     )
     out = grpo.generate(
-        model, tokenizer, [dict(question="What is 348 + 517?", gold="865")], None, [eos]
+        model, tokenizer, [dict(question="What is 348 + 517?", gold="865")],
+        rollout=grpo.choose_parts().rollout, gen_config=None, eos_ids=[eos]
     )
     enc = lambda t: tokenizer.encode(t, add_special_tokens=False)  # noqa: E731
     call, result, rest = (

@@ -337,7 +337,7 @@ def test_a_genonly_worker_feeds_the_server_and_follows_new_checkpoints(tiny_mode
         ids, mask = tensors["input_ids"], tensors["completion_mask"]
         with torch.no_grad():
             new, old = (
-                grpo.logps_of(m.eval(), ids, torch.ones_like(ids), mask.shape[1])
+                grpo.logps_for_run()(m.eval(), ids, torch.ones_like(ids), mask.shape[1])
                 for m in
                 # (G, T) each
                 (moved, AutoModelForCausalLM.from_pretrained(tiny_model_dir))

@@ -229,7 +229,7 @@ def test_clip_fractions_count_only_the_cut_gradients(fresh_model, monkeypatch):
     # one answer
     b = grpo.Batch(**{k: v[:1] if torch.is_tensor(v) else v for k, v in vars(b).items()})
     b.mask = torch.tensor([[True, True, True, False, False, False]])
-    now = grpo.logps_of(fresh_model, b.input_ids, b.attention_mask, 6).detach()  # (1, 6)
+    now = grpo.logps_for_run()(fresh_model, b.input_ids, b.attention_mask, 6).detach()  # (1, 6)
     # ratios 1.35, 0.74, 1.35, (0.74)
     b.pi_old_logps = now - torch.tensor([[0.3, -0.3, 0.3, -0.3, 0.3, 0.3]])
     engine = PlainEngine(fresh_model, lr=0.0)
@@ -239,7 +239,8 @@ def test_clip_fractions_count_only_the_cut_gradients(fresh_model, monkeypatch):
         (1.0, 0.4, (0.0, 0.0)),
     ):
         monkeypatch.setattr(grpo, "CLIP_EPS_HIGH", eps_high)
-        _, m = grpo.policy_loss(engine, replace(b, advantages=torch.tensor([adv]), normalizer=1.0))
+        b_adv = replace(b, advantages=torch.tensor([adv]), normalizer=1.0)
+        _, m = grpo.choose_parts().loss(engine, b_adv)
         assert (m["clip_low"], m["clip_high"]) == pytest.approx(want)
 
 
@@ -333,7 +334,7 @@ def test_the_default_step_is_the_plain_grpo_step_bit_for_bit(fresh_model):
     b.pi_old_rows = torch.tensor([True, False, True, True])
     b.mask[2, 4:] = False
     params = list(fresh_model.parameters())
-    loss, _ = grpo.policy_loss(PlainEngine(fresh_model, lr=0.0), replace(b, normalizer=4.0))
+    loss, _ = grpo.choose_parts().loss(PlainEngine(fresh_model, lr=0.0), replace(b, normalizer=4.0))
     grads = torch.autograd.grad(loss, params)
 
     logps = completion_logps(
@@ -367,11 +368,10 @@ def test_mu_two_reuses_the_batch_with_a_real_ratio(fresh_model, monkeypatch):
     monkeypatch.setattr(grpo, "MU", 2)
     engine = PlainEngine(fresh_model, lr=1e-2)
     b = batch_for(fresh_model)
-    passes, real = [], grpo.policy_loss  # one batch: one policy_loss a pass
-    monkeypatch.setattr(
-        grpo, "policy_loss", lambda e, batch: passes.append(real(e, batch)) or passes[-1]
-    )
-    m = grpo.train_step(engine, [replace(b, pi_old_logps=b.ref_logps)])  # pi_old = the weights now
+    passes, real = [], grpo.choose_parts().loss  # one batch: one policy_loss a pass
+    counted = lambda e, batch: passes.append(real(e, batch)) or passes[-1]  # noqa: E731
+    m = grpo.train_step(engine, [replace(b, pi_old_logps=b.ref_logps)],
+                        loss_of=counted)  # pi_old = the weights now
     passes = [metrics for _, metrics in passes]
     assert len(passes) == 2 and engine.steps == 2
     first, second = passes
@@ -387,7 +387,7 @@ def test_a_micro_batch_repeated_with_share_zero_adds_no_gradient_and_no_metric(f
     others."""
     # a loss that is not 0
     b = replace(batch_for(fresh_model), advantages=torch.tensor([1.0, 0.5, 0.2, 0.1]))
-    loss, m = grpo.policy_loss(
+    loss, m = grpo.choose_parts().loss(
         PlainEngine(fresh_model, lr=1e-2), replace(b, share=0.0, token_share=0.0)
     )
     loss.backward()
@@ -397,7 +397,7 @@ def test_a_micro_batch_repeated_with_share_zero_adds_no_gradient_and_no_metric(f
         and all(v == 0 for v in m.values())
     )
     assert all(p.grad is not None and p.grad.abs().max() == 0 for p in fresh_model.parameters())
-    real, _ = grpo.policy_loss(PlainEngine(fresh_model, lr=1e-2), b)  # the same, share 1
+    real, _ = grpo.choose_parts().loss(PlainEngine(fresh_model, lr=1e-2), b)  # the same, share 1
     real.backward()
     assert real.item() != 0 and any(p.grad.abs().max() > 0 for p in fresh_model.parameters())
 
@@ -461,6 +461,7 @@ def short_rollout(
         model,
         tok,
         questions,
+        parts=grpo.choose_parts(),
         eos_ids=[tok.eos_token_id],
         gen_config=cfg,
         llm=None,
@@ -598,7 +599,7 @@ def test_skip_pi_old_logps_gives_the_plain_paths_loss_and_gradient(tiny_policy, 
             t["ref_logps"] = -torch.rand(t["completion_mask"].shape, generator=g)  # (G, T)
         engine = PlainEngine(model, lr=0.0)
         batch = grpo.collate(groups, tok.pad_token_id)
-        loss, _ = grpo.policy_loss(engine, grpo.prepare_batch(engine, batch))
+        loss, _ = grpo.choose_parts().loss(engine, grpo.prepare_batch(engine, batch))
         out[skip] = loss.item(), torch.autograd.grad(loss, params)
     assert out[True][0] == pytest.approx(out[False][0], rel=1e-5, abs=1e-7)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(out[True][1], out[False][1]))

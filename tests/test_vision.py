@@ -245,7 +245,8 @@ def test_a_step_draws_questions_with_and_without_images_and_trains_each_row_as_g
                                   max_new_tokens=4, pad_token_id=processor.pad_token_id,
                                   eos_token_id=[eos])
     torch.manual_seed(0)
-    scored = grpo.scored_groups(model, processor, [shapes, text], eos_ids=[eos],
+    scored = grpo.scored_groups(model, processor, [shapes, text], parts=grpo.choose_parts(),
+                                eos_ids=[eos],
                                 gen_config=gen_config, llm=None, keep_all=True,
                                 with_pi_old=True, seconds=Counter())
     [(shown, shown_meta), (plain, plain_meta)] = scored.groups

@@ -197,7 +197,7 @@ def test_a_worker_without_a_shared_disk_swaps_in_weights_served_over_http(tiny_m
         ids, mask = tensors["input_ids"], tensors["completion_mask"]
         with torch.no_grad():
             new, old = (
-                grpo.logps_of(m.eval(), ids, torch.ones_like(ids), mask.shape[1])
+                grpo.logps_for_run()(m.eval(), ids, torch.ones_like(ids), mask.shape[1])
                 for m in (moved, AutoModelForCausalLM.from_pretrained(tiny_model_dir))
             )  # (G, T)
         assert (tensors["pi_old_logps"] - new)[mask].abs().max() < 1e-4

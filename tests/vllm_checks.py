@@ -54,6 +54,7 @@ def main(path):
     torch.manual_seed(123)
     random.seed(123)
     grpo.MODEL_PATH = path
+    vllm_engine.USE_VLLM = True  # as the trainer runs with an engine: vLLM samples step 2
     llm = vllm_engine.start_engine(
         resolve_model_path(grpo.MODEL_PATH),
         0,
@@ -70,7 +71,8 @@ def main(path):
     # Sampling: shapes, stops, and vLLM's log-probs of its own tokens against the trainer's at
     # TEMPERATURE.
     torch.manual_seed(1)
-    r = grpo.generate(model, tokenizer, questions[:2], gen_config, eos_ids, llm)
+    r = grpo.generate(model, tokenizer, questions[:2], rollout=grpo.choose_parts().rollout,
+                      gen_config=gen_config, eos_ids=eos_ids, llm=llm)
     ids = torch.cat([r.prompt_ids, r.completion_ids], 1)  # (B, P+T)
     attn = torch.cat([r.prompt_mask, torch.ones_like(r.completion_ids)], 1)  # (B, P+T)
     T = r.completion_ids.shape[1]
@@ -95,9 +97,11 @@ def main(path):
         ],
     )
     torch.manual_seed(1)
-    again = grpo.generate(model, tokenizer, questions[:2], gen_config, eos_ids, llm).completion_ids
+    again = grpo.generate(model, tokenizer, questions[:2], rollout=grpo.choose_parts().rollout,
+                      gen_config=gen_config, eos_ids=eos_ids, llm=llm).completion_ids
     torch.manual_seed(2)
-    other = grpo.generate(model, tokenizer, questions[:2], gen_config, eos_ids, llm).completion_ids
+    other = grpo.generate(model, tokenizer, questions[:2], rollout=grpo.choose_parts().rollout,
+                      gen_config=gen_config, eos_ids=eos_ids, llm=llm).completion_ids
     report.update(
         same_seed_same_samples=torch.equal(again, r.completion_ids),
         other_seed_other_samples=not torch.equal(
@@ -127,7 +131,7 @@ def main(path):
         tokenizer=tokenizer,
         encode=grpo.encode_prompts,
         decode=grpo.decode,
-        score=grpo.score_answers,
+        score=grpo.choose_parts().score,
         eos_ids=eos_ids,
         pad_id=tokenizer.pad_token_id,
         max_new_tokens=grpo.MAX_NEW_TOKENS,

@@ -41,6 +41,7 @@ def main(path):
     grpo.NUM_PRE_Q = 4
     grpo.MAX_NEW_TOKENS = 12
     grpo.MODEL_PATH = path
+    vllm_engine.USE_VLLM = True  # as the trainer runs with an engine: vLLM samples step 2
     model, tokenizer, eos_ids, gen_config = grpo.load_policy(path, torch.device("cpu"))
     llm = vllm_engine.start_engine(resolve_model_path(grpo.MODEL_PATH), 0, model.dtype,
                                    eager=vllm_engine.VLLM_EAGER,
@@ -52,7 +53,8 @@ def main(path):
     # Sampling with images: vLLM's log-probs of its own tokens against the trainer's at TEMPERATURE,
     # with the pixels the Rollout carries (vllm_sample has checked that its prompt ids are ours).
     torch.manual_seed(1)
-    r = grpo.generate(model, tokenizer, questions[:2], gen_config, eos_ids, llm)
+    r = grpo.generate(model, tokenizer, questions[:2], rollout=grpo.choose_parts().rollout,
+                      gen_config=gen_config, eos_ids=eos_ids, llm=llm)
     ids = torch.cat([r.prompt_ids, r.completion_ids], 1)  # (B, P+T)
     attn = torch.cat([r.prompt_mask, torch.ones_like(r.completion_ids)], 1)  # (B, P+T)
     T = r.completion_ids.shape[1]

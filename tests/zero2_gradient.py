@@ -71,7 +71,7 @@ def one_step():
     m = Counter()  # train_step's step 6, without its optimizer step
     for i, part in enumerate(parts):
         engine.set_gradient_accumulation_boundary(i == len(parts) - 1)
-        loss, metrics = grpo.policy_loss(engine, part)
+        loss, metrics = grpo.choose_parts().loss(engine, part)
         engine.backward(loss)
         m.update(metrics)
     grads = {name: safe_get_full_grad(p).cpu() for name, p in engine.module.named_parameters()}
