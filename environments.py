@@ -23,6 +23,7 @@ may name:
     ENVIRONMENTS='[["arithmetic", 1.0], ["rg:leg_counting", 1.0]]' bash scripts/run_demo.sh
     python -m pytest tests/test_environments.py
 """
+import functools
 import importlib
 import math
 import sys
@@ -31,7 +32,8 @@ from typing import Callable
 
 import rewards
 from features import env_overrides
-from features.question_sampler import QuestionSampler
+from features.question_sampler import QuestionSampler, draw_by_rule
+from features.run_log import tag_of
 
 # ----------------------------------------------------------------------------- constants
 ENVIRONMENTS = []  # [[name, weight]] or [[name, weight, {options}]]; [] = DATASET and REWARDS
@@ -76,11 +78,6 @@ class Scorer:
     make: Callable  # make() -> a fresh Environment, one per answer
     reward_weights: dict  # {reward name: weight} in an answer's summed reward
     multi_turn: bool = False  # True: its episodes may take several steps (environments.play)
-
-
-def tag_of(name: str) -> str:
-    """An environment's name in metric names (eval_reward_correct_<tag>): no ":", "/" or "."."""
-    return name.replace(":", "_").replace("/", "_").replace(".", "_")
 
 
 # ----------------------------------------------------------------------------- the built-in ones
@@ -241,7 +238,8 @@ def openenv_questions(name, options, *, seed, eval_size) -> tuple:
     try:
         def opening_of(k: int) -> dict:
             text, _ = episode.read(episode.call("reset", seed=k), first=True)
-            return {"question": text, "gold": "", "seed": k}
+            return {"question": text, "gold": "", "seed": k,
+                    "opening": [{"role": "user", "content": text}]}
         train = [opening_of(seed + k) for k in range(OPENENV_QUESTIONS)]
         held_out = [opening_of(seed + RG_HELD_OUT_SEED + k) for k in range(eval_size)]
     finally:
@@ -376,6 +374,66 @@ def check_settings(*, sampler: str, tools_on: bool, eval_samples: int, gdpo: boo
                  "evaluation plays greedily only: set EVAL_SAMPLES=0")
 
 
+def mix_task(*, reward_fns, seed, eval_size, arith_max, fit_images, default_prompt,
+             think_prefill) -> rewards.Task:
+    """ENVIRONMENTS as the run's task (the lesson's choose_task): every environment's questions
+    (load), an environment drawn by its weight for each (MixSampler), each question prompted as
+    its environment opens it (opening_prompt; default_prompt, the trainer's, for a question-and-
+    answer task) and each answer scored by its environment's own rewards."""
+    return rewards.Task(
+        load=functools.partial(load, seed=seed, eval_size=eval_size, arith_max=arith_max,
+                               fit_images=fit_images),
+        sampler=MixSampler, draw=draw_by_rule,
+        prompt=functools.partial(opening_prompt, default=default_prompt,
+                                 think_prefill=think_prefill),
+        score=scorer_for_run(reward_fns), rewards=tuple(run_rewards(reward_fns)),
+        answer_held_out=played_answers)
+
+
+def opening_prompt(tokenizer, question: dict, *, default, think_prefill: str) -> str:
+    """A question's prompt: its environment's opening messages (what reset gave at load, kept as
+    "opening") in the model's chat template, then THINK_PREFILL; a question-and-answer task (a
+    built-in dataset, reasoning-gym) opens no messages of its own and takes the trainer's prompt,
+    default(tokenizer, question): its system prompt asks for the tags its rewards read."""
+    if "opening" not in question:
+        return default(tokenizer, question)
+    text = tokenizer.apply_chat_template(question["opening"], tokenize=False,
+                                         add_generation_prompt=True)
+    return text + think_prefill
+
+
+def checked_opening(messages, name: str) -> list:
+    """reset's opening messages, checked: a non-empty list of {"role", "content"} dicts with string
+    values, the last one the user's. EnvironmentFault names the environment."""
+    well_formed = isinstance(messages, list) and messages and all(
+        isinstance(m, dict) and set(m) == {"role", "content"}
+        and isinstance(m["role"], str) and isinstance(m["content"], str) for m in messages)
+    if not well_formed or messages[-1]["role"] != "user":
+        raise EnvironmentFault(f"environment {name}: reset must return the opening messages, "
+                               "[{\"role\": ..., \"content\": ...}, ...] ending in the user's "
+                               f"(got {str(messages)[:200]})")
+    return messages
+
+
+def own_questions(name, options, *, seed, eval_size) -> tuple:
+    """A class of one's own: its questions(seed), each with its position as its episode's seed
+    (unless it has one) and its opening messages (reset at load, so the prompt is known before its
+    episodes open, and checked again at each reset); the last eval_size held out by position, so a
+    game whose every question opens with the same text still trains."""
+    env_class = own_class(name)
+    questions = [dict(q) for q in env_class.questions(seed)]
+    if not 0 < eval_size < len(questions):
+        raise ValueError(f"ENVIRONMENTS: {name}: its questions(seed) gave {len(questions)} "
+                         f"questions, and EVAL_SIZE {eval_size} of them are held out: it needs "
+                         "1 <= EVAL_SIZE < its questions")
+    for k, question in enumerate(questions):
+        question.setdefault("seed", k)
+        opening = env_class(**options).reset(question, question["seed"])
+        question["opening"] = checked_opening(opening, name)
+    cut = len(questions) - eval_size  # the first held-out question's position
+    return questions[:cut], questions[cut:]
+
+
 def load(*, seed: int, eval_size: int, arith_max: int, fit_images) -> tuple:
     """(training questions, held-out questions) of every environment, in ENVIRONMENTS' order, each
     carrying its environment's name ("env") and tag ("tag": the held-out means per environment).
@@ -388,7 +446,7 @@ def load(*, seed: int, eval_size: int, arith_max: int, fit_images) -> tuple:
         if kind_of(name) == "rg":
             part = reasoning_gym_questions(name, options, seed=seed, eval_size=eval_size)
         elif kind_of(name) == "own":
-            part = rewards.split_held_out(list(own_class(name).questions(seed)), eval_size)
+            part = own_questions(name, options, seed=seed, eval_size=eval_size)
         elif kind_of(name) == "openenv":
             part = openenv_questions(name, options, seed=seed, eval_size=eval_size)
         else:
@@ -486,7 +544,7 @@ def score(texts, asked, reward_fns, played=None) -> tuple:
             values = played[i]
         else:
             episode = scorers[env].make()
-            episode.reset(question, seed=i)
+            episode.reset(question, seed=question.get("seed", 0))
             values = checked_rewards(episode.step(text), env, scorers[env].reward_weights)
         for name, value in values.items():
             each[name][i] = value
@@ -558,6 +616,55 @@ def play_rollout(model, tokenizer, enc, n, asked, *, gen_config, llm, temperatur
     return out.pop("completion_ids"), out.pop("vllm_logps"), out
 
 
+def played_answers(model, questions, *, encode, decode, eos_ids, pad_id, max_new_tokens,
+                   llm=None, tokenizer=None, **unused) -> tuple:
+    """The held-out evaluation's answers under ENVIRONMENTS (features/evaluation.evaluate's
+    `answer`): (each question's greedy answer as text, no tool calls, its rewards over its
+    episode's turns or None where its environment is single-turn). The multi-turn questions are
+    played as the rollouts play them (play_rollout), the others answered by held_out_answers and
+    scored by the trainer's step 3. fork_rng guards the training stream."""
+    import torch
+    from transformers import GenerationConfig
+
+    from features.evaluation import EVAL_BATCH, held_out_answers
+
+    several = [multi_turn([q]) for q in questions]
+    plain = [q for q, multi in zip(questions, several) if not multi]
+    plain_texts = []
+    if plain:
+        plain_texts, _ = held_out_answers(model, plain, encode=encode, decode=decode,
+                                          eos_ids=eos_ids, pad_id=pad_id,
+                                          max_new_tokens=max_new_tokens, llm=llm,
+                                          tokenizer=tokenizer)
+    episodic = [q for q, multi in zip(questions, several) if multi]
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=pad_id,
+                              eos_token_id=eos_ids)
+    prefill = decode(tokenizer, torch.zeros(1, 0, dtype=torch.long))[0]  # decode's THINK_PREFILL
+    device = next(model.parameters()).device
+    model.eval()
+    played_texts = []
+    played = []
+    batch_size = EVAL_BATCH if llm is None else max(1, len(episodic))  # vLLM: all at once
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for i in range(0, len(episodic), batch_size):
+            part = episodic[i : i + batch_size]
+            enc = encode(tokenizer, part).to(device)
+            answers, _, out = play_rollout(
+                model, tokenizer, enc, 1, part, gen_config=config, llm=llm, temperature=0.0,
+                eos_ids=eos_ids, think_prefill=prefill, reward_fns=())
+            played_texts += decode(tokenizer, answers)
+            played += out["played"]
+    plain_texts = iter(plain_texts)
+    episodes = iter(zip(played_texts, played))
+    texts = []
+    rewards_played = []
+    for multi in several:
+        text, values = next(episodes) if multi else (next(plain_texts), None)
+        texts.append(text)
+        rewards_played.append(values)
+    return texts, [0] * len(texts), rewards_played
+
+
 def observation_ids(tokenizer, observation: str, think_prefill: str) -> list:
     """The tokens between the model's end of turn (its EOS, already sampled) and its next turn: the
     chat template's close of the assistant's turn, the observation as the user's turn, the
@@ -593,8 +700,13 @@ def play(sample, prompts, asked, *, reward_fns, tokenizer, think_prefill, max_ne
     B = len(prompts)
     episodes = [scorers[q["env"]].make() for q in asked]
     try:
-        for i, (episode, question) in enumerate(zip(episodes, asked)):
-            episode.reset(question, seed=i)
+        for episode, question in zip(episodes, asked):
+            opened = episode.reset(question, seed=question.get("seed", 0))
+            if "opening" in question and opened != question["opening"]:  # not the prompt it had
+                raise EnvironmentFault(f"environment {question['env']}: reset(seed="
+                                       f"{question.get('seed', 0)}) opened otherwise than at "
+                                       "load: its episodes must depend on the question and its "
+                                       "seed alone")
         ids = [[] for _ in range(B)]
         own = [[] for _ in range(B)]  # True on the policy's tokens
         logps = [[] for _ in range(B)]

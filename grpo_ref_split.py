@@ -285,9 +285,15 @@ def build_prompt(tokenizer, question: str) -> str:
     return text + THINK_PREFILL
 
 
-def encode_prompts(tokenizer, questions):
-    """Left-padded prompt ids and attention mask: every answer starts at the same column."""
-    prompts = [build_prompt(tokenizer, q["question"]) for q in questions]
+def question_prompt(tokenizer, question: dict) -> str:
+    """Step 2's prompt for one question (a dict) of the default task: build_prompt of its text."""
+    return build_prompt(tokenizer, question["question"])
+
+
+def encode_prompts(tokenizer, questions, prompt=question_prompt):
+    """Left-padded prompt ids and attention mask: every answer starts at the same column.
+    prompt(tokenizer, question) -> text: the task's (question_prompt by default)."""
+    prompts = [prompt(tokenizer, q) for q in questions]
     images = {}  # text: none; a vision-language model's processor takes each question's images
     if with_images(questions):
         images = vision.image_kwargs(questions)
@@ -317,10 +323,11 @@ def sample_answers(model, tokenizer, prompts: Prompts, *, gen_config, llm=None, 
 
 
 @torch.no_grad()
-def generate(model, tokenizer, questions, *, rollout, gen_config, eos_ids, llm=None) -> Rollout:
+def generate(model, tokenizer, questions, *, rollout, gen_config, eos_ids, llm=None,
+             prompt=question_prompt) -> Rollout:
     """Step 2: NUM_PRE_Q answers to each question, sampled at TEMPERATURE by `rollout`
-    (sample_answers unless main's set-up chose another)."""
-    enc = encode_prompts(tokenizer, questions)
+    (sample_answers unless main's set-up chose another), prompted by the task's `prompt`."""
+    enc = encode_prompts(tokenizer, questions, prompt)
     device = next(model.parameters()).device
     pixels = {}  # a vision-language model's pixel inputs, one row per answer; text: none
     if with_images(questions):
@@ -383,10 +390,11 @@ def scored_groups(model, tokenizer, questions, *, parts, eos_ids, gen_config, ll
     and a genonly worker; `seconds` gets their times (generate_s, score_s, pi_old_s)."""
     with timed(seconds, "generate_s"):  # log: the seconds each step takes
         generated = generate(model, tokenizer, questions, rollout=parts.rollout,
-                             gen_config=gen_config, eos_ids=eos_ids, llm=llm)  # 2. generate
+                             gen_config=gen_config, eos_ids=eos_ids, llm=llm,
+                             prompt=parts.task.prompt)  # 2. generate
     asked = [q for q in questions for _ in range(NUM_PRE_Q)]  # each answer's question
     with timed(seconds, "score_s"):  # 3. score (log: its seconds)
-        sums, each = parts.score(generated.texts, asked, played=generated.played)
+        sums, each = parts.task.score(generated.texts, asked, generated.played)
     scores = torch.tensor(sums, dtype=torch.float32)  # (N,) each answer's reward: REWARDS' sum
     advantages = parts.advantages(scores, each)  # (N,) 4. advantages
     varied = parts.has_signal(scores, each)  # (Q,) the groups whose rewards differ
@@ -533,7 +541,7 @@ def steps_1_to_5(model, tokenizer, sampler, exchange, *, parts, step, rank, want
     gen_config and llm. `metrics` gets the times and the counts dropped."""
     groups, records, others = [], [], []
     for rollouts in range(1, MAX_ROLLOUTS + 1):
-        drawn = parts.draw(sampler, Q_BATCH_SIZE - len(groups))  # 1. draw questions
+        drawn = parts.task.draw(sampler, Q_BATCH_SIZE - len(groups))  # 1. draw questions
         scored = scored_groups(model, tokenizer, drawn, parts=parts, keep_all=keep_all,
                                seconds=metrics, with_pi_old=with_pi_old, step=step, rank=rank,
                                **sampling)  # 2-4. generate, score, advantages
@@ -724,11 +732,9 @@ def train_step(engine, batches, *, loss_of=policy_loss) -> Counter:
 class Parts:
     """What main's set-up chose once for the seven steps (choose_parts): the steps call these and
     never ask which. By default each is this file's own plain function, named beside it."""
-    draw: Callable  # 1. (sampler, n) -> questions: draw_questions
+    task: rewards.Task  # 1-3. what to train on: load, draw, prompt, score, rewards: choose_task
     record: Callable  # 1. (sampler, records, group size): keep_no_outcomes
     rollout: Callable  # 2. (model, tokenizer, Prompts, gen_config=, llm=, eos_ids=): sample_answers
-    score: Callable  # 3. (texts, asked, played=) -> (sums, {name: values}): score_answers
-    rewards: tuple  # 3. (name, weight) of each reward step 3 gives: REWARDS'
     advantages: Callable  # 4. (scores, each) -> (N,): group_advantages
     has_signal: Callable  # 4. (scores, each) -> (Q,) the groups that train: varied_groups
     rescale: Callable  # 4. (groups, other rewards, device) -> groups: as_sampled
@@ -741,19 +747,32 @@ def choose_parts() -> Parts:
     """Each part of a step, chosen once from the constants: this file's plain functions, unless a
     setting asks for a faster equal (features/fast_paths.py, vLLM) or a variant (objectives.py,
     SAMPLER's rules, environments.py, the calculator)."""
+    task = choose_task()  # the questions, their prompt, their scores
     logps_of = logps_for_run()  # the definition, or its faster equal (the default)
-    return Parts(draw=draw_for_run(), record=record_for_run(), rollout=rollout_for_run(),
-                 score=score_for_run(), rewards=tuple(reward_settings()),
-                 advantages=advantages_for_run(), has_signal=signal_for_run(),
-                 rescale=rescale_for_run(), upload_meta=upload_meta_for_run(),
+    return Parts(task=task, record=record_for_run(), rollout=rollout_for_run(),
+                 advantages=advantages_for_run(task.rewards),
+                 has_signal=signal_for_run(task.rewards),
+                 rescale=rescale_for_run(task.rewards), upload_meta=upload_meta_for_run(),
                  logps_of=logps_of, loss=loss_for_run(logps_of))
 
 
-def draw_for_run() -> Callable:
-    """Step 1: draw_questions (uniform), or SAMPLER's rule or the environments' mix."""
-    if question_sampler.SAMPLER != "uniform" or environments.ENVIRONMENTS:  # a variant
-        return question_sampler.draw_by_rule
-    return draw_questions
+def choose_task() -> rewards.Task:
+    """The run's task, once: DATASET scored by REWARDS through this file's own functions, or the
+    tasks ENVIRONMENTS names, mixed by weight (environments.py: each environment's questions,
+    prompt and scores)."""
+    if environments.ENVIRONMENTS:  # a variant
+        return environments.mix_task(reward_fns=REWARDS, seed=SEED, eval_size=evaluation.EVAL_SIZE,
+                                     arith_max=ARITH_MAX, fit_images=vision.fit_questions,
+                                     default_prompt=question_prompt, think_prefill=THINK_PREFILL)
+    correct = rewards.correctness_reward([fn.__name__ for fn, _ in REWARDS])  # None: no such
+    sampler = functools.partial(question_sampler.QuestionSampler, mode=question_sampler.SAMPLER,
+                                replay_share=question_sampler.REPLAY_SHARE, pass_key=correct)
+    draw = draw_questions
+    if question_sampler.SAMPLER != "uniform":  # a variant: the sampler's own rule
+        draw = question_sampler.draw_by_rule
+    return rewards.Task(load=load_dataset, sampler=sampler, draw=draw, prompt=question_prompt,
+                        score=score_answers,
+                        rewards=tuple((fn.__name__, weight) for fn, weight in REWARDS))
 
 
 def record_for_run() -> Callable:
@@ -781,23 +800,9 @@ def rollout_for_run() -> Callable:
     return single_turn
 
 
-def score_for_run() -> Callable:
-    """Step 3: score_answers (REWARDS), or each question's environment's own scores."""
-    if environments.ENVIRONMENTS:  # a variant (environments.py)
-        return environments.scorer_for_run(REWARDS)
-    return score_answers
-
-
-def reward_settings() -> list:
-    """(name, weight) of each reward step 3 gives: REWARDS', or every environment's."""
-    if environments.ENVIRONMENTS:  # a variant: each environment names its own rewards
-        return environments.run_rewards(REWARDS)
-    return [(fn.__name__, weight) for fn, weight in REWARDS]
-
-
-def advantage_settings() -> objectives.AdvantageSettings:
-    """Step 4's menu, as the constants above are now, for objectives.py."""
-    named = reward_settings()  # [(name, weight)]
+def advantage_settings(named) -> objectives.AdvantageSettings:
+    """Step 4's menu, as the constants above are now, for objectives.py; named: the task's
+    (reward name, weight) pairs."""
     return objectives.AdvantageSettings(
         advantage=ADVANTAGE, reward_norm=REWARD_NORM, scale_rewards=SCALE_REWARDS,
         group_size=NUM_PRE_Q, reward_names=tuple(name for name, _ in named),
@@ -810,18 +815,19 @@ def advantage_variant_on() -> bool:
     return ADVANTAGE != "grpo" or REWARD_NORM != "sum_then_normalize" or SCALE_REWARDS != "group"
 
 
-def advantages_for_run() -> Callable:
-    """Step 4: group_advantages, or a variant's baseline (objectives.py)."""
+def advantages_for_run(named) -> Callable:
+    """Step 4: group_advantages, or a variant's baseline (objectives.py) over the task's rewards
+    (named)."""
     if advantage_variant_on():  # a variant
-        return functools.partial(objectives.answer_advantages, s=advantage_settings())
+        return functools.partial(objectives.answer_advantages, s=advantage_settings(named))
     return group_advantages
 
 
-def signal_for_run() -> Callable:
+def signal_for_run(named) -> Callable:
     """Which groups train: varied_groups (their sums differ); under GDPO also a group where any
-    one reward differs (objectives.py)."""
+    one of the task's rewards (named) differs (objectives.py)."""
     if REWARD_NORM == "normalize_then_sum":  # a variant
-        return functools.partial(objectives.varied_by_any_reward, s=advantage_settings())
+        return functools.partial(objectives.varied_by_any_reward, s=advantage_settings(named))
     return varied_groups
 
 
@@ -837,11 +843,18 @@ def as_sampled(groups, other_rewards, device) -> list:
     return groups
 
 
-def rescale_for_run() -> Callable:
+def rescale_for_run(named) -> Callable:
     """as_sampled, or a variant's std over the whole step (objectives.at_step)."""
     if rescaled_at_step():  # a variant
-        return functools.partial(objectives.at_step, s=advantage_settings())
+        return functools.partial(objectives.at_step, s=advantage_settings(named))
     return as_sampled
+
+
+def pi_old_for_run(regroup: bool) -> bool:
+    """Whether step 5 computes pi_old's log-probs before the upload: a server that regroups (its
+    groups mix answers of other steps), a batch reused (MU > 1), or SKIP_PI_OLD off (the plain
+    path: a forward of the sampling weights, where the shortcut knows the ratio is 1)."""
+    return regroup or MU > 1 or not fast_paths.SKIP_PI_OLD
 
 
 def upload_meta_for_run() -> dict:
@@ -956,9 +969,6 @@ def load_dataset() -> tuple:
     """(training questions, held-out questions): DATASET's last EVAL_SIZE never train. Images are
     fitted to one pixel budget here, once (features/vision.py's MIN_PIXELS, MAX_PIXELS), so the
     trainer, the server and vLLM see the same image and the same number of image tokens."""
-    if environments.ENVIRONMENTS:  # a variant: each environment's questions (environments.py)
-        return environments.load(seed=SEED, eval_size=evaluation.EVAL_SIZE, arith_max=ARITH_MAX,
-                                 fit_images=vision.fit_questions)
     dataset = rewards.load_questions(DATASET, SEED, ARITH_MAX)
     if with_images(dataset):
         dataset = vision.fit_questions(dataset)
@@ -996,12 +1006,13 @@ def run_genonly():
     """`python grpo_ref_split.py genonly`: steps 1-4 forever, its groups uploaded for trainers to
     take (features/worker.py); its questions are the training ones, never the held-out."""
     client = server_client.RefClient(REF_SERVER, REF_TOKEN, SERVER_TIMEOUT)
-    questions, _ = load_dataset()
+    parts = choose_parts()  # each part of a step, once, as main chooses them
+    questions, _ = parts.task.load()
     model_path = resolve_model_path(MODEL_PATH)
     start_llm = None  # transformers generates
     if vllm_engine.USE_VLLM:
         start_llm = functools.partial(vllm_engine.start, model_path, verbose=quiet.VERBOSE)
-    scored = functools.partial(scored_groups, parts=choose_parts(), with_pi_old=True)  # 2-4
+    scored = functools.partial(scored_groups, parts=parts, with_pi_old=True)  # 2-4
     worker.run_worker(load_policy, scored, client,
                       questions=questions, q_batch_size=Q_BATCH_SIZE, first=model_path, seed=SEED,
                       start_llm=start_llm, output_dir=OUTPUT_DIR,
@@ -1017,27 +1028,24 @@ def main():
     check_settings()  # guard: before any model loads
     parts = choose_parts()  # each part of a step, once: this file's plain functions by default
     quiet.quiet_libraries(quiet.VERBOSE)  # log
-    questions, held_out = load_dataset()
+    questions, held_out = parts.task.load()
     if memory_plan.MEMORY_PLAN:  # guard: will this setting fit? printed; a stop before loading
         memory_plan.check(resolve_model_path(MODEL_PATH), memory_setting(),
-                          build_prompt=build_prompt, questions=questions)
+                          prompt=parts.task.prompt, questions=questions)
     engine, tokenizer, eos_ids, gen_config, rank, device = setup_deepspeed()
     model = engine.module  # the same weights without the engine: generation and evaluation
     route = server_route(model, tokenizer, run=uuid.uuid4().hex,
                          advantages=parts.advantages)  # step 5, its server checked
-    reward_names = [name for name, _ in parts.rewards]  # what step 3 gives: the log's columns
+    reward_names = [name for name, _ in parts.task.rewards]  # step 3's: the log's columns
     correct = rewards.correctness_reward(reward_names)  # the reward that says an answer is right
-    sampler = question_sampler.QuestionSampler(questions, SEED + rank, question_sampler.SAMPLER,
-                                               question_sampler.REPLAY_SHARE, pass_key=correct)
-    if environments.ENVIRONMENTS:  # a variant: each draw picks an environment by its weight
-        sampler = environments.MixSampler(questions, SEED + rank)
+    sampler = parts.task.sampler(questions, SEED + rank)  # step 1's draw, kept in checkpoints
     llm = vllm_engine.start(resolve_model_path(MODEL_PATH), SEED + rank, model.dtype,
                             verbose=quiet.VERBOSE)  # faster equal (USE_VLLM); else None
     sampling = dict(eos_ids=eos_ids, gen_config=gen_config, llm=llm)  # how step 2 samples
     if pass_rates.PASS_RATE_QUESTIONS:  # a variant (SAMPLER "learnability"): measured first
         answers_to = functools.partial(generate, model, tokenizer, rollout=parts.rollout,
-                                       **sampling)  # a Rollout
-        pass_rates.pass_rate_pass(sampler, answers_to, parts.score,
+                                       prompt=parts.task.prompt, **sampling)  # a Rollout
+        pass_rates.pass_rate_pass(sampler, answers_to, parts.task.score,
                                   count=pass_rates.PASS_RATE_QUESTIONS,
                                   group=NUM_PRE_Q, output_dir=OUTPUT_DIR, batch=Q_BATCH_SIZE,
                                   rank=rank)
@@ -1048,8 +1056,10 @@ def main():
     publisher = weight_sync.publisher_from(model, start, rank, REF_TOKEN)  # WEIGHT_SYNC_STEPS
     log = run_log.open_on_rank_0(rank, OUTPUT_DIR, reward_names, resumed_step=start)  # log
     evaluate = functools.partial(evaluation.log_eval, model=model, questions=held_out, log=log,
-                                 rank=rank, score=parts.score, tokenizer=tokenizer,
-                                 encode=encode_prompts, decode=decode,
+                                 rank=rank, score=parts.task.score, tokenizer=tokenizer,
+                                 encode=functools.partial(encode_prompts,
+                                                          prompt=parts.task.prompt),
+                                 decode=decode, answer=parts.task.answer_held_out,
                                  max_new_tokens=MAX_NEW_TOKENS, correct=correct,
                                  **sampling)  # log: evaluate(step), held-out greedy accuracy
     if evaluation.EVAL_STEPS > 0 and start == 0:
@@ -1057,7 +1067,7 @@ def main():
     phases = teacher_mix.Phases(start + 1) if DISTILL_COEF else None  # a teacher's stages
     image_processor = vision.image_processor_of(tokenizer)  # a vision model's: pixels; else None
     wanted = Q_BATCH_SIZE if DYNAMIC_SAMPLING else 1  # groups with different rewards a step needs
-    with_pi_old = route.regroup or MU > 1 or not fast_paths.SKIP_PI_OLD  # pi_old's forward: 5
+    with_pi_old = pi_old_for_run(route.regroup)  # step 5: pi_old's forward before the upload
     for step in tqdm(range(start + 1, ALL_STEPS + 1), disable=rank != 0, desc="GRPO",
                      dynamic_ncols=True):
         metrics = Counter()  # this step's numbers, added up as they come

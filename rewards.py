@@ -20,6 +20,7 @@ import random
 import sys
 import re
 import threading
+from collections.abc import Callable
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
@@ -556,6 +557,20 @@ def png_bytes(image) -> bytes:
     buffer = io.BytesIO()
     image.convert("RGB").save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """A run's task as main's set-up hands it to the steps (grpo_ref_split.choose_task). The default
+    is DATASET's questions scored by REWARDS, through the lesson's own functions (named below);
+    environments.py's mix of tasks is another task, handed in the same way."""
+    load: Callable  # () -> (training questions, held-out questions): load_dataset
+    sampler: Callable  # (questions, seed) -> the draw's state, kept in checkpoints: QuestionSampler
+    draw: Callable  # 1. (sampler, n) -> n training questions: draw_questions
+    prompt: Callable  # 2. (tokenizer, question) -> the prompt's text: question_prompt
+    score: Callable  # 3. (texts, asked, played=None) -> (sums, {name: values}): score_answers
+    rewards: tuple  # 3. (name, weight) of each reward score gives: the log's and GDPO's columns
+    answer_held_out: Callable | None = None  # log: how held-out questions are answered; greedily
 
 
 def split_held_out(questions: list[dict], n: int) -> tuple[list[dict], list[dict]]:

@@ -9,6 +9,7 @@ asked of its last checkpoint and of the base model, tells whether anything trans
 It loads each environment's EVAL_SIZE held-out questions for the trainer's SEED (environments.load)
 and prints one JSON line: the checkpoint, the number of questions and every eval_ metric.
 """
+import functools
 import json
 import os
 import sys
@@ -32,10 +33,12 @@ def main():
     path = CHECKPOINT or resolve_model_path(grpo.MODEL_PATH)
     if not os.path.isdir(path):
         sys.exit(f"CHECKPOINT={path!r} is not a folder: a run's step_N, or a model folder")
-    _, held_out = grpo.load_dataset()
+    task = grpo.choose_task()  # the environment as the trainer takes it
+    _, held_out = task.load()
     model, tokenizer, eos_ids, _ = grpo.load_policy(path, torch.device("cpu"))
-    scores = evaluation.evaluate(model, held_out, encode=grpo.encode_prompts, decode=grpo.decode,
-                                 score=grpo.choose_parts().score, eos_ids=eos_ids,
+    encode = functools.partial(grpo.encode_prompts, prompt=task.prompt)  # the task's prompts
+    scores = evaluation.evaluate(model, held_out, encode=encode, decode=grpo.decode,
+                                 score=task.score, eos_ids=eos_ids, answer=task.answer_held_out,
                                  max_new_tokens=grpo.MAX_NEW_TOKENS, tokenizer=tokenizer)
     print(json.dumps({"checkpoint": path, "questions": len(held_out), **scores}))
 

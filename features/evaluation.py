@@ -9,7 +9,6 @@ import sys
 
 import torch
 
-import environments
 from features import env_overrides, tools
 from features.tools import generate_with_tools
 from features.vision import pixel_rows
@@ -40,7 +39,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def evaluate(model, questions, *, encode, decode, score, eos_ids, max_new_tokens, pad_id=None,
              llm=None, tools=(), max_calls=0, tokenizer=None, samples=0,
-             sample_config=None, correct=None) -> dict:
+             sample_config=None, correct=None, answer=None) -> dict:
     """{"eval_<reward name>": mean} over the greedy answers to `questions` (from the vLLM engine
     `llm` if given); with tools, eval_tool_share too (answers that called a tool). samples = k >
     0: also eval_<name>_mean@k over k answers per question sampled with sample_config (its
@@ -49,18 +48,15 @@ def evaluate(model, questions, *, encode, decode, score, eos_ids, max_new_tokens
     with a "tag" also get each mean per tag: eval_<name>_<tag>. encode(tokenizer, questions) ->
     the tokenized prompts; decode(tokenizer, completion_ids) -> texts; score(texts, asked) ->
     (total, {reward name: values}), asked: each answer's question (a dict): the trainer's own
-    three; tokenizer: for them, for tools and for the pad id (or pad_id)."""
+    three; tokenizer: for them, for tools and for the pad id (or pad_id). answer: how the task
+    answers its held-out questions, (model, questions, **args) -> (texts, tool calls, rewards
+    played over episodes or None): greedy_answers unless the task plays episodes."""
     pad_id = tokenizer.pad_token_id if pad_id is None else pad_id
     args = dict(encode=encode, decode=decode, eos_ids=eos_ids, pad_id=pad_id,
                 max_new_tokens=max_new_tokens, llm=llm, tools=tools, max_calls=max_calls,
                 tokenizer=tokenizer)
-    if environments.ENVIRONMENTS and environments.multi_turn(questions):  # episodes, greedily
-        texts, played = played_answers(model, questions, **args)
-        _, each = score(texts, questions, played)
-        calls = [0] * len(texts)
-    else:
-        texts, calls = held_out_answers(model, questions, **args)
-        _, each = score(texts, questions)
+    texts, calls, played = (answer or greedy_answers)(model, questions, **args)
+    _, each = score(texts, questions, played)
     each = each | ({"tool_share": [float(c > 0) for c in calls]} if tools else {})
     if samples > 0:
         each |= sampled_scores(model, questions, samples, sample_config, score, args, correct)
@@ -92,6 +88,13 @@ def sampled_scores(model, questions, k, sample_config, score, args, correct=None
 
 
 @torch.no_grad()
+def greedy_answers(model, questions, **args) -> tuple:
+    """(each question's greedy answer as text, its tool calls, None: no episodes played), by
+    held_out_answers."""
+    texts, calls = held_out_answers(model, questions, **args)
+    return texts, calls, None
+
+
 def held_out_answers(model, questions, *, encode, decode, eos_ids, pad_id, max_new_tokens,
                      batch_size=EVAL_BATCH, llm=None, tools=(), max_calls=0, tokenizer=None,
                      per_question=1, gen_config=None) -> tuple:
@@ -131,52 +134,6 @@ def held_out_answers(model, questions, *, encode, decode, eos_ids, pad_id, max_n
                 answers = generated[:, ids.shape[1] :]  # (b x per_question, T)
             texts += decode(tokenizer, answers)
     return texts, calls or [0] * len(texts)
-
-
-@torch.no_grad()
-def played_answers(model, questions, *, encode, decode, eos_ids, pad_id, max_new_tokens,
-                   llm=None, tokenizer=None, **unused) -> tuple:
-    """ENVIRONMENTS with episodes of several turns: (each question's greedy answer as text, its
-    rewards over its episode's turns, or None where its environment is single-turn). The multi-turn
-    questions are played as the rollouts play them (environments.play_rollout), the others answered
-    by held_out_answers and scored by the trainer's step 3. fork_rng guards the training stream."""
-    from transformers import GenerationConfig
-
-    several = [environments.multi_turn([q]) for q in questions]
-    plain = [q for q, multi in zip(questions, several) if not multi]
-    plain_texts = []
-    if plain:
-        plain_texts, _ = held_out_answers(model, plain, encode=encode, decode=decode,
-                                          eos_ids=eos_ids, pad_id=pad_id,
-                                          max_new_tokens=max_new_tokens, llm=llm,
-                                          tokenizer=tokenizer)
-    episodic = [q for q, multi in zip(questions, several) if multi]
-    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=pad_id,
-                              eos_token_id=eos_ids)
-    prefill = decode(tokenizer, torch.zeros(1, 0, dtype=torch.long))[0]  # decode's THINK_PREFILL
-    device = next(model.parameters()).device
-    model.eval()
-    played_texts = []
-    played = []
-    batch_size = EVAL_BATCH if llm is None else max(1, len(episodic))  # vLLM: all at once
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        for i in range(0, len(episodic), batch_size):
-            part = episodic[i : i + batch_size]
-            enc = encode(tokenizer, part).to(device)
-            answers, _, out = environments.play_rollout(
-                model, tokenizer, enc, 1, part, gen_config=config, llm=llm, temperature=0.0,
-                eos_ids=eos_ids, think_prefill=prefill, reward_fns=())
-            played_texts += decode(tokenizer, answers)
-            played += out["played"]
-    plain_texts = iter(plain_texts)
-    episodes = iter(zip(played_texts, played))
-    texts = []
-    rewards_played = []
-    for multi in several:
-        text, values = next(episodes) if multi else (next(plain_texts), None)
-        texts.append(text)
-        rewards_played.append(values)
-    return texts, rewards_played
 
 
 def check_settings(*, correct):

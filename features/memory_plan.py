@@ -352,10 +352,10 @@ def device_seen(ranks_per_node: int):
     return free // ranks_per_node, f"1/{ranks_per_node} of this machine's free RAM"
 
 
-def check(model_path: str, s: Setting, *, build_prompt, questions):
+def check(model_path: str, s: Setting, *, prompt, questions):
     """Print the plan (rank 0) and stop every rank, before any weight loads, if it does not fit.
     Fills in what the launcher and the device say (ranks, bf16) and the prompt's length:
-    build_prompt(tokenizer, question) of the longest of the first 256 questions."""
+    prompt(tokenizer, question) (the task's) of the longest of the first 256 questions."""
     from transformers import AutoTokenizer
 
     from features import vision
@@ -369,9 +369,9 @@ def check(model_path: str, s: Setting, *, build_prompt, questions):
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         if vision.model_type(model_path):  # its image tokens count in the prompt
             tokenizer = vision.load_processor(model_path)
-        prompt = build_prompt(tokenizer, longest["question"])
-        encoded = tokenizer([prompt], **vision.image_kwargs([longest]), add_special_tokens=False,
-                            return_tensors="pt")
+        prompt_text = prompt(tokenizer, longest)
+        encoded = tokenizer([prompt_text], **vision.image_kwargs([longest]),
+                            add_special_tokens=False, return_tensors="pt")
         s.prompt_tokens = len(encoded["input_ids"][0])
         pixels = {name: value for name, value in encoded.items()
                   if torch.is_tensor(value) and name not in ("input_ids", "attention_mask")}

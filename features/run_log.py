@@ -271,12 +271,15 @@ NOT_REWARDS = ("step", "rank", "reward", "advantage", "length", "truncated", "tu
                "tool_calls", "tool_errors")
 
 
+def tag_of(name: str) -> str:
+    """An environment's name in metric names (eval_reward_correct_<tag>): no ":", "/" or "."."""
+    return name.replace(":", "_").replace("/", "_").replace(".", "_")
+
+
 def environment_stats(answers) -> dict:
     """ENVIRONMENTS: for each environment (by its tag) among the answers of every rank, its share
     of them (share_<tag>), their mean reward (reward_<tag>) and each named reward's mean
     (<name>_<tag>; 0 for a reward another environment gives)."""
-    from environments import tag_of
-
     out = {}
     for env in sorted({a["env"] for a in answers}):
         mine = [a for a in answers if a["env"] == env]

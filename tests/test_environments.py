@@ -81,7 +81,7 @@ def test_the_built_in_task_as_an_environment_scores_as_the_trainer_does(mix):
                           [r["question"] for r in records])
     assert environments.score(texts, asked, grpo.REWARDS) == plain
     assert len(set(plain[0])) == 4  # right and wrong, with and without the format: all there
-    assert grpo.choose_parts().score(texts, asked) == plain
+    assert grpo.choose_task().score(texts, asked) == plain
 
 
 def test_the_shapes_task_with_images_as_an_environment_loads_and_scores_as_without(
@@ -96,9 +96,9 @@ def test_the_shapes_task_with_images_as_an_environment_loads_and_scores_as_witho
     monkeypatch.setattr(grpo, "DATASET", "shapes")
     monkeypatch.setattr(grpo, "REWARDS", [(rewards.reward_word, 2.0), (rewards.reward_format, 1.0)])
     mix([])
-    plain = grpo.load_dataset()
+    plain = grpo.choose_task().load()
     mix([["shapes", 1.0]])
-    ours = grpo.load_dataset()
+    ours = grpo.choose_task().load()
     for plain_part, our_part in zip(plain, ours):
         assert len(our_part) == len(plain_part)
         for a, b in zip(plain_part, our_part):
@@ -113,7 +113,7 @@ def test_the_shapes_task_with_images_as_an_environment_loads_and_scores_as_witho
     asked = [q for q in held_out for _ in rewards.COLOURS] + held_out
     want = rewards.score(grpo.REWARDS, texts, [q["gold"] for q in asked],
                          [q["question"] for q in asked])
-    assert grpo.choose_parts().score(texts, asked) == want
+    assert grpo.choose_task().score(texts, asked) == want
     assert set(want[0]) == {0.0, 1.0, 3.0}  # unformatted, formatted but wrong, right
 
 
@@ -516,14 +516,14 @@ def test_gdpo_normalises_each_environments_own_rewards(mix, monkeypatch):
     mix([["arithmetic", 1.0], ["test_environments:Reverse", 1.0]])
     monkeypatch.setattr(grpo, "REWARD_NORM", "normalize_then_sum")
     monkeypatch.setattr(grpo, "NUM_PRE_Q", 4)
-    assert grpo.reward_settings() == [("reward_correct", 2.0), ("reward_format", 1.0),
-                                  ("reversed", 1.0), ("short", 0.5)]
+    assert grpo.choose_task().rewards == (("reward_correct", 2.0), ("reward_format", 1.0),
+                                       ("reversed", 1.0), ("short", 0.5))
     word = {"question": "Write abc backwards.", "gold": "cba", "env": "test_environments:Reverse"}
     sum_q = {"question": "What is 2 + 3?", "gold": "5", "env": "arithmetic"}
     texts = ["cba", "abc", "cba" + "!" * 50, "no"]
     texts += ["<think> 5 </think><answer>5</answer>", "<think> 5 </think><answer>4</answer>",
               "5", "<think> 5 </think><answer>5</answer>"]
-    sums, each = grpo.choose_parts().score(texts, [word] * 4 + [sum_q] * 4)
+    sums, each = grpo.choose_task().score(texts, [word] * 4 + [sum_q] * 4)
     advantages = grpo.choose_parts().advantages(torch.tensor(sums), each)
 
     def normalised(values):  # (r - group mean) / (unbiased std + STD_EPS)
@@ -617,3 +617,128 @@ def test_each_environment_gets_its_share_and_means_in_the_step_metrics():
         "share_arithmetic": 2 / 3, "reward_arithmetic": 2.0, "reward_correct_arithmetic": 0.5,
         "share_rg_leg_counting": 1 / 3, "reward_rg_leg_counting": 2.0,
         "reward_correct_rg_leg_counting": 1.0}
+
+
+# ----------------------------------------------------------------------------- a task's own prompt
+class Riddle(Reverse):
+    """A class that opens with its own system turn and question, and remembers its seed."""
+    seeds = []  # the seed each reset got
+
+    def reset(self, question, seed):
+        Riddle.seeds.append(seed)
+        super().reset(question, seed)
+        return [{"role": "system", "content": "Answer with the reversed word only."},
+                {"role": "user", "content": f"Riddle: {question['question']}"}]
+
+
+class SameOpening(Reverse):
+    """A game whose every question opens with the same text (only the seed tells them apart)."""
+
+    @classmethod
+    def questions(cls, seed):
+        return [{"question": "Guess my word.", "gold": w} for w in ("abc", "bca", "cab") * 10]
+
+
+class Drifting(Reverse):
+    """A class whose reset opens otherwise each time: its episodes depend on more than the seed."""
+    resets = 0
+
+    def reset(self, question, seed):
+        Drifting.resets += 1
+        return [{"role": "user", "content": f"{question['question']} ({Drifting.resets})"}]
+
+
+def test_an_environment_is_prompted_with_what_its_reset_opens(mix, tokenizer, monkeypatch):
+    """Issue 88 item 2 (and 87's task seam): the prompt of a class of one's own is its reset's
+    messages in the chat template, then THINK_PREFILL; no trainer system prompt, no arithmetic
+    worked example. A built-in task's prompt stays the trainer's (build_prompt)."""
+    monkeypatch.setattr(grpo.evaluation, "EVAL_SIZE", 8)
+    mix([["arithmetic", 1.0], ["test_environments:Riddle", 1.0]])
+    task = grpo.choose_task()
+    train, held_out = task.load()
+    riddle = next(q for q in train if q["env"] == "test_environments:Riddle")
+    opened = Riddle().reset(riddle, riddle["seed"])
+    want = tokenizer.apply_chat_template(opened, tokenize=False, add_generation_prompt=True)
+    prompt = task.prompt(tokenizer, riddle)
+    assert prompt == want + grpo.THINK_PREFILL
+    assert grpo.EXAMPLE[0] not in prompt and grpo.SYSTEM_PROMPT not in prompt
+    assert "Answer with the reversed word only." in prompt and "Riddle: Write" in prompt
+    sum_q = next(q for q in train if q["env"] == "arithmetic")
+    assert task.prompt(tokenizer, sum_q) == grpo.build_prompt(tokenizer, sum_q["question"])
+    assert grpo.EXAMPLE[0] in task.prompt(tokenizer, sum_q)
+    ids = grpo.encode_prompts(tokenizer, [riddle], task.prompt).input_ids[0]  # as step 2 encodes
+    assert tokenizer.decode(ids) == prompt
+
+
+def test_reset_gets_the_questions_own_seed_not_the_answers_place_in_the_step(mix, monkeypatch):
+    """Issue 88 item 2: the seed reset receives is the question's (its position in questions(seed),
+    or the one it carries), the same at load, in scoring and in play, whatever the answer's place
+    in the step."""
+    monkeypatch.setattr(grpo.evaluation, "EVAL_SIZE", 8)
+    mix([["test_environments:Riddle", 1.0]])
+    train, _ = grpo.choose_task().load()
+    assert [q["seed"] for q in train[:3]] == [0, 1, 2]
+    Riddle.seeds.clear()
+    asked = [train[2], train[2], train[1]]
+    environments.score(["cba", "no", "x"], asked, grpo.REWARDS)
+    assert Riddle.seeds == [2, 2, 1]
+
+
+def test_a_game_whose_questions_share_one_opening_still_trains(mix, monkeypatch):
+    """Issue 88 item 3: held-out questions are split off by position, so a game that opens every
+    episode with the same text keeps its training questions (equal texts used to drop them all,
+    and the run stopped in the memory plan with an empty max())."""
+    monkeypatch.setattr(grpo.evaluation, "EVAL_SIZE", 8)
+    mix([["test_environments:SameOpening", 1.0]])
+    train, held_out = grpo.choose_task().load()
+    assert (len(train), len(held_out)) == (22, 8)
+    assert train and {q["question"] for q in train} == {"Guess my word."}
+
+
+def test_an_environment_that_opens_otherwise_than_at_load_stops_the_episode(mix, tokenizer):
+    """The prompt was taken from reset at load; an episode whose reset opens otherwise would be
+    trained on a prompt it was never asked: EnvironmentFault names the environment."""
+    mix([["test_environments:Drifting", 1.0]])
+    monkey_questions = Drifting.questions(0)[:2]
+    for k, q in enumerate(monkey_questions):
+        q.update(env="test_environments:Drifting", seed=k,
+                 opening=[{"role": "user", "content": q["question"]}])
+    with pytest.raises(environments.EnvironmentFault, match="Drifting.*opened otherwise"):
+        environments.play(scripted([[[tokenizer.eos_token_id]] * 2]), [[1], [1]],
+                          monkey_questions, reward_fns=grpo.REWARDS, tokenizer=tokenizer,
+                          think_prefill="", max_new_tokens=4, eos_ids=[tokenizer.eos_token_id],
+                          pad_id=tokenizer.eos_token_id)
+
+
+def test_reset_must_open_with_messages(mix, monkeypatch):
+    """A reset that gives a string (or no user turn last) is refused at load, named."""
+    monkeypatch.setattr(grpo.evaluation, "EVAL_SIZE", 8)
+    class Stringy(Reverse):
+        def reset(self, question, seed):
+            return question["question"]
+    environments.Stringy = Stringy
+    try:
+        mix([["environments:Stringy", 1.0]])
+        with pytest.raises(environments.EnvironmentFault, match="Stringy.*opening messages"):
+            grpo.choose_task().load()
+    finally:
+        del environments.Stringy
+
+
+def test_no_feature_module_imports_environments_py():
+    """Issue 87: the arrows run one way; features/ never reaches up into the environments' room
+    (the evaluation's episodes and the metric tags now live where they belong)."""
+    import ast
+    import glob
+
+    importing = []
+    for path in glob.glob(os.path.join(ROOT, "features", "*.py")):
+        for node in ast.walk(ast.parse(open(path).read())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            if "environments" in names:
+                importing.append(os.path.basename(path))
+    assert importing == []

@@ -85,7 +85,7 @@ def test_pass_at_k_counts_the_correctness_reward_it_is_given():
     class Config:
         do_sample = True
 
-    def score(texts, asked):
+    def score(texts, asked, played=None):
         return [0.0] * 4, {"reward_boxed": [1.0, 0.0, 0.0, 0.0]}
 
     def answers(model, questions, per_question, gen_config, **args):

@@ -230,11 +230,11 @@ def test_the_training_loop_reads_as_the_seven_steps():
 
 # The functions of the seven steps (README's "One GRPO step"), the loop's own helpers among them:
 # the functions main's set-up hands the steps by default (choose_parts), and those they call.
-STEP_FUNCTIONS = ("draw_questions", "keep_no_outcomes", "encode_prompts", "decode",
-                  "sample_answers", "generate", "score_answers", "group_advantages",
-                  "varied_groups", "scored_groups", "pack_groups", "group_tensors",
-                  "upload_and_pull", "drop_untrainable", "steps_1_to_5", "collate", "prepare_batch",
-                  "batches_of", "grpo_terms", "policy_loss", "train_step")
+STEP_FUNCTIONS = ("load_dataset", "draw_questions", "keep_no_outcomes", "question_prompt",
+                  "encode_prompts", "decode", "sample_answers", "generate", "score_answers",
+                  "group_advantages", "varied_groups", "scored_groups", "pack_groups",
+                  "group_tensors", "upload_and_pull", "drop_untrainable", "steps_1_to_5", "collate",
+                  "prepare_batch", "batches_of", "grpo_terms", "policy_loss", "train_step")
 # The lesson's helpers that read the variants' selectors, so a test on them is a variant's branch.
 VARIANT_SWITCHES = ("advantage_variant_on", "loss_variant_on", "rescaled_at_step")
 # The branches on a setting still inside the step functions, each with why it stays: the prompt's
@@ -295,10 +295,13 @@ def test_each_part_main_hands_the_steps_is_the_lessons_own_by_default(monkeypatc
     """choose_parts with every constant at its default: the lesson's plain functions, or the fast
     paths that are on by default (the log-probs, the shared prompt), each tested equal elsewhere."""
     parts = grpo.choose_parts()
-    assert parts.draw is grpo.draw_questions and parts.record is grpo.keep_no_outcomes
-    assert parts.score is grpo.score_answers and parts.advantages is grpo.group_advantages
+    task = parts.task
+    assert task.load is grpo.load_dataset and task.draw is grpo.draw_questions
+    assert task.prompt is grpo.question_prompt and task.score is grpo.score_answers
+    assert task.rewards == (("reward_correct", 2.0), ("reward_format", 1.0))
+    assert task.answer_held_out is None  # greedy (features/evaluation.greedy_answers)
+    assert parts.record is grpo.keep_no_outcomes and parts.advantages is grpo.group_advantages
     assert parts.has_signal is grpo.varied_groups and parts.rescale is grpo.as_sampled
-    assert parts.rewards == (("reward_correct", 2.0), ("reward_format", 1.0))
     assert parts.upload_meta == {}
     assert parts.loss.func is grpo.policy_loss and parts.loss.keywords["terms"] is grpo.grpo_terms
     assert parts.rollout.func is grpo.fast_paths.shared_rollout  # SHARED_PREFIX, the default

@@ -282,7 +282,7 @@ def test_sampled_scores_give_mean_at_k_and_pass_at_k_per_question(monkeypatch):
     monkeypatch.setattr(
         "features.evaluation.held_out_answers", lambda *a, **k: ([str(x) for x in right], [0] * 8)
     )
-    def score(texts, asked):
+    def score(texts, asked, played=None):
         return None, {"reward_correct": [float(t) for t in texts]}
     out = sampled_scores(
         None, questions, 4, GenerationConfig(do_sample=True, temperature=0.7), score, {},

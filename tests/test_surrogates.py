@@ -206,7 +206,7 @@ def test_reinforce_pp_baseline_divides_by_the_std_over_the_answers_that_train_by
               ({"advantages": torch.tensor([3.0, -3.0])}, {})]
     std = math.sqrt(20 / 3)
     for dropped in (torch.zeros(0), torch.zeros(2), torch.zeros(16)):
-        settings = grpo.advantage_settings()
+        settings = grpo.advantage_settings(grpo.choose_task().rewards)
         got = objectives.at_step(groups, dropped, "cpu", replace(settings,
                                                                  advantage="reinforce_pp_baseline"))
         assert [t["advantages"].tolist() for t, _ in got] == [

@@ -346,7 +346,7 @@ def test_evaluation_reports_each_tag_and_the_tool_share(monkeypatch):
         "features.evaluation.held_out_answers", lambda *a, **k: (texts, [0, 1, 2, 1])
     )
 
-    def score(texts, asked):
+    def score(texts, asked, played=None):
         return None, {
             "reward_correct": [rewards.reward_correct(t, q["gold"]) for t, q in zip(texts, asked)]
         }

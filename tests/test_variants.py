@@ -581,18 +581,17 @@ def test_on_policy_rows_need_no_pi_old_logps_for_the_same_loss_and_gradient():
 
 def test_skip_pi_old_logps_gives_the_plain_paths_loss_and_gradient(tiny_policy, monkeypatch):
     """SKIP_PI_OLD = False is the plain path (a forward of the sampling weights gives pi_old);
-    the shortcut skips that forward. Steps 2-6 of one MU = 1 step without REGROUP (with_pi_old
-    False, as main passes it): the constant alone decides, and the loss and gradient are the same
-    either way."""
+    the shortcut skips that forward. Steps 2-6 of one MU = 1 step without REGROUP (with_pi_old as
+    main's set-up decides it, pi_old_for_run): the constant alone decides, and the loss and
+    gradient are the same either way."""
     model, tok = tiny_policy
     monkeypatch.setattr(grpo, "MU", 1)
     params = [p for p in model.parameters() if p.requires_grad]
     out = {}
     for skip in (True, False):
         monkeypatch.setattr(grpo.fast_paths, "SKIP_PI_OLD", skip)
-        groups, _ = short_rollout(
-            tiny_policy, monkeypatch, False, max_new_tokens=16, with_pi_old=False
-        )
+        groups, _ = short_rollout(tiny_policy, monkeypatch, False, max_new_tokens=16,
+                                  with_pi_old=grpo.pi_old_for_run(regroup=False))
         assert groups and all(("pi_old_logps" in t) != skip for t, _ in groups)
         g = torch.Generator().manual_seed(5)
         for t, _ in groups:  # what the server would add

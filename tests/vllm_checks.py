@@ -131,7 +131,7 @@ def main(path):
         tokenizer=tokenizer,
         encode=grpo.encode_prompts,
         decode=grpo.decode,
-        score=grpo.choose_parts().score,
+        score=grpo.choose_task().score,
         eos_ids=eos_ids,
         pad_id=tokenizer.pad_token_id,
         max_new_tokens=grpo.MAX_NEW_TOKENS,
