@@ -153,21 +153,20 @@ class OpenEnvEnvironment(Environment):
     reward_weights names: each raises EnvironmentFault naming the environment."""
 
     def __init__(self, url: str, name: str, reward_weights: dict):
-        from openenv.core.generic_client import GenericEnvClient
-
         self.name = name
         self.reward_weights = reward_weights
-        self.client = GenericEnvClient(base_url=url, connect_timeout_s=ENV_TIMEOUT,
-                                       message_timeout_s=ENV_TIMEOUT,
-                                       max_message_size_mb=MAX_OBSERVATION_BYTES / 2**20).sync()
+        self.client = strict_client(url, name)
 
     def call(self, what: str, *args, **kwargs):
         """client.reset or client.step, its failures as EnvironmentFault naming the environment."""
         try:
             return getattr(self.client, what)(*args, **kwargs)
+        except EnvironmentFault:  # already named (a reply without done)
+            raise
         except Exception as e:  # refused, cut, timed out, too large, or the server's own error
+            said = str(e)[:300] or f"no answer within ENV_TIMEOUT {ENV_TIMEOUT:g} s"
             raise EnvironmentFault(f"environment {self.name}: {what} failed: "
-                                   f"{type(e).__name__}: {str(e)[:300]}") from e
+                                   f"{type(e).__name__}: {said}") from e
 
     def reset(self, question: dict, seed: int) -> list:
         text, _ = self.read(self.call("reset", seed=question["seed"]), first=True)
@@ -219,6 +218,25 @@ class EnvironmentFault(RuntimeError):
     """An environment that failed or misbehaved: the step stops, nothing of it trains."""
 
 
+def strict_client(url: str, name: str):
+    """OpenEnv's GenericEnvClient for the server at `url`, bounded (ENV_TIMEOUT,
+    MAX_OBSERVATION_BYTES), whose replies must say whether the episode is over: OpenEnv's client
+    reads a reply without `done` as False, and the episode would run on to MAX_TURNS, cut, its
+    turns' rewards added up. A reply without a bool `done` raises EnvironmentFault naming it."""
+    from openenv.core.generic_client import GenericEnvClient
+
+    class StrictClient(GenericEnvClient):
+        def _parse_result(self, payload):
+            done = payload.get("done") if isinstance(payload, dict) else None
+            if not isinstance(done, bool):
+                raise EnvironmentFault(f"environment {name}: a reply without done (true or false) "
+                                       f"({str(payload)[:200]})")
+            return super()._parse_result(payload)
+
+    return StrictClient(base_url=url, connect_timeout_s=ENV_TIMEOUT, message_timeout_s=ENV_TIMEOUT,
+                        max_message_size_mb=MAX_OBSERVATION_BYTES / 2**20).sync()
+
+
 def openenv_questions(name, options, *, seed, eval_size) -> tuple:
     """An OpenEnv environment's questions: an episode per seed, its question the opening the
     server gives for it (asked once here, so a group's prompt is known before its episodes open,
@@ -231,7 +249,8 @@ def openenv_questions(name, options, *, seed, eval_size) -> tuple:
     health = url.replace("ws://", "http://").replace("wss://", "https://").rstrip("/")
     try:
         request_with_retry("GET", f"{health}/health", give_up_after=SERVER_WAIT,
-                           what=f"environment {name}", read_timeout=ENV_TIMEOUT)
+                           what=f"environment {name}", read_timeout=ENV_TIMEOUT,
+                           hint="is the environment's server running there?")
     except Exception as e:
         raise EnvironmentFault(f"ENVIRONMENTS: {name} is not reachable: {e}") from e
     episode = OpenEnvEnvironment(url, name, options.get("reward_weights", {"reward": 1.0}))
@@ -242,9 +261,21 @@ def openenv_questions(name, options, *, seed, eval_size) -> tuple:
                     "opening": [{"role": "user", "content": text}]}
         train = [opening_of(seed + k) for k in range(OPENENV_QUESTIONS)]
         held_out = [opening_of(seed + RG_HELD_OUT_SEED + k) for k in range(eval_size)]
+        probe_rewards(episode, seed=seed - 1)  # before any model loads: its rewards' names
     finally:
         episode.close()
     return train, held_out
+
+
+def probe_rewards(episode, *, seed: int) -> None:
+    """One throwaway episode (seed, not a training one), one empty message: the reply must carry
+    done and the rewards reward_weights names, each a finite number (OpenEnvEnvironment.read), so
+    a name the server never sends stops the run at load, not at step 1 after the model loads."""
+    episode.call("reset", seed=seed)
+    try:
+        episode.read(episode.call("step", {"message": ""}))
+    except EnvironmentFault as e:
+        raise EnvironmentFault(f"{e} (asked at start, with an empty message)") from e
 
 
 def own_class(name: str):
@@ -308,10 +339,14 @@ def entries(setting=None) -> list:
                              "[name, weight, {options}]")
         name, weight, *rest = entry
         options = rest[0] if rest else {}
+        if isinstance(name, str) and kind_of(name) == "openenv" and not known_kind(name):
+            raise ValueError(f"ENVIRONMENTS: {name!r}: an OpenEnv server is named by its URL, "
+                             f"'{OPENENV_PREFIX}http://host:port' (or ws://)")
         if not isinstance(name, str) or not known_kind(name):
             raise ValueError(f"ENVIRONMENTS: unknown environment {name!r}: one of "
                              f"{', '.join(BUILT_IN)}, a .jsonl, a hub id with '/', "
-                             f"'{RG_PREFIX}<task>' or 'module:Class'")
+                             f"'{RG_PREFIX}<task>', '{OPENENV_PREFIX}http://host:port' or "
+                             "'module:Class'")
         if isinstance(weight, bool) or not isinstance(weight, (int, float)):
             raise ValueError(f"ENVIRONMENTS: {name}: weight {weight!r} is not a number")
         if not math.isfinite(weight) or weight <= 0:
@@ -350,8 +385,8 @@ def check_settings(*, sampler: str, tools_on: bool, eval_samples: int, gdpo: boo
     """Stop, before any model loads, on ENVIRONMENTS that cannot serve this run: a bad entry (an
     unknown environment, a weight <= 0, a class of one's own that is not there), or a setting the
     mix does not serve (SAMPLER other than "uniform", TOOLS; EVAL_SAMPLES with an environment of
-    several turns; GDPO with one reward weighed two ways). An OpenEnv server is asked at load
-    (load_dataset), still before any model."""
+    several turns; GDPO with one reward weighed two ways). An OpenEnv server is asked at load (the
+    task's, load_or_stop), still before any model."""
     if not ENVIRONMENTS:
         return
     try:
@@ -381,7 +416,7 @@ def mix_task(*, reward_fns, seed, eval_size, arith_max, fit_images, default_prom
     its environment opens it (opening_prompt; default_prompt, the trainer's, for a question-and-
     answer task) and each answer scored by its environment's own rewards."""
     return rewards.Task(
-        load=functools.partial(load, seed=seed, eval_size=eval_size, arith_max=arith_max,
+        load=functools.partial(load_or_stop, seed=seed, eval_size=eval_size, arith_max=arith_max,
                                fit_images=fit_images),
         sampler=MixSampler, draw=draw_by_rule,
         prompt=functools.partial(opening_prompt, default=default_prompt,
@@ -432,6 +467,16 @@ def own_questions(name, options, *, seed, eval_size) -> tuple:
         question["opening"] = checked_opening(opening, name)
     cut = len(questions) - eval_size  # the first held-out question's position
     return questions[:cut], questions[cut:]
+
+
+def load_or_stop(**load_args) -> tuple:
+    """load, as the run calls it at start: a refusal (a task reasoning-gym does not know, too few
+    questions, a server that misbehaves at its first reset or step) stops the run with its message,
+    the environment named, not a traceback."""
+    try:
+        return load(**load_args)
+    except (ValueError, EnvironmentFault) as e:
+        sys.exit(str(e))
 
 
 def load(*, seed: int, eval_size: int, arith_max: int, fit_images) -> tuple:

@@ -271,7 +271,8 @@ def keep_no_outcomes(sampler, records, group_size: int) -> None:
 
 def build_prompt(tokenizer, question: str) -> str:
     """The chat prompt (system, optional worked EXAMPLE turn, question), ending in THINK_PREFILL.
-    SYSTEM_PROMPT "" leaves the system turn out (an empty one breaks SmolVLM's template)."""
+    SYSTEM_PROMPT "" sends no system message (an empty one breaks SmolVLM's template); a template
+    with a default system turn (SmolLM2's) still writes its own (docs/constants.md)."""
     messages = []  # the turns, in order
     if PROMPT_IN_USER_TURN:  # EasyR1's format prompt: after the question, in the user's turn
         question = f"{question} {SYSTEM_PROMPT}".strip()

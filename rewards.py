@@ -105,16 +105,20 @@ def boxed_answer(completion: str) -> str | None:
 
 
 def reward_boxed(completion: str, gold: str, question: str | None = None) -> float:
-    """EasyR1's accuracy on geometry3k: 1.0 when the last \\boxed{...} states `gold`, both read
-    whole as LaTeX (3\\sqrt{2} is not 3), else 0.0. A box that holds an equation states its first
-    value (\\boxed{x = 7} states 7) and only if every other side agrees with it: exactly, or as its
-    decimal to the digits written (\\boxed{3\\sqrt{2} = 4.24} states 3\\sqrt{2}); a false one
-    (\\boxed{5 = 7}) states nothing. A box that ends in an operator (\\boxed{5+}) states nothing:
-    math-verify would read it as 5."""
-    answer = boxed_answer(completion)
-    if not answer or answer.endswith(DANGLING):
+    """EasyR1's accuracy on geometry3k: 1.0 when the last \\boxed{...} after the thinking
+    (after_thinking) states `gold`, both read whole as LaTeX (3\\sqrt{2} is not 3), else 0.0. A box
+    that holds an equation states its first value (\\boxed{x = 7} states 7) and only if every other
+    side agrees with it: exactly, or as its decimal to the digits written (\\boxed{3\\sqrt{2} =
+    4.24} states 3\\sqrt{2}); a false one (\\boxed{5 = 7}) states nothing. A box that ends in an
+    operator (\\boxed{5+}), holds another relation (<, \\le, \\ne, \\to, :, \\pm...) or an
+    empty side (\\boxed{= 5}) states nothing: math-verify would read each as 5."""
+    answer = boxed_answer(after_thinking(completion))
+    if not answer or answer.endswith(DANGLING) or OTHER_RELATION.search(answer):
         return 0.0
-    values = [side for side in equation_sides(answer) if not is_label(side)]
+    sides = equation_sides(answer)
+    if not all(sides):  # "= 5", "5 \\approx": a side with nothing on it
+        return 0.0
+    values = [side for side in sides if not is_label(side)]
     if not values or not same_value(values[0], gold, latex=True):
         return 0.0
     agree = all(agrees(side, values[0]) for side in values[1:])
@@ -122,6 +126,19 @@ def reward_boxed(completion: str, gold: str, question: str | None = None) -> flo
 
 
 DANGLING = ("+", "-", "*", "/", "^", "=", ",", "\\times", "\\cdot", "\\div")  # nothing after
+# A relation other than = and \approx (an inequality, a limit, a ratio, plus-minus): no one value
+OTHER_RELATION = re.compile(
+    r"[<>:]|\\(?:leq|geq|neq|le|ge|ne|lt|gt|to|rightarrow|sim|pm|mp)(?![a-zA-Z])")
+
+
+def after_thinking(completion: str) -> str:
+    """What the completion says after its thinking, as the format rule reads it: the text after the
+    last </think>; none while a <think> is still open; the whole text when it never thinks."""
+    if "</think>" in completion:
+        return completion.rsplit("</think>", 1)[1]
+    if "<think>" in completion:
+        return ""
+    return completion
 
 
 def equation_sides(answer: str) -> list:

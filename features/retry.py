@@ -50,12 +50,13 @@ class Backoff:
 
 
 def request_with_retry(method, url, token="", data=None, give_up_after=600.0,
-                       what="reference server", read_timeout=READ_TIMEOUT_S):
+                       what="reference server", read_timeout=READ_TIMEOUT_S,
+                       hint="is `python ref_server.py` running?"):
     """One HTTP request; connection errors, timeouts and 503 (queue full) are retried with backoff.
     A retried upload is safe when it carries an upload_id: the server answers a repeat, queues
-    nothing."""
+    nothing. hint: what the message at the deadline asks (the reference server's by default)."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    backoff = Backoff(give_up_after, f"{what} at {url}")
+    backoff = Backoff(give_up_after, f"{what} at {url}", hint)
     while True:
         try:
             r = requests.request(method, url, data=data, headers=headers, timeout=read_timeout)

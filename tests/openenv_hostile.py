@@ -1,6 +1,8 @@
 """A hostile environment served by OpenEnv's own server, for tests/test_environments.py: its step
 misbehaves as HOSTILE says (nan: a reward that is not finite; huge: an observation of a megabyte;
 text: an observation whose text is a number; silent: it never answers; fine: a one-step game).
+Two more speak OpenEnv's WebSocket protocol by hand (build_raw_app), to send what OpenEnv's own
+server never would: no_done (a step reply without done), done_text (done "yes").
 
     HOSTILE=nan HOSTILE_PORT=8123 python tests/openenv_hostile.py
 """
@@ -49,7 +51,44 @@ def build_app():
     return create_app(Hostile, Say, Heard, env_name="hostile", max_concurrent_envs=64)
 
 
+def build_raw_app():
+    """OpenEnv's protocol by hand (GET /health; a WebSocket at /ws taking {"type": "reset" |
+    "step" | "close", "data": ...} and answering {"type": "observation", "data": payload}), whose
+    step replies leave out done (no_done) or send it as a string (done_text)."""
+    from fastapi import FastAPI, WebSocket, WebSocketDisconnect
+
+    app = FastAPI()
+
+    @app.get("/health")
+    def health():
+        return {"status": "healthy"}
+
+    @app.websocket("/ws")
+    async def session(socket: WebSocket):
+        await socket.accept()
+        try:
+            while True:
+                message = await socket.receive_json()
+                if message.get("type") == "close":
+                    break
+                if message.get("type") == "reset":
+                    seed = message.get("data", {}).get("seed")
+                    data = {"observation": {"text": f"Say anything ({seed})."}, "reward": 0.0,
+                            "done": False}
+                else:
+                    data = {"observation": {"text": "Thanks.", "rewards": {"score": 1.0}},
+                            "reward": 1.0}
+                    if HOSTILE == "done_text":
+                        data["done"] = "yes"
+                await socket.send_json({"type": "observation", "data": data})
+        except WebSocketDisconnect:
+            pass
+
+    return app
+
+
 if __name__ == "__main__":
     import uvicorn
 
-    uvicorn.run(build_app(), host="127.0.0.1", port=HOSTILE_PORT, log_level="warning")
+    app = build_raw_app() if HOSTILE in ("no_done", "done_text") else build_app()
+    uvicorn.run(app, host="127.0.0.1", port=HOSTILE_PORT, log_level="warning")

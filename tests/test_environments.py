@@ -8,6 +8,7 @@ import json
 import math
 import os
 import random
+import re
 
 import pytest
 
@@ -449,6 +450,41 @@ def test_a_hostile_openenv_server_is_refused_with_the_environment_named(hostile,
         episode.close()
 
 
+@pytest.mark.parametrize("how, weights, says", [
+    ("no_done", {"score": 1.0}, "a reply without done"),  # OpenEnv's client would read False
+    ("done_text", {"score": 1.0}, "a reply without done"),
+    ("nan", {"score": 1.0}, "reward score = None is not a number"),
+    ("text", {"score": 1.0}, "an observation needs a text field"),
+    ("fine", {"solved": 1.0}, "rewards .* are not \\['solved'\\]"),  # a name it never sends
+])
+def test_a_hostile_openenv_server_is_refused_at_load(hostile, mix, monkeypatch, how, weights,
+                                                     says):
+    """Issue 88 items 1 and 5: the run's task asks the server for one throwaway step at load
+    (probe_rewards), so a reply without done, a reward that is not a finite number, an observation
+    without text and a reward name the server never sends each stop the run there, named."""
+    monkeypatch.setattr(environments, "OPENENV_QUESTIONS", 4)
+    monkeypatch.setattr(grpo.evaluation, "EVAL_SIZE", 2)
+    url = hostile(how)
+    mix([[f"openenv:{url}", 1.0, {"reward_weights": weights}]])
+    with pytest.raises(SystemExit, match=f"openenv:{url}: {says}.*at start"):
+        grpo.choose_task().load()
+
+
+def test_a_reply_without_done_stops_a_real_run_before_any_model_loads(hostile, tiny_model_dir,
+                                                                      tmp_path):
+    """The same through the trainer itself: a server whose step replies lack done stops the run
+    at load, named, before the memory plan or any weight loads (OpenEnv's client would have read
+    done as False, and every episode would have run on to MAX_TURNS)."""
+    url = hostile("no_done")
+    setting = json.dumps([[f"openenv:{url}", 1.0, {"reward_weights": {"score": 1.0}}]])
+    run = train(tiny_model_dir, "http://127.0.0.1:9", tmp_path, 1, ENVIRONMENTS=setting,
+                OPENENV_QUESTIONS=4, EVAL_SIZE=2, ENV_TIMEOUT=5)
+    output = run.stdout + run.stderr
+    assert run.returncode != 0
+    assert f"openenv:{url}: a reply without done" in output, output[-2000:]
+    assert "asked at start" in output and "memory plan" not in output
+
+
 def test_an_unreachable_openenv_server_stops_the_run_at_load(mix, monkeypatch):
     from conftest import free_port
 
@@ -719,7 +755,7 @@ def test_reset_must_open_with_messages(mix, monkeypatch):
     environments.Stringy = Stringy
     try:
         mix([["environments:Stringy", 1.0]])
-        with pytest.raises(environments.EnvironmentFault, match="Stringy.*opening messages"):
+        with pytest.raises(SystemExit, match="Stringy.*opening messages"):
             grpo.choose_task().load()
     finally:
         del environments.Stringy
@@ -742,3 +778,36 @@ def test_no_feature_module_imports_environments_py():
             if "environments" in names:
                 importing.append(os.path.basename(path))
     assert importing == []
+
+
+@pytest.mark.parametrize("setting, says", [
+    ([["openenv:127.0.0.1:8021", 1.0]], "an OpenEnv server is named by its URL"),
+    ([["nonsense", 1.0]], "'openenv:http://host:port'"),  # the list of kinds names OpenEnv's
+])
+def test_an_openenv_name_without_a_scheme_says_how_to_write_it(mix, setting, says):
+    """Issue 88 item 4: `openenv:127.0.0.1:8021` was "unknown environment" with a list of kinds
+    that left OpenEnv out."""
+    with pytest.raises(ValueError, match=says):
+        environments.entries(setting)
+
+
+def test_a_task_reasoning_gym_does_not_know_stops_the_run_with_its_name(mix, monkeypatch):
+    """Issue 88 item 4: `rg:no_such_task` gave a traceback; the run's load stops with it named."""
+    monkeypatch.setattr(grpo.evaluation, "EVAL_SIZE", 4)
+    mix([["rg:no_such_task", 1.0]])
+    with pytest.raises(SystemExit, match="rg:no_such_task: reasoning-gym refused it"):
+        grpo.choose_task().load()
+
+
+def test_a_step_that_times_out_says_so(mix, monkeypatch):
+    """Issue 88 item 4: a step timeout read `TimeoutError: ` with nothing after it."""
+    episode = environments.OpenEnvEnvironment.__new__(environments.OpenEnvEnvironment)
+    episode.name = "openenv:http://slow"
+
+    class Silent:
+        def step(self, *args, **kwargs):
+            raise TimeoutError()
+    episode.client = Silent()
+    with pytest.raises(environments.EnvironmentFault,
+                       match="openenv:http://slow: step failed: TimeoutError: no answer within"):
+        episode.call("step", {"message": "hi"})

@@ -962,6 +962,27 @@ def test_a_boxed_equation_states_its_first_value_if_every_side_agrees(boxed, gol
     assert rewards.reward_boxed(completion, gold) == right
 
 
+@pytest.mark.parametrize("boxed", ["5 \\pm", "5 \\mp", "5 :", "5 <", "5 >", "5 \\le", "5 \\ne",
+                                   "5 \\approx", "5 \\to", "= 5", "= x = 5", "x < 5", "5 \\pm 1",
+                                   "5 \\leq 6"])
+def test_a_box_with_another_relation_or_an_empty_side_states_nothing(boxed):
+    """Issue 88 item 8: each of these scored 1 against the gold 5 (math-verify reads the 5); a
+    relation other than = and \\approx, or a side with nothing on it, states no one value. The
+    plain box and \\left(5\\right) still do."""
+    assert rewards.reward_boxed(f"<think>t</think> so \\boxed{{{boxed}}}.", "5") == 0.0
+    assert rewards.reward_boxed("<think>t</think> so \\boxed{5}.", "5") == 1.0
+    assert rewards.reward_boxed("<think>t</think> \\boxed{\\left(5\\right)}", "5") == 1.0
+
+
+def test_only_the_box_after_the_thinking_is_the_answer():
+    """Issue 88 item 8: `<think>\\boxed{5}</think> the answer is 7` scored 1; the answer is read
+    after the last </think>, as the format reward reads it; a box in unclosed thinking is none."""
+    assert rewards.reward_boxed("<think>\\boxed{5}</think> the answer is 7", "5") == 0.0
+    assert rewards.reward_boxed("<think>\\boxed{7}</think> so \\boxed{5}", "5") == 1.0
+    assert rewards.reward_boxed("<think> still thinking \\boxed{5}", "5") == 0.0
+    assert rewards.reward_boxed("\\boxed{5}", "5") == 1.0  # no thinking at all: the whole text
+
+
 def test_easyr1s_boxed_rewards():
     assert rewards.reward_boxed("<think>x</think> so \\boxed{3\\sqrt{2}}", "3\\sqrt{2}") == 1.0
     assert rewards.reward_boxed("\\boxed{\\frac{1}{2}}", "0.5") == 1.0
