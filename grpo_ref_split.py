@@ -88,6 +88,7 @@ DISTILL_COEF = 0.0  # > 0 = the server holds a teacher: A_t += this x (log teach
 DISTILL_TOP_K = 0  # > 0 = the teacher's term is the reverse KL over its k likeliest tokens (~20)
 # Each optional feature's constants sit at the top of its module: vLLM's in features/vllm_engine.py,
 # LoRA's in features/lora.py, the fast paths' in features/fast_paths.py... (docs/constants.md).
+# set-up: each constant above from the environment variable of its name
 env_overrides.apply_env_overrides(globals(), "grpo_ref_split.py", functions={"REWARDS": rewards})
 
 
@@ -252,7 +253,7 @@ class Prompts:
     asked: list  # each answer's question (a dict)
 
 
-def load_policy(path, device):
+def load_policy(path, device):  # set-up
     """(model, tokenizer, eos_ids, gen_config) sampling plain softmax(logits / TEMPERATURE), as
     every log-prob assumes: no model default (top_k, top_p...) changes it (features/policy.py)."""
     return policy.load_for_sampling(path, device, base_path=resolve_model_path(MODEL_PATH),
@@ -297,7 +298,7 @@ def encode_prompts(tokenizer, questions, prompt=question_prompt):
     prompts = [prompt(tokenizer, q) for q in questions]
     images = {}  # text: none; a vision-language model's processor takes each question's images
     if with_images(questions):
-        images = vision.image_kwargs(questions)
+        images = vision.image_kwargs(questions)  # a variant: images
     return tokenizer(prompts, **images, return_tensors="pt", padding=True, padding_side="left",
                      add_special_tokens=False)  # images: and their pixels
 
@@ -332,7 +333,7 @@ def generate(model, tokenizer, questions, *, rollout, gen_config, eos_ids, llm=N
     device = next(model.parameters()).device
     pixels = {}  # a vision-language model's pixel inputs, one row per answer; text: none
     if with_images(questions):
-        pixels = vision.to_device(vision.pixel_rows(enc, NUM_PRE_Q), device)  # B rows
+        pixels = vision.to_device(vision.pixel_rows(enc, NUM_PRE_Q), device)  # a variant: B rows
     def per_answer(key):  # a question's value, once for each of its NUM_PRE_Q answers
         return [q.get(key) for q in questions for _ in range(NUM_PRE_Q)]
     prompts = Prompts(encoded=enc,
@@ -348,7 +349,8 @@ def generate(model, tokenizer, questions, *, rollout, gen_config, eos_ids, llm=N
     mask = own.pop("policy_mask", completion_mask(completion_ids, eos_ids)).to(device)  # (B, T)
     stopped = own.pop("stopped", torch.isin(completion_ids, eos).any(1)).to(device)  # (B,)
     if isinstance(tokenizer, vision.ImageTextProcessor):  # an answer ends before an image token
-        completion_ids, mask = vision.cut_at_image_tokens(completion_ids, mask, tokenizer)
+        completion_ids, mask = vision.cut_at_image_tokens(completion_ids, mask,
+                                                          tokenizer)  # a variant: images
     lengths = mask.sum(1).tolist()  # before MASK_TRUNCATED: what the model wrote
     cut_answers_train = not MASK_TRUNCATED  # DAPO's overlong filter (a variant) keeps them out
     mask &= stopped[:, None] | cut_answers_train  # (B, T)
@@ -431,7 +433,7 @@ def pack_groups(model, generated: Rollout, scores, advantages, *, varied, keep_a
     if kept and with_pi_old:
         pixels = {}  # the kept rows' pixel inputs; text: none
         if generated.vision_inputs:
-            pixels = vision.select_rows(generated.vision_inputs, rows)
+            pixels = vision.select_rows(generated.vision_inputs, rows)  # a variant: images
         pi_old_logps = logps_of(model, ids[rows], attn[rows], generated.mask.shape[1],
                                 **pixels).cpu()
     not_kept = [q for q in range(len(varied)) if q not in kept]  # groups not uploaded
@@ -461,7 +463,7 @@ def group_tensors(generated: Rollout, ids, kept, scores, advantages, pi_old_logp
         if generated.vllm_logps is not None:  # vLLM's own: the loss's importance weights
             tensors["vllm_logps"] = generated.vllm_logps[rows, :tlen]  # (G, tlen)
         if generated.images:  # the question's images, as their own bytes (features/vision.py)
-            tensors.update(vision.pack_images(generated.images[q * G]))
+            tensors.update(vision.pack_images(generated.images[q * G]))  # a variant: images
         for_reward_model = {"question": generated.questions[q * G],
                             "answers": generated.texts[rows]}
         groups.append((tensors, {"plen": plen, **for_reward_model, **meta}))
@@ -558,7 +560,7 @@ def steps_1_to_5(model, tokenizer, sampler, exchange, *, parts, step, rank, want
         if len(groups) >= wanted:
             break
     else:  # guard: none stops the run; too few (DYNAMIC_SAMPLING) train with a warning
-        question_sampler.out_of_rollouts(len(groups), MAX_ROLLOUTS, wanted)
+        question_sampler.out_of_rollouts(len(groups), MAX_ROLLOUTS, wanted)  # guard
     return StepGroups(groups=groups, records=records, other_rewards=torch.cat(others),
                       rollouts=rollouts)
 
@@ -606,9 +608,9 @@ def collate(groups, pad_id, *, teacher=False, image_processor=None, top_k=0,
                   vllm_logps=optional("vllm_logps"), vllm_rows=rows_of("vllm_logps"))
     images = any(wire.carries_images(g) for g, _ in groups)  # guard: pixels only with images
     if image_processor is not None or images:
-        batch.vision_inputs = vision.group_vision_inputs(groups, image_processor)  # or refused
+        batch.vision_inputs = vision.group_vision_inputs(groups, image_processor)  # a variant
     if top_k:  # a variant (DISTILL_TOP_K): the teacher's k likeliest tokens, checked, padded
-        batch.teacher_topk_ids, batch.teacher_topk_logps = objectives.teacher_topk_of(
+        batch.teacher_topk_ids, batch.teacher_topk_logps = objectives.teacher_topk_of(  # a variant
             groups, T, top_k, vocab_size)
     return batch
 
@@ -622,13 +624,13 @@ def prepare_batch(engine, batch: Batch, normalizer=None, *, logps_of=None) -> Ba
     b = Batch(**{name: value.to(engine.device) if torch.is_tensor(value) else value
                  for name, value in vars(batch).items()})
     if batch.vision_inputs:  # a vision-language model's pixel inputs
-        b.vision_inputs = vision.to_device(batch.vision_inputs, engine.device)
+        b.vision_inputs = vision.to_device(batch.vision_inputs, engine.device)  # a variant
     b.normalizer = normalizer or global_count([b.mask], token_mean=LOSS_TYPE == "dapo")
     def current_logps():  # (B, T) under the weights as they are now
         return logps_of(engine.module.eval(), b.input_ids, b.attention_mask, b.mask.shape[1],
                         **b.vision_inputs)
     if lora.LORA_RANK > 0 and lora.REF_FROM_BASE and BETA != 0:  # the base, adapters off
-        b.ref_logps = lora.base_logps(engine, current_logps)  # (B, T)
+        b.ref_logps = lora.base_logps(engine, current_logps)  # (B, T) a variant: LoRA
     if MU > 1 and (b.pi_old_logps is None or not b.pi_old_rows.all()):  # (B, T) every row's
         b.pi_old_logps = pi_old_everywhere(current_logps(), b.pi_old_logps, b.pi_old_rows, b.mask)
         b.pi_old_rows = None
@@ -647,7 +649,7 @@ def batches_of(engine, groups, pad_id, image_processor=None, *, logps_of=None) -
                        top_k=DISTILL_TOP_K, vocab_size=vocab_size)
     if not zero2.TRAIN_MICRO_BATCH:
         return [prepare_batch(engine, to_batch(groups), logps_of=logps_of)]
-    return zero2.micro_batches(groups, zero2.TRAIN_MICRO_BATCH, to_batch,
+    return zero2.micro_batches(groups, zero2.TRAIN_MICRO_BATCH, to_batch,  # faster equal
                                functools.partial(prepare_batch, engine, logps_of=logps_of),
                                functools.partial(global_count, token_mean=LOSS_TYPE == "dapo"),
                                engine.device)
@@ -757,7 +759,7 @@ def choose_parts() -> Parts:
                  logps_of=logps_of, loss=loss_for_run(logps_of))
 
 
-def choose_task() -> rewards.Task:
+def choose_task() -> rewards.Task:  # set-up
     """The run's task, once: DATASET scored by REWARDS through this file's own functions, or the
     tasks ENVIRONMENTS names, mixed by weight (environments.py: each environment's questions,
     prompt and scores)."""
@@ -801,7 +803,7 @@ def rollout_for_run() -> Callable:
     return single_turn
 
 
-def advantage_settings(named) -> objectives.AdvantageSettings:
+def advantage_settings(named) -> objectives.AdvantageSettings:  # set-up
     """Step 4's menu, as the constants above are now, for objectives.py; named: the task's
     (reward name, weight) pairs."""
     return objectives.AdvantageSettings(
@@ -865,7 +867,7 @@ def upload_meta_for_run() -> dict:
     return {}
 
 
-def logps_for_run() -> Callable:
+def logps_for_run() -> Callable:  # set-up
     """per_token_logps, the definition, or its faster equal (the default: chunked, from the hidden
     states, the shared prompt once; features/fast_paths.py, tested equal in value and gradient)."""
     if not fast_paths.any_on():  # every fast path off: the definition
@@ -873,7 +875,7 @@ def logps_for_run() -> Callable:
     return fast_paths.logps_function(TEMPERATURE)  # faster equal
 
 
-def loss_settings() -> objectives.LossSettings:
+def loss_settings() -> objectives.LossSettings:  # set-up
     """Step 6's menu, as the constants above are now, for objectives.py."""
     return objectives.LossSettings(
         objective=OBJECTIVE, gspo=GSPO, kl_bias_correction=KL_BIAS_CORRECTION,
@@ -919,7 +921,7 @@ def triton_loss(engine, b: Batch):
     return loss * (b.share > 0), metrics  # a repeat (share 0) adds no gradient
 
 
-def check_settings():
+def check_settings():  # guard: each call refuses what cannot work
     """Stop, before any model loads, on settings that cannot work (features/refusals.py, and each
     feature's own check)."""
     env_overrides.check_choice("LOSS_TYPE", LOSS_TYPE, LOSS_TYPES)
@@ -966,7 +968,7 @@ def check_settings():
         fast_paths.switch_off_for_images()
 
 
-def load_dataset() -> tuple:
+def load_dataset() -> tuple:  # set-up
     """(training questions, held-out questions): DATASET's last EVAL_SIZE never train. Images are
     fitted to one pixel budget here, once (features/vision.py's MIN_PIXELS, MAX_PIXELS), so the
     trainer, the server and vLLM see the same image and the same number of image tokens."""
@@ -976,21 +978,21 @@ def load_dataset() -> tuple:
     return rewards.split_held_out(dataset, evaluation.EVAL_SIZE)
 
 
-def setup_deepspeed():
+def setup_deepspeed():  # set-up
     """(engine, tokenizer, eos_ids, gen_config, rank, device): the policy (load_policy, LoRA,
     FREEZE_VISION) under ZeRO-2, set up from these constants (features/zero2.py)."""
     return zero2.setup(load_policy, model_path=resolve_model_path(MODEL_PATH), seed=SEED,
                        ds_config_path=DS_CONFIG, lr=LR, optimizer_steps=ALL_STEPS * MU)
 
 
-def memory_setting() -> memory_plan.Setting:
+def memory_setting() -> memory_plan.Setting:  # guard
     """What the memory plan needs of this run (features/memory_plan.py)."""
     return memory_plan.setting_for_run(q_batch_size=Q_BATCH_SIZE, num_pre_q=NUM_PRE_Q,
                                        max_new_tokens=MAX_NEW_TOKENS, distill_coef=DISTILL_COEF,
                                        ds_config_path=DS_CONFIG)
 
 
-def server_route(model, tokenizer, run: str, advantages) -> server_client.Route:
+def server_route(model, tokenizer, run: str, advantages) -> server_client.Route:  # set-up
     """Step 5's route: upload_and_pull with one plain server; RefClient with several, workers'
     groups or a server that regroups; our own groups without one (BETA 0, LoRA's base as the
     reference). The server is checked first: it holds this policy's model (or a teacher)."""
@@ -1003,7 +1005,7 @@ def server_route(model, tokenizer, run: str, advantages) -> server_client.Route:
         advantages=advantages)
 
 
-def run_genonly():
+def run_genonly():  # set-up: a worker's life
     """`python grpo_ref_split.py genonly`: steps 1-4 forever, its groups uploaded for trainers to
     take (features/worker.py); its questions are the training ones, never the held-out."""
     client = server_client.RefClient(REF_SERVER, REF_TOKEN, SERVER_TIMEOUT)
@@ -1031,7 +1033,7 @@ def main():
     quiet.quiet_libraries(quiet.VERBOSE)  # log
     questions, held_out = parts.task.load()
     if memory_plan.MEMORY_PLAN:  # guard: will this setting fit? printed; a stop before loading
-        memory_plan.check(resolve_model_path(MODEL_PATH), memory_setting(),
+        memory_plan.check(resolve_model_path(MODEL_PATH), memory_setting(),  # guard
                           prompt=parts.task.prompt, questions=questions)
     engine, tokenizer, eos_ids, gen_config, rank, device = setup_deepspeed()
     model = engine.module  # the same weights without the engine: generation and evaluation
@@ -1046,15 +1048,15 @@ def main():
     if pass_rates.PASS_RATE_QUESTIONS:  # a variant (SAMPLER "learnability"): measured first
         answers_to = functools.partial(generate, model, tokenizer, rollout=parts.rollout,
                                        prompt=parts.task.prompt, **sampling)  # a Rollout
-        pass_rates.pass_rate_pass(sampler, answers_to, parts.task.score,
+        pass_rates.pass_rate_pass(sampler, answers_to, parts.task.score,  # a variant
                                   count=pass_rates.PASS_RATE_QUESTIONS,
                                   group=NUM_PRE_Q, output_dir=OUTPUT_DIR, batch=Q_BATCH_SIZE,
                                   rank=rank)
     start = 0  # the last step done: a resumed checkpoint's
     if checkpoints.RESUME:  # weights, optimizer, data position and RNG of the newest step_N
-        start = checkpoints.resume(engine, sampler, rank, output_dir=OUTPUT_DIR,
+        start = checkpoints.resume(engine, sampler, rank, output_dir=OUTPUT_DIR,  # log
                                    lora=lora.LORA_RANK > 0, llm=llm)
-    publisher = weight_sync.publisher_from(model, start, rank, REF_TOKEN)  # WEIGHT_SYNC_STEPS
+    publisher = weight_sync.publisher_from(model, start, rank, REF_TOKEN)  # set-up: workers
     log = run_log.open_on_rank_0(rank, OUTPUT_DIR, reward_names, resumed_step=start)  # log
     evaluate = functools.partial(evaluation.log_eval, model=model, questions=held_out, log=log,
                                  rank=rank, score=parts.task.score, tokenizer=tokenizer,
@@ -1065,8 +1067,8 @@ def main():
                                  **sampling)  # log: evaluate(step), held-out greedy accuracy
     if evaluation.EVAL_STEPS > 0 and start == 0:
         evaluate(0)
-    phases = teacher_mix.Phases(start + 1) if DISTILL_COEF else None  # a teacher's stages
-    image_processor = vision.image_processor_of(tokenizer)  # a vision model's: pixels; else None
+    phases = teacher_mix.Phases(start + 1) if DISTILL_COEF else None  # a variant: a teacher
+    image_processor = vision.image_processor_of(tokenizer)  # set-up: pixels; a text model: None
     wanted = Q_BATCH_SIZE if DYNAMIC_SAMPLING else 1  # groups with different rewards a step needs
     with_pi_old = pi_old_for_run(route.regroup)  # step 5: pi_old's forward before the upload
     for step in tqdm(range(start + 1, ALL_STEPS + 1), disable=rank != 0, desc="GRPO",
@@ -1085,10 +1087,11 @@ def main():
         metrics.update(train_step(engine, batches, loss_of=parts.loss))  # 6-7. loss, optimizer
         metrics["max_weight_gap"] = run_log.weight_gap(model)  # log: 0 when every rank agrees
         if publisher is not None:  # rank 0 with WEIGHT_SYNC_STEPS: the weights to workers
-            weight_sync.publish_every(publisher, model, step, weight_sync.WEIGHT_SYNC_STEPS)
+            weight_sync.publish_every(publisher, model, step,
+                                      weight_sync.WEIGHT_SYNC_STEPS)  # a variant: workers
         if llm is not None:  # faster equal: vLLM samples the next step with the new weights
-            with timed(metrics, "push_s"):
-                vllm_engine.push_weights(llm, model)
+            with timed(metrics, "push_s"):  # log
+                vllm_engine.push_weights(llm, model)  # faster equal
         logged = run_log.step_metrics(metrics, groups, found.records, step=step,  # log
                                       attempts=found.rollouts, began=began, group_size=NUM_PRE_Q,
                                       reward_names=reward_names)
@@ -1098,12 +1101,12 @@ def main():
         if evaluation.due(step, last_step=ALL_STEPS):  # log: held-out accuracy every EVAL_STEPS
             evaluate(step)
         if checkpoints.due(step, last_step=ALL_STEPS):  # log: OUTPUT_DIR/step_N, curves.png
-            checkpoints.save_checkpoint(engine, tokenizer, step, sampler, rank,
+            checkpoints.save_checkpoint(engine, tokenizer, step, sampler, rank,  # log
                                         lora=lora.LORA_RANK > 0, output_dir=OUTPUT_DIR,
                                         keep=checkpoints.KEEP_CHECKPOINTS,
                                         settings={"TEACHER_STEPS": teacher_mix.TEACHER_STEPS})
-            curves.plot_on_rank_0(rank, log, reward_names)
-    lora.save_merged(model, tokenizer, OUTPUT_DIR, rank)  # LoRA: OUTPUT_DIR/merged
+            curves.plot_on_rank_0(rank, log, reward_names)  # log
+    lora.save_merged(model, tokenizer, OUTPUT_DIR, rank)  # a variant: LoRA, OUTPUT_DIR/merged
     if log is not None:
         log.close()  # "done: ... in OUTPUT_DIR/"
 

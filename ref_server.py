@@ -111,7 +111,7 @@ class RefServer:
     one: RefServer(model, name, queue_size=2)."""
 
     def __init__(self, model, model_name, *, reward_model=None, reward_model_name="", vocabulary="",
-                 processor=None, **changed):
+                 processor=None, **changed):  # set-up: the queues, their guards, the fingerprint
         settings = dataclasses.replace(settings_now(), **changed)  # TypeError: no such setting
         if processor is not None:  # pixels go through the whole model: no text-only fast path
             settings = dataclasses.replace(settings, shared_prefix=False, logp_from_hidden=False)
@@ -145,7 +145,7 @@ class RefServer:
         self.worker = threading.Thread(target=self._work, name="ref-forward", daemon=True)
         self.app = self._build_app()
 
-    def reference_logps(self, input_ids, plen, temperature, images=()):
+    def reference_logps(self, input_ids, plen, temperature, images=()):  # faster equal
         """(G, L - plen) reference log-probs of the completion tokens, at the sampling temperature:
         the lesson's per_token_logps (grpo_ref_split.py), computed by its faster equal
         (features/fast_paths.completion_logps, tested equal), ref_micro_batch rows at a time;
@@ -163,14 +163,15 @@ class RefServer:
                                      vision_inputs=pixels)
         return logps.cpu()  # (G, T)
 
-    def teacher_topk(self, input_ids, plen, temperature, k, images=()):
+    def teacher_topk(self, input_ids, plen, temperature, k, images=()):  # a variant: a teacher
         """((G, T, k) ids, (G, T, k) log-probs): the teacher's k likeliest tokens at each answer
         position, at the sampling temperature, ref_micro_batch rows at a time (DISTILL_TOP_K).
         The whole logits of a micro-batch exist at once: (rows, T, V)."""
         ids = input_ids.to(self.device)  # (G, L)
         pixels = {}  # text: no pixel inputs
         if images:
-            pixels = vision.server_pixels(self.processor, images, len(ids), self.device)
+            pixels = vision.server_pixels(self.processor, images, len(ids),
+                                          self.device)  # a variant: images
         top_ids, top_logps = [], []
         for start in range(0, len(ids), self.settings.ref_micro_batch):
             rows = slice(start, start + self.settings.ref_micro_batch)
@@ -203,7 +204,7 @@ class RefServer:
                         tensors["input_ids"], meta["plen"], meta.get("temperature", 1.0),
                         meta["teacher_top_k"], images)
                 if self.reward_model is not None:  # the last reward is known only here
-                    tensors, meta = add_reward_model(tensors, meta, self.reward_model,
+                    tensors, meta = add_reward_model(tensors, meta, self.reward_model,  # a variant
                                                      self.settings.reward_model_weight)
                 body = encode_batch(tensors, meta)  # guard: the wire's format, safetensors
                 item = (body, "application/octet-stream", nbytes, uid)
@@ -252,7 +253,7 @@ class RefServer:
         return {"ok": True, "groups": int(group is not None), "pending": self.pending.qsize(),
                 "instance": self.instance}
 
-    def decoded_group(self, tensors, plen, pixels, peer):
+    def decoded_group(self, tensors, plen, pixels, peer):  # a variant: images
         """The group's images decoded and checked against its prompts (features/vision.py); a
         failure gives the decoding budget back and charges it to the peer (DecodeBudget)."""
         try:
@@ -285,7 +286,7 @@ class RefServer:
                 pixels = 0  # what decoding them costs; text: nothing
                 images_sent = carries_images(tensors)  # guard: a text group carries none
                 if images_sent:
-                    pixels = vision.pixels_of(tensors)
+                    pixels = vision.pixels_of(tensors)  # a variant: images
                 peer = bottle.request.remote_addr or ""  # a peer's failures are its own
                 if pixels and not self.decoding.take(pixels, peer):  # guard: the decoding budget
                     self._busy()  # this second's decoding is spent: a retry comes later
@@ -350,11 +351,11 @@ class RefServer:
                         ready_workers=self.ready["workers"].qsize(),
                         held_bytes=self.room.held_bytes, regroup=self.pool is not None,
                         uptime_s=round(time.time() - self.started, 1), **counters)
-        return json_errors(app)
+        return json_errors(app)  # guard: every error as JSON
 
 
 # ----------------------------------------------------------------------------- running it
-def serve(server: RefServer, host: str, port: int):
+def serve(server: RefServer, host: str, port: int):  # set-up
     """Start the forward thread and the HTTP server (features/http_server.py); returns stop()."""
     server.worker.start()
     stop_http = start_http(server.app, host, port, threads=HTTP_THREADS, backlog=BACKLOG,
@@ -368,7 +369,7 @@ def serve(server: RefServer, host: str, port: int):
     return stop
 
 
-def main():
+def main():  # set-up: the model, its server
     path = resolve_model_path(MODEL_PATH)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

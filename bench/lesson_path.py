@@ -6,22 +6,25 @@
 
 It starts ref_server.py's server in this process, runs the trainer for three steps and records, by
 line coverage (sys.settrace on the trainer's thread and the server's threads), every line of this
-project (not tests/ or bench/) that runs during step 2 (main()'s loop among them); the set-up of
-main() before the loop, read once, is counted apart. A line counts with the whole statement it
-belongs to (a call spread over four lines is four lines); a compound statement (if, for, with, def)
-counts its header, and an entered function its signature, never its docstring. Beside them it counts
-the definitions the step uses: each module constant (UPPER_CASE) and each class named on a line that
-ran, and the plain definition that a faster equal stands in for (per_token_logps). Comments and
-docstrings are what a reader may read, not what a reader must.
+project (not tests/ or bench/) that runs during step 2 (main()'s loop among them), and apart the
+lesson's lines that run before step 1 (main()'s set-up: check_settings, choose_parts, the loading),
+read once. A line counts with the whole statement it belongs to (a call spread over four lines is
+four lines); a compound statement (if, for, with, def) counts its header, and an entered function
+its signature; the docstrings of the lesson's functions entered, step or set-up, are counted apart
+(they hold the formulas a reader reads). Beside them it counts the definitions the step uses: each
+module constant (UPPER_CASE) and each class named on a line that ran, and the plain definition that
+a faster equal stands in for (per_token_logps). Comments are what a reader may read, not must.
 
 Each module of features/ whose code runs must say in its docstring's first line which kind it is,
 "Faster equal:" (computes what a lesson function defines, tested equal), "Guard:" (checks and
 bounds) or "Log:" (metrics and output); one that says none stops the count. A features/ module that
 is only read (a switch constant such as TOOLS, a class named in a test) is listed apart. Each call
-from the lesson's files into features/ on the path must carry a comment naming its kind; a call
-without one is listed.
-The last line reads `must read: N lines in the lesson's files; M lines in features/ (faster equal
-a, guard b, log c)`.
+from the lesson's files into another module of the project (features/, objectives.py,
+environments.py) that runs, in the step or the set-up, must carry a comment naming its kind (faster
+equal, guard, log, set-up or a variant) on its statement or on its function's `def` line; a call
+without one is listed, and the count exits 1.
+The last line reads `must read: N lines in the lesson's files (step s, set-up u, docstrings d); M
+lines in features/ (faster equal a, guard b, log c)`.
 """
 import ast
 import functools
@@ -38,6 +41,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SKIPPED = ("tests", "bench", ".venv")  # folders whose code is not the product
 LESSON = ("grpo_ref_split.py", "rewards.py", "ref_server.py")  # the lesson's files
 KINDS = {"Faster equal:": "faster equal", "Guard:": "guard", "Log:": "log"}  # docstring tags
+# What a call's comment may name: a module's kind, or what the lesson calls it for
+CALL_KINDS = ("faster equal", "guard", "log", "set-up", "a variant")
 # The plain definitions a default step's faster equals are tested equal to: a reader reads them in
 # place of the fast path (file: its functions), counted whole but for their docstrings.
 DEFINITIONS = {"grpo_ref_split.py": ("per_token_logps",)}
@@ -62,7 +67,9 @@ class LineRecorder:
         self.recording = False
         self.ran = defaultdict(set)  # file -> line numbers that ran in the recorded step
         self.entered = defaultdict(set)  # file -> first lines of the functions entered in it
-        self.set_up = set()  # the lines of the trainer's main() that ran outside it
+        self.set_up = defaultdict(set)  # file -> lines that ran before step 1 (the set-up)
+        self.set_up_entered = defaultdict(set)  # file -> first lines of functions entered then
+        self.before_step_1 = True  # until the loop's first step begins
 
     def __call__(self, frame, event, arg):
         name = project_file(frame.f_code.co_filename)
@@ -77,8 +84,9 @@ class LineRecorder:
         if self.recording:
             self.ran[name].add(frame.f_lineno)
             self.entered[name].add(frame.f_code.co_firstlineno)
-        elif frame.f_code.co_name == "main" and name == "grpo_ref_split.py":
-            self.set_up.add(frame.f_lineno)
+        elif self.before_step_1 and frame.f_code.co_name != "<module>":
+            self.set_up[name].add(frame.f_lineno)
+            self.set_up_entered[name].add(frame.f_code.co_firstlineno)
         return self.local
 
 
@@ -205,9 +213,24 @@ class Count:
         self.sources = {}
         self.read = defaultdict(set)  # file -> line numbers a reader must read
         self.entered = recorder.entered  # file -> first lines of the functions entered
-        trainer = self.source("grpo_ref_split.py")
-        self.set_up = {r for row in recorder.set_up - recorder.ran["grpo_ref_split.py"]
-                       for r in range(*span_rows(trainer, row))}  # main's set-up, read once
+        self.set_up = defaultdict(set)  # lesson file -> lines of the set-up not in the step
+        self.docstrings = defaultdict(set)  # lesson file -> docstring lines of entered functions
+        for name in LESSON:
+            source = self.source(name)
+            ran = recorder.set_up.get(name, ())
+            rows = {r for row in ran for r in range(*span_rows(source, row))}
+            for start in recorder.set_up_entered.get(name, ()):
+                if start in source.functions:
+                    first, last = source.functions[start]
+                    rows.update(range(first, last + 1))
+            self.set_up[name] = rows - source.docstrings
+            entered = set(recorder.entered.get(name, ()))
+            entered |= set(recorder.set_up_entered.get(name, ()))
+            for node in ast.walk(source.tree):
+                if isinstance(node, ast.FunctionDef) and node.lineno in entered:
+                    doc = node.body[0]
+                    if isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant):
+                        self.docstrings[name].update(range(doc.lineno, doc.end_lineno + 1))
         self.switches = defaultdict(set)  # features/ files only read: their constants' lines
         for name, rows in recorder.ran.items():
             source = self.source(name)
@@ -261,21 +284,30 @@ class Count:
         return found
 
     def calls_without_a_kind(self) -> list:
-        """'file:line name' of each call from the lesson's files into features/ in the step whose
-        statement carries no comment naming its kind."""
+        """'file:line name' of each call from the lesson's files into another project module
+        (features/, objectives.py, environments.py), in the step or the set-up, whose statement,
+        and whose function's def line, carry no comment naming its kind (CALL_KINDS)."""
         missing = []
         for name in LESSON:
             source = self.source(name)
-            rows = self.read.get(name, set())
+            rows = self.read.get(name, set()) | self.set_up.get(name, set())
+            defs = {}  # a line inside a function -> that function's def line
+            for node in ast.walk(source.tree):
+                if isinstance(node, ast.FunctionDef):
+                    defs.update({row: node.lineno
+                                 for row in range(node.lineno, node.end_lineno + 1)
+                                 if row not in defs or defs[row] < node.lineno})
             for node in ast.walk(source.tree):
                 if not isinstance(node, ast.Call) or node.lineno not in rows:
                     continue
                 target = called_module(source, node.func)
-                if target is None or not target.startswith("features/"):
+                if target is None or target == name or target in LESSON:
                     continue
                 first, last = source.spans.get(node.lineno, (node.lineno, node.end_lineno))
                 said = " ".join(source.comments.get(r, "") for r in range(first, last + 1))
-                if not any(kind in said.lower() for kind in KINDS.values()):
+                def_first, def_last = source.functions.get(defs.get(node.lineno, 0), (0, -1))
+                said += " ".join(source.comments.get(r, "") for r in range(def_first, def_last + 1))
+                if not any(kind in said.lower() for kind in CALL_KINDS):
                     missing.append(f"{name}:{node.lineno} {ast.unparse(node.func)}")
         return missing
 
@@ -309,6 +341,7 @@ def run_two_steps(recorder: LineRecorder):
     steps = trainer.steps_1_to_5
 
     def steps_recorded(*args, **kwargs):  # step 2 from its first draw to step 3's
+        recorder.before_step_1 = False  # the set-up is over
         recorder.recording = kwargs.get("step") == 2
         return steps(*args, **kwargs)
 
@@ -343,20 +376,28 @@ def main():
                              for row in sorted(rows) if "=" in count.source(name).lines[row - 1]
                              or count.source(name).lines[row - 1].startswith("class "))
         print(f"{name:<34} {'switch read':<13} {len(rows)} ({switches})")
-    print(f"{'main() set-up, read once':<34} {'lesson':<13} {len(count.set_up)} (not in N)")
+    set_up = {name: count.set_up[name] - count.read.get(name, set()) for name in LESSON}
+    docstrings = {name: count.docstrings[name] for name in LESSON}
+    print(f"{'set-up before step 1, read once':<34} {'lesson':<13} "
+          f"{sum(len(rows) for rows in set_up.values())}")
+    print(f"{'docstrings of the functions entered':<34} {'lesson':<13} "
+          f"{sum(len(rows) for rows in docstrings.values())}")
     other = [name for name in count.read if name not in LESSON and not name.startswith("features/")]
     if other:
         print(f"outside the lesson and features/: {', '.join(other)}")
     missing = count.calls_without_a_kind()
     for call in missing:
-        print(f"call into features/ without its kind in a comment: {call}")
-    lesson = sum(len(count.read[name]) for name in LESSON if name in count.read)
+        print(f"call out of the lesson without its kind in a comment: {call}")
+    step = sum(len(count.read[name]) for name in LESSON if name in count.read)
+    read_once = sum(len(rows) for rows in set_up.values())
+    documented = sum(len(rows) for rows in docstrings.values())
     by_kind = defaultdict(int)
     for name in count.read:
         if name.startswith("features/"):
             by_kind[count.source(name).kind] += len(count.read[name])
     features = sum(by_kind.values())
-    print(f"must read: {lesson} lines in the lesson's files; {features} lines in features/ "
+    print(f"must read: {step + read_once + documented} lines in the lesson's files (step {step}, "
+          f"set-up {read_once}, docstrings {documented}); {features} lines in features/ "
           f"(faster equal {by_kind['faster equal']}, guard {by_kind['guard']}, "
           f"log {by_kind['log']})")
     if missing:

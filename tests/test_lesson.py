@@ -400,6 +400,7 @@ def test_the_lesson_path_counts_a_default_step_and_every_call_says_its_kind(tiny
         assert f"\n{name} " in "\n" + table
     assert "objectives.py" not in table and "teacher_mix" not in table
     assert "without its kind" not in table
+    assert "set-up, " in last and "docstrings " in last
 
 
 @pytest.mark.parametrize(
