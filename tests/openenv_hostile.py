@@ -2,7 +2,8 @@
 misbehaves as HOSTILE says (nan: a reward that is not finite; huge: an observation of a megabyte;
 text: an observation whose text is a number; silent: it never answers; fine: a one-step game).
 Two more speak OpenEnv's WebSocket protocol by hand (build_raw_app), to send what OpenEnv's own
-server never would: no_done (a step reply without done), done_text (done "yes").
+server never would: no_done (a step reply without done), done_text (done "yes"), nan_raw (a reward
+NaN as JSON's NaN token, not OpenEnv's null).
 
     HOSTILE=nan HOSTILE_PORT=8123 python tests/openenv_hostile.py
 """
@@ -76,10 +77,13 @@ def build_raw_app():
                     data = {"observation": {"text": f"Say anything ({seed})."}, "reward": 0.0,
                             "done": False}
                 else:
-                    data = {"observation": {"text": "Thanks.", "rewards": {"score": 1.0}},
-                            "reward": 1.0}
+                    score = math.nan if HOSTILE == "nan_raw" else 1.0
+                    data = {"observation": {"text": "Thanks.", "rewards": {"score": score}},
+                            "reward": score}
                     if HOSTILE == "done_text":
                         data["done"] = "yes"
+                    if HOSTILE == "nan_raw":
+                        data["done"] = True
                 await socket.send_json({"type": "observation", "data": data})
         except WebSocketDisconnect:
             pass
@@ -90,5 +94,5 @@ def build_raw_app():
 if __name__ == "__main__":
     import uvicorn
 
-    app = build_raw_app() if HOSTILE in ("no_done", "done_text") else build_app()
+    app = build_raw_app() if HOSTILE in ("no_done", "done_text", "nan_raw") else build_app()
     uvicorn.run(app, host="127.0.0.1", port=HOSTILE_PORT, log_level="warning")

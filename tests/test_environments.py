@@ -454,6 +454,7 @@ def test_a_hostile_openenv_server_is_refused_with_the_environment_named(hostile,
     ("no_done", {"score": 1.0}, "a reply without done"),  # OpenEnv's client would read False
     ("done_text", {"score": 1.0}, "a reply without done"),
     ("nan", {"score": 1.0}, "reward score = None is not a number"),
+    ("nan_raw", {"score": 1.0}, "reward score = nan is not finite"),  # NaN itself, not null
     ("text", {"score": 1.0}, "an observation needs a text field"),
     ("fine", {"solved": 1.0}, "rewards .* are not \\['solved'\\]"),  # a name it never sends
 ])
