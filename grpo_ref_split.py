@@ -734,7 +734,9 @@ def train_step(engine, batches, *, loss_of=policy_loss) -> Counter:
 @dataclass(frozen=True)
 class Parts:
     """What main's set-up chose once for the seven steps (choose_parts): the steps call these and
-    never ask which. By default each is this file's own plain function, named beside it."""
+    never ask which. Each comment names the plain definition in this file; by default two of them
+    run as their faster equals (features/fast_paths.py, tested equal): the rollout, each group's
+    prompt computed once (shared_rollout), and the log-probs, in chunks (logps_function)."""
     task: rewards.Task  # 1-3. what to train on: load, draw, prompt, score, rewards: choose_task
     record: Callable  # 1. (sampler, records, group size): keep_no_outcomes
     rollout: Callable  # 2. (model, tokenizer, Prompts, gen_config=, llm=, eos_ids=): sample_answers
@@ -747,8 +749,8 @@ class Parts:
 
 
 def choose_parts() -> Parts:
-    """Each part of a step, chosen once from the constants: this file's plain functions, unless a
-    setting asks for a faster equal (features/fast_paths.py, vLLM) or a variant (objectives.py,
+    """Each part of a step, chosen once from the constants: this file's plain functions, or their
+    faster equals where on (features/fast_paths.py by default, vLLM), or a variant (objectives.py,
     SAMPLER's rules, environments.py, the calculator)."""
     task = choose_task()  # the questions, their prompt, their scores
     logps_of = logps_for_run()  # the definition, or its faster equal (the default)
@@ -1029,7 +1031,7 @@ def run_genonly():  # set-up: a worker's life
 # ----------------------------------------------------------------------------- the loop
 def main():
     check_settings()  # guard: before any model loads
-    parts = choose_parts()  # each part of a step, once: this file's plain functions by default
+    parts = choose_parts()  # each part of a step, once: this file's functions or their equals
     quiet.quiet_libraries(quiet.VERBOSE)  # log
     questions, held_out = parts.task.load()
     if memory_plan.MEMORY_PLAN:  # guard: will this setting fit? printed; a stop before loading
