@@ -392,7 +392,7 @@ def test_the_lesson_path_counts_a_default_step_and_every_call_says_its_kind(tiny
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     lines = run.stdout.strip().splitlines()
     last = lines[-1]
-    assert last.startswith("must read: ") and "lines in the lesson's files;" in last
+    assert last.startswith("must read: ") and "lines in the lesson's files (step " in last
     assert "(faster equal " in last and ", guard " in last and ", log " in last
     table = "\n".join(lines)
     for name in ("grpo_ref_split.py", "ref_server.py", "rewards.py", "features/fast_paths.py",
@@ -400,7 +400,7 @@ def test_the_lesson_path_counts_a_default_step_and_every_call_says_its_kind(tiny
         assert f"\n{name} " in "\n" + table
     assert "objectives.py" not in table and "teacher_mix" not in table
     assert "without its kind" not in table
-    assert "set-up, " in last and "docstrings " in last
+    assert ", set-up " in last and ", docstrings " in last
 
 
 @pytest.mark.parametrize(
