@@ -565,7 +565,7 @@ def weight_conflict(reward_fns) -> str:
 
 
 def scorer_for_run(reward_fns):
-    """Step 3 as the lesson's steps call it, (texts, asked, played=None) -> score's (sums, each),
+    """Step 3 as the lesson's steps call it, (texts, asked, played=None) -> score's (scores, each),
     with the run's REWARDS for the built-in tasks."""
     def score_by_environment(texts, asked, played=None) -> tuple:
         return score(texts, asked, reward_fns, played)
@@ -582,7 +582,7 @@ def score(texts, asked, reward_fns, played=None) -> tuple:
         raise ValueError(f"{len(texts)} answers for {len(asked)} questions")
     scorers = scorers_of_run(reward_fns)
     each = {name: [0.0] * len(texts) for name, _ in run_rewards(reward_fns)}
-    sums = []
+    scores = []
     for i, (text, question) in enumerate(zip(texts, asked)):
         env = question["env"]
         if played is not None and played[i] is not None:
@@ -594,8 +594,8 @@ def score(texts, asked, reward_fns, played=None) -> tuple:
         for name, value in values.items():
             each[name][i] = value
         weights = scorers[env].reward_weights
-        sums.append(sum(weights[name] * values[name] for name in weights))
-    return sums, each
+        scores.append(sum(weights[name] * values[name] for name in weights))
+    return scores, each
 
 
 def checked_rewards(turn, env: str, reward_weights: dict) -> dict:

@@ -344,14 +344,15 @@ def batch_loss(engine, batch, *, temperature, beta, clip_eps, clip_eps_high, los
 
     T = batch.mask.shape[1]
     logits = fast_paths.completion_logits(engine, batch.input_ids, batch.attention_mask, T,
-                                          fast_paths.SHARED_PREFIX)  # (B, T, V)
+                                          fast_paths.SHARED_PREFIX,
+                                          padding_free=fast_paths.packing.PADDING_FREE)  # (B, T, V)
     loss, logps, entropy = grpo_loss_triton(
         logits=logits, completion_ids=batch.input_ids[:, -T:], temperature=temperature,
         return_logps=True, return_entropy=True, inplace_backward=True, ref_logps=batch.ref_logps,
         pi_old_logps=batch.pi_old_logps, pi_old_rows=batch.pi_old_rows,
         advantages=batch.advantages, mask=batch.mask, normalizer=batch.normalizer,
-        vllm_logps=batch.vllm_logps, vllm_rows=batch.vllm_rows, beta=beta, clip_eps=clip_eps,
-        clip_eps_high=clip_eps_high, loss_type=loss_type, max_tokens=max_tokens,
+        vllm_logps=batch.extra.vllm_logps, vllm_rows=batch.extra.vllm_rows, beta=beta,
+        clip_eps=clip_eps, clip_eps_high=clip_eps_high, loss_type=loss_type, max_tokens=max_tokens,
         tis_cap=objectives.TIS_CAP, tis_mode=objectives.TIS_MODE)  # logps (B, T) detached
     mask = batch.mask.bool()  # (B, T)
     old = logps  # (B, T) pi_old: the current weights' own (ratio 1), but where pi_old_logps given
@@ -361,8 +362,10 @@ def batch_loss(engine, batch, *, temperature, beta, clip_eps, clip_eps_high, los
     extra = {}  # vLLM's gap and masked share
     if vllm_engine.USE_VLLM:
         weights = None  # (B, T) vLLM's mismatch pi_old / pi_vllm (TIS_MODE), as the kernel weighs
-        if batch.vllm_logps is not None and objectives.TIS_CAP:
-            weights = objectives.mismatch_weights(old, batch.vllm_logps, batch.vllm_rows, mask,
-                                                  mode=objectives.TIS_MODE, cap=objectives.TIS_CAP)
+        if batch.extra.vllm_logps is not None and objectives.TIS_CAP:
+            weights = objectives.mismatch_weights(old, batch.extra.vllm_logps,
+                                                  batch.extra.vllm_rows, mask,
+                                                  mode=objectives.TIS_MODE,
+                                                  cap=objectives.TIS_CAP)
         extra = run_log.vllm_metrics(batch, pi_old_logps=old, weights=weights)
     return loss, logps, entropy, old, extra

@@ -19,6 +19,7 @@ skipped. Left out of GRPO: a value model (the group is the baseline) and process
 reasoning step. Shapes: B answers, P prompt and T answer columns, V vocabulary. Constants: env vars
 of their name.
 """
+import dataclasses
 import functools
 import sys
 import time
@@ -34,11 +35,12 @@ import environments
 import objectives
 import rewards
 from features import (checkpoints, curves, env_overrides, evaluation, fast_paths, lora,
-                      memory_plan, pass_rates, policy, question_sampler, quiet, refusals, retry,
-                      run_log, server_client, teacher_mix, tools, vision, vllm_engine,
+                      memory_plan, packing, pass_rates, policy, question_sampler, quiet, refusals,
+                      retry, run_log, server_client, teacher_mix, tools, vision, vllm_engine,
                       weight_sync, wire, worker, zero2)
 from features.embedded_model import resolve_model_path
 from features.run_log import clock, loss_metrics, timed
+from features.variant_fields import BatchExtras, RolloutExtras
 from rewards import reward_correct, reward_format
 
 # ----------------------------------------------------------------------------- constants
@@ -205,19 +207,12 @@ class Rollout:
     prompt_mask: torch.Tensor  # (B, P) attention mask of the prompts
     completion_ids: torch.Tensor  # (B, T) the answers, right-padded
     mask: torch.Tensor  # (B, T) the tokens the loss trains on: the policy's, up to its EOS
-    vllm_logps: torch.Tensor | None  # (B, T) vLLM's log-probs of its tokens; None otherwise
     texts: list  # each answer as the rewards read it (THINK_PREFILL put back in front)
     lengths: list  # tokens the model wrote
     truncated: list  # True where the answer was cut (MAX_NEW_TOKENS, MAX_TOOL_CALLS)
     golds: list  # each answer's gold answer
     questions: list  # each answer's question
-    tool_calls: list | None = None  # TOOLS: calls each answer made
-    tool_errors: list | None = None  # TOOLS: error results each answer got
-    played: list | None = None  # multi-turn ENVIRONMENTS: each answer's rewards over its turns
-    turns: list | None = None  # multi-turn ENVIRONMENTS: the steps each answer's episode took
-    envs: list | None = None  # ENVIRONMENTS: each answer's environment (None without them)
-    vision_inputs: dict = field(default_factory=dict)  # each row's pixels (features/vision.py)
-    images: list | None = None  # each answer's question's images (PNG/JPEG bytes), to upload
+    extra: RolloutExtras = field(default_factory=RolloutExtras)  # a variant's: vLLM, tools, images
 
 
 @dataclass
@@ -230,17 +225,10 @@ class Batch:
     ref_logps: torch.Tensor | None  # (B, T) from ref_server.py; None at BETA = 0
     pi_old_logps: torch.Tensor | None  # (B, T) the sampling policy's, on pi_old_rows; None: pi
     pi_old_rows: torch.Tensor | None  # (B,) bool
-    vllm_logps: torch.Tensor | None  # (B, T) vLLM's on vllm_rows; None without vLLM
-    vllm_rows: torch.Tensor | None  # (B,) bool
     normalizer: float | None = None  # answers (dapo: tokens) of the step on all ranks, per rank
     share: float = 1.0  # of the step's answers in this micro-batch; 0 = a repeat (no gradient)
     token_share: float = 1.0  # of the step's answer tokens in this micro-batch
-    teacher_logps: torch.Tensor | None = None  # (B, T) DISTILL_COEF: the server's, never in k3
-    rewards: torch.Tensor | None = None  # (B,) each answer's summed reward (features/teacher_mix)
-    teacher_on: bool = True  # False: the teacher's term left after TEACHER_STEPS (teacher_mix)
-    teacher_topk_ids: torch.Tensor | None = None  # (B, T, k) DISTILL_TOP_K: its likeliest tokens
-    teacher_topk_logps: torch.Tensor | None = None  # (B, T, k) and their log-probs
-    vision_inputs: dict = field(default_factory=dict)  # each row's pixels; {} = text
+    extra: BatchExtras = field(default_factory=BatchExtras)  # a variant's: vLLM, teacher, images
 
 
 @dataclass
@@ -357,23 +345,24 @@ def generate(model, tokenizer, questions, *, rollout, gen_config, eos_ids, llm=N
     images = None  # each answer's question's images, to upload; text: none
     if with_images(questions):
         images = per_answer("images")
+    extra = RolloutExtras(vllm_logps=vllm_logps, images=images, vision_inputs=pixels,
+                          envs=per_answer("env"), **own)  # a variant's fields; the default's empty
     return Rollout(prompt_ids=prompts.ids, prompt_mask=prompts.mask,
-                   completion_ids=completion_ids, mask=mask, vllm_logps=vllm_logps,
+                   completion_ids=completion_ids, mask=mask,
                    texts=decode(tokenizer, completion_ids), lengths=lengths,
                    truncated=(~stopped).tolist(), golds=per_answer("gold"),
-                   questions=per_answer("question"), images=images, vision_inputs=pixels,
-                   envs=per_answer("env"), **own)
+                   questions=per_answer("question"), extra=extra)
 
 
 def group_advantages(scores, each=None) -> torch.Tensor:
     """Step 4 as the steps call it: advantages_in_groups over groups of NUM_PRE_Q. each ({reward
     name: N values}, the rewards one by one) is there for a variant's baseline; GRPO's reads the
-    sums alone."""
+    scores alone."""
     return advantages_in_groups(scores, NUM_PRE_Q)  # (N,)
 
 
 def score_answers(texts, asked, played=None) -> tuple:
-    """Step 3: (each answer's weighted sum of REWARDS, {reward name: each answer's value});
+    """Step 3: (each answer's score, the weighted sum of REWARDS, {reward name: each value});
     asked: each answer's question (a dict: its question, its gold). played: a multi-turn
     environment's rewards, which this task never has."""
     return rewards.score(REWARDS, texts, [q["gold"] for q in asked], [q["question"] for q in asked])
@@ -397,8 +386,8 @@ def scored_groups(model, tokenizer, questions, *, parts, eos_ids, gen_config, ll
                              prompt=parts.task.prompt)  # 2. generate
     asked = [q for q in questions for _ in range(NUM_PRE_Q)]  # each answer's question
     with timed(seconds, "score_s"):  # 3. score (log: its seconds)
-        sums, each = parts.task.score(generated.texts, asked, generated.played)
-    scores = torch.tensor(sums, dtype=torch.float32)  # (N,) each answer's reward: REWARDS' sum
+        scored, each = parts.task.score(generated.texts, asked, generated.extra.played)
+    scores = torch.tensor(scored, dtype=torch.float32)  # (N,) each answer's score: REWARDS' sum
     advantages = parts.advantages(scores, each)  # (N,) 4. advantages
     varied = parts.has_signal(scores, each)  # (Q,) the groups whose rewards differ
     with timed(seconds, "pi_old_s"):  # 5. keep the groups whose rewards differ (log: seconds)
@@ -426,14 +415,14 @@ def pack_groups(model, generated: Rollout, scores, advantages, *, varied, keep_a
     kept = [q for q in range(len(varied))
             if (varied[q] or keep_all) and generated.mask[q * G:(q + 1) * G].any()]
     ids = torch.cat([generated.prompt_ids, generated.completion_ids], 1)  # (B, P+T)
-    answer_attn = torch.ones_like(generated.completion_ids)  # (B, T)
+    answer_attn = wire.answer_attention(generated.mask)  # (B, T) faster equal: to the last trained
     attn = torch.cat([generated.prompt_mask, answer_attn], 1)  # (B, P+T)
     rows = [q * G + i for q in kept for i in range(G)]
     pi_old_logps = None  # (K, T) of the kept rows; at MU = 1 a rank's own groups need none
     if kept and with_pi_old:
         pixels = {}  # the kept rows' pixel inputs; text: none
-        if generated.vision_inputs:
-            pixels = vision.select_rows(generated.vision_inputs, rows)  # a variant: images
+        if generated.extra.vision_inputs:
+            pixels = vision.select_rows(generated.extra.vision_inputs, rows)  # a variant: images
         pi_old_logps = logps_of(model, ids[rows], attn[rows], generated.mask.shape[1],
                                 **pixels).cpu()
     not_kept = [q for q in range(len(varied)) if q not in kept]  # groups not uploaded
@@ -460,10 +449,10 @@ def group_tensors(generated: Rollout, ids, kept, scores, advantages, pi_old_logp
                        rewards=scores[rows])  # (G,)
         if pi_old_logps is not None:
             tensors["pi_old_logps"] = pi_old_logps[j * G : (j + 1) * G, :tlen]  # (G, tlen)
-        if generated.vllm_logps is not None:  # vLLM's own: the loss's importance weights
-            tensors["vllm_logps"] = generated.vllm_logps[rows, :tlen]  # (G, tlen)
-        if generated.images:  # the question's images, as their own bytes (features/vision.py)
-            tensors.update(vision.pack_images(generated.images[q * G]))  # a variant: images
+        if generated.extra.vllm_logps is not None:  # vLLM's own: the loss's importance weights
+            tensors["vllm_logps"] = generated.extra.vllm_logps[rows, :tlen]  # (G, tlen)
+        if generated.extra.images:  # the question's images, as their own bytes (features/vision)
+            tensors.update(vision.pack_images(generated.extra.images[q * G]))  # a variant: images
         for_reward_model = {"question": generated.questions[q * G],
                             "answers": generated.texts[rows]}
         groups.append((tensors, {"plen": plen, **for_reward_model, **meta}))
@@ -587,7 +576,11 @@ def collate(groups, pad_id, *, teacher=False, image_processor=None, top_k=0,
         plen = meta["plen"]
         tlen = g["input_ids"].shape[1] - plen
         input_ids[row : row + n, P - plen : P + tlen] = g["input_ids"]  # prompts end at column P
-        attention_mask[row : row + n, P - plen : P + tlen] = 1
+        attention_mask[row : row + n, P - plen : P] = 1
+        # Each answer up to its last trained token: no earlier token attends the padding after
+        # it, so the values are the same, and features/packing.py can leave it out
+        attention_mask[row : row + n, P : P + tlen] = wire.answer_attention(  # faster equal
+            g["completion_mask"])
         mask[row : row + n, :tlen] = g["completion_mask"]
         for name in [name for name in given_logps if name in g]:
             wire.check_logps(g[name], name, rows=n, tokens=tlen)  # guard: a server's reply
@@ -599,20 +592,20 @@ def collate(groups, pad_id, *, teacher=False, image_processor=None, top_k=0,
     def rows_of(name):  # (B,) bool or None
         return given[name] if given[name].any() else None
     server_logps = given_logps["ref_logps"] if given["ref_logps"].all() else None  # not asked
-    batch = Batch(input_ids=input_ids, attention_mask=attention_mask, mask=mask,
-                  advantages=torch.cat([g["advantages"] for g, _ in groups]),
-                  rewards=torch.cat([g["rewards"] for g, _ in groups]),
-                  ref_logps=None if teacher else server_logps,
-                  teacher_logps=server_logps if teacher else None,
-                  pi_old_logps=optional("pi_old_logps"), pi_old_rows=rows_of("pi_old_logps"),
-                  vllm_logps=optional("vllm_logps"), vllm_rows=rows_of("vllm_logps"))
+    extra = BatchExtras(rewards=torch.cat([g["rewards"] for g, _ in groups]),  # a variant's
+                        teacher_logps=server_logps if teacher else None,
+                        vllm_logps=optional("vllm_logps"), vllm_rows=rows_of("vllm_logps"))
     images = any(wire.carries_images(g) for g, _ in groups)  # guard: pixels only with images
     if image_processor is not None or images:
-        batch.vision_inputs = vision.group_vision_inputs(groups, image_processor)  # a variant
+        extra.vision_inputs = vision.group_vision_inputs(groups, image_processor)  # a variant
     if top_k:  # a variant (DISTILL_TOP_K): the teacher's k likeliest tokens, checked, padded
-        batch.teacher_topk_ids, batch.teacher_topk_logps = objectives.teacher_topk_of(  # a variant
+        extra.teacher_topk_ids, extra.teacher_topk_logps = objectives.teacher_topk_of(  # variant
             groups, T, top_k, vocab_size)
-    return batch
+    return Batch(input_ids=input_ids, attention_mask=attention_mask, mask=mask,
+                 advantages=torch.cat([g["advantages"] for g, _ in groups]),
+                 ref_logps=None if teacher else server_logps,
+                 pi_old_logps=optional("pi_old_logps"), pi_old_rows=rows_of("pi_old_logps"),
+                 extra=extra)
 
 
 @torch.no_grad()
@@ -621,14 +614,11 @@ def prepare_batch(engine, batch: Batch, normalizer=None, *, logps_of=None) -> Ba
     for every row at MU > 1 (reuse needs a fixed one), and LoRA's REF_FROM_BASE reference, both
     by logps_of (main's choice; per_token_logps, the definition, when None)."""
     logps_of = logps_of or per_token_logps
-    b = Batch(**{name: value.to(engine.device) if torch.is_tensor(value) else value
-                 for name, value in vars(batch).items()})
-    if batch.vision_inputs:  # a vision-language model's pixel inputs
-        b.vision_inputs = vision.to_device(batch.vision_inputs, engine.device)  # a variant
+    b = on_device(batch, engine.device)
     b.normalizer = normalizer or global_count([b.mask], token_mean=LOSS_TYPE == "dapo")
     def current_logps():  # (B, T) under the weights as they are now
         return logps_of(engine.module.eval(), b.input_ids, b.attention_mask, b.mask.shape[1],
-                        **b.vision_inputs)
+                        **b.extra.vision_inputs)
     if lora.LORA_RANK > 0 and lora.REF_FROM_BASE and BETA != 0:  # the base, adapters off
         b.ref_logps = lora.base_logps(engine, current_logps)  # (B, T) a variant: LoRA
     if MU > 1 and (b.pi_old_logps is None or not b.pi_old_rows.all()):  # (B, T) every row's
@@ -653,6 +643,21 @@ def batches_of(engine, groups, pad_id, image_processor=None, *, logps_of=None) -
                                functools.partial(prepare_batch, engine, logps_of=logps_of),
                                functools.partial(global_count, token_mean=LOSS_TYPE == "dapo"),
                                engine.device)
+
+
+def on_device(record, device):
+    """A copy of a record (Batch, its extra) with every tensor on device: its fields', its dicts'
+    (a vision model's pixels) and its records' (the variants' extra)."""
+    def moved(value):
+        if torch.is_tensor(value):
+            return value.to(device)
+        if isinstance(value, dict):
+            return {name: moved(item) for name, item in value.items()}
+        if dataclasses.is_dataclass(value):
+            return on_device(value, device)
+        return value
+    return dataclasses.replace(record, **{f.name: moved(getattr(record, f.name))
+                                          for f in dataclasses.fields(record)})
 
 
 def pi_old_everywhere(logps, pi_old_logps, pi_old_rows, mask) -> torch.Tensor:
@@ -691,7 +696,7 @@ def policy_loss(engine, b: Batch, *, logps_of=per_token_logps, terms=grpo_terms)
     and terms are main's choice: the definitions (per_token_logps, grpo_terms) by default."""
     engine.train()
     logps, entropy = logps_of(engine, b.input_ids, b.attention_mask, b.mask.shape[1],
-                              True, **b.vision_inputs)  # (B, T) each
+                              True, **b.extra.vision_inputs)  # (B, T) each
     pi_old_logps = pi_old_everywhere(logps, b.pi_old_logps, b.pi_old_rows, b.mask)  # (B, T)
     loss_terms = terms(engine, b, logps=logps, pi_old_logps=pi_old_logps, entropy=entropy)
     loss = reduce_loss(loss_terms.per_token, b.mask, loss_type=LOSS_TYPE,
@@ -829,7 +834,7 @@ def advantages_for_run(named) -> Callable:
 
 
 def signal_for_run(named) -> Callable:
-    """Which groups train: varied_groups (their sums differ); under GDPO also a group where any
+    """Which groups train: varied_groups (their scores differ); under GDPO also a group where any
     one of the task's rewards (named) differs (objectives.py)."""
     if REWARD_NORM == "normalize_then_sum":  # a variant
         return functools.partial(objectives.varied_by_any_reward, s=advantage_settings(named))
@@ -966,6 +971,7 @@ def check_settings():  # guard: each call refuses what cannot work
     images = vision.check_settings(resolve_model_path(MODEL_PATH), tools_on=bool(tools.TOOLS),
                                    use_triton=fast_paths.USE_TRITON,
                                    use_vllm=vllm_engine.USE_VLLM)
+    packing.check_settings(images=images)
     if images:  # the fast paths that run the text model alone are switched off
         fast_paths.switch_off_for_images()
 

@@ -219,18 +219,18 @@ def variant_terms(engine, b, *, logps, pi_old_logps, entropy, s: LossSettings,
         teacher_rows = teacher_mix_rows(b)
     if s.distill_coef and not s.distill_top_k:  # + the teacher's term on each token
         token_advantages = distill_advantages(
-            b.advantages, teacher_logps=b.teacher_logps, pi_old_logps=pi_old_logps, mask=mask,
+            b.advantages, teacher_logps=b.extra.teacher_logps, pi_old_logps=pi_old_logps, mask=mask,
             coef=s.distill_coef, discount=DISTILL_DISCOUNT, matched=DISTILL_SCALE == "matched",
             teacher_rows=teacher_rows)  # (B, T)
     weights = None  # (B, T) vLLM's mismatch pi_old / pi_vllm, truncated or masked (TIS_MODE)
-    if b.vllm_logps is not None and TIS_CAP:
-        weights = mismatch_weights(pi_old_logps, b.vllm_logps, b.vllm_rows, mask, mode=TIS_MODE,
-                                   cap=TIS_CAP)  # (B, T)
+    if b.extra.vllm_logps is not None and TIS_CAP:
+        weights = mismatch_weights(pi_old_logps, b.extra.vllm_logps, b.extra.vllm_rows, mask,
+                                   mode=TIS_MODE, cap=TIS_CAP)  # (B, T)
     if s.off_policy_delta:  # DeepSeek-V3.2: far off-policy tokens with A < 0 leave the surrogate
         sampled_by = pi_old_logps  # (B, T) pi_old as vLLM measured it on the rows it sampled
-        if b.vllm_logps is not None:
-            rows = mask & b.vllm_rows[:, None]  # (B, T)
-            sampled_by = torch.where(rows, b.vllm_logps, pi_old_logps)  # (B, T)
+        if b.extra.vllm_logps is not None:
+            rows = mask & b.extra.vllm_rows[:, None]  # (B, T)
+            sampled_by = torch.where(rows, b.extra.vllm_logps, pi_old_logps)  # (B, T)
         keep = off_policy_mask(advantages=token_advantages, pi_old_logps=sampled_by, logps=logps,
                                mask=mask, delta=s.off_policy_delta)  # (B, T)
         weights = keep if weights is None else weights * keep  # (B, T)
@@ -245,7 +245,8 @@ def variant_terms(engine, b, *, logps, pi_old_logps, entropy, s: LossSettings,
         sapo_taus=(SAPO_TAU_POS, SAPO_TAU_NEG), cispo_max_ratio=CISPO_MAX_RATIO)  # (B, T)
     if s.distill_coef and s.distill_top_k:  # + the reverse KL over the teacher's likeliest tokens
         student = student_topk_logps(engine, b, temperature=s.temperature)  # (B, T, k)
-        rkl = topk_reverse_kl(student_logps=student, teacher_logps=b.teacher_topk_logps)  # (B, T)
+        rkl = topk_reverse_kl(student_logps=student,
+                              teacher_logps=b.extra.teacher_topk_logps)  # (B, T)
         if teacher_rows is not None:
             rkl = rkl * teacher_rows[:, None]  # (B, T)
         per_token = per_token + s.distill_coef * rkl  # (B, T)
@@ -262,7 +263,7 @@ def teacher_mix_rows(b):
     DISTILL_BELOW and TEACHER_STEPS; None = every answer)."""
     from features import teacher_mix  # here: the mix is the teacher's, and only its runs need it
 
-    return teacher_mix.teacher_rows(b.rewards, teacher_on=b.teacher_on)
+    return teacher_mix.teacher_rows(b.extra.rewards, teacher_on=b.extra.teacher_on)
 
 
 def variant_metrics(b, s: LossSettings, *, pi_old_logps, weights, token_advantages) -> dict:
@@ -273,7 +274,7 @@ def variant_metrics(b, s: LossSettings, *, pi_old_logps, weights, token_advantag
     metrics = {}
     if s.use_vllm:  # how far vLLM's log-probs are from pi_old
         metrics |= run_log.vllm_metrics(b, pi_old_logps=pi_old_logps, weights=weights)
-    if b.teacher_logps is not None:  # how far the student is from its teacher
+    if b.extra.teacher_logps is not None:  # how far the student is from its teacher
         sampled_term = None if s.distill_top_k else token_advantages  # (B, T) A + the teacher's
         metrics |= run_log.teacher_metrics(b, pi_old_logps=pi_old_logps,
                                            token_advantages=sampled_term)
@@ -484,16 +485,16 @@ def teacher_topk_of(groups, T: int, top_k: int, vocab_size) -> tuple:
 
 def student_topk_logps(engine, b, *, temperature) -> torch.Tensor:
     """(B, T, k) the student's log-probs at TEMPERATURE of the teacher's k likeliest tokens
-    (b.teacher_topk_ids) at each answer position, with their gradient. Its own forward of the
+    (b.extra.teacher_topk_ids) at each answer position, with their gradient. Its own forward of
     whole (B, T, V) logits: the lesson's forward keeps only the sampled tokens' log-probs, so
     DISTILL_TOP_K costs one more forward and backward a step."""
     from features.fast_paths import completion_logits
 
     T = b.mask.shape[1]
     logits = completion_logits(engine, b.input_ids, b.attention_mask, T,
-                               vision_inputs=b.vision_inputs)  # (B, T, V)
+                               vision_inputs=b.extra.vision_inputs)  # (B, T, V)
     logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, T, V)
-    return logp_all.gather(-1, b.teacher_topk_ids)  # (B, T, k)
+    return logp_all.gather(-1, b.extra.teacher_topk_ids)  # (B, T, k)
 
 
 def topk_reverse_kl(*, student_logps, teacher_logps) -> torch.Tensor:

@@ -31,8 +31,8 @@ from features.http_server import json_errors, start_http, token_ok, warn_if_expo
 from features.regroup import RegroupPool
 from features.server_guards import DecodeBudget, Handouts, Room, UploadIds, parse_get
 from features.reward_model import add_reward_model, load_reward_model
-from features.wire import (MAX_RANKS, TooLarge, carries_images, decode_batch, encode_batch,
-                           validate_group)
+from features.wire import (MAX_RANKS, TooLarge, answer_attention, carries_images, decode_batch,
+                           encode_batch, validate_group)
 
 # ----------------------------------------------------------------------------- constants
 # Model
@@ -57,6 +57,7 @@ MAX_ACK_CHARS = 200  # an acknowledged upload id: a name, never a payload
 # The reference forward
 REF_MICRO_BATCH = 8  # rows per reference forward: bounds activation memory, not throughput
 SHARED_PREFIX = True  # a group's prompt runs once, its KV cache shared by the rows; False = full
+PADDING_FREE = False  # True = a group's rows packed end to end, no padding (features/packing.py)
 LOGP_CHUNK = 128  # tokens whose logits exist at once (features/fast_paths.py); 0 = all at once
 LOGP_FROM_HIDDEN = True  # log-probs from the LM head's input, in chunks; False = whole logits
 # Reward model: a learned reward beside the trainer's rule rewards (docs/server.md)
@@ -82,6 +83,7 @@ class ServerSettings:
     decode_pixels_per_s: int  # DECODE_PIXELS_PER_S
     ref_micro_batch: int  # REF_MICRO_BATCH
     shared_prefix: bool  # SHARED_PREFIX
+    padding_free: bool  # PADDING_FREE
     logp_chunk: int  # LOGP_CHUNK
     logp_from_hidden: bool  # LOGP_FROM_HIDDEN
     reward_model_weight: float  # REWARD_MODEL_WEIGHT
@@ -98,6 +100,7 @@ def settings_now() -> ServerSettings:
                           max_queued_bytes=MAX_QUEUED_BYTES, upload_ids=UPLOAD_IDS,
                           decode_pixels_per_s=DECODE_PIXELS_PER_S,
                           ref_micro_batch=REF_MICRO_BATCH, shared_prefix=SHARED_PREFIX,
+                          padding_free=PADDING_FREE,
                           logp_chunk=LOGP_CHUNK, logp_from_hidden=LOGP_FROM_HIDDEN,
                           reward_model_weight=REWARD_MODEL_WEIGHT, regroup=REGROUP,
                           regroup_pool=REGROUP_POOL, regroup_questions=REGROUP_QUESTIONS,
@@ -105,6 +108,16 @@ def settings_now() -> ServerSettings:
 
 
 # ----------------------------------------------------------------------------- the server
+def attention_of(ids, plen, completion_mask) -> torch.Tensor:
+    """(G, L) a group's attention mask: its prompt (unpadded, plen tokens) and each answer up to
+    its last token that trains (wire.answer_attention); every token without a completion_mask."""
+    attention = torch.ones_like(ids)  # (G, L)
+    if completion_mask is not None:
+        answers = answer_attention(completion_mask)  # (G, L - plen) faster equal: no padding
+        attention[:, plen:] = answers.to(ids.device)
+    return attention
+
+
 class RefServer:
     """The queues, the forward thread and the bottle app around one reference model. Its settings
     are the constants as they are when the server is built (settings_now()), a keyword replacing
@@ -114,7 +127,8 @@ class RefServer:
                  processor=None, **changed):  # set-up: the queues, their guards, the fingerprint
         settings = dataclasses.replace(settings_now(), **changed)  # TypeError: no such setting
         if processor is not None:  # pixels go through the whole model: no text-only fast path
-            settings = dataclasses.replace(settings, shared_prefix=False, logp_from_hidden=False)
+            settings = dataclasses.replace(settings, shared_prefix=False, logp_from_hidden=False,
+                                           padding_free=False)
         self.settings = settings
         self.model = model
         self.model_name = model_name
@@ -145,29 +159,34 @@ class RefServer:
         self.worker = threading.Thread(target=self._work, name="ref-forward", daemon=True)
         self.app = self._build_app()
 
-    def reference_logps(self, input_ids, plen, temperature, images=()):  # faster equal
+    def reference_logps(self, input_ids, plen, temperature, images=(),
+                        completion_mask=None):  # faster equal
         """(G, L - plen) reference log-probs of the completion tokens, at the sampling temperature:
         the lesson's per_token_logps (grpo_ref_split.py), computed by its faster equal
         (features/fast_paths.completion_logps, tested equal), ref_micro_batch rows at a time;
-        images: the group's, decoded at upload, for every row."""
+        images: the group's, decoded at upload, for every row. completion_mask (G, L - plen):
+        the tokens that train; the padding after each row's last is never attended."""
         s = self.settings
         ids = input_ids.to(self.device)  # (G, L)
+        attention = attention_of(ids, plen, completion_mask)  # (G, L)
         pixels = {}  # text: no pixel inputs
         if images:
             pixels = vision.server_pixels(self.processor, images, len(ids), self.device)
         with torch.no_grad():
-            logps = completion_logps(self.model, ids, torch.ones_like(ids),  # faster equal
+            logps = completion_logps(self.model, ids, attention,  # faster equal
                                      ids.shape[1] - plen, temperature, s.ref_micro_batch,
                                      s.shared_prefix,
                                      chunk=s.logp_chunk, from_hidden=s.logp_from_hidden,
-                                     vision_inputs=pixels)
+                                     vision_inputs=pixels, padding_free=s.padding_free)
         return logps.cpu()  # (G, T)
 
-    def teacher_topk(self, input_ids, plen, temperature, k, images=()):  # a variant: a teacher
+    def teacher_topk(self, input_ids, plen, temperature, k, images=(),
+                     completion_mask=None):  # a variant: a teacher
         """((G, T, k) ids, (G, T, k) log-probs): the teacher's k likeliest tokens at each answer
         position, at the sampling temperature, ref_micro_batch rows at a time (DISTILL_TOP_K).
         The whole logits of a micro-batch exist at once: (rows, T, V)."""
         ids = input_ids.to(self.device)  # (G, L)
+        attention = attention_of(ids, plen, completion_mask)  # (G, L)
         pixels = {}  # text: no pixel inputs
         if images:
             pixels = vision.server_pixels(self.processor, images, len(ids),
@@ -176,9 +195,10 @@ class RefServer:
         for start in range(0, len(ids), self.settings.ref_micro_batch):
             rows = slice(start, start + self.settings.ref_micro_batch)
             with torch.no_grad():
-                logits = completion_logits(self.model, ids[rows], torch.ones_like(ids[rows]),
+                logits = completion_logits(self.model, ids[rows], attention[rows],
                                            ids.shape[1] - plen, self.settings.shared_prefix,
-                                           vision_inputs=vision.select_rows(pixels, rows))
+                                           vision_inputs=vision.select_rows(pixels, rows),
+                                           padding_free=self.settings.padding_free)
                 top = torch.log_softmax(logits.float() / temperature, -1).topk(k, -1)  # (b, T, k)
             top_ids.append(top.indices.cpu())
             top_logps.append(top.values.cpu())
@@ -195,14 +215,15 @@ class RefServer:
             failed = False  # counted once its error can be taken: /health never runs ahead
             try:
                 ref_logps = self.reference_logps(tensors["input_ids"], meta["plen"],
-                                                 meta.get("temperature", 1.0), images)
+                                                 meta.get("temperature", 1.0), images,
+                                                 tensors["completion_mask"])
                 if not torch.isfinite(ref_logps).all():  # never hand a trainer NaN or inf
                     raise FloatingPointError("the reference forward gave NaN or inf log-probs")
                 tensors["ref_logps"] = ref_logps  # (G, T)
                 if meta.get("teacher_top_k"):  # DISTILL_TOP_K: the teacher's likeliest tokens
                     tensors["teacher_topk_ids"], tensors["teacher_topk_logps"] = self.teacher_topk(
                         tensors["input_ids"], meta["plen"], meta.get("temperature", 1.0),
-                        meta["teacher_top_k"], images)
+                        meta["teacher_top_k"], images, tensors["completion_mask"])
                 if self.reward_model is not None:  # the last reward is known only here
                     tensors, meta = add_reward_model(tensors, meta, self.reward_model,  # a variant
                                                      self.settings.reward_model_weight)

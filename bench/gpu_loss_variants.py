@@ -18,6 +18,7 @@ import transformers
 sys.path.insert(0, ".")
 import grpo_ref_split as grpo  # noqa: E402
 from features import fast_paths, teacher_mix, vllm_engine  # noqa: E402
+from features.variant_fields import BatchExtras  # noqa: E402
 
 VOCAB = 49152  # SmolLM2's vocabulary: the logits' width the fused loss tiles
 ANSWERS = 8  # rows of the batch: two groups of four
@@ -87,16 +88,18 @@ def make_batch(model) -> grpo.Batch:
     return grpo.Batch(
         input_ids=ids, attention_mask=torch.ones_like(ids), mask=mask,
         advantages=torch.tensor([1.2, -0.4, 0.3, -1.1, 0.8, -0.8, 0.0, 0.5]),
-        rewards=torch.tensor([3.0, 0.0, 2.0, 1.0, 3.0, 1.0, 2.0, 3.0]),
         ref_logps=own + 0.2 * noise,
         pi_old_logps=own + 0.15 * torch.randn(ANSWERS, ANSWER, generator=g),
         pi_old_rows=torch.ones(ANSWERS, dtype=torch.bool),
-        vllm_logps=own + 0.1 * torch.randn(ANSWERS, ANSWER, generator=g),
-        vllm_rows=torch.ones(ANSWERS, dtype=torch.bool),
         normalizer=float(ANSWERS),
-        teacher_logps=own - 0.5 * torch.rand(ANSWERS, ANSWER, generator=g),
-        teacher_topk_ids=torch.randint(0, VOCAB, (ANSWERS, ANSWER, TOP_K), generator=g),
-        teacher_topk_logps=-3 * torch.rand(ANSWERS, ANSWER, TOP_K, generator=g),
+        extra=BatchExtras(
+            rewards=torch.tensor([3.0, 0.0, 2.0, 1.0, 3.0, 1.0, 2.0, 3.0]),
+            vllm_logps=own + 0.1 * torch.randn(ANSWERS, ANSWER, generator=g),
+            vllm_rows=torch.ones(ANSWERS, dtype=torch.bool),
+            teacher_logps=own - 0.5 * torch.rand(ANSWERS, ANSWER, generator=g),
+            teacher_topk_ids=torch.randint(0, VOCAB, (ANSWERS, ANSWER, TOP_K), generator=g),
+            teacher_topk_logps=-3 * torch.rand(ANSWERS, ANSWER, TOP_K, generator=g),
+        ),
     )
 
 
@@ -111,10 +114,10 @@ def run(model, batch, settings, device, dtype):
         copy = tiny_model()
         copy.load_state_dict(model.state_dict())
         copy = copy.to(device, dtype)
-        b = replace(batch, **{name: value.to(device) for name, value in vars(batch).items()
-                              if torch.is_tensor(value)})
+        b = grpo.on_device(batch, device)
         if not settings.get("DISTILL_COEF"):
-            b = replace(b, teacher_logps=None, teacher_topk_ids=None, teacher_topk_logps=None)
+            b = replace(b, extra=replace(b.extra, teacher_logps=None, teacher_topk_ids=None,
+                                         teacher_topk_logps=None))
         if settings.get("DISTILL_COEF"):
             b = replace(b, ref_logps=None)
         if settings.get("LOSS_TYPE") == "dapo":  # dapo divides by the step's answer tokens

@@ -19,7 +19,7 @@ import threading
 
 import torch
 
-from features import env_overrides
+from features import env_overrides, packing
 from features.vision import select_rows
 
 SHARED_PREFIX = True  # each group's prompt runs once, its KV cache shared; False = full rows
@@ -45,7 +45,7 @@ def switch_off_for_images():
 
 def any_on() -> bool:
     """Whether a log-prob fast path is on; all off, the trainer runs the lesson's definition."""
-    return bool(SHARED_PREFIX or LOGP_FROM_HIDDEN or LOGP_CHUNK)
+    return bool(SHARED_PREFIX or LOGP_FROM_HIDDEN or LOGP_CHUNK or packing.PADDING_FREE)
 
 
 # What transformers' GradientCheckpointingLayer reads on each layer: this module switches them per
@@ -383,7 +383,7 @@ def hidden_logps(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor,
 
 def completion_logits(model, input_ids, attention_mask, n_completion: int,
                       shared_prefix: bool = False, hidden: bool = False,
-                      vision_inputs=None) -> torch.Tensor:
+                      vision_inputs=None, padding_free: bool = False) -> torch.Tensor:
     """(B, n_completion, V) logits where [:, t] predicts input_ids[:, -n_completion + t];
     hidden=True gives (B, n_completion, H) instead: the last hidden states there, the LM head's
     input.
@@ -393,19 +393,28 @@ def completion_logits(model, input_ids, attention_mask, n_completion: int,
     prompt once for the consecutive rows that share it (above): the same values on every
     completion token (0 on the padding past a group's longest answer). vision_inputs: a
     vision-language model's pixels, one row per row (features/vision.py), for the plain forward.
+    padding_free: the same values on every token the attention_mask marks, computed packed
+    (features/packing.py), 0 on the answers' padding.
     """
-    if vision_inputs and (shared_prefix or hidden):
-        raise ValueError("pixels go through the whole model: shared_prefix and hidden take text")
+    if vision_inputs and (shared_prefix or hidden or padding_free):
+        raise ValueError("pixels go through the whole model in rectangles: shared_prefix, hidden "
+                         "and padding_free take text")
     if shared_prefix:
         B, T = input_ids.shape[0], n_completion
+        group_states = shared_prefix_logits  # one group's prompt once, its answers padded
+        if padding_free:
+            group_states = packing.group_states  # its answers packed after the prompt
         out = None
         for r in same_prompt_runs(input_ids[:, :-T], attention_mask[:, :-T]):
             # (G, t, V) t <= T
-            part = shared_prefix_logits(model, input_ids[r], attention_mask[r], T, hidden)
+            part = group_states(model, input_ids[r], attention_mask[r], T, hidden)
             if out is None:
                 out = part.new_zeros(B, T, part.shape[-1])  # (B, T, V) 0 past each group's end
             out[r, : part.shape[1]] = part
         return out
+    if padding_free:
+        return packing.packed_states(model, input_ids, attention_mask, n_completion,
+                                     hidden=hidden)  # (B, T, V) or (B, T, H)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, L)
     L = input_ids.shape[1]
     # (T,) positions that predict
@@ -424,17 +433,19 @@ def logps_function(temperature: float):
         return completion_logps(model, input_ids, attention_mask, n_completion, temperature,
                                 chunk=LOGP_CHUNK, shared_prefix=SHARED_PREFIX,
                                 from_hidden=LOGP_FROM_HIDDEN, with_entropy=with_entropy,
-                                vision_inputs=pixels)
+                                vision_inputs=pixels, padding_free=packing.PADDING_FREE)
     return logps_of
 
 
 def completion_logps(model, input_ids, attention_mask, n_completion: int, temperature: float,
                      micro_batch: int = 0, shared_prefix: bool = False, *, chunk: int,
-                     from_hidden: bool, with_entropy: bool = False, vision_inputs=None):
+                     from_hidden: bool, with_entropy: bool = False, vision_inputs=None,
+                     padding_free: bool = False):
     """(B, n_completion) log-probs of the last `n_completion` tokens of each row, micro_batch rows
     at a time. from_hidden: from the hidden states, `chunk` tokens of logits at a time
     (hidden_logps); else from the whole logits (chunked_logps). with_entropy: (logps, (B,
-    n_completion) entropies), from the same pass. vision_inputs: each row's pixels, or None."""
+    n_completion) entropies), from the same pass. vision_inputs: each row's pixels, or None.
+    padding_free: each micro-batch's rows packed (features/packing.py)."""
     step = micro_batch or input_ids.shape[0]
     out = []
     for i in range(0, input_ids.shape[0], step):
@@ -443,7 +454,8 @@ def completion_logps(model, input_ids, attention_mask, n_completion: int, temper
         if vision_inputs:
             pixels = select_rows(vision_inputs, slice(i, i + step))
         states = completion_logits(model, ids, attn, n_completion, shared_prefix,
-                                   hidden=from_hidden, vision_inputs=pixels)  # (b, T, H or V)
+                                   hidden=from_hidden, vision_inputs=pixels,
+                                   padding_free=padding_free)  # (b, T, H or V)
         targets = ids[:, -n_completion:]  # (b, T)
         if from_hidden:
             out.append(hidden_logps(states, lm_head_weight(model), targets, temperature,

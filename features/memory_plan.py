@@ -63,6 +63,8 @@ class Setting:
     logp_chunk: int = 128  # LOGP_CHUNK, 0 = all tokens at once
     logp_from_hidden: bool = True  # LOGP_FROM_HIDDEN
     shared_prefix: bool = True  # SHARED_PREFIX: a group's prompt runs once
+    padding_free: bool = False  # PADDING_FREE: rows packed, no padding (features/packing.py)
+    pack_tokens: int = 4096  # PACK_TOKENS: tokens in one packed row at most
     use_vllm: bool = False  # USE_VLLM
     vllm_gpu_memory: float = 0.3  # VLLM_GPU_MEMORY: the share of the GPU vLLM takes
     vllm_cpu_kv_gb: float = 1.0  # VLLM_CPU_KV_GB: on CPU, vLLM's KV cache beside its own weights
@@ -249,6 +251,10 @@ def plan(shape: ModelShape, s: Setting, device_bytes: int) -> list:
     else:
         kept = tokens * shape.layers * per_token
     what = f"activations of {tokens:,} tokens"
+    if s.padding_free:  # the worst case has no padding to drop; a packed row adds its mask
+        packed = min(s.pack_tokens, tokens)  # tokens in the longest packed row
+        kept += packed * packed  # the block-causal mask, one byte a (query, key) pair
+        what += f" (packed, a {packed:,}-token row's mask)"
     if s.tower_saved:  # every answer row runs its question's images through the tower
         image_rows = (s.train_micro_batch or s.q_batch_size) * s.num_pre_q
         kept += image_rows * s.tower_saved
@@ -412,7 +418,7 @@ def setting_for_run(
 ) -> Setting:
     """The trainer's Setting: the keywords are its constants of those names; every feature's own
     constants are read from its module (LoRA, the fast paths, ZeRO-2's, vLLM's, vision's)."""
-    from features import fast_paths, lora, vision, vllm_engine, zero2
+    from features import fast_paths, lora, packing, vision, vllm_engine, zero2
 
     setting = Setting(
         offload_optimizer=zero2.OFFLOAD_OPTIMIZER,
@@ -426,6 +432,8 @@ def setting_for_run(
         logp_chunk=fast_paths.LOGP_CHUNK,
         logp_from_hidden=fast_paths.LOGP_FROM_HIDDEN,
         shared_prefix=fast_paths.SHARED_PREFIX,
+        padding_free=packing.PADDING_FREE,
+        pack_tokens=packing.PACK_TOKENS,
         use_vllm=vllm_engine.USE_VLLM,
         vllm_gpu_memory=vllm_engine.VLLM_GPU_MEMORY,
         vllm_cpu_kv_gb=vllm_engine.VLLM_CPU_KV_GB,

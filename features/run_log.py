@@ -200,7 +200,7 @@ def vllm_metrics(b, *, pi_old_logps, weights) -> dict:
     pi_old_logps, weights (B, T); weights None: none."""
     mask = b.mask
     n = mask.sum().clamp(min=1)  # ()
-    gap = vllm_gap(pi_old_logps, b.vllm_logps, b.vllm_rows, mask)
+    gap = vllm_gap(pi_old_logps, b.extra.vllm_logps, b.extra.vllm_rows, mask)
     masked = 0.0 if weights is None else (((weights == 0) & mask).sum() / n).item()
     return dict(vllm_gap=gap * b.token_share, tis_masked=masked * b.token_share)
 
@@ -215,7 +215,7 @@ def teacher_metrics(b, *, pi_old_logps, token_advantages=None) -> dict:
     rewards waiting, TEACHER_FIRST_KL: 1). pi_old_logps (B, T)."""
     mask = b.mask
     n = mask.sum().clamp(min=1)  # ()
-    gap = torch.where(mask, pi_old_logps - b.teacher_logps, 0.0)  # (B, T) log pi_old - log teacher
+    gap = torch.where(mask, pi_old_logps - b.extra.teacher_logps, 0.0)  # (B, T) log ratio
     metrics = dict(teacher_kl=(gap.sum() / n).item() * b.token_share,
                    teacher_better=(((gap < 0) & mask).sum() / n).item() * b.token_share)
     if token_advantages is not None:
@@ -233,14 +233,15 @@ def answer_records(step, rank, generated, each, rewards, advantages) -> list:
     """One dict per sampled answer, a line of completions.jsonl: what the model wrote and how it
     scored. generated: the trainer's Rollout; each: {reward name: its N values}; rewards, advantages
     (N,)."""
-    tool = {k: getattr(generated, k) for k in ("tool_calls", "tool_errors", "turns")
-            if getattr(generated, k) is not None}
-    if generated.envs and generated.envs[0] is not None:  # ENVIRONMENTS: each answer's own
-        tool["env"] = generated.envs
+    extra = generated.extra  # what a variant's rollout adds (features/variant_fields.py)
+    tool = {k: getattr(extra, k) for k in ("tool_calls", "tool_errors", "turns")
+            if getattr(extra, k) is not None}
+    if extra.envs and extra.envs[0] is not None:  # ENVIRONMENTS: each answer's own
+        tool["env"] = extra.envs
     ids = {}  # a question with images: what the sampler knows it by (question_sampler)
-    if generated.images:
+    if extra.images:
         ids["question_id"] = [question_id(text, images)
-                              for text, images in zip(generated.questions, generated.images)]
+                              for text, images in zip(generated.questions, extra.images)]
     return [dict(step=step, rank=rank, question=generated.questions[i], gold=generated.golds[i],
                  answer=generated.texts[i], reward=rewards[i].item(),
                  **{name: values[i] for name, values in each.items()},

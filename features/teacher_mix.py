@@ -156,7 +156,7 @@ class Phases:
         if not self.now.rewards:
             batches = [replace(b, advantages=torch.zeros_like(b.advantages)) for b in batches]
         if not self.now.teacher:
-            batches = [replace(b, teacher_on=False) for b in batches]
+            batches = [replace(b, extra=replace(b.extra, teacher_on=False)) for b in batches]
         return batches
 
     def advance(self, *, teacher_kl: float) -> None:

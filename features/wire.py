@@ -109,6 +109,13 @@ def _depth(x) -> int:
     return depth - 1
 
 
+def answer_attention(completion_mask: torch.Tensor) -> torch.Tensor:
+    """(G, T) long: 1 on each answer's columns up to its last token that trains (tool results
+    before it included), 0 on the padding after it, which no forward of the group need attend."""
+    written = completion_mask.int().flip(1).cumsum(1).flip(1)  # (G, T) trained tokens from here on
+    return written.clamp(max=1)  # (G, T)
+
+
 def carries_images(tensors: dict) -> bool:
     """Whether an upload's tensors hold a question's images (IMAGE_FIELDS); text never does."""
     return any(name in tensors for name in IMAGE_FIELDS)

@@ -285,7 +285,6 @@ def rollout_of(rewards_per_group, masked_groups=()):
         prompt_mask=torch.ones(n, 3, dtype=torch.long),
         completion_ids=torch.full((n, 2), 2),
         mask=mask,
-        vllm_logps=None,
         texts=["a"] * n,
         lengths=[2] * n,
         truncated=[False] * n,

@@ -5,6 +5,7 @@ handshake (vocabulary, role) and the settings refused at start.
     python -m pytest -q tests/test_distillation.py
 """
 import math
+from dataclasses import replace
 
 import pytest
 import requests
@@ -13,6 +14,7 @@ import torch
 import grpo_ref_split as grpo  # noqa: E402
 import objectives  # noqa: E402
 from conftest import VOCAB, group, pull, set_setting, start, stop
+from features.variant_fields import BatchExtras
 from features.wire import encode_batch
 from features.fingerprint import vocab_fingerprint
 from features.server_client import check_reference
@@ -300,8 +302,8 @@ def test_teacher_share_is_the_teacher_terms_part_of_the_advantages_size_by_hand(
     term = torch.tensor([[0.3, 0.1, 9.0], [-0.2, 0.0, 9.0]])
     old = torch.zeros(2, 3)
     b = grpo.Batch(input_ids=None, attention_mask=None, mask=mask, advantages=group,
-                   ref_logps=None, pi_old_logps=None, pi_old_rows=None, vllm_logps=None,
-                   vllm_rows=None, teacher_logps=term, token_share=0.5)
+                   ref_logps=None, pi_old_logps=None, pi_old_rows=None, token_share=0.5,
+                   extra=BatchExtras(teacher_logps=term))
     got = teacher_metrics(b, pi_old_logps=old, token_advantages=group[:, None] + term)
     rms = math.sqrt(0.14 / 4)
     assert got["teacher_share"] == pytest.approx(0.5 * rms / (1 + rms), abs=1e-6)
@@ -873,8 +875,8 @@ def test_a_teacher_server_sends_its_k_likeliest_tokens_and_the_trainer_lays_them
     # the same fp32 forward, the server's micro-batched: a few ulps of log-probs near 10
     torch.testing.assert_close(back["teacher_topk_logps"], want.values, rtol=0, atol=1e-4)
     batch = grpo.collate([(back, back_meta)], 0, teacher=True, top_k=5, vocab_size=VOCAB)
-    assert batch.teacher_topk_ids.shape == (3, 4, 5)
-    assert torch.equal(batch.teacher_topk_ids, back["teacher_topk_ids"])
+    assert batch.extra.teacher_topk_ids.shape == (3, 4, 5)
+    assert torch.equal(batch.extra.teacher_topk_ids, back["teacher_topk_ids"])
 
 
 def test_a_reference_server_refuses_top_k_and_so_does_any_server_past_its_bound(model):
@@ -939,10 +941,10 @@ def test_the_top_k_term_enters_the_loss_as_coef_times_its_token_means(monkeypatc
     model = LlamaForCausalLM(tiny_config(tok))
     b = batch_for(model)
     g = torch.Generator().manual_seed(5)
-    b.teacher_topk_ids = torch.randint(0, 49152, (4, 6, 3), generator=g)
+    b.extra.teacher_topk_ids = torch.randint(0, 49152, (4, 6, 3), generator=g)
     teacher = torch.log_softmax(torch.randn(4, 6, 8, generator=g) * 2, -1)  # (B, T, 8)
-    b.teacher_topk_logps = teacher.topk(3).values  # (B, T, 3): of one distribution each
-    b.teacher_logps = b.ref_logps
+    b.extra.teacher_topk_logps = teacher.topk(3).values  # (B, T, 3): of one distribution each
+    b.extra.teacher_logps = b.ref_logps
     b.normalizer = 4.0  # the answers of the step
     b.ref_logps = None
     set_setting(monkeypatch, "BETA", 0.0)
@@ -955,10 +957,10 @@ def test_the_top_k_term_enters_the_loss_as_coef_times_its_token_means(monkeypatc
     with torch.no_grad():
         logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, -7:-1]
         student = torch.log_softmax(logits.float() / grpo.TEMPERATURE, -1).gather(
-            -1, b.teacher_topk_ids)  # (B, T, k)
-        kl = (student.exp() * (student - b.teacher_topk_logps)).sum(-1)  # (B, T) the k's bins
+            -1, b.extra.teacher_topk_ids)  # (B, T, k)
+        kl = (student.exp() * (student - b.extra.teacher_topk_logps)).sum(-1)  # (B, T) the k's bins
         p_tail = 1 - student.double().exp().sum(-1)  # (B, T) the rest of the vocabulary's bin
-        t_tail = 1 - b.teacher_topk_logps.double().exp().sum(-1)  # (B, T)
+        t_tail = 1 - b.extra.teacher_topk_logps.double().exp().sum(-1)  # (B, T)
         kl = kl + (p_tail * (p_tail.log() - t_tail.log())).float()  # (B, T)
         mask = b.mask.bool()
         want = 2.0 * (torch.where(mask, kl, 0.0).sum(1) / mask.sum(1)).sum() / b.normalizer
@@ -1008,7 +1010,7 @@ def test_the_teacher_term_only_on_the_answers_chosen_by_hand():
 def test_collate_carries_each_answers_reward():
     first, second = group(G=3, seed=0), group(G=2, seed=1, plen=4, tc=3)
     batch = grpo.collate([first, second], pad_id=0)
-    assert batch.rewards.tolist() == torch.cat([first[0]["rewards"],
+    assert batch.extra.rewards.tolist() == torch.cat([first[0]["rewards"],
                                                 second[0]["rewards"]]).tolist()
 
 
@@ -1033,24 +1035,25 @@ def test_distill_below_gives_the_teacher_term_to_the_answers_under_it_alone(monk
     pi_old = b.ref_logps + 0.1 * torch.randn(4, 6, generator=g)  # (B, T) what the loss reads
     b.pi_old_logps = pi_old
     b.pi_old_rows = torch.ones(4, dtype=torch.bool)
-    b.teacher_logps = pi_old - torch.rand(4, 6, generator=g)  # (B, T)
+    b.extra.teacher_logps = pi_old - torch.rand(4, 6, generator=g)  # (B, T)
     b.ref_logps = None
-    b.rewards = torch.tensor([3.0, 0.0, 2.0, 1.5])
+    b.extra.rewards = torch.tensor([3.0, 0.0, 2.0, 1.5])
     b.normalizer = 4.0
-    correct = b.rewards >= 2  # (B,) the answers that keep their rewards' term alone
-    spared = grpo.Batch(**b.__dict__)
-    spared.teacher_logps = torch.where(correct[:, None], pi_old, b.teacher_logps)  # (B, T)
+    correct = b.extra.rewards >= 2  # (B,) the answers that keep their rewards' term alone
+    spared = replace(b, extra=replace(b.extra))  # its own extra, changed below
+    spared.extra.teacher_logps = torch.where(correct[:, None], pi_old,
+                                             b.extra.teacher_logps)  # (B, T)
     if top_k:
-        b.teacher_topk_ids = torch.randint(0, 49152, (4, 6, top_k), generator=g)
+        b.extra.teacher_topk_ids = torch.randint(0, 49152, (4, 6, top_k), generator=g)
         teacher = torch.log_softmax(torch.randn(4, 6, 8, generator=g) * 2, -1)  # (B, T, 8)
-        b.teacher_topk_logps = teacher.topk(top_k).values  # (B, T, k): of one distribution
+        b.extra.teacher_topk_logps = teacher.topk(top_k).values  # (B, T, k): of one distribution
         with torch.no_grad():
             logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
             own = torch.log_softmax(logits[:, -7:-1].float() / grpo.TEMPERATURE, -1)
-            own = own.gather(-1, b.teacher_topk_ids)  # (B, T, k) the student's at those ids
-        spared.teacher_topk_ids = b.teacher_topk_ids
-        spared.teacher_topk_logps = torch.where(correct[:, None, None], own,
-                                                b.teacher_topk_logps)  # (B, T, k)
+            own = own.gather(-1, b.extra.teacher_topk_ids)  # (B, T, k) the student's at those ids
+        spared.extra.teacher_topk_ids = b.extra.teacher_topk_ids
+        spared.extra.teacher_topk_logps = torch.where(correct[:, None, None], own,
+                                                      b.extra.teacher_topk_logps)  # (B, T, k)
     set_setting(monkeypatch, "BETA", 0.0)
     set_setting(monkeypatch, "DISTILL_COEF", 2.0)
     set_setting(monkeypatch, "DISTILL_TOP_K", top_k)

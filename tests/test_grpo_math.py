@@ -607,7 +607,7 @@ def test_collate_aligns_groups_of_different_lengths():
     assert b.pi_old_rows.tolist() == [True, True, False]
     assert b.pi_old_logps[0].tolist()[:2] == [-2.0, -2.0]
     assert b.pi_old_logps[2].tolist() == [0.0] * 3
-    assert b.vllm_logps is None and b.vllm_rows is None  # no row has them
+    assert b.extra.vllm_logps is None and b.extra.vllm_rows is None  # no row has them
     only_g2 = collate([(g2, {"plen": 1})], pad_id=0)
     assert only_g2.pi_old_logps is None and only_g2.pi_old_rows is None
     alone = collate([(g1, {"plen": 3})], pad_id=0)

@@ -122,8 +122,6 @@ def test_with_every_fast_path_off_the_lessons_definition_is_what_trains(left_pad
         ref_logps=torch.full((6, 5), -3.0),
         pi_old_logps=None,
         pi_old_rows=None,
-        vllm_logps=None,
-        vllm_rows=None,
         normalizer=6.0,
     )
     params = list(model.parameters())

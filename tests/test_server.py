@@ -844,7 +844,7 @@ def test_an_upload_id_refused_with_503_is_forgotten_and_the_oldest_ids_are_evict
 
 def test_nan_reference_log_probs_are_never_handed_to_a_trainer(model):
     server, stop_serving, url = start(model)
-    server.reference_logps = lambda ids, plen, t, upload=None: torch.full(
+    server.reference_logps = lambda ids, plen, t, upload=None, completion_mask=None: torch.full(
         (ids.shape[0], ids.shape[1] - plen), float("nan")
     )
     try:

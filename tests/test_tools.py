@@ -535,7 +535,8 @@ def test_generate_trains_on_the_models_tokens_and_records_the_calls(monkeypatch,
     )
     assert out.lengths == [len(call) + len(rest), len(enc(" 7 </think><answer>7</answer>")) + 1]
     assert (
-        out.tool_calls == [1, 0] and out.tool_errors == [0, 0] and out.truncated == [False, False]
+        out.extra.tool_calls == [1, 0] and out.extra.tool_errors == [0, 0]
+        and out.truncated == [False, False]
     )
     assert (
         out.texts[0]

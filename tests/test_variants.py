@@ -298,8 +298,6 @@ def batch_for(model, seed=0):
         ref_logps=ref,
         pi_old_logps=None,
         pi_old_rows=None,
-        vllm_logps=None,
-        vllm_rows=None,
         normalizer=None,
         advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]),
     )

@@ -149,15 +149,15 @@ def test_the_servers_log_probs_equal_the_trainers_for_the_same_weights_and_image
     got = server.reference_logps(decoded_group[0]["input_ids"], meta["plen"], 0.7, shown)
     batch = grpo.collate([decoded_group], processor.pad_token_id,
                          image_processor=processor.image_processor)
-    assert batch.vision_inputs["pixel_values"].shape[0] == 3  # one row per answer
+    assert batch.extra.vision_inputs["pixel_values"].shape[0] == 3  # one row per answer
     grpo_temperature = grpo.TEMPERATURE
     try:
         grpo.TEMPERATURE = 0.7
         with torch.no_grad():
             want = grpo.per_token_logps(model, batch.input_ids, batch.attention_mask, 5,
-                                        **batch.vision_inputs)
-            other = {**batch.vision_inputs,
-                     "pixel_values": batch.vision_inputs["pixel_values"].flip(-1) * 0.5}
+                                        **batch.extra.vision_inputs)
+            other = {**batch.extra.vision_inputs,
+                     "pixel_values": batch.extra.vision_inputs["pixel_values"].flip(-1) * 0.5}
             moved = grpo.per_token_logps(model, batch.input_ids, batch.attention_mask, 5,
                                          **other)
     finally:
@@ -214,7 +214,7 @@ def test_a_batch_mixes_groups_with_and_without_images(any_vlm):
         batch = grpo.collate(groups, processor.pad_token_id, image_processor=image_processor)
         with torch.no_grad():
             return grpo.per_token_logps(model, batch.input_ids, batch.attention_mask, 4,
-                                        **batch.vision_inputs)
+                                        **batch.extra.vision_inputs)
 
     mixed = logps([(shown, shown_meta), (text, text_meta)], processor.image_processor)  # (4, 4)
     alone_shown = logps([(shown, shown_meta)], processor.image_processor)  # (2, 4)
@@ -256,7 +256,7 @@ def test_a_step_draws_questions_with_and_without_images_and_trains_each_row_as_g
     T = batch.mask.shape[1]
     with torch.no_grad():
         trained = grpo.per_token_logps(model, batch.input_ids, batch.attention_mask, T,
-                                       **batch.vision_inputs)  # (4, T)
+                                       **batch.extra.vision_inputs)  # (4, T)
     # pi_old, computed at generation from the rollout's own prompt ids and pixels
     generated = batch.pi_old_logps  # (4, T)
     mask = batch.mask  # (4, T)
@@ -272,16 +272,16 @@ def test_chunked_log_probs_equal_the_plain_definition_with_pixels_in_value_and_g
                          image_processor=processor.image_processor)
     params = [p for p in model.parameters() if p.requires_grad]
     args = (model, batch.input_ids, batch.attention_mask, 6)
-    plain = grpo.per_token_logps(*args, **batch.vision_inputs)
+    plain = grpo.per_token_logps(*args, **batch.extra.vision_inputs)
     chunked = fast_paths.completion_logps(*args, grpo.TEMPERATURE, chunk=4, from_hidden=False,
-                                          vision_inputs=batch.vision_inputs)
+                                          vision_inputs=batch.extra.vision_inputs)
     # Chunks change the order of the fp32 sums over 49k logits (values near 10, eps 1.2e-7 each):
     # a few 1e-6 here, and other processors round other bits; 1e-4 is far below a real change.
     torch.testing.assert_close(chunked, plain, rtol=0, atol=1e-4)
     weights = torch.randn_like(plain)
     plain_grads = torch.autograd.grad((plain * weights).sum(), params, allow_unused=True)
     chunked = fast_paths.completion_logps(*args, grpo.TEMPERATURE, chunk=4, from_hidden=False,
-                                          vision_inputs=batch.vision_inputs)
+                                          vision_inputs=batch.extra.vision_inputs)
     chunked_grads = torch.autograd.grad((chunked * weights).sum(), params, allow_unused=True)
     tower = {id(p) for p in vision.vision_tower(model).parameters()}
     reached_tower = False

@@ -89,7 +89,7 @@ def main(path):
     ended = torch.isin(r.completion_ids, torch.tensor(eos_ids)).any(1)  # (B,)
     report.update(
         rows=r.completion_ids.shape[0],
-        sampled_gap=(trainer - r.vllm_logps)[mask].abs().max().item(),
+        sampled_gap=(trainer - r.extra.vllm_logps)[mask].abs().max().item(),
         stopped_or_full=bool((ended | (mask.sum(1) == grpo.MAX_NEW_TOKENS)).all()),
         padding_after_stop=bool((r.completion_ids[~mask] == tokenizer.pad_token_id).all()),
         distinct_in_group=[

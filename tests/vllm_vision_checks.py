@@ -58,11 +58,12 @@ def main(path):
     ids = torch.cat([r.prompt_ids, r.completion_ids], 1)  # (B, P+T)
     attn = torch.cat([r.prompt_mask, torch.ones_like(r.completion_ids)], 1)  # (B, P+T)
     T = r.completion_ids.shape[1]
-    trainer = grpo.per_token_logps(model, ids, attn, T, **r.vision_inputs)  # (B, T) at TEMPERATURE
+    trainer = grpo.per_token_logps(model, ids, attn, T,
+                                   **r.extra.vision_inputs)  # (B, T) at TEMPERATURE
     mask = r.mask.bool()  # (B, T)
     report.update(rows=r.completion_ids.shape[0], sampled_tokens=int(mask.sum()),
-                  pixel_rows=int(r.vision_inputs["pixel_values"].shape[0]),
-                  sampled_gap=(trainer - r.vllm_logps)[mask].abs().max().item(),
+                  pixel_rows=int(r.extra.vision_inputs["pixel_values"].shape[0]),
+                  sampled_gap=(trainer - r.extra.vllm_logps)[mask].abs().max().item(),
                   distinct_in_group=[len({tuple(x) for x in r.completion_ids[g * 4: g * 4 + 4]
                                           .tolist()}) for g in range(2)])
 
@@ -80,7 +81,7 @@ def main(path):
     def gap(a, b):
         return (a - b)[mask].abs().max().item()
 
-    pixels = r.vision_inputs
+    pixels = r.extra.vision_inputs
     swapped_pixels = {name: torch.cat([value[4:], value[:4]]) for name, value in pixels.items()}
     report.update(own_images=gap(vllm_logps_of(llm, marked, own, r.completion_ids, mask),
                                  trainer_logps(pixels)),
