@@ -2,10 +2,10 @@
 (PADDING_FREE, features/packing.py), side by side in one run, on answer lengths a real run wrote.
 
     python bench/bench_padding_free.py output/completions.jsonl [more completions.jsonl ...]
-    REPEATS=3 GROUPS=4 python bench/bench_padding_free.py /tmp/demo/completions.jsonl \
+    REPEATS=3 QUESTIONS=4 python bench/bench_padding_free.py /tmp/demo/completions.jsonl \
         /tmp/gsm256/completions.jsonl /tmp/gsm512/completions.jsonl
 
-For each file: the step with the most groups that train (their rewards differ), GROUPS of them,
+For each file: the step with the most groups that train (their rewards differ), QUESTIONS of them,
 each prompt as the trainer builds it and each answer as long as the model wrote it (random tokens:
 the cost does not depend on which). The batch is laid out by the trainer's collate, then each
 path runs step 6's forward and backward of the log-probs (completion_logps as the trainer's
@@ -28,7 +28,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 REPEATS = int(os.environ.get("REPEATS", "3"))  # fresh processes per path
-GROUPS = int(os.environ.get("GROUPS", "4"))  # groups in the step measured (Q_BATCH_SIZE's default)
+QUESTIONS = int(os.environ.get("QUESTIONS", "4"))  # groups in the step measured (Q_BATCH_SIZE)
 PATHS = {  # name: (SHARED_PREFIX, PADDING_FREE)
     "full rows, padded": (False, False),
     "full rows, packed": (False, True),
@@ -38,7 +38,7 @@ PATHS = {  # name: (SHARED_PREFIX, PADDING_FREE)
 
 
 def step_lengths(path: str) -> list:
-    """[(question, [answer lengths])] of the step with the most groups that train, GROUPS of
+    """[(question, [answer lengths])] of the step with the most groups that train, QUESTIONS of
     them."""
     from padding_share import step_groups
 
@@ -52,7 +52,7 @@ def step_lengths(path: str) -> list:
     step = max(trained, key=lambda s: (len(trained[s]), s))
     if not trained[step]:
         sys.exit(f"{path}: no step has a group that trains")
-    return trained[step][:GROUPS]
+    return trained[step][:QUESTIONS]
 
 
 def one_run(lengths_file: str, path_name: str) -> dict:
@@ -101,7 +101,7 @@ def one_run(lengths_file: str, path_name: str) -> dict:
 def main(paths: list):
     import tempfile
 
-    print(f"{REPEATS} repeats, {GROUPS} groups a step; each (path, repeat) a fresh process")
+    print(f"{REPEATS} repeats, {QUESTIONS} groups a step; each (path, repeat) a fresh process")
     for path in paths:
         lengths = step_lengths(path)
         answers = [n for _, group in lengths for n in group]

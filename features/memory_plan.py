@@ -64,7 +64,7 @@ class Setting:
     logp_from_hidden: bool = True  # LOGP_FROM_HIDDEN
     shared_prefix: bool = True  # SHARED_PREFIX: a group's prompt runs once
     padding_free: bool = False  # PADDING_FREE: rows packed, no padding (features/packing.py)
-    pack_tokens: int = 4096  # PACK_TOKENS: tokens in one packed row at most
+    pack_tokens: int = 0  # PACK_TOKENS: tokens in one packed row at most, 0 = the longest row
     use_vllm: bool = False  # USE_VLLM
     vllm_gpu_memory: float = 0.3  # VLLM_GPU_MEMORY: the share of the GPU vLLM takes
     vllm_cpu_kv_gb: float = 1.0  # VLLM_CPU_KV_GB: on CPU, vLLM's KV cache beside its own weights
@@ -251,10 +251,11 @@ def plan(shape: ModelShape, s: Setting, device_bytes: int) -> list:
     else:
         kept = tokens * shape.layers * per_token
     what = f"activations of {tokens:,} tokens"
-    if s.padding_free:  # the worst case has no padding to drop; a packed row adds its mask
-        packed = min(s.pack_tokens, tokens)  # tokens in the longest packed row
-        kept += packed * packed  # the block-causal mask, one byte a (query, key) pair
-        what += f" (packed, a {packed:,}-token row's mask)"
+    longest_row = s.prompt_tokens + s.max_new_tokens
+    if s.padding_free and s.pack_tokens > longest_row:  # packed rows longer than a padded row's
+        packed_rows = -(-tokens // s.pack_tokens)
+        kept += packed_rows * s.pack_tokens**2  # their block-causal masks, a byte a pair
+        what += f" (packed: {packed_rows} rows' masks of {s.pack_tokens:,}^2)"
     if s.tower_saved:  # every answer row runs its question's images through the tower
         image_rows = (s.train_micro_batch or s.q_batch_size) * s.num_pre_q
         kept += image_rows * s.tower_saved

@@ -3,31 +3,33 @@ forward or backward spent on padding; tested equal to the padded rectangle (test
 
 A Batch is a rectangle: prompts left-padded to the longest, answers right-padded to the longest.
 Here each row keeps only the tokens its attention_mask marks (its prompt and its answer up to the
-last token that trains, as collate and the server lay them out), rows are laid end to end in
-packed rows of at most PACK_TOKENS tokens, and position ids restart at 0 for each row. With the
-2-D attention mask left out, transformers reads the restarts as sequence boundaries: sdpa and
-eager attention get a block-causal mask (no token sees another row's), flash-attention its
-variable-length kernel (cu_seqlens from the same position ids). With SHARED_PREFIX the group's
-prompt still runs once: its KV cache is computed on one row, and the group's answers run packed
-after it, each answer seeing the prompt and its own earlier tokens (a 4-D mask of
-prompt-then-block-causal; flash-attention has no such mask, so there the answers use sdpa's).
+last token that trains, as collate and the server lay them out). The rows go, longest first, into
+packed rows no longer than the batch's longest row (PACK_TOKENS: another bound), each into the
+first with room, and position ids restart at 0 for each row. With the 2-D attention mask left out,
+transformers reads the restarts as sequence boundaries: sdpa and eager attention get a
+block-causal mask (no token sees another row's), flash-attention its variable-length kernel
+(cu_seqlens from the same position ids). With SHARED_PREFIX the group's prompt still runs once:
+its KV cache, then the group's answers packed the same way after it, each answer seeing the
+prompt and its own earlier tokens (a 4-D mask; flash-attention takes none, so it is refused there).
 
-What it costs: attention inside a packed row is computed over the whole row and masked, so its
-work grows with PACK_TOKENS squared while the layers' matmuls shrink by the padding removed; a
-bound of a few thousand tokens keeps the masked attention small beside the matmuls of a small
-model (docs/padding_free.md has the table of where it pays).
+What it costs: attention inside a packed row is computed over the whole row and masked. A packed
+row no longer than the longest row keeps that work at most the rectangle's (fewer rows of the
+same length); the matmuls shrink by the padding left out, less the packed rows' own slack (the
+tail of a packed row the next row did not fit in). docs/padding_free.md has the table of where it
+pays.
 
     python bench/bench_padding_free.py   # step seconds and peak memory, packed and padded
 """
 import contextlib
 import sys
+from dataclasses import dataclass
 
 import torch
 
 from features import env_overrides
 
 PADDING_FREE = False  # True = rows packed end to end, no padding computed; False = rectangles
-PACK_TOKENS = 4096  # tokens in one packed row at most; its masked attention grows as its square
+PACK_TOKENS = 0  # tokens in a packed row at most; 0 = the batch's longest row (attention <= padded)
 env_overrides.apply_env_overrides(globals(), "features/packing.py")
 
 
@@ -62,76 +64,107 @@ def row_spans(attention_mask: torch.Tensor, n_completion: int) -> list:
     return spans
 
 
-def packed_rows(lengths: list, limit: int) -> list:
-    """Rows in order, as lists of row indices whose lengths add up to at most `limit` (a row
-    longer than the limit alone in its own)."""
-    out = []
-    total = limit + 1  # no open packed row yet
-    for row, length in enumerate(lengths):
-        if total + length > limit:
-            out.append([])
-            total = 0
-        out[-1].append(row)
-        total += length
-    return out
+def first_fit(lengths: list, capacity: int) -> list:
+    """Indices of `lengths` in bins whose lengths add up to at most `capacity`, longest first,
+    each into the first bin with room (first-fit decreasing); one longer than capacity alone."""
+    bins = []  # [(room left, [indices])]
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for b, (room, members) in enumerate(bins):
+            if lengths[i] <= room:
+                bins[b] = (room - lengths[i], members + [i])
+                break
+        else:
+            bins.append((capacity - lengths[i], [i]))
+    return [members for _, members in bins]
+
+
+@dataclass
+class Packed:
+    """Rows laid end to end in k packed rows of `width` tokens; the tail after a packed row's last
+    row is its own run of pad tokens (its positions restart too, so it is its own sequence)."""
+    ids: torch.Tensor  # (k, width) the tokens
+    positions: torch.Tensor  # (k, width) each row's from `start` up; the tail's from `start` too
+    owner: torch.Tensor  # (k, width) which run of tokens each belongs to (a row, or a tail)
+    at: list  # [(packed row, column)] of each row's first token, row by row as given
+
+
+def pack(pieces: list, capacity: int, start: int = 0) -> Packed:
+    """pieces: 1-D token tensors, packed by first_fit into rows of at most capacity (or the longest
+    piece); positions count from `start` in each piece."""
+    bins = first_fit([len(p) for p in pieces], max(capacity, max(len(p) for p in pieces)))
+    width = max(sum(len(pieces[i]) for i in members) for members in bins)
+    device = pieces[0].device
+    ids = torch.zeros(len(bins), width, dtype=torch.long, device=device)  # (k, width)
+    positions = torch.zeros(len(bins), width, dtype=torch.long, device=device)  # (k, width)
+    owner = torch.full((len(bins), width), len(pieces), device=device)  # (k, width)
+    at = [None] * len(pieces)
+    for b, members in enumerate(bins):
+        column = 0
+        for i in members:
+            n = len(pieces[i])
+            ids[b, column : column + n] = pieces[i]
+            positions[b, column : column + n] = start + torch.arange(n, device=device)
+            owner[b, column : column + n] = i
+            at[i] = (b, column)
+            column += n
+        positions[b, column:] = start + torch.arange(width - column, device=device)  # the tail
+        owner[b, column:] = len(pieces) + 1 + b  # the tail sees only itself (and a prompt)
+    return Packed(ids=ids, positions=positions, owner=owner, at=at)
 
 
 def packed_states(model, input_ids, attention_mask, n_completion: int, *, hidden: bool,
-                  limit: int = 0) -> torch.Tensor:
+                  capacity: int = 0) -> torch.Tensor:
     """(B, n_completion, V) logits, or with hidden=True (B, n_completion, H) last hidden states,
     where [:, t] predicts input_ids[:, -n_completion + t]: the padded forward's values on every
-    answer token the attention_mask marks, 0 past each row's end. The rows run packed (above),
-    `limit` tokens a packed row (0 = PACK_TOKENS)."""
-    from features.fast_paths import lm_head_weight, model_outputs  # here: a cycle
+    answer token the attention_mask marks, 0 past each row's end. The rows with an answer token
+    run packed (above), in packed rows of `capacity` tokens (0: PACK_TOKENS, or the longest)."""
+    from features.fast_paths import model_outputs  # here: fast_paths imports this module
     B, L = input_ids.shape
     first_answer = L - n_completion
     spans = row_spans(attention_mask, n_completion)
     answered = [r for r in range(B) if spans[r][1] > first_answer]  # rows with a token to predict
-    weight = lm_head_weight(model)  # (V, H)
-    width = weight.shape[1] if hidden else weight.shape[0]
-    out = weight.new_zeros(B, n_completion, width)  # (B, T, D) 0 where nothing is predicted
-    lengths = [spans[r][1] - spans[r][0] for r in answered]
-    for packed in packed_rows(lengths, limit or PACK_TOKENS):
-        rows = [answered[i] for i in packed]
-        pieces = [input_ids[r, spans[r][0] : spans[r][1]] for r in rows]  # each (n_r,)
-        ids = torch.cat(pieces)[None]  # (1, N)
-        positions = torch.cat([torch.arange(len(p), device=ids.device) for p in pieces])[None]
-        keep, at_row, at_column = [], [], []  # packed positions that predict, and where they go
-        offset = 0
-        for r, piece in zip(rows, pieces):
-            answer = spans[r][1] - first_answer  # the row's answer tokens
-            predicting = offset + first_answer - spans[r][0] - 1 + torch.arange(answer)  # (a,)
-            keep.append(predicting)
-            at_row += [r] * answer
-            at_column += range(answer)
-            offset += len(piece)
-        keep = torch.cat(keep).to(ids.device)  # (K,)
-        # No cache: transformers reads the restarts as boundaries only without one
-        states = model_outputs(model, hidden, keep, input_ids=ids, position_ids=positions,
-                               use_cache=False)[0]  # (K, D)
-        index = (torch.tensor(at_row, device=ids.device),
-                 torch.tensor(at_column, device=ids.device))
-        out = out.index_put(index, states.to(out.dtype))  # (B, T, D) out of place: grads flow
-    return out
+    head = getattr(model, "module", model).get_output_embeddings().weight  # (V, H)
+    out = head.new_zeros(B, n_completion, head.shape[1] if hidden else head.shape[0])  # (B, T, D)
+    if not answered:
+        return out
+    pieces = [input_ids[r, spans[r][0] : spans[r][1]] for r in answered]  # each (n_r,)
+    packed = pack(pieces, capacity or PACK_TOKENS)
+    at_packed, at_column, at_row, at_answer = [], [], [], []  # each predicting position
+    for i, r in enumerate(answered):
+        packed_row, column = packed.at[i]
+        answer = spans[r][1] - first_answer  # the row's answer tokens
+        at_packed += [packed_row] * answer
+        at_column += range(column + first_answer - spans[r][0] - 1,
+                           column + spans[r][1] - spans[r][0] - 1)
+        at_row += [r] * answer
+        at_answer += range(answer)
+    device = packed.ids.device
+    keep = torch.tensor(sorted(set(at_column)), device=device)  # (K,) the columns that predict
+    # No cache: transformers reads the restarts as boundaries only without one
+    states = model_outputs(model, hidden, keep, input_ids=packed.ids,
+                           position_ids=packed.positions, use_cache=False)  # (k, K, D)
+    picked = states[torch.tensor(at_packed, device=device),
+                    torch.searchsorted(keep, torch.tensor(at_column, device=device))]  # (N, D)
+    index = (torch.tensor(at_row, device=device), torch.tensor(at_answer, device=device))
+    return out.index_put(index, picked.to(out.dtype))  # (B, T, D) out of place: grads flow
 
 
-def shared_prompt_mask(plen: int, answer_lengths: list, device) -> torch.Tensor:
-    """(1, 1, N, plen + N) bool, N = the answers' tokens: each answer token sees the whole prompt
-    (its KV cache) and its own answer's tokens up to itself, never another answer's."""
-    n = sum(answer_lengths)
-    owner = torch.repeat_interleave(torch.arange(len(answer_lengths), device=device),
-                                    torch.tensor(answer_lengths, device=device))  # (N,)
-    at = torch.arange(n, device=device)  # (N,)
-    same = (owner[:, None] == owner[None, :]) & (at[None, :] <= at[:, None])  # (N, N)
-    prompt = torch.ones(n, plen, dtype=torch.bool, device=device)  # (N, plen)
-    return torch.cat([prompt, same], 1)[None, None]  # (1, 1, N, plen + N)
+def prompt_then_own_mask(packed: Packed, plen: int) -> torch.Tensor:
+    """(k, 1, width, plen + width) bool: each token sees the whole prompt (its KV cache) and the
+    tokens of its own run up to itself, never another answer's."""
+    owner = packed.owner  # (k, width)
+    column = torch.arange(owner.shape[1], device=owner.device)  # (width,)
+    own = (owner[:, :, None] == owner[:, None, :]) & (column[None, :] <= column[:, None])
+    prompt = torch.ones(*owner.shape, plen, dtype=torch.bool, device=owner.device)
+    return torch.cat([prompt, own], 2)[:, None]  # (k, 1, width, plen + width)
 
 
 def group_states(model, input_ids, attention_mask, n_completion: int,
                  hidden: bool = False) -> torch.Tensor:
     """shared_prefix_logits' values for G rows with one prompt, padding-free: the prompt runs
-    once (its KV cache, one row), then the group's answers packed in one row after it
-    (shared_prompt_mask). (G, t, V or H), t the group's longest answer; 0 past each row's end."""
+    once (its KV cache), then the group's answers packed after it into rows no longer than its
+    longest (prompt_then_own_mask). (G, t, V or H), t the group's longest answer; 0 past each
+    row's end."""
     from features.fast_paths import (_check_cache, checkpointing, layer_flags,  # here: a cycle
                                      model_outputs, prompt_cache)
     inner = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
@@ -144,28 +177,41 @@ def group_states(model, input_ids, attention_mask, n_completion: int,
     answers = [end - first_answer for _, end in spans]  # each row's answer tokens
     prompt = input_ids[:1, spans[0][0] : first_answer]  # (1, plen) the group's one prompt
     plen = prompt.shape[1]
-    cache, first = prompt_cache(model, prompt, torch.ones_like(prompt), 1, hidden)  # (1, 1, D)
+    fed = [r for r in range(G) if answers[r] > 1]  # rows whose tokens predict a next one
+    repeats = 1  # the prompt's cache, once per packed row of answers
+    packed = None
+    if fed:  # each fed answer but its last token, which predicts nothing
+        pieces = [input_ids[r, first_answer : first_answer + answers[r] - 1] for r in fed]
+        packed = pack(pieces, PACK_TOKENS, start=plen)
+        repeats = packed.ids.shape[0]
+    cache, first = prompt_cache(model, prompt, torch.ones_like(prompt), repeats,
+                                hidden)  # first: (k, 1, D)
     device = first.device
     out = first.new_zeros(G, max(max(answers), 1), first.shape[-1])  # (G, t, D)
     answered = [r for r in range(G) if answers[r]]  # rows with a token to predict
     out = out.index_put((torch.tensor(answered, dtype=torch.long, device=device),
                          torch.zeros(len(answered), dtype=torch.long, device=device)),
                         first[0].expand(len(answered), -1))  # token 0: the prompt's last position
-    fed = [max(a - 1, 0) for a in answers]  # answer tokens that predict the next one
-    if not sum(fed):
+    if packed is None:
         return out
-    ids = torch.cat([input_ids[r, first_answer : first_answer + fed[r]] for r in range(G)])[None]
-    positions = torch.cat([plen + torch.arange(n, device=ids.device) for n in fed])[None]  # (1, N)
     switch = contextlib.nullcontext()  # no layer recomputes: its flags need no switching
     if checkpointing(inner):
         switch = layer_flags(inner, _can_checkpoint_with_cache=True)
     with switch:
-        rest = model_outputs(model, hidden, 0, input_ids=ids, past_key_values=cache,
-                             position_ids=positions,
-                             attention_mask=shared_prompt_mask(plen, fed, ids.device))[0]  # (N, D)
-    _check_cache(cache, plen + ids.shape[1], inner)
+        rest = model_outputs(model, hidden, 0, input_ids=packed.ids, past_key_values=cache,
+                             position_ids=packed.positions,
+                             attention_mask=prompt_then_own_mask(packed, plen))  # (k, width, D)
+    _check_cache(cache, plen + packed.ids.shape[1], inner)
     cache.crop(plen)  # back to the prompt: checkpointed layers recompute on it in backward
-    at_row = [r for r, n in enumerate(fed) for _ in range(n)]
-    at_column = [column for n in fed for column in range(1, n + 1)]
-    index = (torch.tensor(at_row, device=device), torch.tensor(at_column, device=device))
-    return out.index_put(index, rest)  # (G, t, D)
+    at_packed, at_column, at_row, at_answer = [], [], [], []  # each fed token's prediction
+    for i, r in enumerate(fed):
+        packed_row, column = packed.at[i]
+        n = answers[r] - 1
+        at_packed += [packed_row] * n
+        at_column += range(column, column + n)
+        at_row += [r] * n
+        at_answer += range(1, n + 1)
+    picked = rest[torch.tensor(at_packed, device=device),
+                  torch.tensor(at_column, device=device)]  # (N, D)
+    index = (torch.tensor(at_row, device=device), torch.tensor(at_answer, device=device))
+    return out.index_put(index, picked)  # (G, t, D)

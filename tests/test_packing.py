@@ -122,12 +122,12 @@ def test_packed_path_equals_the_lessons_definition_in_value_and_gradient(llama, 
 
 
 def test_a_small_bound_packs_several_rows_and_changes_nothing(llama, monkeypatch):
-    """PACK_TOKENS smaller than two rows: each packed row holds one or two, and a row longer than
-    the bound runs alone; the values are the same."""
+    """PACK_TOKENS below the longest row: a row longer than the bound runs alone, the others two
+    or three to a packed row; the values are the same."""
     ids, attention, mask = ragged_batch()
     lengths = [end - start for start, end in packing.row_spans(attention, mask.shape[1])]
-    assert len(packing.packed_rows(lengths, 20)) > 2  # several packed rows
-    assert max(lengths) > 12  # and a row longer than the bound below
+    bins = packing.first_fit(lengths, 12)
+    assert max(lengths) > 12 and any(len(members) > 1 for members in bins)
     padded, _, _ = logps_and_gradient(llama, ids, attention, mask, from_hidden=True)
     monkeypatch.setattr(packing, "PACK_TOKENS", 12)
     packed, _, _ = logps_and_gradient(llama, ids, attention, mask, from_hidden=True,
@@ -135,9 +135,10 @@ def test_a_small_bound_packs_several_rows_and_changes_nothing(llama, monkeypatch
     assert_equal_on_trained(padded, packed, mask)
 
 
-def test_packed_rows_keep_order_and_bound():
-    assert packing.packed_rows([3, 4, 5, 9, 1, 1], 8) == [[0, 1], [2], [3], [4, 5]]
-    assert packing.packed_rows([], 8) == []
+def test_first_fit_puts_the_longest_first_each_into_the_first_bin_with_room():
+    assert packing.first_fit([3, 4, 5, 9, 1, 1], 9) == [[3], [2, 1], [0, 4, 5]]
+    assert packing.first_fit([12, 2], 5) == [[0], [1]]  # longer than the bound: alone
+    assert packing.first_fit([], 8) == []
 
 
 def test_a_token_never_sees_another_rows_tokens(llama):
@@ -212,12 +213,12 @@ def test_collate_attends_each_answer_up_to_its_last_trained_token():
 
 
 def test_the_trainer_packs_when_asked(llama, monkeypatch):
-    """With PADDING_FREE the model sees packed rows: one forward of (1, N) for the batch, N the
-    marked tokens of the rows with a token to train, and no padded rectangle (the row with none
-    runs nothing)."""
+    """With PADDING_FREE the model sees packed rows: fewer rows than the batch, none longer than
+    its longest row, holding every marked token of the rows with a token to train (the row with
+    none runs nothing)."""
     seen = []
     hook = llama.model.embed_tokens.register_forward_hook(
-        lambda module, args, out: seen.append(tuple(args[0].shape)))
+        lambda module, args, out: seen.append(args[0]))
     try:
         ids, attention, mask = ragged_batch()
         set_setting(monkeypatch, "TEMPERATURE", 0.7)
@@ -227,13 +228,17 @@ def test_the_trainer_packs_when_asked(llama, monkeypatch):
             grpo.logps_for_run()(llama, ids, attention, mask.shape[1])
     finally:
         hook.remove()
-    assert seen == [(1, int(attention[mask.any(1)].sum()))]
+    (packed,) = seen
+    longest = int(attention.sum(1).max())
+    assert packed.shape[0] < ids.shape[0] and packed.shape[1] == longest
+    real = int(attention[mask.any(1)].sum())
+    assert packed.numel() < ids.numel() and packed.numel() - real < longest  # slack < one row
 
 
-def test_the_memory_plan_counts_a_packed_rows_mask():
-    """The plan's worst case (every answer MAX_NEW_TOKENS long) has no padding to drop, so packing
-    leaves its tokens; it adds the packed row's block-causal mask, min(PACK_TOKENS, tokens)^2
-    bytes, to the activations."""
+def test_the_memory_plan_counts_packed_rows_longer_than_a_padded_row():
+    """The plan's worst case (every answer MAX_NEW_TOKENS long) has no padding to leave out, and
+    packed rows no longer than a padded row (PACK_TOKENS 0) cost what the rectangle does; rows
+    packed longer add their block-causal masks, a byte a (query, key) pair."""
     from features import memory_plan
 
     shape = memory_plan.ModelShape(params=135_000_000, trainable=135_000_000, layers=30,
@@ -242,13 +247,13 @@ def test_the_memory_plan_counts_a_packed_rows_mask():
     padded = memory_plan.Setting(q_batch_size=2, num_pre_q=4, prompt_tokens=100,
                                  max_new_tokens=200)
     tokens = memory_plan.step_tokens(padded)
-    for pack_tokens in (512, 100_000):
+    without = memory_plan.plan(shape, padded, 80 * 2**30)[2]
+    for pack_tokens, masks in ((0, 0), (300, 0), (1024, -(-tokens // 1024) * 1024**2)):
         packed = memory_plan.Setting(**{**padded.__dict__, "padding_free": True,
                                         "pack_tokens": pack_tokens})
-        without = memory_plan.plan(shape, padded, 80 * 2**30)[2]
-        with_mask = memory_plan.plan(shape, packed, 80 * 2**30)[2]
-        assert with_mask.trainer - without.trainer == min(pack_tokens, tokens) ** 2
-        assert "packed" in with_mask.what
+        with_packing = memory_plan.plan(shape, packed, 80 * 2**30)[2]
+        assert with_packing.trainer - without.trainer == masks
+    assert "packed" in with_packing.what
 
 
 def test_the_shared_prompts_packed_answers_refuse_a_flash_attention_model(llama, monkeypatch):
