@@ -227,12 +227,12 @@ def variant_terms(engine, b, *, logps, pi_old_logps, entropy, s: LossSettings,
         weights = mismatch_weights(pi_old_logps, b.extra.vllm_logps, b.extra.vllm_rows, mask,
                                    mode=TIS_MODE, cap=TIS_CAP)  # (B, T)
     if s.off_policy_delta:  # DeepSeek-V3.2: far off-policy tokens with A < 0 leave the surrogate
-        sampled_by = pi_old_logps  # (B, T) pi_old as vLLM measured it on the rows it sampled
+        pi_old_as_sampled = pi_old_logps  # (B, T) pi_old, vLLM's own on the rows it sampled
         if b.extra.vllm_logps is not None:
             rows = mask & b.extra.vllm_rows[:, None]  # (B, T)
-            sampled_by = torch.where(rows, b.extra.vllm_logps, pi_old_logps)  # (B, T)
-        keep = off_policy_mask(advantages=token_advantages, pi_old_logps=sampled_by, logps=logps,
-                               mask=mask, delta=s.off_policy_delta)  # (B, T)
+            pi_old_as_sampled = torch.where(rows, b.extra.vllm_logps, pi_old_logps)  # (B, T)
+        keep = off_policy_mask(advantages=token_advantages, pi_old_logps=pi_old_as_sampled,
+                               logps=logps, mask=mask, delta=s.off_policy_delta)  # (B, T)
         weights = keep if weights is None else weights * keep  # (B, T)
     trained = weights  # (B, T) or None: which tokens' surrogates train, and by how much
     if s.top_entropy_quantile < 1:  # "Beyond the 80/20 rule": the forking tokens alone

@@ -9,6 +9,9 @@
 #   bash bench/gpu_checks.sh part5   # vLLM for a tiny Qwen2.5-VL (needs vllm, torchvision in .whl/)
 #   bash bench/gpu_checks.sh part6   # the Triton tests compiled; every loss variant on the GPU in
 #                                    # fp32 and bf16 against the CPU; bench_kernel.py (no DeepSpeed)
+#   bash bench/gpu_checks.sh part7   # padding-free against padded (bench_padding_free.py) in bf16
+#                                    # on the three steps' lengths in bench/results/, sdpa and, if
+#                                    # flash_attn is in .whl/, flash-attention's varlen kernel
 set -u
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -20,6 +23,18 @@ if [ "$1" = part1 ]; then
 print(torch.__version__, triton.__version__, t.__version__, d.__version__)"
   python3 -m pytest -q -p no:cacheprovider tests/test_triton.py 2>&1 | tail -8
   python3 bench/bench_kernel.py && cp bench/results/kernel.json "$OUT"/
+elif [ "$1" = part7 ]; then
+  nvidia-smi -L
+  python3 -m pytest -q -p no:cacheprovider tests/test_packing.py 2>&1 | tail -3
+  for steps in demo gsm256 gsm512; do
+    DEVICE=cuda MODEL=.gpu RANDOM_WEIGHTS=1 python3 bench/bench_padding_free.py \
+      bench/results/padding_free_$steps.json 2>&1 | tee -a "$OUT"/padding_free.txt
+    if python3 -c "import flash_attn" 2>/dev/null; then
+      DEVICE=cuda MODEL=.gpu RANDOM_WEIGHTS=1 ATTENTION=flash_attention_2 \
+        python3 bench/bench_padding_free.py bench/results/padding_free_$steps.json 2>&1 \
+        | tee -a "$OUT"/padding_free.txt
+    fi
+  done
 elif [ "$1" = part6 ]; then
   nvidia-smi -L
   python3 -m pytest -q -p no:cacheprovider tests/test_triton.py 2>&1 | tail -8

@@ -34,10 +34,13 @@ def warn_if_exposed(host: str, token: str, what: str = "upload and read batches"
         print(warning, file=sys.stderr, flush=True)
 
 
-def start_http(app, host, port, *, threads, backlog, idle_timeout, max_body, request_deadline=None):
+def start_http(app, host, port, *, threads, backlog, idle_timeout, max_body, request_deadline=None,
+               per_address=0):
     """Serve the WSGI `app` on a daemon thread; returns stop(), which ends the loop and frees the
     port. A request (headers and body) must arrive whole within request_deadline seconds of its
-    first byte (default idle_timeout), so no client holds one of the `backlog` connections long."""
+    first byte (default idle_timeout), so no client holds one of the `backlog` connections long.
+    per_address: connections one IP address may hold at once (0 = any number); one more is closed
+    as it is accepted, so a peer's idle or trickling connections leave the others' room."""
     from waitress.channel import HTTPChannel
     from waitress.parser import HTTPRequestParser
     from waitress.server import create_server
@@ -55,6 +58,27 @@ def start_http(app, host, port, *, threads, backlog, idle_timeout, max_body, req
                           cleanup_interval=1,
                           max_request_body_size=max_body, ident="ref_server")
     httpd.channel_class = TimedChannel
+    accept_one = httpd.handle_accept
+
+    def handle_accept():  # guard: no address holds more than per_address of the connections
+        if not per_address:
+            return accept_one()
+        try:
+            accepted = httpd.accept()
+        except OSError:  # the peer left before its accept: nothing to serve
+            return
+        if accepted is None:
+            return
+        conn, addr = accepted
+        held = sum(1 for channel in list(httpd.active_channels.values())
+                   if channel.addr and channel.addr[0] == addr[0])
+        if held >= per_address:
+            conn.close()
+            return
+        httpd.set_socket_options(conn)
+        httpd.channel_class(httpd, conn, httpd.fix_addr(addr), httpd.adj, map=httpd._map)
+
+    httpd.handle_accept = handle_accept
     deadline = request_deadline or idle_timeout
     idle_cleanup = httpd.maintenance
 

@@ -40,6 +40,7 @@ RANGE = re.compile(r"bytes=([0-9]{1,%d})-$" % MAX_DIGITS)  # the one Range form 
 MAX_INFO_BYTES = 4096  # /weights/info is a small JSON object; a longer answer is refused
 MIN_RATE = 2**20  # bytes/s a transfer must average (after its grace time) or it is given up
 MAX_BACKOFF_S = 60.0  # a worker refused or cut short waits twice as long each time, up to this
+PER_ADDRESS = 8  # connections one IP address may hold on the publisher (of its 64); 0 = no limit
 TRANSIENT = (requests.RequestException, urllib3.exceptions.HTTPError, OSError)  # link or peer away
 
 
@@ -103,7 +104,7 @@ class WeightPublisher:
                                       headers={"Content-Type": "application/json"})
 
         self.stop = start_http(json_errors(app), host, port, threads=4, backlog=64,
-                               idle_timeout=10, max_body=1024)
+                               idle_timeout=10, max_body=1024, per_address=PER_ADDRESS)
 
     def publish(self, state_dict: dict, version: int):
         """Serve these weights as `version` from now on; a download of the old one then gets 409."""

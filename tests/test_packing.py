@@ -262,3 +262,22 @@ def test_the_shared_prompts_packed_answers_refuse_a_flash_attention_model(llama,
     monkeypatch.setattr(llama.config, "_attn_implementation", "flash_attention_2")
     with pytest.raises(ValueError, match="flash-attention takes no 4-D mask"):
         packing.group_states(llama, ids, attention, mask.shape[1])
+
+
+@pytest.mark.parametrize("shared_prefix", [False, True])
+def test_packed_rows_under_gradient_checkpointing_give_the_same_gradients(tokenizer,
+                                                                          shared_prefix):
+    """GRADIENT_CHECKPOINTING recomputes each layer in backward: the packed rows (and the shared
+    prompt's cache they read) recompute to the same values as the padded rectangle's."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_config(tokenizer)).double().train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids, attention, mask = ragged_batch()
+    padded = logps_and_gradient(model, ids, attention, mask, shared_prefix=shared_prefix,
+                                from_hidden=True)
+    packed = logps_and_gradient(model, ids, attention, mask, shared_prefix=shared_prefix,
+                                from_hidden=True, padding_free=True)
+    assert_equal_on_trained(padded[0], packed[0], mask)
+    assert_same_gradients(padded[2], packed[2])
