@@ -108,6 +108,15 @@ def settings_now() -> ServerSettings:
 
 
 # ----------------------------------------------------------------------------- the server
+def run_of(meta) -> str:
+    """The run an upload comes from: its upload_id's part before the first "-" (the trainer's
+    run-<uuid>), or "" (workers and plain clients share their address's)."""
+    uid = meta.get("upload_id")
+    if not isinstance(uid, str) or "-" not in uid:
+        return ""
+    return uid.split("-", 1)[0][:64]
+
+
 def attention_of(ids, plen, completion_mask) -> torch.Tensor:
     """(G, L) a group's attention mask: its prompt (unpadded, plen tokens) and each answer up to
     its last token that trains (wire.answer_attention); every token without a completion_mask."""
@@ -253,8 +262,8 @@ class RefServer:
         raise bottle.HTTPResponse(json.dumps({"error": message}), status=status,
                                   headers={"Content-Type": "application/json", **dict(headers)})
 
-    def _busy(self):
-        self._refuse(503, "queue full, retry later", "busy", {"Retry-After": "1"})
+    def _busy(self, why="queue full"):
+        self._refuse(503, f"{why}, retry later", "busy", {"Retry-After": "1"})
 
     def _accept(self, tensors, meta, nbytes, images=()):
         """Queue a valid upload for the forward (REGROUP: pool it; queue a group if one formed:
@@ -274,14 +283,17 @@ class RefServer:
         return {"ok": True, "groups": int(group is not None), "pending": self.pending.qsize(),
                 "instance": self.instance}
 
-    def decoded_group(self, tensors, plen, pixels, peer):  # a variant: images
+    def decoded_group(self, tensors, plen, pixels, sender):  # a variant: images
         """The group's images decoded and checked against its prompts (features/vision.py); a
-        failure gives the decoding budget back and charges it to the peer (DecodeBudget)."""
+        success adds to the sender's credit, a failure gives the decoding budget back and charges
+        it to the sender (DecodeBudget). sender: (address, run)."""
         try:
-            return vision.check_group(self.processor, tensors, plen)
+            images = vision.check_group(self.processor, tensors, plen)
         except ValueError:
-            self.decoding.failed(pixels, peer)  # guard
+            self.decoding.failed(pixels, *sender)  # guard
             raise
+        self.decoding.decoded(pixels, *sender)  # guard
+        return images
 
     def _build_app(self):
         app = bottle.Bottle()
@@ -308,11 +320,11 @@ class RefServer:
                 images_sent = carries_images(tensors)  # guard: a text group carries none
                 if images_sent:
                     pixels = vision.pixels_of(tensors)  # a variant: images
-                peer = bottle.request.remote_addr or ""  # a peer's failures are its own
-                if pixels and not self.decoding.take(pixels, peer):  # guard: the decoding budget
-                    self._busy()  # this second's decoding is spent: a retry comes later
+                sender = (bottle.request.remote_addr or "", run_of(meta))  # its failures its own
+                if pixels and not self.decoding.take(pixels, *sender):  # guard: decoding budget
+                    self._busy("the image decoding budget (DECODE_PIXELS_PER_S) is spent")
                 if self.processor is not None or images_sent:
-                    images = self.decoded_group(tensors, meta["plen"], pixels, peer)
+                    images = self.decoded_group(tensors, meta["plen"], pixels, sender)
                 if meta.get("teacher_top_k") and not self.settings.teacher:
                     raise ValueError("teacher_top_k asks a teacher (TEACHER=1); this server holds "
                                      "a reference")

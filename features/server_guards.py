@@ -79,42 +79,71 @@ class DecodeBudget:
     retried later, so a peer with the token cannot keep the threads decoding (one upload is
     bounded by MAX_QUESTION_PIXELS, their flow by this). An upload charged by its headers whose
     images then fail to decode gives the pixels back to the shared budget and is charged to its
-    peer's own: a peer sending headers that promise what the files do not hold spends what it may
-    fail with, never what honest peers decode (issue 79's hostile peer starved them)."""
+    sender's own failure budget: a peer sending headers that promise what the files do not hold
+    spends what it may fail with, never what honest peers decode (issue 79's hostile peer).
+
+    Whose failures: a sender is its address and its run (`key`). A run earns its own budget by
+    decoding: each success adds its pixels (up to `burst`), each failure spends them. A run with
+    no such credit (a new one, or one that only failed) fails on its address's budget, as all
+    such runs there do. So a hostile peer on an honest run's address (one host, or behind NAT)
+    spends that address's budget, never the honest run's credit, and cannot buy failures without
+    as many pixels decoded first; inventing new runs gets it no budget of its own (issue 88)."""
 
     def __init__(self, per_second, burst):
         self.per_second = per_second
         self.burst = burst
         self.shared = Bucket(per_second, burst)
-        self.failures = collections.OrderedDict()  # peer -> Bucket of the pixels it may fail with
+        self.failures = collections.OrderedDict()  # address -> Bucket its runs without credit share
+        self.credit = collections.OrderedDict()  # (address, run) -> pixels it may fail with
         self.lock = threading.Lock()
 
-    def take(self, pixels, peer="") -> bool:
+    def take(self, pixels, peer="", run="") -> bool:
         """Charge `pixels` to the shared budget before decoding them; False (nothing charged)
-        when it or the peer's failure budget holds too few."""
+        when it holds too few, or when the sender's run has too little credit and its address's
+        failure budget too little too."""
         with self.lock:
-            failures = self._failures_of(peer)
-            if pixels > failures.now() or not self.shared.take(pixels):
+            credit = self.credit.get((peer, run), 0)
+            if pixels > credit and pixels > remembered(self.failures, peer, self._fresh).now():
                 return False
-            return True
+            return self.shared.take(pixels)
 
-    def failed(self, pixels, peer="") -> None:
+    def decoded(self, pixels, peer="", run="") -> None:
+        """The decoding that take charged worked: the run's credit grows by its pixels."""
+        if not pixels:  # a text group: nothing decoded, nothing earned
+            return
+        with self.lock:
+            credit = self.credit.pop((peer, run), 0)
+            self.credit[(peer, run)] = min(self.burst, credit + pixels)  # most recent last
+            while len(self.credit) > MAX_PEERS:
+                self.credit.popitem(last=False)
+
+    def failed(self, pixels, peer="", run="") -> None:
         """The decoding that take charged failed: give the pixels back to the shared budget and
-        charge them to the peer's own (down to 0)."""
+        spend them from the run's credit, the rest from its address's failure budget."""
         with self.lock:
             self.shared.left = min(self.burst, self.shared.left + pixels)
-            failures = self._failures_of(peer)
-            failures.left = max(0.0, failures.now() - pixels)
+            credit = self.credit.get((peer, run), 0)
+            if credit:
+                self.credit[(peer, run)] = max(0, credit - pixels)
+            rest = max(0, pixels - credit)
+            failures = remembered(self.failures, peer, self._fresh)
+            failures.left = max(0.0, failures.now() - rest)
 
-    def _failures_of(self, peer) -> "Bucket":
-        bucket = self.failures.pop(peer, None) or Bucket(self.per_second, self.burst)
-        self.failures[peer] = bucket  # most recent last: the oldest peers are forgotten first
-        while len(self.failures) > MAX_PEERS:
-            self.failures.popitem(last=False)
-        return bucket
+    def _fresh(self) -> "Bucket":
+        return Bucket(self.per_second, self.burst)
 
 
-MAX_PEERS = 4096  # peers whose failure budgets are remembered (a forgotten one starts full)
+def remembered(table: collections.OrderedDict, key, fresh) -> "Bucket":
+    """table[key] (made by fresh() the first time), the most recent last: past MAX_PEERS keys the
+    oldest are forgotten first (a forgotten one starts full)."""
+    bucket = table.pop(key, None) or fresh()
+    table[key] = bucket
+    while len(table) > MAX_PEERS:
+        table.popitem(last=False)
+    return bucket
+
+
+MAX_PEERS = 4096  # addresses, and runs, whose budgets are remembered (a forgotten one: fresh)
 
 
 class Bucket:

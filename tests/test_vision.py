@@ -8,7 +8,9 @@ import os
 import struct
 import subprocess
 import sys
+import threading
 import time
+import uuid
 import zlib
 from collections import Counter
 
@@ -631,6 +633,38 @@ def test_a_peers_failed_decodes_spend_its_own_budget_not_the_honest_peers():
     assert not budget.take(2**22, hostile)
 
 
+def test_a_hostile_peer_on_an_honest_runs_address_cannot_spend_the_honest_runs_budget():
+    """Issue 88: the failure budget was kept per address, so a peer on the same address as an
+    honest run (one host, NAT) starved it (1 x 200 and 11 x 503 in 6 s). A run now earns its own
+    budget by decoding; the hostile peer's failures spend its address's budget, new runs it makes
+    up get none of their own, and a run may fail with no more than it decoded."""
+    from features.server_guards import DecodeBudget
+
+    burst = 2**22
+    budget = DecodeBudget(per_second=1, burst=burst)  # nothing flows back within the test
+    address = "10.0.0.7"  # the honest run's and the hostile peer's
+    honest = 256 * 256
+    assert budget.take(honest, address, "honest")  # its first upload, on the address's budget
+    budget.decoded(honest, address, "honest")
+    budget.shared.left = burst
+    for made_up in range(20):  # lying headers under ever new runs: the address's budget only
+        if budget.take(burst // 4, address, f"hostile{made_up}"):
+            budget.failed(burst // 4, address, f"hostile{made_up}")
+        budget.shared.left = burst  # the shared flow is not what this test is about
+    assert not budget.take(burst // 4, address, "hostile99")  # the address's budget: spent
+    assert not budget.take(64, address, "hostile0")
+    for _ in range(12):  # the honest run keeps its share: its own credit, every time
+        assert budget.take(honest, address, "honest")
+        budget.decoded(honest, address, "honest")
+        budget.shared.left = burst
+    earned = 13 * honest  # what the honest run decoded: all it may fail with
+    assert budget.take(earned, address, "honest")
+    budget.failed(earned, address, "honest")
+    budget.shared.left = burst
+    assert not budget.take(honest, address, "honest")  # spent, and the address's budget too
+    assert budget.take(honest, "10.0.0.8", "other")  # another address: its own budget
+
+
 @pytest.mark.parametrize("sizes, refused", [
     ([(64, 64)], False),
     ([(2048, 2048)], False),  # one image at EasyR1's max_pixels, 2^22
@@ -729,6 +763,7 @@ def test_a_server_decodes_each_image_once_and_at_most_its_pixels_per_second(vlm,
         answers = [requests.post(url + "/upload", data=body, timeout=30) for _ in range(4)]
         assert [a.status_code for a in answers] == [200, 200, 200, 503]
         assert answers[3].headers["Retry-After"] == "1" and len(opened) == 3
+        assert "image decoding budget (DECODE_PIXELS_PER_S)" in answers[3].json()["error"]
         time.sleep(1.1)  # one image's pixels flowed back in
         assert requests.post(url + "/upload", data=body, timeout=30).status_code == 200
         wait_for(lambda: server.queue_of(0).qsize() == 4)  # every forward done
@@ -739,6 +774,53 @@ def test_a_server_decodes_each_image_once_and_at_most_its_pixels_per_second(vlm,
         stop(server, stop_serving)
     assert server.counters["uploaded"] == 4 and server.counters["ref_errors"] == 0
     assert len(opened) == 4  # once each: the forward used the images decoded at upload
+
+
+def test_an_honest_run_keeps_uploading_beside_a_hostile_peer_on_its_address(vlm):
+    """Issue 88's case through a real server: an honest run and a hostile peer both on
+    127.0.0.1, the hostile one sending PNG headers that claim 1024 x 1024 (and hold nothing)
+    under made-up runs as fast as it can for 6 s. Before, the honest run got 1 x 200 and 11 x 503;
+    now its 12 uploads, one every half second after its first, all get 200."""
+    model, processor = vlm
+    server = ref_server.RefServer(model, "tiny-vlm", processor=processor)
+    port = free_port()
+    stop_serving = ref_server.serve(server, "127.0.0.1", port)
+    url = f"http://127.0.0.1:{port}"
+    tensors, meta = prompt_group(processor, [png()])
+    lying, _ = prompt_group(processor, [png()])
+    lying.update(vision.pack_images([png_header(1024, 1024)]))
+    hostile_answers = []
+    stop_hostile = threading.Event()
+
+    def hostile():
+        n = 0
+        while not stop_hostile.is_set():
+            n += 1
+            body = encode_batch(lying, {**meta, "rank": 1, "upload_id": f"made{n}-up"})
+            hostile_answers.append(requests.post(url + "/upload", data=body, timeout=30))
+
+    def honest_upload():
+        body = encode_batch(tensors, {**meta, "rank": 0,
+                                      "upload_id": f"honestrun-{uuid.uuid4().hex}"})
+        return requests.post(url + "/upload", data=body, timeout=30).status_code
+
+    try:
+        assert honest_upload() == 200  # its first, before the hostile peer starts
+        thread = threading.Thread(target=hostile, daemon=True)
+        thread.start()
+        codes = []
+        for _ in range(12):
+            time.sleep(0.5)
+            codes.append(honest_upload())
+        stop_hostile.set()
+        thread.join(timeout=30)
+    finally:
+        stop(server, stop_serving)
+    assert codes == [200] * 12
+    hostile_codes = {a.status_code for a in hostile_answers}
+    assert hostile_codes <= {400, 503} and 503 in hostile_codes  # its address's budget: spent
+    refused = [a.json()["error"] for a in hostile_answers if a.status_code == 503]
+    assert all("image decoding budget" in error for error in refused)
 
 
 def test_a_bomb_is_refused_from_its_header_before_any_pixel_is_decoded(monkeypatch):
