@@ -4,9 +4,10 @@
     python bench/bench_padding_free.py output/completions.jsonl [more completions.jsonl ...]
     bash bench/padding_free_runs.sh   # RESULTS' rows: the demo's, GSM8K's at 256 and 512 tokens
 
-For each file: the step with the most groups that train (their rewards differ), QUESTIONS of them,
-each prompt as long as the trainer builds it and each answer as long as the model wrote it (random
-tokens: the cost does not depend on which; STEPS_FILE keeps the lengths for another machine). The batch is laid out by the trainer's collate, then each
+For each file: the step with the most groups that train (their rewards differ), QUESTIONS of
+them, each prompt as long as the trainer builds it and each answer as long as the model wrote it
+(random tokens: the cost does not depend on which; STEPS_FILE keeps the lengths for another
+machine). The batch is laid out by the trainer's collate, then each
 path runs step 6's forward and backward of the log-probs (completion_logps as the trainer's
 logps_of calls it: from the hidden states, LOGP_CHUNK tokens at a time) on the embedded model in
 fp32. Four paths: full rows and the shared prefix, each padded and packed. Each (path, repeat)

@@ -55,7 +55,7 @@ def start_http(app, host, port, *, threads, backlog, idle_timeout, max_body, req
 
     httpd = create_server(app, host=host, port=port, threads=threads, backlog=backlog,
                           connection_limit=backlog, channel_timeout=idle_timeout,
-                          cleanup_interval=1,
+                          cleanup_interval=1, asyncore_use_poll=True,  # select() dies past fd 1024
                           max_request_body_size=max_body, ident="ref_server")
     httpd.channel_class = TimedChannel
     accept_one = httpd.handle_accept

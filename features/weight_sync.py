@@ -31,6 +31,7 @@ WEIGHT_SYNC_STEPS = 0  # > 0: rank 0 serves its weights to workers this often; 0
 WEIGHT_SYNC_HOST = "127.0.0.1"  # where rank 0 serves them; "0.0.0.0" for other machines
 WEIGHT_SYNC_PORT = 59876  # the port it serves them on
 WEIGHTS_FROM = ""  # a worker: the trainer's http://host:WEIGHT_SYNC_PORT; "" = OUTPUT_DIR's step_N
+PER_ADDRESS = 8  # connections one IP address may hold on the publisher (of its 64); 0 = no limit
 env_overrides.apply_env_overrides(globals(), "features/weight_sync.py")
 
 
@@ -40,7 +41,6 @@ RANGE = re.compile(r"bytes=([0-9]{1,%d})-$" % MAX_DIGITS)  # the one Range form 
 MAX_INFO_BYTES = 4096  # /weights/info is a small JSON object; a longer answer is refused
 MIN_RATE = 2**20  # bytes/s a transfer must average (after its grace time) or it is given up
 MAX_BACKOFF_S = 60.0  # a worker refused or cut short waits twice as long each time, up to this
-PER_ADDRESS = 8  # connections one IP address may hold on the publisher (of its 64); 0 = no limit
 TRANSIENT = (requests.RequestException, urllib3.exceptions.HTTPError, OSError)  # link or peer away
 
 

@@ -600,7 +600,9 @@ def test_collate_aligns_groups_of_different_lengths():
         [1, 2, 3, 12, 13, 0],
         [0, 0, 4, 20, 21, 22],
     ]
-    assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]]
+    # each answer attended up to its last trained token (wire.answer_attention): row 2's last
+    # token trains nothing, and no earlier token attends it
+    assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 0]]
     assert b.mask.int().tolist() == [[1, 1, 0], [1, 1, 0], [1, 1, 0]]
     assert b.ref_logps[2].tolist() == [-3.0] * 3 and b.ref_logps[0].tolist() == [-1.0, -1.0, 0.0]
     # a group sent without pi_old_logps: on-policy (ratio 1)

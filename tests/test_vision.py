@@ -776,28 +776,34 @@ def test_a_server_decodes_each_image_once_and_at_most_its_pixels_per_second(vlm,
     assert len(opened) == 4  # once each: the forward used the images decoded at upload
 
 
-def test_an_honest_run_keeps_uploading_beside_a_hostile_peer_on_its_address(vlm):
+def test_an_honest_run_keeps_uploading_beside_a_hostile_peer_on_its_address(vlm, monkeypatch):
     """Issue 88's case through a real server: an honest run and a hostile peer both on
-    127.0.0.1, the hostile one sending PNG headers that claim 1024 x 1024 (and hold nothing)
+    127.0.0.1, the hostile one sending PNG headers that claim 64 x 64 (and hold no pixels)
     under made-up runs as fast as it can for 6 s. Before, the honest run got 1 x 200 and 11 x 503;
-    now its 12 uploads, one every half second after its first, all get 200."""
+    now its 12 uploads, one every half second after its first, all get 200. (With the run's
+    credit taken out of DecodeBudget, this test fails.)"""
     model, processor = vlm
-    server = ref_server.RefServer(model, "tiny-vlm", processor=processor)
+    monkeypatch.setattr(vision, "MAX_QUESTION_PIXELS", 2**14)  # the burst: four 64 x 64 images
+    # 2**16 pixels a second, 16 images: the hostile peer's failures, faster, keep its address's
+    # budget spent, as the issue's did
+    server = ref_server.RefServer(model, "tiny-vlm", processor=processor,
+                                  decode_pixels_per_s=2**16)
     port = free_port()
     stop_serving = ref_server.serve(server, "127.0.0.1", port)
     url = f"http://127.0.0.1:{port}"
     tensors, meta = prompt_group(processor, [png()])
     lying, _ = prompt_group(processor, [png()])
-    lying.update(vision.pack_images([png_header(1024, 1024)]))
+    lying.update(vision.pack_images([png_header(64, 64)]))  # the honest image's size, no pixels
     hostile_answers = []
     stop_hostile = threading.Event()
 
     def hostile():
         n = 0
-        while not stop_hostile.is_set():
-            n += 1
-            body = encode_batch(lying, {**meta, "rank": 1, "upload_id": f"made{n}-up"})
-            hostile_answers.append(requests.post(url + "/upload", data=body, timeout=30))
+        with requests.Session() as session:  # one connection: this process's descriptors
+            while not stop_hostile.is_set():
+                n += 1
+                body = encode_batch(lying, {**meta, "rank": 1, "upload_id": f"made{n}-up"})
+                hostile_answers.append(session.post(url + "/upload", data=body, timeout=30))
 
     def honest_upload():
         body = encode_batch(tensors, {**meta, "rank": 0,

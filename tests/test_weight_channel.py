@@ -118,11 +118,16 @@ def test_idle_and_trickling_connections_do_not_keep_a_worker_from_its_download(p
         publisher.stop()
 
 
-def test_every_download_is_served_from_the_one_published_buffer(publisher, monkeypatch):
+def test_every_download_is_served_from_the_one_published_buffer(monkeypatch):
     """30 clients that start a download and never read, and one resumed with Range: waitress buffers
     only headers (each body is read from the published bytes as a file), where each download used to
-    copy all 8 MB."""
+    copy all 8 MB. All from one address, so with no PER_ADDRESS limit."""
     from waitress import buffers
+
+    monkeypatch.setattr(weight_sync, "PER_ADDRESS", 0)
+    port = free_port()
+    publisher = weight_sync.WeightPublisher("127.0.0.1", port, token="")
+    publisher.url = f"http://127.0.0.1:{port}"
 
     copied = []
     real_append = buffers.OverflowableBuffer.append
@@ -145,6 +150,7 @@ def test_every_download_is_served_from_the_one_published_buffer(publisher, monke
     finally:
         for answer in answers:
             answer.close()
+        publisher.stop()
 
 
 def test_a_publisher_beyond_loopback_without_a_token_warns(capsys):
