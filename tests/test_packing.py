@@ -74,6 +74,18 @@ def logps_and_gradient(model, ids, attention, mask, **path):
     return logps.detach(), entropy, grads
 
 
+def assert_packed_equals_padded(model, **path):
+    """ragged_batch through `path` padded and packed: the same log-probs, entropies and gradients
+    on every trained token; the packed values finite."""
+    ids, attention, mask = ragged_batch()
+    padded = logps_and_gradient(model, ids, attention, mask, **path)
+    packed = logps_and_gradient(model, ids, attention, mask, padding_free=True, **path)
+    assert_equal_on_trained(padded[0], packed[0], mask)
+    assert_equal_on_trained(padded[1], packed[1], mask)
+    assert_same_gradients(padded[2], packed[2])
+    assert torch.isfinite(packed[0]).all() and torch.isfinite(packed[1]).all()
+
+
 def assert_equal_on_trained(want, got, mask, tolerance=TOLERANCE):
     diff = (want - got).abs()[mask.bool()]
     assert diff.max() < tolerance, f"largest difference {diff.max():.3e}"
@@ -89,15 +101,7 @@ def assert_same_gradients(want, got, tolerance=TOLERANCE):
 @pytest.mark.parametrize("from_hidden", [False, True])
 def test_packed_rows_give_the_padded_rectangles_values_and_gradients(llama, shared_prefix,
                                                                      from_hidden):
-    ids, attention, mask = ragged_batch()
-    padded = logps_and_gradient(llama, ids, attention, mask, shared_prefix=shared_prefix,
-                                from_hidden=from_hidden)
-    packed = logps_and_gradient(llama, ids, attention, mask, shared_prefix=shared_prefix,
-                                from_hidden=from_hidden, padding_free=True)
-    assert_equal_on_trained(padded[0], packed[0], mask)
-    assert_equal_on_trained(padded[1], packed[1], mask)
-    assert_same_gradients(padded[2], packed[2])
-    assert torch.isfinite(packed[0]).all() and torch.isfinite(packed[1]).all()
+    assert_packed_equals_padded(llama, shared_prefix=shared_prefix, from_hidden=from_hidden)
 
 
 def test_packed_path_equals_the_lessons_definition_in_value_and_gradient(llama, monkeypatch):
@@ -274,10 +278,4 @@ def test_packed_rows_under_gradient_checkpointing_give_the_same_gradients(tokeni
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_config(tokenizer)).double().train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ids, attention, mask = ragged_batch()
-    padded = logps_and_gradient(model, ids, attention, mask, shared_prefix=shared_prefix,
-                                from_hidden=True)
-    packed = logps_and_gradient(model, ids, attention, mask, shared_prefix=shared_prefix,
-                                from_hidden=True, padding_free=True)
-    assert_equal_on_trained(padded[0], packed[0], mask)
-    assert_same_gradients(padded[2], packed[2])
+    assert_packed_equals_padded(model, shared_prefix=shared_prefix, from_hidden=True)
