@@ -609,40 +609,43 @@ def collate(groups, pad_id, *, teacher=False, image_processor=None, top_k=0,
 
 
 @torch.no_grad()
-def prepare_batch(engine, batch: Batch, normalizer=None, *, logps_of=None) -> Batch:
-    """The batch on the device with its loss normalizer (default: its own count over ranks), pi_old
-    for every row at MU > 1 (reuse needs a fixed one), and LoRA's REF_FROM_BASE reference, both
-    by logps_of (main's choice; per_token_logps, the definition, when None)."""
-    logps_of = logps_of or per_token_logps
+def prepare_batch(engine, batch: Batch, normalizer=None, *, logps_of=per_token_logps,
+                  fills=()) -> Batch:
+    """The batch on the device with its loss normalizer (default: its own count over ranks), then
+    what main chose to compute under the weights as they are before step 6 (fills: nothing by
+    default; fixed_pi_old at MU > 1, LoRA's REF_FROM_BASE reference), each by logps_of."""
     b = on_device(batch, engine.device)
     b.normalizer = normalizer or global_count([b.mask], token_mean=LOSS_TYPE == "dapo")
     def current_logps():  # (B, T) under the weights as they are now
         return logps_of(engine.module.eval(), b.input_ids, b.attention_mask, b.mask.shape[1],
                         **b.extra.vision_inputs)
-    if lora.LORA_RANK > 0 and lora.REF_FROM_BASE and BETA != 0:  # the base, adapters off
-        b.ref_logps = lora.base_logps(engine, current_logps)  # (B, T) a variant: LoRA
-    if MU > 1 and (b.pi_old_logps is None or not b.pi_old_rows.all()):  # (B, T) every row's
-        b.pi_old_logps = pi_old_everywhere(current_logps(), b.pi_old_logps, b.pi_old_rows, b.mask)
-        b.pi_old_rows = None
+    for fill in fills:  # main's choice (fills_for_run)
+        fill(engine, b, current_logps)
     return b
 
 
-def batches_of(engine, groups, pad_id, image_processor=None, *, logps_of=None) -> list:
-    """Step 6's input: the groups as one batch, or TRAIN_MICRO_BATCH groups a batch, each with the
-    step's normalizer, so their gradients add up to the one batch's (features/zero2.py).
-    logps_of: prepare_batch's."""
-    vocab_size = None  # DISTILL_TOP_K: a teacher's top-k ids must lie below it
-    if DISTILL_TOP_K:  # a variant
-        vocab_size = engine.module.get_output_embeddings().weight.shape[0]
-    def to_batch(part):  # the groups as one padded Batch
-        return collate(part, pad_id, teacher=DISTILL_COEF > 0, image_processor=image_processor,
-                       top_k=DISTILL_TOP_K, vocab_size=vocab_size)
-    if not zero2.TRAIN_MICRO_BATCH:
-        return [prepare_batch(engine, to_batch(groups), logps_of=logps_of)]
-    return zero2.micro_batches(groups, zero2.TRAIN_MICRO_BATCH, to_batch,  # faster equal
-                               functools.partial(prepare_batch, engine, logps_of=logps_of),
-                               functools.partial(global_count, token_mean=LOSS_TYPE == "dapo"),
-                               engine.device)
+def fixed_pi_old(engine, b: Batch, current_logps) -> None:
+    """MU > 1: a batch trained MU times needs one pi_old, fixed before its first pass; the rows
+    that came without one take the current weights' log-probs (pi_old_everywhere)."""
+    if b.pi_old_logps is not None and (b.pi_old_rows is None or b.pi_old_rows.all()):
+        return  # every row carries its own
+    b.pi_old_logps = pi_old_everywhere(current_logps(), b.pi_old_logps, b.pi_old_rows, b.mask)
+    b.pi_old_rows = None  # (B, T) every row's now
+
+
+def one_batch(engine, groups, as_batch, prepare) -> list:
+    """All the step's groups in one Batch, its normalizer its own count over ranks."""
+    return [prepare(engine, as_batch(groups))]
+
+
+def batches_of(engine, groups, pad_id, image_processor=None, *, to_batch=collate,
+               prepare=prepare_batch, split=one_batch) -> list:
+    """Step 6's input: the step's groups as Batches on the device, by main's choices: to_batch
+    (collate), prepare (prepare_batch) and split (one_batch: all groups at once)."""
+    vocab_size = engine.module.get_output_embeddings().weight.shape[0]  # a teacher's ids' bound
+    def as_batch(part):  # groups as one padded Batch
+        return to_batch(part, pad_id, image_processor=image_processor, vocab_size=vocab_size)
+    return split(engine, groups, as_batch, prepare)
 
 
 def on_device(record, device):
@@ -750,6 +753,7 @@ class Parts:
     rescale: Callable  # 4. (groups, other rewards, device) -> groups: as_sampled
     upload_meta: dict  # 5. what each group tells the server besides its temperature: nothing
     logps_of: Callable  # (model, ids, mask, T, with_entropy) -> (B, T): per_token_logps
+    batches: Callable  # 6. (engine, groups, pad_id, image_processor) -> [Batch]: batches_of
     loss: Callable  # 6. (engine, Batch) -> (loss, metrics): policy_loss with grpo_terms
 
 
@@ -763,7 +767,8 @@ def choose_parts() -> Parts:
                  advantages=advantages_for_run(task.rewards),
                  has_signal=signal_for_run(task.rewards),
                  rescale=rescale_for_run(task.rewards), upload_meta=upload_meta_for_run(),
-                 logps_of=logps_of, loss=loss_for_run(logps_of))
+                 logps_of=logps_of, batches=batches_for_run(logps_of),
+                 loss=loss_for_run(logps_of))
 
 
 def choose_task() -> rewards.Task:  # set-up
@@ -882,6 +887,32 @@ def logps_for_run() -> Callable:  # set-up
     return fast_paths.logps_function(TEMPERATURE)  # faster equal
 
 
+def fills_for_run() -> tuple:
+    """What prepare_batch computes under the weights before step 6: nothing for GRPO's one pass
+    over fresh answers; LoRA's reference from its base (REF_FROM_BASE); pi_old for every row when
+    the batch trains MU > 1 times (fixed_pi_old)."""
+    fills = ()
+    if lora.LORA_RANK > 0 and lora.REF_FROM_BASE and BETA != 0:  # a variant: LoRA
+        fills += (lora.reference_from_base,)
+    if MU > 1:  # a batch reused needs one fixed pi_old
+        fills += (fixed_pi_old,)
+    return fills
+
+
+def batches_for_run(logps_of) -> Callable:
+    """Step 6's batches: batches_of, all groups in one; TRAIN_MICRO_BATCH groups a batch, their
+    gradients adding up to the one batch's (features/zero2.py); a teacher's log-probs in place of
+    the reference's, with its top-k tokens under DISTILL_TOP_K (a variant)."""
+    to_batch = functools.partial(collate, teacher=DISTILL_COEF > 0, top_k=DISTILL_TOP_K)
+    prepare = functools.partial(prepare_batch, logps_of=logps_of, fills=fills_for_run())
+    if zero2.TRAIN_MICRO_BATCH:  # faster equal: less memory, the same gradient
+        split = functools.partial(zero2.micro_batches, size=zero2.TRAIN_MICRO_BATCH,
+                                  count=functools.partial(global_count,
+                                                          token_mean=LOSS_TYPE == "dapo"))
+        return functools.partial(batches_of, to_batch=to_batch, prepare=prepare, split=split)
+    return functools.partial(batches_of, to_batch=to_batch, prepare=prepare)
+
+
 def loss_settings() -> objectives.LossSettings:  # set-up
     """Step 6's menu, as the constants above are now, for objectives.py."""
     return objectives.LossSettings(
@@ -939,6 +970,7 @@ def check_settings():  # guard: each call refuses what cannot work
     env_overrides.check_choice("DISTILL_SCALE", objectives.DISTILL_SCALE, objectives.DISTILL_SCALES)
     env_overrides.check_choice("TIS_MODE", objectives.TIS_MODE, objectives.TIS_MODES)
     refusals.refuse_tis(tis_cap=objectives.TIS_CAP)
+    zero2.check_micro_batch(zero2.TRAIN_MICRO_BATCH)
     teacher_mix.check_settings(distill_coef=DISTILL_COEF, rewards=REWARDS, all_steps=ALL_STEPS)
     if checkpoints.RESUME:  # a resume keeps the settings that shaped the run (TEACHER_STEPS)
         teacher_mix.check_resumed(*checkpoints.newest_settings(OUTPUT_DIR))
@@ -1088,8 +1120,7 @@ def main():
                              rank=rank, wanted=wanted, keep_all=keep_all, with_pi_old=with_pi_old,
                              metrics=metrics, **sampling)  # 1-5. questions to pulled groups
         groups = parts.rescale(found.groups, found.other_rewards, device)  # 4. (a variant's)
-        batches = batches_of(engine, groups, tokenizer.pad_token_id, image_processor,
-                             logps_of=parts.logps_of)
+        batches = parts.batches(engine, groups, tokenizer.pad_token_id, image_processor)  # 6.
         if phases is not None:  # a variant: the teacher's stage decides which terms train
             batches = phases.apply(engine, batches, metrics)
         metrics.update(train_step(engine, batches, loss_of=parts.loss))  # 6-7. loss, optimizer

@@ -48,7 +48,7 @@ def child():
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the RSS now
     start = time.perf_counter()
-    batches = grpo.batches_of(engine, groups, tokenizer.pad_token_id, logps_of=parts.logps_of)
+    batches = parts.batches(engine, groups, tokenizer.pad_token_id)
     grpo.train_step(engine, batches, loss_of=parts.loss)  # steps 6-7
     seconds = time.perf_counter() - start
     peak = hwm_bytes()

@@ -50,7 +50,7 @@ def child():
     engine, tokenizer, *_ = grpo.setup_deepspeed()
     parts = grpo.choose_parts()  # as main hands them to the steps
     groups = demo_groups(engine, tokenizer, grpo.Q_BATCH_SIZE)
-    batches = grpo.batches_of(engine, groups, tokenizer.pad_token_id, logps_of=parts.logps_of)
+    batches = parts.batches(engine, groups, tokenizer.pad_token_id)
     grpo.train_step(engine, batches, loss_of=parts.loss)  # the first creates AdamW's state
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:

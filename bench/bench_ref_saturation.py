@@ -56,7 +56,7 @@ def main():
                                  from_hidden=grpo.fast_paths.LOGP_FROM_HIDDEN)
         times["ref"].append(time.perf_counter() - start)
         start = time.perf_counter()
-        batches = grpo.batches_of(engine, groups, tokenizer.pad_token_id, logps_of=parts.logps_of)
+        batches = parts.batches(engine, groups, tokenizer.pad_token_id)
         grpo.train_step(engine, batches, loss_of=parts.loss)
         times["train"].append(time.perf_counter() - start)
         start = time.perf_counter()

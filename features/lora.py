@@ -109,6 +109,12 @@ def save_merged(model, tokenizer, output_dir, rank):
     torch.distributed.barrier()
 
 
+def reference_from_base(engine, batch, current_logps) -> None:
+    """REF_FROM_BASE: the batch's reference log-probs are its base model's (adapters off), put in
+    before step 6 (the trainer's prepare_batch calls it when main chose it)."""
+    batch.ref_logps = base_logps(engine, current_logps)  # (B, T)
+
+
 def base_logps(engine, logps):
     """What logps() computes with the adapters switched off: the base model's log-probs, the
     reference of REF_FROM_BASE, from the weights this process already holds."""

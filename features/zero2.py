@@ -187,30 +187,36 @@ def setup(load_policy, *, model_path, seed, ds_config_path, lr, optimizer_steps)
     return engine, tokenizer, eos_ids, gen_config, rank, device
 
 
-def micro_batches(groups, size, collate, prepare, count, device) -> list:
-    """The groups as batches of `size` groups (0 = all at once), collate(groups)'d and
-    prepare(batch, normalizer)'d; count(masks): the normalizer of the step's (B, T) masks (the
-    trainer's global_count). Each holds the whole step's loss normalizer, so their gradients add up
-    to the one big batch's, and its share of the step's answers and tokens (for the metrics). ZeRO-2
-    reduces gradients in every backward, so every rank must run as many: a rank with fewer repeats
-    its last micro-batch with share 0 (its loss x 0)."""
+def check_micro_batch(size: int) -> None:
+    """Guard: TRAIN_MICRO_BATCH counts groups; a negative one is refused (at start too)."""
     if size < 0:
         raise ValueError(
             f"TRAIN_MICRO_BATCH = {size}: need groups per micro-batch >= 1, or 0 = all"
         )
+
+
+def micro_batches(engine, groups, as_batch, prepare, *, size, count) -> list:
+    """The step's groups as batches of `size` groups (TRAIN_MICRO_BATCH; 0 = all at once),
+    as_batch(groups)'d and prepare(engine, batch, normalizer)'d (the trainer's batches_of hands
+    them); count(masks): the normalizer of the step's (B, T) masks (the trainer's global_count).
+    Each holds the whole step's loss normalizer, so their gradients add up to the one big batch's,
+    and its share of the step's answers and tokens (for the metrics). ZeRO-2 reduces gradients in
+    every backward, so every rank must run as many: a rank with fewer repeats its last micro-batch
+    with share 0 (its loss x 0)."""
+    check_micro_batch(size)
     size = size or len(groups)
-    parts = [collate(groups[i : i + size]) for i in range(0, len(groups), size)]
-    normalizer = count([p.mask.to(device) for p in parts])
+    parts = [as_batch(groups[i : i + size]) for i in range(0, len(groups), size)]
+    normalizer = count([p.mask.to(engine.device) for p in parts])
     rows, tokens = sum(len(p.mask) for p in parts), sum(int(p.mask.sum()) for p in parts)
     parts = [
         dataclasses.replace(
-            prepare(p, normalizer),
+            prepare(engine, p, normalizer),
             share=len(p.mask) / rows,
             token_share=int(p.mask.sum()) / max(tokens, 1),
         )
         for p in parts
     ]
-    most = torch.tensor(len(parts), device=device)
+    most = torch.tensor(len(parts), device=engine.device)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
     repeat = dataclasses.replace(parts[-1], share=0.0, token_share=0.0)

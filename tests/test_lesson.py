@@ -232,17 +232,14 @@ STEP_FUNCTIONS = ("load_dataset", "draw_questions", "keep_no_outcomes", "questio
                   "encode_prompts", "decode", "sample_answers", "generate", "score_answers",
                   "group_advantages", "varied_groups", "scored_groups", "pack_groups",
                   "group_tensors", "upload_and_pull", "drop_untrainable", "steps_1_to_5", "collate",
-                  "prepare_batch", "batches_of", "grpo_terms", "policy_loss", "train_step")
+                  "prepare_batch", "fixed_pi_old", "one_batch", "batches_of", "grpo_terms",
+                  "policy_loss", "train_step")
 # The lesson's helpers that read the variants' selectors, so a test on them is a variant's branch.
 VARIANT_SWITCHES = ("advantage_variant_on", "loss_variant_on", "rescaled_at_step")
-# The branches on a setting still inside the step functions, each with why it stays: the prompt's
-# own constants are the lesson's (build_prompt is not among the steps' functions above, and reads
-# them); these are variants main's set-up does not hand in yet.
-BRANCHES_LEFT = {
-    "prepare_batch": ["LORA_RANK > 0 and REF_FROM_BASE and BETA != 0",  # LoRA's own reference
-                      "MU > 1 and ..."],  # a batch reused needs one fixed pi_old
-    "batches_of": ["DISTILL_TOP_K", "not TRAIN_MICRO_BATCH"],  # a teacher's bound; micro-batches
-}
+# The branches on a setting still inside the step functions, each with why it stays: none. The
+# prompt's own constants are the lesson's (build_prompt is not among the steps' functions above,
+# and reads them).
+BRANCHES_LEFT = {}
 
 
 def lesson_tree():
@@ -302,6 +299,8 @@ def test_each_part_main_hands_the_steps_is_the_lessons_own_by_default(monkeypatc
     assert parts.has_signal is grpo.varied_groups and parts.rescale is grpo.as_sampled
     assert parts.upload_meta == {}
     assert parts.loss.func is grpo.policy_loss and parts.loss.keywords["terms"] is grpo.grpo_terms
+    assert parts.batches.func is grpo.batches_of and "split" not in parts.batches.keywords
+    assert parts.batches.keywords["prepare"].keywords["fills"] == ()  # one pass, nothing to fix
     assert parts.rollout.func is grpo.fast_paths.shared_rollout  # SHARED_PREFIX, the default
     for name, off in (("SHARED_PREFIX", False), ("LOGP_FROM_HIDDEN", False), ("LOGP_CHUNK", 0)):
         monkeypatch.setattr(grpo.fast_paths, name, off)

@@ -145,7 +145,8 @@ def test_reference_from_the_disabled_adapters_equals_the_servers_on_the_base(mod
                 p.normal_(0, 0.5)  # a trained adapter: the policy is no longer the base
     batch = grpo.collate([({k: v for k, v in tensors.items()}, meta)], pad_id=0)
     assert batch.ref_logps is None  # nothing went to a server
-    b = grpo.prepare_batch(PlainEngine(policy, lr=0.0), batch, normalizer=1.0)
+    b = grpo.prepare_batch(PlainEngine(policy, lr=0.0), batch, normalizer=1.0,
+                          fills=grpo.fills_for_run())  # REF_FROM_BASE's
     torch.testing.assert_close(b.ref_logps, served["ref_logps"], rtol=0, atol=1e-5)
     own = completion_logps(
         policy,

@@ -409,7 +409,7 @@ def test_train_step_with_mu_two_fixes_pi_old_before_the_first_update(fresh_model
         model.load_state_dict(fresh_model.state_dict())
         monkeypatch.setattr(grpo, "MU", mu)
         engine = PlainEngine(model, lr=1e-2)
-        batch = grpo.prepare_batch(engine, b)  # MU > 1 without pi_old_logps: pi_old is fixed here
+        batch = grpo.prepare_batch(engine, b, fills=grpo.fills_for_run())  # MU > 1: pi_old fixed
         assert (batch.pi_old_logps is None) == (mu == 1)
         assert batch.pi_old_rows is None  # none given, or (MU > 1) every row's now
         results[mu] = (grpo.train_step(engine, [batch]), model)  # main's steps 6-7

@@ -67,7 +67,8 @@ def one_step():
     mask)."""
     engine, tokenizer, *_ = grpo.setup_deepspeed()
     rank = torch.distributed.get_rank()
-    parts = grpo.batches_of(engine, rank_groups(engine, tokenizer, rank), tokenizer.pad_token_id)
+    parts = grpo.choose_parts().batches(engine, rank_groups(engine, tokenizer, rank),
+                                        tokenizer.pad_token_id)
     m = Counter()  # train_step's step 6, without its optimizer step
     for i, part in enumerate(parts):
         engine.set_gradient_accumulation_boundary(i == len(parts) - 1)
