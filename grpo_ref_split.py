@@ -244,8 +244,11 @@ class Prompts:
 def load_policy(path, device):  # set-up
     """(model, tokenizer, eos_ids, gen_config) sampling plain softmax(logits / TEMPERATURE), as
     every log-prob assumes: no model default (top_k, top_p...) changes it (features/policy.py)."""
+    attention = packing.attention_implementation(device, padding_free=packing.PADDING_FREE,
+                                                 shared_prefix=fast_paths.SHARED_PREFIX)  # faster
     return policy.load_for_sampling(path, device, base_path=resolve_model_path(MODEL_PATH),
-                                    temperature=TEMPERATURE, max_new_tokens=MAX_NEW_TOKENS)
+                                    temperature=TEMPERATURE, max_new_tokens=MAX_NEW_TOKENS,
+                                    attn_implementation=attention)  # None: the default
 
 
 def draw_questions(sampler, n: int) -> list:

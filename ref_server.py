@@ -22,7 +22,7 @@ import uuid
 import bottle
 import torch
 
-from features import vision
+from features import packing, vision
 from features.embedded_model import resolve_model_path
 from features.env_overrides import apply_env_overrides
 from features.fingerprint import model_fingerprint, vocab_fingerprint
@@ -406,7 +406,10 @@ def main():  # set-up: the model, its server
     path = resolve_model_path(MODEL_PATH)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model, tokenizer, processor = vision.load_any(path, device, dtype)  # processor: None for text
+    attention = packing.attention_implementation(device, padding_free=PADDING_FREE,
+                                                 shared_prefix=SHARED_PREFIX)  # faster equal
+    model, tokenizer, processor = vision.load_any(path, device, dtype,  # processor: None for text
+                                                  attn_implementation=attention)
     model.eval().requires_grad_(False)
     warn_if_exposed(HOST, REF_TOKEN)
     reward_model = load_reward_model(REWARD_MODEL, dtype, device) if REWARD_MODEL else None

@@ -42,6 +42,21 @@ def check_settings(*, images: bool) -> None:
                  "cannot give; set PADDING_FREE=0")
 
 
+def attention_implementation(device, *, padding_free: bool, shared_prefix: bool) -> str | None:
+    """The attention a model loads with: flash-attention 2 where rows pack (padding_free) on a CUDA
+    device with flash_attn installed and no 4-D mask is needed (shared_prefix off), its
+    variable-length kernel running the packed rows with no mask at all; else None, transformers'
+    default (sdpa), which builds the block-causal mask from the restarting position ids."""
+    from importlib.util import find_spec
+
+    on_gpu = torch.device(device).type == "cuda"
+    if not padding_free or shared_prefix or not on_gpu:
+        return None
+    if find_spec("flash_attn") is None:  # pip install flash-attn: not a requirement
+        return None
+    return "flash_attention_2"
+
+
 def row_spans(attention_mask: torch.Tensor, n_completion: int) -> list:
     """[(start, end)] per row: the columns its attention_mask marks, one run of ones ending at or
     after the answer's first column (L - n_completion). ValueError where a row cannot pack: a hole

@@ -13,10 +13,13 @@ from features import vision
 from features.lora import load_adapters
 
 
-def load_for_sampling(path, device, *, base_path, temperature, max_new_tokens):
+def load_for_sampling(path, device, *, base_path, temperature, max_new_tokens,
+                      attn_implementation=None):
     """(model, tokenizer, eos_ids, gen_config) with plain sampling: what every log-prob assumes. A
     LoRA checkpoint (adapters only, adapter_config.json) is loaded onto base_path. A vision-language
-    model comes with its processor in the tokenizer's place (features/vision.py)."""
+    model comes with its processor in the tokenizer's place (features/vision.py).
+    attn_implementation: a causal LM's (features/packing.attention_implementation); None = the
+    default."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     adapters = os.path.exists(os.path.join(path, "adapter_config.json"))
@@ -25,7 +28,9 @@ def load_for_sampling(path, device, *, base_path, temperature, max_new_tokens):
         model, tokenizer = vision.load(weights_path, device)
     else:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(weights_path, dtype=torch.float32).to(device)
+        model = AutoModelForCausalLM.from_pretrained(weights_path, dtype=torch.float32,
+                                                     attn_implementation=attn_implementation)
+        model = model.to(device)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = load_adapters(model, path) if adapters else model

@@ -294,16 +294,19 @@ def qwen_generate(model):
     return generate_rows_first
 
 
-def load_any(path: str, device, dtype=torch.float32):
+def load_any(path: str, device, dtype=torch.float32, attn_implementation=None):
     """(model, tokenizer, processor): a vision-language model with its ImageTextProcessor as both,
-    or a causal LM, its tokenizer and None (ref_server.py's reference or teacher)."""
+    or a causal LM, its tokenizer and None (ref_server.py's reference or teacher).
+    attn_implementation: the causal LM's (features/packing.attention_implementation); None = the
+    default."""
     if model_type(path):
         model, processor = load(path, device, dtype)
         return model, processor, processor
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-    return model, AutoTokenizer.from_pretrained(path), None
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                 attn_implementation=attn_implementation)
+    return model.to(device), AutoTokenizer.from_pretrained(path), None
 
 
 def server_pixels(processor, images: list, rows: int, device) -> dict:

@@ -279,3 +279,47 @@ def test_packed_rows_under_gradient_checkpointing_give_the_same_gradients(tokeni
     model = LlamaForCausalLM(tiny_config(tokenizer)).double().train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     assert_packed_equals_padded(model, shared_prefix=shared_prefix, from_hidden=True)
+
+
+def test_flash_attention_loads_only_where_packed_rows_need_no_mask(monkeypatch, tmp_path):
+    """packing.attention_implementation: flash-attention 2 only with PADDING_FREE on, the shared
+    prompt's 4-D mask off, a CUDA device and flash_attn installed; else None (the default, sdpa).
+    The trainer's and the server's loads pass it to from_pretrained."""
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())  # "installed"
+    choose = packing.attention_implementation
+    assert choose("cuda", padding_free=True, shared_prefix=False) == "flash_attention_2"
+    assert choose("cuda:0", padding_free=True, shared_prefix=False) == "flash_attention_2"
+    assert choose("cuda", padding_free=True, shared_prefix=True) is None  # its 4-D mask
+    assert choose("cuda", padding_free=False, shared_prefix=False) is None  # rectangles
+    assert choose("cpu", padding_free=True, shared_prefix=False) is None  # no kernel on CPU
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # not installed
+    assert choose("cuda", padding_free=True, shared_prefix=False) is None
+    # what the loads hand transformers: the trainer's (policy) and the server's (vision.load_any)
+    import transformers
+    from transformers import LlamaConfig
+
+    from features import policy, vision
+    LlamaConfig(num_hidden_layers=1).save_pretrained(tmp_path)  # a text model's config
+    asked = []
+    class Asked(Exception):
+        pass
+    def from_pretrained(path, **kwargs):  # what a load would hand transformers, then no load
+        asked.append(kwargs.get("attn_implementation"))
+        raise Asked
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: None)
+    with pytest.raises(Asked):
+        policy.load_for_sampling(str(tmp_path), "cpu", base_path=str(tmp_path), temperature=1.0,
+                                 max_new_tokens=4, attn_implementation="flash_attention_2")
+    with pytest.raises(Asked):
+        vision.load_any(str(tmp_path), "cpu", attn_implementation="flash_attention_2")
+    assert asked == ["flash_attention_2", "flash_attention_2"]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(packing, "PADDING_FREE", True)
+    monkeypatch.setattr(fast_paths, "SHARED_PREFIX", False)
+    monkeypatch.setattr(grpo.policy, "load_for_sampling", lambda *a, **kwargs: kwargs)
+    assert grpo.load_policy(str(tmp_path), "cuda")["attn_implementation"] == "flash_attention_2"
+    monkeypatch.setattr(fast_paths, "SHARED_PREFIX", True)  # the default: sdpa
+    assert grpo.load_policy(str(tmp_path), "cuda")["attn_implementation"] is None
