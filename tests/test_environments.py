@@ -421,10 +421,10 @@ def hostile():
 
     procs = []
 
-    def start(how):
+    def start(how, from_session=1):
         port = free_port()
         procs.append(serve("tests/openenv_hostile.py", port, HOSTILE=how,
-                           HOSTILE_PORT=str(port)))
+                           HOSTILE_PORT=str(port), HOSTILE_FROM_SESSION=str(from_session)))
         return f"http://127.0.0.1:{port}"
     yield start
     for proc in procs:
@@ -484,6 +484,31 @@ def test_a_reply_without_done_stops_a_real_run_before_any_model_loads(hostile, t
     assert run.returncode != 0
     assert f"openenv:{url}: a reply without done" in output, output[-2000:]
     assert "asked at start" in output and "memory plan" not in output
+
+
+@pytest.mark.parametrize("how, says", [
+    ("nan_raw", "reward score = nan is not finite"),  # the reply's checks (read)
+    ("no_done", "a reply without done"),  # the client's (strict_client)
+    ("die", "step failed"),  # the server exits in the middle of the episode
+])
+def test_a_server_that_turns_hostile_mid_run_stops_it_named_and_its_step_never_trains(
+        hostile, server, tiny_model_dir, tmp_path, how, says):
+    """Issue 88 item 5: hostile replies through a real two-step run, one of each kind of check
+    (the others, an observation without text, 16 MB, no answer, meet the same checks in
+    test_a_hostile_openenv_server_is_refused_with_the_environment_named). The server plays fine
+    for the load (its openings and the probe: session 1) and step 1's 2 x 4 episodes, then turns:
+    step 2's episodes meet it (step 1's, should a group need a second rollout). The run stops
+    naming the environment and the fault, and the step that met it neither logs nor saves."""
+    url = hostile(how, from_session=10)
+    setting = json.dumps([[f"openenv:{url}", 1.0, {"reward_weights": {"score": 1.0}}]])
+    run = train(tiny_model_dir, server.url, tmp_path, 1, ENVIRONMENTS=setting,
+                OPENENV_QUESTIONS=4, EVAL_SIZE=2, EVAL_STEPS=0, ENV_TIMEOUT=3)
+    output = run.stdout + run.stderr
+    assert run.returncode != 0
+    assert f"environment openenv:{url}: {says}" in output, output[-2000:]
+    steps, _ = metrics(tmp_path)
+    assert [line["step"] for line in steps] in ([], [1])  # the step that met it never logs
+    assert not (tmp_path / "step_2").exists()
 
 
 def test_an_unreachable_openenv_server_stops_the_run_at_load(mix, monkeypatch):
