@@ -66,7 +66,7 @@ def test_a_failed_push_stops_with_a_clear_message(checks):
     assert "mix of old and new weights" in checks["failed_push"]
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("ranks", [2])  # each rank's engine; one rank checks nothing more
 def test_training_with_vllm_keeps_the_engine_on_the_trained_weights(
     server, tiny_model_dir, tmp_path, ranks
 ):
