@@ -34,6 +34,7 @@ import rewards
 from features import env_overrides
 from features.question_sampler import QuestionSampler, draw_by_rule
 from features.run_log import tag_of
+from features.turns import Reply, eos_at, play_turns, transformers_turns, vllm_turns
 
 # ----------------------------------------------------------------------------- constants
 ENVIRONMENTS = []  # [[name, weight]] or [[name, weight, {options}]]; [] = DATASET and REWARDS
@@ -646,14 +647,12 @@ def play_rollout(model, tokenizer, enc, n, asked, *, gen_config, llm, temperatur
     prompt's n rows consecutive; asked: each answer's question), sampled by vLLM (`llm`) or by
     transformers' generate with gen_config (do_sample False: greedy), each turn ending at an EOS:
     (completion_ids, vllm_logps, {policy_mask, stopped, played, turns})."""
-    from features.tools import transformers_turns, vllm_turns
-
     prompts = [ids[keep.bool()].tolist()
                for ids, keep in zip(enc.input_ids.cpu(), enc.attention_mask.cpu())]
     if llm is not None:
-        sample = vllm_turns(llm, temperature, eos_ids, stop=())
+        sample = vllm_turns(llm, temperature, eos_ids, stop=ChatEpisode.stop)
     else:
-        sample = transformers_turns(model, tokenizer, gen_config, stop=())
+        sample = transformers_turns(model, tokenizer, gen_config, stop=ChatEpisode.stop)
     out = play(sample, [p for p in prompts for _ in range(n)], asked, reward_fns=reward_fns,
                tokenizer=tokenizer, think_prefill=think_prefill,
                max_new_tokens=gen_config.max_new_tokens, eos_ids=list(eos_ids),
@@ -726,23 +725,53 @@ def observation_ids(tokenizer, observation: str, think_prefill: str) -> list:
     return tokenizer(after + think_prefill, add_special_tokens=False).input_ids
 
 
+class ChatEpisode:
+    """An environment's episode as features/turns.py plays it: a turn ends at the model's EOS, the
+    environment steps on that turn's text, and while it is not done its observation joins the
+    answer as the user's next turn (observation_ids). It sums each turn's rewards (played) and
+    counts its turns; MAX_TURNS steps end it, cut."""
+    stop = ()  # a turn ends at the EOS alone
+
+    def __init__(self, episode, env: str, reward_weights: dict, think_prefill: str):
+        self.episode = episode
+        self.env = env
+        self.reward_weights = reward_weights
+        self.think_prefill = think_prefill
+        self.played = dict.fromkeys(reward_weights, 0.0)
+        self.turns = 0
+
+    def turn_of(self, tokenizer, segment, eos_ids) -> tuple:
+        """(the segment up to and including its EOS, "eos"), or (all of it, None): cut."""
+        eos = eos_at(segment, eos_ids)
+        if eos is None:
+            return segment, None
+        return segment[: eos + 1], "eos"
+
+    def reply(self, tokenizer, ids, segment, *, ended, budget_left) -> Reply:
+        """The environment's step on this turn's text (with THINK_PREFILL, as scored): done, out of
+        turns, or its observation's tokens."""
+        text = self.think_prefill + tokenizer.decode(segment, skip_special_tokens=True)
+        turn = checked_turn(self.episode.step(text), self.env, self.reward_weights)
+        self.turns += 1
+        for name, value in turn.rewards.items():
+            self.played[name] += value
+        if turn.done:
+            return Reply(done=True)
+        if self.turns >= MAX_TURNS:
+            return Reply(over=True)  # out of turns: cut, as the budget cuts
+        return Reply(ids=observation_ids(tokenizer, turn.observation, self.think_prefill))
+
+
 def play(sample, prompts, asked, *, reward_fns, tokenizer, think_prefill, max_new_tokens,
          eos_ids, pad_id) -> dict:
-    """Every answer an episode of its question's environment, turn by turn: the model writes until
-    its EOS (sample(prefixes, budgets) -> one (token ids, log-probs or None) per prefix, from
-    features/tools.py), the environment steps on that turn's text, and while it is not done its
-    observation joins the answer as tokens that are not the policy's (they never train). An
-    episode ends when done, after MAX_TURNS steps, or when max_new_tokens run out (cut: not
-    stopped). A fault ends the step with EnvironmentFault: nothing of it trains, and the next
-    rollout opens fresh episodes. Returns completion_ids (B, T) padded with pad_id, vllm_logps
+    """Every answer an episode of its question's environment (ChatEpisode), played turn by turn by
+    features/turns.play_turns (sample(prefixes, budgets) -> one (token ids, log-probs or None) per
+    prefix). An episode ends when done, after MAX_TURNS steps, or when max_new_tokens run out
+    (cut: not stopped). A fault ends the step with EnvironmentFault: nothing of it trains, and the
+    next rollout opens fresh episodes. Returns completion_ids (B, T) padded with pad_id, vllm_logps
     (B, T) or None, policy_mask (B, T), stopped (B,), played (B dicts: each answer's rewards summed
     over its turns), turns (B ints)."""
-    import torch
-
-    from features.tools import padded_rows
-
     scorers = scorers_of_run(reward_fns)
-    B = len(prompts)
     episodes = [scorers[q["env"]].make() for q in asked]
     try:
         for episode, question in zip(episodes, asked):
@@ -752,57 +781,16 @@ def play(sample, prompts, asked, *, reward_fns, tokenizer, think_prefill, max_ne
                                        f"{question.get('seed', 0)}) opened otherwise than at "
                                        "load: its episodes must depend on the question and its "
                                        "seed alone")
-        ids = [[] for _ in range(B)]
-        own = [[] for _ in range(B)]  # True on the policy's tokens
-        logps = [[] for _ in range(B)]
-        played = [dict.fromkeys(scorers[q["env"]].reward_weights, 0.0) for q in asked]
-        turns = [0] * B
-        stopped = [False] * B
-        sampled = False
-        active = list(range(B))
-        while active:
-            outs = sample([prompts[i] + ids[i] for i in active],
-                          [max_new_tokens - len(ids[i]) for i in active])
-            still = []
-            for i, (segment, segment_logps) in zip(active, outs):
-                segment = list(segment)[: max_new_tokens - len(ids[i])]
-                eos = next((k for k, t in enumerate(segment) if t in eos_ids), None)
-                if eos is not None:
-                    segment = segment[: eos + 1]  # up to and including the EOS
-                sampled |= segment_logps is not None
-                ids[i] += segment
-                own[i] += [True] * len(segment)
-                logps[i] += list(segment_logps or [0.0] * len(segment))[: len(segment)]
-                if eos is None:
-                    continue  # cut by the budget: the episode ends unfinished
-                text = think_prefill + tokenizer.decode(segment, skip_special_tokens=True)
-                env = asked[i]["env"]
-                turn = checked_turn(episodes[i].step(text), env, scorers[env].reward_weights)
-                turns[i] += 1
-                for name, value in turn.rewards.items():
-                    played[i][name] += value
-                if turn.done:
-                    stopped[i] = True
-                    continue
-                if turns[i] >= MAX_TURNS:
-                    continue  # out of turns: cut, as the budget cuts
-                observed = observation_ids(tokenizer, turn.observation, think_prefill)
-                observed = observed[: max_new_tokens - len(ids[i])]
-                ids[i] += observed
-                own[i] += [False] * len(observed)
-                logps[i] += [0.0] * len(observed)
-                if len(ids[i]) < max_new_tokens:
-                    still.append(i)
-            active = still
+        chats = [ChatEpisode(episode, q["env"], scorers[q["env"]].reward_weights, think_prefill)
+                 for episode, q in zip(episodes, asked)]
+        out = play_turns(sample, prompts, chats, tokenizer=tokenizer,
+                         max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id)
     finally:
         for episode in episodes:
             getattr(episode, "close", lambda: None)()
-    completion_ids = padded_rows(ids, pad_id, torch.long)  # (B, T)
-    policy_mask = padded_rows(own, False, torch.bool)  # (B, T)
-    vllm_logps = padded_rows(logps, 0.0, torch.float32)  # (B, T)
-    return dict(completion_ids=completion_ids, vllm_logps=vllm_logps if sampled else None,
-                policy_mask=policy_mask, stopped=torch.tensor(stopped), played=played,
-                turns=turns)
+    del out["reply_mask"]  # the policy_mask says it
+    return out | dict(played=[chat.played for chat in chats],
+                      turns=[chat.turns for chat in chats])
 
 
 def checked_turn(turn, env: str, reward_weights: dict) -> Turn:

@@ -1,7 +1,7 @@
-"""The memory plan: what one training setting holds on each trainer GPU, in the CPU memory of its
-machine and on the reference server's GPU, from the model's config alone (no weights are loaded) and
-the trainer's constants. The trainer prints it at start-up and stops before loading the model when
-the setting cannot fit the device it sees.
+"""Guard: the memory plan, what one training setting holds on each trainer GPU, in the CPU memory of
+its machine and on the reference server's GPU, from the model's config alone (no weights are
+loaded) and the trainer's constants. The trainer prints it at start-up and stops before loading the
+model when the setting cannot fit the device it sees.
 
     python features/memory_plan.py                    # the embedded model at the demo's settings
     MODEL_PATH=Qwen/Qwen2.5-7B-Instruct BF16=1 GPU_GB=80 RANKS=1 OFFLOAD_OPTIMIZER=1 \

@@ -1,4 +1,4 @@
-"""Other libraries' notices off (the trainer's VERBOSE = False): DeepSpeed's INFO lines and two
+"""Log: other libraries' notices off (the trainer's VERBOSE = False): DeepSpeed's INFO lines and two
 notices that say nothing wrong, transformers' loading bars and notices, vLLM's FutureWarnings.
 Warnings and errors still show; VERBOSE = True shows everything. C++ notices (NUMA binding) are out
 of reach.

@@ -20,7 +20,7 @@ from fractions import Fraction
 import torch
 
 from features import env_overrides
-from features.vllm_engine import sampled_logps, sampling_params
+from features.turns import Reply, eos_at, play_turns, transformers_turns, vllm_turns
 
 TOOLS = []  # names of this module's tools, f(text in <tool></tool>) -> <result>; [] = one turn
 MAX_TOOL_CALLS = 3  # calls an answer may make; results count in MAX_NEW_TOKENS, not in the loss
@@ -138,151 +138,63 @@ def call_end(tokenizer, segment, eos_ids):
     )
 
 
+class CallEpisode:
+    """An answer with the calculator (features/turns.py plays it): its turn ends where the model
+    closes a call (TOOL_CLOSE) inside its own turn, and the reply is the tool's <result>; an EOS
+    ends it, done. A call past max_calls ends it there, as the token budget does: cut, not
+    stopped. It counts its calls and the ones whose result was an error."""
+    stop = (TOOL_CLOSE,)  # the sampler's stop text besides the EOS
+
+    def __init__(self, tools, max_calls: int):
+        self.tools = tools
+        self.max_calls = max_calls
+        self.calls = 0
+        self.errors = 0
+
+    def turn_of(self, tokenizer, segment, eos_ids) -> tuple:
+        """(the segment up to its turn's end, "call" | "eos" | None: cut by the budget)."""
+        end = call_end(tokenizer, segment, eos_ids)
+        if end is not None:  # up to the call's close; HF pads a stopped row: drop that padding
+            return segment[:end], "call"
+        eos = eos_at(segment, eos_ids)
+        if eos is not None:  # up to and including the EOS; the rest is padding
+            return segment[: eos + 1], "eos"
+        return segment, None
+
+    def reply(self, tokenizer, ids, segment, *, ended, budget_left) -> Reply:
+        """The call's <result>, from the answer so far (ids); done at an EOS; over past max_calls
+        or with no room left for a result."""
+        if ended == "eos":
+            return Reply(done=True)
+        if self.calls >= self.max_calls or budget_left <= 0:
+            return Reply(over=True)  # one call too many, or the budget spent
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        # past: what the closing token wrote after the tag ("<")
+        call, _, past = text.rpartition(TOOL_CLOSE)
+        answer = run_tool(self.tools, call.rpartition(TOOL_OPEN)[2])
+        # "</tool><result>"
+        opening = RESULT_OPEN[len(past) :] if RESULT_OPEN.startswith(past) else RESULT_OPEN
+        result = tokenizer(opening + answer + RESULT_CLOSE, add_special_tokens=False,
+                           split_special_tokens=True).input_ids  # text, never EOS
+        self.calls += 1
+        self.errors += answer.startswith("error:")
+        return Reply(ids=result)
+
+
 def tool_rollout(
     sample, prompts, *, tokenizer, tools, max_calls, max_new_tokens, eos_ids, pad_id
 ) -> dict:
-    """Multi-turn answers to `prompts` (token id lists, one per answer). sample(prefixes, budgets)
-    -> one (token ids, log-probs or None) continuation per prefix, stopping after an EOS or after
-    TOOL_CLOSE. A call past max_calls ends the answer there, as the token budget does: it is cut,
-    not stopped. Returns completion_ids (B, T) padded with pad_id, vllm_logps (B, T) or None,
-    tool_mask (B, T) True on the toolkit's tokens, policy_mask (B, T) True on the policy's own
-    tokens (up to and including a sampled EOS; never the tool's or the padding), stopped (B,) True
-    where the policy sampled an EOS, calls and errors (B lists).
-
-    The mask comes from each answer's real length, not from the first pad: the pad id is the EOS for
-    SmolLM2 and Qwen, and an answer cut after a call has none, so a first-pad rule would train on a
-    token never sampled."""
-    B = len(prompts)
-    ids = [[] for _ in range(B)]
-    tool = [[] for _ in range(B)]
-    logps = [[] for _ in range(B)]
-    calls = [0] * B
-    errors = [0] * B
-    active = list(range(B))
-    sampled = False
-    stopped = [False] * B
-    while active:
-        outs = sample(
-            [prompts[i] + ids[i] for i in active], [max_new_tokens - len(ids[i]) for i in active]
-        )
-        still = []
-        for i, (segment, segment_logps) in zip(active, outs):
-            segment = list(segment)[: max_new_tokens - len(ids[i])]
-            end = call_end(tokenizer, segment, eos_ids)
-            eos = next((k for k, t in enumerate(segment) if t in eos_ids), None)
-            if end is not None:
-                # up to the call's close; HF pads a stopped row: drop that padding
-                segment = segment[:end]
-            elif eos is not None:
-                segment = segment[: eos + 1]  # up to and including the EOS; the rest is padding
-                stopped[i] = True
-            sampled |= segment_logps is not None
-            ids[i] += segment
-            tool[i] += [False] * len(segment)
-            logps[i] += list(segment_logps or [0.0] * len(segment))[: len(segment)]
-            if end is None or calls[i] >= max_calls or len(ids[i]) >= max_new_tokens:
-                continue  # finished: an EOS, the budget, or one call too many
-            text = tokenizer.decode(ids[i], skip_special_tokens=True)
-            # past: what the closing token wrote after the tag ("<")
-            call, _, past = text.rpartition(TOOL_CLOSE)
-            answer = run_tool(tools, call.rpartition(TOOL_OPEN)[2])
-            # "</tool><result>"
-            opening = RESULT_OPEN[len(past) :] if RESULT_OPEN.startswith(past) else RESULT_OPEN
-            result = tokenizer(
-                opening + answer + RESULT_CLOSE,
-                add_special_tokens=False,
-                # text, never EOS
-                split_special_tokens=True,
-            ).input_ids[: max_new_tokens - len(ids[i])]
-            ids[i] += result
-            tool[i] += [True] * len(result)
-            logps[i] += [0.0] * len(result)
-            calls[i] += 1
-            errors[i] += answer.startswith("error:")
-            if len(ids[i]) < max_new_tokens:
-                still.append(i)
-        active = still
-    completion_ids = padded_rows(ids, pad_id, torch.long)  # (B, T)
-    tool_mask = padded_rows(tool, False, torch.bool)  # (B, T)
-    policy_mask = padded_rows([[not t for t in row] for row in tool], False, torch.bool)  # (B, T)
-    vllm_logps = padded_rows(logps, 0.0, torch.float32)  # (B, T)
-    return dict(
-        completion_ids=completion_ids,
-        vllm_logps=vllm_logps if sampled else None,
-        tool_mask=tool_mask,
-        policy_mask=policy_mask,
-        stopped=torch.tensor(stopped),
-        tool_calls=calls,
-        tool_errors=errors,
-    )
-
-
-def padded_rows(rows, pad, dtype) -> torch.Tensor:
-    """(B, T) of B lists of different lengths, each padded on the right with `pad` to the longest
-    (T at least 1)."""
-    width = max(1, max(map(len, rows)))
-    out = torch.full((len(rows), width), pad, dtype=dtype)  # (B, T)
-    for i, row in enumerate(rows):
-        out[i, : len(row)] = torch.tensor(row, dtype=dtype)
-    return out
-
-
-def transformers_turns(model, tokenizer, gen_config, stop=(TOOL_CLOSE,)):
-    """sample() for tool_rollout from transformers' generate: the prefixes left-padded into one
-    batch, each row stopping at an EOS or at a text of `stop` (generate's stop_strings; () = at an
-    EOS only, an environment's turn)."""
-
-    def sample(prefixes, budgets):
-        width = max(map(len, prefixes))
-        device = next(model.parameters()).device
-        ids = torch.tensor(
-            [[gen_config.pad_token_id] * (width - len(p)) + p for p in prefixes], device=device
-        )
-        # (b, width)
-        attn = torch.tensor(
-            [[0] * (width - len(p)) + [1] * len(p) for p in prefixes], device=device
-        )
-        config = copy.deepcopy(gen_config)  # the trainer's sampling, stopping at a call too
-        config.max_new_tokens = max(budgets)
-        config.stop_strings = list(stop) or None
-        out = model.generate(
-            input_ids=ids, attention_mask=attn, generation_config=config, tokenizer=tokenizer
-        )
-        return [(row.tolist(), None) for row in out[:, width:].cpu()]
-
-    return sample
-
-
-def vllm_turns(llm, temperature, eos_ids, stop=(TOOL_CLOSE,)):
-    """sample() for tool_rollout from a vLLM engine: one request per prefix, stopping at an EOS or
-    TOOL_CLOSE, with the sampled tokens' log-probs; a continuation's prefix is in the engine's
-    prefix cache already."""
-    from vllm.inputs import TokensPrompt
-
-    def sample(prefixes, budgets):
-        seeds = (
-            torch.randint(2**31, (len(prefixes),)).tolist()
-            if temperature > 0
-            else [None] * len(prefixes)
-        )
-        params = [
-            sampling_params(
-                temperature,
-                budget,
-                eos_ids,
-                seed,
-                stop=list(stop),
-                include_stop_str_in_output=True,
-            )
-            for budget, seed in zip(budgets, seeds)
-        ]
-        outs = llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prefixes], params, use_tqdm=False
-        )
-        answers = [out.outputs[0] for out in outs]
-        return [(list(a.token_ids), sampled_logps(a) if a.logprobs else None) for a in answers]
-
-    return sample
+    """Multi-turn answers to `prompts` (token id lists, one per answer), each a CallEpisode played
+    by features/turns.play_turns: sample(prefixes, budgets) -> one (token ids, log-probs or None)
+    continuation per prefix, stopping after an EOS or after TOOL_CLOSE. Returns play_turns'
+    completion_ids, vllm_logps, policy_mask and stopped, its reply_mask as tool_mask (B, T) True
+    on the toolkit's tokens, and each answer's tool_calls and tool_errors."""
+    episodes = [CallEpisode(tools, max_calls) for _ in prompts]
+    out = play_turns(sample, prompts, episodes, tokenizer=tokenizer,
+                     max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id)
+    out["tool_mask"] = out.pop("reply_mask")  # (B, T) the results' tokens
+    return out | dict(tool_calls=[e.calls for e in episodes],
+                      tool_errors=[e.errors for e in episodes])
 
 
 def rollout(model, tokenizer, prompts, *, gen_config, llm, eos_ids, num_pre_q, temperature):
@@ -305,11 +217,9 @@ def generate_with_tools(
         ids[keep.bool()].tolist()
         for ids, keep in zip(enc.input_ids.cpu(), enc.attention_mask.cpu())
     ]
-    sample = (
-        vllm_turns(llm, temperature, eos_ids)
-        if llm is not None
-        else transformers_turns(model, tokenizer, gen_config)
-    )
+    sample = transformers_turns(model, tokenizer, gen_config, stop=CallEpisode.stop)
+    if llm is not None:
+        sample = vllm_turns(llm, temperature, eos_ids, stop=CallEpisode.stop)
     out = tool_rollout(
         sample,
         [p for p in prompts for _ in range(n)],
