@@ -34,7 +34,7 @@ import rewards
 from features import env_overrides
 from features.question_sampler import QuestionSampler, draw_by_rule
 from features.run_log import tag_of
-from features.turns import Reply, eos_at, play_turns, transformers_turns, vllm_turns
+from features.turns import Reply, eos_at, play_turns, prompts_and_sampler
 
 # ----------------------------------------------------------------------------- constants
 ENVIRONMENTS = []  # [[name, weight]] or [[name, weight, {options}]]; [] = DATASET and REWARDS
@@ -647,13 +647,10 @@ def play_rollout(model, tokenizer, enc, n, asked, *, gen_config, llm, temperatur
     prompt's n rows consecutive; asked: each answer's question), sampled by vLLM (`llm`) or by
     transformers' generate with gen_config (do_sample False: greedy), each turn ending at an EOS:
     (completion_ids, vllm_logps, {policy_mask, stopped, played, turns})."""
-    prompts = [ids[keep.bool()].tolist()
-               for ids, keep in zip(enc.input_ids.cpu(), enc.attention_mask.cpu())]
-    if llm is not None:
-        sample = vllm_turns(llm, temperature, eos_ids, stop=ChatEpisode.stop)
-    else:
-        sample = transformers_turns(model, tokenizer, gen_config, stop=ChatEpisode.stop)
-    out = play(sample, [p for p in prompts for _ in range(n)], asked, reward_fns=reward_fns,
+    prompts, sample = prompts_and_sampler(model, tokenizer, enc, n, gen_config=gen_config,
+                                          llm=llm, temperature=temperature, eos_ids=eos_ids,
+                                          stop=ChatEpisode.stop)
+    out = play(sample, prompts, asked, reward_fns=reward_fns,
                tokenizer=tokenizer, think_prefill=think_prefill,
                max_new_tokens=gen_config.max_new_tokens, eos_ids=list(eos_ids),
                pad_id=gen_config.pad_token_id)

@@ -20,7 +20,7 @@ from fractions import Fraction
 import torch
 
 from features import env_overrides
-from features.turns import Reply, eos_at, play_turns, transformers_turns, vllm_turns
+from features.turns import Reply, eos_at, play_turns, prompts_and_sampler
 
 TOOLS = []  # names of this module's tools, f(text in <tool></tool>) -> <result>; [] = one turn
 MAX_TOOL_CALLS = 3  # calls an answer may make; results count in MAX_NEW_TOKENS, not in the loss
@@ -213,16 +213,12 @@ def generate_with_tools(
     (do_sample=False: greedy): (completion_ids, vllm_logps, {policy_mask, stopped, tool_calls,
     tool_errors}): the loss needs only the policy's own tokens (policy_mask), not tool_rollout's
     tool_mask."""
-    prompts = [
-        ids[keep.bool()].tolist()
-        for ids, keep in zip(enc.input_ids.cpu(), enc.attention_mask.cpu())
-    ]
-    sample = transformers_turns(model, tokenizer, gen_config, stop=CallEpisode.stop)
-    if llm is not None:
-        sample = vllm_turns(llm, temperature, eos_ids, stop=CallEpisode.stop)
+    prompts, sample = prompts_and_sampler(model, tokenizer, enc, n, gen_config=gen_config,
+                                          llm=llm, temperature=temperature, eos_ids=eos_ids,
+                                          stop=CallEpisode.stop)
     out = tool_rollout(
         sample,
-        [p for p in prompts for _ in range(n)],
+        prompts,
         tokenizer=tokenizer,
         tools=tools,
         max_calls=max_calls,

@@ -78,6 +78,19 @@ def play_turns(sample, prompts, episodes, *, tokenizer, max_new_tokens, eos_ids,
                 stopped=torch.tensor(stopped))  # (B,)
 
 
+def prompts_and_sampler(model, tokenizer, enc, n, *, gen_config, llm, temperature, eos_ids,
+                        stop) -> tuple:
+    """(each answer's prompt as a token id list, n per prompt of `enc` (left-padded input_ids,
+    attention_mask), sample() for play_turns from vLLM (`llm`) or transformers' generate with
+    gen_config), each turn stopping at an EOS or a text of `stop`."""
+    rows = [ids[keep.bool()].tolist()
+            for ids, keep in zip(enc.input_ids.cpu(), enc.attention_mask.cpu())]
+    prompts = [p for p in rows for _ in range(n)]
+    if llm is not None:
+        return prompts, vllm_turns(llm, temperature, eos_ids, stop=stop)
+    return prompts, transformers_turns(model, tokenizer, gen_config, stop=stop)
+
+
 def eos_at(segment, eos_ids):
     """The index of the first EOS in segment, or None."""
     return next((k for k, t in enumerate(segment) if t in eos_ids), None)
