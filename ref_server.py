@@ -31,8 +31,8 @@ from features.http_server import json_errors, start_http, token_ok, warn_if_expo
 from features.regroup import RegroupPool
 from features.server_guards import DecodeBudget, Handouts, Room, UploadIds, parse_get
 from features.reward_model import add_reward_model, load_reward_model
-from features.wire import (MAX_RANKS, TooLarge, answer_attention, carries_images, decode_batch,
-                           encode_batch, validate_group)
+from features.wire import (MAX_RANKS, WIRE_FORMAT, TooLarge, answer_attention, carries_images,
+                           decode_batch, encode_batch, validate_group)
 
 # ----------------------------------------------------------------------------- constants
 # Model
@@ -328,10 +328,10 @@ class RefServer:
                 if meta.get("teacher_top_k") and not self.settings.teacher:
                     raise ValueError("teacher_top_k asks a teacher (TEACHER=1); this server holds "
                                      "a reference")
-                needs_text = meta.get("question") is None or meta.get("answers") is None
+                needs_text = meta.get("question") is None or meta.get("completions") is None
                 if self.reward_model is not None and needs_text:
                     raise ValueError("this server has a REWARD_MODEL: "
-                                     "metadata needs question and answers")
+                                     "metadata needs question and completions")
             except ValueError as e:
                 self._refuse(413 if isinstance(e, TooLarge) else 400, str(e))
             uid = meta.get("upload_id")  # a retry of an upload whose answer the client never read
@@ -375,7 +375,7 @@ class RefServer:
                 counters = dict(self.counters)
                 ready = sum(q.qsize() for key, q in self.ready.items() if key != "workers")
             counters["regrouped"] = self.pool.regrouped if self.pool else 0
-            return dict(model=self.model_name, vocab_size=self.vocab_size,
+            return dict(model=self.model_name, wire=WIRE_FORMAT, vocab_size=self.vocab_size,
                         fingerprint=self.fingerprint, vocabulary=self.vocabulary,
                         role="teacher" if self.settings.teacher else "reference",
                         device=str(self.device),

@@ -206,13 +206,13 @@ def reward_tool_cost(completion: str, gold=None, question=None) -> float:
     return -float(completion.count(TOOL_CLOSE))
 
 
-# The rewards that are above 0 exactly when an answer is right: what pass rates, the learnability
+# The rewards that are above 0 exactly when a completion is right: what pass rates, the learnability
 # sampler and pass@k count as solved (a task's own correctness reward, the first of REWARDS).
 CORRECTNESS = ("reward_correct", "reward_boxed", "reward_word")
 
 
 def correctness_reward(names) -> str | None:
-    """The first of the reward names `names` that says whether an answer is right (CORRECTNESS),
+    """The first of the reward names `names` that says whether a completion is right (CORRECTNESS),
     or None: a task scored by format or cost alone has no notion of solved."""
     return next((name for name in names if name in CORRECTNESS), None)
 
@@ -231,13 +231,13 @@ def checked_reward(fn, completion: str, gold: str, question: str) -> float:
 
 
 def score(reward_fns, texts, golds, questions):
-    """(each answer's weighted sum of the rewards, {name: each answer's value}) of N answers;
+    """(each completion's weighted sum of the rewards, {name: each one's value}) of N completions;
     reward_fns: [(f, weight)] (the trainer's REWARDS). A reward that fails stops the run, named
     (checked_reward)."""
     if not len(texts) == len(golds) == len(questions):  # zip would quietly score only a part
-        raise ValueError(f"{len(texts)} answers for {len(golds)} gold answers "
+        raise ValueError(f"{len(texts)} completions for {len(golds)} gold answers "
                          f"and {len(questions)} questions")
-    each = {}  # reward name -> each answer's value
+    each = {}  # reward name -> each completion's value
     for fn, _ in reward_fns:
         each[fn.__name__] = [checked_reward(fn, text, gold, question)
                              for text, gold, question in zip(texts, golds, questions)]

@@ -104,7 +104,7 @@ def one_run(lengths_file: str, path_name: str) -> dict:
         mask = torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]  # (G, t)
         tensors = dict(input_ids=torch.cat([prompt.expand(len(lengths), -1), answers], 1),
                        completion_mask=mask, advantages=torch.randn(len(lengths)),
-                       rewards=torch.zeros(len(lengths)))
+                       scores=torch.zeros(len(lengths)))
         groups.append((tensors, {"plen": len(prompt)}))
     batch = grpo.on_device(grpo.collate(groups, tokenizer.pad_token_id or 0), DEVICE)
     T = batch.mask.shape[1]

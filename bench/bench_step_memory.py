@@ -67,7 +67,7 @@ def demo_groups(engine, tokenizer, n_groups) -> list:
                     input_ids=ids,
                     completion_mask=torch.ones(G, T, dtype=torch.bool),
                     advantages=torch.randn(G, generator=g),
-                    rewards=torch.zeros(G),  # on the wire with every group; unread here
+                    scores=torch.zeros(G),  # on the wire with every group; unread here
                     ref_logps=ref + 0.1,
                 ),
                 {"plen": len(prompt)},

@@ -32,7 +32,7 @@ def make_group(G, plen, tc, vocab, seed=0):
     ids = torch.randint(0, vocab, (G, plen + tc), generator=g)  # (G, L)
     ids[:, :plen] = ids[0, :plen]
     tensors = dict(input_ids=ids, completion_mask=torch.ones(G, tc, dtype=torch.bool),
-                   advantages=torch.randn(G, generator=g), rewards=torch.rand(G, generator=g),
+                   advantages=torch.randn(G, generator=g), scores=torch.rand(G, generator=g),
                    pi_old_logps=-torch.rand(G, tc, generator=g))
     return tensors, {"plen": plen, "temperature": 0.7}
 

@@ -93,7 +93,7 @@ def make_batch(model) -> grpo.Batch:
         pi_old_rows=torch.ones(ANSWERS, dtype=torch.bool),
         normalizer=float(ANSWERS),
         extra=BatchExtras(
-            rewards=torch.tensor([3.0, 0.0, 2.0, 1.0, 3.0, 1.0, 2.0, 3.0]),
+            scores=torch.tensor([3.0, 0.0, 2.0, 1.0, 3.0, 1.0, 2.0, 3.0]),
             vllm_logps=own + 0.1 * torch.randn(ANSWERS, ANSWER, generator=g),
             vllm_rows=torch.ones(ANSWERS, dtype=torch.bool),
             teacher_logps=own - 0.5 * torch.rand(ANSWERS, ANSWER, generator=g),

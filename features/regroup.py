@@ -41,20 +41,20 @@ class RegroupPool:
         for name in sorted(images):  # the same text with other images is another question
             digest.update(images[name].numpy().tobytes())
         key = (digest.hexdigest(), meta.get("temperature", 1.0))
-        answers = meta.get("answers") or [None] * g
+        completions = meta.get("completions") or [None] * g
         per_row = [name for name in tensors if name != "advantages" and name not in images]
         rows = [{name: tensors[name][i] for name in per_row}  # advantages are redone
-                | {"version": sampled_version(meta), "answer": answers[i], "images": images}
+                | {"version": sampled_version(meta), "completion": completions[i], "images": images}
                 for i in range(g)]
         with self.lock:
             pool = (self.pools.pop(key, []) + rows)[-self.pool_size :]
-            rewards = torch.stack([r["rewards"] for r in pool])  # (n,)
+            scores = torch.stack([r["scores"] for r in pool])  # (n,)
             picked = []
-            if len(pool) >= g and rewards.unique().numel() > 1:
+            if len(pool) >= g and scores.unique().numel() > 1:
                 order = torch.randperm(len(pool)).tolist()
                 picked = order[:g]
-                if rewards[picked].unique().numel() == 1:  # swap in one answer with another reward
-                    picked[-1] = next(i for i in order[g:] if rewards[i] != rewards[picked[0]])
+                if scores[picked].unique().numel() == 1:  # swap in one answer with another reward
+                    picked[-1] = next(i for i in order[g:] if scores[i] != scores[picked[0]])
                 self.regrouped += 1
             chosen = [pool[i] for i in picked]
             pool = [r for i, r in enumerate(pool) if i not in picked]
@@ -76,13 +76,13 @@ class RegroupPool:
 
         out = dict(input_ids=padded("input_ids", plen + tlen, 0),  # (G, plen + tlen), pads masked
                    completion_mask=padded("completion_mask", tlen, False),  # (G, tlen)
-                   rewards=torch.stack([r["rewards"] for r in chosen]))  # (G,)
+                   scores=torch.stack([r["scores"] for r in chosen]))  # (G,)
         for name in OPTIONAL:  # pi_old_logps, vllm_logps: kept when every chosen answer has them
             if all(name in r for r in chosen):
                 out[name] = padded(name, tlen, 0.0)  # (G, tlen)
         out.update(chosen[0]["images"])  # one question's pool: its answers share its images
-        answers = [r["answer"] for r in chosen]  # each answer's own text, for a REWARD_MODEL
-        meta = {k: v for k, v in meta.items() if k != "answers"}
-        if None not in answers:
-            meta["answers"] = answers
+        completions = [r["completion"] for r in chosen]  # each one's own text, for a REWARD_MODEL
+        meta = {k: v for k, v in meta.items() if k != "completions"}
+        if None not in completions:
+            meta["completions"] = completions
         return out, {**meta, "version": min(r["version"] for r in chosen), "regrouped": True}

@@ -30,8 +30,8 @@ def reward_scores(reward_model, question, answers):
 def add_reward_model(tensors, meta, reward_model, weight):
     """The group with weight x score added to each reward (its advantages, now stale, left out:
     the trainer computes them again) and the mean score in meta."""
-    scores = reward_scores(reward_model, meta["question"], meta["answers"])  # (G,)
-    rewards = tensors["rewards"] + weight * scores  # (G,)
+    model_scores = reward_scores(reward_model, meta["question"], meta["completions"])  # (G,)
+    scores = tensors["scores"] + weight * model_scores  # (G,)
     tensors = {name: value for name, value in tensors.items() if name != "advantages"}
-    tensors["rewards"] = rewards  # (G,)
-    return tensors, {**meta, "reward_model_mean": scores.mean().item()}
+    tensors["scores"] = scores  # (G,)
+    return tensors, {**meta, "reward_model_mean": model_scores.mean().item()}

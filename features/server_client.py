@@ -17,7 +17,7 @@ import requests
 from features import env_overrides
 from features.fingerprint import model_fingerprint, vocab_fingerprint
 from features.retry import READ_TIMEOUT_S, Backoff, ServerError, request_with_retry
-from features.wire import decode_batch, encode_batch
+from features.wire import WIRE_FORMAT, decode_batch, encode_batch
 
 ALLOW_REF_MISMATCH = False  # True = train against a reference that is not the starting policy
 env_overrides.apply_env_overrides(globals(), "features/server_client.py")
@@ -297,6 +297,12 @@ def check_reference(url, health, model, tokenizer, allow_mismatch, teacher=False
     """Stop unless the server at `url` (its /health) holds the model this policy starts from (the
     same vocabulary, config and weights, unless allow_mismatch), or with `teacher` a teacher: any
     model with the same vocabulary. teacher None: either role (a worker, which only samples)."""
+    spoken = health.get("wire", 1)  # a server from before the format had a number: 1
+    if spoken != WIRE_FORMAT:
+        sys.exit(
+            f"the server at {url} speaks wire format {spoken}, this trainer {WIRE_FORMAT} "
+            "(features/wire.py): restart it from this checkout"
+        )
     role = health.get("role", "reference")
     if teacher and role != "teacher":
         sys.exit(
@@ -381,7 +387,7 @@ def with_advantages(exchange, advantages):
     def exchanged(groups, version, rank):
         pulled = exchange(groups, version, rank)
         return [(tensors, meta) if "advantages" in tensors
-                else ({**tensors, "advantages": advantages(tensors["rewards"], None)}, meta)
+                else ({**tensors, "advantages": advantages(tensors["scores"], None)}, meta)
                 for tensors, meta in pulled]
     return exchanged
 

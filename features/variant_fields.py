@@ -27,7 +27,7 @@ class BatchExtras:
     """What the loss's variants read beside GRPO's terms, row for row with the Batch's B rows."""
     vllm_logps: torch.Tensor | None = None  # (B, T) vLLM's, on vllm_rows (objectives.TIS_CAP)
     vllm_rows: torch.Tensor | None = None  # (B,) bool
-    rewards: torch.Tensor | None = None  # (B,) each answer's summed reward (teacher_mix)
+    scores: torch.Tensor | None = None  # (B,) each answer's summed reward (teacher_mix)
     teacher_logps: torch.Tensor | None = None  # (B, T) DISTILL_COEF: the server's, never in k3
     teacher_on: bool = True  # False: the teacher's term left after TEACHER_STEPS (teacher_mix)
     teacher_topk_ids: torch.Tensor | None = None  # (B, T, k) DISTILL_TOP_K: its likeliest tokens

@@ -14,13 +14,16 @@ import torch
 
 from features import vision
 
+# What a server's /health says it speaks; a trainer refuses another at start (check_reference).
+# 2: each answer's reward sum travels as "scores", the lesson's name (format 1 called it "rewards").
+WIRE_FORMAT = 2
 # One group = safetensors tensors (UPLOAD_SPEC) + JSON metadata (META_FIELDS). input_ids holds
 # prompt + completion for each of the G rows; the prompt (unpadded) has length plen.
 UPLOAD_SPEC = {  # name: (dtype, shape as a function of G rows, L columns, plen)
     "input_ids": (torch.int64, lambda g, l, p: (g, l)),
     "completion_mask": (torch.bool, lambda g, l, p: (g, l - p)),
     "advantages": (torch.float32, lambda g, l, p: (g,)),
-    "rewards": (torch.float32, lambda g, l, p: (g,)),
+    "scores": (torch.float32, lambda g, l, p: (g,)),  # each answer's sum of REWARDS
     # optional: pi_old, the sampling policy's log-probs
     "pi_old_logps": (torch.float32, lambda g, l, p: (g, l - p)),
     # optional: what vLLM said they were
@@ -34,7 +37,7 @@ IMAGE_FIELDS = vision.WIRE_FIELDS
 META_FIELDS = {
     "plen": (int, "the trainer's group_tensors", "the prompt's length: input_ids[:, plen:] answer"),
     "question": (str, "the trainer's group_tensors", "the question, for a REWARD_MODEL"),
-    "answers": (list, "the trainer's group_tensors", "each row's answer text, for a REWARD_MODEL"),
+    "completions": (list, "the trainer's group_tensors", "each row's sampled text, for a REWARD_MODEL"),
     "temperature": (float, "the trainer's pack_groups", "the sampling temperature: ref_logps' too"),
     "version": (int, "step 5 (upload_and_pull, RefClient)", "the policy version that sampled it"),
     "rank": (int, "step 5 (upload_and_pull, RefClient)", "the trainer rank that takes it back"),
@@ -52,7 +55,7 @@ MAX_NAME_CHARS = 200  # metadata worker and upload_id: a name, never a payload
 TEMPERATURE_RANGE = (0.01, 100)  # below 0.01, logits / T overflow to inf and the log-probs are NaN
 MAX_RANKS = 4096  # trainer ranks a server keeps ready queues for
 MAX_TOP_K = 64  # teacher_top_k: tokens per answer token a teacher sends back, (G, T, k) twice
-CHECKED_META = ("version", "rank", "worker", "upload_id", "regrouped", "question", "answers",
+CHECKED_META = ("version", "rank", "worker", "upload_id", "regrouped", "question", "completions",
                 "teacher_top_k")
 META_TYPES = {name: META_FIELDS[name][0] for name in CHECKED_META}  # optional fields' types
 
@@ -208,9 +211,10 @@ def validate_group(tensors: dict, meta: dict, vocab_size: int, max_rows: int, ma
     top_k = meta.get("teacher_top_k")
     if top_k is not None and not 1 <= top_k <= MAX_TOP_K:  # the reply is (G, T, k) twice
         raise ValueError(f"metadata teacher_top_k must be an int in 1..{MAX_TOP_K}, got {top_k}")
-    answers = meta.get("answers")
-    if answers is not None and (len(answers) != g or not all(isinstance(a, str) for a in answers)):
-        raise ValueError(f"metadata answers must be a list of {g} strings, one per row")
+    completions = meta.get("completions")
+    if completions is not None and (len(completions) != g
+                                    or not all(isinstance(c, str) for c in completions)):
+        raise ValueError(f"metadata completions must be a list of {g} strings, one per row")
     for name, (dtype, shape) in UPLOAD_SPEC.items():
         if name not in tensors:
             continue

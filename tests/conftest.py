@@ -401,7 +401,7 @@ def group(G=3, plen=5, tc=4, seed=0, **meta):
         input_ids=torch.randint(0, VOCAB, (G, plen + tc), generator=g),
         completion_mask=torch.ones(G, tc, dtype=torch.bool),
         advantages=torch.randn(G, generator=g),
-        rewards=torch.rand(G, generator=g),
+        scores=torch.rand(G, generator=g),
         pi_old_logps=-torch.rand(G, tc, generator=g),
     )
     tensors["input_ids"][:, :plen] = tensors["input_ids"][0, :plen].clone()  # one prompt per group

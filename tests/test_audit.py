@@ -38,7 +38,7 @@ def answers_of_one_question(rewards):
     ids = torch.randint(0, 50, (4, 7), generator=torch.Generator().manual_seed(1))
     ids[:, :3] = ids[0, :3]  # one prompt
     return dict(input_ids=ids, completion_mask=torch.ones(4, 4, dtype=torch.bool),
-                rewards=torch.tensor(rewards), advantages=torch.zeros(4))
+                scores=torch.tensor(rewards), advantages=torch.zeros(4))
 
 
 def pulled_back(tensors, meta, monkeypatch):
@@ -49,7 +49,7 @@ def pulled_back(tensors, meta, monkeypatch):
     exchange = with_advantages(lambda groups, version, rank: [(tensors, meta)],
                                grpo.choose_parts().advantages)
     [(pulled, _)] = exchange([], 0, 0)
-    rewards = pulled["rewards"].tolist()
+    rewards = pulled["scores"].tolist()
     # centred, no division
     assert pulled["advantages"].tolist() == pytest.approx([r - statistics.fmean(rewards)
                                                            for r in rewards])
@@ -66,7 +66,7 @@ def test_a_regrouped_group_is_divided_by_the_std_of_the_rewards_it_trains_with(m
     meta = dict(plen=3, scale_rewards="batch")
     assert pool.add(answers_of_one_question([3.0] * 4), dict(meta, batch_std=1.2)) is None
     tensors, _ = pool.add(answers_of_one_question([0.0] * 4), dict(meta, batch_std=0.0))
-    rewards = tensors["rewards"].tolist()
+    rewards = tensors["scores"].tolist()
     assert len(set(rewards)) == 2  # a group with variance, mixed from both uploads
     assert "advantages" not in tensors  # step 4 has one home: the trainer
     scaled = pulled_back(tensors, {}, monkeypatch)
@@ -80,8 +80,8 @@ def test_reward_model_scores_are_divided_by_the_std_of_the_rewards_they_make(mon
     the scores in."""
     scores = torch.tensor([0.3, -0.1, 0.2, -0.4])
     monkeypatch.setattr(reward_model, "reward_scores", lambda model, question, answers: scores)
-    tensors = dict(rewards=torch.ones(4), advantages=torch.zeros(4))
-    meta = dict(question="q", answers=["a"] * 4, scale_rewards="batch", batch_std=0.0)
+    tensors = dict(scores=torch.ones(4), advantages=torch.zeros(4))
+    meta = dict(question="q", completions=["a"] * 4, scale_rewards="batch", batch_std=0.0)
     tensors, meta = reward_model.add_reward_model(tensors, meta, reward_model=None, weight=1.0)
     rewards = (1 + scores).tolist()
     assert "advantages" not in tensors  # stale with the new rewards: the trainer redoes them
@@ -100,7 +100,7 @@ def _rank_scaled(rank, world, port, results):
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
-    groups = [({"rewards": torch.tensor(RANK_REWARDS[rank])}, {})]
+    groups = [({"scores": torch.tensor(RANK_REWARDS[rank])}, {})]
     [(tensors, _)] = objectives.scale_to_step(groups, torch.zeros(4), "cpu",
                                               std_eps=EPS)  # the dropped group's four zeros
     results.put((rank, tensors["advantages"].tolist()))
@@ -310,6 +310,6 @@ def test_batch_scaling_counts_every_generated_reward_once(keep_all, monkeypatch)
                                        with_pi_old=False, logps_of=None, meta={})
     assert len(groups) == (2 if keep_all else 1)
     scaled = objectives.scale_to_step(groups, dropped, "cpu", std_eps=EPS)
-    varied = [tensors for tensors, _ in scaled if tensors["rewards"].std() > 0][0]
+    varied = [tensors for tensors, _ in scaled if tensors["scores"].std() > 0][0]
     everything = sum(rewards, [])
     assert varied["advantages"].tolist() == pytest.approx(by_hand(rewards[1], everything), rel=1e-5)

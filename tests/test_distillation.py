@@ -18,6 +18,7 @@ from features.variant_fields import BatchExtras
 from features.wire import encode_batch
 from features.fingerprint import vocab_fingerprint
 from features.server_client import check_reference
+from features.wire import WIRE_FORMAT
 
 K = 5  # the categorical policy's choices: one-token answers
 
@@ -539,8 +540,21 @@ def health_of(role, tokenizer, model, **changes):
         "fingerprint": model_fingerprint(model),
         "vocabulary": vocab_fingerprint(tokenizer),
         "role": role,
+        "wire": WIRE_FORMAT,
         **changes,
     }
+
+
+def test_a_server_of_another_wire_format_is_refused_at_start(model, tokenizer):
+    """A server from an older checkout reads an upload's reward sums under another name: the
+    handshake stops the trainer before step 1, naming both formats."""
+    current = health_of("reference", tokenizer, model)
+    check_reference("u", current, model, tokenizer, False)
+    older = {k: v for k, v in current.items() if k != "wire"}  # before formats had a number
+    with pytest.raises(SystemExit, match="speaks wire format 1, this trainer 2"):
+        check_reference("u", older, model, tokenizer, False)
+    with pytest.raises(SystemExit, match="speaks wire format 3"):
+        check_reference("u", dict(current, wire=3), model, tokenizer, False)
 
 
 def test_a_teacher_needs_the_same_vocabulary_not_the_same_weights(model, tokenizer):
@@ -1010,8 +1024,8 @@ def test_the_teacher_term_only_on_the_answers_chosen_by_hand():
 def test_collate_carries_each_answers_reward():
     first, second = group(G=3, seed=0), group(G=2, seed=1, plen=4, tc=3)
     batch = grpo.collate([first, second], pad_id=0)
-    assert batch.extra.rewards.tolist() == torch.cat([first[0]["rewards"],
-                                                second[0]["rewards"]]).tolist()
+    assert batch.extra.scores.tolist() == torch.cat([first[0]["scores"],
+                                                second[0]["scores"]]).tolist()
 
 
 @pytest.mark.parametrize("top_k", [0, 3])
@@ -1037,9 +1051,9 @@ def test_distill_below_gives_the_teacher_term_to_the_answers_under_it_alone(monk
     b.pi_old_rows = torch.ones(4, dtype=torch.bool)
     b.extra.teacher_logps = pi_old - torch.rand(4, 6, generator=g)  # (B, T)
     b.ref_logps = None
-    b.extra.rewards = torch.tensor([3.0, 0.0, 2.0, 1.5])
+    b.extra.scores = torch.tensor([3.0, 0.0, 2.0, 1.5])
     b.normalizer = 4.0
-    correct = b.extra.rewards >= 2  # (B,) the answers that keep their rewards' term alone
+    correct = b.extra.scores >= 2  # (B,) the answers that keep their rewards' term alone
     spared = replace(b, extra=replace(b.extra))  # its own extra, changed below
     spared.extra.teacher_logps = torch.where(correct[:, None], pi_old,
                                              b.extra.teacher_logps)  # (B, T)

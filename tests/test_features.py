@@ -231,14 +231,14 @@ def test_a_worker_refuses_to_feed_trainers_that_never_read_the_server():
 def test_regroup_keeps_the_newest_answers_per_question_and_forgets_the_stalest_question():
     pool = RegroupPool(pool_size=6, questions=2)
     tensors, meta = group(G=4, plen=5, tc=3, seed=1)
-    tensors["rewards"] = torch.zeros(4)
+    tensors["scores"] = torch.zeros(4)
     assert pool.add(tensors, meta) is None  # all equal: pooled
     again = {**tensors, "input_ids": tensors["input_ids"].clone()}
     assert pool.add(again, meta) is None
     assert sum(len(p) for p in pool.pools.values()) == 6  # 8 answers, the oldest 2 dropped
     others = [group(G=4, plen=5, tc=3, seed=s) for s in (2, 3)]  # two more questions
     for t, m in others:
-        t["rewards"] = torch.zeros(4)
+        t["scores"] = torch.zeros(4)
         assert pool.add(t, m) is None
     assert len(pool.pools) == 2  # the first question, least recently uploaded, forgotten: it held 6
     assert [len(p) for p in pool.pools.values()] == [4, 4] and pool.regrouped == 0

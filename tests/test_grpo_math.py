@@ -374,7 +374,7 @@ def test_score_refuses_answers_that_do_not_line_up_with_the_questions():
     """zip would score the first 16 of 128 answers and average those: evaluation once reported 87.5%
     so."""
 
-    with pytest.raises(ValueError, match="16 answers for 128 gold answers"):
+    with pytest.raises(ValueError, match="16 completions for 128 gold answers"):
         score([], ["<answer>1</answer>"] * 16, ["1"] * 128, ["q"] * 128)
 
 
@@ -581,7 +581,7 @@ def test_collate_aligns_groups_of_different_lengths():
         input_ids=torch.tensor([[1, 2, 3, 10, 11], [1, 2, 3, 12, 13]]),
         completion_mask=torch.ones(2, 2, dtype=torch.bool),
         advantages=torch.tensor([1.0, -1.0]),
-        rewards=torch.tensor([3.0, 0.0]),
+        scores=torch.tensor([3.0, 0.0]),
         ref_logps=torch.full((2, 2), -1.0),
         pi_old_logps=torch.full((2, 2), -2.0),
     )
@@ -589,7 +589,7 @@ def test_collate_aligns_groups_of_different_lengths():
         input_ids=torch.tensor([[4, 20, 21, 22]]),
         completion_mask=torch.tensor([[True, True, False]]),
         advantages=torch.tensor([0.5]),
-        rewards=torch.tensor([2.0]),
+        scores=torch.tensor([2.0]),
         ref_logps=torch.full((1, 3), -3.0),
     )
     b = collate([(g1, {"plen": 3}), (g2, {"plen": 1})], pad_id=0)

@@ -106,7 +106,7 @@ def test_each_reward_scaling_by_hand():
         grpo.advantages_in_groups(r, 4),
         torch.tensor([c / ((g1 if i < 4 else g2) + eps) for i, c in enumerate(centred)]),
     )
-    halves = [({"rewards": r[:4]}, {}), ({"rewards": r[4:]}, {})]
+    halves = [({"scores": r[:4]}, {}), ({"scores": r[4:]}, {})]
     scaled = objectives.scale_to_step(halves, torch.zeros(0), "cpu", std_eps=eps)
     for (tensors, _), want in zip(scaled, (centred[:4], centred[4:])):  # each, the step's std
         assert torch.allclose(tensors["advantages"], torch.tensor([c / (batch + eps)
@@ -126,11 +126,11 @@ def test_a_regrouped_group_gets_the_trainers_own_reward_scaling(monkeypatch):
         first = dict(
             input_ids=ids,
             completion_mask=torch.ones(4, 4, dtype=torch.bool),
-            rewards=torch.zeros(4),
+            scores=torch.zeros(4),
             advantages=torch.zeros(4),
         )
         assert pool.add(first, {"plen": 3}) is None  # equal rewards: held back
-        second = dict(first, rewards=torch.tensor([2.0, 2.0, 2.0, 2.0]))
+        second = dict(first, scores=torch.tensor([2.0, 2.0, 2.0, 2.0]))
         return pool.add(second, {"plen": 3})
 
     monkeypatch.setattr(grpo, "NUM_PRE_Q", 4)
@@ -139,8 +139,8 @@ def test_a_regrouped_group_gets_the_trainers_own_reward_scaling(monkeypatch):
         group = regrouped()
         assert "advantages" not in group[0]
         [(out, _)] = with_advantages(lambda *_: [group], grpo.choose_parts().advantages)([], 0, 0)
-        want = out["rewards"] - out["rewards"].mean()  # (4,)
-        scale = out["rewards"].std().item() + 1e-4 if scale is None else scale
+        want = out["scores"] - out["scores"].mean()  # (4,)
+        scale = out["scores"].std().item() + 1e-4 if scale is None else scale
         assert torch.allclose(out["advantages"], want / scale)
 
 

@@ -211,7 +211,7 @@ def test_collate_attends_each_answer_up_to_its_last_trained_token():
     mask = torch.tensor([[True, False, True, False], [False, False, False, False]])
     assert answer_attention(mask).tolist() == [[1, 1, 1, 0], [0, 0, 0, 0]]
     tensors = dict(input_ids=torch.arange(2 * 6).view(2, 6) + 5, completion_mask=mask,
-                   advantages=torch.zeros(2), rewards=torch.zeros(2))
+                   advantages=torch.zeros(2), scores=torch.zeros(2))
     batch = grpo.collate([(tensors, {"plen": 2})], pad_id=0)
     assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0], [1, 1, 0, 0, 0, 0]]
 

@@ -64,8 +64,8 @@ def test_groups_go_to_the_server_with_the_least_work_pending(model):
         client = RefClient(f"{url_a},{url_b}", timeout=60)
         got = client.upload_and_pull([group(seed=s) for s in (3, 4, 5)], version=0, rank=0)
         assert b.counters["uploaded"] == 3 and a.counters["uploaded"] == 4
-        assert sorted(t["rewards"][0].item() for t, _ in got) == sorted(
-            group(seed=s)[0]["rewards"][0].item() for s in (3, 4, 5)
+        assert sorted(t["scores"][0].item() for t, _ in got) == sorted(
+            group(seed=s)[0]["scores"][0].item() for s in (3, 4, 5)
         )
     finally:
         gate.set()
@@ -95,8 +95,8 @@ def test_a_server_that_stops_with_groups_held_is_skipped_and_they_come_back_from
         t.join(timeout=60)
         assert not t.is_alive()
         got = result[0]
-        assert sorted(tt["rewards"][0].item() for tt, _ in got) == sorted(
-            g[0]["rewards"][0].item() for g in sent
+        assert sorted(tt["scores"][0].item() for tt, _ in got) == sorted(
+            g[0]["scores"][0].item() for g in sent
         )  # both, each once
         assert len({meta["upload_id"] for _, meta in got}) == 2
         assert b.counters["uploaded"] == 2  # the one A held, uploaded again
@@ -139,7 +139,7 @@ def test_a_group_another_run_left_on_this_ranks_queue_is_not_trained(model, capf
         got = RefClient(url_a, timeout=60).upload_and_pull([group(seed=31)], 0, 0)
     finally:
         stop(a, stop_a)
-    assert [t["rewards"][0].item() for t, _ in got] == [group(seed=31)[0]["rewards"][0].item()]
+    assert [t["scores"][0].item() for t, _ in got] == [group(seed=31)[0]["scores"][0].item()]
     assert "dropped a group this trainer did not upload" in capfd.readouterr().err
 
 
@@ -349,8 +349,8 @@ def test_both_step_5_clients_bring_back_a_late_group_of_theirs_and_drop_an_earli
         gate.set()
         stop(server, stop_serving)
     assert [meta["version"] for _, meta in got] == [0, 1]
-    assert torch.equal(got[0][0]["rewards"], late[0]["rewards"])
-    assert torch.equal(got[1][0]["rewards"], on_time[0]["rewards"])
+    assert torch.equal(got[0][0]["scores"], late[0]["scores"])
+    assert torch.equal(got[1][0]["scores"], on_time[0]["scores"])
     kept, counts = grpo.drop_untrainable(got, 1, max_staleness=grpo.MAX_STALENESS)
     assert kept == got[1:] and counts["late_groups_dropped"] == 1
 
@@ -368,8 +368,8 @@ def test_both_step_5_clients_bring_each_group_back_once_with_the_same_ref_logps(
         got = exchange(sent, 4, 0)
         assert [m["version"] for _, m in got] == [4, 4, 4]
         assert [m["rank"] for _, m in got] == [0, 0, 0]
-        assert sorted(t["rewards"][0].item() for t, _ in got) == sorted(
-            t["rewards"][0].item() for t, _ in sent
+        assert sorted(t["scores"][0].item() for t, _ in got) == sorted(
+            t["scores"][0].item() for t, _ in sent
         )
         for tensors, meta in got:
             want = server.reference_logps(tensors["input_ids"], meta["plen"], 1.0)
@@ -390,8 +390,8 @@ def test_both_step_5_clients_never_take_a_group_twice_across_steps(which, model,
             sent = [group(seed=40 + 2 * step), group(seed=41 + 2 * step)]
             got = exchange(sent, step, 0)
             assert [meta["version"] for _, meta in got] == [step, step]
-            want = sorted(tensors["rewards"][0].item() for tensors, _ in sent)
-            assert sorted(tensors["rewards"][0].item() for tensors, _ in got) == want
+            want = sorted(tensors["scores"][0].item() for tensors, _ in sent)
+            assert sorted(tensors["scores"][0].item() for tensors, _ in got) == want
         assert server.counters["served"] == 6
     finally:
         stop(server, stop_serving)
@@ -425,8 +425,8 @@ def test_both_step_5_clients_survive_a_restarted_server(which, model, monkeypatc
         t.join(timeout=60)
         assert not t.is_alive()
         got = result[0]
-        assert sorted(tt["rewards"][0].item() for tt, _ in got) == sorted(
-            g[0]["rewards"][0].item() for g in sent
+        assert sorted(tt["scores"][0].item() for tt, _ in got) == sorted(
+            g[0]["scores"][0].item() for g in sent
         )
         assert again.counters["uploaded"] == 2 and again.counters["served"] == 2
     finally:

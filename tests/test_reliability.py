@@ -111,8 +111,8 @@ def test_trainer_uploads_again_when_the_server_restarts_with_its_groups(model, c
     try:
         t.join(timeout=60)  # half of SERVER_TIMEOUT: it must not wait for the groups that died
         assert not t.is_alive() and len(result[0]) == 2
-        assert sorted(tensors["rewards"].tolist() for tensors, _ in result[0]) == sorted(
-            g[0]["rewards"].tolist() for g in groups
+        assert sorted(tensors["scores"].tolist() for tensors, _ in result[0]) == sorted(
+            g[0]["scores"].tolist() for g in groups
         )  # the two lost groups, each once
         assert (
             "restarted: 2 uploaded groups were lost with it; uploading them again"

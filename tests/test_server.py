@@ -46,6 +46,7 @@ def test_health(live, model):
     server, url = live
     h = requests.get(url + "/health", timeout=5).json()
     assert h["vocab_size"] == VOCAB and h["device"] == "cpu" and h["model"] == "tiny"
+    assert h["wire"] == 2  # the reward sums travel as "scores" (features/wire.py)
     assert h["fingerprint"] == model_fingerprint(model) and h["instance"] == server.instance
     assert h["reward_model"] == "" and h["regroup"] is False and h["regrouped"] == 0
     assert h["pending"] == server.pending.qsize() and h["ready"] == server.queue_of(0).qsize()
@@ -274,12 +275,12 @@ BAD = {
     "version a string": (mutate(meta_version="3"), 400, "metadata version must be an int"),
     "question a number": (mutate(meta_question=3), 400, "metadata question must be a string"),
     "answers one short": (
-        mutate(meta_answers=["a", "b"]),
+        mutate(meta_completions=["a", "b"]),
         400,
         "metadata answers must be a list of 3 strings",
     ),
     "answers not strings": (
-        mutate(meta_answers=[1, 2, 3]),
+        mutate(meta_completions=[1, 2, 3]),
         400,
         "metadata answers must be a list of 3 strings",
     ),
@@ -696,7 +697,7 @@ def test_a_reward_model_adds_its_weighted_score_and_the_trainer_redoes_the_advan
     try:
         assert requests.get(url + "/health", timeout=5).json()["reward_model"] == "tiny-rm"
         tensors, meta = group(G=4, seed=3)
-        tensors["rewards"] = torch.tensor([3.0, 3.0, 1.0, 0.0])  # the trainer's rule rewards
+        tensors["scores"] = torch.tensor([3.0, 3.0, 1.0, 0.0])  # the trainer's rule rewards
         answers = [
             "<think> 3 + 4 </think><answer>7</answer>",
             "<think></think><answer>7</answer>",
@@ -704,7 +705,7 @@ def test_a_reward_model_adds_its_weighted_score_and_the_trainer_redoes_the_advan
             "seven",
         ]
         back, back_meta = upload_and_pull(
-            url, tensors, {**meta, "question": "What is 3 + 4?", "answers": answers}
+            url, tensors, {**meta, "question": "What is 3 + 4?", "completions": answers}
         )
         enc = tokenizer(
             ["What is 3 + 4?"] * 4, answers, return_tensors="pt", padding=True, truncation=True
@@ -712,8 +713,8 @@ def test_a_reward_model_adds_its_weighted_score_and_the_trainer_redoes_the_advan
         with torch.no_grad():
             scores = reward_model(**enc).logits[:, 0]  # (4,)
         assert scores.std() > 0  # the classifier does tell the answers apart
-        rewards = tensors["rewards"] + 0.5 * scores
-        assert torch.allclose(back["rewards"], rewards, atol=1e-6)
+        rewards = tensors["scores"] + 0.5 * scores
+        assert torch.allclose(back["scores"], rewards, atol=1e-6)
         assert "advantages" not in back  # stale with the new rewards: step 4 is the trainer's
         monkeypatch.setattr(grpo, "NUM_PRE_Q", 4)
         [(redone, _)] = with_advantages(lambda *_: [(back, back_meta)],
@@ -738,7 +739,7 @@ def test_regroup_takes_an_upload_without_a_version_then_one_with_a_version(model
         a, meta = group(G=4, plen=5, tc=3, seed=1)
         b, _ = group(G=4, plen=5, tc=3, seed=2)
         b["input_ids"][:, :5] = a["input_ids"][0, :5]  # the same question
-        a["rewards"], b["rewards"] = torch.zeros(4), torch.ones(4)  # each alone: no signal
+        a["scores"], b["scores"] = torch.zeros(4), torch.ones(4)  # each alone: no signal
         first = requests.post(
             url + "/upload", data=encode_batch(a, {**meta, "version": None}), timeout=10
         )
@@ -751,7 +752,7 @@ def test_regroup_takes_an_upload_without_a_version_then_one_with_a_version(model
         assert (
             out_meta["version"] == 0
             and out_meta["regrouped"]
-            and tensors["rewards"].unique().numel() == 2
+            and tensors["scores"].unique().numel() == 2
         )
     finally:
         stop(server, stop_serving)
@@ -900,10 +901,10 @@ def test_the_server_process_loads_a_reward_model_and_names_it(
     try:
         assert srv.health()["reward_model"] == str(folder)
         tensors, meta = group(
-            G=3, plen=5, tc=4, seed=70, question="What is 1 + 1?", answers=["2", "3", "11"]
+            G=3, plen=5, tc=4, seed=70, question="What is 1 + 1?", completions=["2", "3", "11"]
         )
         back, back_meta = upload_and_pull(srv.url, tensors, meta)
-        assert "reward_model_mean" in back_meta and back["rewards"].shape == (3,)
+        assert "reward_model_mean" in back_meta and back["scores"].shape == (3,)
     finally:
         srv.stop()
 

@@ -359,7 +359,7 @@ def test_steps_2_to_4_pack_each_baselines_advantages(setting, tiny_policy, monke
     groups, _ = short_rollout(tiny_policy, monkeypatch, False, max_new_tokens=24)
     assert groups
     for tensors, _ in groups:
-        rewards = tensors["rewards"]
+        rewards = tensors["scores"]
         if "ADVANTAGE" in setting:
             want = grpo.choose_parts().advantages(rewards, each=None)
             assert tensors["advantages"].tolist() == pytest.approx(want.tolist(), abs=1e-6)

@@ -616,18 +616,18 @@ def test_regroup_mixes_uploads_of_one_question_into_a_group_with_variance(model)
         a, meta = group(G=4, plen=5, tc=3, seed=1, version=2)
         b, _ = group(G=4, plen=5, tc=6, seed=2)
         b["input_ids"][:, :5] = a["input_ids"][0, :5]  # the same question, a longer answer
-        a["rewards"], b["rewards"] = torch.zeros(4), torch.ones(4)  # each upload alone: no signal
+        a["scores"], b["scores"] = torch.zeros(4), torch.ones(4)  # each upload alone: no signal
         other, other_meta = group(G=4, plen=5, tc=3, seed=3)
-        other["rewards"] = torch.ones(4)
+        other["scores"] = torch.ones(4)
         # for a reward model
         texts = {"a": [f"a{i}" for i in range(4)], "b": [f"b{i}" for i in range(4)]}
-        assert upload(url, a, {**meta, "answers": texts["a"]})["groups"] == 0
+        assert upload(url, a, {**meta, "completions": texts["a"]})["groups"] == 0
         assert upload(url, other, other_meta)["groups"] == 0  # another question does not mix in
         assert requests.get(url + "/get", timeout=10).status_code == 204
-        assert upload(url, b, {**meta, "version": 5, "answers": texts["b"]})["groups"] == 1
+        assert upload(url, b, {**meta, "version": 5, "completions": texts["b"]})["groups"] == 1
         tensors, out_meta = pull(url)
         assert tensors["input_ids"].shape == (4, 5 + 6) and tensors["ref_logps"].shape == (4, 6)
-        assert tensors["rewards"].unique().numel() == 2  # both rewards in the group
+        assert tensors["scores"].unique().numel() == 2  # both rewards in the group
         # rewards alone: the trainer computes the advantages of a regrouped group (step 4)
         assert "advantages" not in tensors
         sent = {
@@ -645,7 +645,7 @@ def test_regroup_mixes_uploads_of_one_question_into_a_group_with_variance(model)
             src, name = (a, "a") if m.sum() == 3 else (b, "b")
             i = next(i for i in range(4) if torch.equal(src["input_ids"][i, 5:], row[5:][m]))
             assert torch.equal(lp[m], src["pi_old_logps"][i])
-            assert out_meta["answers"][j] == texts[name][i]  # ... and its own text
+            assert out_meta["completions"][j] == texts[name][i]  # ... and its own text
         assert out_meta["version"] == 2 and out_meta["regrouped"]  # the stalest answer's policy
         assert (
             server.pool.regrouped == 1 and sum(len(p) for p in server.pool.pools.values()) == 4 + 4
@@ -670,13 +670,13 @@ def test_regroup_keeps_a_questions_images_and_pools_other_images_apart():
     def upload_of(seed, reward, images):  # four answers to the one text, showing `images`
         tensors, meta = group(G=4, plen=5, tc=3, seed=seed)
         tensors["input_ids"][:, :5] = torch.arange(5)  # the same prompt ids every time
-        tensors["rewards"] = torch.full((4,), reward)
+        tensors["scores"] = torch.full((4,), reward)
         return {**tensors, **images}, meta
 
     assert pool.add(*upload_of(1, 0.0, red)) is None  # equal rewards: nothing to send yet
     assert pool.add(*upload_of(2, 1.0, blue)) is None  # another picture: another question
     tensors, meta = pool.add(*upload_of(3, 1.0, red))  # the red question's second upload
-    assert tensors["rewards"].unique().numel() == 2 and meta["regrouped"]
+    assert tensors["scores"].unique().numel() == 2 and meta["regrouped"]
     assert torch.equal(tensors["image_bytes"], red["image_bytes"])
     assert torch.equal(tensors["image_ends"], red["image_ends"])
     assert len(pool.pools) == 2  # red's leftovers and blue's four, apart
@@ -686,9 +686,9 @@ def test_without_regroup_every_upload_is_one_group(model):
     server, httpd, url = start(model)
     try:
         t, meta = group(G=4)
-        t["rewards"] = torch.zeros(4)
+        t["scores"] = torch.zeros(4)
         assert upload(url, t, meta)["groups"] == 1
-        assert torch.equal(pull(url)[0]["rewards"], t["rewards"])
+        assert torch.equal(pull(url)[0]["scores"], t["scores"])
         assert requests.get(url + "/health", timeout=10).json()["regroup"] is False
     finally:
         stop(server, httpd)
@@ -714,13 +714,13 @@ server = ref_server.RefServer(AutoModelForCausalLM.from_pretrained({tiny_model_d
 def answers(reward):
     ids = torch.cat([torch.arange(5).repeat(4, 1), torch.randint(0, 49152, (4, 3))], 1)
     return dict(input_ids=ids, completion_mask=torch.ones(4, 3, dtype=torch.bool),
-                advantages=torch.zeros(4), rewards=torch.full((4,), reward),
+                advantages=torch.zeros(4), scores=torch.full((4,), reward),
                 pi_old_logps=-torch.rand(4, 3))
 a, b, meta = answers(0.0), answers(1.0), dict(plen=5, temperature=1.0)
 assert ref_server.REGROUP and server.pool is not None
 assert server.pool.add(a, meta) is None
 tensors, out_meta = server.pool.add(b, meta)
-assert out_meta["regrouped"] and tensors["rewards"].unique().numel() == 2
+assert out_meta["regrouped"] and tensors["scores"].unique().numel() == 2
 assert "advantages" not in tensors
 loaded = sorted(m for m in sys.modules if m in ("grpo_ref_split", "rewards", "math_verify"))
 print("loaded:", loaded)

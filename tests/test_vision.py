@@ -103,7 +103,7 @@ def prompt_group(processor, images, G=3, answer_tokens=5, seed=0):
     answers = torch.randint(0, 49152, (G, answer_tokens), generator=g)  # (G, T) text ids only
     ids = torch.cat([prompt.repeat(G, 1), answers], 1)  # (G, P + T)
     tensors = dict(input_ids=ids, completion_mask=torch.ones(G, answer_tokens, dtype=torch.bool),
-                   advantages=torch.randn(G, generator=g), rewards=torch.rand(G, generator=g),
+                   advantages=torch.randn(G, generator=g), scores=torch.rand(G, generator=g),
                    **vision.pack_images(images))
     return tensors, {"plen": prompt.shape[1], "temperature": 0.7}
 

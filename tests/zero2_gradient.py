@@ -53,7 +53,7 @@ def rank_groups(engine, tokenizer, rank, G=3):
                     input_ids=ids,
                     completion_mask=mask,
                     advantages=torch.randn(G, generator=g),
-                    rewards=torch.zeros(G),  # on the wire with every group; no loss reads it here
+                    scores=torch.zeros(G),  # on the wire with every group; no loss reads it here
                     ref_logps=ref.cpu() + 0.3 * torch.randn(G, 6, generator=g),
                 ),
                 {"plen": len(prompt)},
