@@ -423,7 +423,7 @@ def mix_task(*, reward_fns, seed, eval_size, arith_max, fit_images, default_prom
         prompt=functools.partial(opening_prompt, default=default_prompt,
                                  think_prefill=think_prefill),
         score=scorer_for_run(reward_fns), rewards=tuple(run_rewards(reward_fns)),
-        answer_held_out=played_answers)
+        answer_held_out=played_completions)
 
 
 def opening_prompt(tokenizer, question: dict, *, default, think_prefill: str) -> str:
@@ -632,7 +632,7 @@ def rollout(model, tokenizer, prompts, *, gen_config, llm, eos_ids, single_turn,
             temperature, think_prefill, reward_fns) -> tuple:
     """Step 2 under ENVIRONMENTS (the lesson's Rollout seam): episodes played turn by turn when any
     of the step's questions comes from an environment of several turns (play_rollout), else the
-    run's single-turn rollout (single_turn: the lesson's sample_answers or its faster equal)."""
+    run's single-turn rollout (single_turn: the lesson's sample_completions or its faster equal)."""
     if not multi_turn(prompts.asked):
         return single_turn(model, tokenizer, prompts, gen_config=gen_config, llm=llm,
                            eos_ids=eos_ids)
@@ -657,7 +657,7 @@ def play_rollout(model, tokenizer, enc, n, asked, *, gen_config, llm, temperatur
     return out.pop("completion_ids"), out.pop("vllm_logps"), out
 
 
-def played_answers(model, questions, *, encode, decode, eos_ids, pad_id, max_new_tokens,
+def played_completions(model, questions, *, encode, decode, eos_ids, pad_id, max_new_tokens,
                    llm=None, tokenizer=None, **unused) -> tuple:
     """The held-out evaluation's answers under ENVIRONMENTS (features/evaluation.evaluate's
     `answer`): (each question's greedy answer as text, no tool calls, its rewards over its

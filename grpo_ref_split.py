@@ -160,8 +160,8 @@ def grpo_loss(*, logps, pi_old_logps, ref_logps, advantages, mask, beta, clip_ep
         raise ValueError(f"grpo_loss: ref_logps=None needs beta=0 (beta {beta})")
     ratio = torch.exp(logps - pi_old_logps)  # (B, T)
     clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high)  # (B, T)
-    answer_advantage = advantages[:, None]  # (B, 1) each answer's, on its every token
-    surrogate = torch.min(ratio * answer_advantage, clipped * answer_advantage)  # (B, T)
+    completion_advantage = advantages[:, None]  # (B, 1) each answer's, on its every token
+    surrogate = torch.min(ratio * completion_advantage, clipped * completion_advantage)  # (B, T)
     kl = reference_kl(ref_logps, logps, mask)  # (B, T) or None
     if kl is None:
         return -surrogate  # (B, T)
@@ -305,7 +305,7 @@ def decode(tokenizer, completion_ids) -> list:
     return [THINK_PREFILL + text for text in texts]
 
 
-def sample_answers(model, tokenizer, prompts: Prompts, *, gen_config, llm=None, eos_ids=None):
+def sample_completions(model, tokenizer, prompts: Prompts, *, gen_config, llm=None, eos_ids=None):
     """Step 2's plain rollout: transformers' generate from softmax(logits / TEMPERATURE) (gen_config
     holds no other rule): (completion_ids (B, T), None, {}). Every rollout choose_parts may pick
     instead (vLLM, the shared prompt, the calculator, episodes) returns the same three: the answer
@@ -319,13 +319,13 @@ def sample_answers(model, tokenizer, prompts: Prompts, *, gen_config, llm=None, 
 def generate(model, tokenizer, questions, *, rollout, gen_config, eos_ids, llm=None,
              prompt=question_prompt) -> Rollout:
     """Step 2: NUM_PRE_Q answers to each question, sampled at TEMPERATURE by `rollout`
-    (sample_answers unless main's set-up chose another), prompted by the task's `prompt`."""
+    (sample_completions unless main's set-up chose another), prompted by the task's `prompt`."""
     enc = encode_prompts(tokenizer, questions, prompt)
     device = next(model.parameters()).device
     pixels = {}  # a vision-language model's pixel inputs, one row per answer; text: none
     if with_images(questions):
         pixels = vision.to_device(vision.pixel_rows(enc, NUM_PRE_Q), device)  # a variant: B rows
-    def per_answer(key):  # a question's value, once for each of its NUM_PRE_Q answers
+    def per_completion(key):  # a question's value, once for each of its NUM_PRE_Q answers
         return [q.get(key) for q in questions for _ in range(NUM_PRE_Q)]
     prompts = Prompts(encoded=enc,
                       ids=enc.input_ids.repeat_interleave(NUM_PRE_Q, 0).to(device),  # (B, P)
@@ -343,18 +343,18 @@ def generate(model, tokenizer, questions, *, rollout, gen_config, eos_ids, llm=N
         completion_ids, mask = vision.cut_at_image_tokens(completion_ids, mask,
                                                           tokenizer)  # a variant: images
     lengths = mask.sum(1).tolist()  # before MASK_TRUNCATED: what the model wrote
-    cut_answers_train = not MASK_TRUNCATED  # DAPO's overlong filter (a variant) keeps them out
-    mask &= stopped[:, None] | cut_answers_train  # (B, T)
+    cut_completions_train = not MASK_TRUNCATED  # DAPO's overlong filter (a variant) keeps them out
+    mask &= stopped[:, None] | cut_completions_train  # (B, T)
     images = None  # each answer's question's images, to upload; text: none
     if with_images(questions):
-        images = per_answer("images")
+        images = per_completion("images")
     extra = RolloutExtras(vllm_logps=vllm_logps, images=images, vision_inputs=pixels,
-                          envs=per_answer("env"), **own)  # a variant's fields; the default's empty
+                          envs=per_completion("env"), **own)  # a variant's fields; the default's empty
     return Rollout(prompt_ids=prompts.ids, prompt_mask=prompts.mask,
                    completion_ids=completion_ids, mask=mask,
                    texts=decode(tokenizer, completion_ids), lengths=lengths,
-                   truncated=(~stopped).tolist(), golds=per_answer("gold"),
-                   questions=per_answer("question"), extra=extra)
+                   truncated=(~stopped).tolist(), golds=per_completion("gold"),
+                   questions=per_completion("question"), extra=extra)
 
 
 def group_advantages(scores, each=None) -> torch.Tensor:
@@ -364,7 +364,7 @@ def group_advantages(scores, each=None) -> torch.Tensor:
     return advantages_in_groups(scores, NUM_PRE_Q)  # (N,)
 
 
-def score_answers(texts, asked, played=None) -> tuple:
+def score_completions(texts, asked, played=None) -> tuple:
     """Step 3: (each answer's score, the weighted sum of REWARDS, {reward name: each value});
     asked: each answer's question (a dict: its question, its gold). played: a multi-turn
     environment's rewards, which this task never has."""
@@ -397,7 +397,7 @@ def scored_groups(model, tokenizer, questions, *, parts, eos_ids, gen_config, ll
         groups, other = pack_groups(model, generated, scores, advantages, varied=varied,
                                     keep_all=keep_all, with_pi_old=with_pi_old,
                                     logps_of=parts.logps_of, meta=parts.upload_meta)
-    records = run_log.answer_records(step, rank, generated, each, scores, advantages)  # log
+    records = run_log.completion_records(step, rank, generated, each, scores, advantages)  # log
     return ScoredGroups(groups=groups, records=records, other_scores=other)
 
 
@@ -418,8 +418,8 @@ def pack_groups(model, generated: Rollout, scores, advantages, *, varied, keep_a
     kept = [q for q in range(len(varied))
             if (varied[q] or keep_all) and generated.mask[q * G:(q + 1) * G].any()]
     ids = torch.cat([generated.prompt_ids, generated.completion_ids], 1)  # (B, P+T)
-    answer_attn = wire.answer_attention(generated.mask)  # (B, T) faster equal: to the last trained
-    attn = torch.cat([generated.prompt_mask, answer_attn], 1)  # (B, P+T)
+    completion_attn = wire.completion_attention(generated.mask)  # (B, T) faster equal: to the last trained
+    attn = torch.cat([generated.prompt_mask, completion_attn], 1)  # (B, P+T)
     rows = [q * G + i for q in kept for i in range(G)]
     pi_old_logps = None  # (K, T) of the kept rows; at MU = 1 a rank's own groups need none
     if kept and with_pi_old:
@@ -522,7 +522,7 @@ def drop_untrainable(groups, version, *, max_staleness) -> tuple:
 class StepGroups:
     """Steps 1-5 of one training step: what it trains on, and what it sampled."""
     groups: list  # (tensors, meta) pulled back with ref_logps, the step's to train on
-    records: list  # every answer sampled, one dict each (features/run_log.answer_records)
+    records: list  # every answer sampled, one dict each (features/run_log.completion_records)
     other_scores: torch.Tensor  # (D,) the rewards of the groups not uploaded (equal ones)
     rollouts: int  # how many rollouts it took to find groups with a signal
 
@@ -582,7 +582,7 @@ def collate(groups, pad_id, *, teacher=False, image_processor=None, top_k=0,
         attention_mask[row : row + n, P - plen : P] = 1
         # Each answer up to its last trained token: no earlier token attends the padding after
         # it, so the values are the same, and features/packing.py can leave it out
-        attention_mask[row : row + n, P : P + tlen] = wire.answer_attention(  # faster equal
+        attention_mask[row : row + n, P : P + tlen] = wire.completion_attention(  # faster equal
             g["completion_mask"])
         mask[row : row + n, :tlen] = g["completion_mask"]
         for name in [name for name in given_logps if name in g]:
@@ -750,7 +750,7 @@ class Parts:
     prompt computed once (shared_rollout), and the log-probs, in chunks (logps_function)."""
     task: rewards.Task  # 1-3. what to train on: load, draw, prompt, score, rewards: choose_task
     record: Callable  # 1. (sampler, records, group size): keep_no_outcomes
-    rollout: Callable  # 2. (model, tokenizer, Prompts, gen_config=, llm=, eos_ids=): sample_answers
+    rollout: Callable  # 2. (model, tokenizer, Prompts, gen_config=, llm=, eos_ids=): sample_completions
     advantages: Callable  # 4. (scores, each) -> (N,): group_advantages
     has_signal: Callable  # 4. (scores, each) -> (Q,) the groups that train: varied_groups
     rescale: Callable  # 4. (groups, other rewards, device) -> groups: as_sampled
@@ -789,7 +789,7 @@ def choose_task() -> rewards.Task:  # set-up
     if question_sampler.SAMPLER != "uniform":  # a variant: the sampler's own rule
         draw = question_sampler.draw_by_rule
     return rewards.Task(load=load_dataset, sampler=sampler, draw=draw, prompt=question_prompt,
-                        score=score_answers,
+                        score=score_completions,
                         rewards=tuple((fn.__name__, weight) for fn, weight in REWARDS))
 
 
@@ -801,9 +801,9 @@ def record_for_run() -> Callable:
 
 
 def rollout_for_run() -> Callable:
-    """Step 2: sample_answers, or what samples the same distribution faster (vLLM, the shared
+    """Step 2: sample_completions, or what samples the same distribution faster (vLLM, the shared
     prompt), or a rollout of several turns (the calculator, an environment's episodes)."""
-    single_turn = sample_answers  # the plain definition
+    single_turn = sample_completions  # the plain definition
     if vllm_engine.USE_VLLM:  # faster equal (docs/vllm.md)
         single_turn = functools.partial(vllm_engine.rollout, num_pre_q=NUM_PRE_Q,
                                         temperature=TEMPERATURE, max_new_tokens=MAX_NEW_TOKENS)
@@ -837,7 +837,7 @@ def advantages_for_run(named) -> Callable:
     """Step 4: group_advantages, or a variant's baseline (objectives.py) over the task's rewards
     (named)."""
     if advantage_variant_on():  # a variant
-        return functools.partial(objectives.answer_advantages, s=advantage_settings(named))
+        return functools.partial(objectives.completion_advantages, s=advantage_settings(named))
     return group_advantages
 
 
@@ -1089,9 +1089,9 @@ def main():
                             verbose=quiet.VERBOSE)  # faster equal (USE_VLLM); else None
     sampling = dict(eos_ids=eos_ids, gen_config=gen_config, llm=llm)  # how step 2 samples
     if pass_rates.PASS_RATE_QUESTIONS:  # a variant (SAMPLER "learnability"): measured first
-        answers_to = functools.partial(generate, model, tokenizer, rollout=parts.rollout,
+        completions_to = functools.partial(generate, model, tokenizer, rollout=parts.rollout,
                                        prompt=parts.task.prompt, **sampling)  # a Rollout
-        pass_rates.pass_rate_pass(sampler, answers_to, parts.task.score,  # a variant
+        pass_rates.pass_rate_pass(sampler, completions_to, parts.task.score,  # a variant
                                   count=pass_rates.PASS_RATE_QUESTIONS,
                                   group=NUM_PRE_Q, output_dir=OUTPUT_DIR, batch=Q_BATCH_SIZE,
                                   rank=rank)

@@ -2,7 +2,7 @@
 selection and teacher term (step 6) that the menu at the top of grpo_ref_split.py can switch on.
 
 A default step never enters this file. main's set-up (choose_parts) hands a step these functions
-in place of the lesson's when a variant is set: answer_advantages, varied_by_any_reward and at_step
+in place of the lesson's when a variant is set: completion_advantages, varied_by_any_reward and at_step
 for step 4, variant_terms for step 6; the
 lesson's own math (advantages_in_groups, the clip-only grpo_loss, k3, reduce_loss) is the
 reference every function here is compared with. Each function is pure, names its paper, and
@@ -65,7 +65,7 @@ def varied_by_any_reward(scores: torch.Tensor, each: dict, s: AdvantageSettings)
     return varied | table.view(-1, G, table.shape[1]).std(1).gt(0).any(-1)  # (Q,)
 
 
-def answer_advantages(scores: torch.Tensor, each: dict, s: AdvantageSettings) -> torch.Tensor:
+def completion_advantages(scores: torch.Tensor, each: dict, s: AdvantageSettings) -> torch.Tensor:
     """Step 4 of a variant: (N,) each answer's advantage. scores (N,) the weighted sums; each:
     {reward name: N values}. "batch" scale, REINFORCE++ and GDPO are divided by a std over the
     whole step later (at_step), once every rank's groups are known."""
@@ -326,11 +326,11 @@ def policy_log_ratio(*, logps, pi_old_logps, mask, gspo=False) -> torch.Tensor:
     log_ratio = logps - pi_old_logps  # (B, T)
     if not gspo:
         return log_ratio
-    answer_mean = masked_mean(log_ratio, mask)[:, None]  # (B, 1)
+    completion_mean = masked_mean(log_ratio, mask)[:, None]  # (B, 1)
     # GSPO-token (the GSPO paper's per-token form): the answer's ratio as the value, each token's
     # own log-prob as the gradient. With one advantage per answer its gradient is GSPO's; with a
     # teacher's per-token advantages each token moves by its own, not by the answer's mean.
-    return answer_mean.detach() + log_ratio - log_ratio.detach()  # (B, T)
+    return completion_mean.detach() + log_ratio - log_ratio.detach()  # (B, T)
 
 
 # The surrogates of OBJECTIVE, PPO's clip's rivals; each (B, T), its gradient that of sum A_t log pi
@@ -362,9 +362,9 @@ def gmpo_surrogate(*, log_ratio, advantages, mask, clip_eps, clip_eps_high) -> t
     sign = torch.sign(advantages)  # (B, 1) or (B, T)
     clamped = log_ratio.clamp(-clip_eps, clip_eps_high)  # (B, T)
     kept = sign * torch.min(sign * log_ratio, sign * clamped)  # (B, T) the pessimistic one
-    answer_ratio = torch.exp(masked_mean(kept, mask))[:, None]  # (B, 1)
-    answer_advantage = masked_mean(advantages.expand_as(log_ratio), mask)[:, None]  # (B, 1)
-    return (answer_ratio * answer_advantage).expand_as(log_ratio)  # (B, T)
+    completion_ratio = torch.exp(masked_mean(kept, mask))[:, None]  # (B, 1)
+    completion_advantage = masked_mean(advantages.expand_as(log_ratio), mask)[:, None]  # (B, 1)
+    return (completion_ratio * completion_advantage).expand_as(log_ratio)  # (B, T)
 
 
 # Token selection: which tokens' surrogates train, and by how much; each (B, T), detached.
@@ -476,7 +476,7 @@ def teacher_topk_of(groups, T: int, top_k: int, vocab_size) -> tuple:
     row = 0
     for g, _ in groups:
         n, tlen = g["completion_mask"].shape
-        check_teacher_topk(g, top_k=top_k, answer_tokens=tlen, vocab_size=vocab_size)
+        check_teacher_topk(g, top_k=top_k, completion_tokens=tlen, vocab_size=vocab_size)
         ids[row : row + n, :tlen] = g["teacher_topk_ids"]
         logps[row : row + n, :tlen] = g["teacher_topk_logps"]
         row += n

@@ -31,7 +31,7 @@ from features.http_server import json_errors, start_http, token_ok, warn_if_expo
 from features.regroup import RegroupPool
 from features.server_guards import DecodeBudget, Handouts, Room, UploadIds, parse_get
 from features.reward_model import add_reward_model, load_reward_model
-from features.wire import (MAX_RANKS, WIRE_FORMAT, TooLarge, answer_attention, carries_images,
+from features.wire import (MAX_RANKS, WIRE_FORMAT, TooLarge, completion_attention, carries_images,
                            decode_batch, encode_batch, validate_group)
 
 # ----------------------------------------------------------------------------- constants
@@ -119,10 +119,10 @@ def run_of(meta) -> str:
 
 def attention_of(ids, plen, completion_mask) -> torch.Tensor:
     """(G, L) a group's attention mask: its prompt (unpadded, plen tokens) and each answer up to
-    its last token that trains (wire.answer_attention); every token without a completion_mask."""
+    its last token that trains (wire.completion_attention); every token without a completion_mask."""
     attention = torch.ones_like(ids)  # (G, L)
     if completion_mask is not None:
-        answers = answer_attention(completion_mask)  # (G, L - plen) faster equal: no padding
+        answers = completion_attention(completion_mask)  # (G, L - plen) faster equal: no padding
         attention[:, plen:] = answers.to(ids.device)
     return attention
 

@@ -585,7 +585,7 @@ class Task:
     sampler: Callable  # (questions, seed) -> the draw's state, kept in checkpoints: QuestionSampler
     draw: Callable  # 1. (sampler, n) -> n training questions: draw_questions
     prompt: Callable  # 2. (tokenizer, question) -> the prompt's text: question_prompt
-    score: Callable  # 3. (texts, asked, played=None) -> (scores, {name: values}): score_answers
+    score: Callable  # 3. (texts, asked, played=None) -> (scores, {name: values}): score_completions
     rewards: tuple  # 3. (name, weight) of each reward score gives: the log's and GDPO's columns
     answer_held_out: Callable | None = None  # log: how held-out questions are answered; greedily
 

@@ -48,7 +48,7 @@ def main():
         vllm_rollout = functools.partial(vllm_engine.rollout, num_pre_q=grpo.NUM_PRE_Q,
                                          temperature=grpo.TEMPERATURE,
                                          max_new_tokens=grpo.MAX_NEW_TOKENS)
-        order = (("transformers", grpo.sample_answers), ("vLLM", vllm_rollout))  # alternating
+        order = (("transformers", grpo.sample_completions), ("vLLM", vllm_rollout))  # alternating
         for name, sampler in order if r % 2 == 0 else order[::-1]:
             m = defaultdict(float)
             with grpo.timed(m, "generate_s"):
@@ -89,7 +89,7 @@ def main():
                 "command": f"VLLM_EAGER={int(eager)} python bench/bench_generation.py",
                 "settings": dict(
                     questions=grpo.Q_BATCH_SIZE,
-                    answers_each=grpo.NUM_PRE_Q,
+                    completions_each=grpo.NUM_PRE_Q,
                     max_new_tokens=grpo.MAX_NEW_TOKENS,
                     temperature=grpo.TEMPERATURE,
                 ),

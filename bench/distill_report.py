@@ -31,15 +31,15 @@ def summary(path) -> dict:
     with open(path) as f:
         lines = [json.loads(line) for line in f if line.strip()]
     evals = {m["step"]: m["eval_reward_correct"] for m in lines if "eval_reward_correct" in m}
-    train = [m for m in lines if "answers_generated" in m]
-    generated = sum(m["answers_generated"] for m in train)
+    train = [m for m in lines if "completions_generated" in m]
+    generated = sum(m["completions_generated"] for m in train)
     reached = next((step for step in sorted(evals) if evals[step] >= TARGET), None)
     answers_to_target = None
     if reached is not None:
-        answers_to_target = sum(m["answers_generated"] for m in train if m["step"] <= reached)
+        answers_to_target = sum(m["completions_generated"] for m in train if m["step"] <= reached)
     wall = path.replace("_metrics.jsonl", "_wall_s")
     kl = [m["teacher_kl"] for m in train if "teacher_kl" in m]
-    return dict(evals=evals, ratio=generated / max(1, sum(m["answers_trained"] for m in train)),
+    return dict(evals=evals, ratio=generated / max(1, sum(m["completions_trained"] for m in train)),
                 minutes=int(open(wall).read()) / 60 if os.path.exists(wall) else float("nan"),
                 reached=reached, answers_to_target=answers_to_target and int(answers_to_target),
                 steps=len(train),

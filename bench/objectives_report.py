@@ -49,7 +49,7 @@ def summary(path):
     with open(path) as f:
         lines = [json.loads(line) for line in f if line.strip()]
     evals = {m["step"]: m for m in lines if "eval_reward_correct" in m}
-    train = [m for m in lines if "answers_generated" in m]
+    train = [m for m in lines if "completions_generated" in m]
     wall = path.replace("_metrics.jsonl", "_wall_s")
     # PASS_RATE_QUESTIONS x NUM_PRE_Q more
     passes = path.replace("_metrics.jsonl", "_pass_rates.json")
@@ -60,8 +60,8 @@ def summary(path):
     return dict(
         greedy={s: evals[s]["eval_reward_correct"] for s in STEPS if s in evals},
         pass4={s: evals[s].get("eval_pass@4") for s in STEPS if s in evals},
-        ratio=(before + sum(m["answers_generated"] for m in train))
-        / max(1, sum(m["answers_trained"] for m in train)),
+        ratio=(before + sum(m["completions_generated"] for m in train))
+        / max(1, sum(m["completions_trained"] for m in train)),
         step_s=sum(m["seconds"] for m in train) / max(1, len(train)),
         minutes=int(open(wall).read()) / 60 if os.path.exists(wall) else float("nan"),
         steps=len(train),

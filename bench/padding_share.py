@@ -50,14 +50,14 @@ def shares(steps: dict, prompt_tokens) -> dict:
         if not trained:
             continue
         longest_prompt = max(plen for plen, _ in trained)
-        longest_answer = max(max(lengths) for _, lengths in trained)
+        longest_completion = max(max(lengths) for _, lengths in trained)
         rows = sum(len(lengths) for _, lengths in trained)
         real_prompts = sum(plen * len(lengths) for plen, lengths in trained)
         real_answers = sum(sum(lengths) for _, lengths in trained)
-        rectangle = rows * (longest_prompt + longest_answer)
+        rectangle = rows * (longest_prompt + longest_completion)
         out["policy, full rows"][0] += rectangle
         out["policy, full rows"][1] += real_prompts + real_answers
-        shared = len(trained) * longest_prompt + rows * longest_answer  # prompts once per group
+        shared = len(trained) * longest_prompt + rows * longest_completion  # prompts once per group
         out["policy, shared prefix"][0] += shared
         out["policy, shared prefix"][1] += sum(plen for plen, _ in trained) + real_answers
         for plen, lengths in trained:  # the server: one group a forward

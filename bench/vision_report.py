@@ -28,9 +28,9 @@ def summary(path) -> dict:
     with open(path) as f:
         lines = [json.loads(line) for line in f if line.strip()]
     evals = {m["step"]: m["eval_reward_word"] for m in lines if "eval_reward_word" in m}
-    train = [m for m in lines if "answers_generated" in m]
-    generated = sum(m["answers_generated"] for m in train)
-    trained = sum(m["answers_trained"] for m in train)
+    train = [m for m in lines if "completions_generated" in m]
+    generated = sum(m["completions_generated"] for m in train)
+    trained = sum(m["completions_trained"] for m in train)
     wall = path.replace("_metrics.jsonl", "_wall_s")
     minutes = int(open(wall).read()) / 60 if os.path.exists(wall) else float("nan")
     stopped = path.replace("_metrics.jsonl", "_stopped")  # the trainer gave up (MAX_ROLLOUTS)

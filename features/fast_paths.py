@@ -194,7 +194,7 @@ def layer_flags(model, **flags):
 
 def shared_rollout(model, tokenizer, prompts, *, gen_config, llm, eos_ids, num_pre_q) -> tuple:
     """Step 2 with each group's prompt computed once (SHARED_PREFIX): (completion_ids, None, {}),
-    the same samples as the lesson's sample_answers (shared_generate); tokenizer, llm and eos_ids
+    the same samples as the lesson's sample_completions (shared_generate); tokenizer, llm and eos_ids
     are other rollouts', unread here."""
     completion_ids = shared_generate(model, prompts.ids, prompts.mask, gen_config, num_pre_q)
     return completion_ids, None, {}

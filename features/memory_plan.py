@@ -261,10 +261,10 @@ def plan(shape: ModelShape, s: Setting, device_bytes: int) -> list:
         kept += image_rows * s.tower_saved
         what += f" and {image_rows} rows' images"
     rows.append(Row(what, int(kept)))
-    answer_tokens = (s.train_micro_batch or s.q_batch_size) * s.num_pre_q * s.max_new_tokens
-    logit_tokens = min(s.logp_chunk or answer_tokens, answer_tokens)
+    completion_tokens = (s.train_micro_batch or s.q_batch_size) * s.num_pre_q * s.max_new_tokens
+    logit_tokens = min(s.logp_chunk or completion_tokens, completion_tokens)
     if not s.logp_from_hidden:
-        logit_tokens = answer_tokens
+        logit_tokens = completion_tokens
     # logits, their fp32 log-softmax and its gradient
     rows.append(Row(f"logits of {logit_tokens:,} tokens", logit_tokens * shape.vocab * (item + 8)))
     sequences = s.q_batch_size * s.num_pre_q

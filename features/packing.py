@@ -62,7 +62,7 @@ def row_spans(attention_mask: torch.Tensor, n_completion: int) -> list:
     after the answer's first column (L - n_completion). ValueError where a row cannot pack: a hole
     in its mask (it would see tokens a packed row cannot show it), or no prompt token."""
     L = attention_mask.shape[1]
-    first_answer = L - n_completion  # every answer starts at this column (prompts left-padded)
+    first_completion = L - n_completion  # every answer starts at this column (prompts left-padded)
     marked = attention_mask.bool()  # (B, L)
     count = marked.sum(1)  # (B,)
     start = marked.int().argmax(1)  # (B,) the first marked column
@@ -72,10 +72,10 @@ def row_spans(attention_mask: torch.Tensor, n_completion: int) -> list:
         if n and not marked[row, s:end].all():
             raise ValueError(f"row {row}'s attention mask has a hole: PADDING_FREE packs one run "
                              "of tokens per row (left-padded prompt, right-padded answer)")
-        if n == 0 or s >= first_answer:
+        if n == 0 or s >= first_completion:
             raise ValueError(f"row {row} has no prompt token: its first answer token has "
                              "nothing to be predicted from")
-        spans.append((s, max(end, first_answer)))
+        spans.append((s, max(end, first_completion)))
     return spans
 
 
@@ -135,24 +135,24 @@ def packed_states(model, input_ids, attention_mask, n_completion: int, *, hidden
     run packed (above), in packed rows of `capacity` tokens (0: PACK_TOKENS, or the longest)."""
     from features.fast_paths import model_outputs  # here: fast_paths imports this module
     B, L = input_ids.shape
-    first_answer = L - n_completion
+    first_completion = L - n_completion
     spans = row_spans(attention_mask, n_completion)
-    answered = [r for r in range(B) if spans[r][1] > first_answer]  # rows with a token to predict
+    answered = [r for r in range(B) if spans[r][1] > first_completion]  # rows with a token to predict
     head = getattr(model, "module", model).get_output_embeddings().weight  # (V, H)
     out = head.new_zeros(B, n_completion, head.shape[1] if hidden else head.shape[0])  # (B, T, D)
     if not answered:
         return out
     pieces = [input_ids[r, spans[r][0] : spans[r][1]] for r in answered]  # each (n_r,)
     packed = pack(pieces, capacity or PACK_TOKENS)
-    at_packed, at_column, at_row, at_answer = [], [], [], []  # each predicting position
+    at_packed, at_column, at_row, at_completion = [], [], [], []  # each predicting position
     for i, r in enumerate(answered):
         packed_row, column = packed.at[i]
-        answer = spans[r][1] - first_answer  # the row's answer tokens
+        answer = spans[r][1] - first_completion  # the row's answer tokens
         at_packed += [packed_row] * answer
-        at_column += range(column + first_answer - spans[r][0] - 1,
+        at_column += range(column + first_completion - spans[r][0] - 1,
                            column + spans[r][1] - spans[r][0] - 1)
         at_row += [r] * answer
-        at_answer += range(answer)
+        at_completion += range(answer)
     device = packed.ids.device
     keep = torch.tensor(sorted(set(at_column)), device=device)  # (K,) the columns that predict
     # No cache: transformers reads the restarts as boundaries only without one
@@ -160,7 +160,7 @@ def packed_states(model, input_ids, attention_mask, n_completion: int, *, hidden
                            position_ids=packed.positions, use_cache=False)  # (k, K, D)
     picked = states[torch.tensor(at_packed, device=device),
                     torch.searchsorted(keep, torch.tensor(at_column, device=device))]  # (N, D)
-    index = (torch.tensor(at_row, device=device), torch.tensor(at_answer, device=device))
+    index = (torch.tensor(at_row, device=device), torch.tensor(at_completion, device=device))
     return out.index_put(index, picked.to(out.dtype))  # (B, T, D) out of place: grads flow
 
 
@@ -187,16 +187,16 @@ def group_states(model, input_ids, attention_mask, n_completion: int,
         raise ValueError("flash-attention takes no 4-D mask, which the shared prompt's packed "
                          "answers need: SHARED_PREFIX=0 with PADDING_FREE on this model")
     G, L = input_ids.shape
-    first_answer = L - n_completion
+    first_completion = L - n_completion
     spans = row_spans(attention_mask, n_completion)
-    answers = [end - first_answer for _, end in spans]  # each row's answer tokens
-    prompt = input_ids[:1, spans[0][0] : first_answer]  # (1, plen) the group's one prompt
+    answers = [end - first_completion for _, end in spans]  # each row's answer tokens
+    prompt = input_ids[:1, spans[0][0] : first_completion]  # (1, plen) the group's one prompt
     plen = prompt.shape[1]
     fed = [r for r in range(G) if answers[r] > 1]  # rows whose tokens predict a next one
     repeats = 1  # the prompt's cache, once per packed row of answers
     packed = None
     if fed:  # each fed answer but its last token, which predicts nothing
-        pieces = [input_ids[r, first_answer : first_answer + answers[r] - 1] for r in fed]
+        pieces = [input_ids[r, first_completion : first_completion + answers[r] - 1] for r in fed]
         packed = pack(pieces, PACK_TOKENS, start=plen)
         repeats = packed.ids.shape[0]
     cache, first = prompt_cache(model, prompt, torch.ones_like(prompt), repeats,
@@ -218,15 +218,15 @@ def group_states(model, input_ids, attention_mask, n_completion: int,
                              attention_mask=prompt_then_own_mask(packed, plen))  # (k, width, D)
     _check_cache(cache, plen + packed.ids.shape[1], inner)
     cache.crop(plen)  # back to the prompt: checkpointed layers recompute on it in backward
-    at_packed, at_column, at_row, at_answer = [], [], [], []  # each fed token's prediction
+    at_packed, at_column, at_row, at_completion = [], [], [], []  # each fed token's prediction
     for i, r in enumerate(fed):
         packed_row, column = packed.at[i]
         n = answers[r] - 1
         at_packed += [packed_row] * n
         at_column += range(column, column + n)
         at_row += [r] * n
-        at_answer += range(1, n + 1)
+        at_completion += range(1, n + 1)
     picked = rest[torch.tensor(at_packed, device=device),
                   torch.tensor(at_column, device=device)]  # (N, D)
-    index = (torch.tensor(at_row, device=device), torch.tensor(at_answer, device=device))
+    index = (torch.tensor(at_row, device=device), torch.tensor(at_completion, device=device))
     return out.index_put(index, picked)  # (G, t, D)

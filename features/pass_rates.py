@@ -36,20 +36,20 @@ def pass_rate_pass(sampler, generate_answers, score, *, count, group, output_dir
     sampler to those, weighted by them. generate_answers(questions) -> the trainer's Rollout of
     `group` answers to each; score(texts, asked) -> (totals, {reward name: values}), asked: each
     answer's question (a dict); an answer passes when the sampler's pass_key reward is above 0."""
-    def answer_passes(part):  # for each question, its answers' right (True) or wrong
+    def completion_passes(part):  # for each question, its answers' right (True) or wrong
         out = generate_answers(part)
         _, each = score(out.texts, [q for q in part for _ in range(group)])
         right = [value > 0 for value in each[sampler.pass_key]]
         return [right[i : i + group] for i in range(0, len(right), group)]
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    rates = measure(sampler.questions[:count], answer_passes, output_dir=output_dir, batch=batch,
+    rates = measure(sampler.questions[:count], completion_passes, output_dir=output_dir, batch=batch,
                     rank=rank, world=world)
     sampler.questions = [q for q in sampler.questions if question_sampler.id_of(q) in rates]
     sampler.set_pass_rates(rates)
 
 
-def measure(questions, answer_passes, *, output_dir, batch, rank, world):
-    """{question_id: pass rate} for `questions`; answer_passes(some questions) -> for each, the
+def measure(questions, completion_passes, *, output_dir, batch, rank, world):
+    """{question_id: pass rate} for `questions`; completion_passes(some questions) -> for each, the
     list of its k answers' right/wrong. Rank r measures questions r, r + world, ...; every rank
     returns all."""
     path = os.path.join(output_dir, FILE)
@@ -68,7 +68,7 @@ def measure(questions, answer_passes, *, output_dir, batch, rank, world):
         range(0, len(mine), batch), disable=rank != 0, desc="pass rates", dynamic_ncols=True
     ):
         part = mine[i : i + batch]
-        for q, passes in zip(part, answer_passes(part)):
+        for q, passes in zip(part, completion_passes(part)):
             rates[question_sampler.id_of(q)] = sum(passes) / len(passes)
     rates = gather(rates, world)
     if rank == 0:

@@ -63,8 +63,8 @@ def id_of(question: dict) -> str:
     return question_id(question["question"], question.get("images"))
 
 
-def answer_id(record: dict) -> str:
-    """question_id of an answer record (features/run_log.answer_records): its question_id when its
+def completion_id(record: dict) -> str:
+    """question_id of an answer record (features/run_log.completion_records): its question_id when its
     question had images, else its question's text."""
     return record.get("question_id", record["question"])
 
@@ -154,10 +154,10 @@ class QuestionSampler:
             for i in range(0, len(answers), group_size):
                 group = answers[i : i + group_size]
                 right = sum(a[self.pass_key] > 0 for a in group)
-                self.pass_rates[answer_id(group[0])] = right / len(group)
+                self.pass_rates[completion_id(group[0])] = right / len(group)
             return
         for i in range(0, len(answers), group_size):
-            text = answer_id(answers[i])
+            text = completion_id(answers[i])
             varied = len({a["reward"] for a in answers[i : i + group_size]}) > 1
             replays = self.pool.pop(text, -1) + 1  # -1: it was a fresh draw
             if varied and replays < MAX_REPLAYS:

@@ -27,8 +27,8 @@ def refuse_impossible(*, gspo, clip_eps, clip_eps_high, loss_type, output_dir, t
         if not math.isfinite(eps) or eps < 0:  # the ratio's range would be empty or inverted
             sys.exit(f"{name} = {eps}: the clip's half-width, a finite number >= 0 (0.2 is "
                      "GRPO's; DAPO's CLIP_EPS_HIGH 0.28)")
-    per_answer_tis = tis_mode.startswith("sequence_")  # a whole answer's ratio
-    if fast_paths.USE_TRITON and (gspo or per_answer_tis):
+    per_completion_tis = tis_mode.startswith("sequence_")  # a whole answer's ratio
+    if fast_paths.USE_TRITON and (gspo or per_completion_tis):
         sys.exit("USE_TRITON has no per-answer ratio (GSPO, TIS_MODE sequence_*): set those off, "
                  "or USE_TRITON=0")
     run_log.check_tensorboard(run_log.TENSORBOARD)

@@ -139,7 +139,7 @@ def log_step(step, m, answers, log, device):
     gathered = [None] * torch.distributed.get_world_size() if log is not None else None
     torch.distributed.gather_object(answers, gathered, dst=0)
     if log is not None:
-        log.step(step, m, [a for rank_answers in gathered for a in rank_answers])
+        log.step(step, m, [a for rank_completions in gathered for a in rank_completions])
     return m
 
 
@@ -180,16 +180,16 @@ def loss_metrics(loss, b, *, ratio, entropy, kl, advantages, clip_eps, clip_eps_
     mask = b.mask
     tokens = b.token_share
     n = mask.sum().clamp(min=1)  # ()
-    per_answer = mask.sum(-1).clamp(min=1)  # (B,)
+    per_completion = mask.sum(-1).clamp(min=1)  # (B,)
     low = (ratio < 1 - clip_eps) & (advantages < 0) & mask  # (B, T)
     high = (ratio > 1 + clip_eps_high) & (advantages > 0) & mask  # (B, T)
     entropy_mean = (torch.where(mask, entropy, 0.0).sum() / n).item()
-    drift = (torch.where(mask, (ratio - 1).abs(), 0.0).sum(-1) / per_answer).mean().item()
+    drift = (torch.where(mask, (ratio - 1).abs(), 0.0).sum(-1) / per_completion).mean().item()
     metrics = dict(loss=loss.item() * (b.share > 0), clip_low=(low.sum() / n).item() * tokens,
                    clip_high=(high.sum() / n).item() * tokens, entropy=entropy_mean * tokens,
                    ratio_drift=drift * b.share)
     if kl is not None:
-        metrics["kl"] = (torch.where(mask, kl, 0.0).sum(-1) / per_answer).mean().item() * b.share
+        metrics["kl"] = (torch.where(mask, kl, 0.0).sum(-1) / per_completion).mean().item() * b.share
     return metrics
 
 
@@ -229,7 +229,7 @@ def teacher_metrics(b, *, pi_old_logps, token_advantages=None) -> dict:
     return metrics
 
 
-def answer_records(step, rank, generated, each, rewards, advantages) -> list:
+def completion_records(step, rank, generated, each, rewards, advantages) -> list:
     """One dict per sampled answer, a line of completions.jsonl: what the model wrote and how it
     scored. generated: the trainer's Rollout; each: {reward name: its N values}; rewards, advantages
     (N,)."""
@@ -267,7 +267,7 @@ def sample_stats(answers, group_size, reward_names) -> dict:
     return stats | {name: sum(a[name] for a in answers) / len(answers) for name in reward_names}
 
 
-# an answer record's numbers that are not rewards (answer_records); every other number is one
+# an answer record's numbers that are not rewards (completion_records); every other number is one
 NOT_REWARDS = ("step", "rank", "reward", "advantage", "length", "truncated", "turns",
                "tool_calls", "tool_errors")
 
@@ -342,7 +342,7 @@ def step_metrics(m, groups, answers, *, step, attempts, began, group_size,
     score; the reward metric holds the rule rewards only), train_s, seconds."""
     trained = sum(len(t["advantages"]) for t, _ in groups)
     out = dict(m, **sample_stats(answers, group_size, reward_names), rollouts=attempts,
-               groups=len(groups), answers_generated=len(answers), answers_trained=trained,
+               groups=len(groups), completions_generated=len(answers), completions_trained=trained,
                train_s=m["fwd_bwd_s"] + m["optim_s"],
                staleness=sum(step - 1 - sampled_version(meta) for _, meta in groups) / len(groups),
                seconds=clock() - began)

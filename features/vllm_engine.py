@@ -76,7 +76,7 @@ def rollout(model, tokenizer, prompts, *, gen_config, llm, eos_ids, num_pre_q, t
             max_new_tokens) -> tuple:
     """Step 2 by vLLM (the lesson's Rollout seam): (completion_ids, vllm_logps, {}), num_pre_q
     answers to each prompt of prompts.encoded, the same distribution as the lesson's
-    sample_answers; model and gen_config are the plain path's, unread here."""
+    sample_completions; model and gen_config are the plain path's, unread here."""
     completion_ids, vllm_logps = vllm_sample(llm, prompts.encoded, num_pre_q, temperature, eos_ids,
                                              tokenizer.pad_token_id, max_new_tokens)
     return completion_ids, vllm_logps, {}

@@ -112,7 +112,7 @@ def _depth(x) -> int:
     return depth - 1
 
 
-def answer_attention(completion_mask: torch.Tensor) -> torch.Tensor:
+def completion_attention(completion_mask: torch.Tensor) -> torch.Tensor:
     """(G, T) long: 1 on each answer's columns up to its last token that trains (tool results
     before it included), 0 on the padding after it, which no forward of the group need attend."""
     written = completion_mask.int().flip(1).cumsum(1).flip(1)  # (G, T) trained tokens from here on
@@ -134,7 +134,7 @@ def check_logps(values, name: str, *, rows: int, tokens: int) -> None:
         raise ValueError(f"{name} has NaN or inf values")
 
 
-def check_teacher_topk(tensors: dict, *, top_k: int, answer_tokens: int, vocab_size) -> None:
+def check_teacher_topk(tensors: dict, *, top_k: int, completion_tokens: int, vocab_size) -> None:
     """ValueError unless a teacher's reply carries its k likeliest tokens of each answer token as
     asked: teacher_topk_ids (G, T, k) int64 below vocab_size, teacher_topk_logps (G, T, k) finite
     float32 log-probs (<= 0). What a trainer reads from a server is checked before it is used."""
@@ -143,7 +143,7 @@ def check_teacher_topk(tensors: dict, *, top_k: int, answer_tokens: int, vocab_s
     if ids is None or logps is None:
         raise ValueError("the teacher sent no top-k tokens: a server older than DISTILL_TOP_K?")
     rows = tensors["completion_mask"].shape[0]
-    shape = (rows, answer_tokens, top_k)
+    shape = (rows, completion_tokens, top_k)
     if ids.dtype != torch.int64 or tuple(ids.shape) != shape:
         raise ValueError(f"teacher_topk_ids must be int64 {shape}, got {ids.dtype} "
                          f"{tuple(ids.shape)}")

@@ -77,10 +77,10 @@ def test_distillation_gradient_by_monte_carlo_against_the_exact_one():
     answers = torch.multinomial(pi, n, replacement=True, generator=generator)  # (N,)
     grad = torch.autograd.grad(distill_loss(theta, teacher, answers, coef=coef), theta)[0]
     logp = torch.log(pi)
-    per_answer = coef * (logp[answers] - teacher[answers])[:, None] * (
+    per_completion = coef * (logp[answers] - teacher[answers])[:, None] * (
         torch.nn.functional.one_hot(answers, K).double() - pi)  # (N, K) each answer's gradient
-    assert torch.allclose(per_answer.mean(0), grad, atol=1e-12)  # the loss is their mean
-    standard_error = per_answer.std(0) / math.sqrt(n)  # (K,)
+    assert torch.allclose(per_completion.mean(0), grad, atol=1e-12)  # the loss is their mean
+    standard_error = per_completion.std(0) / math.sqrt(n)  # (K,)
     exact = reverse_kl_grad(theta, teacher, coef)
     assert ((grad - exact).abs() <= 6 * standard_error).all(), (grad, exact, standard_error)
     assert (exact.abs() > 20 * standard_error).all()  # the test can tell a sign flip apart
@@ -332,11 +332,11 @@ def test_per_token_advantages_of_equal_values_give_the_per_answer_loss():
     advantages = torch.tensor([0.5, -1.0, 2.0])
     loss = dict(logps=logps, pi_old_logps=old, ref_logps=None, mask=mask, beta=0.0, clip_eps=0.2,
                 clip_eps_high=0.28)
-    per_answer = grpo.grpo_loss(advantages=advantages, **loss)
+    per_completion = grpo.grpo_loss(advantages=advantages, **loss)
     del loss["ref_logps"]
     per_token = objectives.variant_token_loss(advantages=advantages[:, None].expand(3, 4), kl=None,
                                               **loss)
-    assert torch.equal(per_answer, per_token)
+    assert torch.equal(per_completion, per_token)
 
 
 # ----------------------------------------------------------------------------- DeepSeek-V3.2
@@ -737,8 +737,8 @@ def test_pure_distillation_trains_every_answer_and_moves_towards_the_teacher(
     finally:
         teacher.stop()
     steps = metrics(tmp_path / "out")[0]
-    assert [m["answers_trained"] for m in steps] == [m["answers_generated"] for m in steps]
-    assert all(m["answers_generated"] == 8 for m in steps)
+    assert [m["completions_trained"] for m in steps] == [m["completions_generated"] for m in steps]
+    assert all(m["completions_generated"] == 8 for m in steps)
     assert all(0 <= m["teacher_better"] <= 1 for m in steps)
     kl = [m["teacher_kl"] for m in steps]
     assert kl[0] > 0.1  # the noise moved the student away from the teacher
@@ -808,9 +808,9 @@ def test_teacher_first_trains_on_the_teacher_alone_until_its_kl_is_low_then_the_
     assert handed.count("step 2: the teacher's 1 steps are over") == 1, handed[-3000:]
     # every group trains while the teacher does; after it, as in GRPO, only groups whose rewards
     # differ (zero_var_groups: the share of groups with one reward for all)
-    assert handoff[0]["answers_trained"] == handoff[0]["answers_generated"]
+    assert handoff[0]["completions_trained"] == handoff[0]["completions_generated"]
     for m in handoff[1:]:
-        assert m["answers_trained"] == m["answers_generated"] * (1 - m["zero_var_groups"]), m
+        assert m["completions_trained"] == m["completions_generated"] * (1 - m["zero_var_groups"]), m
     # the check above tells dropping from keeping only where some group's rewards were all equal
     assert any(m["zero_var_groups"] > 0 for m in handoff[1:]), handoff
 

@@ -231,7 +231,7 @@ def test_a_default_step_never_enters_environments_py():
 
     sys.setprofile(tracer)
     try:
-        grpo.score_answers(["<think> 1 </think><answer>2</answer>"],
+        grpo.score_completions(["<think> 1 </think><answer>2</answer>"],
                            [{"question": "q", "gold": "2"}])
     finally:
         sys.setprofile(None)

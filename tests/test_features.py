@@ -126,7 +126,7 @@ def test_step_metrics_count_dropped_groups_and_answers_over_every_rollout():
         m, groups, answers, step=4, attempts=2, began=0.0, group_size=2, reward_names=[]
     )
     assert out["zero_var_groups"] == 3 / 8  # 3 of the 2 x 4 groups sampled, read from the answers
-    assert (out["rollouts"], out["answers_generated"], out["answers_trained"]) == (2, 16, 4)
+    assert (out["rollouts"], out["completions_generated"], out["completions_trained"]) == (2, 16, 4)
     assert out["staleness"] == (0 + 2) / 2 and out["groups"] == 2 and out["train_s"] == 1.25
     assert out["reward"] == pytest.approx(sum(rewards) / 16)  # sample_stats over both rollouts
 

@@ -598,7 +598,7 @@ def test_collate_aligns_groups_of_different_lengths():
         [1, 2, 3, 12, 13, 0],
         [0, 0, 4, 20, 21, 22],
     ]
-    # each answer attended up to its last trained token (wire.answer_attention): row 2's last
+    # each answer attended up to its last trained token (wire.completion_attention): row 2's last
     # token trains nothing, and no earlier token attends it
     assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 0]]
     assert b.mask.int().tolist() == [[1, 1, 0], [1, 1, 0], [1, 1, 0]]

@@ -104,18 +104,18 @@ def test_pass_at_k_counts_the_correctness_reward_it_is_given():
 def test_the_pass_is_stored_and_read_back_instead_of_measured_again(tmp_path):
     calls = []
 
-    def answer_passes(part):
+    def completion_passes(part):
         calls.append([q["question"] for q in part])
         return [[True, False, False, False] for _ in part]
 
     asked = questions(5)
     rates = pass_rates.measure(
-        asked, answer_passes, output_dir=str(tmp_path), batch=2, rank=0, world=1
+        asked, completion_passes, output_dir=str(tmp_path), batch=2, rank=0, world=1
     )
     assert rates == {f"q{i}": 0.25 for i in range(5)}
     assert calls == [["q0", "q1"], ["q2", "q3"], ["q4"]]
     again = pass_rates.measure(
-        asked, answer_passes, output_dir=str(tmp_path), batch=2, rank=0, world=1
+        asked, completion_passes, output_dir=str(tmp_path), batch=2, rank=0, world=1
     )
     assert again == rates and len(calls) == 3  # read from OUTPUT_DIR/pass_rates.json
     assert json.loads((tmp_path / "pass_rates.json").read_text())["rates"] == rates

@@ -229,7 +229,7 @@ def test_the_training_loop_reads_as_the_seven_steps():
 # The functions of the seven steps (README's "One GRPO step"), the loop's own helpers among them:
 # the functions main's set-up hands the steps by default (choose_parts), and those they call.
 STEP_FUNCTIONS = ("load_dataset", "draw_questions", "keep_no_outcomes", "question_prompt",
-                  "encode_prompts", "decode", "sample_answers", "generate", "score_answers",
+                  "encode_prompts", "decode", "sample_completions", "generate", "score_completions",
                   "group_advantages", "varied_groups", "scored_groups", "pack_groups",
                   "group_tensors", "upload_and_pull", "drop_untrainable", "steps_1_to_5", "collate",
                   "prepare_batch", "fixed_pi_old", "one_batch", "batches_of", "grpo_terms",
@@ -292,7 +292,7 @@ def test_each_part_main_hands_the_steps_is_the_lessons_own_by_default(monkeypatc
     parts = grpo.choose_parts()
     task = parts.task
     assert task.load is grpo.load_dataset and task.draw is grpo.draw_questions
-    assert task.prompt is grpo.question_prompt and task.score is grpo.score_answers
+    assert task.prompt is grpo.question_prompt and task.score is grpo.score_completions
     assert task.rewards == (("reward_correct", 2.0), ("reward_format", 1.0))
     assert task.answer_held_out is None  # greedy (features/evaluation.greedy_answers)
     assert parts.record is grpo.keep_no_outcomes and parts.advantages is grpo.group_advantages
@@ -305,7 +305,7 @@ def test_each_part_main_hands_the_steps_is_the_lessons_own_by_default(monkeypatc
     for name, off in (("SHARED_PREFIX", False), ("LOGP_FROM_HIDDEN", False), ("LOGP_CHUNK", 0)):
         monkeypatch.setattr(grpo.fast_paths, name, off)
     plain = grpo.choose_parts()
-    assert plain.rollout is grpo.sample_answers and plain.logps_of is grpo.per_token_logps
+    assert plain.rollout is grpo.sample_completions and plain.logps_of is grpo.per_token_logps
     assert plain.loss.keywords["logps_of"] is grpo.per_token_logps
 
 

@@ -229,7 +229,7 @@ def test_a_run_on_four_hosts_loses_a_reference_server_and_drops_a_stale_worker(
             lambda: (
                 (out / "metrics.jsonl").exists()
                 and any(
-                    "answers_trained" in line
+                    "completions_trained" in line
                     for line in (out / "metrics.jsonl").read_text().splitlines()
                 )
             ),
@@ -242,11 +242,11 @@ def test_a_run_on_four_hosts_loses_a_reference_server_and_drops_a_stale_worker(
         assert [m["step"] for m in steps] == [1, 2, 3, 4, 5]
         for m in steps:
             # varied groups' answers
-            own = round(m["answers_generated"] * (1 - m["zero_var_groups"]))
+            own = round(m["completions_generated"] * (1 - m["zero_var_groups"]))
             if m["step"] >= 3:  # the worker's groups are 2 or more versions behind: none trains
-                assert m["answers_trained"] == own, m
+                assert m["completions_trained"] == own, m
             else:
-                assert m["answers_trained"] >= own, m
+                assert m["completions_trained"] >= own, m
         assert sum(m.get("stale_groups_dropped", 0) for m in steps[2:]) >= 1
         health_b = requests.get(urls.split(",")[1] + "/health", timeout=5).json()
         assert health_b["served"] >= 1 and health_b["ref_errors"] == 0

@@ -341,7 +341,7 @@ def test_the_difficulty_sampler_replays_varied_questions_and_sets_uniform_ones_a
 def test_the_samplers_know_questions_of_one_text_apart_by_their_images():
     """Issue 58: the samplers keyed on the question's text, so four pictures asked "Which colour
     is larger?" were one entry, and a replay of one could be another picture. A question's id is
-    its text and its images' digest; an answer record carries it (run_log.answer_records)."""
+    its text and its images' digest; an answer record carries it (run_log.completion_records)."""
     pictures = [f"picture {i}".encode() for i in range(4)]
     same_text = [{"question": "Find x.", "gold": str(i), "images": [data]}
                  for i, data in enumerate(pictures)]
@@ -480,7 +480,7 @@ def test_dynamic_sampling_trains_every_rank_on_a_full_batch_of_varied_groups(
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     lines = metrics(tmp_path)[0]
     assert [m["groups"] for m in lines] == [2.0] * 3  # the mean over ranks of 2 each
-    assert all(m["answers_trained"] == 2 * 4 for m in lines)
+    assert all(m["completions_trained"] == 2 * 4 for m in lines)
     by_rank = varied_groups(completions(tmp_path), 4)
     # every rank logged every step
     assert sorted(by_rank) == [(s, r) for s in (1, 2, 3) for r in range(ranks)]
@@ -488,7 +488,7 @@ def test_dynamic_sampling_trains_every_rank_on_a_full_batch_of_varied_groups(
         # stopped at the second varied group
         assert sum(varied) == 2 and varied[-1], (step, rank, varied)
     # the metrics are means over ranks
-    generated = sum(m["answers_generated"] for m in lines) * ranks
+    generated = sum(m["completions_generated"] for m in lines) * ranks
     assert generated == 4 * sum(len(v) for v in by_rank.values())
 
 

@@ -17,7 +17,7 @@ import grpo_ref_split as grpo
 from conftest import set_setting, tiny_config
 from features import fast_paths, packing
 from features.fast_paths import completion_logps
-from features.wire import answer_attention
+from features.wire import completion_attention
 from ref_server import RefServer
 
 TOLERANCE = 1e-9  # float64: see the docstring
@@ -57,7 +57,7 @@ def ragged_batch(prompt_lengths=(7, 3), G=4, T=12, seed=0):
         ids[rows, P - plen : P] = prompt
         prompt_attention[rows, P - plen :] = 1
     ids[:, P:] = torch.randint(100, 20000, (B, T), generator=g)
-    attention = torch.cat([prompt_attention, answer_attention(mask)], 1)  # (B, L)
+    attention = torch.cat([prompt_attention, completion_attention(mask)], 1)  # (B, L)
     return ids, attention, mask
 
 
@@ -209,7 +209,7 @@ def test_collate_attends_each_answer_up_to_its_last_trained_token():
     result before it included); the padded forward's values on trained tokens do not change,
     since no earlier position attends a later one."""
     mask = torch.tensor([[True, False, True, False], [False, False, False, False]])
-    assert answer_attention(mask).tolist() == [[1, 1, 1, 0], [0, 0, 0, 0]]
+    assert completion_attention(mask).tolist() == [[1, 1, 1, 0], [0, 0, 0, 0]]
     tensors = dict(input_ids=torch.arange(2 * 6).view(2, 6) + 5, completion_mask=mask,
                    advantages=torch.zeros(2), scores=torch.zeros(2))
     batch = grpo.collate([(tensors, {"plen": 2})], pad_id=0)

@@ -79,7 +79,7 @@ def test_each_surrogate_against_its_definition_in_value_and_gradient():
     A = torch.randn(6, generator=g, dtype=torch.float64)[:, None].expand(6, 7)  # one per answer
     r = torch.exp(logps)  # log pi_old = 0
 
-    def answers_mean(per_token):  # "grpo": each answer's token mean, then their mean
+    def completions_mean(per_token):  # "grpo": each answer's token mean, then their mean
         return (torch.where(mask, per_token, 0.0).sum(1) / mask.sum(1)).mean()
 
     tau = torch.where(A > 0, 1.0, 1.05)
@@ -89,8 +89,8 @@ def test_each_surrogate_against_its_definition_in_value_and_gradient():
     kept = torch.where(A > 0, torch.minimum(log_r, clipped), torch.maximum(log_r, clipped))
     geo = torch.exp(torch.where(mask, kept, 0.0).sum(1) / mask.sum(1))  # (6,)
     definitions = {
-        "cispo": answers_mean(-torch.clamp(r, max=1 + EPS).detach() * A * logps),
-        "sapo": answers_mean(-(4 / tau) * s * A),
+        "cispo": completions_mean(-torch.clamp(r, max=1 + EPS).detach() * A * logps),
+        "sapo": completions_mean(-(4 / tau) * s * A),
         "gmpo": (-geo * A[:, 0]).mean(),
     }
     for objective, want in definitions.items():

@@ -90,9 +90,9 @@ def any_vlm(request, vlm, qwen_dirs, embedded_path, tmp_path_factory):
     return model.eval(), processor
 
 
-def prompt_group(processor, images, G=3, answer_tokens=5, seed=0):
+def prompt_group(processor, images, G=3, completion_tokens=5, seed=0):
     """(tensors, meta) as the trainer uploads them: a chat prompt showing `images`, G random
-    answers of answer_tokens tokens (no image token among them)."""
+    answers of completion_tokens tokens (no image token among them)."""
     text = processor.apply_chat_template(
         [{"role": "user", "content": vision.IMAGE_MARK * len(images) + "Which colour?"}],
         tokenize=False, add_generation_prompt=True)
@@ -100,9 +100,9 @@ def prompt_group(processor, images, G=3, answer_tokens=5, seed=0):
     prompt = processor([text], **shown, return_tensors="pt",
                        add_special_tokens=False)["input_ids"]  # (1, P)
     g = torch.Generator().manual_seed(seed)
-    answers = torch.randint(0, 49152, (G, answer_tokens), generator=g)  # (G, T) text ids only
+    answers = torch.randint(0, 49152, (G, completion_tokens), generator=g)  # (G, T) text ids only
     ids = torch.cat([prompt.repeat(G, 1), answers], 1)  # (G, P + T)
-    tensors = dict(input_ids=ids, completion_mask=torch.ones(G, answer_tokens, dtype=torch.bool),
+    tensors = dict(input_ids=ids, completion_mask=torch.ones(G, completion_tokens, dtype=torch.bool),
                    advantages=torch.randn(G, generator=g), scores=torch.rand(G, generator=g),
                    **vision.pack_images(images))
     return tensors, {"plen": prompt.shape[1], "temperature": 0.7}
@@ -208,8 +208,8 @@ def test_a_batch_mixes_groups_with_and_without_images(any_vlm):
     collate; EasyR1 and TRL train such data. Each row of the mixed batch gets the log-probs it gets
     in a batch of its own group alone (a row without images: no pixels at all)."""
     model, processor = any_vlm
-    shown, shown_meta = prompt_group(processor, [png()], G=2, answer_tokens=4, seed=1)
-    text, text_meta = prompt_group(processor, [], G=2, answer_tokens=4, seed=2)
+    shown, shown_meta = prompt_group(processor, [png()], G=2, completion_tokens=4, seed=1)
+    text, text_meta = prompt_group(processor, [], G=2, completion_tokens=4, seed=2)
     assert "image_bytes" not in text
 
     def logps(groups, image_processor):  # (B, 4) at the trainer's temperature, no gradient
@@ -269,7 +269,7 @@ def test_a_step_draws_questions_with_and_without_images_and_trains_each_row_as_g
 
 def test_chunked_log_probs_equal_the_plain_definition_with_pixels_in_value_and_gradient(any_vlm):
     model, processor = any_vlm
-    tensors, meta = prompt_group(processor, [png()], G=2, answer_tokens=6)
+    tensors, meta = prompt_group(processor, [png()], G=2, completion_tokens=6)
     batch = grpo.collate([(tensors, meta)], processor.pad_token_id,
                          image_processor=processor.image_processor)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -1334,7 +1334,7 @@ def test_the_trainer_runs_grpo_on_questions_with_images_against_the_server(case,
     assert [m["step"] for m in evals] == [0, 2]
     assert health["served"] >= 2  # a group with images each step came back from the server
     completions = (tmp_path / "out" / "completions.jsonl").read_text().splitlines()
-    assert len(completions) == sum(m["answers_generated"] for m in train)  # every answer logged
+    assert len(completions) == sum(m["completions_generated"] for m in train)  # every answer logged
     before, _ = vision.load(vlm_dir, "cpu")
     after, _ = vision.load(str(tmp_path / "out" / "step_2"), "cpu")
     moved = {
