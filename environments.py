@@ -3,13 +3,13 @@ their own. A default step never enters this file; the lesson reaches it only whe
 names some: its questions (load_dataset), its draws (the sampler) and its scores (step 3).
 
 An environment is OpenEnv's reset / step (and tinker-cookbook's Env) cut to what GRPO needs. The
-trainer makes one Environment per answer, so an episode may keep state between its turns:
+trainer makes one Environment per completion, so an episode may keep state between its turns:
 
     reset(question, seed) -> the opening messages, [{"role": "user", "content": ...}]
     step(message)         -> Turn(observation, rewards {name: value}, done)
 
 A single-turn task is one step. Its rewards are named, so REWARD_NORM "normalize_then_sum" (GDPO)
-normalises each on its own; an answer's reward is their sum weighted by the environment's
+normalises each on its own; a completion's reward is their sum weighted by the environment's
 reward_weights. Each question carries its environment's name ("env", and "tag" for the held-out
 evaluation's per-environment means), so a group is always one environment's. What ENVIRONMENTS
 may name:
@@ -75,15 +75,15 @@ class Environment:
 
 @dataclass(frozen=True)
 class Scorer:
-    """How an environment scores: a fresh episode per answer, and its rewards' weights."""
-    make: Callable  # make() -> a fresh Environment, one per answer
-    reward_weights: dict  # {reward name: weight} in an answer's summed reward
+    """How an environment scores: a fresh episode per completion, and its rewards' weights."""
+    make: Callable  # make() -> a fresh Environment, one per completion
+    reward_weights: dict  # {reward name: weight} in a completion's summed reward
     multi_turn: bool = False  # True: its episodes may take several steps (environments.play)
 
 
 # ----------------------------------------------------------------------------- the built-in ones
 class QuestionEnvironment(Environment):
-    """A single-turn task whose opening is its question's text; step scores the one answer."""
+    """A single-turn task whose opening is its question's text; step scores the one completion."""
     question = None  # the question reset opened (a dict: its text, its gold...)
 
     def reset(self, question: dict, seed: int) -> list:
@@ -148,10 +148,10 @@ def rg_question(entry: dict, split: str) -> dict:
 
 class OpenEnvEnvironment(Environment):
     """An environment OpenEnv serves at `url` (its own server: FastAPI under uvicorn), reached with
-    OpenEnv's client, one WebSocket session per answer. What the server sends is checked before it
-    is used: a message over MAX_OBSERVATION_BYTES, an answer later than ENV_TIMEOUT, an observation
-    without its text, a reward that is not a finite number, rewards that are not the ones
-    reward_weights names: each raises EnvironmentFault naming the environment."""
+    OpenEnv's client, one WebSocket session per completion. What the server sends is checked before
+    it is used: a message over MAX_OBSERVATION_BYTES, an answer later than ENV_TIMEOUT, an
+    observation without its text, a reward that is not a finite number, rewards that are not the
+    ones reward_weights names: each raises EnvironmentFault naming the environment."""
 
     def __init__(self, url: str, name: str, reward_weights: dict):
         self.name = name
@@ -415,7 +415,7 @@ def mix_task(*, reward_fns, seed, eval_size, arith_max, fit_images, default_prom
     """ENVIRONMENTS as the run's task (the lesson's choose_task): every environment's questions
     (load), an environment drawn by its weight for each (MixSampler), each question prompted as
     its environment opens it (opening_prompt; default_prompt, the trainer's, for a question-and-
-    answer task) and each answer scored by its environment's own rewards."""
+    answer task) and each completion scored by its environment's own rewards."""
     return rewards.Task(
         load=functools.partial(load_or_stop, seed=seed, eval_size=eval_size, arith_max=arith_max,
                                fit_images=fit_images),
@@ -531,7 +531,7 @@ class MixSampler(QuestionSampler):
                 drawn.append(self.pools[k][i])
         return drawn
 
-    def record(self, answers, group_size: int) -> None:
+    def record(self, records, group_size: int) -> None:
         """The mix keeps no outcomes (SAMPLER other than "uniform" is refused with it)."""
 
 
@@ -574,13 +574,13 @@ def scorer_for_run(reward_fns):
 
 
 def score(texts, asked, reward_fns, played=None) -> tuple:
-    """Step 3 by environment: (each answer's weighted sum of its rewards, {reward name: each
-    answer's value}); asked: each answer's question (a dict with its "env"). The table holds every
-    name of every environment; an answer gets 0 for a reward its environment does not give.
-    played: each answer's rewards, summed over its episode's turns, where play() ran the episodes;
-    None (or a None in it): a single-turn episode, reset and stepped here."""
+    """Step 3 by environment: (each completion's weighted sum of its rewards, {reward name: each
+    completion's value}); asked: each completion's question (a dict with its "env"). The table
+    holds every name of every environment; a completion gets 0 for a reward its environment does
+    not give. played: each completion's rewards, summed over its episode's turns, where play() ran
+    the episodes; None (or a None in it): a single-turn episode, reset and stepped here."""
     if len(texts) != len(asked):
-        raise ValueError(f"{len(texts)} answers for {len(asked)} questions")
+        raise ValueError(f"{len(texts)} completions for {len(asked)} questions")
     scorers = scorers_of_run(reward_fns)
     each = {name: [0.0] * len(texts) for name, _ in run_rewards(reward_fns)}
     scores = []
@@ -623,7 +623,7 @@ def checked_rewards(turn, env: str, reward_weights: dict) -> dict:
 # ----------------------------------------------------------------------------- multi-turn episodes
 def multi_turn(questions) -> bool:
     """Whether any of `questions` belongs to an environment whose episodes take several turns:
-    then the step's answers are played turn by turn (play), every one of them."""
+    then the step's completions are played turn by turn (play), every one of them."""
     several = {name: scorer(name, options, ()).multi_turn for name, _, options in entries()}
     return any(several[q["env"]] for q in questions)
 
@@ -643,8 +643,8 @@ def rollout(model, tokenizer, prompts, *, gen_config, llm, eos_ids, single_turn,
 
 def play_rollout(model, tokenizer, enc, n, asked, *, gen_config, llm, temperature, eos_ids,
                  think_prefill, reward_fns) -> tuple:
-    """play() for n answers to each prompt of `enc` (left-padded input_ids, attention_mask; a
-    prompt's n rows consecutive; asked: each answer's question), sampled by vLLM (`llm`) or by
+    """play() for n completions to each prompt of `enc` (left-padded input_ids, attention_mask; a
+    prompt's n rows consecutive; asked: each completion's question), sampled by vLLM (`llm`) or by
     transformers' generate with gen_config (do_sample False: greedy), each turn ending at an EOS:
     (completion_ids, vllm_logps, {policy_mask, stopped, played, turns})."""
     prompts, sample = prompts_and_sampler(model, tokenizer, enc, n, gen_config=gen_config,
@@ -658,9 +658,9 @@ def play_rollout(model, tokenizer, enc, n, asked, *, gen_config, llm, temperatur
 
 
 def played_completions(model, questions, *, encode, decode, eos_ids, pad_id, max_new_tokens,
-                   llm=None, tokenizer=None, **unused) -> tuple:
-    """The held-out evaluation's answers under ENVIRONMENTS (features/evaluation.evaluate's
-    `answer`): (each question's greedy answer as text, no tool calls, its rewards over its
+                       llm=None, tokenizer=None, **unused) -> tuple:
+    """The held-out evaluation's completions under ENVIRONMENTS (features/evaluation.evaluate's
+    `answer`): (each question's greedy completion as text, no tool calls, its rewards over its
     episode's turns or None where its environment is single-turn). The multi-turn questions are
     played as the rollouts play them (play_rollout), the others answered by held_out_answers and
     scored by the trainer's step 3. fork_rng guards the training stream."""
@@ -690,10 +690,10 @@ def played_completions(model, questions, *, encode, decode, eos_ids, pad_id, max
         for i in range(0, len(episodic), batch_size):
             part = episodic[i : i + batch_size]
             enc = encode(tokenizer, part).to(device)
-            answers, _, out = play_rollout(
+            completions, _, out = play_rollout(
                 model, tokenizer, enc, 1, part, gen_config=config, llm=llm, temperature=0.0,
                 eos_ids=eos_ids, think_prefill=prefill, reward_fns=())
-            played_texts += decode(tokenizer, answers)
+            played_texts += decode(tokenizer, completions)
             played += out["played"]
     plain_texts = iter(plain_texts)
     episodes = iter(zip(played_texts, played))
@@ -717,7 +717,7 @@ def observation_ids(tokenizer, observation: str, think_prefill: str) -> list:
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     after = text[text.index(mark) + len(mark):]
     eos = tokenizer.eos_token or ""
-    if eos and after.startswith(eos):  # the model sampled its EOS: it is in the answer already
+    if eos and after.startswith(eos):  # the model sampled its EOS: it is in the completion already
         after = after[len(eos):]
     return tokenizer(after + think_prefill, add_special_tokens=False).input_ids
 
@@ -725,7 +725,7 @@ def observation_ids(tokenizer, observation: str, think_prefill: str) -> list:
 class ChatEpisode:
     """An environment's episode as features/turns.py plays it: a turn ends at the model's EOS, the
     environment steps on that turn's text, and while it is not done its observation joins the
-    answer as the user's next turn (observation_ids). It sums each turn's rewards (played) and
+    completion as the user's next turn (observation_ids). It sums each turn's rewards (played) and
     counts its turns; MAX_TURNS steps end it, cut."""
     stop = ()  # a turn ends at the EOS alone
 
@@ -761,13 +761,13 @@ class ChatEpisode:
 
 def play(sample, prompts, asked, *, reward_fns, tokenizer, think_prefill, max_new_tokens,
          eos_ids, pad_id) -> dict:
-    """Every answer an episode of its question's environment (ChatEpisode), played turn by turn by
-    features/turns.play_turns (sample(prefixes, budgets) -> one (token ids, log-probs or None) per
-    prefix). An episode ends when done, after MAX_TURNS steps, or when max_new_tokens run out
-    (cut: not stopped). A fault ends the step with EnvironmentFault: nothing of it trains, and the
-    next rollout opens fresh episodes. Returns completion_ids (B, T) padded with pad_id, vllm_logps
-    (B, T) or None, policy_mask (B, T), stopped (B,), played (B dicts: each answer's rewards summed
-    over its turns), turns (B ints)."""
+    """Every completion an episode of its question's environment (ChatEpisode), played turn by
+    turn by features/turns.play_turns (sample(prefixes, budgets) -> one (token ids, log-probs or
+    None) per prefix). An episode ends when done, after MAX_TURNS steps, or when max_new_tokens
+    run out (cut: not stopped). A fault ends the step with EnvironmentFault: nothing of it trains,
+    and the next rollout opens fresh episodes. Returns completion_ids (B, T) padded with pad_id,
+    vllm_logps (B, T) or None, policy_mask (B, T), stopped (B,), played (B dicts: each
+    completion's rewards summed over its turns), turns (B ints)."""
     scorers = scorers_of_run(reward_fns)
     episodes = [scorers[q["env"]].make() for q in asked]
     try:

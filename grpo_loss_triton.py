@@ -181,7 +181,7 @@ class _GRPOLoss(torch.autograd.Function):
             loss_type == "dapo"
         ):  # (B, T) each token's share of the loss, as in grpo_ref_split.grpo_loss
             weight = mask / (mask.sum().clamp(min=1) if normalizer is None else normalizer)
-        elif loss_type == "dr_grpo":  # every token the same, / (answers x max_tokens)
+        elif loss_type == "dr_grpo":  # every token the same, / (completions x max_tokens)
             weight = mask / ((B if normalizer is None else normalizer) * max_tokens)
         else:
             weight = (
@@ -318,7 +318,7 @@ def grpo_loss_triton(
     if loss_type not in LOSS_TYPES or tis_mode not in TIS_MODES or not max_tokens:
         raise ValueError(
             f"grpo_loss_triton supports loss_type in {LOSS_TYPES} (got {loss_type!r}), tis_mode in "
-            f"{TIS_MODES} (got {tis_mode!r}; sequence modes need an answer's tokens before "
+            f"{TIS_MODES} (got {tis_mode!r}; sequence modes need a completion's tokens before "
             f"any token's gradient: use the PyTorch loss) and max_tokens >= 1 (got {max_tokens})"
         )
     clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high

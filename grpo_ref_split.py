@@ -2,7 +2,7 @@
 
 One step on every rank, as main() runs it:
   1. draw Q_BATCH_SIZE questions            5. upload the groups to ref_server.py, which adds the
-  2. generate NUM_PRE_Q answers to each        reference log-probs, and pull ready groups back
+  2. sample NUM_PRE_Q completions of each  reference log-probs, and pull ready groups back
   3. score them (rewards.py)                6. the clipped GRPO loss with a k3 KL penalty
   4. advantages relative to each group      7. the optimizer step (MU passes over the batch)
 
@@ -16,8 +16,8 @@ token selection, a teacher) are objectives.py's, reached by one call in step 4 a
 A call into features/ says what it is: a faster equal (features/fast_paths.py: computes what the
 plain definition here computes, tested equal), a guard (checks and bounds) or a log; each may be
 skipped. Left out of GRPO: a value model (the group is the baseline) and process rewards per
-reasoning step. Shapes: B answers, P prompt and T answer columns, V vocabulary. Constants: env vars
-of their name.
+reasoning step. Shapes: B completions, P prompt and T completion columns, V vocabulary. Constants:
+env vars of their name.
 """
 import dataclasses
 import functools
@@ -49,14 +49,14 @@ MODEL_PATH = ""  # hub id or local folder; "" = the embedded SmolLM2-135M-Instru
 DATASET = "arithmetic"  # | "arithmetic_mixed" (half 100..999) | "openai/gsm8k" | a GSM8K .jsonl
 REWARDS = [(reward_correct, 2.0), (reward_format, 1.0)]  # (f(completion, gold, question), weight)
 Q_BATCH_SIZE = 4  # questions per rank per step
-NUM_PRE_Q = 8  # answers per question: the group that advantages are relative to
-MAX_NEW_TOKENS = 64  # answer budget in tokens; longer answers are cut (and still trained on)
+NUM_PRE_Q = 8  # completions per question: the group that advantages are relative to
+MAX_NEW_TOKENS = 64  # completion budget in tokens; longer ones are cut (and still trained on)
 TEMPERATURE = 0.7  # sampling temperature, and every log-prob's; 1.0 hardly learned (docs/tuning.md)
 STD_EPS = 1e-4  # added to a group's reward std: a group of near-equal rewards stays bounded
 BETA = 0.04  # KL penalty weight towards the reference model; 0 = no reference, no server
 CLIP_EPS = 0.2  # PPO clip: the ratio pi / pi_old may fall to 1 - CLIP_EPS ...
 CLIP_EPS_HIGH = 0.2  # ... and rise to 1 + CLIP_EPS_HIGH; DAPO's 0.28 lets rare good tokens grow
-LOSS_TYPE = "grpo"  # answers' token means, then their mean | "dapo": all tokens' mean | "dr_grpo"
+LOSS_TYPE = "grpo"  # completions' token means, then their mean | "dapo": tokens' mean | "dr_grpo"
 MU = 1  # optimizer steps on each batch; > 1 reuses it, the clipped ratio keeping each near pi_old
 LR = 1e-5  # AdamW learning rate; the optimizer's other settings and its schedule are DS_CONFIG's
 ALL_STEPS = 30  # training steps
@@ -80,11 +80,11 @@ SCALE_REWARDS = "group"  # advantages / the std of: "group" (GRPO) | "batch" (th
 ADVANTAGE = "grpo"  # the baseline: "grpo" | "rloo" | "reinforce_pp_baseline" | "passk" (pass@G)
 REWARD_NORM = "sum_then_normalize"  # several REWARDS: | "normalize_then_sum" (GDPO, each first)
 OBJECTIVE = "clip"  # the surrogate: "clip" (PPO's) | "cispo" | "sapo" | "gmpo" (docs/loss.md)
-GSPO = False  # True = one ratio per answer (tokens' geometric mean); CLIP_EPS 3e-4, HIGH 4e-4
-TOP_ENTROPY_QUANTILE = 1.0  # only this share of answer tokens, the highest-entropy ones, trains
+GSPO = False  # True = one ratio per completion (tokens' geometric mean); CLIP_EPS 3e-4, HIGH 4e-4
+TOP_ENTROPY_QUANTILE = 1.0  # only this share of completion tokens, the highest-entropy ones, trains
 KL_BIAS_CORRECTION = False  # True = DeepSeek-V3.2: k3 x pi / pi_old, the reverse KL's gradient
-OFF_POLICY_DELTA = 0.0  # > 0 = DeepSeek-V3.2: A_t < 0 leaves answers with log(pi_old / pi) > this
-MASK_TRUNCATED = False  # True = answers cut at MAX_NEW_TOKENS leave the loss (DAPO overlong filter)
+OFF_POLICY_DELTA = 0.0  # > 0 = DeepSeek-V3.2: A_t < 0 leaves those with log(pi_old / pi) > this
+MASK_TRUNCATED = False  # True = completions cut at MAX_NEW_TOKENS leave the loss (DAPO's filter)
 DYNAMIC_SAMPLING = False  # True = DAPO: roll out until Q_BATCH_SIZE groups have different rewards
 DISTILL_COEF = 0.0  # > 0 = the server holds a teacher: A_t += this x (log teacher - log pi_old)
 DISTILL_TOP_K = 0  # > 0 = the teacher's term is the reverse KL over its k likeliest tokens (~20)
@@ -103,7 +103,7 @@ def completion_mask(completion_ids: torch.Tensor, eos_id) -> torch.Tensor:
     models that pad with the EOS (SmolLM2, Qwen) would never learn to stop."""
     eos = torch.as_tensor(eos_id, device=completion_ids.device).view(-1)
     is_eos = torch.isin(completion_ids, eos)  # (B, T)
-    never = is_eos.shape[1]  # the first EOS of an answer that never stopped
+    never = is_eos.shape[1]  # the first EOS of a completion that never stopped
     first = torch.where(is_eos.any(1), is_eos.int().argmax(1), never)  # (B,)
     positions = torch.arange(is_eos.shape[1], device=is_eos.device)  # (T,)
     return positions[None, :] <= first[:, None]  # (B, T)
@@ -111,7 +111,7 @@ def completion_mask(completion_ids: torch.Tensor, eos_id) -> torch.Tensor:
 
 def advantages_in_groups(scores: torch.Tensor, num_pre_q: int) -> torch.Tensor:
     """(N,) GRPO's advantages A = (r - its group's mean) / (the group's std + STD_EPS): each
-    answer against the others sampled for its question, so no value model is needed."""
+    completion against the others sampled for its question, so no value model is needed."""
     grouped = scores.float().view(-1, num_pre_q)  # (Q, G)
     centred = grouped - grouped.mean(1, keepdim=True)  # (Q, G)
     spread = grouped.std(1, keepdim=True, correction=int(num_pre_q > 1))  # (Q, 1); G = 1: 0
@@ -141,7 +141,7 @@ def k3(ref_logps: torch.Tensor, logps: torch.Tensor) -> torch.Tensor:
 
 
 def reference_kl(ref_logps, logps, mask) -> torch.Tensor | None:
-    """(B, T) k3 towards the reference on the answer tokens, None without a reference (BETA 0);
+    """(B, T) k3 towards the reference on the completion tokens, None without a reference (BETA 0);
     on padding the policy's own log-prob stands in, so nothing there overflows."""
     if ref_logps is None:
         return None
@@ -152,7 +152,7 @@ def reference_kl(ref_logps, logps, mask) -> torch.Tensor | None:
 def grpo_loss(*, logps, pi_old_logps, ref_logps, advantages, mask, beta, clip_eps, clip_eps_high):
     """(B, T) DeepSeekMath's clipped loss per token, r = pi / pi_old:
     -(min(r A, clip(r, 1 - clip_eps, 1 + clip_eps_high) A) - beta k3); reduce_loss averages it.
-    logps, pi_old_logps, ref_logps (None: beta 0), mask (B, T); advantages (B,), one per answer.
+    logps, pi_old_logps, ref_logps (None: beta 0), mask (B, T); advantages (B,), one per completion.
     On a default step (MU = 1) pi_old is logps detached: r = 1, the clip never acts, and the
     gradient is the policy gradient's; the clip matters when a batch is reused (MU > 1) or was
     sampled by other weights (vLLM, a worker, a late group)."""
@@ -160,7 +160,7 @@ def grpo_loss(*, logps, pi_old_logps, ref_logps, advantages, mask, beta, clip_ep
         raise ValueError(f"grpo_loss: ref_logps=None needs beta=0 (beta {beta})")
     ratio = torch.exp(logps - pi_old_logps)  # (B, T)
     clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high)  # (B, T)
-    completion_advantage = advantages[:, None]  # (B, 1) each answer's, on its every token
+    completion_advantage = advantages[:, None]  # (B, 1) each completion's, on its every token
     surrogate = torch.min(ratio * completion_advantage, clipped * completion_advantage)  # (B, T)
     kl = reference_kl(ref_logps, logps, mask)  # (B, T) or None
     if kl is None:
@@ -169,14 +169,14 @@ def grpo_loss(*, logps, pi_old_logps, ref_logps, advantages, mask, beta, clip_ep
 
 
 def reduce_loss(per_token, mask, *, loss_type="grpo", normalizer=None, max_tokens=1):
-    """The scalar loss of (B, T) per-token losses: "grpo" sums each answer's token mean, "dapo" and
-    "dr_grpo" every token; / the step's answers (dapo: tokens) on all ranks per rank (normalizer;
-    None = this batch's), and dr_grpo also / max_tokens, Dr. GRPO's constant."""
+    """The scalar loss of (B, T) per-token losses: "grpo" sums each completion's token mean,
+    "dapo" and "dr_grpo" every token; / the step's completions (dapo: tokens) on all ranks per rank
+    (normalizer; None = this batch's), and dr_grpo also / max_tokens, Dr. GRPO's constant."""
     if loss_type not in LOSS_TYPES or not max_tokens:
         raise ValueError(f"loss_type {loss_type!r} in {LOSS_TYPES}; max_tokens {max_tokens} >= 1")
     mask = mask.bool()  # (B, T)
     summed = torch.where(mask, per_token, 0.0)  # (B, T) padding selected out (inf x 0 is NaN)
-    if loss_type == "grpo":  # each answer's token mean: a long answer's tokens weigh less each
+    if loss_type == "grpo":  # each completion's token mean: a long one's tokens weigh less each
         total = (summed.sum(-1) / mask.sum(-1).clamp(min=1)).sum()
     else:  # DAPO and Dr. GRPO: every token of the batch weighs the same
         total = summed.sum()
@@ -188,8 +188,8 @@ def reduce_loss(per_token, mask, *, loss_type="grpo", normalizer=None, max_token
 
 
 def global_count(masks, *, token_mean: bool) -> float:
-    """reduce_loss's normalizer: the step's answers (token_mean: tokens) in its (B, T) masks on all
-    ranks, / the ranks, so each answer weighs the same wherever it landed (ZeRO-2 averages
+    """reduce_loss's normalizer: the step's completions (token_mean: tokens) in its (B, T) masks on
+    all ranks, / the ranks, so each completion weighs the same wherever it landed (ZeRO-2 averages
     gradients over ranks)."""
     count = sum(int(mask.sum()) if token_mean else mask.shape[0] for mask in masks)
     total = torch.tensor(float(count), dtype=torch.float64, device=masks[0].device)  # NCCL: GPU
@@ -202,43 +202,43 @@ def global_count(masks, *, token_mean: bool) -> float:
 # ----------------------------------------------------------------------------- one step
 @dataclass
 class Rollout:
-    """Step 2's answers, B = Q x NUM_PRE_Q of them, a group's rows consecutive."""
-    prompt_ids: torch.Tensor  # (B, P) left-padded, so every answer starts at column P
+    """Step 2's completions, B = Q x NUM_PRE_Q of them, a group's rows consecutive."""
+    prompt_ids: torch.Tensor  # (B, P) left-padded, so every completion starts at column P
     prompt_mask: torch.Tensor  # (B, P) attention mask of the prompts
-    completion_ids: torch.Tensor  # (B, T) the answers, right-padded
+    completion_ids: torch.Tensor  # (B, T) the completions, right-padded
     mask: torch.Tensor  # (B, T) the tokens the loss trains on: the policy's, up to its EOS
-    texts: list  # each answer as the rewards read it (THINK_PREFILL put back in front)
+    texts: list  # each completion as the rewards read it (THINK_PREFILL put back in front)
     lengths: list  # tokens the model wrote
-    truncated: list  # True where the answer was cut (MAX_NEW_TOKENS, MAX_TOOL_CALLS)
-    golds: list  # each answer's gold answer
-    questions: list  # each answer's question
+    truncated: list  # True where the completion was cut (MAX_NEW_TOKENS, MAX_TOOL_CALLS)
+    golds: list  # each completion's gold answer
+    questions: list  # each completion's question
     extra: RolloutExtras = field(default_factory=RolloutExtras)  # a variant's: vLLM, tools, images
 
 
 @dataclass
 class Batch:
     """Groups laid out for the loss (collate): L = P + T columns, prompts end at column P."""
-    input_ids: torch.Tensor  # (B, L) prompt + answer
+    input_ids: torch.Tensor  # (B, L) prompt + completion
     attention_mask: torch.Tensor  # (B, L)
-    mask: torch.Tensor  # (B, T) the answer tokens that train
-    advantages: torch.Tensor  # (B,) each answer's advantage (step 4)
+    mask: torch.Tensor  # (B, T) the completion tokens that train
+    advantages: torch.Tensor  # (B,) each completion's advantage (step 4)
     ref_logps: torch.Tensor | None  # (B, T) from ref_server.py; None at BETA = 0
     pi_old_logps: torch.Tensor | None  # (B, T) the sampling policy's, on pi_old_rows; None: pi
     pi_old_rows: torch.Tensor | None  # (B,) bool
-    normalizer: float | None = None  # answers (dapo: tokens) of the step on all ranks, per rank
-    share: float = 1.0  # of the step's answers in this micro-batch; 0 = a repeat (no gradient)
-    token_share: float = 1.0  # of the step's answer tokens in this micro-batch
+    normalizer: float | None = None  # completions (dapo: tokens) of the step on all ranks, per rank
+    share: float = 1.0  # of the step's completions in this micro-batch; 0 = a repeat (no gradient)
+    token_share: float = 1.0  # of the step's completion tokens in this micro-batch
     extra: BatchExtras = field(default_factory=BatchExtras)  # a variant's: vLLM, teacher, images
 
 
 @dataclass
 class Prompts:
-    """Step 2's prompts, one row per answer (B = Q x NUM_PRE_Q), as every rollout takes them."""
+    """Step 2's prompts, one row per completion (B = Q x NUM_PRE_Q), as every rollout takes them."""
     encoded: dict  # the tokenizer's output for the Q questions (vLLM and the calculator read it)
-    ids: torch.Tensor  # (B, P) left-padded, so every answer starts at column P
+    ids: torch.Tensor  # (B, P) left-padded, so every completion starts at column P
     mask: torch.Tensor  # (B, P) attention mask of the prompts
-    pixels: dict  # a vision-language model's pixel inputs, one row per answer; text: {}
-    asked: list  # each answer's question (a dict)
+    pixels: dict  # a vision-language model's pixel inputs, one row per completion; text: {}
+    asked: list  # each completion's question (a dict)
 
 
 def load_policy(path, device):  # set-up
@@ -284,7 +284,7 @@ def question_prompt(tokenizer, question: dict) -> str:
 
 
 def encode_prompts(tokenizer, questions, prompt=question_prompt):
-    """Left-padded prompt ids and attention mask: every answer starts at the same column.
+    """Left-padded prompt ids and attention mask: every completion starts at the same column.
     prompt(tokenizer, question) -> text: the task's (question_prompt by default)."""
     prompts = [prompt(tokenizer, q) for q in questions]
     images = {}  # text: none; a vision-language model's processor takes each question's images
@@ -300,7 +300,7 @@ def with_images(questions) -> bool:
 
 
 def decode(tokenizer, completion_ids) -> list:
-    """Each answer's text with THINK_PREFILL put back in front, so its tags read whole."""
+    """Each completion's text with THINK_PREFILL put back in front, so its tags read whole."""
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     return [THINK_PREFILL + text for text in texts]
 
@@ -308,8 +308,9 @@ def decode(tokenizer, completion_ids) -> list:
 def sample_completions(model, tokenizer, prompts: Prompts, *, gen_config, llm=None, eos_ids=None):
     """Step 2's plain rollout: transformers' generate from softmax(logits / TEMPERATURE) (gen_config
     holds no other rule): (completion_ids (B, T), None, {}). Every rollout choose_parts may pick
-    instead (vLLM, the shared prompt, the calculator, episodes) returns the same three: the answer
-    tokens, the sampler's own log-probs (vLLM's) and what only it knows (tool calls, turns)."""
+    instead (vLLM, the shared prompt, the calculator, episodes) returns the same three: the
+    completion tokens, the sampler's own log-probs (vLLM's) and what only it knows (tool calls,
+    turns)."""
     out = model.generate(input_ids=prompts.ids, attention_mask=prompts.mask, **prompts.pixels,
                          generation_config=gen_config)  # (B, P+T)
     return out[:, prompts.ids.shape[1]:], None, {}  # (B, T)
@@ -318,14 +319,14 @@ def sample_completions(model, tokenizer, prompts: Prompts, *, gen_config, llm=No
 @torch.no_grad()
 def generate(model, tokenizer, questions, *, rollout, gen_config, eos_ids, llm=None,
              prompt=question_prompt) -> Rollout:
-    """Step 2: NUM_PRE_Q answers to each question, sampled at TEMPERATURE by `rollout`
+    """Step 2: NUM_PRE_Q completions to each question, sampled at TEMPERATURE by `rollout`
     (sample_completions unless main's set-up chose another), prompted by the task's `prompt`."""
     enc = encode_prompts(tokenizer, questions, prompt)
     device = next(model.parameters()).device
-    pixels = {}  # a vision-language model's pixel inputs, one row per answer; text: none
+    pixels = {}  # a vision-language model's pixel inputs, one row per completion; text: none
     if with_images(questions):
         pixels = vision.to_device(vision.pixel_rows(enc, NUM_PRE_Q), device)  # a variant: B rows
-    def per_completion(key):  # a question's value, once for each of its NUM_PRE_Q answers
+    def per_completion(key):  # a question's value, once for each of its NUM_PRE_Q completions
         return [q.get(key) for q in questions for _ in range(NUM_PRE_Q)]
     prompts = Prompts(encoded=enc,
                       ids=enc.input_ids.repeat_interleave(NUM_PRE_Q, 0).to(device),  # (B, P)
@@ -336,20 +337,20 @@ def generate(model, tokenizer, questions, *, rollout, gen_config, eos_ids, llm=N
                                                 llm=llm, eos_ids=eos_ids)  # own: its fields
     completion_ids = completion_ids.to(device)  # (B, T)
     eos = torch.tensor(eos_ids, device=device)  # (E,)
-    # A rollout of several turns knows which tokens are the policy's, and which answers were cut
+    # A rollout of several turns knows which tokens are the policy's, and which completions were cut
     mask = own.pop("policy_mask", completion_mask(completion_ids, eos_ids)).to(device)  # (B, T)
     stopped = own.pop("stopped", torch.isin(completion_ids, eos).any(1)).to(device)  # (B,)
-    if isinstance(tokenizer, vision.ImageTextProcessor):  # an answer ends before an image token
+    if isinstance(tokenizer, vision.ImageTextProcessor):  # a completion ends before an image token
         completion_ids, mask = vision.cut_at_image_tokens(completion_ids, mask,
                                                           tokenizer)  # a variant: images
     lengths = mask.sum(1).tolist()  # before MASK_TRUNCATED: what the model wrote
     cut_completions_train = not MASK_TRUNCATED  # DAPO's overlong filter (a variant) keeps them out
     mask &= stopped[:, None] | cut_completions_train  # (B, T)
-    images = None  # each answer's question's images, to upload; text: none
+    images = None  # each completion's question's images, to upload; text: none
     if with_images(questions):
         images = per_completion("images")
     extra = RolloutExtras(vllm_logps=vllm_logps, images=images, vision_inputs=pixels,
-                          envs=per_completion("env"), **own)  # a variant's fields; the default's empty
+                          envs=per_completion("env"), **own)  # a variant's; the default's empty
     return Rollout(prompt_ids=prompts.ids, prompt_mask=prompts.mask,
                    completion_ids=completion_ids, mask=mask,
                    texts=decode(tokenizer, completion_ids), lengths=lengths,
@@ -365,8 +366,8 @@ def group_advantages(scores, each=None) -> torch.Tensor:
 
 
 def score_completions(texts, asked, played=None) -> tuple:
-    """Step 3: (each answer's score, the weighted sum of REWARDS, {reward name: each value});
-    asked: each answer's question (a dict: its question, its gold). played: a multi-turn
+    """Step 3: (each completion's score, the weighted sum of REWARDS, {reward name: each value});
+    asked: each completion's question (a dict: its question, its gold). played: a multi-turn
     environment's rewards, which this task never has."""
     return rewards.score(REWARDS, texts, [q["gold"] for q in asked], [q["question"] for q in asked])
 
@@ -375,7 +376,7 @@ def score_completions(texts, asked, played=None) -> tuple:
 class ScoredGroups:
     """Steps 2-4 on some questions: what step 5 uploads, and what the log and the sampler keep."""
     groups: list  # (tensors, meta) of the groups worth training, ready to upload
-    records: list  # one dict per answer: its text, rewards and advantage (features/run_log.py)
+    records: list  # one dict per completion: its text, rewards and advantage (features/run_log.py)
     other_scores: torch.Tensor  # (D,) the rewards of the groups not uploaded (SCALE_REWARDS)
 
 
@@ -387,10 +388,10 @@ def scored_groups(model, tokenizer, questions, *, parts, eos_ids, gen_config, ll
         generated = generate(model, tokenizer, questions, rollout=parts.rollout,
                              gen_config=gen_config, eos_ids=eos_ids, llm=llm,
                              prompt=parts.task.prompt)  # 2. generate
-    asked = [q for q in questions for _ in range(NUM_PRE_Q)]  # each answer's question
+    asked = [q for q in questions for _ in range(NUM_PRE_Q)]  # each completion's question
     with timed(seconds, "score_s"):  # 3. score (log: its seconds)
         scored, each = parts.task.score(generated.texts, asked, generated.extra.played)
-    scores = torch.tensor(scored, dtype=torch.float32)  # (N,) each answer's score: REWARDS' sum
+    scores = torch.tensor(scored, dtype=torch.float32)  # (N,) each completion's score: REWARDS' sum
     advantages = parts.advantages(scores, each)  # (N,) 4. advantages
     varied = parts.has_signal(scores, each)  # (Q,) the groups whose rewards differ
     with timed(seconds, "pi_old_s"):  # 5. keep the groups whose rewards differ (log: seconds)
@@ -418,7 +419,7 @@ def pack_groups(model, generated: Rollout, scores, advantages, *, varied, keep_a
     kept = [q for q in range(len(varied))
             if (varied[q] or keep_all) and generated.mask[q * G:(q + 1) * G].any()]
     ids = torch.cat([generated.prompt_ids, generated.completion_ids], 1)  # (B, P+T)
-    completion_attn = wire.completion_attention(generated.mask)  # (B, T) faster equal: to the last trained
+    completion_attn = wire.completion_attention(generated.mask)  # (B, T) faster equal
     attn = torch.cat([generated.prompt_mask, completion_attn], 1)  # (B, P+T)
     rows = [q * G + i for q in kept for i in range(G)]
     pi_old_logps = None  # (K, T) of the kept rows; at MU = 1 a rank's own groups need none
@@ -437,7 +438,7 @@ def pack_groups(model, generated: Rollout, scores, advantages, *, varied, keep_a
 
 def group_tensors(generated: Rollout, ids, kept, scores, advantages, pi_old_logps, meta) -> list:
     """The kept groups as (tensors, meta) in the wire's layout (features/wire.UPLOAD_SPEC): each
-    prompt without its left padding, the columns every answer finished before dropped. ids
+    prompt without its left padding, the columns every completion finished before dropped. ids
     (B, P + T); kept: group indices; pi_old_logps (K, T) the kept rows', or None."""
     G = NUM_PRE_Q
     P = generated.prompt_ids.shape[1]
@@ -445,7 +446,7 @@ def group_tensors(generated: Rollout, ids, kept, scores, advantages, pi_old_logp
     for j, q in enumerate(kept):
         rows = slice(q * G, (q + 1) * G)
         plen = int(generated.prompt_mask[q * G].sum())  # the prompt without its left padding
-        tlen = int(generated.mask[rows].any(0).nonzero().max()) + 1  # the group's longest answer
+        tlen = int(generated.mask[rows].any(0).nonzero().max()) + 1  # the group's longest
         tensors = dict(input_ids=ids[rows, P - plen : P + tlen].cpu(),  # (G, plen + tlen)
                        completion_mask=generated.mask[rows, :tlen].cpu(),  # (G, tlen)
                        advantages=advantages[rows],  # (G,)
@@ -522,7 +523,7 @@ def drop_untrainable(groups, version, *, max_staleness) -> tuple:
 class StepGroups:
     """Steps 1-5 of one training step: what it trains on, and what it sampled."""
     groups: list  # (tensors, meta) pulled back with ref_logps, the step's to train on
-    records: list  # every answer sampled, one dict each (features/run_log.completion_records)
+    records: list  # every completion sampled, one dict each (features/run_log.completion_records)
     other_scores: torch.Tensor  # (D,) the rewards of the groups not uploaded (equal ones)
     rollouts: int  # how many rollouts it took to find groups with a signal
 
@@ -530,7 +531,7 @@ class StepGroups:
 def steps_1_to_5(model, tokenizer, sampler, exchange, *, parts, step, rank, wanted, keep_all,
                  with_pi_old, metrics: Counter, **sampling) -> StepGroups:
     """Steps 1-5, rolled out again (up to MAX_ROLLOUTS times) while fewer than `wanted` groups
-    came back with rewards that differ: groups whose answers all scored the same teach nothing.
+    came back with rewards that differ: groups whose completions all scored the same teach nothing.
     wanted: 1, or Q_BATCH_SIZE under DYNAMIC_SAMPLING (only the missing questions are drawn
     again). exchange(groups, version, rank): step 5; sampling: scored_groups' eos_ids,
     gen_config and llm. `metrics` gets the times and the counts dropped."""
@@ -559,8 +560,8 @@ def steps_1_to_5(model, tokenizer, sampler, exchange, *, parts, step, rank, want
 
 def collate(groups, pad_id, *, teacher=False, image_processor=None, top_k=0,
             vocab_size=None) -> Batch:
-    """Groups of different prompt and answer lengths as one Batch: prompts left-padded to end at
-    column P, answers right-padded. Optional log-probs come with the rows that carry them
+    """Groups of different prompt and completion lengths as one Batch: prompts left-padded to end at
+    column P, completions right-padded. Optional log-probs come with the rows that carry them
     (pi_old_rows, vllm_rows), never with a value that means "missing". teacher: the server's
     log-probs are a teacher's (teacher_logps), never a reference's. image_processor: a vision
     model's, for each row's pixels (features/vision.py). top_k: DISTILL_TOP_K, the teacher's
@@ -580,7 +581,7 @@ def collate(groups, pad_id, *, teacher=False, image_processor=None, top_k=0,
         tlen = g["input_ids"].shape[1] - plen
         input_ids[row : row + n, P - plen : P + tlen] = g["input_ids"]  # prompts end at column P
         attention_mask[row : row + n, P - plen : P] = 1
-        # Each answer up to its last trained token: no earlier token attends the padding after
+        # Each completion up to its last trained token: no earlier token attends the padding after
         # it, so the values are the same, and features/packing.py can leave it out
         attention_mask[row : row + n, P : P + tlen] = wire.completion_attention(  # faster equal
             g["completion_mask"])
@@ -668,7 +669,7 @@ def on_device(record, device):
 
 def pi_old_everywhere(logps, pi_old_logps, pi_old_rows, mask) -> torch.Tensor:
     """(B, T) pi_old: the given pi_old_logps on the rows that carry them (pi_old_rows (B,), None =
-    all), else logps detached: these weights sampled the answer, so r = 1 and the surrogate's
+    all), else logps detached: these weights sampled the completion, so r = 1 and the surrogate's
     gradient is the policy gradient's; padding too, so nothing overflows."""
     if pi_old_logps is None:
         return logps.detach()  # (B, T)
@@ -686,8 +687,8 @@ class LossTerms:
 
 
 def grpo_terms(engine, b: Batch, *, logps, pi_old_logps, entropy) -> LossTerms:
-    """Step 6's per-token loss as GRPO defines it: grpo_loss, each answer's advantage on its every
-    token. engine and entropy are there for a variant's surrogate (objectives.py)."""
+    """Step 6's per-token loss as GRPO defines it: grpo_loss, each completion's advantage on its
+    every token. engine and entropy are there for a variant's surrogate (objectives.py)."""
     per_token = grpo_loss(logps=logps, pi_old_logps=pi_old_logps, ref_logps=b.ref_logps,
                           advantages=b.advantages, mask=b.mask, beta=BETA, clip_eps=CLIP_EPS,
                           clip_eps_high=CLIP_EPS_HIGH)  # (B, T)
@@ -750,7 +751,7 @@ class Parts:
     prompt computed once (shared_rollout), and the log-probs, in chunks (logps_function)."""
     task: rewards.Task  # 1-3. what to train on: load, draw, prompt, score, rewards: choose_task
     record: Callable  # 1. (sampler, records, group size): keep_no_outcomes
-    rollout: Callable  # 2. (model, tokenizer, Prompts, gen_config=, llm=, eos_ids=): sample_completions
+    rollout: Callable  # 2. (model, tokenizer, Prompts, **sampling): sample_completions
     advantages: Callable  # 4. (scores, each) -> (N,): group_advantages
     has_signal: Callable  # 4. (scores, each) -> (Q,) the groups that train: varied_groups
     rescale: Callable  # 4. (groups, other rewards, device) -> groups: as_sampled
@@ -807,7 +808,7 @@ def rollout_for_run() -> Callable:
     if vllm_engine.USE_VLLM:  # faster equal (docs/vllm.md)
         single_turn = functools.partial(vllm_engine.rollout, num_pre_q=NUM_PRE_Q,
                                         temperature=TEMPERATURE, max_new_tokens=MAX_NEW_TOKENS)
-    elif fast_paths.SHARED_PREFIX:  # faster equal: each prompt's KV cache once for its answers
+    elif fast_paths.SHARED_PREFIX:  # faster equal: each prompt's KV cache once for its completions
         single_turn = functools.partial(fast_paths.shared_rollout, num_pre_q=NUM_PRE_Q)
     if tools.TOOLS:  # a variant: each <tool> call answered by a <result> (docs/tools.md)
         return functools.partial(tools.rollout, num_pre_q=NUM_PRE_Q, temperature=TEMPERATURE)
@@ -850,8 +851,8 @@ def signal_for_run(named) -> Callable:
 
 
 def rescaled_at_step() -> bool:
-    """Whether a variant divides the step's advantages by a std over all its answers on all ranks:
-    the rewards' (SCALE_REWARDS "batch") or the advantages' (REINFORCE++-baseline, GDPO)."""
+    """Whether a variant divides the step's advantages by a std over all its completions on all
+    ranks: the rewards' (SCALE_REWARDS "batch") or the advantages' (REINFORCE++-baseline, GDPO)."""
     whitened = ADVANTAGE == "reinforce_pp_baseline" or REWARD_NORM == "normalize_then_sum"
     return SCALE_REWARDS == "batch" or whitened
 
@@ -870,7 +871,7 @@ def rescale_for_run(named) -> Callable:
 
 def pi_old_for_run(regroup: bool) -> bool:
     """Whether step 5 computes pi_old's log-probs before the upload: a server that regroups (its
-    groups mix answers of other steps), a batch reused (MU > 1), or SKIP_PI_OLD off (the plain
+    groups mix completions of other steps), a batch reused (MU > 1), or SKIP_PI_OLD off (the plain
     path: a forward of the sampling weights, where the shortcut knows the ratio is 1)."""
     return regroup or MU > 1 or not fast_paths.SKIP_PI_OLD
 
@@ -892,8 +893,8 @@ def logps_for_run() -> Callable:  # set-up
 
 def fills_for_run() -> tuple:
     """What prepare_batch computes under the weights before step 6: nothing for GRPO's one pass
-    over fresh answers; LoRA's reference from its base (REF_FROM_BASE); pi_old for every row when
-    the batch trains MU > 1 times (fixed_pi_old)."""
+    over fresh completions; LoRA's reference from its base (REF_FROM_BASE); pi_old for every row
+    when the batch trains MU > 1 times (fixed_pi_old)."""
     fills = ()
     if lora.LORA_RANK > 0 and lora.REF_FROM_BASE and BETA != 0:  # a variant: LoRA
         fills += (lora.reference_from_base,)
@@ -926,9 +927,10 @@ def loss_settings() -> objectives.LossSettings:  # set-up
 
 
 def loss_variant_on() -> bool:
-    """Whether step 6 is a variant's (objectives.py): another surrogate, a per-answer ratio, token
-    weights (vLLM's mismatch, DeepSeek-V3.2's mask, the entropy share) or a teacher. Answers vLLM
-    sampled (here or in a worker's groups) carry vLLM's log-probs, which the variant weighs."""
+    """Whether step 6 is a variant's (objectives.py): another surrogate, a per-completion ratio,
+    token weights (vLLM's mismatch, DeepSeek-V3.2's mask, the entropy share) or a teacher.
+    Completions vLLM sampled (here or in a worker's groups) carry vLLM's log-probs, which the
+    variant weighs."""
     sampled_by_vllm = vllm_engine.USE_VLLM or worker.EXTRA_GROUPS > 0
     return bool(OBJECTIVE != "clip" or GSPO or KL_BIAS_CORRECTION or OFF_POLICY_DELTA
                 or TOP_ENTROPY_QUANTILE < 1 or DISTILL_COEF or sampled_by_vllm)
@@ -1083,7 +1085,7 @@ def main():
     route = server_route(model, tokenizer, run=uuid.uuid4().hex,
                          advantages=parts.advantages)  # step 5, its server checked
     reward_names = [name for name, _ in parts.task.rewards]  # step 3's: the log's columns
-    correct = rewards.correctness_reward(reward_names)  # the reward that says an answer is right
+    correct = rewards.correctness_reward(reward_names)  # the reward that says a completion is right
     sampler = parts.task.sampler(questions, SEED + rank)  # step 1's draw, kept in checkpoints
     llm = vllm_engine.start(resolve_model_path(MODEL_PATH), SEED + rank, model.dtype,
                             verbose=quiet.VERBOSE)  # faster equal (USE_VLLM); else None

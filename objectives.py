@@ -2,11 +2,11 @@
 selection and teacher term (step 6) that the menu at the top of grpo_ref_split.py can switch on.
 
 A default step never enters this file. main's set-up (choose_parts) hands a step these functions
-in place of the lesson's when a variant is set: completion_advantages, varied_by_any_reward and at_step
-for step 4, variant_terms for step 6; the
-lesson's own math (advantages_in_groups, the clip-only grpo_loss, k3, reduce_loss) is the
-reference every function here is compared with. Each function is pure, names its paper, and
-carries a shape comment on each tensor line. docs/loss.md says when to pick which.
+in place of the lesson's when a variant is set: completion_advantages, varied_by_any_reward and
+at_step for step 4, variant_terms for step 6; the lesson's own math (advantages_in_groups, the
+clip-only grpo_loss, k3, reduce_loss) is the reference every function here is compared with. Each
+function is pure, names its paper, and carries a shape comment on each tensor line. docs/loss.md
+says when to pick which.
 
     OBJECTIVE=cispo MU=2 deepspeed --num_gpus 1 grpo_ref_split.py
     python -m pytest tests/test_surrogates.py tests/test_objectives.py   # each against its paper
@@ -39,7 +39,7 @@ DISTILL_SCALES = ("fixed", "matched")  # DISTILL_SCALE's choices
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(B,) mean of x over each row's True positions (0 if none); selects, as inf x 0 is NaN. The
-    lesson's reduce_loss writes the same mean inline: the variants below take it per answer."""
+    lesson's reduce_loss writes the same mean inline: the variants below take it per completion."""
     return torch.where(mask.bool(), x, 0.0).sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
 
 
@@ -66,7 +66,7 @@ def varied_by_any_reward(scores: torch.Tensor, each: dict, s: AdvantageSettings)
 
 
 def completion_advantages(scores: torch.Tensor, each: dict, s: AdvantageSettings) -> torch.Tensor:
-    """Step 4 of a variant: (N,) each answer's advantage. scores (N,) the weighted sums; each:
+    """Step 4 of a variant: (N,) each completion's advantage. scores (N,) the weighted sums; each:
     {reward name: N values}. "batch" scale, REINFORCE++ and GDPO are divided by a std over the
     whole step later (at_step), once every rank's groups are known."""
     G = s.group_size
@@ -92,7 +92,8 @@ def centred_in_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
 
 def rloo_advantages(scores: torch.Tensor, num_pre_q: int) -> torch.Tensor:
     """(N,) RLOO (Ahmadian et al. 2024, arXiv 2402.14740): r minus the mean of the group's other
-    answers, G / (G - 1) (r - the group's mean); no std, so a reward's scale stays in the step."""
+    completions, G / (G - 1) (r - the group's mean); no std, so a reward's scale stays in the
+    step."""
     grouped = scores.float().view(-1, num_pre_q)  # (Q, G)
     others = (grouped.sum(1, keepdim=True) - grouped) / (num_pre_q - 1)  # (Q, G)
     return (grouped - others).view(-1)  # (N,)
@@ -100,7 +101,7 @@ def rloo_advantages(scores: torch.Tensor, num_pre_q: int) -> torch.Tensor:
 
 def passk_advantages(scores: torch.Tensor, num_pre_q: int, *, std_eps: float) -> torch.Tensor:
     """(N,) the pass@k advantage (arXiv 2503.19595, verl's grpo_passk): only each group's best
-    answer gets one, (r_best - r_second) / (the group's std + std_eps); the others 0. It trains
+    completion gets one, (r_best - r_second) / (the group's std + std_eps); the others 0. It trains
     for the best of k samples, not for each one."""
     grouped = scores.float().view(-1, num_pre_q)  # (Q, G)
     top2 = grouped.topk(2, dim=1).values  # (Q, 2)
@@ -116,7 +117,7 @@ def gdpo_advantages(each: torch.Tensor, weights: torch.Tensor, num_pre_q: int, *
     """(N,) GDPO's (arXiv 2601.05242) normalize-then-sum: each reward of `each` (N, K) normalised
     in its group, (r_k - mean) / (std + std_eps), then their sum with `weights` (K,). Summing first
     lets the reward of largest variance drown the others; here each counts by its weight. The step
-    then divides by the std over all its answers (whiten_to_step)."""
+    then divides by the std over all its completions (whiten_to_step)."""
     grouped = each.float().view(-1, num_pre_q, each.shape[1])  # (Q, G, K)
     centred = grouped - grouped.mean(1, keepdim=True)  # (Q, G, K)
     normalised = centred / (grouped.std(1, keepdim=True) + std_eps)  # (Q, G, K)
@@ -127,8 +128,8 @@ def at_step(groups, dropped_scores: torch.Tensor, device, s: AdvantageSettings) 
     """The step's groups, their advantages divided by a std over the step on all ranks (every
     rank calls it): the std of every reward the step sampled for SCALE_REWARDS "batch"
     (scale_to_step; dropped_scores (D,), the rewards of the groups dropped for equal rewards,
-    count in it, as in TRL), that of the trained answers' advantages for REINFORCE++-baseline and
-    GDPO (whiten_to_step)."""
+    count in it, as in TRL), that of the trained completions' advantages for REINFORCE++-baseline
+    and GDPO (whiten_to_step)."""
     if s.scale_rewards == "batch":
         return scale_to_step(groups, dropped_scores, device, std_eps=s.std_eps)
     return whiten_to_step(groups, device, std_eps=s.std_eps)
@@ -167,11 +168,12 @@ def whiten_to_step(groups, device, *, std_eps: float) -> list:
     """ADVANTAGE "reinforce_pp_baseline" (REINFORCE++-baseline: verl's
     reinforce_plus_plus_baseline, OpenRLHF's reinforce_baseline; arXiv 2501.03262) and REWARD_NORM
     "normalize_then_sum" (GDPO): every group the step trains on, its advantages divided by their
-    std over the answers the step trains, on all ranks. Each group's advantages sum to 0, so their
-    mean over the step is 0 and this is the whitening REINFORCE++-baseline and GDPO apply, per
-    answer (theirs weighs each answer by its tokens). The groups dropped for equal rewards do not
-    count: their zeros would shrink the std by how many were dropped (re-rollouts included), and
-    scale the same trained answers differently from step to step. groups: (tensors, meta) pairs."""
+    std over the completions the step trains, on all ranks. Each group's advantages sum to 0, so
+    their mean over the step is 0 and this is the whitening REINFORCE++-baseline and GDPO apply,
+    per completion (theirs weighs each completion by its tokens). The groups dropped for equal
+    rewards do not count: their zeros would shrink the std by how many were dropped (re-rollouts
+    included), and scale the same trained completions differently from step to step. groups:
+    (tensors, meta) pairs."""
     trained = [tensors["advantages"].float() for tensors, _ in groups] or [torch.zeros(0)]
     std = step_std(torch.cat(trained), device)  # every rank, groups or none
     return [({**tensors, "advantages": tensors["advantages"] / (std + std_eps)}, meta)
@@ -202,7 +204,8 @@ class VariantLoss:
     read."""
     per_token: torch.Tensor  # (B, T) the loss before reduce_loss
     token_advantages: torch.Tensor  # (B, T) each token's advantage (a teacher's term included)
-    ratio: torch.Tensor  # (B, T) pi / pi_old as the surrogate saw it (GSPO: the answer's), detached
+    # (B, T) pi / pi_old as the surrogate saw it (GSPO: the completion's), detached
+    ratio: torch.Tensor
     metrics: dict  # the variant's own: vLLM's gap, the teacher's distance
 
 
@@ -213,8 +216,9 @@ def variant_terms(engine, b, *, logps, pi_old_logps, entropy, s: LossSettings,
     mask) -> (B, T) its k3 towards the reference (None: no reference), the lesson's."""
     kl = reference_kl(b.ref_logps, logps, b.mask)  # (B, T) or None
     mask = b.mask.bool()  # (B, T)
-    token_advantages = b.advantages[:, None].expand_as(mask)  # (B, T) each answer's on its tokens
-    teacher_rows = None  # (B,) the answers that take the teacher's term; None = all
+    # (B, T) each completion's advantage on its tokens
+    token_advantages = b.advantages[:, None].expand_as(mask)
+    teacher_rows = None  # (B,) the completions that take the teacher's term; None = all
     if s.distill_coef:
         teacher_rows = teacher_mix_rows(b)
     if s.distill_coef and not s.distill_top_k:  # + the teacher's term on each token
@@ -259,8 +263,8 @@ def variant_terms(engine, b, *, logps, pi_old_logps, entropy, s: LossSettings,
 
 
 def teacher_mix_rows(b):
-    """(B,) bool or None: the answers that take the teacher's term (features/teacher_mix.py's
-    DISTILL_BELOW and TEACHER_STEPS; None = every answer)."""
+    """(B,) bool or None: the completions that take the teacher's term (features/teacher_mix.py's
+    DISTILL_BELOW and TEACHER_STEPS; None = every completion)."""
     from features import teacher_mix  # here: the mix is the teacher's, and only its runs need it
 
     return teacher_mix.teacher_rows(b.extra.scores, teacher_on=b.extra.teacher_on)
@@ -288,7 +292,7 @@ def variant_token_loss(*, logps, pi_old_logps, kl, advantages, mask, beta, clip_
     """(B, T) the lesson's grpo_loss with the variants: -(surrogate x weights - beta x k3), the
     surrogate PPO's clip or one of OBJECTIVES (objective; sapo_taus SAPO's temperatures,
     cispo_max_ratio CISPO's cap), GSPO's ratio per
-    answer, weights (B, T) on each token's surrogate (None: 1), and with bias_corrected_kl
+    completion, weights (B, T) on each token's surrogate (None: 1), and with bias_corrected_kl
     DeepSeek-V3.2's k3 x r (the reverse KL's gradient). logps, pi_old_logps, mask (B, T); kl (B, T)
     the lesson's k3 towards the reference (None: none); advantages (B,) or (B, T)."""
     if kl is None and beta:
@@ -320,16 +324,17 @@ def variant_token_loss(*, logps, pi_old_logps, kl, advantages, mask, beta, clip_
 
 
 def policy_log_ratio(*, logps, pi_old_logps, mask, gspo=False) -> torch.Tensor:
-    """(B, T) log(pi / pi_old) of each answer token, the ratio the loss clips and the metrics show;
-    GSPO (arXiv 2507.18071): each answer's mean log-ratio on its every token (one ratio, clipped
-    whole)."""
+    """(B, T) log(pi / pi_old) of each completion token, the ratio the loss clips and the metrics
+    show; GSPO (arXiv 2507.18071): each completion's mean log-ratio on its every token (one ratio,
+    clipped whole)."""
     log_ratio = logps - pi_old_logps  # (B, T)
     if not gspo:
         return log_ratio
     completion_mean = masked_mean(log_ratio, mask)[:, None]  # (B, 1)
-    # GSPO-token (the GSPO paper's per-token form): the answer's ratio as the value, each token's
-    # own log-prob as the gradient. With one advantage per answer its gradient is GSPO's; with a
-    # teacher's per-token advantages each token moves by its own, not by the answer's mean.
+    # GSPO-token (the GSPO paper's per-token form): the completion's ratio as the value, each
+    # token's own log-prob as the gradient. With one advantage per completion its gradient is
+    # GSPO's; with a teacher's per-token advantages each token moves by its own, not by the
+    # completion's mean.
     return completion_mean.detach() + log_ratio - log_ratio.detach()  # (B, T)
 
 
@@ -354,11 +359,11 @@ def sapo_surrogate(*, ratio, advantages, taus) -> torch.Tensor:
 
 
 def gmpo_surrogate(*, log_ratio, advantages, mask, clip_eps, clip_eps_high) -> torch.Tensor:
-    """GMPO (arXiv 2507.20673, verl's "geo_mean"): the geometric mean of the answer's token ratios,
-    each clipped in log space to [-clip_eps, clip_eps_high] on the side its advantage's sign
-    limits, times A; one value per answer, on each of its tokens (reduce_loss's "grpo" means it
-    back). An outlier token moves a geometric mean far less than an arithmetic one. A is per
-    answer (refused with a teacher's per-token term)."""
+    """GMPO (arXiv 2507.20673, verl's "geo_mean"): the geometric mean of the completion's token
+    ratios, each clipped in log space to [-clip_eps, clip_eps_high] on the side its advantage's
+    sign limits, times A; one value per completion, on each of its tokens (reduce_loss's "grpo"
+    means it back). An outlier token moves a geometric mean far less than an arithmetic one. A is
+    per completion (refused with a teacher's per-token term)."""
     sign = torch.sign(advantages)  # (B, 1) or (B, T)
     clamped = log_ratio.clamp(-clip_eps, clip_eps_high)  # (B, T)
     kept = sign * torch.min(sign * log_ratio, sign * clamped)  # (B, T) the pessimistic one
@@ -371,12 +376,12 @@ def gmpo_surrogate(*, log_ratio, advantages, mask, clip_eps, clip_eps_high) -> t
 def mismatch_weights(pi_old_logps, vllm_logps, vllm_rows, mask, *, mode, cap) -> torch.Tensor:
     """(B, T) truncated importance sampling (TIS, Yao et al. 2025, "Your efficient RL framework
     secretly brings you off-policy RL training"): rho = pi_old / pi_vllm on vLLM's tokens (mask;
-    vllm_rows (B,) or all), else 1; per token or per answer (its product), truncated at cap or 0
+    vllm_rows (B,) or all), else 1; per token or per completion (its product), truncated at cap or 0
     outside [1 / cap, cap]. vLLM samples with other kernels than the trainer's."""
     sampled = mask if vllm_rows is None else mask & vllm_rows[:, None]  # (B, T)
     log_rho = torch.where(sampled, pi_old_logps - vllm_logps, 0.0)  # (B, T)
     if mode.startswith("sequence_"):
-        log_rho = log_rho.sum(-1, keepdim=True).expand_as(log_rho)  # (B, T) the answer's ratio
+        log_rho = log_rho.sum(-1, keepdim=True).expand_as(log_rho)  # (B, T) the completion's ratio
     rho = torch.exp(log_rho)  # (B, T)
     if mode.endswith("_truncate"):
         return rho.clamp(max=cap)  # (B, T)
@@ -385,9 +390,9 @@ def mismatch_weights(pi_old_logps, vllm_logps, vllm_rows, mask, *, mode, cap) ->
 
 def off_policy_mask(*, advantages, pi_old_logps, logps, mask, delta) -> torch.Tensor:
     """(B, T) DeepSeek-V3.2's off-policy mask (OFF_POLICY_DELTA): 0 on a token with a negative
-    advantage in an answer whose mean log(pi_old / pi) exceeds delta, else 1 (the paper's
+    advantage in a completion whose mean log(pi_old / pi) exceeds delta, else 1 (the paper's
     pi_behaviour is pi_old, the sampling policy: vLLM's own log-probs where it sampled). One
-    advantage per answer keeps or drops the answer whole, as the paper; with a teacher's
+    advantage per completion keeps or drops the completion whole, as the paper; with a teacher's
     per-token advantages each token's own sign decides (docs/distillation.md). All (B, T); it
     multiplies the surrogate."""
     drift = masked_mean(pi_old_logps - logps.detach(), mask)  # (B,) how far pi moved away
@@ -396,13 +401,13 @@ def off_policy_mask(*, advantages, pi_old_logps, logps, mask, delta) -> torch.Te
 
 
 def high_entropy_mask(*, entropy, mask, quantile) -> torch.Tensor:
-    """(B, T) 1 on the answer tokens whose entropy is in the top `quantile` share of this
-    micro-batch's answer tokens on all ranks (TRL's threshold is global too), 0 elsewhere ("Beyond
-    the 80/20 rule", arXiv 2506.01939: the few high-entropy "forking" tokens carry the learning;
-    TRL's top_entropy_quantile). entropy, mask (B, T); entropy detached. Every rank calls it once
-    per micro-batch (they run as many)."""
+    """(B, T) 1 on the completion tokens whose entropy is in the top `quantile` share of this
+    micro-batch's completion tokens on all ranks (TRL's threshold is global too), 0 elsewhere
+    ("Beyond the 80/20 rule", arXiv 2506.01939: the few high-entropy "forking" tokens carry the
+    learning; TRL's top_entropy_quantile). entropy, mask (B, T); entropy detached. Every rank calls
+    it once per micro-batch (they run as many)."""
     mask = mask.bool()  # (B, T)
-    every = gathered_over_ranks(entropy[mask].float())  # (n,) the answer tokens of all ranks
+    every = gathered_over_ranks(entropy[mask].float())  # (n,) the completion tokens of all ranks
     if not every.numel():
         return mask.float()  # (B, T)
     threshold = quantile_of(every, 1 - quantile)  # () the share's lowest
@@ -446,10 +451,11 @@ def distill_advantages(advantages, *, teacher_logps, pi_old_logps, mask, coef,
     own term; its expected gradient is -coef grad KL(pi || teacher). discount g > 0 adds the later
     tokens' terms too, g^(t' - t) each (tinker's KL discount: a token is also credited with where
     it led), the reverse KL's return rather than its one step. matched: the term scaled by
-    rms(A) / rms(term) over the answer tokens, so it keeps the group term's size as the KL falls
+    rms(A) / rms(term) over the completion tokens, so it keeps the group term's size as the KL falls
     (DISTILL_SCALE "matched"; GRPO's A stays near 1 per token whatever the rewards). teacher_rows
-    (B,) bool: the answers that take the term, the others keep A alone (features/teacher_mix: KDRL's
-    reward-guided mask spares the correct ones); None = every answer. advantages (B,)."""
+    (B,) bool: the completions that take the term, the others keep A alone (features/teacher_mix:
+    KDRL's reward-guided mask spares the correct ones); None = every completion. advantages
+    (B,)."""
     mask = mask.bool()  # (B, T)
     taking = mask if teacher_rows is None else mask & teacher_rows[:, None]  # (B, T) with the term
     term = torch.where(taking, teacher_logps - pi_old_logps.detach(), 0.0)  # (B, T)
@@ -468,8 +474,8 @@ def distill_advantages(advantages, *, teacher_logps, pi_old_logps, mask, coef,
 
 def teacher_topk_of(groups, T: int, top_k: int, vocab_size) -> tuple:
     """((B, T, k) ids, (B, T, k) log-probs): each group's teacher top-k (DISTILL_TOP_K), checked
-    (features/wire.check_teacher_topk) and laid on its answer columns as the lesson's collate lays
-    the rest; T the batch's answer columns."""
+    (features/wire.check_teacher_topk) and laid on its completion columns as the lesson's collate
+    lays the rest; T the batch's completion columns."""
     B = sum(g["completion_mask"].shape[0] for g, _ in groups)
     ids = torch.zeros(B, T, top_k, dtype=torch.long)  # (B, T, k)
     logps = torch.zeros(B, T, top_k)  # (B, T, k)
@@ -485,7 +491,7 @@ def teacher_topk_of(groups, T: int, top_k: int, vocab_size) -> tuple:
 
 def student_topk_logps(engine, b, *, temperature) -> torch.Tensor:
     """(B, T, k) the student's log-probs at TEMPERATURE of the teacher's k likeliest tokens
-    (b.extra.teacher_topk_ids) at each answer position, with their gradient. Its own forward of
+    (b.extra.teacher_topk_ids) at each completion position, with their gradient. Its own forward of
     whole (B, T, V) logits: the lesson's forward keeps only the sampled tokens' log-probs, so
     DISTILL_TOP_K costs one more forward and backward a step."""
     from features.fast_paths import completion_logits

@@ -64,8 +64,8 @@ LOGP_FROM_HIDDEN = True  # log-probs from the LM head's input, in chunks; False 
 REWARD_MODEL = ""  # AutoModelForSequenceClassification id or folder; "" = none
 REWARD_MODEL_WEIGHT = 1.0  # this x its score is added to each reward; advantages are redone here
 # Regroup: simple_GRPO's regroup_ver (docs/server.md)
-REGROUP = False  # True = pool each question's answers; send out mixed groups with reward variance
-REGROUP_POOL = 64  # answers kept per question, the oldest dropped first
+REGROUP = False  # True = pool each question's completions; send groups mixed to differ in reward
+REGROUP_POOL = 64  # completions kept per question, the oldest dropped first
 REGROUP_QUESTIONS = 4096  # questions remembered, the least recently uploaded forgotten first
 apply_env_overrides(globals(), "ref_server.py")  # `PORT=6000 python ref_server.py`
 
@@ -118,12 +118,13 @@ def run_of(meta) -> str:
 
 
 def attention_of(ids, plen, completion_mask) -> torch.Tensor:
-    """(G, L) a group's attention mask: its prompt (unpadded, plen tokens) and each answer up to
-    its last token that trains (wire.completion_attention); every token without a completion_mask."""
+    """(G, L) a group's attention mask: its prompt (unpadded, plen tokens) and each completion
+    up to its last token that trains (wire.completion_attention); every token without a
+    completion_mask."""
     attention = torch.ones_like(ids)  # (G, L)
     if completion_mask is not None:
-        answers = completion_attention(completion_mask)  # (G, L - plen) faster equal: no padding
-        attention[:, plen:] = answers.to(ids.device)
+        completions = completion_attention(completion_mask)  # (G, L - plen) faster equal
+        attention[:, plen:] = completions.to(ids.device)
     return attention
 
 
@@ -157,7 +158,7 @@ class RefServer:
         burst = max(settings.decode_pixels_per_s, vision.MAX_QUESTION_PIXELS)
         self.decoding = DecodeBudget(settings.decode_pixels_per_s, burst)
         self.counters = dict(uploaded=0, served=0, rejected=0, busy=0, ref_errors=0)
-        self.pool = None  # REGROUP's pool of answers per question
+        self.pool = None  # REGROUP's pool of completions per question
         if settings.regroup:
             self.pool = RegroupPool(settings.regroup_pool, settings.regroup_questions)
         self.answered = UploadIds(settings.upload_ids)  # a retried upload gets its first answer
@@ -191,7 +192,7 @@ class RefServer:
 
     def teacher_topk(self, input_ids, plen, temperature, k, images=(),
                      completion_mask=None):  # a variant: a teacher
-        """((G, T, k) ids, (G, T, k) log-probs): the teacher's k likeliest tokens at each answer
+        """((G, T, k) ids, (G, T, k) log-probs): the teacher's k likeliest tokens at each completion
         position, at the sampling temperature, ref_micro_batch rows at a time (DISTILL_TOP_K).
         The whole logits of a micro-batch exist at once: (rows, T, V)."""
         ids = input_ids.to(self.device)  # (G, L)

@@ -1,4 +1,4 @@
-"""The task: questions with gold answers, and the rewards that score a model's answers to them.
+"""The task: questions with gold answers, and the rewards that score a model's completions.
 
 Questions come from a built-in, seeded addition task (no download), a GSM8K-style JSONL file or
 the hub; for a vision-language model, questions with images: geometry3k (the hub, or a local

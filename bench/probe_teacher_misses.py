@@ -40,7 +40,7 @@ def wrong_groups(path: str, first: int, last: int) -> list:
             answer = json.loads(line)
             groups[answer["step"], answer["question"], answer["gold"]].append(answer)
     return [
-        (step, question, gold, [a["answer"] for a in answers])
+        (step, question, gold, [a["completion"] for a in answers])
         for (step, question, gold), answers in sorted(groups.items(), key=lambda item: item[0][0])
         if first <= step <= last and all(a["reward_correct"] == 0 for a in answers)
     ]

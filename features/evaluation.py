@@ -1,6 +1,7 @@
-"""Log: held-out evaluation, greedy answers to EVAL_SIZE questions the run never trains on, scored
-by the trainer's rewards, before step 1 and every EVAL_STEPS steps; with EVAL_SAMPLES = k, also k
-sampled answers per question at the training temperature, for mean@k and the unbiased pass@k.
+"""Log: held-out evaluation, greedy completions to EVAL_SIZE questions the run never trains on,
+scored by the trainer's rewards, before step 1 and every EVAL_STEPS steps; with EVAL_SAMPLES = k,
+also k sampled completions per question at the training temperature, for mean@k and the unbiased
+pass@k.
 
     CHECKPOINT=output/step_30 python bench/probe_heldout.py       # the same, on a saved checkpoint
 """
@@ -16,7 +17,7 @@ from features.vllm_engine import vllm_sample
 
 EVAL_STEPS = 10  # held-out greedy accuracy before step 1 and every this many steps; 0 = never
 EVAL_SIZE = 128  # held-out questions: the dataset's last EVAL_SIZE, never trained on
-EVAL_SAMPLES = 0  # k > 0: also k sampled answers per held-out question, for pass@k (k x the time)
+EVAL_SAMPLES = 0  # k > 0: also k sampled completions per held-out question, for pass@k (k x time)
 env_overrides.apply_env_overrides(globals(), "features/evaluation.py")
 
 
@@ -40,14 +41,14 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def evaluate(model, questions, *, encode, decode, score, eos_ids, max_new_tokens, pad_id=None,
              llm=None, tools=(), max_calls=0, tokenizer=None, samples=0,
              sample_config=None, correct=None, answer=None) -> dict:
-    """{"eval_<reward name>": mean} over the greedy answers to `questions` (from the vLLM engine
-    `llm` if given); with tools, eval_tool_share too (answers that called a tool). samples = k >
-    0: also eval_<name>_mean@k over k answers per question sampled with sample_config (its
+    """{"eval_<reward name>": mean} over the greedy completions to `questions` (from the vLLM engine
+    `llm` if given); with tools, eval_tool_share too (completions that called a tool). samples = k >
+    0: also eval_<name>_mean@k over k completions per question sampled with sample_config (its
     temperature), and eval_pass@j for j = 2, 4, ... and k (by the reward named `correct`, the
     task's correctness reward; None: no pass@k, refused at start with EVAL_SAMPLES). Questions
     with a "tag" also get each mean per tag: eval_<name>_<tag>. encode(tokenizer, questions) ->
     the tokenized prompts; decode(tokenizer, completion_ids) -> texts; score(texts, asked) ->
-    (total, {reward name: values}), asked: each answer's question (a dict): the trainer's own
+    (total, {reward name: values}), asked: each completion's question (a dict): the trainer's own
     three; tokenizer: for them, for tools and for the pad id (or pad_id). answer: how the task
     answers its held-out questions, (model, questions, **args) -> (texts, tool calls, rewards
     played over episodes or None): greedy_answers unless the task plays episodes."""
@@ -70,7 +71,7 @@ def evaluate(model, questions, *, encode, decode, score, eos_ids, max_new_tokens
 
 
 def sampled_scores(model, questions, k, sample_config, score, args, correct=None) -> dict:
-    """Per question: each reward's mean over k sampled answers ("<name>_mean@k") and, with a
+    """Per question: each reward's mean over k sampled completions ("<name>_mean@k") and, with a
     correctness reward `correct` (its name; rewards.correctness_reward), the unbiased pass@j for
     j = 2, 4, ... < k and k ("pass@j"; pass@1 would equal its mean@k)."""
     if sample_config is None or not sample_config.do_sample:
@@ -89,7 +90,7 @@ def sampled_scores(model, questions, k, sample_config, score, args, correct=None
 
 @torch.no_grad()
 def greedy_answers(model, questions, **args) -> tuple:
-    """(each question's greedy answer as text, its tool calls, None: no episodes played), by
+    """(each question's greedy completion as text, its tool calls, None: no episodes played), by
     held_out_answers."""
     texts, calls = held_out_answers(model, questions, **args)
     return texts, calls, None
@@ -99,9 +100,9 @@ def held_out_answers(model, questions, *, encode, decode, eos_ids, pad_id, max_n
                      batch_size=EVAL_BATCH, llm=None, tools=(), max_calls=0, tokenizer=None,
                      per_question=1, gen_config=None) -> tuple:
     """(the completion text of each question, its tool calls): greedy, or with gen_config (a
-    sampling one) `per_question` answers each, a question's answers consecutive. fork_rng guards the
-    training stream (sampling draws from it, and vLLM's seeds come from it): evaluating never
-    changes training."""
+    sampling one) `per_question` completions each, a question's completions consecutive. fork_rng
+    guards the training stream (sampling draws from it, and vLLM's seeds come from it): evaluating
+    never changes training."""
     from transformers import GenerationConfig
 
     greedy = gen_config is None
@@ -117,32 +118,32 @@ def held_out_answers(model, questions, *, encode, decode, eos_ids, pad_id, max_n
         for i in range(0, len(questions), batch_size):
             enc = encode(tokenizer, questions[i : i + batch_size]).to(device)
             if tools:  # multi-turn, as the rollouts (features/tools.py)
-                answers, _, out = generate_with_tools(model, tokenizer, enc, per_question,
-                                                      gen_config=gen_config, llm=llm, tools=tools,
-                                                      temperature=temperature,
-                                                      max_calls=max_calls, eos_ids=eos_ids)
+                completions, _, out = generate_with_tools(model, tokenizer, enc, per_question,
+                                                          gen_config=gen_config, llm=llm,
+                                                          tools=tools, temperature=temperature,
+                                                          max_calls=max_calls, eos_ids=eos_ids)
                 calls += out["tool_calls"]
             elif llm is not None:
-                answers, _ = vllm_sample(llm, enc, per_question, temperature, eos_ids, pad_id,
-                                         max_new_tokens, seeded=False)  # (b * per_question, T)
+                completions, _ = vllm_sample(llm, enc, per_question, temperature, eos_ids, pad_id,
+                                             max_new_tokens, seeded=False)  # (b * per_question, T)
             else:
                 ids = enc.input_ids.repeat_interleave(per_question, 0)  # (b x per_question, P)
                 attn = enc.attention_mask.repeat_interleave(per_question, 0)  # (b x ..., P)
                 pixels = pixel_rows(enc, per_question)  # a vision model's, row by row; {} text
                 generated = model.generate(input_ids=ids, attention_mask=attn, **pixels,
                                            generation_config=gen_config)  # (b x ..., P + T)
-                answers = generated[:, ids.shape[1] :]  # (b x per_question, T)
-            texts += decode(tokenizer, answers)
+                completions = generated[:, ids.shape[1] :]  # (b x per_question, T)
+            texts += decode(tokenizer, completions)
     return texts, calls or [0] * len(texts)
 
 
 def check_settings(*, correct):
-    """Stop, before any model loads, on EVAL_SAMPLES without a reward that says whether an answer
-    is right (correct: its name, or None): its pass@k would silently be missing."""
+    """Stop, before any model loads, on EVAL_SAMPLES without a reward that says whether a
+    completion is right (correct: its name, or None): its pass@k would silently be missing."""
     if EVAL_SAMPLES > 0 and correct is None:
         sys.exit(f"EVAL_SAMPLES = {EVAL_SAMPLES} reports pass@k, which needs a reward that says "
-                 "whether an answer is right (reward_correct, reward_boxed or reward_word) among "
-                 "REWARDS; set EVAL_SAMPLES=0")
+                 "whether a completion is right (reward_correct, reward_boxed or reward_word) "
+                 "among REWARDS; set EVAL_SAMPLES=0")
 
 
 def log_eval(step, model, questions, log, rank, *, gen_config, **evaluate_args):

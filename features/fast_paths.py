@@ -2,8 +2,8 @@
 (grpo_ref_split.py), each tested equal to it in values and gradients; a reader may skip this file.
 
 The shared prefix (SHARED_PREFIX): a group's prompt runs once, its KV cache is repeated for the
-group's answers, and the completions run on it ("Prefix Grouper", arXiv 2506.05433); the prompt's
-cost no longer grows with NUM_PRE_Q (tests/test_shared_prefix.py).
+group's completions, which run on it ("Prefix Grouper", arXiv 2506.05433); the prompt's cost no
+longer grows with NUM_PRE_Q (tests/test_shared_prefix.py).
 Chunked log-probs (LOGP_FROM_HIDDEN, LOGP_CHUNK): the definition is the trainer's per_token_logps
 (log_softmax, then gather), its one home; completion_logps, which the trainer and ref_server.py run,
 is tested equal to it and by default never holds whole (B, T, V) logits: the LM
@@ -78,8 +78,8 @@ def same_prompt_runs(prompt_ids, prompt_mask) -> list:
 def shared_prefix_logits(model, input_ids, attention_mask, n_completion: int,
                          hidden: bool = False) -> torch.Tensor:
     """Logits (or hidden states) of the completion tokens for G rows with one prompt: (G, t, V) for
-    the group's own t <= n_completion columns (in a batch padded to its longest answer, the columns
-    after this group's longest are padding, and cost nothing here).
+    the group's own t <= n_completion columns (in a batch padded to its longest completion, the
+    columns after this group's longest are padding, and cost nothing here).
 
     Gradients flow back through the repeated cache into the prompt's forward. The prompt's last
     position predicts the first completion token; the last completion token is never an input.
@@ -194,8 +194,8 @@ def layer_flags(model, **flags):
 
 def shared_rollout(model, tokenizer, prompts, *, gen_config, llm, eos_ids, num_pre_q) -> tuple:
     """Step 2 with each group's prompt computed once (SHARED_PREFIX): (completion_ids, None, {}),
-    the same samples as the lesson's sample_completions (shared_generate); tokenizer, llm and eos_ids
-    are other rollouts', unread here."""
+    the same samples as the lesson's sample_completions (shared_generate); tokenizer, llm and
+    eos_ids are other rollouts', unread here."""
     completion_ids = shared_generate(model, prompts.ids, prompts.mask, gen_config, num_pre_q)
     return completion_ids, None, {}
 
@@ -391,19 +391,19 @@ def completion_logits(model, input_ids, attention_mask, n_completion: int,
     Rows may be left-padded (attention_mask 0): positions count from each row's first real token, so
     a padded row gets exactly the logits of the same row unpadded. shared_prefix=True runs each
     prompt once for the consecutive rows that share it (above): the same values on every
-    completion token (0 on the padding past a group's longest answer). vision_inputs: a
+    completion token (0 on the padding past a group's longest completion). vision_inputs: a
     vision-language model's pixels, one row per row (features/vision.py), for the plain forward.
     padding_free: the same values on every token the attention_mask marks, computed packed
-    (features/packing.py), 0 on the answers' padding.
+    (features/packing.py), 0 on the completions' padding.
     """
     if vision_inputs and (shared_prefix or hidden or padding_free):
         raise ValueError("pixels go through the whole model in rectangles: shared_prefix, hidden "
                          "and padding_free take text")
     if shared_prefix:
         B, T = input_ids.shape[0], n_completion
-        group_states = shared_prefix_logits  # one group's prompt once, its answers padded
+        group_states = shared_prefix_logits  # one group's prompt once, its completions padded
         if padding_free:
-            group_states = packing.group_states  # its answers packed after the prompt
+            group_states = packing.group_states  # its completions packed after the prompt
         out = None
         for r in same_prompt_runs(input_ids[:, :-T], attention_mask[:, :-T]):
             # (G, t, V) t <= T

@@ -256,7 +256,7 @@ def plan(shape: ModelShape, s: Setting, device_bytes: int) -> list:
         packed_rows = -(-tokens // s.pack_tokens)
         kept += packed_rows * s.pack_tokens**2  # their block-causal masks, a byte a pair
         what += f" (packed: {packed_rows} rows' masks of {s.pack_tokens:,}^2)"
-    if s.tower_saved:  # every answer row runs its question's images through the tower
+    if s.tower_saved:  # every completion row runs its question's images through the tower
         image_rows = (s.train_micro_batch or s.q_batch_size) * s.num_pre_q
         kept += image_rows * s.tower_saved
         what += f" and {image_rows} rows' images"

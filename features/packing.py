@@ -1,16 +1,17 @@
 """Faster equal: padding-free forwards (PADDING_FREE), each row's real tokens packed end to end, no
 forward or backward spent on padding; tested equal to the padded rectangle (tests/test_packing.py).
 
-A Batch is a rectangle: prompts left-padded to the longest, answers right-padded to the longest.
-Here each row keeps only the tokens its attention_mask marks (its prompt and its answer up to the
-last token that trains, as collate and the server lay them out). The rows go, longest first, into
-packed rows no longer than the batch's longest row (PACK_TOKENS: another bound), each into the
-first with room, and position ids restart at 0 for each row. With the 2-D attention mask left out,
-transformers reads the restarts as sequence boundaries: sdpa and eager attention get a
-block-causal mask (no token sees another row's), flash-attention its variable-length kernel
-(cu_seqlens from the same position ids). With SHARED_PREFIX the group's prompt still runs once:
-its KV cache, then the group's answers packed the same way after it, each answer seeing the
-prompt and its own earlier tokens (a 4-D mask; flash-attention takes none, so it is refused there).
+A Batch is a rectangle: prompts left-padded to the longest, completions right-padded to the
+longest. Here each row keeps only the tokens its attention_mask marks (its prompt and its
+completion up to the last token that trains, as collate and the server lay them out). The rows go,
+longest first, into packed rows no longer than the batch's longest row (PACK_TOKENS: another
+bound), each into the first with room, and position ids restart at 0 for each row. With the 2-D
+attention mask left out, transformers reads the restarts as sequence boundaries: sdpa and eager
+attention get a block-causal mask (no token sees another row's), flash-attention its
+variable-length kernel (cu_seqlens from the same position ids). With SHARED_PREFIX the group's
+prompt still runs once: its KV cache, then the group's completions packed the same way after it,
+each completion seeing the prompt and its own earlier tokens (a 4-D mask; flash-attention takes
+none, so it is refused there).
 
 What it costs: attention inside a packed row is computed over the whole row and masked. A packed
 row no longer than the longest row keeps that work at most the rectangle's (fewer rows of the
@@ -59,10 +60,10 @@ def attention_implementation(device, *, padding_free: bool, shared_prefix: bool)
 
 def row_spans(attention_mask: torch.Tensor, n_completion: int) -> list:
     """[(start, end)] per row: the columns its attention_mask marks, one run of ones ending at or
-    after the answer's first column (L - n_completion). ValueError where a row cannot pack: a hole
-    in its mask (it would see tokens a packed row cannot show it), or no prompt token."""
+    after the completion's first column (L - n_completion). ValueError where a row cannot pack: a
+    hole in its mask (it would see tokens a packed row cannot show it), or no prompt token."""
     L = attention_mask.shape[1]
-    first_completion = L - n_completion  # every answer starts at this column (prompts left-padded)
+    first_completion = L - n_completion  # every completion starts here (prompts left-padded)
     marked = attention_mask.bool()  # (B, L)
     count = marked.sum(1)  # (B,)
     start = marked.int().argmax(1)  # (B,) the first marked column
@@ -71,9 +72,9 @@ def row_spans(attention_mask: torch.Tensor, n_completion: int) -> list:
         end = s + n
         if n and not marked[row, s:end].all():
             raise ValueError(f"row {row}'s attention mask has a hole: PADDING_FREE packs one run "
-                             "of tokens per row (left-padded prompt, right-padded answer)")
+                             "of tokens per row (left-padded prompt, right-padded completion)")
         if n == 0 or s >= first_completion:
-            raise ValueError(f"row {row} has no prompt token: its first answer token has "
+            raise ValueError(f"row {row} has no prompt token: its first completion token has "
                              "nothing to be predicted from")
         spans.append((s, max(end, first_completion)))
     return spans
@@ -131,28 +132,30 @@ def packed_states(model, input_ids, attention_mask, n_completion: int, *, hidden
                   capacity: int = 0) -> torch.Tensor:
     """(B, n_completion, V) logits, or with hidden=True (B, n_completion, H) last hidden states,
     where [:, t] predicts input_ids[:, -n_completion + t]: the padded forward's values on every
-    answer token the attention_mask marks, 0 past each row's end. The rows with an answer token
-    run packed (above), in packed rows of `capacity` tokens (0: PACK_TOKENS, or the longest)."""
+    completion token the attention_mask marks, 0 past each row's end. The rows with a
+    completion token run packed (above), in packed rows of `capacity` tokens (0: PACK_TOKENS, or
+    the longest)."""
     from features.fast_paths import model_outputs  # here: fast_paths imports this module
     B, L = input_ids.shape
     first_completion = L - n_completion
     spans = row_spans(attention_mask, n_completion)
-    answered = [r for r in range(B) if spans[r][1] > first_completion]  # rows with a token to predict
+    # The rows with a token to predict
+    nonempty = [r for r in range(B) if spans[r][1] > first_completion]
     head = getattr(model, "module", model).get_output_embeddings().weight  # (V, H)
     out = head.new_zeros(B, n_completion, head.shape[1] if hidden else head.shape[0])  # (B, T, D)
-    if not answered:
+    if not nonempty:
         return out
-    pieces = [input_ids[r, spans[r][0] : spans[r][1]] for r in answered]  # each (n_r,)
+    pieces = [input_ids[r, spans[r][0] : spans[r][1]] for r in nonempty]  # each (n_r,)
     packed = pack(pieces, capacity or PACK_TOKENS)
     at_packed, at_column, at_row, at_completion = [], [], [], []  # each predicting position
-    for i, r in enumerate(answered):
+    for i, r in enumerate(nonempty):
         packed_row, column = packed.at[i]
-        answer = spans[r][1] - first_completion  # the row's answer tokens
-        at_packed += [packed_row] * answer
+        n = spans[r][1] - first_completion  # the row's completion tokens
+        at_packed += [packed_row] * n
         at_column += range(column + first_completion - spans[r][0] - 1,
                            column + spans[r][1] - spans[r][0] - 1)
-        at_row += [r] * answer
-        at_completion += range(answer)
+        at_row += [r] * n
+        at_completion += range(n)
     device = packed.ids.device
     keep = torch.tensor(sorted(set(at_column)), device=device)  # (K,) the columns that predict
     # No cache: transformers reads the restarts as boundaries only without one
@@ -166,7 +169,7 @@ def packed_states(model, input_ids, attention_mask, n_completion: int, *, hidden
 
 def prompt_then_own_mask(packed: Packed, plen: int) -> torch.Tensor:
     """(k, 1, width, plen + width) bool: each token sees the whole prompt (its KV cache) and the
-    tokens of its own run up to itself, never another answer's."""
+    tokens of its own run up to itself, never another completion's."""
     owner = packed.owner  # (k, width)
     column = torch.arange(owner.shape[1], device=owner.device)  # (width,)
     own = (owner[:, :, None] == owner[:, None, :]) & (column[None, :] <= column[:, None])
@@ -177,36 +180,37 @@ def prompt_then_own_mask(packed: Packed, plen: int) -> torch.Tensor:
 def group_states(model, input_ids, attention_mask, n_completion: int,
                  hidden: bool = False) -> torch.Tensor:
     """shared_prefix_logits' values for G rows with one prompt, padding-free: the prompt runs
-    once (its KV cache), then the group's answers packed after it into rows no longer than its
-    longest (prompt_then_own_mask). (G, t, V or H), t the group's longest answer; 0 past each
-    row's end."""
+    once (its KV cache), then the group's completions packed after it into rows no longer than
+    its longest (prompt_then_own_mask). (G, t, V or H), t the group's longest completion; 0 past
+    each row's end."""
     from features.fast_paths import (_check_cache, checkpointing, layer_flags,  # here: a cycle
                                      model_outputs, prompt_cache)
     inner = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
     if str(inner.config._attn_implementation).startswith("flash"):
         raise ValueError("flash-attention takes no 4-D mask, which the shared prompt's packed "
-                         "answers need: SHARED_PREFIX=0 with PADDING_FREE on this model")
+                         "completions need: SHARED_PREFIX=0 with PADDING_FREE on this model")
     G, L = input_ids.shape
     first_completion = L - n_completion
     spans = row_spans(attention_mask, n_completion)
-    answers = [end - first_completion for _, end in spans]  # each row's answer tokens
+    completion_lens = [end - first_completion for _, end in spans]  # each row's completion tokens
     prompt = input_ids[:1, spans[0][0] : first_completion]  # (1, plen) the group's one prompt
     plen = prompt.shape[1]
-    fed = [r for r in range(G) if answers[r] > 1]  # rows whose tokens predict a next one
-    repeats = 1  # the prompt's cache, once per packed row of answers
+    fed = [r for r in range(G) if completion_lens[r] > 1]  # rows whose tokens predict a next one
+    repeats = 1  # the prompt's cache, once per packed row of completions
     packed = None
-    if fed:  # each fed answer but its last token, which predicts nothing
-        pieces = [input_ids[r, first_completion : first_completion + answers[r] - 1] for r in fed]
+    if fed:  # each fed completion but its last token, which predicts nothing
+        pieces = [input_ids[r, first_completion : first_completion + completion_lens[r] - 1]
+                  for r in fed]
         packed = pack(pieces, PACK_TOKENS, start=plen)
         repeats = packed.ids.shape[0]
     cache, first = prompt_cache(model, prompt, torch.ones_like(prompt), repeats,
                                 hidden)  # first: (k, 1, D)
     device = first.device
-    out = first.new_zeros(G, max(max(answers), 1), first.shape[-1])  # (G, t, D)
-    answered = [r for r in range(G) if answers[r]]  # rows with a token to predict
-    out = out.index_put((torch.tensor(answered, dtype=torch.long, device=device),
-                         torch.zeros(len(answered), dtype=torch.long, device=device)),
-                        first[0].expand(len(answered), -1))  # token 0: the prompt's last position
+    out = first.new_zeros(G, max(max(completion_lens), 1), first.shape[-1])  # (G, t, D)
+    nonempty = [r for r in range(G) if completion_lens[r]]  # rows with a token to predict
+    out = out.index_put((torch.tensor(nonempty, dtype=torch.long, device=device),
+                         torch.zeros(len(nonempty), dtype=torch.long, device=device)),
+                        first[0].expand(len(nonempty), -1))  # token 0: the prompt's last position
     if packed is None:
         return out
     switch = contextlib.nullcontext()  # no layer recomputes: its flags need no switching
@@ -221,7 +225,7 @@ def group_states(model, input_ids, attention_mask, n_completion: int,
     at_packed, at_column, at_row, at_completion = [], [], [], []  # each fed token's prediction
     for i, r in enumerate(fed):
         packed_row, column = packed.at[i]
-        n = answers[r] - 1
+        n = completion_lens[r] - 1
         at_packed += [packed_row] * n
         at_column += range(column, column + n)
         at_row += [r] * n

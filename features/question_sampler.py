@@ -2,8 +2,8 @@
 the questions whose latest group had different rewards and draws less often the ones whose group did
 not.
 
-A group whose answers all got the same reward has advantages 0 and trains nothing: a question the
-policy always gets right (mastered) or always wrong (out of reach) costs a rollout and teaches
+A group whose completions all got the same reward has advantages 0 and trains nothing: a question
+the policy always gets right (mastered) or always wrong (out of reach) costs a rollout and teaches
 nothing. prime-rl keeps easy, normal and hard pools by pass rate; verl and OpenRLHF filter a dataset
 by pass rate beforehand. Here each question keeps one record, its latest group's outcome, which
 needs no pass over the dataset:
@@ -13,11 +13,11 @@ needs no pass over the dataset:
   - uniform (all the same): fresh draws weigh it UNIFORM_KEEP, against 1 for a question not seen or
   varied.
 "learnability" draws each question with weight p (1 - p), p its pass rate: measured before step 1 by
-features/pass_rates.py (k answers each from the starting policy), then the share of right answers
-(the task's correctness reward, rewards.correctness_reward) in its latest group. A mastered (p = 1)
-or out-of-reach (p = 0) question weighs 0 and is drawn only when too few others are left; p (1 - p)
-is the variance of a right/wrong reward, so it is the expected spread of a group's rewards, which is
-what the advantage needs.
+features/pass_rates.py (k completions each from the starting policy), then the share of right
+completions (the task's correctness reward, rewards.correctness_reward) in its latest group. A
+mastered (p = 1) or out-of-reach (p = 0) question weighs 0 and is drawn only when too few others are
+left; p (1 - p) is the variance of a right/wrong reward, so it is the expected spread of a group's
+rewards, which is what the advantage needs.
 A step that rolls out the lesson's MAX_ROLLOUTS times without the groups it wants calls
 out_of_rollouts.
 Held-out questions are never in `questions`, so evaluation is untouched. The sampler is the run's
@@ -64,35 +64,36 @@ def id_of(question: dict) -> str:
 
 
 def completion_id(record: dict) -> str:
-    """question_id of an answer record (features/run_log.completion_records): its question_id when its
-    question had images, else its question's text."""
+    """question_id of a completion record (features/run_log.completion_records): its question_id
+    when its question had images, else its question's text."""
     return record.get("question_id", record["question"])
 
 
 def check_settings(*, correct):
     """Stop, before any model loads, on a SAMPLER that is none of SAMPLERS, or "learnability"
-    without a reward that says whether an answer is right (correct: its name, or None)."""
+    without a reward that says whether a completion is right (correct: its name, or None)."""
     env_overrides.check_choice("SAMPLER", SAMPLER, SAMPLERS)
     if SAMPLER == "learnability" and correct is None:
         sys.exit('SAMPLER "learnability" weighs questions by their pass rates, which need a '
-                 "reward that says whether an answer is right (reward_correct, reward_boxed or "
+                 "reward that says whether a completion is right (reward_correct, reward_boxed or "
                  "reward_word) among REWARDS")
 
 
 class QuestionSampler:
-    """draw(n) -> n distinct questions; record(answer records, group size) after each rollout."""
+    """draw(n) -> n distinct questions; record(completion records, group size) after each
+    rollout."""
 
     def __init__(self, questions, seed, mode="uniform", replay_share=0.75,
                  pass_key=None):
         """replay_share: of each draw at most this share (rounded up) comes from the replay pool
-        (REPLAY_SHARE); the rest are new questions. pass_key: the name of the answer records'
-        reward that is above 0 when an answer is right (rewards.correctness_reward; "learnability"
-        needs it)."""
+        (REPLAY_SHARE); the rest are new questions. pass_key: the name of the completion records'
+        reward that is above 0 when a completion is right (rewards.correctness_reward;
+        "learnability" needs it)."""
         if mode not in SAMPLERS:
             raise ValueError(f"SAMPLER = {mode!r}: one of {', '.join(SAMPLERS)}")
         if mode == "learnability" and pass_key is None:
             raise ValueError('SAMPLER "learnability" needs pass_key, the reward that says whether '
-                             "an answer is right")
+                             "a completion is right")
         self.questions = questions
         self.mode = mode
         self.rng = random.Random(seed)
@@ -145,20 +146,20 @@ class QuestionSampler:
         """Measured pass rates {question text: p} (features/pass_rates.py), before step 1."""
         self.pass_rates.update(rates)
 
-    def record(self, answers, group_size: int) -> None:
-        """Each group's outcome, from the rollout's answer records (consecutive groups of
+    def record(self, records, group_size: int) -> None:
+        """Each group's outcome, from the rollout's completion records (consecutive groups of
         `group_size`)."""
         if self.mode == "uniform":
             return
         if self.mode == "learnability":
-            for i in range(0, len(answers), group_size):
-                group = answers[i : i + group_size]
+            for i in range(0, len(records), group_size):
+                group = records[i : i + group_size]
                 right = sum(a[self.pass_key] > 0 for a in group)
                 self.pass_rates[completion_id(group[0])] = right / len(group)
             return
-        for i in range(0, len(answers), group_size):
-            text = completion_id(answers[i])
-            varied = len({a["reward"] for a in answers[i : i + group_size]}) > 1
+        for i in range(0, len(records), group_size):
+            text = completion_id(records[i])
+            varied = len({a["reward"] for a in records[i : i + group_size]}) > 1
             replays = self.pool.pop(text, -1) + 1  # -1: it was a fresh draw
             if varied and replays < MAX_REPLAYS:
                 self.pool[text] = replays  # re-inserted last: the others are replayed first
@@ -186,9 +187,9 @@ def draw_by_rule(sampler, n: int) -> list:
     return sampler.draw(n)
 
 
-def record_outcomes(sampler, answers, group_size: int) -> None:
+def record_outcomes(sampler, records, group_size: int) -> None:
     """Step 1's memory under SAMPLER's rules: each group's outcome, for the next draws."""
-    sampler.record(answers, group_size)
+    sampler.record(records, group_size)
 
 
 def out_of_rollouts(found: int, rollouts: int, wanted: int) -> None:

@@ -27,20 +27,20 @@ def refuse_impossible(*, gspo, clip_eps, clip_eps_high, loss_type, output_dir, t
         if not math.isfinite(eps) or eps < 0:  # the ratio's range would be empty or inverted
             sys.exit(f"{name} = {eps}: the clip's half-width, a finite number >= 0 (0.2 is "
                      "GRPO's; DAPO's CLIP_EPS_HIGH 0.28)")
-    per_completion_tis = tis_mode.startswith("sequence_")  # a whole answer's ratio
+    per_completion_tis = tis_mode.startswith("sequence_")  # a whole completion's ratio
     if fast_paths.USE_TRITON and (gspo or per_completion_tis):
-        sys.exit("USE_TRITON has no per-answer ratio (GSPO, TIS_MODE sequence_*): set those off, "
-                 "or USE_TRITON=0")
+        sys.exit("USE_TRITON has no per-completion ratio (GSPO, TIS_MODE sequence_*): set those "
+                 "off, or USE_TRITON=0")
     run_log.check_tensorboard(run_log.TENSORBOARD)
-    if gspo and max(clip_eps, clip_eps_high) > 0.01:  # an answer's mean drift is far smaller
+    if gspo and max(clip_eps, clip_eps_high) > 0.01:  # a completion's mean drift is far smaller
         print(
             f"warning: GSPO with CLIP_EPS {clip_eps} will hardly ever clip (the paper: 3e-4 / "
             "4e-4)",
             file=sys.stderr,
         )
-    if gspo and loss_type != "grpo":  # each answer's one ratio would count once per token (TRL too)
+    if gspo and loss_type != "grpo":  # each completion's one ratio counts once per token (TRL too)
         print(
-            f"warning: GSPO with LOSS_TYPE {loss_type!r} weighs each answer's sequence loss by "
+            f"warning: GSPO with LOSS_TYPE {loss_type!r} weighs each completion's sequence loss by "
             'its length; GSPO is defined with LOSS_TYPE "grpo"',
             file=sys.stderr,
         )
@@ -54,8 +54,8 @@ def refuse_objectives(*, objective, advantage, reward_norm, top_entropy_quantile
     those names (sapo_taus: SAPO_TAU_POS, SAPO_TAU_NEG; cispo_max_ratio, tis_mode, tis_cap:
     objectives.py's CISPO_MAX_RATIO, TIS_MODE, TIS_CAP)."""
     if not 0 < top_entropy_quantile <= 1:
-        sys.exit(f"TOP_ENTROPY_QUANTILE = {top_entropy_quantile}: the share of answer tokens that "
-                 "train, in (0, 1]; 1 = all")
+        sys.exit(f"TOP_ENTROPY_QUANTILE = {top_entropy_quantile}: the share of completion tokens "
+                 "that train, in (0, 1]; 1 = all")
     if not all(math.isfinite(tau) and tau > 0 for tau in sapo_taus):
         sys.exit(f"SAPO_TAU_POS, SAPO_TAU_NEG = {sapo_taus}: temperatures above 0 and finite "
                  "(nan or inf makes SAPO's gate, and so the loss, NaN)")
@@ -67,11 +67,11 @@ def refuse_objectives(*, objective, advantage, reward_norm, top_entropy_quantile
                  "least 1 (below it every on-policy token is weighed down; 5.0 is TRL's advice)")
     if objective == "gmpo" and top_entropy_quantile < 1:
         sys.exit(f"OBJECTIVE gmpo with TOP_ENTROPY_QUANTILE {top_entropy_quantile}: GMPO's one "
-                 "value per answer is a geometric mean over all its tokens, so the tokens the "
+                 "value per completion is a geometric mean over all its tokens, so the tokens the "
                  "entropy share leaves out would train through it; use clip, cispo or sapo")
     if objective == "gmpo" and tis_mode == "token_mask" and tis_cap:
-        sys.exit('OBJECTIVE gmpo with TIS_MODE "token_mask": GMPO\'s one value per answer would '
-                 'train the tokens the mask drops; use TIS_MODE "token_truncate" or a '
+        sys.exit('OBJECTIVE gmpo with TIS_MODE "token_mask": GMPO\'s one value per completion '
+                 'would train the tokens the mask drops; use TIS_MODE "token_truncate" or a '
                  'sequence mode')
     if fast_paths.USE_TRITON and (objective != "clip" or top_entropy_quantile < 1):
         sys.exit(f"USE_TRITON fuses PPO's clip over every token: OBJECTIVE {objective!r} and "
@@ -80,10 +80,10 @@ def refuse_objectives(*, objective, advantage, reward_norm, top_entropy_quantile
         sys.exit(f"GSPO with OBJECTIVE {objective!r}: GSPO is a ratio for PPO's clip; the other "
                  "surrogates define their own (gmpo: a geometric mean already)")
     if objective == "gmpo" and distill_coef:
-        sys.exit("OBJECTIVE gmpo with DISTILL_COEF: GMPO takes one advantage per answer, a "
+        sys.exit("OBJECTIVE gmpo with DISTILL_COEF: GMPO takes one advantage per completion, a "
                  "teacher's term is per token (clip, cispo or sapo keep it)")
     if objective == "gmpo" and loss_type != "grpo":
-        sys.exit(f'OBJECTIVE gmpo with LOSS_TYPE {loss_type!r}: its one value per answer would '
+        sys.exit(f'OBJECTIVE gmpo with LOSS_TYPE {loss_type!r}: its one value per completion would '
                  'count once per token; GMPO is defined with LOSS_TYPE "grpo"')
     if (advantage != "grpo" or reward_norm != "sum_then_normalize") and scale_rewards != "group":
         sys.exit(f"ADVANTAGE {advantage!r}, REWARD_NORM {reward_norm!r} with SCALE_REWARDS "
@@ -94,7 +94,7 @@ def refuse_objectives(*, objective, advantage, reward_norm, top_entropy_quantile
                  "each reward in its group as GRPO does; choose one of the two")
     if (advantage != "grpo" or reward_norm != "sum_then_normalize") and num_pre_q < 2:
         sys.exit(f"ADVANTAGE {advantage!r}, REWARD_NORM {reward_norm!r}: each needs groups of "
-                 f"2 answers or more (NUM_PRE_Q = {num_pre_q})")
+                 f"2 completions or more (NUM_PRE_Q = {num_pre_q})")
 
 
 def refuse_distillation(
@@ -102,10 +102,10 @@ def refuse_distillation(
     rewards, num_pre_q, scale_rewards, dynamic_sampling, teacher_steps=0
 ):
     """Stop on a teacher setting that cannot work (docs/distillation.md): a k3 penalty towards the
-    teacher (its gradient is the forward KL's), the fused Triton loss (one advantage per answer, no
-    DeepSeek-V3.2 corrections), groups of one answer with rewards still weighed. Say so when
-    DYNAMIC_SAMPLING has nothing to do. The keywords are the trainer's constants of those names
-    (teacher_steps: features/teacher_mix.TEACHER_STEPS)."""
+    teacher (its gradient is the forward KL's), the fused Triton loss (one advantage per
+    completion, no DeepSeek-V3.2 corrections), groups of one completion with rewards still
+    weighed. Say so when DYNAMIC_SAMPLING has nothing to do. The keywords are the trainer's
+    constants of those names (teacher_steps: features/teacher_mix.TEACHER_STEPS)."""
     coef = distill_coef
     delta = off_policy_delta
     if coef < 0 or delta < 0:
@@ -127,7 +127,7 @@ def refuse_distillation(
         )
     if fast_paths.USE_TRITON and (coef or delta or kl_bias_correction):
         sys.exit(
-            "USE_TRITON takes one advantage per answer and neither DeepSeek-V3.2 correction: "
+            "USE_TRITON takes one advantage per completion and neither DeepSeek-V3.2 correction: "
             "set DISTILL_COEF, OFF_POLICY_DELTA and KL_BIAS_CORRECTION off, or USE_TRITON=0"
         )
     pure = coef > 0 and all(weight == 0 for _, weight in rewards)
@@ -136,7 +136,7 @@ def refuse_distillation(
                  "term: it needs DISTILL_COEF > 0, a REWARDS weight above 0 and no DISTILL_TOP_K")
     if num_pre_q < 1 or (num_pre_q == 1 and not pure):
         sys.exit(
-            f"NUM_PRE_Q = {num_pre_q}: a group needs 2 answers or more to compare "
+            f"NUM_PRE_Q = {num_pre_q}: a group needs 2 completions or more to compare "
             "rewards; 1 only for pure distillation (DISTILL_COEF > 0, every REWARDS weight 0)"
         )
     if kl_bias_correction and not beta:

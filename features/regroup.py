@@ -1,6 +1,6 @@
-"""REGROUP (simple_GRPO's regroup_ver): the reference server pools each question's answers across
-uploads and sends out groups that have reward variance, so a question whose group all scored the
-same still teaches once a later upload brings a different reward. A regrouped group carries its
+"""REGROUP (simple_GRPO's regroup_ver): the reference server pools each question's completions
+across uploads and sends out groups that have reward variance, so a question whose group all scored
+the same still teaches once a later upload brings a different reward. A regrouped group carries its
 rewards, not advantages: the trainer computes them (step 4, its one home) when it pulls the group
 back (features/server_client.py's Route).
 
@@ -15,24 +15,25 @@ from features.wire import IMAGE_FIELDS, OPTIONAL, sampled_version
 
 
 class RegroupPool:
-    """Per question, up to pool_size answer rows in upload order; at most `questions` questions, the
-    least recently uploaded forgotten first."""
+    """Per question, up to pool_size completion rows in upload order; at most `questions`
+    questions, the least recently uploaded forgotten first."""
 
     def __init__(self, pool_size, questions):
         self.pool_size = pool_size
         self.questions = questions
-        self.pools = {}  # (prompt hash, temperature) -> answer rows; insertion order = recency
+        self.pools = {}  # (prompt hash, temperature) -> completion rows; insertion order = recency
         self.lock = threading.Lock()
         self.regrouped = 0  # groups sent out
 
     def add(self, tensors, meta):
-        """Add this upload's answers to its question's pool, and take out a group of as many
-        answers, with different rewards (advantages left to the trainer), when the pool has one;
-        else None.
+        """Add this upload's completions to its question's pool, and take out a group of as many
+        completions, with different rewards (advantages left to the trainer), when the pool has
+        one; else None.
 
-        Answers leave the pool when sent: none is trained twice. Each keeps its own pi_old_logps, so
-        the clipped ratio stays right for older answers, and its own policy version (an upload
-        without one counts as the oldest, 0): the group's version is its oldest answer's. """
+        Completions leave the pool when sent: none is trained twice. Each keeps its own
+        pi_old_logps, so the clipped ratio stays right for older completions, and its own policy
+        version (an upload without one counts as the oldest, 0): the group's version is its oldest
+        completion's. """
         g = tensors["input_ids"].shape[0]
         plen = meta["plen"]
         prompt = tensors["input_ids"][0, :plen]  # (plen,) one prompt per group: the question
@@ -53,7 +54,7 @@ class RegroupPool:
             if len(pool) >= g and scores.unique().numel() > 1:
                 order = torch.randperm(len(pool)).tolist()
                 picked = order[:g]
-                if scores[picked].unique().numel() == 1:  # swap in one answer with another reward
+                if scores[picked].unique().numel() == 1:  # swap in a completion with another reward
                     picked[-1] = next(i for i in order[g:] if scores[i] != scores[picked[0]])
                 self.regrouped += 1
             chosen = [pool[i] for i in picked]
@@ -77,10 +78,10 @@ class RegroupPool:
         out = dict(input_ids=padded("input_ids", plen + tlen, 0),  # (G, plen + tlen), pads masked
                    completion_mask=padded("completion_mask", tlen, False),  # (G, tlen)
                    scores=torch.stack([r["scores"] for r in chosen]))  # (G,)
-        for name in OPTIONAL:  # pi_old_logps, vllm_logps: kept when every chosen answer has them
+        for name in OPTIONAL:  # pi_old_logps, vllm_logps: kept if every chosen completion has them
             if all(name in r for r in chosen):
                 out[name] = padded(name, tlen, 0.0)  # (G, tlen)
-        out.update(chosen[0]["images"])  # one question's pool: its answers share its images
+        out.update(chosen[0]["images"])  # one question's pool: its completions share its images
         completions = [r["completion"] for r in chosen]  # each one's own text, for a REWARD_MODEL
         meta = {k: v for k, v in meta.items() if k != "completions"}
         if None not in completions:

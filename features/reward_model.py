@@ -1,6 +1,6 @@
 """A learned reward model (the server's REWARD_MODEL) beside the trainer's rule rewards: the server
-scores each (question, answer) pair with it and adds REWARD_MODEL_WEIGHT x the score to the
-answer's reward; the trainer computes the group's advantages again from those rewards when it
+scores each (question, completion) pair with it and adds REWARD_MODEL_WEIGHT x the score to the
+completion's reward; the trainer computes the group's advantages again from those rewards when it
 pulls the group back (step 4, its one home: features/server_client.py's Route).
 
     REWARD_MODEL=path/to/sequence-classifier python ref_server.py
@@ -16,12 +16,13 @@ def load_reward_model(name, dtype, device):
     return model.requires_grad_(False), AutoTokenizer.from_pretrained(name)
 
 
-def reward_scores(reward_model, question, answers):
-    """(G,) the reward model's score of each (question, answer) pair, its first logit."""
+def reward_scores(reward_model, question, completions):
+    """(G,) the reward model's score of each (question, completion) pair, its first logit."""
     model, tokenizer = reward_model
     device = next(model.parameters()).device
     enc = tokenizer(
-        [question] * len(answers), answers, return_tensors="pt", padding=True, truncation=True
+        [question] * len(completions), completions, return_tensors="pt", padding=True,
+        truncation=True,
     )
     with torch.no_grad():
         return model(**enc.to(device)).logits[:, 0].float().cpu()  # (G,)

@@ -1,9 +1,9 @@
-"""Log: the run log: what each step measures (the loss's metrics, the answers' rewards and lengths,
-the seconds of each phase), averaged over ranks, as a line under the progress bar and in
-OUTPUT_DIR/metrics.jsonl, the sampled answers in completions.jsonl, optional TensorBoard scalars.
-docs/metrics.md says what each metric means; features/curves.py draws them.
+"""Log: the run log: what each step measures (the loss's metrics, the completions' rewards and
+lengths, the seconds of each phase), averaged over ranks, as a line under the progress bar and in
+OUTPUT_DIR/metrics.jsonl, the sampled completions in completions.jsonl, optional TensorBoard
+scalars. docs/metrics.md says what each metric means; features/curves.py draws them.
 
-    python scripts/show_completions.py output/completions.jsonl    # the answers of a step, readable
+    python scripts/show_completions.py output/completions.jsonl    # a step's completions, readable
 """
 import contextlib
 import importlib
@@ -20,12 +20,12 @@ from features.question_sampler import question_id
 from features.vllm_engine import vllm_gap
 from features.wire import sampled_version
 
-LOG_COMPLETIONS_STEPS = 1  # every this many steps, each answer as a line of completions.jsonl
+LOG_COMPLETIONS_STEPS = 1  # every this many steps, each completion as a line of completions.jsonl
 TENSORBOARD = False  # True = every metric also as a TensorBoard scalar under OUTPUT_DIR/tb
 env_overrides.apply_env_overrides(globals(), "features/run_log.py")
 
 
-# of the one sampled answer printed under each step: enough to see the format appear
+# of the one sampled completion printed under each step: enough to see the format appear
 SAMPLE_CHARS = 200
 
 
@@ -61,7 +61,7 @@ def open_jsonl(output_dir, name, resumed_step=0):
 
 def open_on_rank_0(rank, output_dir, reward_names, *, resumed_step=0):
     """Rank 0's RunLog with this module's LOG_COMPLETIONS_STEPS and TENSORBOARD; None on the
-    others (log_step gathers their answers to rank 0)."""
+    others (log_step gathers their completions to rank 0)."""
     if rank != 0:
         return None
     return RunLog(output_dir, reward_names, resumed_step=resumed_step, tensorboard=TENSORBOARD,
@@ -78,9 +78,9 @@ class RunLog:
         self.reward_names = list(reward_names)
         self.completions_every = completions_every
         self.metrics = open_jsonl(output_dir, "metrics.jsonl", resumed_step)
-        self.answers = None  # completions.jsonl, unless completions_every is 0
+        self.completions = None  # completions.jsonl, unless completions_every is 0
         if completions_every > 0:
-            self.answers = open_jsonl(output_dir, "completions.jsonl", resumed_step)
+            self.completions = open_jsonl(output_dir, "completions.jsonl", resumed_step)
         self.tb = None
         if tensorboard:  # check_tensorboard made sure it imports; purge_step drops unsaved steps
             from torch.utils.tensorboard import SummaryWriter
@@ -97,25 +97,26 @@ class RunLog:
                 self.tb.add_scalar(k, v, step)
             self.tb.flush()
 
-    def step(self, step, m, answers):
-        """One line under the progress bar, one sampled answer, a line of metrics.jsonl, and (every
-        completions_every steps) `answers`, every rank's, in completions.jsonl."""
-        if self.answers is not None and step % self.completions_every == 0:
-            self.answers.writelines(json.dumps(a) + "\n" for a in answers)
-            self.answers.flush()
+    def step(self, step, m, records):
+        """One line under the progress bar, one sampled completion, a line of metrics.jsonl, and
+        (every completions_every steps) `records`, every rank's completion records, in
+        completions.jsonl."""
+        if self.completions is not None and step % self.completions_every == 0:
+            self.completions.writelines(json.dumps(a) + "\n" for a in records)
+            self.completions.flush()
         kl = f"kl {m['kl']:.4f} | " if "kl" in m else ""
         parts = " | ".join(f"{name} {m[name]:.2f}" for name in self.reward_names)
         tqdm.write(f"step {step:4d} | loss {m['loss']:+.4f} | reward {m['reward']:.3f} | {parts} | "
                    f"{kl}clip {m['clip_low']:.3f}/{m['clip_high']:.3f} | lr {m['lr']:.2e} | "
                    f"len {m['length']:.1f} | {m['seconds']:.1f}s")
-        if "tool_calls" in answers[0]:  # TOOLS: how the answers used them, on a line of its own
-            m = m | tool_stats(answers)
+        if "tool_calls" in records[0]:  # TOOLS: how the completions used them, on a line of its own
+            m = m | tool_stats(records)
             tool_line(m)
-        if "env" in answers[0]:  # ENVIRONMENTS: each one's share and rewards, every rank's
-            m = m | environment_stats(answers)
-        a = answers[-1]  # the newest rollout's last: a person watching sees the format appear
+        if "env" in records[0]:  # ENVIRONMENTS: each one's share and rewards, every rank's
+            m = m | environment_stats(records)
+        a = records[-1]  # the newest rollout's last: a person watching sees the format appear
         tqdm.write(f"  sample | reward {a['reward']:.2f} | {a['question'][:60]!r} -> "
-                   f"{a['answer'][:SAMPLE_CHARS]!r}")
+                   f"{a['completion'][:SAMPLE_CHARS]!r}")
         self.write(step, m)
 
     def eval(self, step, m, n_questions):
@@ -125,19 +126,20 @@ class RunLog:
 
     def close(self):
         """Close the files, and say where the run left them."""
-        for f in (self.metrics, self.answers, self.tb):
+        for f in (self.metrics, self.completions, self.tb):
             if f is not None:
                 f.close()
         print(f"done: checkpoints, metrics.jsonl, completions.jsonl and curves.png in "
               f"{os.path.dirname(self.metrics.name) or '.'}/", flush=True)
 
 
-def log_step(step, m, answers, log, device):
-    """Every rank calls it: the metrics averaged over ranks and every rank's answers go to rank 0's
-    `log` (None on the other ranks). Returns the averaged metrics, the same on every rank."""
+def log_step(step, m, records, log, device):
+    """Every rank calls it: the metrics averaged over ranks and every rank's completion records go
+    to rank 0's `log` (None on the other ranks). Returns the averaged metrics, the same on every
+    rank."""
     m = reduce_over_ranks(m, device)
     gathered = [None] * torch.distributed.get_world_size() if log is not None else None
-    torch.distributed.gather_object(answers, gathered, dst=0)
+    torch.distributed.gather_object(records, gathered, dst=0)
     if log is not None:
         log.step(step, m, [a for rank_completions in gathered for a in rank_completions])
     return m
@@ -172,11 +174,11 @@ def weight_gap(model) -> float:
 @torch.no_grad()
 def loss_metrics(loss, b, *, ratio, entropy, kl, advantages, clip_eps, clip_eps_high) -> dict:
     """A (micro-)batch's loss metrics at the weights before the step, each x the batch's share of
-    the step's (its answers, or its tokens for per-token ones), so the step's sum over micro-batches
-    is the whole batch's value: loss; clip_low/high (tokens the clip cut: ratio below 1 - clip_eps
-    with A < 0, above 1 + clip_eps_high with A > 0); ratio_drift (|ratio - 1| per answer, 0
-    on-policy); entropy (per token); kl (k3 per answer; kl None: none). b: the batch (mask, share,
-    token_share); ratio, entropy, kl, advantages (B, T)."""
+    the step's (its completions, or its tokens for per-token ones), so the step's sum over
+    micro-batches is the whole batch's value: loss; clip_low/high (tokens the clip cut: ratio below
+    1 - clip_eps with A < 0, above 1 + clip_eps_high with A > 0); ratio_drift (|ratio - 1| per
+    completion, 0 on-policy); entropy (per token); kl (k3 per completion; kl None: none). b: the
+    batch (mask, share, token_share); ratio, entropy, kl, advantages (B, T)."""
     mask = b.mask
     tokens = b.token_share
     n = mask.sum().clamp(min=1)  # ()
@@ -189,7 +191,8 @@ def loss_metrics(loss, b, *, ratio, entropy, kl, advantages, clip_eps, clip_eps_
                    clip_high=(high.sum() / n).item() * tokens, entropy=entropy_mean * tokens,
                    ratio_drift=drift * b.share)
     if kl is not None:
-        metrics["kl"] = (torch.where(mask, kl, 0.0).sum(-1) / per_completion).mean().item() * b.share
+        kl_mean = (torch.where(mask, kl, 0.0).sum(-1) / per_completion).mean().item()
+        metrics["kl"] = kl_mean * b.share
     return metrics
 
 
@@ -210,7 +213,7 @@ def teacher_metrics(b, *, pi_old_logps, token_advantages=None) -> dict:
     """With a teacher (DISTILL_COEF), each x the batch's token share: teacher_kl (the mean of
     log pi_old - log teacher over tokens, the reverse KL's estimate), teacher_better (the share
     of tokens the teacher finds likelier) and, given the (B, T) token_advantages the surrogate used,
-    teacher_share: rms(teacher term) / (rms(group term) + rms(teacher term)) over the answer
+    teacher_share: rms(teacher term) / (rms(group term) + rms(teacher term)) over the completion
     tokens, how much of the advantages' size is the teacher's (DISTILL_SCALE "matched": 0.5; the
     rewards waiting, TEACHER_FIRST_KL: 1). pi_old_logps (B, T)."""
     mask = b.mask
@@ -230,20 +233,20 @@ def teacher_metrics(b, *, pi_old_logps, token_advantages=None) -> dict:
 
 
 def completion_records(step, rank, generated, each, rewards, advantages) -> list:
-    """One dict per sampled answer, a line of completions.jsonl: what the model wrote and how it
+    """One dict per sampled completion, a line of completions.jsonl: what the model wrote and how it
     scored. generated: the trainer's Rollout; each: {reward name: its N values}; rewards, advantages
     (N,)."""
     extra = generated.extra  # what a variant's rollout adds (features/variant_fields.py)
     tool = {k: getattr(extra, k) for k in ("tool_calls", "tool_errors", "turns")
             if getattr(extra, k) is not None}
-    if extra.envs and extra.envs[0] is not None:  # ENVIRONMENTS: each answer's own
+    if extra.envs and extra.envs[0] is not None:  # ENVIRONMENTS: each completion's own
         tool["env"] = extra.envs
     ids = {}  # a question with images: what the sampler knows it by (question_sampler)
     if extra.images:
         ids["question_id"] = [question_id(text, images)
                               for text, images in zip(generated.questions, extra.images)]
     return [dict(step=step, rank=rank, question=generated.questions[i], gold=generated.golds[i],
-                 answer=generated.texts[i], reward=rewards[i].item(),
+                 completion=generated.texts[i], reward=rewards[i].item(),
                  **{name: values[i] for name, values in each.items()},
                  advantage=advantages[i].item(), length=generated.lengths[i],
                  truncated=generated.truncated[i], **{k: values[i] for k, values in tool.items()},
@@ -251,23 +254,23 @@ def completion_records(step, rank, generated, each, rewards, advantages) -> list
             for i in range(len(rewards))]
 
 
-def sample_stats(answers, group_size, reward_names) -> dict:
-    """Means over the answer records of every rollout a step sampled (one that re-sampled after
+def sample_stats(records, group_size, reward_names) -> dict:
+    """Means over the completion records of every rollout a step sampled (one that re-sampled after
     all-equal groups counts both): reward, reward_std (within groups), zero_var_groups (the share of
-    groups whose answers all scored the same: they train nothing), each reward's mean, length,
+    groups whose completions all scored the same: they train nothing), each reward's mean, length,
     max_length, truncated."""
     # (N,) N = rollouts x Q_BATCH_SIZE x NUM_PRE_Q
-    rewards = torch.tensor([a["reward"] for a in answers])
-    lengths = torch.tensor([float(a["length"]) for a in answers])  # (N,)
+    rewards = torch.tensor([a["reward"] for a in records])
+    lengths = torch.tensor([float(a["length"]) for a in records])  # (N,)
     spread = rewards.view(-1, group_size).std(1, correction=int(group_size > 1))  # (groups,)
     stats = dict(reward=rewards.mean().item(), reward_std=spread.mean().item(),
                  zero_var_groups=(spread == 0).double().mean().item(),
                  length=lengths.mean().item(), max_length=lengths.max().item(),
-                 truncated=sum(a["truncated"] for a in answers) / len(answers))
-    return stats | {name: sum(a[name] for a in answers) / len(answers) for name in reward_names}
+                 truncated=sum(a["truncated"] for a in records) / len(records))
+    return stats | {name: sum(a[name] for a in records) / len(records) for name in reward_names}
 
 
-# an answer record's numbers that are not rewards (completion_records); every other number is one
+# a completion record's numbers that are not rewards (completion_records); every other number is one
 NOT_REWARDS = ("step", "rank", "reward", "advantage", "length", "truncated", "turns",
                "tool_calls", "tool_errors")
 
@@ -277,15 +280,15 @@ def tag_of(name: str) -> str:
     return name.replace(":", "_").replace("/", "_").replace(".", "_")
 
 
-def environment_stats(answers) -> dict:
-    """ENVIRONMENTS: for each environment (by its tag) among the answers of every rank, its share
-    of them (share_<tag>), their mean reward (reward_<tag>) and each named reward's mean
+def environment_stats(records) -> dict:
+    """ENVIRONMENTS: for each environment (by its tag) among the completions of every rank, its
+    share of them (share_<tag>), their mean reward (reward_<tag>) and each named reward's mean
     (<name>_<tag>; 0 for a reward another environment gives)."""
     out = {}
-    for env in sorted({a["env"] for a in answers}):
-        mine = [a for a in answers if a["env"] == env]
+    for env in sorted({a["env"] for a in records}):
+        mine = [a for a in records if a["env"] == env]
         tag = tag_of(env)
-        out[f"share_{tag}"] = len(mine) / len(answers)
+        out[f"share_{tag}"] = len(mine) / len(records)
         out[f"reward_{tag}"] = sum(a["reward"] for a in mine) / len(mine)
         names = [k for k, v in mine[0].items() if k not in NOT_REWARDS
                  and isinstance(v, (int, float)) and not isinstance(v, bool)]
@@ -295,23 +298,23 @@ def environment_stats(answers) -> dict:
 
 
 def tool_line(m):
-    """The line under a step that says how its answers used the tools (TOOLS)."""
-    tqdm.write(f"  tools  | {m['tool_share']:.0%} of answers called one, "
-               f"{m['tool_calls']:.2f} calls and {m['tool_errors']:.2f} errors per answer")
+    """The line under a step that says how its completions used the tools (TOOLS)."""
+    tqdm.write(f"  tools  | {m['tool_share']:.0%} of completions called one, "
+               f"{m['tool_calls']:.2f} calls and {m['tool_errors']:.2f} errors per completion")
 
 
-def tool_stats(answers) -> dict:
-    """TOOLS: tool_calls and tool_errors per answer, tool_share (answers with a call) and
-    reward_correct's mean over the answers with a call and without one (correct_with_tool,
-    correct_without_tool; absent where none), over every rank's answers of the step. {} without
+def tool_stats(records) -> dict:
+    """TOOLS: tool_calls and tool_errors per completion, tool_share (completions with a call) and
+    reward_correct's mean over the completions with a call and without one (correct_with_tool,
+    correct_without_tool; absent where none), over every rank's completions of the step. {} without
     tools."""
-    if not answers or "tool_calls" not in answers[0]:
+    if not records or "tool_calls" not in records[0]:
         return {}
-    n = len(answers)
-    used = [a for a in answers if a["tool_calls"] > 0]
-    out = dict(tool_calls=sum(a["tool_calls"] for a in answers) / n, tool_share=len(used) / n,
-               tool_errors=sum(a["tool_errors"] for a in answers) / n)
-    unused = [a for a in answers if not a["tool_calls"]]
+    n = len(records)
+    used = [a for a in records if a["tool_calls"] > 0]
+    out = dict(tool_calls=sum(a["tool_calls"] for a in records) / n, tool_share=len(used) / n,
+               tool_errors=sum(a["tool_errors"] for a in records) / n)
+    unused = [a for a in records if not a["tool_calls"]]
     for name, part in (("correct_with_tool", used), ("correct_without_tool", unused)):
         if part and "reward_correct" in part[0]:
             out[name] = sum(a["reward_correct"] for a in part) / len(part)
@@ -334,15 +337,15 @@ def timed(metrics, key: str):
     metrics[key] += clock() - start
 
 
-def step_metrics(m, groups, answers, *, step, attempts, began, group_size,
+def step_metrics(m, groups, records, *, step, attempts, began, group_size,
                  reward_names) -> dict:
-    """The step's metrics with the derived ones: sample_stats over every rollout's answers,
-    rollouts, answers generated and trained (this rank's: their ratio over a run is the rollouts'
-    cost per answer that trains), groups, staleness, reward_model (the server's REWARD_MODEL mean
-    score; the reward metric holds the rule rewards only), train_s, seconds."""
+    """The step's metrics with the derived ones: sample_stats over every rollout's completions,
+    rollouts, completions generated and trained (this rank's: their ratio over a run is the
+    rollouts' cost per completion that trains), groups, staleness, reward_model (the server's
+    REWARD_MODEL mean score; the reward metric holds the rule rewards only), train_s, seconds."""
     trained = sum(len(t["advantages"]) for t, _ in groups)
-    out = dict(m, **sample_stats(answers, group_size, reward_names), rollouts=attempts,
-               groups=len(groups), completions_generated=len(answers), completions_trained=trained,
+    out = dict(m, **sample_stats(records, group_size, reward_names), rollouts=attempts,
+               groups=len(groups), completions_generated=len(records), completions_trained=trained,
                train_s=m["fwd_bwd_s"] + m["optim_s"],
                staleness=sum(step - 1 - sampled_version(meta) for _, meta in groups) / len(groups),
                seconds=clock() - began)

@@ -350,7 +350,7 @@ def check_reference(url, health, model, tokenizer, allow_mismatch, teacher=False
 class Route:
     """How step 5 runs this run, as the handshake found the servers."""
     exchange: object  # exchange(groups, version, rank) -> the groups pulled back
-    regroup: bool  # the server pools answers of older weights: uploads carry pi_old_logps
+    regroup: bool  # the server pools completions of older weights: uploads carry pi_old_logps
     keeps_equal: bool  # groups of equal rewards are uploaded too (REGROUP, REWARD_MODEL)
 
 

@@ -4,15 +4,16 @@ beside DISTILL_COEF, each off by default:
 - TEACHER_FIRST_KL, the teacher first: every step trains on the teacher's term alone, the rewards'
   advantages set to 0, until a step's teacher_kl (the ranks' mean) is TEACHER_FIRST_KL or less;
   from the next step on, for the rest of the run, the rewards join. Pure distillation reaches the
-  teacher's level in fewer answers than GRPO does, and the rewards can then keep teaching past a
+  teacher's level in fewer completions than GRPO does, and the rewards can then keep teaching past a
   teacher no better than the student's own GRPO would become. The trainer holds the state
   (Phases, which main's loop advances after each step and applies before step 6).
-- DISTILL_BELOW, the teacher on the wrong answers only: an answer whose summed reward is
+- DISTILL_BELOW, the teacher on the wrong completions only: a completion whose summed reward is
   DISTILL_BELOW or more trains on the rewards' advantage alone; the others take the teacher's
-  per-token term beside it (KDRL's reward-guided mask, arXiv 2506.02208). A correct answer already
-  has the rewards' push; the reverse KL towards a confident teacher would only narrow it further,
-  and a group whose answers are all alike has no reward signal left. The trainer reads the mask
-  in step 6 (objectives.py: distill_advantages' teacher_rows, the top-k term's rows).
+  per-token term beside it (KDRL's reward-guided mask, arXiv 2506.02208). A correct completion
+  already has the rewards' push; the reverse KL towards a confident teacher would only narrow it
+  further, and a group whose completions are all alike has no reward signal left. The trainer
+  reads the mask in step 6 (objectives.py: distill_advantages' teacher_rows, the top-k term's
+  rows).
 - TEACHER_STEPS, distillation then RL: the first TEACHER_STEPS steps train on the teacher's term
   alone (the rewards' advantages 0), every later step on the rewards alone (the teacher's term
   0), the order of a distill-then-RL pipeline. Pure distillation comes most of the way to the
@@ -39,7 +40,7 @@ import torch
 from features import env_overrides
 
 TEACHER_FIRST_KL = 0.0  # > 0 = rewards wait until a step's teacher_kl <= this (nats a token)
-DISTILL_BELOW = 0.0  # > 0 = the teacher's term only on answers rewarded under this; 0 = all
+DISTILL_BELOW = 0.0  # > 0 = the teacher's term only on completions rewarded under this; 0 = all
 TEACHER_STEPS = 0  # > 0 = the teacher alone for this many steps, then the rewards alone; 0 = off
 env_overrides.apply_env_overrides(globals(), "features/teacher_mix.py")
 
@@ -64,14 +65,14 @@ def check_resumed(saved, folder: str) -> None:
 
 def check_settings(*, distill_coef, rewards, all_steps):
     """Stop, before any model loads, on a mix with nothing to mix: a value out of range, no
-    teacher, or no reward weighed above 0 (every answer's reward would be 0). rewards: the
+    teacher, or no reward weighed above 0 (every completion's reward would be 0). rewards: the
     trainer's (function, weight) pairs; all_steps: the run's last step."""
     if not math.isfinite(TEACHER_FIRST_KL) or TEACHER_FIRST_KL < 0:
         sys.exit(f"TEACHER_FIRST_KL = {TEACHER_FIRST_KL}: a teacher_kl in nats a token (0.05 is "
                  "where the demo's pure distillation had come most of the way), or 0 = off")
     if not math.isfinite(DISTILL_BELOW) or DISTILL_BELOW < 0:
         sys.exit(f"DISTILL_BELOW = {DISTILL_BELOW}: a summed reward (2 = the demo's correct "
-                 "answers), or 0 = the teacher's term on every answer")
+                 "completions), or 0 = the teacher's term on every completion")
     if not isinstance(TEACHER_STEPS, int) or TEACHER_STEPS < 0:
         sys.exit(f"TEACHER_STEPS = {TEACHER_STEPS!r}: a whole number of steps the teacher trains "
                  "alone before the rewards take over, or 0 = off")
@@ -93,9 +94,9 @@ def check_settings(*, distill_coef, rewards, all_steps):
 
 
 def teacher_rows(rewards: torch.Tensor, *, teacher_on=True) -> torch.Tensor | None:
-    """(B,) bool, the answers that take the teacher's term: those whose summed reward (B,) is
+    """(B,) bool, the completions that take the teacher's term: those whose summed reward (B,) is
     under DISTILL_BELOW, none once the teacher has left (teacher_on False); None = every
-    answer."""
+    completion."""
     if not teacher_on:
         return torch.zeros_like(rewards, dtype=torch.bool)  # (B,)
     if not DISTILL_BELOW:

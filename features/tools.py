@@ -1,8 +1,8 @@
 """Tool use (TOOLS): multi-turn rollouts. The model writes <tool>expression</tool>; generation stops
 there, the toolkit runs the tool on what the model wrote, appends <result>its answer</result> and
-the model goes on, up to max_calls calls and max_new_tokens tokens per answer in all. The result's
-tokens are not the policy's: the mask this module returns marks them, and the trainer leaves them
-out of the loss, the KL and every ratio metric.
+the model goes on, up to max_calls calls and max_new_tokens tokens per completion in all. The
+result's tokens are not the policy's: the mask this module returns marks them, and the trainer
+leaves them out of the loss, the KL and every ratio metric.
 
     # the demo: with the calculator and without
     bash bench/run_tool_demo.sh
@@ -23,7 +23,7 @@ from features import env_overrides
 from features.turns import Reply, eos_at, play_turns, prompts_and_sampler
 
 TOOLS = []  # names of this module's tools, f(text in <tool></tool>) -> <result>; [] = one turn
-MAX_TOOL_CALLS = 3  # calls an answer may make; results count in MAX_NEW_TOKENS, not in the loss
+MAX_TOOL_CALLS = 3  # calls a completion may make; results count in MAX_NEW_TOKENS, not in the loss
 env_overrides.apply_env_overrides(globals(), "features/tools.py")  # TOOLS='["calculator"]'
 
 
@@ -126,7 +126,7 @@ def run_tool(tools, call: str) -> str:
 
 def call_end(tokenizer, segment, eos_ids):
     """The number of tokens of `segment` up to the one that completes TOOL_CLOSE, if the model
-    closed a call before any EOS; else None (the answer ended, or was cut)."""
+    closed a call before any EOS; else None (the completion ended, or was cut)."""
     eos = [k for k, t in enumerate(segment) if t in eos_ids]
     head = segment[: eos[0]] if eos else segment
     if TOOL_CLOSE not in tokenizer.decode(head, skip_special_tokens=True):
@@ -139,7 +139,7 @@ def call_end(tokenizer, segment, eos_ids):
 
 
 class CallEpisode:
-    """An answer with the calculator (features/turns.py plays it): its turn ends where the model
+    """A completion with the calculator (features/turns.py plays it): its turn ends where the model
     closes a call (TOOL_CLOSE) inside its own turn, and the reply is the tool's <result>; an EOS
     ends it, done. A call past max_calls ends it there, as the token budget does: cut, not
     stopped. It counts its calls and the ones whose result was an error."""
@@ -162,8 +162,8 @@ class CallEpisode:
         return segment, None
 
     def reply(self, tokenizer, ids, segment, *, ended, budget_left) -> Reply:
-        """The call's <result>, from the answer so far (ids); done at an EOS; over past max_calls
-        or with no room left for a result."""
+        """The call's <result>, from the completion so far (ids); done at an EOS; over past
+        max_calls or with no room left for a result."""
         if ended == "eos":
             return Reply(done=True)
         if self.calls >= self.max_calls or budget_left <= 0:
@@ -184,11 +184,11 @@ class CallEpisode:
 def tool_rollout(
     sample, prompts, *, tokenizer, tools, max_calls, max_new_tokens, eos_ids, pad_id
 ) -> dict:
-    """Multi-turn answers to `prompts` (token id lists, one per answer), each a CallEpisode played
-    by features/turns.play_turns: sample(prefixes, budgets) -> one (token ids, log-probs or None)
-    continuation per prefix, stopping after an EOS or after TOOL_CLOSE. Returns play_turns'
+    """Multi-turn completions to `prompts` (token id lists, one per completion), each a CallEpisode
+    played by features/turns.play_turns: sample(prefixes, budgets) -> one (token ids, log-probs or
+    None) continuation per prefix, stopping after an EOS or after TOOL_CLOSE. Returns play_turns'
     completion_ids, vllm_logps, policy_mask and stopped, its reply_mask as tool_mask (B, T) True
-    on the toolkit's tokens, and each answer's tool_calls and tool_errors."""
+    on the toolkit's tokens, and each completion's tool_calls and tool_errors."""
     episodes = [CallEpisode(tools, max_calls) for _ in prompts]
     out = play_turns(sample, prompts, episodes, tokenizer=tokenizer,
                      max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id)
@@ -208,11 +208,11 @@ def rollout(model, tokenizer, prompts, *, gen_config, llm, eos_ids, num_pre_q, t
 def generate_with_tools(
     model, tokenizer, enc, n, *, gen_config, llm, temperature, tools, max_calls, eos_ids
 ):
-    """tool_rollout for n answers to each prompt of `enc` (left-padded input_ids, attention_mask; a
-    prompt's n rows consecutive), from vLLM (`llm`) or transformers' generate with gen_config
-    (do_sample=False: greedy): (completion_ids, vllm_logps, {policy_mask, stopped, tool_calls,
-    tool_errors}): the loss needs only the policy's own tokens (policy_mask), not tool_rollout's
-    tool_mask."""
+    """tool_rollout for n completions to each prompt of `enc` (left-padded input_ids,
+    attention_mask; a prompt's n rows consecutive), from vLLM (`llm`) or transformers' generate
+    with gen_config (do_sample=False: greedy): (completion_ids, vllm_logps, {policy_mask, stopped,
+    tool_calls, tool_errors}): the loss needs only the policy's own tokens (policy_mask), not
+    tool_rollout's tool_mask."""
     prompts, sample = prompts_and_sampler(model, tokenizer, enc, n, gen_config=gen_config,
                                           llm=llm, temperature=temperature, eos_ids=eos_ids,
                                           stop=CallEpisode.stop)

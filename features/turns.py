@@ -1,9 +1,10 @@
-"""A variant: answers of several turns, one loop for the calculator's calls (features/tools.py)
-and an environment's episodes (environments.py). The model writes until its turn ends, at its EOS
-or where it closes a call inside its own turn (a stop text); the episode replies with tokens that
-join the answer but are not the policy's (the tool's <result>, or the environment's observation as
-the user's next turn), and the model goes on. An answer ends when its episode is done (stopped, as
-the policy chose), out of turns or calls, or out of max_new_tokens (both cut, not stopped).
+"""A variant: completions of several turns, one loop for the calculator's calls
+(features/tools.py) and an environment's episodes (environments.py). The model writes until its
+turn ends, at its EOS or where it closes a call inside its own turn (a stop text); the episode
+replies with tokens that join the completion but are not the policy's (the tool's <result>, or the
+environment's observation as the user's next turn), and the model goes on. A completion ends when
+its episode is done (stopped, as the policy chose), out of turns or calls, or out of
+max_new_tokens (both cut, not stopped).
 
     python -m pytest tests/test_tools.py tests/test_environments.py   # both play through here
 
@@ -19,22 +20,22 @@ import torch
 @dataclass
 class Reply:
     """An episode's answer to a finished turn."""
-    ids: list = field(default_factory=list)  # tokens that join the answer, never the policy's
-    done: bool = False  # the episode is over: the answer stopped as the policy chose
-    over: bool = False  # out of turns or calls: the answer ends cut
+    ids: list = field(default_factory=list)  # tokens that join the completion, never the policy's
+    done: bool = False  # the episode is over: the completion stopped as the policy chose
+    over: bool = False  # out of turns or calls: the completion ends cut
 
 
 def play_turns(sample, prompts, episodes, *, tokenizer, max_new_tokens, eos_ids, pad_id) -> dict:
-    """One answer to each of `prompts` (token id lists), played with its episode (episodes[i]).
+    """One completion to each of `prompts` (token id lists), played with its episode (episodes[i]).
     sample(prefixes, budgets) -> one (token ids, log-probs or None) continuation per prefix.
     Returns completion_ids (B, T) padded with pad_id, vllm_logps (B, T) or None, policy_mask
     (B, T) True on the policy's own tokens (up to and including a sampled EOS; never a reply's or
     the padding), reply_mask (B, T) True on the replies' tokens, stopped (B,) True where the
     episode ended done.
 
-    The mask comes from each answer's real length, not from the first pad: the pad id is the EOS for
-    SmolLM2 and Qwen, and an answer cut after a reply has none, so a first-pad rule would train on a
-    token never sampled."""
+    The mask comes from each completion's real length, not from the first pad: the pad id is the
+    EOS for SmolLM2 and Qwen, and a completion cut after a reply has none, so a first-pad rule
+    would train on a token never sampled."""
     B = len(prompts)
     ids = [[] for _ in range(B)]
     own = [[] for _ in range(B)]  # True on the policy's tokens
@@ -80,7 +81,7 @@ def play_turns(sample, prompts, episodes, *, tokenizer, max_new_tokens, eos_ids,
 
 def prompts_and_sampler(model, tokenizer, enc, n, *, gen_config, llm, temperature, eos_ids,
                         stop) -> tuple:
-    """(each answer's prompt as a token id list, n per prompt of `enc` (left-padded input_ids,
+    """(each completion's prompt as a token id list, n per prompt of `enc` (left-padded input_ids,
     attention_mask), sample() for play_turns from vLLM (`llm`) or transformers' generate with
     gen_config), each turn stopping at an EOS or a text of `stop`."""
     rows = [ids[keep.bool()].tolist()
@@ -145,7 +146,7 @@ def vllm_turns(llm, temperature, eos_ids, stop=()):
                   for budget, seed in zip(budgets, seeds)]
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prefixes], params,
                             use_tqdm=False)
-        answers = [out.outputs[0] for out in outs]
-        return [(list(a.token_ids), sampled_logps(a) if a.logprobs else None) for a in answers]
+        completions = [out.outputs[0] for out in outs]
+        return [(list(a.token_ids), sampled_logps(a) if a.logprobs else None) for a in completions]
 
     return sample

@@ -4,7 +4,7 @@ checks an image passes before any decoder sees it (docs/vision.md).
 
 Images enter where the prompt is built: the processor turns each <image> mark of a question into
 the model's image tokens and each image into pixels. The pixels (the processor's tensors, one row
-per answer) ride in the trainer's Rollout and Batch into every forward; the images travel to
+per completion) ride in the trainer's Rollout and Batch into every forward; the images travel to
 ref_server.py as their own PNG or JPEG bytes, which the server decodes with its own processor: no
 pickled or model-shaped tensor crosses the wire, and both sides see the same pixels.
 
@@ -549,9 +549,9 @@ def image_token_count(processor, images: list) -> int:
 
 def check_group(processor, tensors: dict, plen: int) -> list:
     """The decoded images of an uploaded group, checked against it: each row's prompt holds
-    exactly the image tokens they make and no answer holds one (the forward would fail, or read
-    pixels where the answer has text). ValueError otherwise. processor: an ImageTextProcessor, or
-    None for a text model."""
+    exactly the image tokens they make and no completion holds one (the forward would fail, or
+    read pixels where the completion has text). ValueError otherwise. processor: an
+    ImageTextProcessor, or None for a text model."""
     images = decoded(unpack_images(tensors))
     if processor is None:
         if images:
@@ -562,13 +562,13 @@ def check_group(processor, tensors: dict, plen: int) -> list:
     in_prompts = image_tokens[:, :plen].sum(1)  # (G,)
     if (in_prompts != expected).any() or image_tokens[:, plen:].any():
         raise ValueError(f"{len(images)} images make {expected} image tokens in every prompt and "
-                         f"none in an answer; the rows hold {in_prompts.tolist()[:20]} in their "
-                         f"prompts and {int(image_tokens[:, plen:].sum())} in their answers")
+                         f"none in a completion; the rows hold {in_prompts.tolist()[:20]} in their "
+                         f"prompts and {int(image_tokens[:, plen:].sum())} in their completions")
     return images
 
 
 def group_vision_inputs(groups: list, image_processor) -> dict:
-    """The pixel inputs of collated groups, one row per answer (a group's rows share its
+    """The pixel inputs of collated groups, one row per completion (a group's rows share its
     images; a text question's rows have none, which the processors pad and the models skip); {}
     when no group has images. ValueError when images reach a text model."""
     per_group = [decoded(unpack_images(tensors)) for tensors, _ in groups]
@@ -582,7 +582,7 @@ def group_vision_inputs(groups: list, image_processor) -> dict:
 
 
 def cut_at_image_tokens(completion_ids, mask, tokenizer):
-    """(B, T) ids and mask where an answer that sampled the image token ends just before it: the
+    """(B, T) ids and mask where a completion that sampled the image token ends just before it: the
     token becomes padding and leaves the loss with what follows, as every forward counts image
     tokens against the pixels. Rare: the policy is never asked to write one. A text model's
     tokenizer: unchanged."""
@@ -607,7 +607,7 @@ def vllm_prompts(encoded) -> list | None:
 
 def pixel_rows(encoded, repeats: int) -> dict:
     """The pixel inputs in a processor's output for Q prompts as B = Q x repeats rows, each
-    prompt's answers consecutive; {} for text (no tensor but input_ids and attention_mask)."""
+    prompt's completions consecutive; {} for text (no tensor but input_ids and attention_mask)."""
     return {name: value.repeat_interleave(repeats, 0) for name, value in encoded.items()
             if name not in ("input_ids", "attention_mask") and torch.is_tensor(value)}
 

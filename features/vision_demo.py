@@ -148,7 +148,7 @@ def save_whole(model, processor, folder: str) -> str:
 def caption_batch(processor, rows, *, system_prompt, prefill):
     """(inputs, labels) for the caption pass: each row's chat prompt (system, the question with
     its image, the assistant turn opened with `prefill`) and its gold caption closed as the
-    trainer's answers are, the loss on the caption's tokens only."""
+    trainer's completions are, the loss on the caption's tokens only."""
     from features.vision import decoded
 
     prompts = []

@@ -75,7 +75,7 @@ def start_engine(model_path, seed, dtype, *, eager, gpu_memory, cpu_kv_gb, verbo
 def rollout(model, tokenizer, prompts, *, gen_config, llm, eos_ids, num_pre_q, temperature,
             max_new_tokens) -> tuple:
     """Step 2 by vLLM (the lesson's Rollout seam): (completion_ids, vllm_logps, {}), num_pre_q
-    answers to each prompt of prompts.encoded, the same distribution as the lesson's
+    completions to each prompt of prompts.encoded, the same distribution as the lesson's
     sample_completions; model and gen_config are the plain path's, unread here."""
     completion_ids, vllm_logps = vllm_sample(llm, prompts.encoded, num_pre_q, temperature, eos_ids,
                                              tokenizer.pad_token_id, max_new_tokens)
@@ -85,7 +85,7 @@ def rollout(model, tokenizer, prompts, *, gen_config, llm, eos_ids, num_pre_q, t
 def vllm_sample(llm, enc, n, temperature, eos_ids, pad_id, max_tokens, seeded=True):
     """(completion_ids, vllm_logps), each (B, T) for B = n x the prompts of `enc` (the
     tokenizer's left-padded input_ids and attention_mask; a prompt's n rows consecutive), padded
-    with pad_id and 0 after each answer. Sampling is exactly softmax(logits / temperature); 0 =
+    with pad_id and 0 after each completion. Sampling is exactly softmax(logits / temperature); 0 =
     greedy. Each prompt's seed is drawn from torch's RNG, which checkpoints keep: a resumed run
     samples the same. seeded=False: the engine's own stream instead (held-out sampling: vLLM on CPU
     cannot rewind a seeded request whose long prompt batch it prefills in chunks, "CPU Generator
@@ -101,18 +101,18 @@ def vllm_sample(llm, enc, n, temperature, eos_ids, pad_id, max_tokens, seeded=Tr
     seeds = torch.randint(2**31 - n, (len(prompts),)).tolist() if seeded else [None] * len(prompts)
     params = [
         sampling_params(temperature, max_tokens, eos_ids, seed, n=n) for seed in seeds
-    ]  # a prompt's n answers get seeds seed, seed + 1, ...
+    ]  # a prompt's n completions get seeds seed, seed + 1, ...
     outs = llm.generate(prompts, params, use_tqdm=False)
     if [out.prompt_token_ids for out in outs] != expected:  # images: vLLM expanded the marks
         raise RuntimeError(
             "vLLM's prompt tokens differ from the trainer's: its processor expanded "
-            "the image marks otherwise, so its answers would not fit the loss"
+            "the image marks otherwise, so its completions would not fit the loss"
         )
-    answers = [a for out in outs for a in sorted(out.outputs, key=lambda a: a.index)]
-    # (B, T)
-    completion_ids = torch.full((len(answers), max(len(a.token_ids) for a in answers)), pad_id)
+    completions = [a for out in outs for a in sorted(out.outputs, key=lambda a: a.index)]
+    longest = max(len(a.token_ids) for a in completions)
+    completion_ids = torch.full((len(completions), longest), pad_id)  # (B, T)
     vllm_logps = torch.zeros(completion_ids.shape)  # (B, T)
-    for i, a in enumerate(answers):
+    for i, a in enumerate(completions):
         completion_ids[i, : len(a.token_ids)] = torch.tensor(a.token_ids)
         if a.logprobs:
             picked = sampled_logps(a)
@@ -138,10 +138,10 @@ def sampling_params(temperature, max_tokens, eos_ids, seed, **extra):
     )
 
 
-def sampled_logps(answer) -> list:
+def sampled_logps(completion) -> list:
     """The log-prob of each token vLLM sampled: logprobs=0 returns one {token: Logprob} per token,
     the sampled one."""
-    return [lp[t].logprob for lp, t in zip(answer.logprobs, answer.token_ids)]
+    return [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)]
 
 
 def push_weights(llm, model):

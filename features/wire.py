@@ -1,8 +1,9 @@
 """Guard: the wire format between generators, the reference server and trainers: one group of
-answers as safetensors bytes with JSON metadata in the header (no pickle, so a payload can never run
-code on the other side), and what a group must be before any of it reaches a model (validate_group:
-every field's type, shape and bound). The trainer packs its groups (group_tensors) and lays pulled
-ones out for the loss (collate); retrying a busy or restarting server is features/retry.py's.
+completions as safetensors bytes with JSON metadata in the header (no pickle, so a payload can
+never run code on the other side), and what a group must be before any of it reaches a model
+(validate_group: every field's type, shape and bound). The trainer packs its groups
+(group_tensors) and lays pulled ones out for the loss (collate); retrying a busy or restarting
+server is features/retry.py's.
 
     python -c "from features.wire import UPLOAD_SPEC; print(list(UPLOAD_SPEC))"
 """
@@ -15,7 +16,8 @@ import torch
 from features import vision
 
 # What a server's /health says it speaks; a trainer refuses another at start (check_reference).
-# 2: each answer's reward sum travels as "scores", the lesson's name (format 1 called it "rewards").
+# 2: each completion's reward sum travels as "scores", the lesson's name (format 1 called it
+# "rewards").
 WIRE_FORMAT = 2
 # One group = safetensors tensors (UPLOAD_SPEC) + JSON metadata (META_FIELDS). input_ids holds
 # prompt + completion for each of the G rows; the prompt (unpadded) has length plen.
@@ -23,7 +25,7 @@ UPLOAD_SPEC = {  # name: (dtype, shape as a function of G rows, L columns, plen)
     "input_ids": (torch.int64, lambda g, l, p: (g, l)),
     "completion_mask": (torch.bool, lambda g, l, p: (g, l - p)),
     "advantages": (torch.float32, lambda g, l, p: (g,)),
-    "scores": (torch.float32, lambda g, l, p: (g,)),  # each answer's sum of REWARDS
+    "scores": (torch.float32, lambda g, l, p: (g,)),  # each completion's sum of REWARDS
     # optional: pi_old, the sampling policy's log-probs
     "pi_old_logps": (torch.float32, lambda g, l, p: (g, l - p)),
     # optional: what vLLM said they were
@@ -35,9 +37,11 @@ IMAGE_FIELDS = vision.WIRE_FIELDS
 # Every metadata field a group may carry, the one list of them: name: (type, who sets it, meaning).
 # Only plen is required; validate_group checks the types (ref_server.py calls it).
 META_FIELDS = {
-    "plen": (int, "the trainer's group_tensors", "the prompt's length: input_ids[:, plen:] answer"),
+    "plen": (int, "the trainer's group_tensors",
+             "the prompt's length: input_ids[:, plen:] completion"),
     "question": (str, "the trainer's group_tensors", "the question, for a REWARD_MODEL"),
-    "completions": (list, "the trainer's group_tensors", "each row's sampled text, for a REWARD_MODEL"),
+    "completions": (list, "the trainer's group_tensors",
+                    "each row's sampled text, for a REWARD_MODEL"),
     "temperature": (float, "the trainer's pack_groups", "the sampling temperature: ref_logps' too"),
     "version": (int, "step 5 (upload_and_pull, RefClient)", "the policy version that sampled it"),
     "rank": (int, "step 5 (upload_and_pull, RefClient)", "the trainer rank that takes it back"),
@@ -47,14 +51,14 @@ META_FIELDS = {
     "reward_model_mean": (float, "reward_model.add_reward_model", "the REWARD_MODEL's mean score"),
     "teacher_top_k": (int, "the trainer's pack_groups", "DISTILL_TOP_K: a teacher's k likeliest"),
 }
-MAX_META_CHARS = 2**22  # metadata: numbers, names, and the answers' text for a reward model
+MAX_META_CHARS = 2**22  # metadata: numbers, names, and the completions' text for a reward model
 MAX_META_DEPTH = 8  # JSON nesting levels of the metadata
 # how much of a bad input an error message quotes: enough to recognise, never megabytes
 QUOTE_CHARS = 200
 MAX_NAME_CHARS = 200  # metadata worker and upload_id: a name, never a payload
 TEMPERATURE_RANGE = (0.01, 100)  # below 0.01, logits / T overflow to inf and the log-probs are NaN
 MAX_RANKS = 4096  # trainer ranks a server keeps ready queues for
-MAX_TOP_K = 64  # teacher_top_k: tokens per answer token a teacher sends back, (G, T, k) twice
+MAX_TOP_K = 64  # teacher_top_k: tokens per completion token a teacher sends back, (G, T, k) twice
 CHECKED_META = ("version", "rank", "worker", "upload_id", "regrouped", "question", "completions",
                 "teacher_top_k")
 META_TYPES = {name: META_FIELDS[name][0] for name in CHECKED_META}  # optional fields' types
@@ -113,7 +117,7 @@ def _depth(x) -> int:
 
 
 def completion_attention(completion_mask: torch.Tensor) -> torch.Tensor:
-    """(G, T) long: 1 on each answer's columns up to its last token that trains (tool results
+    """(G, T) long: 1 on each completion's columns up to its last token that trains (tool results
     before it included), 0 on the padding after it, which no forward of the group need attend."""
     written = completion_mask.int().flip(1).cumsum(1).flip(1)  # (G, T) trained tokens from here on
     return written.clamp(max=1)  # (G, T)
@@ -135,8 +139,8 @@ def check_logps(values, name: str, *, rows: int, tokens: int) -> None:
 
 
 def check_teacher_topk(tensors: dict, *, top_k: int, completion_tokens: int, vocab_size) -> None:
-    """ValueError unless a teacher's reply carries its k likeliest tokens of each answer token as
-    asked: teacher_topk_ids (G, T, k) int64 below vocab_size, teacher_topk_logps (G, T, k) finite
+    """ValueError unless a teacher's reply carries its k likeliest tokens of each completion token
+    as asked: teacher_topk_ids (G, T, k) int64 below vocab_size, teacher_topk_logps (G, T, k) finite
     float32 log-probs (<= 0). What a trainer reads from a server is checked before it is used."""
     ids = tensors.get("teacher_topk_ids")
     logps = tensors.get("teacher_topk_logps")

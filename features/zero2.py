@@ -200,9 +200,9 @@ def micro_batches(engine, groups, as_batch, prepare, *, size, count) -> list:
     as_batch(groups)'d and prepare(engine, batch, normalizer)'d (the trainer's batches_of hands
     them); count(masks): the normalizer of the step's (B, T) masks (the trainer's global_count).
     Each holds the whole step's loss normalizer, so their gradients add up to the one big batch's,
-    and its share of the step's answers and tokens (for the metrics). ZeRO-2 reduces gradients in
-    every backward, so every rank must run as many: a rank with fewer repeats its last micro-batch
-    with share 0 (its loss x 0)."""
+    and its share of the step's completions and tokens (for the metrics). ZeRO-2 reduces gradients
+    in every backward, so every rank must run as many: a rank with fewer repeats its last
+    micro-batch with share 0 (its loss x 0)."""
     check_micro_batch(size)
     size = size or len(groups)
     parts = [as_batch(groups[i : i + size]) for i in range(0, len(groups), size)]

@@ -42,7 +42,7 @@ def show(a) -> str:
     cut = ", cut at the token budget" if a["truncated"] else ""
     return (
         f"reward {a['reward']:g} ({scores}) | advantage {a['advantage']:+.2f} | {a['length']} "
-        f"tokens{cut}\n  Q: {a['question']}  (gold {a['gold']})\n  A: {a['answer']}"
+        f"tokens{cut}\n  Q: {a['question']}  (gold {a['gold']})\n  A: {a['completion']}"
     )
 
 

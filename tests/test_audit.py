@@ -218,7 +218,7 @@ def test_gspo_with_a_token_sum_loss_warns(monkeypatch, capfd, tmp_path, loss_typ
     monkeypatch.setattr(grpo, "LOSS_TYPE", loss_type)
     grpo.check_settings()
     assert (
-        f"warning: GSPO with LOSS_TYPE '{loss_type}' weighs each answer's sequence loss by its "
+        f"warning: GSPO with LOSS_TYPE '{loss_type}' weighs each completion's sequence loss by its "
         "length"
         in capfd.readouterr().err
     )

@@ -658,7 +658,7 @@ def test_a_k3_penalty_towards_a_teacher_is_refused(monkeypatch, tmp_path):
 )
 def test_triton_is_refused_with_a_teacher_or_a_correction(monkeypatch, tmp_path, setting):
     teacher_settings(monkeypatch, tmp_path, USE_TRITON=True, **setting)
-    with pytest.raises(SystemExit, match="USE_TRITON takes one advantage per answer"):
+    with pytest.raises(SystemExit, match="USE_TRITON takes one advantage per completion"):
         grpo.check_settings()
 
 
@@ -810,7 +810,8 @@ def test_teacher_first_trains_on_the_teacher_alone_until_its_kl_is_low_then_the_
     # differ (zero_var_groups: the share of groups with one reward for all)
     assert handoff[0]["completions_trained"] == handoff[0]["completions_generated"]
     for m in handoff[1:]:
-        assert m["completions_trained"] == m["completions_generated"] * (1 - m["zero_var_groups"]), m
+        kept = 1 - m["zero_var_groups"]
+        assert m["completions_trained"] == m["completions_generated"] * kept, m
     # the check above tells dropping from keeping only where some group's rewards were all equal
     assert any(m["zero_var_groups"] > 0 for m in handoff[1:]), handoff
 

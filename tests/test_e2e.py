@@ -210,7 +210,7 @@ def check_completions_log(out, ranks, lines, output):
             # REWARDS' weights
             assert a["reward"] == pytest.approx(2 * a["reward_correct"] + a["reward_format"])
             assert (
-                a["answer"].startswith("<think>")
+                a["completion"].startswith("<think>")
                 and 0 < a["length"] <= 16
                 and isinstance(a["truncated"], bool)
             )

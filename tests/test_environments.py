@@ -76,7 +76,7 @@ def test_the_built_in_task_as_an_environment_scores_as_the_trainer_does(mix):
     mix([["arithmetic", 1.0]])
     with open(COMPLETIONS) as f:
         records = [json.loads(line) for line in f]
-    texts = [r["answer"] for r in records]
+    texts = [r["completion"] for r in records]
     asked = [{"question": r["question"], "gold": r["gold"], "env": "arithmetic"} for r in records]
     plain = rewards.score(grpo.REWARDS, texts, [r["gold"] for r in records],
                           [r["question"] for r in records])

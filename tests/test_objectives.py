@@ -421,7 +421,7 @@ def test_a_constant_outside_its_choices_stops_the_run_before_any_model_loads(mon
                 grpo.check_settings()
     monkeypatch.setattr(grpo.fast_paths, "USE_TRITON", True)
     monkeypatch.setattr(objectives, "TIS_MODE", "sequence_mask")
-    with pytest.raises(SystemExit, match="USE_TRITON has no per-answer ratio"):
+    with pytest.raises(SystemExit, match="USE_TRITON has no per-completion ratio"):
         grpo.check_settings()
     with pytest.raises(SystemExit, match="X = 3: one of 1, 2"):
         env_overrides.check_choice("X", 3, (1, 2))

@@ -277,12 +277,12 @@ BAD = {
     "answers one short": (
         mutate(meta_completions=["a", "b"]),
         400,
-        "metadata answers must be a list of 3 strings",
+        "metadata completions must be a list of 3 strings",
     ),
     "answers not strings": (
         mutate(meta_completions=[1, 2, 3]),
         400,
-        "metadata answers must be a list of 3 strings",
+        "metadata completions must be a list of 3 strings",
     ),
     "rank a float": (mutate(meta_rank=1.0), 400, "metadata rank must be an int"),
     "worker a list": (mutate(meta_worker=["w"]), 400, "metadata worker must be a string"),

@@ -466,7 +466,7 @@ def test_a_run_with_the_calculator_trains_through_the_server(
     pairs = [
         p
         for a in answers
-        for p in re.findall(r"<tool>(.*?)</tool><result>(.*?)</result>", a["answer"])
+        for p in re.findall(r"<tool>(.*?)</tool><result>(.*?)</result>", a["completion"])
     ]
     # a result the budget cut is not a pair
     assert pairs and len(pairs) <= sum(a["tool_calls"] for a in answers)

@@ -223,7 +223,7 @@ def test_beta_zero_and_the_variants_train_without_any_server(tiny_model_dir, tmp
         for name in ("on", "off")
     ]
     # the same samples ...
-    assert [r["answer"] for r in records[0]] == [r["answer"] for r in records[1]]
+    assert [r["completion"] for r in records[0]] == [r["completion"] for r in records[1]]
     # ... some of them cut: MASK_TRUNCATED had answers to mask
     assert any(r["truncated"] for r in records[0])
     assert metrics(tmp_path / "off")[0][0]["loss"] != pytest.approx(lines[0]["loss"], rel=1e-3)

@@ -316,7 +316,7 @@ def test_sequence_mismatch_modes_are_refused_and_entropy_equals_the_pytorch_path
         temperature=0.7,
     )
     for mode in ("sequence_truncate", "sequence_mask"):
-        with pytest.raises(ValueError, match="sequence modes need an answer's tokens"):
+        with pytest.raises(ValueError, match="sequence modes need a completion's tokens"):
             grpo_loss_triton(vllm_logps=ref, tis_cap=2.0, tis_mode=mode, **kw)
     loss, logps, entropy = grpo_loss_triton(return_logps=True, return_entropy=True, **kw)
     want_logps, want = chunked_logps(logits.detach(), ids, 0.7, chunk=0, with_entropy=True)
