@@ -19,17 +19,25 @@ GUESS_MAX = 8  # the number lies in 1..GUESS_MAX; two guesses win 3 of 8 at best
 GUESS_TURNS = 2  # guesses an episode allows: two fit the trainer's MAX_NEW_TOKENS 64
 GUESS_HOST = "127.0.0.1"  # where the server listens; "0.0.0.0" for other hosts
 GUESS_PORT = 8011  # its port
+GUESS_EXAMPLE = True  # the opening shows a worked first guess (another game's); False = rules alone
 GUESS_SESSIONS = 256  # WebSocket sessions at once: one per answer in flight (ranks x Q x G)
 env_overrides.apply_env_overrides(globals(), "scripts/guess_number_env.py")
 
 ANSWER_RE = re.compile(r"<answer>\s*(-?\d+)\s*</answer>")  # the guess: the last one written
 
 
-def opening(max_number: int, turns: int) -> str:
-    """The first observation: the game's rules."""
-    return (f"I am thinking of a whole number from 1 to {max_number}. Guess it: write your guess "
-            f"in <answer></answer>. After each guess I say higher or lower; you have {turns} "
-            "guesses.")
+def opening(max_number: int, turns: int, example: bool = True) -> str:
+    """The first observation: the game's rules and, with `example`, a worked first guess of another
+    game (as the trainer's own prompt shows one sum): without it SmolLM2-135M writes "The answer
+    is 8." and is told "No guess found" (bench/RESULTS.md)."""
+    if not example:
+        return (f"I am thinking of a whole number from 1 to {max_number}. Guess it: write your "
+                f"guess in <answer></answer>. After each guess I say higher or lower; you have "
+                f"{turns} guesses.")
+    return (f"I am thinking of a whole number from 1 to {max_number}. You have {turns} guesses; "
+            "after each one I say higher or lower. Think inside <think> </think> tags, then write "
+            "only your guess inside <answer> </answer> tags. A first guess for a number from 1 to "
+            "100: <think> The middle of 1 and 100 is 50. </think><answer>50</answer>")
 
 
 def judge(message: str, secret: int) -> tuple:
@@ -44,7 +52,7 @@ def judge(message: str, secret: int) -> tuple:
 
 
 def build_app(max_number: int = GUESS_MAX, turns: int = GUESS_TURNS,
-              sessions: int = GUESS_SESSIONS):
+              sessions: int = GUESS_SESSIONS, example: bool = GUESS_EXAMPLE):
     """OpenEnv's FastAPI app for the game (its models and its Environment defined here, so the
     module stays import-safe without OpenEnv installed)."""
     from openenv.core.env_server import Action, Environment, Observation, State, create_app
@@ -69,7 +77,8 @@ def build_app(max_number: int = GUESS_MAX, turns: int = GUESS_TURNS,
             self.secret = random.Random(seed).randint(1, max_number)
             self.left = turns
             self._state = State(episode_id=episode_id, step_count=0)
-            return GuessObservation(text=opening(max_number, turns), done=False, reward=0.0)
+            return GuessObservation(text=opening(max_number, turns, example), done=False,
+                                    reward=0.0)
 
         def step(self, action, timeout_s=None, **kwargs):
             if self.secret is None:

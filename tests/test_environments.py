@@ -532,6 +532,28 @@ def guess_server():
         kill_group(proc)
 
 
+def test_the_games_opening_shows_a_worked_guess_of_another_game():
+    """GUESS_EXAMPLE: the opening shows where a guess goes, as the trainer's own prompt shows one
+    sum: a guess the game's judge reads, for a game of another range (so it gives no number of
+    this one away); without it, the rules alone (the earlier runs' opening)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "guess_number_env", os.path.join(ROOT, "scripts", "guess_number_env.py"))
+    game = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(game)
+    shown = game.opening(8, 2)
+    worked = shown[shown.index("<think>"):]  # the worked first guess, as a model would write it
+    assert "1 to 8" in shown and "2 guesses" in shown
+    assert [game.judge(worked, secret) for secret in (1, 50, 99)] == [
+        ("Lower.", False), ("Right!", True), ("Higher.", False)]
+    assert int(game.ANSWER_RE.findall(worked)[-1]) > 8  # no guess of this game's range
+    rules = game.opening(8, 2, example=False)
+    assert "1 to 8" in rules and "<think>" not in rules
+    assert game.judge("The answer is 8.", 8) == (
+        "No guess found: write a number in <answer></answer>.", False)
+
+
 class Reweighed(Reverse):
     """A class that weighs reward_format otherwise than the trainer's REWARDS do (1.0)."""
     reward_weights = {"reversed": 1.0, "reward_format": 0.5}

@@ -724,7 +724,7 @@ def test_a_reward_model_adds_its_weighted_score_and_the_trainer_redoes_the_advan
         assert torch.allclose(redone["advantages"], by_hand, atol=1e-5)
         assert back_meta["reward_model_mean"] == pytest.approx(scores.mean().item(), abs=1e-6)
         r = requests.post(url + "/upload", data=encode_batch(*group(seed=4)), timeout=10)
-        assert r.status_code == 400 and "needs question and answers" in r.json()["error"]
+        assert r.status_code == 400 and "needs question and completions" in r.json()["error"]
     finally:
         stop(server, stop_serving)
 

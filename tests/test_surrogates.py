@@ -282,7 +282,7 @@ def test_the_entropy_threshold_is_global_over_the_ranks():
     (dict(OBJECTIVE="cispo", LOSS_TYPE="dapo", USE_TRITON=True), "USE_TRITON fuses PPO's clip"),
     (dict(TOP_ENTROPY_QUANTILE=0.2, USE_TRITON=True), "USE_TRITON fuses PPO's clip"),
     (dict(OBJECTIVE="cispo", LOSS_TYPE="dapo", GSPO=True), "GSPO with OBJECTIVE 'cispo'"),
-    (dict(OBJECTIVE="gmpo", DISTILL_COEF=1.0, BETA=0.0), "GMPO takes one advantage per answer"),
+    (dict(OBJECTIVE="gmpo", DISTILL_COEF=1.0, BETA=0.0), "GMPO takes one advantage per completion"),
     (dict(OBJECTIVE="gmpo", LOSS_TYPE="dapo"), "OBJECTIVE gmpo with LOSS_TYPE 'dapo'"),
     (dict(ADVANTAGE="rloo", SCALE_REWARDS="batch"), "bring their own scale"),
     (dict(REWARD_NORM="normalize_then_sum", ADVANTAGE="passk"), "choose one of the two"),

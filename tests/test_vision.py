@@ -102,7 +102,8 @@ def prompt_group(processor, images, G=3, completion_tokens=5, seed=0):
     g = torch.Generator().manual_seed(seed)
     answers = torch.randint(0, 49152, (G, completion_tokens), generator=g)  # (G, T) text ids only
     ids = torch.cat([prompt.repeat(G, 1), answers], 1)  # (G, P + T)
-    tensors = dict(input_ids=ids, completion_mask=torch.ones(G, completion_tokens, dtype=torch.bool),
+    mask = torch.ones(G, completion_tokens, dtype=torch.bool)  # (G, T)
+    tensors = dict(input_ids=ids, completion_mask=mask,
                    advantages=torch.randn(G, generator=g), scores=torch.rand(G, generator=g),
                    **vision.pack_images(images))
     return tensors, {"plen": prompt.shape[1], "temperature": 0.7}
