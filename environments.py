@@ -169,13 +169,24 @@ class OpenEnvEnvironment(Environment):
             raise EnvironmentFault(f"environment {self.name}: {what} failed: "
                                    f"{type(e).__name__}: {said}") from e
 
+    def open(self, seed: int) -> list:
+        """The opening messages of the episode `seed`: the observation's `messages` where the
+        server sends them (a system turn, a worked example: checked_opening), else its text as
+        the user's one message."""
+        result = self.call("reset", seed=seed)
+        text, _ = self.read(result, first=True)
+        messages = result.observation.get("messages")
+        if messages is None:
+            return [{"role": "user", "content": text}]
+        return checked_opening(messages, self.name)
+
     def reset(self, question: dict, seed: int) -> list:
-        text, _ = self.read(self.call("reset", seed=question["seed"]), first=True)
-        if text != question["question"]:  # the episode would not be the one its group was asked
+        opening = self.open(question["seed"])
+        if opening != question["opening"]:  # the episode would not be the one its group was asked
             raise EnvironmentFault(f"environment {self.name}: reset(seed={question['seed']}) "
                                    "opened otherwise than when the run started: its episodes "
                                    "must depend on the seed alone")
-        return [{"role": "user", "content": text}]
+        return opening
 
     def step(self, message: str) -> Turn:
         result = self.call("step", {"message": message})
@@ -257,9 +268,8 @@ def openenv_questions(name, options, *, seed, eval_size) -> tuple:
     episode = OpenEnvEnvironment(url, name, options.get("reward_weights", {"reward": 1.0}))
     try:
         def opening_of(k: int) -> dict:
-            text, _ = episode.read(episode.call("reset", seed=k), first=True)
-            return {"question": text, "gold": "", "seed": k,
-                    "opening": [{"role": "user", "content": text}]}
+            opening = episode.open(k)
+            return {"question": opening[-1]["content"], "gold": "", "seed": k, "opening": opening}
         train = [opening_of(seed + k) for k in range(OPENENV_QUESTIONS)]
         held_out = [opening_of(seed + RG_HELD_OUT_SEED + k) for k in range(eval_size)]
         probe_rewards(episode, seed=seed - 1)  # before any model loads: its rewards' names

@@ -1,7 +1,7 @@
 """An example multi-turn environment served by OpenEnv: guess the number. reset(seed) thinks of a
 whole number from 1 to GUESS_MAX; each step reads the guess in the model's <answer> tags and says
 "higher" or "lower", until the guess is right (reward "solved" 1) or GUESS_TURNS guesses are spent
-(0). OpenEnv's own server (FastAPI under uvicorn, HTTP and WebSocket, one session per answer)
+(0). OpenEnv's own server (FastAPI under uvicorn, HTTP and WebSocket, one session per episode)
 serves it; the trainer reaches it with OpenEnv's client (environments.py, "openenv:<url>").
 
     python scripts/guess_number_env.py          # serves on GUESS_PORT
@@ -19,25 +19,37 @@ GUESS_MAX = 8  # the number lies in 1..GUESS_MAX; two guesses win 3 of 8 at best
 GUESS_TURNS = 2  # guesses an episode allows: two fit the trainer's MAX_NEW_TOKENS 64
 GUESS_HOST = "127.0.0.1"  # where the server listens; "0.0.0.0" for other hosts
 GUESS_PORT = 8011  # its port
-GUESS_EXAMPLE = True  # the opening shows a worked first guess (another game's); False = rules alone
+GUESS_EXAMPLE = True  # the opening shows a worked first guess (another game's); False = none
 GUESS_SESSIONS = 256  # WebSocket sessions at once: one per answer in flight (ranks x Q x G)
 env_overrides.apply_env_overrides(globals(), "scripts/guess_number_env.py")
 
 ANSWER_RE = re.compile(r"<answer>\s*(-?\d+)\s*</answer>")  # the guess: the last one written
 
 
-def opening(max_number: int, turns: int, example: bool = True) -> str:
-    """The first observation: the game's rules and, with `example`, a worked first guess of another
-    game (as the trainer's own prompt shows one sum): without it SmolLM2-135M writes "The answer
-    is 8." and is told "No guess found" (bench/RESULTS.md)."""
-    if not example:
-        return (f"I am thinking of a whole number from 1 to {max_number}. Guess it: write your "
-                f"guess in <answer></answer>. After each guess I say higher or lower; you have "
-                f"{turns} guesses.")
+def rules(max_number: int, turns: int) -> str:
+    """The game's rules: what the model reads as the user's last message."""
     return (f"I am thinking of a whole number from 1 to {max_number}. You have {turns} guesses; "
-            "after each one I say higher or lower. Think inside <think> </think> tags, then write "
-            "only your guess inside <answer> </answer> tags. A first guess for a number from 1 to "
-            "100: <think> The middle of 1 and 100 is 50. </think><answer>50</answer>")
+            "after each one I say higher or lower.")
+
+
+def opening(max_number: int, turns: int, example: bool = True) -> list:
+    """The episode's opening messages (the observation's `messages`: the trainer prompts with them,
+    environments.py): a system turn naming the tags, a worked first guess of another game (1 to
+    100) as the trainer's own prompt shows one sum, then the rules. Without the example
+    SmolLM2-135M writes "The answer is 8." and is told "No guess found" (bench/RESULTS.md).
+    example False: the earlier runs' opening, one message."""
+    if not example:
+        return [{"role": "user", "content": (
+            f"I am thinking of a whole number from 1 to {max_number}. Guess it: write your guess "
+            f"in <answer></answer>. After each guess I say higher or lower; you have {turns} "
+            "guesses.")}]
+    tags = ("Think inside <think> </think> tags, then write only your guess inside <answer> "
+            "</answer> tags.")
+    worked = "<think> The middle of 1 and 100 is 50. </think><answer>50</answer>"
+    return [{"role": "system", "content": tags},
+            {"role": "user", "content": rules(100, turns)},
+            {"role": "assistant", "content": worked},
+            {"role": "user", "content": rules(max_number, turns)}]
 
 
 def judge(message: str, secret: int) -> tuple:
@@ -62,6 +74,7 @@ def build_app(max_number: int = GUESS_MAX, turns: int = GUESS_TURNS,
 
     class GuessObservation(Observation):
         text: str = ""  # what the model reads next
+        messages: list = []  # at reset: the opening messages (the text is the last one's)
         rewards: dict = {}  # {name: value} of the step just taken
 
     class GuessNumber(Environment):
@@ -77,7 +90,8 @@ def build_app(max_number: int = GUESS_MAX, turns: int = GUESS_TURNS,
             self.secret = random.Random(seed).randint(1, max_number)
             self.left = turns
             self._state = State(episode_id=episode_id, step_count=0)
-            return GuessObservation(text=opening(max_number, turns, example), done=False,
+            messages = opening(max_number, turns, example)
+            return GuessObservation(text=messages[-1]["content"], messages=messages, done=False,
                                     reward=0.0)
 
         def step(self, action, timeout_s=None, **kwargs):

@@ -1,7 +1,8 @@
 """A hostile environment served by OpenEnv's own server, for tests/test_environments.py: its step
 misbehaves as HOSTILE says (nan: a reward that is not finite; huge: an observation of 16 MB;
 text: an observation whose text is a number; silent: it never answers; die: the server exits in
-the middle of the episode; fine: a one-step game whose reward is the message's length / 100).
+the middle of the episode; messages: its reset's opening messages are not {"role", "content"}
+strings; fine: a one-step game whose reward is the message's length / 100).
 Three more speak OpenEnv's WebSocket protocol by hand (build_raw_app), to send what OpenEnv's own
 server never would: no_done (a step reply without done), done_text (done "yes"), nan_raw (a reward
 NaN as JSON's NaN token, not OpenEnv's null). Sessions before HOSTILE_FROM_SESSION (counted from
@@ -35,6 +36,7 @@ def build_app():
     class Heard(Observation):
         text: object = ""
         rewards: dict = {}
+        messages: object = None  # at reset: the opening messages, where an environment sends them
 
     class Hostile(Environment):
         SUPPORTS_CONCURRENT_SESSIONS = True
@@ -45,7 +47,11 @@ def build_app():
             self.how = HOSTILE if next(SESSIONS) >= HOSTILE_FROM_SESSION else "fine"
 
         def reset(self, seed=None, episode_id=None, **kwargs):
-            return Heard(text=f"Say anything ({seed}).", done=False, reward=0.0)
+            text = f"Say anything ({seed})."
+            if self.how == "messages":  # a content that is not a string
+                return Heard(text=text, messages=[{"role": "user", "content": 7}], done=False,
+                             reward=0.0)
+            return Heard(text=text, done=False, reward=0.0)
 
         def step(self, action, timeout_s=None, **kwargs):
             if self.how == "silent":

@@ -443,7 +443,9 @@ def test_a_hostile_openenv_server_is_refused_with_the_environment_named(hostile,
     url = hostile(how)
     episode = environments.OpenEnvEnvironment(url, f"openenv:{url}", {"score": 1.0})
     try:
-        episode.reset({"question": "Say anything (3).", "seed": 3}, seed=0)
+        said = "Say anything (3)."
+        episode.reset({"question": said, "seed": 3,
+                       "opening": [{"role": "user", "content": said}]}, seed=0)
         with pytest.raises(environments.EnvironmentFault, match=f"openenv:{url}: {says}"):
             episode.step("hello")
     finally:
@@ -451,23 +453,25 @@ def test_a_hostile_openenv_server_is_refused_with_the_environment_named(hostile,
 
 
 @pytest.mark.parametrize("how, weights, says", [
-    ("no_done", {"score": 1.0}, "a reply without done"),  # OpenEnv's client would read False
-    ("done_text", {"score": 1.0}, "a reply without done"),
-    ("nan", {"score": 1.0}, "reward score = None is not a number"),
-    ("nan_raw", {"score": 1.0}, "reward score = nan is not finite"),  # NaN itself, not null
-    ("text", {"score": 1.0}, "an observation needs a text field"),
-    ("fine", {"solved": 1.0}, "rewards .* are not \\['solved'\\]"),  # a name it never sends
+    ("no_done", {"score": 1.0}, "a reply without done.*at start"),  # the client would read False
+    ("done_text", {"score": 1.0}, "a reply without done.*at start"),
+    ("nan", {"score": 1.0}, "reward score = None is not a number.*at start"),
+    ("nan_raw", {"score": 1.0}, "reward score = nan is not finite.*at start"),  # NaN, not null
+    ("text", {"score": 1.0}, "an observation needs a text field.*at start"),
+    ("fine", {"solved": 1.0}, "rewards .* are not \\['solved'\\].*at start"),  # never sent
+    ("messages", {"score": 1.0}, "reset must return the opening messages"),  # at its openings
 ])
 def test_a_hostile_openenv_server_is_refused_at_load(hostile, mix, monkeypatch, how, weights,
                                                      says):
     """Issue 88 items 1 and 5: the run's task asks the server for one throwaway step at load
     (probe_rewards), so a reply without done, a reward that is not a finite number, an observation
-    without text and a reward name the server never sends each stop the run there, named."""
+    without text and a reward name the server never sends each stop the run there, named; so do
+    opening messages that are not {"role", "content"} strings, at the run's first reset."""
     monkeypatch.setattr(environments, "OPENENV_QUESTIONS", 4)
     monkeypatch.setattr(grpo.evaluation, "EVAL_SIZE", 2)
     url = hostile(how)
     mix([[f"openenv:{url}", 1.0, {"reward_weights": weights}]])
-    with pytest.raises(SystemExit, match=f"openenv:{url}: {says}.*at start"):
+    with pytest.raises(SystemExit, match=f"openenv:{url}: {says}"):
         grpo.choose_task().load()
 
 
@@ -532,26 +536,59 @@ def guess_server():
         kill_group(proc)
 
 
-def test_the_games_opening_shows_a_worked_guess_of_another_game():
-    """GUESS_EXAMPLE: the opening shows where a guess goes, as the trainer's own prompt shows one
-    sum: a guess the game's judge reads, for a game of another range (so it gives no number of
-    this one away); without it, the rules alone (the earlier runs' opening)."""
+def load_game():
+    """scripts/guess_number_env.py as a module (it is a script, not a package's)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
         "guess_number_env", os.path.join(ROOT, "scripts", "guess_number_env.py"))
     game = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(game)
-    shown = game.opening(8, 2)
-    worked = shown[shown.index("<think>"):]  # the worked first guess, as a model would write it
-    assert "1 to 8" in shown and "2 guesses" in shown
-    assert [game.judge(worked, secret) for secret in (1, 50, 99)] == [
+    return game
+
+
+def test_the_games_opening_shows_a_worked_guess_of_another_game():
+    """GUESS_EXAMPLE: the opening shows where a guess goes, as the trainer's own prompt shows one
+    sum: a system turn, then a guess the game's judge reads for a game of another range (so it
+    gives no number of this one away), then the rules; without it, the earlier runs' opening."""
+    game = load_game()
+    system, example, worked, rules = game.opening(8, 2)
+    assert [m["role"] for m in (system, example, worked, rules)] == [
+        "system", "user", "assistant", "user"]
+    assert "1 to 8" in rules["content"] and "2 guesses" in rules["content"]
+    assert "1 to 100" in example["content"]
+    assert [game.judge(worked["content"], secret) for secret in (1, 50, 99)] == [
         ("Lower.", False), ("Right!", True), ("Higher.", False)]
-    assert int(game.ANSWER_RE.findall(worked)[-1]) > 8  # no guess of this game's range
-    rules = game.opening(8, 2, example=False)
-    assert "1 to 8" in rules and "<think>" not in rules
+    assert int(game.ANSWER_RE.findall(worked["content"])[-1]) > 8  # none of this game's range
+    [alone] = game.opening(8, 2, example=False)
+    assert alone["content"].startswith("I am thinking of a whole number from 1 to 8. Guess it:")
     assert game.judge("The answer is 8.", 8) == (
         "No guess found: write a number in <answer></answer>.", False)
+
+
+def test_an_openenv_servers_opening_messages_are_the_prompt(guess_server, tokenizer, monkeypatch):
+    """Issue 88 item 2 for OpenEnv: the messages a server's reset sends (the game's system turn and
+    worked example) are each episode's opening, checked again at each reset, and the prompt is
+    them in the chat template; its text alone is the question's."""
+    monkeypatch.setattr(environments, "OPENENV_QUESTIONS", 3)
+    _, url = guess_server
+    name = f"openenv:{url}"
+    train, held_out = environments.openenv_questions(
+        name, {"reward_weights": {"solved": 1.0}}, seed=5, eval_size=2)
+    want = load_game().opening(8, 2)
+    assert [q["opening"] for q in train + held_out] == [want] * 5
+    assert {q["question"] for q in train} == {want[-1]["content"]}
+    episode = environments.OpenEnvEnvironment(url, name, {"solved": 1.0})
+    try:
+        assert episode.reset(train[1], seed=0) == want
+        changed = dict(train[1], opening=want[-1:])  # what the run started with differs
+        with pytest.raises(environments.EnvironmentFault, match="opened otherwise"):
+            episode.reset(changed, seed=0)
+    finally:
+        episode.close()
+    prompt = environments.opening_prompt(tokenizer, train[0], default=None, think_prefill="<t>")
+    assert want[0]["content"] in prompt and want[2]["content"] in prompt
+    assert prompt.endswith("<t>") and prompt.index(want[2]["content"]) < prompt.index("1 to 8")
 
 
 class Reweighed(Reverse):
