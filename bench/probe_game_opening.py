@@ -10,31 +10,21 @@ greedy decoding writes (a held-out evaluation plays greedily).
     python bench/probe_game_opening.py                 # 1 to 8 (the game's GUESS_MAX); ~2 minutes
     GUESS_MAX=4 python bench/probe_game_opening.py
 """
-import importlib.util
 import os
 import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo_ref_split as grpo  # noqa: E402
+import scripts.guess_number_env as game  # noqa: E402  (its GUESS_ constants from the environment)
 from features.embedded_model import resolve_model_path  # noqa: E402
 
 PROBE_SAMPLES = int(os.environ.get("PROBE_SAMPLES", "64"))  # first turns sampled per opening
 PROBE_SEED = int(os.environ.get("PROBE_SEED", "0"))  # torch's seed before each opening's samples
 
 
-def load_game():
-    """scripts/guess_number_env.py as a module (its GUESS_ constants read from the environment)."""
-    spec = importlib.util.spec_from_file_location(
-        "guess_number_env", os.path.join(ROOT, "scripts", "guess_number_env.py"))
-    game = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(game)
-    return game
-
-
-def openings(game) -> dict:
+def openings() -> dict:
     """{name: the opening messages} of each way a run can open the game."""
     top, turns = game.GUESS_MAX, game.GUESS_TURNS
     [rules_alone] = game.opening(top, turns, example=False)
@@ -47,18 +37,17 @@ def openings(game) -> dict:
             "the trainer's prompt around the rules": trainers}
 
 
-def guesses(game, texts) -> list:
+def guesses(texts) -> list:
     """The guess the game reads in each text (its last <answer> number), or None."""
     found = [game.ANSWER_RE.findall(text) for text in texts]
     return [int(each[-1]) if each else None for each in found]
 
 
 def main():
-    game = load_game()
     model, tokenizer, eos_ids, gen_config = grpo.load_policy(
         resolve_model_path(grpo.MODEL_PATH), torch.device("cpu"))
     model.eval()
-    for name, messages in openings(game).items():
+    for name, messages in openings().items():
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = tokenizer(text + grpo.THINK_PREFILL, return_tensors="pt").input_ids  # (1, P)
         rows = ids.repeat(PROBE_SAMPLES, 1)  # (N, P)
@@ -69,7 +58,7 @@ def main():
             greedy = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                                     generation_config=gen_config, do_sample=False)  # (1, P + T)
         texts = grpo.decode(tokenizer, sampled[:, ids.shape[1]:])
-        read = guesses(game, texts)
+        read = guesses(texts)
         tagged = [g for g in read if g is not None]
         in_range = [g for g in tagged if 1 <= g <= game.GUESS_MAX]
         print(f"{name}: {len(tagged)}/{PROBE_SAMPLES} write a guess the game reads, "

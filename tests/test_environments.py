@@ -536,22 +536,12 @@ def guess_server():
         kill_group(proc)
 
 
-def load_game():
-    """scripts/guess_number_env.py as a module (it is a script, not a package's)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "guess_number_env", os.path.join(ROOT, "scripts", "guess_number_env.py"))
-    game = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(game)
-    return game
-
-
 def test_the_games_opening_shows_a_worked_guess_of_another_game():
     """GUESS_EXAMPLE: the opening shows where a guess goes, as the trainer's own prompt shows one
     sum: a system turn, then a guess the game's judge reads for a game of another range (so it
     gives no number of this one away), then the rules; without it, the earlier runs' opening."""
-    game = load_game()
+    from scripts import guess_number_env as game
+
     system, example, worked, rules = game.opening(8, 2)
     assert [m["role"] for m in (system, example, worked, rules)] == [
         "system", "user", "assistant", "user"]
@@ -575,7 +565,9 @@ def test_an_openenv_servers_opening_messages_are_the_prompt(guess_server, tokeni
     name = f"openenv:{url}"
     train, held_out = environments.openenv_questions(
         name, {"reward_weights": {"solved": 1.0}}, seed=5, eval_size=2)
-    want = load_game().opening(8, 2)
+    from scripts.guess_number_env import opening
+
+    want = opening(8, 2)
     assert [q["opening"] for q in train + held_out] == [want] * 5
     assert {q["question"] for q in train} == {want[-1]["content"]}
     episode = environments.OpenEnvEnvironment(url, name, {"solved": 1.0})
