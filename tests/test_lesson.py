@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import grpo_ref_split as grpo
-from conftest import ROOT, tiny_config
+from conftest import ROOT, free_port, tiny_config
 from features import quiet
 
 READ_BY_PEOPLE = ("grpo_ref_split.py", "ref_server.py", "rewards.py", "grpo_loss_triton.py")
@@ -383,7 +383,7 @@ def test_the_lesson_path_counts_a_default_step_and_every_call_says_its_kind(tiny
     to its last line, enters no features/ module that declares no kind and no variant's file, and
     finds every call from the lesson into features/ commented with its kind."""
     env = {**os.environ, "MODEL_PATH": tiny_model_dir, "Q_BATCH_SIZE": "2", "NUM_PRE_Q": "4",
-           "MAX_NEW_TOKENS": "16", "PORT": "59885"}
+           "MAX_NEW_TOKENS": "16", "PORT": str(free_port())}  # a fixed port may be taken
     run = subprocess.run([sys.executable, "bench/lesson_path.py"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
