@@ -325,8 +325,9 @@ def run_two_steps(recorder: LineRecorder):
     """Steps 1 to 3 of the trainer with a server in this process; step 2's lines recorded (step 3,
     the last, saves a checkpoint: step 2 is a step as most of a run's are)."""
     out = tempfile.mkdtemp(prefix="lesson_path_")
+    port = int(os.environ.get("PORT", "59885"))  # the tests pass a free one
     os.environ.update(ALL_STEPS="3", EVAL_STEPS="0", SAVE_STEPS="0", OUTPUT_DIR=out,
-                      REF_SERVER="http://127.0.0.1:59885", PORT="59885")
+                      REF_SERVER=f"http://127.0.0.1:{port}", PORT=str(port))
     sys.path.insert(0, str(ROOT))
     threading.settrace(recorder)  # before the server's threads start
     sys.settrace(recorder)
@@ -337,7 +338,7 @@ def run_two_steps(recorder: LineRecorder):
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(trainer.MODEL_PATH)).eval()
     server = ref_server.RefServer(model.requires_grad_(False), "lesson_path")
-    stop = ref_server.serve(server, "127.0.0.1", 59885)
+    stop = ref_server.serve(server, "127.0.0.1", port)
     steps = trainer.steps_1_to_5
 
     def steps_recorded(*args, **kwargs):  # step 2 from its first draw to step 3's
