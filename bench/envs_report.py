@@ -1,7 +1,8 @@
 """The environments demo's tables and curves (bench/run_envs.sh): for each environment, its
 held-out greedy score every 5 steps in the run that mixes three environments and in the run on it
-alone, seed by seed; then the task no run trains on, asked of the base model and of each run's
-last checkpoint; then one figure with a panel per environment.
+alone, seed by seed; then each environment mixed against alone at equal questions (the alone
+run's evaluation nearest the questions the mix gave it); then the task no run trains on, asked of
+the base model and of each run's last checkpoint; then one figure with a panel per environment.
 
     python bench/envs_report.py bench/results/envs   # reads envs_<run>_s<seed>_metrics.jsonl
 
@@ -89,6 +90,43 @@ def tables(runs: dict, metrics: list):
                 print(f"| {run} | mean of {len(seeded)} | {row} |")
 
 
+def questions_mixed(path) -> dict:
+    """{tag: steps' worth of questions} the mixed run trained on per environment: the sum over its
+    steps of share_<tag>, so that many steps of a run on the environment alone saw as many."""
+    steps_worth = {}
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                for key, value in json.loads(line).items():
+                    if key.startswith("share_"):
+                        tag = key[len("share_"):]
+                        steps_worth[tag] = steps_worth.get(tag, 0.0) + value
+    return steps_worth
+
+
+def equal_questions(folder, runs: dict, metrics: list):
+    """Mixed against alone at equal questions per environment: the mixed run's last evaluation
+    against the alone run's evaluation nearest the steps' worth of questions the mix gave it."""
+    print("\nMixed at its last step against alone at equal questions (held-out, greedy, %)\n")
+    print("| environment | seed | mixed: steps' worth | mixed: score | alone: step | "
+          "alone: score |")
+    print("|---|---|---|---|---|---|")
+    for (run, seed), mixed in sorted(runs.items()):
+        if run != "mix":
+            continue
+        path = os.path.join(folder, f"envs_{run}_s{seed}_metrics.jsonl")
+        for tag, worth in sorted(questions_mixed(path).items()):
+            metric = next((m for m in metrics if m.endswith(f"_{tag}") and m in mixed), None)
+            alone = next((scores[metric] for (other, other_seed), scores in runs.items()
+                          if other != "mix" and other_seed == seed and metric in scores), None)
+            if metric is None or alone is None:
+                continue
+            last = max(mixed[metric])
+            near = min(alone, key=lambda step: abs(step - worth))  # an evaluated step
+            print(f"| {tag} | {seed} | {worth:.1f} | {percent(mixed[metric][last])} | {near} | "
+                  f"{percent(alone[near])} |")
+
+
 def unseen(folder):
     """The task no run trained on: the base model's score and each run's last checkpoint's."""
     print("\nThe task no run trains on (held-out, greedy, %)\n")
@@ -133,6 +171,7 @@ def main(folder):
         sys.exit(f"no envs_*_s*_metrics.jsonl in {folder}: run bench/run_envs.sh first")
     metrics = success_metrics(runs)
     tables(runs, metrics)
+    equal_questions(folder, runs, metrics)
     unseen(folder)
     curves(runs, metrics, os.path.join(folder, "envs_curves.png"))
 

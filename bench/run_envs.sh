@@ -24,8 +24,8 @@ RUNS=${RUNS:-mix arithmetic rg guess}
 SEEDS=${SEEDS:-42 43 44}
 # A task the base model sometimes gets right, so its groups differ and GRPO has a signal (probed
 # with bench/probe_environment.py; the figures, and the tasks it never got right, in RESULTS.md).
-# Sums of 2-3 one-digit numbers: with two-digit ones a first run's mix stayed where it began.
-sums='{"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}'
+# Sums of two numbers of 1-2 digits: sums of three stayed near where they began, alone too.
+sums='{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}'
 RG_TASK=${RG_TASK:-"[\"rg:chain_sum\", 1.0, $sums]"}
 # Products of 1-2 digit numbers, which no run trains on: neither solved nor hopeless at the start.
 UNSEEN_TASK=${UNSEEN_TASK:-'["rg:products", 1.0, {"min_digits": 1, "max_digits": 2}]'}
