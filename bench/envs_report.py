@@ -5,6 +5,7 @@ run's evaluation nearest the questions the mix gave it); then the task no run tr
 the base model and of each run's last checkpoint; then one figure with a panel per environment.
 
     python bench/envs_report.py bench/results/envs   # reads envs_<run>_s<seed>_metrics.jsonl
+    python bench/envs_report.py A B                  # runs from both folders (B's over A's)
 
 An environment's score is its held-out success reward: reward_correct for a task the trainer's
 REWARDS score and for reasoning-gym's, the reward named in SUCCESS for another (the game's
@@ -36,10 +37,16 @@ def held_out(path) -> dict:
     return scores
 
 
-def runs_in(folder) -> dict:
-    """{(run, seed): held_out(...)} of every envs_<run>_s<seed>_metrics.jsonl in `folder`."""
+def run_files(folders: list, pattern: str) -> list:
+    """The files matching `pattern` in each folder, a later folder's after an earlier one's."""
+    return [path for folder in folders for path in sorted(glob.glob(os.path.join(folder, pattern)))]
+
+
+def runs_in(folders: list) -> dict:
+    """{(run, seed): held_out(...)} of every envs_<run>_s<seed>_metrics.jsonl in the folders; a run
+    in a later folder replaces the same run and seed in an earlier one."""
     runs = {}
-    for path in sorted(glob.glob(os.path.join(folder, "envs_*_s*_metrics.jsonl"))):
+    for path in run_files(folders, "envs_*_s*_metrics.jsonl"):
         named = re.match(r"envs_(.+)_s(\d+)_metrics\.jsonl", os.path.basename(path))
         run, seed = named.groups()
         runs[(run, int(seed))] = held_out(path)
@@ -104,7 +111,7 @@ def questions_mixed(path) -> dict:
     return steps_worth
 
 
-def equal_questions(folder, runs: dict, metrics: list):
+def equal_questions(folders: list, runs: dict, metrics: list):
     """Mixed against alone at equal questions per environment: the mixed run's last evaluation
     against the alone run's evaluation nearest the steps' worth of questions the mix gave it."""
     print("\nMixed at its last step against alone at equal questions (held-out, greedy, %)\n")
@@ -114,7 +121,7 @@ def equal_questions(folder, runs: dict, metrics: list):
     for (run, seed), mixed in sorted(runs.items()):
         if run != "mix":
             continue
-        path = os.path.join(folder, f"envs_{run}_s{seed}_metrics.jsonl")
+        path = run_files(folders, f"envs_{run}_s{seed}_metrics.jsonl")[-1]
         for tag, worth in sorted(questions_mixed(path).items()):
             metric = next((m for m in metrics if m.endswith(f"_{tag}") and m in mixed), None)
             alone = next((scores[metric] for (other, other_seed), scores in runs.items()
@@ -127,19 +134,21 @@ def equal_questions(folder, runs: dict, metrics: list):
                   f"{percent(alone[near])} |")
 
 
-def unseen(folder):
+def unseen(folders: list):
     """The task no run trained on: the base model's score and each run's last checkpoint's."""
     print("\nThe task no run trains on (held-out, greedy, %)\n")
     print("| model | seed | score |")
     print("|---|---|---|")
-    for path in sorted(glob.glob(os.path.join(folder, "*_unseen.json")) +
-                       glob.glob(os.path.join(folder, "unseen_base_s*.json"))):
+    rows = {}  # {(model, seed): score}, a later folder's over an earlier one's
+    for path in run_files(folders, "*_unseen.json") + run_files(folders, "unseen_base_s*.json"):
         with open(path) as f:
             probed = json.load(f)
         name = os.path.basename(path)
         seed = re.search(r"_s(\d+)", name).group(1)
         model = "base" if name.startswith("unseen_base") else name.split("_s")[0][len("envs_"):]
-        print(f"| {model} | {seed} | {percent(probed['eval_reward_correct'])} |")
+        rows[(model, seed)] = probed["eval_reward_correct"]
+    for (model, seed), score in rows.items():
+        print(f"| {model} | {seed} | {percent(score)} |")
 
 
 def curves(runs: dict, metrics: list, image: str):
@@ -165,16 +174,16 @@ def curves(runs: dict, metrics: list, image: str):
     print(f"\ncurves: {image}")
 
 
-def main(folder):
-    runs = runs_in(folder)
+def main(folders: list):
+    runs = runs_in(folders)
     if not runs:
-        sys.exit(f"no envs_*_s*_metrics.jsonl in {folder}: run bench/run_envs.sh first")
+        sys.exit(f"no envs_*_s*_metrics.jsonl in {folders}: run bench/run_envs.sh first")
     metrics = success_metrics(runs)
     tables(runs, metrics)
-    equal_questions(folder, runs, metrics)
-    unseen(folder)
-    curves(runs, metrics, os.path.join(folder, "envs_curves.png"))
+    equal_questions(folders, runs, metrics)
+    unseen(folders)
+    curves(runs, metrics, os.path.join(folders[-1], "envs_curves.png"))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "bench/results/envs")
+    main(sys.argv[1:] or ["bench/results/envs"])

@@ -28,8 +28,8 @@ def test_mixed_is_set_against_alone_at_the_step_that_saw_as_many_questions(tmp_p
     for run, tag in (("arithmetic", "arithmetic"), ("rg", "rg_t")):
         alone = [{"step": s, f"eval_reward_correct_{tag}": s / 10} for s in (0, 2, 4, 6)]
         write_metrics(tmp_path / f"envs_{run}_s7_metrics.jsonl", alone)
-    runs = envs_report.runs_in(str(tmp_path))
-    envs_report.equal_questions(str(tmp_path), runs, envs_report.success_metrics(runs))
+    runs = envs_report.runs_in([str(tmp_path)])
+    envs_report.equal_questions([str(tmp_path)], runs, envs_report.success_metrics(runs))
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert rows[1:] == ["| arithmetic | 7 | 4.0 | 50.0 | 4 | 40.0 |",
                         "| rg_t | 7 | 2.0 | 60.0 | 2 | 20.0 |"]
