@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Environments on this CPU (docs/environments.md): the demo's 30 steps (vLLM, 4 questions x 8
-# completions, held-out greedy accuracy every 5 steps) on three environments at once and on each alone:
+# completions, held-out greedy accuracy every 5 steps) on three environments at once and on each
+# alone:
 #   mix         the arithmetic task, $RG_TASK (reasoning-gym) and the number-guessing game that
 #               scripts/guess_number_env.py serves with OpenEnv, weights 1 : 1 : 1
 #   arithmetic  the arithmetic task alone (ENVIRONMENTS [["arithmetic", 1]])
