@@ -141,12 +141,18 @@ def unseen(folders: list):
     print("|---|---|---|")
     rows = {}  # {(model, seed): score}, a later folder's over an earlier one's
     for path in run_files(folders, "*_unseen.json") + run_files(folders, "unseen_base_s*.json"):
-        with open(path) as f:
-            probed = json.load(f)
+        try:
+            with open(path) as f:
+                probed = json.load(f)
+            score = float(probed["eval_reward_correct"])
+        except (ValueError, KeyError, TypeError) as err:
+            sys.exit(f"{path} holds no probe's score ({type(err).__name__}: {err}): delete it "
+                     "(a run's: its _wall_s too, so the run trains again), then run "
+                     "bench/run_envs.sh again")
         name = os.path.basename(path)
         seed = re.search(r"_s(\d+)", name).group(1)
         model = "base" if name.startswith("unseen_base") else name.split("_s")[0][len("envs_"):]
-        rows[(model, seed)] = probed["eval_reward_correct"]
+        rows[(model, seed)] = score
     for (model, seed), score in rows.items():
         print(f"| {model} | {seed} | {percent(score)} |")
 

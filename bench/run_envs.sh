@@ -69,14 +69,19 @@ for seed in $SEEDS; do
     record_run $server "$dir" "$name" "$start"
     server=""
     last=$(ls -d "$dir"/step_* 2>/dev/null | sort -V | tail -1)
-    if [ ! -e "$RESULTS/unseen_base_s$seed.json" ]; then  # the base model, once per seed
+    # Each probe writes a .part file and renames it when whole: a probe that dies, or a report
+    # read while one runs, never finds a half-written score under the final name.
+    base="$RESULTS/unseen_base_s$seed.json"
+    if [ ! -e "$base" ]; then  # the base model, once per seed
       ENVIRONMENTS="[$UNSEEN_TASK]" SEED="$seed" python bench/probe_environment.py \
-        > "$RESULTS/unseen_base_s$seed.json" 2> "$OUT/unseen_base_s$seed.log"
+        > "$base.part" 2> "$OUT/unseen_base_s$seed.log"
+      mv "$base.part" "$base"
     fi
     if [ -n "$last" ]; then
       CHECKPOINT="$last" ENVIRONMENTS="[$UNSEEN_TASK]" SEED="$seed" \
-        python bench/probe_environment.py > "$RESULTS/${name}_unseen.json" \
+        python bench/probe_environment.py > "$RESULTS/${name}_unseen.json.part" \
         2> "$OUT/${run}_s${seed}_unseen.log"
+      mv "$RESULTS/${name}_unseen.json.part" "$RESULTS/${name}_unseen.json"
     fi
     rm -rf "$dir"/step_*  # the checkpoint (about 2 GB)
   done

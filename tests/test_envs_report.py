@@ -7,6 +7,8 @@ import json
 import os
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -33,3 +35,15 @@ def test_mixed_is_set_against_alone_at_the_step_that_saw_as_many_questions(tmp_p
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert rows[1:] == ["| arithmetic | 7 | 4.0 | 50.0 | 4 | 40.0 |",
                         "| rg_t | 7 | 2.0 | 60.0 | 2 | 20.0 |"]
+
+
+def test_a_probe_file_without_a_score_stops_the_report_with_its_name(tmp_path, capsys):
+    """An empty probe file (a probe killed mid-write by an older bench/run_envs.sh) is named, not
+    a JSONDecodeError's traceback, and a whole one beside it is still read as before."""
+    (tmp_path / "unseen_base_s7.json").write_text(json.dumps({"eval_reward_correct": 0.5}))
+    envs_report.unseen([str(tmp_path)])
+    assert "| base | 7 | 50.0 |" in capsys.readouterr().out
+    (tmp_path / "envs_mix_s7_unseen.json").write_text("")
+    with pytest.raises(SystemExit) as stopped:
+        envs_report.unseen([str(tmp_path)])
+    assert "envs_mix_s7_unseen.json holds no probe's score" in str(stopped.value)
