@@ -34,6 +34,14 @@ GUESS_PORT=${GUESS_PORT:-8011}  # the game: 1..8 in two guesses (its defaults, G
 export ALL_STEPS=${ALL_STEPS:-30} EVAL_STEPS=${EVAL_STEPS:-5}
 guess="[\"openenv:http://127.0.0.1:$GUESS_PORT\", 1.0, {\"reward_weights\": {\"solved\": 2.0}}]"
 mkdir -p "$OUT" "$RESULTS"
+# probe FILE LOG CHECKPOINT: $UNSEEN_TASK's score for CHECKPOINT ("" = the base model) at $seed.
+# It goes to FILE.part, renamed when whole: a probe that dies, or a report read while one runs,
+# never finds a half-written score under FILE's name.
+probe() {
+  CHECKPOINT="$3" ENVIRONMENTS="[$UNSEEN_TASK]" SEED="$seed" python bench/probe_environment.py \
+    > "$1.part" 2> "$2"
+  mv "$1.part" "$1"
+}
 server=""
 game=""
 trap '[ -n "$server" ] && kill $server 2>/dev/null; [ -n "$game" ] && kill $game 2>/dev/null;
@@ -69,19 +77,11 @@ for seed in $SEEDS; do
     record_run $server "$dir" "$name" "$start"
     server=""
     last=$(ls -d "$dir"/step_* 2>/dev/null | sort -V | tail -1)
-    # Each probe writes a .part file and renames it when whole: a probe that dies, or a report
-    # read while one runs, never finds a half-written score under the final name.
-    base="$RESULTS/unseen_base_s$seed.json"
-    if [ ! -e "$base" ]; then  # the base model, once per seed
-      ENVIRONMENTS="[$UNSEEN_TASK]" SEED="$seed" python bench/probe_environment.py \
-        > "$base.part" 2> "$OUT/unseen_base_s$seed.log"
-      mv "$base.part" "$base"
+    if [ ! -e "$RESULTS/unseen_base_s$seed.json" ]; then  # the base model, once per seed
+      probe "$RESULTS/unseen_base_s$seed.json" "$OUT/unseen_base_s$seed.log" ""
     fi
     if [ -n "$last" ]; then
-      CHECKPOINT="$last" ENVIRONMENTS="[$UNSEEN_TASK]" SEED="$seed" \
-        python bench/probe_environment.py > "$RESULTS/${name}_unseen.json.part" \
-        2> "$OUT/${run}_s${seed}_unseen.log"
-      mv "$RESULTS/${name}_unseen.json.part" "$RESULTS/${name}_unseen.json"
+      probe "$RESULTS/${name}_unseen.json" "$OUT/${run}_s${seed}_unseen.log" "$last"
     fi
     rm -rf "$dir"/step_*  # the checkpoint (about 2 GB)
   done
